@@ -1,0 +1,146 @@
+"""Condenser (Gao & Callan, 2021): a pre-training head that forces information into CLS.
+
+The head is ``n_head_layers`` fresh Transformer layers that read
+``[late CLS ; early tokens]``: the last layer's CLS vector followed by the token states
+at the end of the early layer group (``hidden_states[skip_from][:, 1:]``). The only
+route from the late layers to the head's MLM predictions is therefore the CLS vector.
+Loss = MLM(head) + MLM(late layers), through the backbone's own tied ``cls`` projection;
+the late MLM keeps the backbone from being corrupted by the random head early on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import BertForMaskedLM
+from transformers.masking_utils import create_bidirectional_mask
+from transformers.models.bert.modeling_bert import BertLayer
+
+from models.backbone import export_backbone, load_module_state, save_module
+from models.masking import IGNORE_INDEX, MaskingVocab, whole_word_mask
+
+
+@dataclass
+class CondenserConfig:
+    n_head_layers: int = field(default=2, metadata={"help": "Transformer layers in the Condenser head"})
+    skip_from: int = field(default=0, metadata={"help": "early/late split: early tokens are hidden_states[skip_from]; 0 = num_layers // 2"})
+    mlm_probability: float = field(default=0.15, metadata={"help": "whole-word masking rate (80/10/10 replacement)"})
+    head: str = field(default="", metadata={"help": "head weights (safetensors) to continue pre-training from"})
+
+
+def init_bert_like(module: nn.Module, std: float) -> None:
+    """BERT's initialisation: normal(0, initializer_range) weights, zero biases, unit LayerNorm."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
+def masked_lm_loss(mlm: BertForMaskedLM, states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean CE over the labelled positions, projecting only those (vocab-sized logits are costly)."""
+    picked = labels != IGNORE_INDEX
+    if not picked.any():  # a batch with nothing masked contributes zero, not NaN
+        return states.sum() * 0.0
+    logits = mlm.cls(states[picked])
+    return F.cross_entropy(logits.float(), labels[picked])
+
+
+@dataclass
+class CondenserOutput:
+    loss: torch.Tensor
+    head_mlm_loss: torch.Tensor
+    late_mlm_loss: torch.Tensor
+    late_cls: torch.Tensor  # (B, H): the representation a retriever will use
+
+
+class Condenser(nn.Module):
+    def __init__(self, mlm: BertForMaskedLM, n_head_layers: int = 2, skip_from: int = 0):
+        super().__init__()
+        num_layers = mlm.config.num_hidden_layers
+        self.skip_from = skip_from or num_layers // 2
+        if not 1 <= self.skip_from < num_layers:
+            raise ValueError(f"skip_from={self.skip_from} must split {num_layers} layers into non-empty groups")
+        self.lm = mlm
+        self.head = nn.ModuleList(BertLayer(mlm.config) for _ in range(n_head_layers))
+        init_bert_like(self.head, mlm.config.initializer_range)
+
+    @property
+    def config(self):
+        return self.lm.config
+
+    def backbone_states(self, input_ids, attention_mask):
+        """(late hidden states, early token states)."""
+        out = self.lm.bert(input_ids=input_ids, attention_mask=attention_mask,
+                           output_hidden_states=True, return_dict=True)
+        return out.last_hidden_state, out.hidden_states[self.skip_from][:, 1:]
+
+    def head_states(self, late_cls: torch.Tensor, early_tokens: torch.Tensor,
+                    attention_mask: torch.Tensor) -> torch.Tensor:
+        """Run the head on ``[late CLS ; early tokens]`` (late_cls is (B, 1, H))."""
+        hidden = torch.cat([late_cls, early_tokens], dim=1)
+        mask = create_bidirectional_mask(config=self.lm.config, inputs_embeds=hidden,
+                                         attention_mask=attention_mask)
+        for layer in self.head:
+            hidden = layer(hidden, mask)
+        return hidden
+
+    def forward(self, input_ids, attention_mask, labels) -> CondenserOutput:
+        late, early_tokens = self.backbone_states(input_ids, attention_mask)
+        head = self.head_states(late[:, :1], early_tokens, attention_mask)
+        head_loss = masked_lm_loss(self.lm, head, labels)
+        late_loss = masked_lm_loss(self.lm, late, labels)
+        return CondenserOutput(head_loss + late_loss, head_loss, late_loss, late[:, 0])
+
+    # -- persistence -------------------------------------------------------------------
+
+    def head_meta(self) -> dict:
+        return {"method": "condenser", "n_head_layers": len(self.head), "skip_from": self.skip_from}
+
+    def save(self, out_dir: str, tokenizer_dir: str | None = None) -> dict[str, str]:
+        export_backbone(self.lm, out_dir, tokenizer_dir)
+        head_path = save_module(self.head, f"{out_dir}/condenser_head.safetensors", self.head_meta())
+        return {"export_dir": out_dir, "head_path": head_path}
+
+    def load_head(self, path: str) -> None:
+        state, meta = load_module_state(path)
+        if meta.get("n_head_layers", len(self.head)) != len(self.head):
+            raise ValueError(f"{path}: head has {meta['n_head_layers']} layers, model expects {len(self.head)}")
+        if meta.get("skip_from", self.skip_from) != self.skip_from:
+            raise ValueError(f"{path}: head was trained with skip_from={meta['skip_from']}, model uses {self.skip_from}")
+        self.head.load_state_dict(state)
+
+
+class CondenserMethod:
+    """Condenser pre-training as the trainer sees it: batches, loss, export."""
+
+    name = "condenser"
+    example_format = "sequences"  # packed/truncated token sequences, see pipeline.stream
+
+    def __init__(self, cfg: CondenserConfig, vocab: MaskingVocab):
+        self.cfg = cfg
+        self.vocab = vocab
+
+    def build(self, mlm: BertForMaskedLM) -> Condenser:
+        model = Condenser(mlm, self.cfg.n_head_layers, self.cfg.skip_from)
+        if self.cfg.head:
+            model.load_head(self.cfg.head)
+        return model
+
+    def make_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   generator: torch.Generator) -> dict[str, torch.Tensor]:
+        masked, labels = whole_word_mask(input_ids, self.vocab, generator, self.cfg.mlm_probability)
+        return {"input_ids": masked, "attention_mask": attention_mask, "labels": labels}
+
+    def loss(self, model: Condenser, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        out = model(**batch)
+        return out.loss, {"head_mlm_loss": out.head_mlm_loss.detach(), "late_mlm_loss": out.late_mlm_loss.detach()}
+
+    def export(self, model: Condenser, out_dir: str, tokenizer_dir: str | None) -> dict[str, str]:
+        return model.save(out_dir, tokenizer_dir)

@@ -1,0 +1,127 @@
+"""Pre-training: a method from ``models/`` on the shared loop, fed by the corpus stream."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from models.backbone import BackboneConfig, build_mlm
+from models.condenser import CondenserConfig, CondenserMethod
+from models.masking import MaskingVocab
+from pipeline import storage
+from pipeline.runtime import RayConfig, write_run_files
+from pipeline.shards import PrepareConfig, load_manifest, prepare_corpus
+from pipeline.stream import StreamSpec, TrainingStream, estimate_sequences_per_epoch
+from pipeline.tokenizer import load_tokenizer
+from pipeline.train import TrainConfig, epochs_needed, fit
+
+METHODS = {"condenser": CondenserMethod}
+
+
+@dataclass
+class StreamConfig:
+    max_len: int = field(default=128, metadata={"help": "tokens per sequence, [CLS] and [SEP] included"})
+    pack: bool = field(default=True, metadata={"help": "pack consecutive documents into full sequences; false = one truncated document per sequence"})
+    shuffle_files: bool = field(default=True, metadata={"help": "shuffle the shard order each epoch (seeded)"})
+
+
+@dataclass
+class PretrainConfig:
+    method: Literal["condenser"] = field(default="condenser", metadata={"help": "pre-training method"})
+    corpus: PrepareConfig = field(default_factory=PrepareConfig)
+    data: StreamConfig = field(default_factory=StreamConfig)
+    model: BackboneConfig = field(default_factory=BackboneConfig)
+    condenser: CondenserConfig = field(default_factory=CondenserConfig)
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(output="runs/pretrain-condenser"))
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+class PretrainTask:
+    """Adapts a pre-training method to the loop; built on each worker from picklable settings."""
+
+    def __init__(self, method: str, method_cfg, backbone: BackboneConfig, tokenizer_uri: str, vocab_size: int):
+        self.method_name, self.method_cfg, self.backbone = method, method_cfg, backbone
+        self.tokenizer_uri, self.vocab_size = tokenizer_uri, vocab_size
+        self._tokenizer_dir: str | None = None
+
+    def _tokenizer_local(self) -> str:
+        if self._tokenizer_dir is None:
+            if storage.is_s3(self.tokenizer_uri):
+                self._tokenizer_dir = storage.download_dir(self.tokenizer_uri, tempfile.mkdtemp(prefix="raydense-tok-"))
+            else:
+                self._tokenizer_dir = self.tokenizer_uri
+        return self._tokenizer_dir
+
+    def build_model(self) -> torch.nn.Module:
+        vocab = MaskingVocab.from_tokenizer(load_tokenizer(self._tokenizer_local()))
+        self.method = METHODS[self.method_name](self.method_cfg, vocab)
+        return self.method.build(build_mlm(self.backbone, self.vocab_size))
+
+    def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]:
+        input_ids = torch.from_numpy(np.ascontiguousarray(batch["input_ids"])).long()
+        lengths = torch.from_numpy(np.asarray(batch["length"])).long()
+        attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()
+        return self.method.make_batch(input_ids, attention_mask, generator)
+
+    def loss(self, model, batch):
+        return self.method.loss(model, batch)
+
+    def consumed_rows(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        sources = list(batch["source_rows"])
+        counts = np.array([len(s) for s in sources])
+        rows = np.concatenate(sources).astype(np.int64) if sources else np.zeros(0, np.int64)
+        return np.repeat(np.asarray(batch["epoch"]), counts), rows
+
+    def count_tokens(self, batch: dict[str, np.ndarray]) -> int:
+        return int(np.asarray(batch["length"]).sum())
+
+    def export(self, model: torch.nn.Module, out_dir: str) -> dict[str, str]:
+        return self.method.export(model, out_dir, self._tokenizer_local())
+
+
+def run_pretraining(cfg: PretrainConfig) -> dict:
+    """Prepare the corpus if needed, train, export; returns the job summary."""
+    cfg.corpus.output = storage.resolve(cfg.corpus.output).uri
+    cfg.train.output = storage.resolve(cfg.train.output).uri
+    if cfg.model.init:
+        cfg.model.init = os.path.abspath(cfg.model.init)
+    if cfg.corpus.input and not storage.is_s3(cfg.corpus.input):
+        cfg.corpus.input = os.path.abspath(cfg.corpus.input)
+    storage.check_reachable(cfg.corpus.output)
+    storage.check_reachable(cfg.train.output)
+
+    manifest = prepare_corpus(cfg.corpus) if cfg.corpus.input else load_manifest(cfg.corpus.output)
+    tokenizer_uri = storage.join(cfg.corpus.output, manifest["tokenizer"])
+    with storage.local_copy(tokenizer_uri) as tok_dir:
+        tokenizer = load_tokenizer(tok_dir)
+    run_dir = storage.join(cfg.train.output, "checkpoints")
+    spec = StreamSpec(
+        corpus=cfg.corpus.output, max_len=cfg.data.max_len, pack=cfg.data.pack,
+        epochs=epochs_needed(cfg.train, estimate_sequences_per_epoch(manifest, cfg.data.max_len, cfg.data.pack)),
+        seed=cfg.train.seed, shuffle_files=cfg.data.shuffle_files, cls_id=tokenizer.cls_token_id,
+        sep_id=tokenizer.sep_token_id, pad_id=tokenizer.pad_token_id, run_dir=run_dir)
+    method_cfg = getattr(cfg, cfg.method)
+    task = PretrainTask(cfg.method, method_cfg, cfg.model, tokenizer_uri, manifest["vocab_size"])
+    write_run_files(cfg, cfg.train.output)
+
+    result = fit(cfg.train, task, TrainingStream(spec), run_dir)
+    summary = {
+        "job": "pretrain", "method": cfg.method,
+        "export_dir": result.metrics.get("export_dir"), "head_path": result.metrics.get("head_path"),
+        "steps": result.metrics.get("steps"), "final_loss": result.metrics.get("final_loss"),
+        "tokens_per_s": result.metrics.get("tokens_per_s"),
+        "tokens_per_s_per_worker": result.metrics.get("tokens_per_s_per_worker"),
+        "restarts": result.metrics.get("restarts"), "checkpoint": result.checkpoint,
+        "corpus_docs": manifest["num_docs"], "epochs_streamed": spec.epochs,
+    }
+    from pipeline.plots import plot_loss_curve
+    history = storage.read_json(storage.join(cfg.train.output, "history.json"))
+    summary["loss_curve"] = plot_loss_curve(history, storage.join(cfg.train.output, "loss_curve.png"),
+                                            title=f"{cfg.method} pre-training")
+    storage.write_json(storage.join(cfg.train.output, "summary.json"), summary)
+    return summary

@@ -1,0 +1,342 @@
+"""The one Ray Train + DeepSpeed training loop.
+
+Every trainer (pre-training now; fine-tuning and re-ranking later) differs only in the
+*task* it hands this loop: how to build the model, turn a streamed batch into tensors,
+and compute the loss, and how to export the result. The loop owns everything else:
+DeepSpeed, the optimiser and schedule, logging, checkpoints with the data position,
+resume, and the final export.
+
+Checkpoint layout (one Ray Train checkpoint directory per save, ``checkpoint_<step>``)::
+
+    state/...                   DeepSpeed engine: weights, optimiser (ZeRO shards per rank), schedule
+    latest                      DeepSpeed's tag file
+    trainer_state.json          step, tokens, loss history (rank 0)
+    position_rank<r>.json       the corpus rows rank r consumed, per epoch
+
+After the checkpoint is persisted, rank 0 points ``<run_dir>/data_position.json`` at it;
+the stream factory (pipeline.stream) reads that on the next worker-group start.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Protocol
+
+import numpy as np
+import torch
+
+from pipeline import storage
+from pipeline.position import DataPosition
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CHECKPOINT_TAG = "state"
+
+
+@dataclass
+class TrainConfig:
+    output: str = field(default="runs/pretrain", metadata={"help": "run folder (local or s3://): checkpoints, export, logs, curves"})
+    num_workers: int = field(default=1, metadata={"help": "Ray Train workers (one per GPU on a cluster)"})
+    use_gpu: bool = field(default=False, metadata={"help": "one GPU per worker"})
+    cpus_per_worker: float = field(default=1.0, metadata={"help": "CPUs reserved per worker (also its torch threads)"})
+    zero_stage: int = field(default=2, metadata={"help": "DeepSpeed ZeRO stage (picks cluster/deepspeed/zero<N>.json)"})
+    deepspeed_config: str = field(default="", metadata={"help": "explicit DeepSpeed JSON; its 'auto' values are filled from this config"})
+    precision: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata={"help": "fp32, bf16 (CPU with avx512_bf16, Ampere+ GPUs) or fp16 (GPU)"})
+    micro_batch_size: int = field(default=32, metadata={"help": "sequences per worker per forward"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimiser step"})
+    max_steps: int = field(default=300, metadata={"help": "optimiser steps"})
+    epochs: int = field(default=0, metadata={"help": "epochs to stream; 0 = as many as max_steps needs"})
+    lr: float = field(default=1e-4, metadata={"help": "peak learning rate (AdamW)"})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay (not on biases and LayerNorm)"})
+    warmup_ratio: float = field(default=0.1, metadata={"help": "linear warm-up over this fraction of max_steps, then linear decay"})
+    adam_eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon"})
+    grad_clip: float = field(default=1.0, metadata={"help": "gradient norm clipping (0 = off)"})
+    seed: int = field(default=42, metadata={"help": "seeds initialisation, masking and file order"})
+    log_every: int = field(default=10, metadata={"help": "steps between log lines"})
+    checkpoint_every: int = field(default=100, metadata={"help": "steps between checkpoints (also the most work a failure can lose)"})
+    keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept in storage"})
+    max_failures: int = field(default=3, metadata={"help": "worker-group restarts Ray Train may do before giving up"})
+    prefetch_batches: int = field(default=4, metadata={"help": "batches Ray Data prepares ahead of each worker"})
+    data_trace: bool = field(default=False, metadata={"help": "write the corpus rows each worker consumed, per epoch (audit)"})
+
+
+class TrainTask(Protocol):
+    """What a trainer plugs into the loop. Built on the worker, from picklable settings."""
+
+    def build_model(self) -> torch.nn.Module: ...
+    def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]: ...
+    def loss(self, model: Callable, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+    def consumed_rows(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]: ...
+    def count_tokens(self, batch: dict[str, np.ndarray]) -> int: ...
+    def export(self, model: torch.nn.Module, out_dir: str) -> dict[str, str]: ...
+
+
+# -- configuration helpers (driver side) -------------------------------------------------
+
+def deepspeed_config(train: TrainConfig, world_size: int) -> dict:
+    """Load the DeepSpeed JSON and fill each ``"auto"`` from our config."""
+    path = train.deepspeed_config or str(REPO_ROOT / "cluster" / "deepspeed" / f"zero{train.zero_stage}.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    fill = {
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": train.grad_accum,
+        "train_batch_size": train.micro_batch_size * train.grad_accum * world_size,
+        "gradient_clipping": train.grad_clip,
+    }
+    for key, value in fill.items():
+        if cfg.get(key, "auto") == "auto":
+            cfg[key] = value
+    for name in ("bf16", "fp16"):
+        section = cfg.setdefault(name, {})
+        if section.get("enabled", "auto") == "auto":
+            section["enabled"] = train.precision == name
+    if not train.deepspeed_config:
+        cfg.setdefault("zero_optimization", {})["stage"] = train.zero_stage
+    return cfg
+
+
+def linear_schedule(max_steps: int, warmup_ratio: float) -> Callable[[int], float]:
+    warmup = max(1, int(round(max_steps * warmup_ratio))) if warmup_ratio > 0 else 0
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return max(0.0, (max_steps - step) / max(1, max_steps - warmup))
+
+    return factor
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 or "LayerNorm" in name or name.endswith(".bias") else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def step_seed(seed: int, rank: int, micro_step: int) -> int:
+    """Per-(rank, micro-step) seed: corruption is reproducible, and differs across workers."""
+    return (seed * 1_000_003 + rank * 7_919 + micro_step) % (2**63 - 1)
+
+
+# -- the worker loop ---------------------------------------------------------------------
+
+@dataclass
+class TrainState:
+    step: int = 0
+    micro_step: int = 0
+    tokens: int = 0
+    history: list[dict] = field(default_factory=list)
+    restarts: int = 0
+
+
+def log(msg: dict | str) -> None:
+    # Worker logs go to stderr: a job's stdout is reserved for its JSON summary.
+    print(msg if isinstance(msg, str) else json.dumps(msg), file=sys.stderr, flush=True)
+
+
+def _save_checkpoint(engine, state: TrainState, position: DataPosition, rank: int, run_dir: str,
+                     metrics: dict) -> None:
+    import ray.train
+
+    name = f"checkpoint_{state.step:09d}"
+    with tempfile.TemporaryDirectory(prefix="raydense-ckpt-") as tmp:
+        engine.save_checkpoint(tmp, tag=CHECKPOINT_TAG)
+        with open(os.path.join(tmp, f"position_rank{rank}.json"), "w") as f:
+            json.dump(position.to_json(), f)
+        if rank == 0:
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump(asdict(state), f)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                         checkpoint_dir_name=name)
+    if rank == 0:
+        from pipeline.stream import write_pointer
+        write_pointer(run_dir, name, state.step)
+
+
+def _restore(engine, rank: int) -> tuple[TrainState, DataPosition, str | None]:
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return TrainState(), DataPosition(), None
+    with checkpoint.as_directory() as d:
+        engine.load_checkpoint(d, tag=CHECKPOINT_TAG)
+        with open(os.path.join(d, "trainer_state.json")) as f:
+            state = TrainState(**json.load(f))
+        position = DataPosition()
+        for name in os.listdir(d):
+            if name.startswith("position_rank"):
+                with open(os.path.join(d, name)) as f:
+                    position = position.merge(DataPosition.from_json(json.load(f)))
+    state.restarts += 1
+    return state, position, os.path.basename(checkpoint.path.rstrip("/"))
+
+
+def train_worker(config: dict) -> None:
+    """Ray Train's train_loop_per_worker. ``config`` holds picklable settings only."""
+    import deepspeed
+    import ray.train
+    import ray.train.torch
+
+    train: TrainConfig = config["train"]
+    task: TrainTask = config["task"]
+    run_dir: str = config["run_dir"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(max(1, int(train.cpus_per_worker)))
+    torch.manual_seed(train.seed)  # identical initialisation on every rank
+
+    model = task.build_model()
+    optimizer = torch.optim.AdamW(param_groups(model, train.weight_decay), lr=train.lr, eps=train.adam_eps,
+                                  fused=train.use_gpu or None)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(train.max_steps, train.warmup_ratio))
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config["deepspeed"])
+    device = engine.device
+
+    state, position, restored_from = _restore(engine, rank)
+    if restored_from is not None:
+        from pipeline.stream import read_position
+        stream_position, stream_step = read_position(run_dir)
+        repeated = position.difference_count(stream_position)
+        skipped = stream_position.difference_count(position)
+        if rank == 0:
+            log({"event": "resumed", "step": state.step, "checkpoint": restored_from,
+                 "stream_from_step": stream_step, "rows_repeated": repeated, "rows_skipped": skipped})
+
+    trace: dict[int, list[np.ndarray]] = {}
+    shard = ray.train.get_dataset_shard("train")
+    window_loss, window_tokens, window_start = [], 0, time.perf_counter()
+    started, start_tokens, start_step = time.perf_counter(), state.tokens, state.step
+    last_saved = state.step
+    extra: dict[str, torch.Tensor] = {}
+
+    for batch in shard.iter_batches(batch_size=train.micro_batch_size, batch_format="numpy",
+                                    prefetch_batches=train.prefetch_batches, drop_last=False):
+        if state.step >= train.max_steps:
+            break
+        generator = torch.Generator().manual_seed(step_seed(train.seed, rank, state.micro_step))
+        tensors = {k: v.to(device) for k, v in task.make_batch(batch, generator).items()}
+        loss, extra = task.loss(engine, tensors)
+        engine.backward(loss)
+        boundary = engine.is_gradient_accumulation_boundary()
+        engine.step()
+        state.micro_step += 1
+        epochs, rows = task.consumed_rows(batch)
+        for epoch in np.unique(epochs):
+            position.add(int(epoch), rows[epochs == epoch])
+            if train.data_trace:
+                trace.setdefault(int(epoch), []).append(rows[epochs == epoch])
+        tokens = task.count_tokens(batch)
+        state.tokens += tokens
+        window_tokens += tokens
+        window_loss.append(loss.detach())
+        if not boundary:
+            continue
+        state.step += 1
+        if state.step % train.log_every == 0 or state.step == train.max_steps:
+            elapsed = time.perf_counter() - window_start
+            entry = {"step": state.step, "loss": float(torch.stack(window_loss).float().mean()),
+                     "lr": scheduler.get_last_lr()[0], "tokens_per_s": window_tokens / max(elapsed, 1e-9),
+                     "epoch": int(epochs.max()) if len(epochs) else 0,
+                     **{k: float(v) for k, v in extra.items()}}
+            state.history.append(entry)
+            if rank == 0:
+                log(entry)
+            window_loss, window_tokens, window_start = [], 0, time.perf_counter()
+        if state.step % train.checkpoint_every == 0 and state.step < train.max_steps:
+            _save_checkpoint(engine, state, position, rank, run_dir, {"step": state.step})
+            last_saved = state.step
+
+    elapsed = time.perf_counter() - started
+    local_rate = torch.tensor([(state.tokens - start_tokens) / max(elapsed, 1e-9)], dtype=torch.float64)
+    torch.distributed.all_reduce(local_rate)  # one collective, at the end only
+    if train.data_trace:
+        _write_trace(run_dir, rank, state.restarts, trace)
+
+    export: dict[str, str] = {}
+    if rank == 0:
+        with tempfile.TemporaryDirectory(prefix="raydense-export-") as tmp:
+            export = _export(task, engine, tmp, storage.join(train.output, "export"))
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(os.path.join(tmp, "history.json"), "w") as f:
+                json.dump(state.history, f)
+            storage.write_bytes(storage.join(train.output, "history.json"),
+                                Path(tmp, "history.json").read_bytes())
+    final_loss = state.history[-1]["loss"] if state.history else float("nan")
+    summary = {"steps": state.step, "final_loss": final_loss, "tokens_per_s": float(local_rate.item()),
+               "tokens_per_s_per_worker": float(local_rate.item()) / world, "restarts": state.restarts,
+               "steps_this_attempt": state.step - start_step, **export}
+    if state.step > last_saved:
+        _save_checkpoint(engine, state, position, rank, run_dir, summary)
+    else:
+        ray.train.report(summary)
+
+
+def _export(task: TrainTask, engine, tmp: str, destination: str) -> dict[str, str]:
+    """Export the trained model with fp32 weights, then upload; returns destination paths."""
+    module = engine.module
+    if any(p.dtype != torch.float32 for p in module.parameters()):
+        import copy
+        module = copy.deepcopy(module).float()
+    paths = task.export(module, tmp)
+    storage.upload_dir(tmp, destination)
+    return {k: storage.join(destination, os.path.relpath(v, tmp)) if v.startswith(tmp) else v
+            for k, v in paths.items()} | {"export_dir": destination}
+
+
+def _write_trace(run_dir: str, rank: int, attempt: int, trace: dict[int, list[np.ndarray]]) -> None:
+    data = {str(e): np.concatenate(parts).tolist() for e, parts in trace.items()}
+    storage.write_json(storage.join(run_dir, "trace", f"rank{rank}-attempt{attempt}.json"), data)
+
+
+# -- the driver side ---------------------------------------------------------------------
+
+@dataclass
+class FitResult:
+    metrics: dict[str, Any]
+    checkpoint: str | None
+    run_dir: str
+
+
+def fit(train: TrainConfig, task: TrainTask, dataset_factory: Callable,
+        run_dir: str, name: str = "checkpoints") -> FitResult:
+    """Run the loop on a Ray Train TorchTrainer. Re-running with the same output resumes."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    loc = storage.resolve(train.output)
+    resources = {"CPU": train.cpus_per_worker}
+    trainer = TorchTrainer(
+        train_worker,
+        train_loop_config={"train": train, "task": task, "run_dir": run_dir,
+                           "deepspeed": deepspeed_config(train, train.num_workers)},
+        scaling_config=ray.train.ScalingConfig(num_workers=train.num_workers, use_gpu=train.use_gpu,
+                                               resources_per_worker=resources),
+        run_config=ray.train.RunConfig(
+            name=name, storage_path=loc.path if storage.is_s3(train.output) else loc.uri,
+            storage_filesystem=loc.fs if storage.is_s3(train.output) else None,
+            failure_config=ray.train.FailureConfig(max_failures=train.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=train.keep_checkpoints),
+        ),
+        datasets={"train": dataset_factory},
+    )
+    result = trainer.fit()
+    checkpoint = result.checkpoint.path if result.checkpoint else None
+    return FitResult(dict(result.metrics or {}), checkpoint, run_dir)
+
+
+def epochs_needed(train: TrainConfig, sequences_per_epoch: int) -> int:
+    if train.epochs:
+        return train.epochs
+    per_step = train.micro_batch_size * train.grad_accum * train.num_workers
+    return max(1, math.ceil(train.max_steps * per_step / max(1, sequences_per_epoch)) + 1)
