@@ -116,7 +116,8 @@ def run_pretraining(cfg: PretrainConfig) -> dict:
         "steps": result.metrics.get("steps"), "final_loss": result.metrics.get("final_loss"),
         "tokens_per_s": result.metrics.get("tokens_per_s"),
         "tokens_per_s_per_worker": result.metrics.get("tokens_per_s_per_worker"),
-        "restarts": result.metrics.get("restarts"), "checkpoint": result.checkpoint,
+        "restarts": result.metrics.get("restarts"), "resumes": result.metrics.get("resumes"),
+        "steps_this_attempt": result.metrics.get("steps_this_attempt"), "checkpoint": result.checkpoint,
         "corpus_docs": manifest["num_docs"], "epochs_streamed": spec.epochs,
     }
     from pipeline.plots import plot_loss_curve

@@ -46,20 +46,49 @@ def write_pointer(run_dir: str, checkpoint_dir: str, step: int) -> None:
     storage.write_json(storage.join(run_dir, POINTER), {"checkpoint": checkpoint_dir, "step": step})
 
 
-def read_position(run_dir: str) -> tuple[DataPosition, int]:
-    """The merged position of every rank in the pointed checkpoint, and its step."""
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+
+
+def restorable_checkpoint(run_dir: str) -> tuple[str | None, str]:
+    """The checkpoint Ray Train will hand the workers on their next start, and how we know.
+
+    Ray Train's controller persists its checkpoint registry (``checkpoint_manager_snapshot.json``)
+    when it *registers* a checkpoint, which can lag behind the workers' report. That file,
+    not our pointer, names what ``ray.train.get_checkpoint()`` will return, so the stream
+    follows it. The pointer (written by rank 0 after each report) is the fallback for a Ray
+    version whose snapshot we cannot read.
+    """
+    snapshot_uri = storage.join(run_dir, RAY_SNAPSHOT)
+    if storage.exists(snapshot_uri):
+        try:
+            latest = storage.read_json(snapshot_uri).get("latest_checkpoint_result")
+            return (latest["checkpoint_dir_name"] if latest else None), "ray-snapshot"
+        except (storage.StorageError, KeyError, TypeError, AttributeError):
+            pass
     pointer_uri = storage.join(run_dir, POINTER)
-    if not storage.exists(pointer_uri):
-        return DataPosition(), 0
-    pointer = storage.read_json(pointer_uri)
-    position = DataPosition()
-    ckpt = storage.join(run_dir, pointer["checkpoint"])
-    files = [f for f in storage.list_files(ckpt, ".json") if "/position_rank" in f.replace("\\", "/")]
+    if storage.exists(pointer_uri):
+        return storage.read_json(pointer_uri)["checkpoint"], "pointer"
+    return None, "none"
+
+
+def read_checkpoint_position(checkpoint_uri: str) -> DataPosition:
+    """The merged position of every rank saved in one checkpoint folder."""
+    files = [f for f in storage.list_files(checkpoint_uri, ".json")
+             if f.replace("\\", "/").rsplit("/", 1)[-1].startswith("position_rank")]
     if not files:
-        raise storage.StorageError(f"{ckpt}: the checkpoint named by {pointer_uri} holds no position files")
+        raise storage.StorageError(f"{checkpoint_uri}: checkpoint holds no position files")
+    position = DataPosition()
     for uri in files:
         position = position.merge(DataPosition.from_json(storage.read_json(uri)))
-    return position, int(pointer["step"])
+    return position
+
+
+def read_position(run_dir: str) -> tuple[DataPosition, str | None]:
+    """The data position the next stream resumes from, and the checkpoint it belongs to."""
+    name, _ = restorable_checkpoint(run_dir)
+    if name is None:
+        return DataPosition(), None
+    return read_checkpoint_position(storage.join(run_dir, name)), name
 
 
 # -- examples ---------------------------------------------------------------------------
@@ -92,26 +121,22 @@ def to_sequences(batch: dict, spec: StreamSpec, epoch: int) -> dict:
         for row, ids in zip(rows, docs):
             chunks.append(np.asarray(ids[:body], dtype=np.int32))
             sources.append(np.array([row], dtype=np.int64))
-    else:
-        buf: list[int] = []
-        buf_rows: list[int] = []
-        for row, ids in zip(rows, docs):
-            ids = list(ids)
-            if buf:
-                buf.append(spec.sep_id)
-            buf_rows.append(int(row))
-            buf.extend(ids)
-            while len(buf) >= body:
-                chunks.append(np.asarray(buf[:body], dtype=np.int32))
-                sources.append(np.asarray(buf_rows, dtype=np.int64))
-                buf = buf[body:]
-                # The document whose tokens cross the cut continues in the next sequence.
-                # Before this document was added the buffer held fewer than `body` tokens,
-                # so whatever is left after the cut belongs to this document alone.
-                buf_rows = [int(row)] if buf else []
-        if buf:
-            chunks.append(np.asarray(buf, dtype=np.int32))
-            sources.append(np.asarray(buf_rows, dtype=np.int64))
+    elif len(docs):
+        # One token stream for the batch, documents joined by [SEP], with the row that
+        # owns each token (-1 for separators): a sequence's sources are exactly the
+        # documents with at least one token in it.
+        pieces, owners = [], []
+        for i, (row, ids) in enumerate(zip(rows, docs)):
+            if i:
+                pieces.append(np.array([spec.sep_id], dtype=np.int32))
+                owners.append(np.array([-1], dtype=np.int64))
+            pieces.append(np.asarray(ids, dtype=np.int32))
+            owners.append(np.full(len(ids), row, dtype=np.int64))
+        tokens, owner = np.concatenate(pieces), np.concatenate(owners)
+        for start in range(0, len(tokens), body):
+            chunks.append(tokens[start:start + body])
+            rows_here = np.unique(owner[start:start + body])
+            sources.append(rows_here[rows_here >= 0])
     input_ids, lengths = _frame(chunks, spec)
     source_rows = np.empty(len(sources), dtype=object)
     source_rows[:] = sources
@@ -148,8 +173,7 @@ def build_stream(spec: StreamSpec, position: DataPosition, manifest: dict | None
         if not shards:
             continue
         paths = [storage.resolve(storage.join(spec.corpus, s["path"])).path for s in shards]
-        ds = ray.data.read_parquet(paths, filesystem=fs_loc.fs, columns=["row", "input_ids"],
-                                   shuffle=None)
+        ds = ray.data.read_parquet(paths, filesystem=fs_loc.fs, shuffle=None).select_columns(["row", "input_ids"])
         if consumed.count():
             ds = ds.map_batches(drop_consumed, fn_kwargs={"consumed": consumed.to_list()},
                                 batch_format="numpy", zero_copy_batch=True)

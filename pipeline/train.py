@@ -136,6 +136,7 @@ class TrainState:
     tokens: int = 0
     history: list[dict] = field(default_factory=list)
     restarts: int = 0
+    resumes: list[dict] = field(default_factory=list)  # one entry per restore: where from, rows repeated/skipped
 
 
 def log(msg: dict | str) -> None:
@@ -204,14 +205,18 @@ def train_worker(config: dict) -> None:
     device = engine.device
 
     state, position, restored_from = _restore(engine, rank)
-    if restored_from is not None:
-        from pipeline.stream import read_position
-        stream_position, stream_step = read_position(run_dir)
-        repeated = position.difference_count(stream_position)
-        skipped = stream_position.difference_count(position)
+    from pipeline.stream import read_position
+    stream_position, stream_from = read_position(run_dir)
+    if restored_from is not None or stream_from is not None:
+        # The stream left out what checkpoint `stream_from` consumed; the model resumed from
+        # `restored_from`. Both come from Ray Train's checkpoint registry, so they agree; if
+        # they ever differ, the rows repeated or skipped are counted here, not hidden.
+        event = {"checkpoint": restored_from, "step": state.step, "stream_from": stream_from,
+                 "rows_repeated": position.difference_count(stream_position),
+                 "rows_skipped": stream_position.difference_count(position)}
+        state.resumes.append(event)
         if rank == 0:
-            log({"event": "resumed", "step": state.step, "checkpoint": restored_from,
-                 "stream_from_step": stream_step, "rows_repeated": repeated, "rows_skipped": skipped})
+            log({"event": "resumed", **event})
 
     trace: dict[int, list[np.ndarray]] = {}
     shard = ray.train.get_dataset_shard("train")
@@ -275,7 +280,7 @@ def train_worker(config: dict) -> None:
     final_loss = state.history[-1]["loss"] if state.history else float("nan")
     summary = {"steps": state.step, "final_loss": final_loss, "tokens_per_s": float(local_rate.item()),
                "tokens_per_s_per_worker": float(local_rate.item()) / world, "restarts": state.restarts,
-               "steps_this_attempt": state.step - start_step, **export}
+               "resumes": state.resumes, "steps_this_attempt": state.step - start_step, **export}
     if state.step > last_saved:
         _save_checkpoint(engine, state, position, rank, run_dir, summary)
     else:
@@ -314,6 +319,10 @@ def fit(train: TrainConfig, task: TrainTask, dataset_factory: Callable,
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    from ray.data import DataContext
+
+    # Epochs are concatenated into one stream; keep them in order.
+    DataContext.get_current().execution_options.preserve_order = True
     loc = storage.resolve(train.output)
     resources = {"CPU": train.cpus_per_worker}
     trainer = TorchTrainer(

@@ -1,0 +1,82 @@
+"""Shared fixtures: an S3 server on loopback (moto) and one Ray instance for the session.
+
+The S3 variables go into os.environ *before* Ray starts, because Ray's workers and
+the Ray Train controller inherit the driver's environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import pytest
+
+# Fake credentials, for the loopback server only.
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing-key-id",
+    "AWS_SECRET_ACCESS_KEY": "testing-secret-key",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    saved = {k: os.environ.get(k) for k in [*S3_ENV, "AWS_ENDPOINT_URL"]}
+    os.environ.update(S3_ENV, AWS_ENDPOINT_URL=endpoint)
+    yield endpoint
+    server.stop()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint):
+    import boto3
+
+    name = f"raydense-{uuid.uuid4().hex[:10]}"
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture(scope="session")
+def ray_session(s3_endpoint):
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # 4 logical CPUs on a 2-core machine: two 1-CPU trainers leave room for Ray Data's
+    # read tasks, which otherwise starve and deadlock the run.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
+    yield ray
+    ray.shutdown()
+
+
+def write_jsonl(path, docs) -> str:
+    os.makedirs(os.path.dirname(str(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for doc in docs:
+            f.write(json.dumps(doc) + "\n")
+    return str(path)
+
+
+def synthetic_docs(n: int, seed: int = 0) -> list[dict]:
+    """Small English-like documents with distinct ids (deterministic)."""
+    import random
+
+    rng = random.Random(seed)
+    words = ("the lord said unto moses and aaron in the land of egypt saying this month shall be "
+             "unto you the beginning of months it shall be the first month of the year to you "
+             "speak ye unto all the congregation of israel tenth day lamb house fathers").split()
+    return [{"_id": f"d{i}", "text": " ".join(rng.choice(words) for _ in range(rng.randint(8, 40)))}
+            for i in range(n)]

@@ -1,0 +1,176 @@
+"""Small, fast builders shared by the model tests.
+
+Everything here is deterministic and tiny enough to run in milliseconds on a CPU:
+
+- :func:`tiny_vocab` / :func:`tiny_masking_vocab`: a WordPiece-style token list with
+  BERT's special tokens at the usual ids, and the :class:`~models.masking.MaskingVocab`
+  built from it.
+- :func:`random_word_batch`: (input_ids, attention_mask) batches of whole words
+  (a start piece plus ``##`` continuations) framed as ``[CLS] ... [SEP] [PAD]*``, with
+  the word boundaries returned so tests can check whole-word properties.
+- :func:`tiny_bert_config`, :func:`tiny_backbone_config`, :func:`tiny_mlm`: a tiny BERT
+  (hidden 32, 4 layers, 2 heads, no dropout by default).
+- :func:`make_tokenizer_dir`: a real HF tokenizer directory trained with
+  :func:`pipeline.tokenizer.train_wordpiece` on generated text (for export tests).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+# BERT's special tokens, at the ids a BERT vocabulary puts them.
+PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = 0, 1, 2, 3, 4
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+SPECIAL_IDS = [PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID]
+
+_WORDS = (
+    "the of and to in is was for on that with as by at from his her it an are were which "
+    "this be or has had not but have also its their first after one two new who they been "
+    "more other into time year city film world during"
+).split()
+_CONTINUATIONS = (
+    "##s ##ed ##ing ##er ##ly ##ion ##al ##ic ##es ##en ##ity ##ment ##ous ##ive ##ness "
+    "##a ##e ##i ##o ##y ##ter ##ist ##ize ##able ##ful"
+).split()
+
+
+def tiny_vocab() -> list[str]:
+    """A WordPiece-style vocabulary: specials at ids 0-4, then words, then ``##`` pieces.
+
+    Its size (80) deliberately differs from every dimension of :func:`tiny_bert_config`,
+    so a tensor with a vocab-sized axis can be told apart from any other.
+    """
+    return SPECIAL_TOKENS + _WORDS + _CONTINUATIONS
+
+
+def tiny_masking_vocab(tokens: list[str] | None = None):
+    """The :class:`MaskingVocab` of ``tokens`` (default :func:`tiny_vocab`)."""
+    from models.masking import MaskingVocab
+
+    tokens = tokens if tokens is not None else tiny_vocab()
+    return MaskingVocab(tokens, special_ids=SPECIAL_IDS, mask_token_id=MASK_ID)
+
+
+def start_ids(tokens: list[str] | None = None) -> list[int]:
+    """Ids of word-start pieces (non-special, not ``##``)."""
+    tokens = tokens if tokens is not None else tiny_vocab()
+    return [i for i, t in enumerate(tokens) if i not in SPECIAL_IDS and not t.startswith("##")]
+
+
+def continuation_ids(tokens: list[str] | None = None) -> list[int]:
+    """Ids of ``##`` continuation pieces."""
+    tokens = tokens if tokens is not None else tiny_vocab()
+    return [i for i, t in enumerate(tokens) if t.startswith("##")]
+
+
+@dataclass
+class WordBatch:
+    """A generated batch. ``words`` lists, per row, the (start, end) piece span of each word
+    (end exclusive). Spans never include special tokens or padding."""
+
+    input_ids: torch.Tensor       # (B, L) long
+    attention_mask: torch.Tensor  # (B, L) long, 0 on padding
+    words: list[list[tuple[int, int]]]
+
+
+def random_word_batch(batch_size: int, seq_len: int, seed: int = 0, tokens: list[str] | None = None,
+                      max_continuations: int = 3, pad_rows: float = 0.3, inner_sep: float = 0.3) -> WordBatch:
+    """``[CLS] w w ... [SEP] [PAD]*`` rows of whole words, as the training stream frames them.
+
+    Each word is a start piece followed by 0..``max_continuations`` ``##`` pieces, and a
+    word is never cut by the end of the row. A fraction ``pad_rows`` of the rows is
+    shorter than ``seq_len`` and padded; a fraction ``inner_sep`` also holds a [SEP]
+    between two packed documents.
+    """
+    rng = random.Random(seed)
+    starts, conts = start_ids(tokens), continuation_ids(tokens)
+    ids = torch.full((batch_size, seq_len), PAD_ID, dtype=torch.long)
+    mask = torch.zeros((batch_size, seq_len), dtype=torch.long)
+    all_words = []
+    for b in range(batch_size):
+        length = rng.randint(seq_len // 4, seq_len - 1) if rng.random() < pad_rows else seq_len
+        sep_at = rng.randint(3, length - 3) if rng.random() < inner_sep else None
+        row, words = [CLS_ID], []
+        while True:
+            if sep_at is not None and len(row) >= sep_at:
+                row.append(SEP_ID)
+                sep_at = None
+            word = [rng.choice(starts)] + [rng.choice(conts) for _ in range(rng.randint(0, max_continuations))]
+            if len(row) + len(word) > length - 1:
+                break
+            words.append((len(row), len(row) + len(word)))
+            row.extend(word)
+        row.append(SEP_ID)
+        n = len(row)
+        ids[b, :n] = torch.tensor(row)
+        mask[b, :n] = 1
+        all_words.append(words)
+    return WordBatch(ids, mask, all_words)
+
+
+# -- tiny BERT ----------------------------------------------------------------------------
+
+TINY_SIZES = dict(hidden_size=32, num_layers=4, num_heads=2, intermediate_size=64, max_position=64)
+
+
+def tiny_bert_config(vocab_size: int = len(tiny_vocab()), initializer_range: float = 0.02, **overrides):
+    """A ``BertConfig`` for a tiny BERT.
+
+    ``overrides`` take the :data:`TINY_SIZES` keys plus ``dropout`` (hidden and attention
+    dropout, default 0). A larger ``initializer_range`` (e.g. 0.2) gives a random model
+    whose MLM logits are far from uniform, which makes loss comparisons discriminative.
+    """
+    from transformers import BertConfig
+
+    sizes = {**TINY_SIZES, "dropout": 0.0, **overrides}
+    return BertConfig(
+        vocab_size=vocab_size, hidden_size=sizes["hidden_size"], num_hidden_layers=sizes["num_layers"],
+        num_attention_heads=sizes["num_heads"], intermediate_size=sizes["intermediate_size"],
+        max_position_embeddings=sizes["max_position"], hidden_dropout_prob=sizes["dropout"],
+        attention_probs_dropout_prob=sizes["dropout"], pad_token_id=PAD_ID,
+        initializer_range=initializer_range,
+    )
+
+
+def tiny_backbone_config(**overrides):
+    """A :class:`models.backbone.BackboneConfig` for the same tiny BERT (random init)."""
+    from models.backbone import BackboneConfig
+
+    return BackboneConfig(**{**TINY_SIZES, "dropout": 0.0, **overrides})
+
+
+def tiny_mlm(vocab_size: int = len(tiny_vocab()), seed: int = 0, initializer_range: float = 0.02, **overrides):
+    """A randomly initialised tiny ``BertForMaskedLM`` (tied decoder, as every BERT MLM).
+
+    Built from :func:`tiny_bert_config` with the global RNG seeded by ``seed``, so the
+    same arguments give the same weights. (For the project's own builder, use
+    ``models.backbone.build_mlm(tiny_backbone_config(), vocab_size)``.)
+    """
+    from transformers import BertForMaskedLM
+
+    torch.manual_seed(seed)
+    return BertForMaskedLM(tiny_bert_config(vocab_size, initializer_range=initializer_range, **overrides))
+
+
+# -- a real tokenizer ----------------------------------------------------------------------
+
+def generated_texts(n: int = 400, seed: int = 0) -> list[str]:
+    """English-like sentences built from a fixed word list (enough to train a WordPiece)."""
+    rng = random.Random(seed)
+    words = _WORDS + [w + s for w in ("play", "train", "model", "read", "walk", "search") for s in ("", "s", "ed", "ing", "er")]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(5, 25))) + "." for _ in range(n)]
+
+
+def make_tokenizer_dir(out_dir: str, vocab_size: int = 120, texts: list[str] | None = None):
+    """Train a tiny WordPiece tokenizer into ``out_dir``; returns the ``BertTokenizerFast``.
+
+    The vocabulary may come out smaller than ``vocab_size`` on little text: size models
+    with ``len(tokenizer)``.
+    """
+    from pipeline.tokenizer import train_wordpiece
+
+    return train_wordpiece(texts if texts is not None else generated_texts(), out_dir,
+                           vocab_size=vocab_size, min_frequency=1)

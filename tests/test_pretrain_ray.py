@@ -1,0 +1,129 @@
+"""Pre-training on Ray Train + DeepSpeed: streaming from S3, worker failure, re-run resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from conftest import synthetic_docs, write_jsonl
+from models.backbone import BackboneConfig
+from pipeline import storage
+from pipeline.position import DataPosition
+from pipeline.pretrain import PretrainConfig, StreamConfig, run_pretraining
+from pipeline.shards import PrepareConfig
+from pipeline.stream import restorable_checkpoint
+from pipeline.train import TrainConfig
+
+pytestmark = pytest.mark.ray
+
+
+def tiny_config(corpus_input: str, corpus_out: str, train_out: str, **train) -> PretrainConfig:
+    cfg = PretrainConfig()
+    cfg.corpus = PrepareConfig(input=corpus_input, output=corpus_out, vocab_size=120, docs_per_shard=30)
+    cfg.data = StreamConfig(max_len=32, pack=False)
+    cfg.model = BackboneConfig(hidden_size=32, num_layers=4, num_heads=2, intermediate_size=64, max_position=64)
+    cfg.train = TrainConfig(output=train_out, num_workers=2, zero_stage=2, lr=1e-3, log_every=2,
+                            data_trace=True, **train)
+    return cfg
+
+
+def read_traces(run_dir: str) -> dict[str, dict[int, list[int]]]:
+    traces = {}
+    for uri in storage.list_files(storage.join(run_dir, "trace"), ".json"):
+        name = uri.rsplit("/", 1)[-1][: -len(".json")]
+        traces[name] = {int(e): rows for e, rows in storage.read_json(uri).items()}
+    return traces
+
+
+def test_two_workers_stream_disjoint_documents_from_s3_with_zero2(tmp_path, s3_bucket, ray_session):
+    import boto3
+    from transformers import AutoModel, BertModel
+
+    docs = synthetic_docs(240, seed=3)
+    boto3.client("s3").put_object(Bucket=s3_bucket, Key="raw/corpus.jsonl",
+                                  Body="".join(json.dumps(d) + "\n" for d in docs).encode())
+    cfg = tiny_config(f"s3://{s3_bucket}/raw/corpus.jsonl", f"s3://{s3_bucket}/corpus",
+                      f"s3://{s3_bucket}/run", micro_batch_size=10, max_steps=1000, epochs=1,
+                      checkpoint_every=5)
+    summary = run_pretraining(cfg)
+
+    assert summary["steps"] == 12  # 240 docs / (2 workers x 10): the one epoch streamed ends the run
+    traces = read_traces(f"s3://{s3_bucket}/run/checkpoints")
+    assert sorted(traces) == ["rank0-attempt0", "rank1-attempt0"]
+    rank0, rank1 = traces["rank0-attempt0"][0], traces["rank1-attempt0"][0]
+    assert len(rank0) == len(rank1) == 120
+    assert not set(rank0) & set(rank1)
+    assert sorted(rank0 + rank1) == list(range(240))  # every document exactly once
+
+    assert summary["export_dir"] == f"s3://{s3_bucket}/run/export"
+    with storage.local_copy(summary["export_dir"]) as local:
+        assert isinstance(AutoModel.from_pretrained(local), BertModel)
+        assert os.path.exists(os.path.join(local, "condenser_head.safetensors"))
+    assert summary["checkpoint"].startswith(f"{s3_bucket}/run/checkpoints/checkpoint_")
+
+
+def _train_worker_pids() -> list[int]:
+    import psutil
+
+    pids = []
+    for proc in psutil.process_iter(["pid", "name", "cmdline"]):
+        title = " ".join(proc.info["cmdline"] or []) + " " + (proc.info["name"] or "")
+        if "RayTrainWorker" in title:
+            pids.append(proc.info["pid"])
+    return pids
+
+
+def test_killed_worker_resumes_from_checkpoint_without_losing_documents(tmp_path, ray_session):
+    docs = synthetic_docs(120, seed=5)
+    out = str(tmp_path / "run")
+    cfg = tiny_config(write_jsonl(tmp_path / "raw.jsonl", docs), str(tmp_path / "corpus"), out,
+                      micro_batch_size=6, max_steps=40, checkpoint_every=5, keep_checkpoints=100,
+                      max_failures=2)
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(run_pretraining(cfg)), daemon=True)
+    runner.start()
+    run_dir = os.path.join(out, "checkpoints")
+    deadline = time.time() + 300
+    while runner.is_alive() and time.time() < deadline:
+        if os.path.exists(os.path.join(run_dir, "checkpoint_manager_snapshot.json")) and restorable_checkpoint(run_dir)[0]:
+            break
+        time.sleep(0.2)
+    assert restorable_checkpoint(run_dir)[0], "no checkpoint was registered"
+    victims = _train_worker_pids()
+    assert len(victims) == 2, victims
+    os.kill(victims[-1], signal.SIGKILL)
+    runner.join(timeout=400)
+    assert not runner.is_alive() and result, "the run did not finish after the failure"
+
+    assert result["steps"] == 40 and result["restarts"] == 1
+    (resume,) = result["resumes"]
+    assert resume["rows_repeated"] == 0 and resume["rows_skipped"] == 0
+    # What the restored checkpoint had consumed, plus what the resumed attempt read,
+    # is every document of each full epoch exactly once.
+    ckpt_dir = os.path.join(out, "checkpoints", resume["checkpoint"])
+    restored = DataPosition()
+    for name in os.listdir(ckpt_dir):
+        if name.startswith("position_rank"):
+            restored = restored.merge(DataPosition.from_json(json.load(open(os.path.join(ckpt_dir, name)))))
+    traces = read_traces(os.path.join(out, "checkpoints"))
+    after = {e: [] for e in range(4)}
+    for name, epochs in traces.items():
+        assert name.endswith("attempt1")  # the killed attempt never finished
+        for epoch, rows in epochs.items():
+            after.setdefault(epoch, []).extend(rows)
+    for epoch in range(4):  # 120 docs / 12 per step = 10 steps an epoch; 40 steps = 4 epochs
+        before = restored.consumed(epoch)
+        assert not before.contains(after[epoch]).any(), f"epoch {epoch}: documents repeated"
+        assert before.count() + len(after[epoch]) == 120, f"epoch {epoch}: documents skipped"
+        assert len(set(after[epoch])) == len(after[epoch])
+
+    # Re-running the finished job with a larger budget continues from its last checkpoint.
+    cfg.train.max_steps = 44
+    again = run_pretraining(cfg)
+    assert again["steps"] == 44 and again["steps_this_attempt"] == 4
+    assert again["resumes"][-1]["checkpoint"] == "checkpoint_000000040"

@@ -1,0 +1,98 @@
+"""Corpus preparation with Ray Data, and the errors a broken corpus or store must give."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import synthetic_docs, write_jsonl
+from pipeline import storage
+from pipeline.corpus import CorpusError
+from pipeline.shards import PrepareConfig, ShardError, check_shards, load_manifest, prepare_corpus
+from pipeline.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.ray
+
+
+def test_prepare_writes_contiguous_shards_matching_the_tokenizer(tmp_path, ray_session):
+    docs = synthetic_docs(70) + [{"_id": "titled", "title": "Exodus", "text": "the lamb"},
+                                 {"_id": "blank", "text": "   "}]
+    cfg = PrepareConfig(input=write_jsonl(tmp_path / "c.jsonl", docs), output=str(tmp_path / "out"),
+                        vocab_size=150, docs_per_shard=20)
+    manifest = prepare_corpus(cfg)
+    assert manifest["num_docs"] == 71 and manifest["input_stats"]["skipped_empty"] == 1
+    assert [s["rows"] for s in manifest["shards"]] == [20, 20, 20, 11]
+    assert [s["first_row"] for s in manifest["shards"]] == [0, 20, 40, 60]
+    tokenizer = load_tokenizer(str(tmp_path / "out" / "tokenizer"))
+    assert len(tokenizer) == manifest["vocab_size"]
+    tables = [pq.read_table(tmp_path / "out" / s["path"]) for s in manifest["shards"]]
+    rows = [r for t in tables for r in t.to_pylist()]
+    assert [r["row"] for r in rows] == list(range(71))
+    kept = [d for d in docs if d["text"].strip()]
+    assert [r["doc_id"] for r in rows] == [d["_id"] for d in kept]
+    for row, doc in zip(rows, kept):
+        text = f"{doc['title']}\n{doc['text']}" if doc.get("title") else doc["text"]
+        assert row["input_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert manifest["num_tokens"] == sum(len(r["input_ids"]) for r in rows)
+    # A finished preparation with the same settings is reused, not redone.
+    again = prepare_corpus(cfg)
+    assert again["seconds"] == manifest["seconds"]
+    assert not storage.exists(str(tmp_path / "out" / "_staging"))
+
+
+def test_bad_input_fails_before_any_manifest_is_written(tmp_path, ray_session):
+    raw = tmp_path / "bad.jsonl"
+    raw.write_text('{"_id": "a", "text": "fine"}\n{"_id": "b", "text": "broken"\n')
+    with pytest.raises(CorpusError, match=r"bad\.jsonl line 2: malformed JSON"):
+        prepare_corpus(PrepareConfig(input=str(raw), output=str(tmp_path / "out"), vocab_size=50))
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_corrupt_and_missing_shards_are_named(tmp_path, ray_session):
+    out = tmp_path / "out"
+    manifest = prepare_corpus(PrepareConfig(input=write_jsonl(tmp_path / "c.jsonl", synthetic_docs(40)),
+                                            output=str(out), vocab_size=100, docs_per_shard=15))
+    check_shards(str(out), manifest)
+    shard = out / manifest["shards"][1]["path"]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ShardError, match=r"part-00001\.parquet.*(corrupt|truncated)"):
+        check_shards(str(out), manifest)
+    shard.unlink()
+    with pytest.raises(ShardError, match=r"part-00001\.parquet is missing"):
+        check_shards(str(out), manifest)
+
+
+def test_unfinished_or_foreign_manifest_is_refused(tmp_path):
+    storage.write_json(str(tmp_path / "manifest.json"), {"format": "raydense.corpus/1", "completed": False})
+    with pytest.raises(ShardError, match="did not finish"):
+        load_manifest(str(tmp_path))
+    with pytest.raises(ShardError, match="no manifest"):
+        load_manifest(str(tmp_path / "elsewhere"))
+
+
+def test_prepare_reads_and_writes_s3(tmp_path, s3_bucket, ray_session):
+    import boto3
+
+    docs = synthetic_docs(30)
+    boto3.client("s3").put_object(Bucket=s3_bucket, Key="raw/corpus.jsonl",
+                                  Body="".join(json.dumps(d) + "\n" for d in docs).encode())
+    out = f"s3://{s3_bucket}/prepared"
+    manifest = prepare_corpus(PrepareConfig(input=f"s3://{s3_bucket}/raw/corpus.jsonl", output=out,
+                                            vocab_size=100, docs_per_shard=10))
+    assert manifest["num_docs"] == 30 and len(manifest["shards"]) == 3
+    assert load_manifest(out)["shards"] == manifest["shards"]
+    check_shards(out, manifest)
+    keys = {o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket=s3_bucket)["Contents"]}
+    assert "prepared/manifest.json" in keys and "prepared/tokenizer/tokenizer.json" in keys
+
+
+def test_unreachable_s3_endpoint_is_named(monkeypatch, s3_endpoint):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # discard port: nothing listens
+    monkeypatch.setenv("RAYDENSE_S3_CONNECT_TIMEOUT", "1")
+    monkeypatch.setenv("RAYDENSE_S3_MAX_ATTEMPTS", "1")
+    with pytest.raises(storage.StorageError, match=r"s3://bucket/corpus.*127\.0\.0\.1:9.*unreachable"):
+        load_manifest("s3://bucket/corpus")

@@ -1,0 +1,138 @@
+"""Examples from shards (packing/truncation), the data position, and resumable streams."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from pipeline import storage
+from pipeline.position import DataPosition, IntervalSet
+from pipeline.stream import StreamSpec, build_stream, read_position, to_sequences, write_pointer
+
+CLS, SEP, PAD = 2, 3, 0
+
+
+def spec(max_len=8, pack=True, epochs=1, run_dir="/nonexistent"):
+    return StreamSpec(corpus="", max_len=max_len, pack=pack, epochs=epochs, seed=0, shuffle_files=False,
+                      cls_id=CLS, sep_id=SEP, pad_id=PAD, run_dir=run_dir)
+
+
+def docs_batch(lengths, first_row=0):
+    docs = np.empty(len(lengths), dtype=object)
+    docs[:] = [np.arange(100 * (i + 1), 100 * (i + 1) + n, dtype=np.int32) for i, n in enumerate(lengths)]
+    return {"row": np.arange(first_row, first_row + len(lengths), dtype=np.int64), "input_ids": docs}
+
+
+def bodies(out):
+    return [list(ids[1:n - 1]) for ids, n in zip(out["input_ids"], out["length"])]
+
+
+def test_truncate_frames_one_document_per_sequence():
+    batch = docs_batch([3, 10, 6])
+    out = to_sequences(batch, spec(max_len=8, pack=False), epoch=5)
+    assert out["input_ids"].shape == (3, 8)
+    assert out["length"].tolist() == [5, 8, 8]
+    assert out["input_ids"][0].tolist() == [CLS, 100, 101, 102, SEP, PAD, PAD, PAD]
+    assert bodies(out)[1] == list(range(200, 206))  # first max_len - 2 tokens kept
+    assert [list(r) for r in out["source_rows"]] == [[0], [1], [2]]
+    assert out["epoch"].tolist() == [5, 5, 5]
+
+
+def test_packing_keeps_every_token_in_order_and_tracks_sources():
+    lengths = [3, 10, 1, 6, 2]
+    batch = docs_batch(lengths, first_row=40)
+    out = to_sequences(batch, spec(max_len=8, pack=True), epoch=0)
+    # Every sequence but the last is full; bodies concatenated give the docs joined by [SEP].
+    assert all(n == 8 for n in out["length"][:-1])
+    joined = [t for body in bodies(out) for t in body]
+    expected = []
+    for ids in batch["input_ids"]:
+        if expected:
+            expected.append(SEP)
+        expected.extend(ids.tolist())
+    assert joined == expected
+    # A sequence lists exactly the documents whose tokens it holds.
+    owner = {}
+    for row, ids in zip(batch["row"], batch["input_ids"]):
+        owner.update({int(t): int(row) for t in ids})
+    for body, sources in zip(bodies(out), out["source_rows"]):
+        assert sorted({owner[t] for t in body if t != SEP}) == sorted(sources.tolist())
+
+
+def test_interval_set_matches_python_sets():
+    rng = random.Random(7)
+    for _ in range(50):
+        a_rows = {rng.randrange(200) for _ in range(rng.randrange(120))}
+        b_rows = {rng.randrange(200) for _ in range(rng.randrange(120))}
+        a = IntervalSet.from_rows(sorted(a_rows))
+        b = IntervalSet()
+        b.add_rows(list(b_rows))
+        probe = np.arange(-5, 210)
+        assert a.contains(probe).tolist() == [int(p) in a_rows for p in probe]
+        assert a.union(b).count() == len(a_rows | b_rows)
+        assert a.difference_count(b) == len(a_rows - b_rows)
+        start = rng.randrange(200)
+        end = start + rng.randrange(1, 20)
+        assert a.covers(start, end) == all(r in a_rows for r in range(start, end))
+    merged = IntervalSet([[0, 5], [5, 9], [20, 30], [25, 26]])
+    assert merged.to_list() == [[0, 9], [20, 30]]
+
+
+def test_position_round_trip_and_merge():
+    p = DataPosition()
+    p.add(0, [0, 1, 2, 10])
+    q = DataPosition()
+    q.add(0, [3, 4])
+    q.add(1, [7])
+    merged = DataPosition.from_json(p.merge(q).to_json())
+    assert merged.consumed(0).to_list() == [[0, 5], [10, 11]]
+    assert merged.consumed(1).to_list() == [[7, 8]]
+    assert merged.count() == 7
+
+
+def test_read_position_merges_the_ranks_of_the_checkpoint_ray_will_restore(tmp_path):
+    run_dir = str(tmp_path / "run")
+    assert read_position(run_dir)[0].count() == 0  # no pointer yet: start from scratch
+    for rank, rows in enumerate([[0, 1, 2], [5, 6]]):
+        p = DataPosition()
+        p.add(0, rows)
+        storage.write_json(storage.join(run_dir, "checkpoint_000000010", f"position_rank{rank}.json"), p.to_json())
+    stale = DataPosition()
+    stale.add(0, [99])
+    storage.write_json(storage.join(run_dir, "checkpoint_000000005", "position_rank0.json"), stale.to_json())
+    write_pointer(run_dir, "checkpoint_000000010", 10)
+    position, name = read_position(run_dir)
+    assert name == "checkpoint_000000010"
+    assert position.consumed(0).to_list() == [[0, 3], [5, 7]]
+    # Ray Train's own registry, when present, names what it will restore: it wins over the
+    # pointer (a checkpoint can be reported but not yet registered when a worker dies).
+    storage.write_json(storage.join(run_dir, "checkpoint_manager_snapshot.json"),
+                       {"latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_000000005"}})
+    position, name = read_position(run_dir)
+    assert name == "checkpoint_000000005" and position.consumed(0).to_list() == [[99, 100]]
+    storage.write_json(storage.join(run_dir, "checkpoint_manager_snapshot.json"), {"latest_checkpoint_result": None})
+    assert read_position(run_dir)[1] is None
+
+
+@pytest.mark.ray
+def test_stream_leaves_out_consumed_rows_of_the_resumed_epoch_only(tmp_path, ray_session):
+    from conftest import synthetic_docs, write_jsonl
+    from pipeline.shards import PrepareConfig, load_manifest, prepare_corpus
+
+    corpus = str(tmp_path / "corpus")
+    prepare_corpus(PrepareConfig(input=write_jsonl(tmp_path / "raw.jsonl", synthetic_docs(90)), output=corpus,
+                                 vocab_size=120, docs_per_shard=25))
+    manifest = load_manifest(corpus)
+    position = DataPosition()
+    consumed = list(range(0, 30)) + list(range(60, 70))  # shard 0 whole, shard 1 partly, an island
+    position.add(0, consumed)
+    s = StreamSpec(corpus=corpus, max_len=16, pack=False, epochs=2, seed=1, shuffle_files=True,
+                   cls_id=CLS, sep_id=SEP, pad_id=PAD, run_dir=str(tmp_path / "run"))
+    rows = build_stream(s, position, manifest).take_all()
+    by_epoch = {0: [], 1: []}
+    for r in rows:
+        by_epoch[int(r["epoch"])].extend(int(x) for x in r["source_rows"])
+    assert sorted(by_epoch[0]) == [i for i in range(90) if i not in set(consumed)]
+    assert sorted(by_epoch[1]) == list(range(90))
