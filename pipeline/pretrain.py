@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from typing import Literal
@@ -37,7 +39,10 @@ class PretrainConfig:
     data: StreamConfig = field(default_factory=StreamConfig)
     model: BackboneConfig = field(default_factory=BackboneConfig)
     condenser: CondenserConfig = field(default_factory=CondenserConfig)
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(output="runs/pretrain-condenser"))
+    # The embedded default: a tiny model from scratch on the bundled corpus in ~2 minutes on CPU.
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        output="runs/pretrain-condenser", micro_batch_size=16, max_steps=200, lr=5e-4,
+        checkpoint_every=100, cpus_per_worker=2))
     ray: RayConfig = field(default_factory=RayConfig)
 
 
@@ -52,7 +57,9 @@ class PretrainTask:
     def _tokenizer_local(self) -> str:
         if self._tokenizer_dir is None:
             if storage.is_s3(self.tokenizer_uri):
-                self._tokenizer_dir = storage.download_dir(self.tokenizer_uri, tempfile.mkdtemp(prefix="raydense-tok-"))
+                local = tempfile.mkdtemp(prefix="raydense-tok-")
+                atexit.register(shutil.rmtree, local, True)  # needed until the final export
+                self._tokenizer_dir = storage.download_dir(self.tokenizer_uri, local)
             else:
                 self._tokenizer_dir = self.tokenizer_uri
         return self._tokenizer_dir
@@ -84,8 +91,11 @@ class PretrainTask:
         return self.method.export(model, out_dir, self._tokenizer_local())
 
 
-def run_pretraining(cfg: PretrainConfig) -> dict:
-    """Prepare the corpus if needed, train, export; returns the job summary."""
+def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
+    """Prepare the corpus if needed, train, export; returns the job summary.
+
+    ``replay_batches`` (benchmarks only) trains on the first N streamed batches, cycled.
+    """
     cfg.corpus.output = storage.resolve(cfg.corpus.output).uri
     cfg.train.output = storage.resolve(cfg.train.output).uri
     if cfg.model.init:
@@ -109,7 +119,7 @@ def run_pretraining(cfg: PretrainConfig) -> dict:
     task = PretrainTask(cfg.method, method_cfg, cfg.model, tokenizer_uri, manifest["vocab_size"])
     write_run_files(cfg, cfg.train.output)
 
-    result = fit(cfg.train, task, TrainingStream(spec), run_dir)
+    result = fit(cfg.train, task, TrainingStream(spec), run_dir, replay_batches=replay_batches)
     summary = {
         "job": "pretrain", "method": cfg.method,
         "export_dir": result.metrics.get("export_dir"), "head_path": result.metrics.get("head_path"),

@@ -19,6 +19,8 @@ the stream factory (pipeline.stream) reads that on the next worker-group start.
 
 from __future__ import annotations
 
+import copy
+import itertools
 import json
 import math
 import os
@@ -45,7 +47,7 @@ class TrainConfig:
     num_workers: int = field(default=1, metadata={"help": "Ray Train workers (one per GPU on a cluster)"})
     use_gpu: bool = field(default=False, metadata={"help": "one GPU per worker"})
     cpus_per_worker: float = field(default=1.0, metadata={"help": "CPUs reserved per worker (also its torch threads)"})
-    zero_stage: int = field(default=2, metadata={"help": "DeepSpeed ZeRO stage (picks cluster/deepspeed/zero<N>.json)"})
+    zero_stage: int = field(default=2, metadata={"help": "DeepSpeed ZeRO stage (picks cluster/deepspeed/zero<N>.json); one worker uses stage 0 instead of 1/2"})
     deepspeed_config: str = field(default="", metadata={"help": "explicit DeepSpeed JSON; its 'auto' values are filled from this config"})
     precision: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata={"help": "fp32, bf16 (CPU with avx512_bf16, Ampere+ GPUs) or fp16 (GPU)"})
     micro_batch_size: int = field(default=32, metadata={"help": "sequences per worker per forward"})
@@ -79,9 +81,19 @@ class TrainTask(Protocol):
 
 # -- configuration helpers (driver side) -------------------------------------------------
 
+def effective_zero_stage(train: TrainConfig, world_size: int) -> int:
+    """ZeRO partitions optimiser state across workers; with one worker there is nothing to
+    partition, and its gradient hooks cost ~4% of a step (bench/bench_pretrain.py), so a
+    single worker uses stage 0. Stage 3 is kept: it also shards parameters for offload."""
+    if world_size == 1 and train.zero_stage in (1, 2):
+        return 0
+    return train.zero_stage
+
+
 def deepspeed_config(train: TrainConfig, world_size: int) -> dict:
     """Load the DeepSpeed JSON and fill each ``"auto"`` from our config."""
-    path = train.deepspeed_config or str(REPO_ROOT / "cluster" / "deepspeed" / f"zero{train.zero_stage}.json")
+    stage = effective_zero_stage(train, world_size)
+    path = train.deepspeed_config or str(REPO_ROOT / "cluster" / "deepspeed" / f"zero{stage}.json")
     with open(path) as f:
         cfg = json.load(f)
     fill = {
@@ -98,7 +110,7 @@ def deepspeed_config(train: TrainConfig, world_size: int) -> dict:
         if section.get("enabled", "auto") == "auto":
             section["enabled"] = train.precision == name
     if not train.deepspeed_config:
-        cfg.setdefault("zero_optimization", {})["stage"] = train.zero_stage
+        cfg.setdefault("zero_optimization", {})["stage"] = stage
     return cfg
 
 
@@ -140,8 +152,10 @@ class TrainState:
 
 
 def log(msg: dict | str) -> None:
-    # Worker logs go to stderr: a job's stdout is reserved for its JSON summary.
-    print(msg if isinstance(msg, str) else json.dumps(msg), file=sys.stderr, flush=True)
+    # Worker logs go to stderr: a job's stdout is reserved for its JSON summary. Written
+    # directly, because Ray Train patches `print` on workers and would emit each line twice.
+    sys.stderr.write((msg if isinstance(msg, str) else json.dumps(msg)) + "\n")
+    sys.stderr.flush()
 
 
 def _save_checkpoint(engine, state: TrainState, position: DataPosition, rank: int, run_dir: str,
@@ -225,8 +239,13 @@ def train_worker(config: dict) -> None:
     last_saved = state.step
     extra: dict[str, torch.Tensor] = {}
 
-    for batch in shard.iter_batches(batch_size=train.micro_batch_size, batch_format="numpy",
-                                    prefetch_batches=train.prefetch_batches, drop_last=False):
+    batches = shard.iter_batches(batch_size=train.micro_batch_size, batch_format="numpy",
+                                 prefetch_batches=train.prefetch_batches, drop_last=False)
+    if config.get("replay_batches"):
+        # Benchmark mode: hold the first N batches in memory and cycle them, so the same
+        # loop can be timed without any ingest (bench/bench_pretrain.py).
+        batches = itertools.cycle(list(itertools.islice(batches, config["replay_batches"])))
+    for batch in batches:
         if state.step >= train.max_steps:
             break
         generator = torch.Generator().manual_seed(step_seed(train.seed, rank, state.micro_step))
@@ -253,6 +272,7 @@ def train_worker(config: dict) -> None:
             entry = {"step": state.step, "loss": float(torch.stack(window_loss).float().mean()),
                      "lr": scheduler.get_last_lr()[0], "tokens_per_s": window_tokens / max(elapsed, 1e-9),
                      "epoch": int(epochs.max()) if len(epochs) else 0,
+                     "elapsed_s": time.perf_counter() - started,
                      **{k: float(v) for k, v in extra.items()}}
             state.history.append(entry)
             if rank == 0:
@@ -263,20 +283,15 @@ def train_worker(config: dict) -> None:
             last_saved = state.step
 
     elapsed = time.perf_counter() - started
-    local_rate = torch.tensor([(state.tokens - start_tokens) / max(elapsed, 1e-9)], dtype=torch.float64)
+    local_rate = torch.tensor([(state.tokens - start_tokens) / max(elapsed, 1e-9)], dtype=torch.float64,
+                              device=device)
     torch.distributed.all_reduce(local_rate)  # one collective, at the end only
     if train.data_trace:
         _write_trace(run_dir, rank, state.restarts, trace)
 
-    export: dict[str, str] = {}
+    export = _export(task, engine, rank, storage.join(train.output, "export"))
     if rank == 0:
-        with tempfile.TemporaryDirectory(prefix="raydense-export-") as tmp:
-            export = _export(task, engine, tmp, storage.join(train.output, "export"))
-        with tempfile.TemporaryDirectory() as tmp:
-            with open(os.path.join(tmp, "history.json"), "w") as f:
-                json.dump(state.history, f)
-            storage.write_bytes(storage.join(train.output, "history.json"),
-                                Path(tmp, "history.json").read_bytes())
+        storage.write_json(storage.join(train.output, "history.json"), state.history)
     final_loss = state.history[-1]["loss"] if state.history else float("nan")
     summary = {"steps": state.step, "final_loss": final_loss, "tokens_per_s": float(local_rate.item()),
                "tokens_per_s_per_worker": float(local_rate.item()) / world, "restarts": state.restarts,
@@ -287,14 +302,27 @@ def train_worker(config: dict) -> None:
         ray.train.report(summary)
 
 
-def _export(task: TrainTask, engine, tmp: str, destination: str) -> dict[str, str]:
-    """Export the trained model with fp32 weights, then upload; returns destination paths."""
-    module = engine.module
-    if any(p.dtype != torch.float32 for p in module.parameters()):
-        import copy
-        module = copy.deepcopy(module).float()
-    paths = task.export(module, tmp)
-    storage.upload_dir(tmp, destination)
+def _export(task: TrainTask, engine, rank: int, destination: str) -> dict[str, str]:
+    """Rank 0 exports the model with fp32 weights and uploads it; returns destination paths.
+
+    Under ZeRO-3 each rank holds a slice of every parameter, so all ranks gather the
+    full weights for the duration of the export.
+    """
+    import contextlib
+
+    import deepspeed
+
+    gather = (deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+              if engine.zero_optimization_stage() == 3 else contextlib.nullcontext())
+    with gather:
+        if rank != 0:
+            return {}
+        module = engine.module
+        if any(p.dtype != torch.float32 for p in module.parameters()):
+            module = copy.deepcopy(module).float()
+        with tempfile.TemporaryDirectory(prefix="raydense-export-") as tmp:
+            paths = task.export(module, tmp)
+            storage.upload_dir(tmp, destination)
     return {k: storage.join(destination, os.path.relpath(v, tmp)) if v.startswith(tmp) else v
             for k, v in paths.items()} | {"export_dir": destination}
 
@@ -314,7 +342,7 @@ class FitResult:
 
 
 def fit(train: TrainConfig, task: TrainTask, dataset_factory: Callable,
-        run_dir: str, name: str = "checkpoints") -> FitResult:
+        run_dir: str, name: str = "checkpoints", replay_batches: int = 0) -> FitResult:
     """Run the loop on a Ray Train TorchTrainer. Re-running with the same output resumes."""
     import ray.train
     from ray.train.torch import TorchTrainer
@@ -328,7 +356,8 @@ def fit(train: TrainConfig, task: TrainTask, dataset_factory: Callable,
     trainer = TorchTrainer(
         train_worker,
         train_loop_config={"train": train, "task": task, "run_dir": run_dir,
-                           "deepspeed": deepspeed_config(train, train.num_workers)},
+                           "deepspeed": deepspeed_config(train, train.num_workers),
+                           "replay_batches": replay_batches},
         scaling_config=ray.train.ScalingConfig(num_workers=train.num_workers, use_gpu=train.use_gpu,
                                                resources_per_worker=resources),
         run_config=ray.train.RunConfig(

@@ -1,0 +1,58 @@
+"""The loop's pure helpers: DeepSpeed config filling, LR schedule, parameter groups, seeds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pipeline.train import TrainConfig, deepspeed_config, linear_schedule, param_groups, step_seed
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_shipped_templates_get_every_auto_filled(stage):
+    cfg = deepspeed_config(TrainConfig(zero_stage=stage, micro_batch_size=8, grad_accum=4, precision="bf16",
+                                       grad_clip=0.5), world_size=3)
+    assert "auto" not in json.dumps(cfg)
+    assert cfg["zero_optimization"]["stage"] == stage
+    assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == (8, 4)
+    assert cfg["train_batch_size"] == 8 * 4 * 3
+    assert cfg["gradient_clipping"] == 0.5
+    assert cfg["bf16"]["enabled"] is True and cfg["fp16"]["enabled"] is False
+
+
+def test_one_worker_skips_zero_partitioning_but_keeps_stage_3():
+    assert deepspeed_config(TrainConfig(zero_stage=2), world_size=1)["zero_optimization"]["stage"] == 0
+    assert deepspeed_config(TrainConfig(zero_stage=1), world_size=1)["zero_optimization"]["stage"] == 0
+    assert deepspeed_config(TrainConfig(zero_stage=3), world_size=1)["zero_optimization"]["stage"] == 3
+    assert deepspeed_config(TrainConfig(zero_stage=2), world_size=2)["zero_optimization"]["stage"] == 2
+
+
+def test_explicit_values_in_a_user_config_win(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"gradient_clipping": 2.0, "bf16": {"enabled": False},
+                                "zero_optimization": {"stage": 1}}))
+    cfg = deepspeed_config(TrainConfig(deepspeed_config=str(path), zero_stage=3, precision="bf16"), world_size=1)
+    assert cfg["gradient_clipping"] == 2.0 and cfg["bf16"]["enabled"] is False
+    assert cfg["zero_optimization"]["stage"] == 1  # the file's stage, not train.zero_stage
+
+
+def test_linear_warmup_then_linear_decay_to_zero():
+    f = linear_schedule(max_steps=100, warmup_ratio=0.1)
+    assert [round(f(s), 6) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]
+    assert f(10) == pytest.approx(1.0) and f(55) == pytest.approx(0.5) and f(100) == 0.0
+    assert all(f(s) >= f(s + 1) for s in range(10, 100))
+
+
+def test_no_weight_decay_on_biases_and_layernorm():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    decay, no_decay = param_groups(model, 0.01)
+    assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
+    assert [p.shape for p in decay["params"]] == [torch.Size([4, 4])]
+    assert len(no_decay["params"]) == 3  # linear bias, LayerNorm weight and bias
+
+
+def test_step_seeds_differ_across_ranks_and_steps():
+    seeds = {step_seed(42, r, s) for r in range(4) for s in range(1000)}
+    assert len(seeds) == 4000
