@@ -1,0 +1,77 @@
+"""Gradient cache (Gao et al. 2021; coCondenser eq. 9-12): a batch-coupled loss over a
+batch far larger than memory, with the exact full-batch gradient.
+
+1. Forward every chunk without a graph, keeping each chunk's RNG state (dropout).
+2. Compute the coupled loss on the detached representations of the whole batch, and
+   its gradient with respect to each representation. Any cross-worker gather happens
+   here, once per batch: never one collective per chunk, which can hang (one worker
+   running ahead into a chunk's collective while another waits in a different one).
+3. Replay each chunk's forward with its saved RNG state and back-propagate
+   ``dot(rep, cached_grad) + local_loss``, whose gradient is exactly that chunk's share.
+
+The backward call is injected, so the same code drives ``loss.backward()`` or a
+DeepSpeed engine (whose chunks must then sit inside one optimiser step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+
+@dataclass
+class RngState:
+    cpu: torch.Tensor
+    cuda: list[torch.Tensor] | None
+
+    @classmethod
+    def capture(cls) -> "RngState":
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        return cls(torch.get_rng_state(), cuda)
+
+    @contextlib.contextmanager
+    def restored(self):
+        """Run a block with this RNG state, leaving the caller's RNG as it was."""
+        devices = list(range(torch.cuda.device_count())) if self.cuda is not None else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state_all(self.cuda)
+            yield
+
+
+Encode = Callable[[dict], tuple[torch.Tensor, torch.Tensor]]
+
+
+def grad_cache_backward(chunks: Sequence[dict], encode: Encode,
+                        coupled_loss: Callable[[torch.Tensor], torch.Tensor],
+                        backward: Callable[[torch.Tensor], None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accumulate into the parameters' ``.grad`` the gradient of
+    ``coupled_loss(cat(reps)) + sum(local losses)`` over all chunks.
+
+    ``encode(chunk)`` returns ``(reps, local_loss)``: the chunk's representations (b, H)
+    and the part of the loss that does not couple examples (e.g. MLM), already weighted
+    as the caller wants it summed. Returns the detached coupled loss and the summed
+    local loss.
+    """
+    states, reps = [], []
+    with torch.no_grad():
+        for chunk in chunks:
+            states.append(RngState.capture())
+            rep, _ = encode(chunk)
+            reps.append(rep)
+    sizes = [r.shape[0] for r in reps]
+    all_reps = torch.cat(reps).detach().requires_grad_(True)
+    coupled = coupled_loss(all_reps)
+    (cached,) = torch.autograd.grad(coupled, all_reps)
+    local_total = torch.zeros((), device=all_reps.device)
+    for chunk, state, grad in zip(chunks, states, cached.split(sizes)):
+        with state.restored():
+            rep, local = encode(chunk)
+        # d/dθ of dot(rep, g) is g·∂rep/∂θ: this chunk's exact share of the coupled gradient.
+        backward(torch.sum(rep * grad.to(rep.dtype)) + local)
+        local_total = local_total + local.detach()
+    return coupled.detach(), local_total
