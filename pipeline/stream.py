@@ -49,8 +49,8 @@ def write_pointer(run_dir: str, checkpoint_dir: str, step: int) -> None:
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 
 
-def restorable_checkpoint(run_dir: str) -> tuple[str | None, str]:
-    """The checkpoint Ray Train will hand the workers on their next start, and how we know.
+def restorable_checkpoint(run_dir: str) -> str | None:
+    """The checkpoint Ray Train will hand the workers on their next start (None: none yet).
 
     Ray Train's controller persists its checkpoint registry (``checkpoint_manager_snapshot.json``)
     when it *registers* a checkpoint, which can lag behind the workers' report. That file,
@@ -62,13 +62,13 @@ def restorable_checkpoint(run_dir: str) -> tuple[str | None, str]:
     if storage.exists(snapshot_uri):
         try:
             latest = storage.read_json(snapshot_uri).get("latest_checkpoint_result")
-            return (latest["checkpoint_dir_name"] if latest else None), "ray-snapshot"
+            return latest["checkpoint_dir_name"] if latest else None
         except (storage.StorageError, KeyError, TypeError, AttributeError):
             pass
     pointer_uri = storage.join(run_dir, POINTER)
     if storage.exists(pointer_uri):
-        return storage.read_json(pointer_uri)["checkpoint"], "pointer"
-    return None, "none"
+        return storage.read_json(pointer_uri)["checkpoint"]
+    return None
 
 
 def read_checkpoint_position(checkpoint_uri: str) -> DataPosition:
@@ -85,7 +85,7 @@ def read_checkpoint_position(checkpoint_uri: str) -> DataPosition:
 
 def read_position(run_dir: str) -> tuple[DataPosition, str | None]:
     """The data position the next stream resumes from, and the checkpoint it belongs to."""
-    name, _ = restorable_checkpoint(run_dir)
+    name = restorable_checkpoint(run_dir)
     if name is None:
         return DataPosition(), None
     return read_checkpoint_position(storage.join(run_dir, name)), name

@@ -13,8 +13,9 @@ Checkpoint layout (one Ray Train checkpoint directory per save, ``checkpoint_<st
     trainer_state.json          step, tokens, loss history (rank 0)
     position_rank<r>.json       the corpus rows rank r consumed, per epoch
 
-After the checkpoint is persisted, rank 0 points ``<run_dir>/data_position.json`` at it;
-the stream factory (pipeline.stream) reads that on the next worker-group start.
+On the next worker-group start, the stream factory (pipeline.stream) reads the position
+of the checkpoint Ray Train will restore: Ray's own registry names it; the pointer
+``<run_dir>/data_position.json``, which rank 0 writes after each report, is the fallback.
 """
 
 from __future__ import annotations
@@ -323,8 +324,9 @@ def _export(task: TrainTask, engine, rank: int, destination: str) -> dict[str, s
         with tempfile.TemporaryDirectory(prefix="raydense-export-") as tmp:
             paths = task.export(module, tmp)
             storage.upload_dir(tmp, destination)
-    return {k: storage.join(destination, os.path.relpath(v, tmp)) if v.startswith(tmp) else v
-            for k, v in paths.items()} | {"export_dir": destination}
+            uploaded = {k: storage.join(destination, os.path.relpath(v, tmp)) if v.startswith(tmp) else v
+                        for k, v in paths.items()}
+    return uploaded | {"export_dir": destination}
 
 
 def _write_trace(run_dir: str, rank: int, attempt: int, trace: dict[int, list[np.ndarray]]) -> None:
