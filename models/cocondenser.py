@@ -1,34 +1,49 @@
 """coCondenser (Gao & Callan, 2022): Condenser plus a corpus-level span-pair contrastive loss.
 
-Each document contributes two random spans; a span's positive is its partner and every
-other span of the *global* batch is a negative. Similarity is the raw dot product of
-last-layer CLS vectors: no normalisation, no temperature.
+Each document contributes two random spans (:func:`draw_span_pairs`, re-drawn every
+epoch by the stream); a span's positive is its partner and every other span of the
+*global* batch is a negative. Similarity is the raw dot product of last-layer CLS
+vectors: no normalisation, no temperature. The total is (head MLM + late MLM +
+contrastive) averaged over the 2n spans (paper eq. 7).
 
-This module holds the loss and the cross-worker gather; the span sampling and the
-trainer integration (with the gradient cache of ``models/grad_cache.py``) come with
-the rest of the method.
+With ``chunk_size`` set, a step runs through the gradient cache of
+``models/grad_cache.py``, so the span batch can be far larger than memory allows.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from models.condenser import Condenser, CondenserConfig, CondenserMethod
+from models.grad_cache import LocalGradients, grad_cache_backward
+
 
 def gather_with_grad(local: torch.Tensor) -> torch.Tensor:
-    """All-gather ``(b, H)`` rows from every worker into ``(world * b, H)``.
+    """All-gather ``(b_r, H)`` rows from every worker into ``(sum b_r, H)``.
 
     Worker r's rows sit at slot r of the *global* rank (the Condenser authors used the
     local rank, which breaks across nodes). The local slot is the local tensor itself, so
-    gradients flow into this worker's rows; the other slots are constants. Every worker
-    must pass the same ``b``.
+    gradients flow into this worker's rows; the other slots are constants. Workers may
+    hold different numbers of rows (the last batch of a stream): sizes are exchanged
+    first and the rows padded for the gather, two collectives per call.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return local
     world, rank = dist.get_world_size(), dist.get_rank()
-    slots = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(slots, local.detach().contiguous())
+    size = torch.tensor([local.shape[0]], dtype=torch.long, device=local.device)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    sizes = [int(s) for s in sizes]
+    padded = local.new_zeros((max(sizes), *local.shape[1:]))
+    padded[:local.shape[0]] = local.detach()
+    slots = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(slots, padded)
+    slots = [slot[:n] for slot, n in zip(slots, sizes)]
     slots[rank] = local
     return torch.cat(slots)
 
@@ -58,5 +73,133 @@ def global_span_contrastive_loss(local_cls: torch.Tensor) -> torch.Tensor:
     rows. Summed over workers, those are exactly the full-batch gradient; the trainer's
     all-reduce *averages* them, so the loss is scaled by the world size here.
     """
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    return span_contrastive_loss(gather_with_grad(local_cls)) * world
+    # fp32 for the gather (gloo has no bf16 collectives) and for the softmax.
+    return span_contrastive_loss(gather_with_grad(local_cls.float())) * _world_size()
+
+
+# -- span pairs -------------------------------------------------------------------------
+
+@dataclass
+class CoCondenserConfig(CondenserConfig):
+    head: str = field(default="auto", metadata={"help": "Condenser head to warm-start from (safetensors); 'auto' = condenser_head.safetensors beside --model.init when present, '' = a fresh head"})
+    span_length: int = field(default=80, metadata={"help": "tokens per span (without [CLS]/[SEP])"})
+    short_span_prob: float = field(default=0.1, metadata={"help": "chance that a pair's spans are shorter: uniform in [min_span_length, span_length)"})
+    min_span_length: int = field(default=16, metadata={"help": "shortest span; documents under 2x this many tokens hold no pair and are skipped (counted)"})
+    chunk_size: int = field(default=0, metadata={"help": "gradient cache: spans per forward chunk; 0 = no cache (the whole micro-batch in one graph)"})
+
+
+def _uniform(seed: int, epoch: int, rows: np.ndarray, draw: int) -> np.ndarray:
+    """Uniform [0, 1) floats that depend only on (seed, epoch, row, draw): splitmix64.
+
+    A document's spans must not depend on which batch or worker it lands in (resumed
+    epochs re-batch the rows), and per-row generators would cost ~10 us a document.
+    """
+    with np.errstate(over="ignore"):
+        x = (rows.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+             + np.uint64((seed * 1_000_003 + epoch * 7_919 + draw * 104_729) % 2**63))
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    return (x >> np.uint64(11)).astype(np.float64) / float(2**53)
+
+
+def draw_span_pairs(lengths: np.ndarray, rows: np.ndarray, cfg: CoCondenserConfig, seed: int,
+                    epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Two non-overlapping spans of equal length per document.
+
+    Returns ``(valid, first_start, second_start, span_len)`` per document. The length is
+    ``span_length``, or with ``short_span_prob`` uniform in [min_span_length,
+    span_length); it is capped at half the document so short documents still give a
+    pair. The two spans are placed uniformly among the non-overlapping placements.
+    Documents shorter than ``2 * min_span_length`` are not valid (no pair).
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    short = _uniform(seed, epoch, rows, 0) < cfg.short_span_prob
+    short_len = cfg.min_span_length + np.floor(
+        _uniform(seed, epoch, rows, 1) * max(0, cfg.span_length - cfg.min_span_length)).astype(np.int64)
+    span_len = np.minimum(np.where(short, short_len, cfg.span_length), lengths // 2)
+    valid = lengths >= 2 * cfg.min_span_length
+    free = np.maximum(lengths - 2 * span_len, 0)
+    cuts = np.floor(np.stack([_uniform(seed, epoch, rows, 2), _uniform(seed, epoch, rows, 3)])
+                    * (free + 1)).astype(np.int64)
+    first, second = cuts.min(axis=0), cuts.max(axis=0) + span_len
+    return valid, first, second, span_len
+
+
+# -- the method -------------------------------------------------------------------------
+
+class CoCondenserMethod(CondenserMethod):
+    """coCondenser pre-training: Condenser MLM losses + span-pair contrastive loss.
+
+    A micro-batch holds ``b`` documents as (b, 2, L) span pairs; the task flattens them
+    to (2b, L) with partners adjacent, as :func:`partner_targets` expects.
+    """
+
+    name = "cocondenser"
+    example_format = "span_pairs"
+
+    def build(self, mlm) -> Condenser:
+        model = Condenser(mlm, self.cfg.n_head_layers, self.cfg.skip_from)
+        if self.cfg.head and self.cfg.head != "auto":
+            model.load_head(self.cfg.head)
+        return model
+
+    def _losses(self, model, batch: dict, n_local: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(late CLS, summed per-span MLM share of this chunk, detached parts)."""
+        out = model(batch["input_ids"], batch["attention_mask"], batch["labels"], per_sequence=True)
+        local = out.loss / n_local
+        parts = {"head_mlm_loss": out.head_mlm_loss.detach().sum() / n_local,
+                 "late_mlm_loss": out.late_mlm_loss.detach().sum() / n_local}
+        return out.late_cls, local, parts
+
+    def loss(self, model, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss to back-propagate on this worker. Its contrastive term is the global
+        loss times the world size (see :func:`global_span_contrastive_loss`); the extras
+        hold the true values, which is what gets logged."""
+        late_cls, local, parts = self._losses(model, batch, batch["input_ids"].shape[0])
+        contrastive = global_span_contrastive_loss(late_cls)
+        return local + contrastive, self._extras(parts, local, contrastive)
+
+    @staticmethod
+    def _extras(parts: dict, local: torch.Tensor, scaled_contrastive: torch.Tensor) -> dict:
+        contrastive = scaled_contrastive.detach() / _world_size()
+        return {**parts, "contrastive_loss": contrastive, "loss": local.detach() + contrastive}
+
+    def backward(self, engine, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One optimiser step's backward, through the gradient cache when ``chunk_size`` asks.
+
+        The chunks call the bare module (``engine.module``): DeepSpeed's forward adds
+        backward hooks on outputs that must only run for the final ``engine.backward``.
+        """
+        n_local = batch["input_ids"].shape[0]
+        if not self.cfg.chunk_size or self.cfg.chunk_size >= n_local:
+            loss, extras = self.loss(engine, batch)
+            engine.backward(loss)
+            return extras.pop("loss"), extras
+        stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
+        if stage >= 3:
+            raise ValueError("the gradient cache needs whole parameters on each rank: use ZeRO stage 0, 1 or 2")
+        module = getattr(engine, "module", engine)
+        chunks = [{k: v[i:i + self.cfg.chunk_size] for k, v in batch.items()}
+                  for i in range(0, n_local, self.cfg.chunk_size)]
+        parts: dict[str, torch.Tensor] = {}
+
+        def encode(chunk):
+            late_cls, local, chunk_parts = self._losses(module, chunk, n_local)
+            if torch.is_grad_enabled():  # the replay, not the no-grad first pass
+                for k, v in chunk_parts.items():
+                    parts[k] = parts.get(k, 0) + v
+            return late_cls, local
+
+        grads = LocalGradients(module.parameters())
+        contrastive, local = grad_cache_backward(chunks, encode, global_span_contrastive_loss, grads.add)
+        engine.backward(grads.surrogate())
+        extras = self._extras(parts, local, contrastive)
+        return extras.pop("loss"), extras
+
+    def export(self, model: Condenser, out_dir: str, tokenizer_dir: str | None) -> dict[str, str]:
+        return model.save(out_dir, tokenizer_dir)
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -52,10 +52,26 @@ def masked_lm_loss(mlm: BertForMaskedLM, states: torch.Tensor, labels: torch.Ten
     return F.cross_entropy(logits.float(), labels[picked])
 
 
+def sequence_mlm_losses(mlm: BertForMaskedLM, states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(B,) mean CE over each sequence's labelled positions (0 for a sequence with none).
+
+    coCondenser averages its losses per span (paper eq. 7), which also makes the loss of
+    a batch split into chunks or across workers a plain sum of per-span terms.
+    """
+    picked = labels != IGNORE_INDEX
+    per_sequence = torch.zeros(labels.shape[0], dtype=torch.float32, device=states.device)
+    if not picked.any():
+        return per_sequence + states.sum() * 0.0
+    token_losses = F.cross_entropy(mlm.cls(states[picked]).float(), labels[picked], reduction="none")
+    rows = picked.nonzero()[:, 0]
+    counts = picked.sum(dim=1).clamp(min=1).float()
+    return per_sequence.index_add(0, rows, token_losses) / counts
+
+
 @dataclass
 class CondenserOutput:
     loss: torch.Tensor
-    head_mlm_loss: torch.Tensor
+    head_mlm_loss: torch.Tensor  # scalar, or (B,) per sequence
     late_mlm_loss: torch.Tensor
     late_cls: torch.Tensor  # (B, H): the representation a retriever will use
 
@@ -91,12 +107,16 @@ class Condenser(nn.Module):
             hidden = layer(hidden, mask)
         return hidden
 
-    def forward(self, input_ids, attention_mask, labels) -> CondenserOutput:
+    def forward(self, input_ids, attention_mask, labels, per_sequence: bool = False) -> CondenserOutput:
+        """Losses are token means over the batch, or with ``per_sequence`` one mean per
+        sequence ((B,) tensors; ``loss`` is then their sum over both losses)."""
         late, early_tokens = self.backbone_states(input_ids, attention_mask)
         head = self.head_states(late[:, :1], early_tokens, attention_mask)
-        head_loss = masked_lm_loss(self.lm, head, labels)
-        late_loss = masked_lm_loss(self.lm, late, labels)
-        return CondenserOutput(head_loss + late_loss, head_loss, late_loss, late[:, 0])
+        mlm_loss = sequence_mlm_losses if per_sequence else masked_lm_loss
+        head_loss = mlm_loss(self.lm, head, labels)
+        late_loss = mlm_loss(self.lm, late, labels)
+        loss = (head_loss + late_loss).sum() if per_sequence else head_loss + late_loss
+        return CondenserOutput(loss, head_loss, late_loss, late[:, 0])
 
     # -- persistence -------------------------------------------------------------------
 

@@ -75,3 +75,38 @@ def grad_cache_backward(chunks: Sequence[dict], encode: Encode,
         backward(torch.sum(rep * grad.to(rep.dtype)) + local)
         local_total = local_total + local.detach()
     return coupled.detach(), local_total
+
+
+class LocalGradients:
+    """Sums the chunk gradients of a gradient-cached step in this process only.
+
+    Under DeepSpeed ZeRO, every ``engine.backward`` triggers the engine's gradient
+    reduction (ZeRO-2 reduce-scatters in its hooks on every backward), so a backward per
+    chunk would mean collectives per chunk. Instead each chunk's gradient is taken with
+    ``torch.autograd.grad``, which fills no ``.grad`` and so fires none of those hooks,
+    and summed here in fp32. One ``engine.backward(surrogate())`` then hands the total to
+    DeepSpeed: one reduction and one optimiser step per batch, at every ZeRO stage that
+    keeps whole parameters on each rank (0, 1, 2). The price is one fp32 copy of the
+    gradients per rank.
+    """
+
+    def __init__(self, params):
+        self.params = [p for p in params if p.requires_grad]
+        self.sums: list[torch.Tensor | None] = [None] * len(self.params)
+
+    def add(self, loss: torch.Tensor) -> None:
+        grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+        for i, grad in enumerate(grads):
+            if grad is None:
+                continue
+            if self.sums[i] is None:
+                self.sums[i] = grad.float()
+            else:
+                self.sums[i].add_(grad.float())
+
+    def surrogate(self) -> torch.Tensor:
+        """A scalar whose gradient with respect to each parameter is that parameter's sum."""
+        terms = [(p * g.to(p.dtype)).sum().float() for p, g in zip(self.params, self.sums) if g is not None]
+        if not terms:
+            raise RuntimeError("gradient cache: no parameter received a gradient")
+        return torch.stack(terms).sum()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from typing import Literal
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from models.backbone import BackboneConfig, build_mlm
+from models.cocondenser import CoCondenserConfig, CoCondenserMethod
 from models.condenser import CondenserConfig, CondenserMethod
 from models.masking import MaskingVocab
 from pipeline import storage
@@ -22,7 +24,8 @@ from pipeline.stream import StreamSpec, TrainingStream, estimate_sequences_per_e
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train import TrainConfig, epochs_needed, fit
 
-METHODS = {"condenser": CondenserMethod}
+METHODS = {"condenser": CondenserMethod, "cocondenser": CoCondenserMethod}
+HEAD_FILE = "condenser_head.safetensors"
 
 
 @dataclass
@@ -34,11 +37,12 @@ class StreamConfig:
 
 @dataclass
 class PretrainConfig:
-    method: Literal["condenser"] = field(default="condenser", metadata={"help": "pre-training method"})
+    method: Literal["condenser", "cocondenser"] = field(default="condenser", metadata={"help": "pre-training method"})
     corpus: PrepareConfig = field(default_factory=PrepareConfig)
     data: StreamConfig = field(default_factory=StreamConfig)
     model: BackboneConfig = field(default_factory=BackboneConfig)
     condenser: CondenserConfig = field(default_factory=CondenserConfig)
+    cocondenser: CoCondenserConfig = field(default_factory=CoCondenserConfig)
     # The embedded default: a tiny model from scratch on the bundled corpus in ~2 minutes on CPU.
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
         output="runs/pretrain-condenser", micro_batch_size=16, max_steps=200, lr=5e-4,
@@ -69,14 +73,29 @@ class PretrainTask:
         self.method = METHODS[self.method_name](self.method_cfg, vocab)
         return self.method.build(build_mlm(self.backbone, self.vocab_size))
 
+    @property
+    def counter_names(self) -> tuple[str, ...]:
+        return ("skipped_docs",) if self.method_name == "cocondenser" else ()
+
     def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]:
+        # Span pairs arrive as (b, 2, L): flattened to (2b, L), partners stay adjacent.
         input_ids = torch.from_numpy(np.ascontiguousarray(batch["input_ids"])).long()
-        lengths = torch.from_numpy(np.asarray(batch["length"])).long()
+        input_ids = input_ids.reshape(-1, input_ids.shape[-1])
+        lengths = torch.from_numpy(np.asarray(batch["length"])).long().reshape(-1)
         attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()
         return self.method.make_batch(input_ids, attention_mask, generator)
 
-    def loss(self, model, batch):
-        return self.method.loss(model, batch)
+    def backward(self, engine, batch):
+        if hasattr(self.method, "backward"):
+            return self.method.backward(engine, batch)
+        loss, extras = self.method.loss(engine, batch)
+        engine.backward(loss)
+        return loss.detach(), extras
+
+    def counters(self, batch: dict[str, np.ndarray]) -> dict[str, int]:
+        if "skipped_docs" not in batch:
+            return {}
+        return {"skipped_docs": int(np.asarray(batch["skipped_docs"]).sum())}
 
     def consumed_rows(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         sources = list(batch["source_rows"])
@@ -89,6 +108,20 @@ class PretrainTask:
 
     def export(self, model: torch.nn.Module, out_dir: str) -> dict[str, str]:
         return self.method.export(model, out_dir, self._tokenizer_local())
+
+
+def _resolve_warm_start_head(cfg: PretrainConfig) -> None:
+    """coCondenser starts from a trained Condenser, head included (paper §3.3)."""
+    if cfg.cocondenser.head == "auto":
+        beside = os.path.join(cfg.model.init, HEAD_FILE) if cfg.model.init else ""
+        cfg.cocondenser.head = beside if beside and os.path.isfile(beside) else ""
+        if not cfg.cocondenser.head:
+            sys.stderr.write("cocondenser: no Condenser head beside --model.init; the head starts from random "
+                             "(the paper warm-starts from a trained Condenser: pass its export as --model.init)\n")
+    elif cfg.cocondenser.head:
+        cfg.cocondenser.head = os.path.abspath(cfg.cocondenser.head)
+        if not os.path.isfile(cfg.cocondenser.head):
+            raise FileNotFoundError(f"--cocondenser.head {cfg.cocondenser.head}: no such file")
 
 
 def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
@@ -104,17 +137,23 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
         cfg.corpus.input = os.path.abspath(cfg.corpus.input)
     storage.check_reachable(cfg.corpus.output)
     storage.check_reachable(cfg.train.output)
+    if cfg.method == "cocondenser":
+        _resolve_warm_start_head(cfg)
 
     manifest = prepare_corpus(cfg.corpus) if cfg.corpus.input else load_manifest(cfg.corpus.output)
     tokenizer_uri = storage.join(cfg.corpus.output, manifest["tokenizer"])
     with storage.local_copy(tokenizer_uri) as tok_dir:
         tokenizer = load_tokenizer(tok_dir)
     run_dir = storage.join(cfg.train.output, "checkpoints")
+    spans = cfg.cocondenser if cfg.method == "cocondenser" else None
+    # coCondenser streams span pairs: a row is a document, and a span is at most span_length.
+    max_len = spans.span_length + 2 if spans else cfg.data.max_len
+    pack = cfg.data.pack and not spans
     spec = StreamSpec(
-        corpus=cfg.corpus.output, max_len=cfg.data.max_len, pack=cfg.data.pack,
-        epochs=epochs_needed(cfg.train, estimate_sequences_per_epoch(manifest, cfg.data.max_len, cfg.data.pack)),
+        corpus=cfg.corpus.output, max_len=max_len, pack=pack,
+        epochs=epochs_needed(cfg.train, estimate_sequences_per_epoch(manifest, max_len, pack, bool(spans))),
         seed=cfg.train.seed, shuffle_files=cfg.data.shuffle_files, cls_id=tokenizer.cls_token_id,
-        sep_id=tokenizer.sep_token_id, pad_id=tokenizer.pad_token_id, run_dir=run_dir)
+        sep_id=tokenizer.sep_token_id, pad_id=tokenizer.pad_token_id, run_dir=run_dir, spans=spans)
     method_cfg = getattr(cfg, cfg.method)
     task = PretrainTask(cfg.method, method_cfg, cfg.model, tokenizer_uri, manifest["vocab_size"])
     write_run_files(cfg, cfg.train.output)
@@ -129,6 +168,7 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
         "restarts": result.metrics.get("restarts"), "resumes": result.metrics.get("resumes"),
         "steps_this_attempt": result.metrics.get("steps_this_attempt"), "checkpoint": result.checkpoint,
         "corpus_docs": manifest["num_docs"], "epochs_streamed": spec.epochs,
+        **(result.metrics.get("counters") or {}),
     }
     from pipeline.plots import plot_loss_curve
     history = storage.read_json(storage.join(cfg.train.output, "history.json"))

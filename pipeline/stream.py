@@ -15,6 +15,7 @@ worker group: a filter meant for the resumed epoch would otherwise apply to all.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +38,9 @@ class StreamSpec:
     sep_id: int
     pad_id: int
     run_dir: str           # where the trainer's checkpoints and the position pointer live
+    # coCondenser: a CoCondenserConfig (span_length, short_span_prob, min_span_length).
+    # Set, the stream yields span pairs instead of sequences (see to_span_pairs).
+    spans: Any = None
 
 
 # -- data position on storage ---------------------------------------------------------
@@ -144,6 +148,40 @@ def to_sequences(batch: dict, spec: StreamSpec, epoch: int) -> dict:
             "epoch": np.full(len(chunks), epoch, dtype=np.int32), "source_rows": source_rows}
 
 
+def to_span_pairs(batch: dict, spec: StreamSpec, epoch: int) -> dict:
+    """Two random spans per document, as one (2, max_len) example, re-drawn each epoch.
+
+    A pair is one row, so no split or batch boundary can separate partners. Documents too
+    short for a pair are skipped, but not silently: each is folded into the
+    ``source_rows`` of the nearest following pair of the block (trailing ones into the
+    last pair), so the worker marks it consumed like any other row, and counted in
+    ``skipped_docs``. A block with no valid pair at all yields nothing; with whole-block
+    batches (how this function is mapped) that means a whole shard of such documents.
+    """
+    from models.cocondenser import draw_span_pairs
+
+    rows, docs = np.asarray(batch["row"], dtype=np.int64), batch["input_ids"]
+    lengths = np.array([len(d) for d in docs], dtype=np.int64)
+    valid, first, second, span_len = draw_span_pairs(lengths, rows, spec.spans, spec.seed, epoch)
+    keep = np.flatnonzero(valid)
+    chunks, sources, skipped = [], [], np.zeros(len(keep), dtype=np.int32)
+    if len(keep):
+        # Each document's pair index: the next valid document at or after it, else the last.
+        owner = np.minimum(np.searchsorted(keep, np.arange(len(rows))), len(keep) - 1)
+        np.add.at(skipped, owner[~valid], 1)
+        for pair, i in enumerate(keep):
+            ids = np.asarray(docs[i], dtype=np.int32)
+            chunks += [ids[first[i]:first[i] + span_len[i]], ids[second[i]:second[i] + span_len[i]]]
+            sources.append(rows[owner == pair])
+    input_ids, span_lengths = _frame(chunks, spec)
+    source_rows = np.empty(len(sources), dtype=object)
+    source_rows[:] = sources
+    return {"input_ids": input_ids.reshape(len(keep), 2, spec.max_len),
+            "length": span_lengths.reshape(len(keep), 2),
+            "epoch": np.full(len(keep), epoch, dtype=np.int32), "source_rows": source_rows,
+            "skipped_docs": skipped}
+
+
 def drop_consumed(batch: dict, consumed: list[list[int]]) -> dict:
     keep = ~IntervalSet(consumed).contains(batch["row"])
     return {k: v[keep] for k, v in batch.items()}
@@ -177,11 +215,19 @@ def build_stream(spec: StreamSpec, position: DataPosition, manifest: dict | None
         if consumed.count():
             ds = ds.map_batches(drop_consumed, fn_kwargs={"consumed": consumed.to_list()},
                                 batch_format="numpy", zero_copy_batch=True)
-        parts.append(ds.map_batches(to_sequences, fn_kwargs={"spec": spec, "epoch": epoch},
-                                    batch_format="numpy"))
+        if spec.spans is not None:
+            ds = ds.map_batches(to_span_pairs, fn_kwargs={"spec": spec, "epoch": epoch},
+                                batch_format="numpy", batch_size=None)
+        else:
+            ds = ds.map_batches(to_sequences, fn_kwargs={"spec": spec, "epoch": epoch}, batch_format="numpy")
+        parts.append(ds)
     if not parts:  # everything consumed: an empty stream, so a resumed finished run just exports
-        return ray.data.from_items([{"input_ids": np.zeros(spec.max_len, np.int32), "length": 0,
-                                     "epoch": 0, "source_rows": np.zeros(0, np.int64)}]).limit(0)
+        shape = (2, spec.max_len) if spec.spans is not None else (spec.max_len,)
+        row = {"input_ids": np.zeros(shape, np.int32), "length": np.zeros(shape[:-1], np.int32),
+               "epoch": 0, "source_rows": np.zeros(0, np.int64)}
+        if spec.spans is not None:
+            row["skipped_docs"] = 0
+        return ray.data.from_items([row]).limit(0)
     return parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
 
 
@@ -198,8 +244,8 @@ class TrainingStream:
         return build_stream(self.spec, position, manifest)
 
 
-def estimate_sequences_per_epoch(manifest: dict, max_len: int, pack: bool) -> int:
-    """Sequences one epoch yields (exact for truncation, close for packing)."""
-    if not pack:
+def estimate_sequences_per_epoch(manifest: dict, max_len: int, pack: bool, span_pairs: bool = False) -> int:
+    """Examples one epoch yields (exact for truncation, close for packing, at most for span pairs)."""
+    if not pack or span_pairs:
         return manifest["num_docs"]
     return int(np.ceil((manifest["num_tokens"] + manifest["num_docs"]) / (max_len - 2)))

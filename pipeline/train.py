@@ -74,9 +74,14 @@ class TrainTask(Protocol):
 
     def build_model(self) -> torch.nn.Module: ...
     def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]: ...
-    def loss(self, model: Callable, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+    def backward(self, engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Forward and ``engine.backward`` for one micro-batch; returns (loss to log, extras)."""
     def consumed_rows(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]: ...
     def count_tokens(self, batch: dict[str, np.ndarray]) -> int: ...
+    counter_names: tuple[str, ...]  # what counters() may return
+
+    def counters(self, batch: dict[str, np.ndarray]) -> dict[str, int]:
+        """Event counts to total over all workers for the summary (e.g. skipped documents)."""
     def export(self, model: torch.nn.Module, out_dir: str) -> dict[str, str]: ...
 
 
@@ -150,6 +155,7 @@ class TrainState:
     history: list[dict] = field(default_factory=list)
     restarts: int = 0
     resumes: list[dict] = field(default_factory=list)  # one entry per restore: where from, rows repeated/skipped
+    counters: dict[str, int] = field(default_factory=dict)  # this rank's share of task.counters since the start
 
 
 def log(msg: dict | str) -> None:
@@ -168,6 +174,8 @@ def _save_checkpoint(engine, state: TrainState, position: DataPosition, rank: in
         engine.save_checkpoint(tmp, tag=CHECKPOINT_TAG)
         with open(os.path.join(tmp, f"position_rank{rank}.json"), "w") as f:
             json.dump(position.to_json(), f)
+        with open(os.path.join(tmp, f"counters_rank{rank}.json"), "w") as f:
+            json.dump(state.counters, f)
         if rank == 0:
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
                 json.dump(asdict(state), f)
@@ -188,11 +196,18 @@ def _restore(engine, rank: int) -> tuple[TrainState, DataPosition, str | None]:
         engine.load_checkpoint(d, tag=CHECKPOINT_TAG)
         with open(os.path.join(d, "trainer_state.json")) as f:
             state = TrainState(**json.load(f))
-        position = DataPosition()
+        position, counters = DataPosition(), {}
         for name in os.listdir(d):
             if name.startswith("position_rank"):
                 with open(os.path.join(d, name)) as f:
                     position = position.merge(DataPosition.from_json(json.load(f)))
+            elif name.startswith("counters_rank"):
+                with open(os.path.join(d, name)) as f:
+                    for key, value in json.load(f).items():
+                        counters[key] = counters.get(key, 0) + value
+    # Every rank restores the same totals; rank 0 alone carries them, so the final
+    # all-reduce of per-rank counters counts them once (whatever the new world size).
+    state.counters = counters if rank == 0 else {}
     state.restarts += 1
     return state, position, os.path.basename(checkpoint.path.rstrip("/"))
 
@@ -251,8 +266,7 @@ def train_worker(config: dict) -> None:
             break
         generator = torch.Generator().manual_seed(step_seed(train.seed, rank, state.micro_step))
         tensors = {k: v.to(device) for k, v in task.make_batch(batch, generator).items()}
-        loss, extra = task.loss(engine, tensors)
-        engine.backward(loss)
+        loss, extra = task.backward(engine, tensors)
         boundary = engine.is_gradient_accumulation_boundary()
         engine.step()
         state.micro_step += 1
@@ -261,6 +275,8 @@ def train_worker(config: dict) -> None:
             position.add(int(epoch), rows[epochs == epoch])
             if train.data_trace:
                 trace.setdefault(int(epoch), []).append(rows[epochs == epoch])
+        for key, value in task.counters(batch).items():
+            state.counters[key] = state.counters.get(key, 0) + value
         tokens = task.count_tokens(batch)
         state.tokens += tokens
         window_tokens += tokens
@@ -284,9 +300,13 @@ def train_worker(config: dict) -> None:
             last_saved = state.step
 
     elapsed = time.perf_counter() - started
-    local_rate = torch.tensor([(state.tokens - start_tokens) / max(elapsed, 1e-9)], dtype=torch.float64,
-                              device=device)
-    torch.distributed.all_reduce(local_rate)  # one collective, at the end only
+    counter_names = sorted(getattr(task, "counter_names", ()))  # the same on every rank
+    totals = torch.tensor([(state.tokens - start_tokens) / max(elapsed, 1e-9)]
+                          + [float(state.counters.get(k, 0)) for k in counter_names],
+                          dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(totals)  # one collective, at the end only
+    local_rate = totals[:1]
+    counter_totals = {k: int(v) for k, v in zip(counter_names, totals[1:].tolist())}
     if train.data_trace:
         _write_trace(run_dir, rank, state.restarts, trace)
 
@@ -296,7 +316,8 @@ def train_worker(config: dict) -> None:
     final_loss = state.history[-1]["loss"] if state.history else float("nan")
     summary = {"steps": state.step, "final_loss": final_loss, "tokens_per_s": float(local_rate.item()),
                "tokens_per_s_per_worker": float(local_rate.item()) / world, "restarts": state.restarts,
-               "resumes": state.resumes, "steps_this_attempt": state.step - start_step, **export}
+               "resumes": state.resumes, "steps_this_attempt": state.step - start_step,
+               "counters": counter_totals, **export}
     if state.step > last_saved:
         _save_checkpoint(engine, state, position, rank, run_dir, summary)
     else:

@@ -136,3 +136,81 @@ def test_stream_leaves_out_consumed_rows_of_the_resumed_epoch_only(tmp_path, ray
         by_epoch[int(r["epoch"])].extend(int(x) for x in r["source_rows"])
     assert sorted(by_epoch[0]) == [i for i in range(90) if i not in set(consumed)]
     assert sorted(by_epoch[1]) == list(range(90))
+
+
+# -- coCondenser span pairs ------------------------------------------------------------------
+
+def span_spec(span_length=10, min_span_length=3, short_span_prob=0.1, seed=0):
+    from models.cocondenser import CoCondenserConfig
+
+    spans = CoCondenserConfig(span_length=span_length, min_span_length=min_span_length,
+                              short_span_prob=short_span_prob)
+    base = spec(max_len=span_length + 2, pack=False)
+    return StreamSpec(**{**base.__dict__, "seed": seed, "spans": spans})
+
+
+def test_span_pairs_are_two_disjoint_slices_of_their_document():
+    from pipeline.stream import to_span_pairs
+
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 60) for _ in range(300)]
+    batch = docs_batch(lengths, first_row=1000)
+    s = span_spec()
+    out = to_span_pairs(batch, s, epoch=0)
+    by_row = {int(r): np.asarray(ids) for r, ids in zip(batch["row"], batch["input_ids"])}
+    assert out["input_ids"].shape[1:] == (2, 12)
+    for pair, lens in zip(out["input_ids"], out["length"]):
+        assert lens[0] == lens[1]  # both spans of a pair have one length
+        a, b = pair[0][1:lens[0] - 1], pair[1][1:lens[1] - 1]
+        assert pair[0][0] == CLS and pair[0][lens[0] - 1] == SEP
+        doc = by_row[(int(a[0]) // 100 - 1) + 1000]  # token values encode their document
+        start_a, start_b = int(a[0]) % 100, int(b[0]) % 100
+        assert start_a + len(a) <= start_b  # non-overlapping, in document order
+        assert a.tolist() == doc[start_a:start_a + len(a)].tolist()
+        assert b.tolist() == doc[start_b:start_b + len(b)].tolist()
+        assert s.spans.min_span_length <= len(a) <= min(s.spans.span_length, len(doc) // 2)
+
+
+def test_short_documents_are_skipped_counted_and_still_consumed():
+    from pipeline.stream import to_span_pairs
+
+    lengths = [2, 40, 5, 1, 30, 3, 50, 4]  # under 2 x 3 tokens: rows 0, 2, 3, 5, 7
+    batch = docs_batch(lengths)
+    out = to_span_pairs(batch, span_spec(), epoch=0)
+    assert len(out["input_ids"]) == 3
+    assert out["skipped_docs"].tolist() == [1, 2, 2]  # folded into the next pair; the tail into the last
+    sources = [sorted(r.tolist()) for r in out["source_rows"]]
+    assert sources == [[0, 1], [2, 3, 4], [5, 6, 7]]  # every row consumed exactly once
+    empty = to_span_pairs(docs_batch([1, 2]), span_spec(), epoch=0)
+    assert len(empty["input_ids"]) == 0 and empty["input_ids"].shape[1:] == (2, 12)
+
+
+def test_spans_are_redrawn_each_epoch_and_independent_of_batching():
+    from pipeline.stream import to_span_pairs
+
+    lengths = [60] * 200
+    s = span_spec(span_length=10)
+    whole = to_span_pairs(docs_batch(lengths), s, epoch=0)
+    halves = [to_span_pairs(docs_batch(lengths[:120]), s, epoch=0),
+              to_span_pairs(docs_batch(lengths[120:], first_row=120), s, epoch=0)]
+    # Same document, same epoch: the same spans whichever batch it lands in. docs_batch
+    # numbers tokens by position in the batch, so compare offsets within the document.
+    offsets = lambda out: [(int(p[0][1]) % 100, int(p[1][1]) % 100, int(n[0])) for p, n in zip(out["input_ids"], out["length"])]
+    assert offsets(whole) == offsets(halves[0]) + offsets(halves[1])
+    other_epoch = to_span_pairs(docs_batch(lengths), s, epoch=1)
+    changed = sum(a != b for a, b in zip(offsets(whole), offsets(other_epoch)))
+    assert changed > 150
+    # About 10% of pairs are short (uniform in [3, 10)); the rest are full length.
+    short = np.mean([n < 12 for _, _, n in offsets(whole)] + [n < 12 for _, _, n in offsets(other_epoch)])
+    assert 0.04 < short < 0.18
+
+
+def test_spans_of_short_documents_are_capped_at_half_the_document():
+    from models.cocondenser import CoCondenserConfig, draw_span_pairs
+
+    cfg = CoCondenserConfig(span_length=80, min_span_length=8, short_span_prob=0.0)
+    lengths = np.array([15, 16, 17, 100, 160, 400])
+    valid, first, second, span_len = draw_span_pairs(lengths, np.arange(6), cfg, seed=0, epoch=0)
+    assert valid.tolist() == [False, True, True, True, True, True]
+    assert span_len[1:].tolist() == [8, 8, 50, 80, 80]
+    assert ((second + span_len)[1:] <= lengths[1:]).all() and ((first + span_len) <= second)[1:].all()

@@ -1,0 +1,138 @@
+"""coCondenser under DeepSpeed: the gradient cache across 2 workers equals one full batch.
+
+Two real processes (gloo) each run DeepSpeed ZeRO-1 or ZeRO-2 on half of a fixed batch
+of span pairs, through ``CoCondenserMethod.backward``, the code the trainer runs. Their
+reduced gradients must equal those of the plain full-batch loss on one process:
+per-span (head MLM + late MLM) averaged over all 2n spans, plus the span-pair
+contrastive loss over all 2n spans. Dropout is 0 so both sides see the same function
+(the RNG replay under dropout is tested in test_cocondenser_loss.py).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from models.cocondenser import CoCondenserConfig, CoCondenserMethod, span_contrastive_loss
+from models.condenser import Condenser, sequence_mlm_losses
+from models.masking import whole_word_mask
+from tests.helpers import random_word_batch, tiny_masking_vocab, tiny_mlm, tiny_vocab
+
+WORLD = 2
+PAIRS_PER_WORKER = 4  # 8 spans per worker, 16 in the global batch
+CASES = [  # (ZeRO stage, precision, chunk size in spans; 0 = no cache)
+    (1, "fp32", 0), (1, "fp32", 2), (1, "fp32", 3), (1, "fp32", 8),
+    (2, "fp32", 0), (2, "fp32", 2), (2, "fp32", 3), (2, "fp32", 8),
+    (1, "bf16", 0), (1, "bf16", 4), (2, "bf16", 0), (2, "bf16", 4),
+]
+
+
+def build_model() -> Condenser:
+    return Condenser(tiny_mlm(len(tiny_vocab()), seed=0, initializer_range=0.2), n_head_layers=2)
+
+
+def global_batch() -> dict[str, torch.Tensor]:
+    """2 x WORLD x PAIRS_PER_WORKER masked spans; rows 2i and 2i+1 are partners."""
+    wb = random_word_batch(2 * WORLD * PAIRS_PER_WORKER, 20, seed=5, pad_rows=0.5, inner_sep=0.0)
+    ids, labels = whole_word_mask(wb.input_ids, tiny_masking_vocab(), torch.Generator().manual_seed(1), 0.3)
+    return {"input_ids": ids, "attention_mask": wb.attention_mask, "labels": labels}
+
+
+def ds_config(stage: int, precision: str) -> dict:
+    return {"train_micro_batch_size_per_gpu": PAIRS_PER_WORKER, "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"},
+            "gradient_clipping": 0.0, "steps_per_print": 10**9}
+
+
+def _worker(rank: int, port: int, out: dict):
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    n = 2 * PAIRS_PER_WORKER
+    local = {k: v[rank * n:(rank + 1) * n] for k, v in global_batch().items()}
+    for stage, precision, chunk in CASES:
+        model = build_model()
+        method = CoCondenserMethod(CoCondenserConfig(head="", chunk_size=chunk), tiny_masking_vocab())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(stage, precision))
+        loss, extras = method.backward(engine, local)
+        grads = {name: safe_get_full_grad(p).float().clone() for name, p in engine.module.named_parameters()
+                 if p.requires_grad}
+        engine.step()  # one optimiser step per global batch, with no hang
+        # The logged loss is this worker's MLM share plus the global contrastive loss.
+        out[(rank, stage, precision, chunk)] = {"grads": grads if rank == 0 else None, "loss": float(loss),
+                                                "contrastive": float(extras["contrastive_loss"])}
+        del engine, optimizer
+    torch.distributed.destroy_process_group()
+
+
+def reference():
+    """One process, the whole global batch in one graph."""
+    model = build_model()
+    batch = global_batch()
+    out = model(batch["input_ids"], batch["attention_mask"], batch["labels"], per_sequence=True)
+    n_spans = batch["input_ids"].shape[0]
+    mlm = (out.head_mlm_loss + out.late_mlm_loss).sum() / n_spans
+    contrastive = span_contrastive_loss(out.late_cls)
+    (mlm + contrastive).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return grads, (mlm + contrastive).item(), contrastive.item()
+
+
+@pytest.fixture(scope="module")
+def distributed_results():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.spawn(_worker, args=(port, out), nprocs=WORLD, join=True)
+    return dict(out)
+
+
+def relative_error(grads: dict, ref: dict) -> float:
+    assert set(grads) == set(ref)
+    diff = torch.cat([(grads[k] - ref[k]).flatten() for k in ref])
+    return float(diff.norm() / torch.cat([ref[k].flatten() for k in ref]).norm())
+
+
+@pytest.mark.parametrize("stage,precision,chunk", CASES)
+def test_two_deepspeed_workers_match_the_full_batch_gradient(distributed_results, stage, precision, chunk):
+    ref_grads, ref_loss, ref_contrastive = reference()
+    ranks = [distributed_results[(rank, stage, precision, chunk)] for rank in range(WORLD)]
+    tolerance = 1e-4 if precision == "fp32" else 3e-2  # bf16 keeps 8 bits of mantissa
+    assert relative_error(ranks[0]["grads"], ref_grads) < tolerance
+    assert sum(r["loss"] for r in ranks) / WORLD == pytest.approx(ref_loss, rel=tolerance)
+    for r in ranks:
+        assert r["contrastive"] == pytest.approx(ref_contrastive, rel=tolerance)
+
+
+def test_the_reference_is_not_trivially_matched():
+    """Control: the contrastive term changes the gradient, and halving the batch (what a
+    worker without the cross-worker gather would see) gives a different one."""
+    ref_grads, _, _ = reference()
+    model = build_model()
+    batch = {k: v[:2 * PAIRS_PER_WORKER] for k, v in global_batch().items()}
+    out = model(batch["input_ids"], batch["attention_mask"], batch["labels"], per_sequence=True)
+    ((out.head_mlm_loss + out.late_mlm_loss).mean() + span_contrastive_loss(out.late_cls)).backward()
+    local_only = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    assert relative_error(local_only, ref_grads) > 1e-2
+
+
+def test_sequence_losses_average_to_the_per_span_mean():
+    model = build_model()
+    batch = global_batch()
+    late = model.lm.bert(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    per_span = sequence_mlm_losses(model.lm, late, batch["labels"])
+    for i in range(batch["input_ids"].shape[0]):
+        picked = batch["labels"][i] != -100
+        expected = (torch.nn.functional.cross_entropy(model.lm.cls(late[i][picked]), batch["labels"][i][picked])
+                    if picked.any() else torch.tensor(0.0))
+        assert per_span[i].item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
