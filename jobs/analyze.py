@@ -1,0 +1,22 @@
+"""CLS attention entropy per layer (Condenser paper, Figure 2) of one or more checkpoints.
+
+Example: python jobs/analyze.py --checkpoints runs/pretrain-condenser/export,path/to/bert
+--labels condenser,bert. With only --checkpoints it reads 256 passages of the bundled Bible
+sample and writes entropy.json and cls_entropy.png under ./runs/analyze. Prints a JSON
+summary as its last line.
+"""
+
+from pipeline.analyze import AnalyzeConfig, run_analysis
+from pipeline.config import parse_config
+from pipeline.runtime import print_summary
+
+
+def main(argv=None) -> dict:
+    cfg = parse_config(AnalyzeConfig, argv, description=__doc__)
+    summary = run_analysis(cfg)
+    print_summary(summary)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

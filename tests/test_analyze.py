@@ -1,0 +1,149 @@
+"""The CLS attention-entropy diagnostic: its numbers against a direct computation, padding
+invariance, the overlay outputs, the job end to end and its errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import synthetic_docs, write_jsonl
+from jobs.analyze import main
+from pipeline import storage
+from pipeline.analyze import AnalyzeConfig, cls_entropy, load_checkpoint, load_passages, measure, run_analysis
+from pipeline.config import ConfigError
+from tests.helpers import make_tokenizer_dir, tiny_mlm
+
+MAX_LEN = 48  # below the tiny BERT's 64 positions; some passages get truncated
+TEXTS = [d["text"] for d in synthetic_docs(11, seed=3)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> list[str]:
+    """Two tiny exported BERT checkpoints (different weights, same tokenizer). A large init
+    range makes the attention far from uniform, so the entropies tell layers apart."""
+    paths = []
+    for seed in (0, 1):
+        path = str(tmp_path_factory.mktemp(f"ckpt{seed}"))
+        tokenizer = make_tokenizer_dir(path)
+        tiny_mlm(len(tokenizer), seed=seed, initializer_range=0.5).save_pretrained(path)
+        paths.append(path)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    return write_jsonl(tmp_path_factory.mktemp("corpus") / "corpus.jsonl", synthetic_docs(11, seed=3))
+
+
+def reference(path: str, texts: list[str]) -> np.ndarray:
+    """(passages, layers, heads) entropies, one unpadded passage at a time, all in float64."""
+    from transformers import AutoModel, AutoTokenizer
+
+    model = AutoModel.from_pretrained(path, attn_implementation="eager").double().eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    out = []
+    for text in texts:
+        enc = tokenizer(text, truncation=True, max_length=MAX_LEN, return_tensors="pt")
+        with torch.no_grad():
+            attentions = model(**enc, output_attentions=True).attentions
+        rows = [att[0, :, 0, :] for att in attentions]  # per layer: (heads, keys), keys all real
+        out.append([(-(a * torch.where(a > 0, a.log(), 0.0)).sum(-1)).numpy() for a in rows])
+    return np.array(out)
+
+
+def test_entropy_matches_direct_computation(checkpoints):
+    model, tokenizer = load_checkpoint(checkpoints[0])
+    res = measure(model, tokenizer, TEXTS, MAX_LEN, batch_size=4)
+    ref = reference(checkpoints[0], TEXTS)
+    means = [layer["mean"] for layer in res["layers"]]
+    np.testing.assert_allclose(means, ref.mean((0, 2)), atol=1e-5)
+    np.testing.assert_allclose([layer["std"] for layer in res["layers"]], ref.mean(2).std(0), atol=1e-5)
+    np.testing.assert_allclose([layer["heads"] for layer in res["layers"]], ref.mean(0), atol=1e-5)
+    lengths = [len(tokenizer(t, truncation=True, max_length=MAX_LEN)["input_ids"]) for t in TEXTS]
+    assert res["mean_length"] == pytest.approx(np.mean(lengths))
+    assert res["uniform_entropy"] == pytest.approx(np.log(lengths).mean())
+    assert res["log_mean_length"] == pytest.approx(np.log(np.mean(lengths)))
+    assert (res["num_passages"], res["num_layers"], res["num_heads"]) == (len(TEXTS), 4, 2)
+    assert min(means) < 0.8 * res["uniform_entropy"]  # the check above is not trivially uniform
+
+
+def test_padding_does_not_change_the_result(checkpoints):
+    model, tokenizer = load_checkpoint(checkpoints[0])
+    runs = [measure(model, tokenizer, TEXTS, MAX_LEN, batch_size=b) for b in (1, 3, len(TEXTS))]
+    for res in runs[1:]:
+        for got, want in zip(res["layers"], runs[0]["layers"]):
+            np.testing.assert_allclose([got["mean"], got["std"], *got["heads"]],
+                                       [want["mean"], want["std"], *want["heads"]], atol=1e-5)
+    enc = tokenizer(TEXTS, padding=True, truncation=True, max_length=MAX_LEN, return_tensors="pt")
+    extra = 9  # more padding columns than the batch needs
+    ids = torch.nn.functional.pad(enc["input_ids"], (0, extra), value=tokenizer.pad_token_id)
+    mask = torch.nn.functional.pad(enc["attention_mask"], (0, extra))
+    torch.testing.assert_close(cls_entropy(model, ids, mask),
+                               cls_entropy(model, enc["input_ids"], enc["attention_mask"]), atol=1e-5, rtol=0)
+
+
+def test_overlay_of_two_checkpoints_writes_json_and_png(checkpoints, corpus, s3_bucket):
+    # The second checkpoint and the output live on S3 (moto on loopback).
+    remote = storage.upload_dir(checkpoints[1], f"s3://{s3_bucket}/ckpt1")
+    output = f"s3://{s3_bucket}/analyze"
+    cfg = AnalyzeConfig(checkpoints=[checkpoints[0], remote], labels=["local", "remote"], passages=corpus,
+                        num_passages=7, max_len=MAX_LEN, batch_size=3, output=output)
+    summary = run_analysis(cfg)
+    assert summary["files"] == {"json": f"{output}/entropy.json", "plot": f"{output}/cls_entropy.png"}
+    assert storage.read_bytes(summary["files"]["plot"]).startswith(b"\x89PNG\r\n\x1a\n")
+    saved = storage.read_json(summary["files"]["json"])
+    assert [c["label"] for c in saved["checkpoints"]] == ["local", "remote"]
+    assert [c["path"] for c in saved["checkpoints"]] == [checkpoints[0], remote]
+    texts = load_passages(corpus, 7, seed=0)
+    for path, got in zip(checkpoints, saved["checkpoints"]):
+        want = measure(*load_checkpoint(path), texts, MAX_LEN, batch_size=7)
+        assert got["num_passages"] == 7 and got["mean_length"] == pytest.approx(want["mean_length"])
+        np.testing.assert_allclose([l["mean"] for l in got["layers"]], [l["mean"] for l in want["layers"]],
+                                   atol=1e-6)
+        assert summary["entropy"][got["label"]] == [l["mean"] for l in got["layers"]]
+    means = [summary["entropy"][label] for label in ("local", "remote")]
+    assert not np.allclose(*means)  # different weights, different curves
+
+
+def test_job_end_to_end_with_passages_on_s3(checkpoints, corpus, s3_bucket, tmp_path, capsys):
+    passages = f"s3://{s3_bucket}/corpus.jsonl"
+    storage.write_bytes(passages, open(corpus, "rb").read())
+    summary = main(["--checkpoints", checkpoints[0], "--passages", passages, "--num_passages", "5",
+                    "--seed", "none", "--max_len", str(MAX_LEN), "--batch_size", "2",
+                    "--output", str(tmp_path / "out")])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == json.loads(json.dumps(summary))
+    want = measure(*load_checkpoint(checkpoints[0]), TEXTS[:5], MAX_LEN)  # seed none: the first 5
+    label = os.path.basename(checkpoints[0])
+    np.testing.assert_allclose(summary["entropy"][label], [l["mean"] for l in want["layers"]], atol=1e-6)
+    assert summary["num_passages"] == 5
+    assert os.path.isfile(tmp_path / "out" / "cls_entropy.png")
+    assert json.loads((tmp_path / "out" / "entropy.json").read_text())["passages"] == passages
+
+
+def test_passage_sample(corpus):
+    assert load_passages(corpus, 4, seed=None) == TEXTS[:4]
+    sample = load_passages(corpus, 4, seed=1)
+    assert sample == load_passages(corpus, 4, seed=1) and sample != load_passages(corpus, 4, seed=2)
+    assert sorted(map(TEXTS.index, sample)) == list(map(TEXTS.index, sample))  # kept in corpus order
+    assert load_passages(corpus, 100, seed=0) == TEXTS
+
+
+def test_clear_errors(checkpoints, tmp_path):
+    missing = str(tmp_path / "no-such-checkpoint")
+    with pytest.raises(FileNotFoundError, match="no-such-checkpoint"):
+        main(["--checkpoints", f"{checkpoints[0]},{missing}", "--output", str(tmp_path / "out")])
+    with pytest.raises(ConfigError, match="1 labels for 2 checkpoints"):
+        main(["--checkpoints", ",".join(checkpoints), "--labels", "one"])
+    with pytest.raises(ConfigError, match="at least one checkpoint"):
+        main([])
+    no_tokenizer, empty = tmp_path / "model-only", tmp_path / "empty"
+    tiny_mlm(120).save_pretrained(no_tokenizer)
+    empty.mkdir()
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        load_checkpoint(str(no_tokenizer))
+    with pytest.raises(ValueError, match="not a Hugging Face checkpoint"):
+        load_checkpoint(str(empty))
