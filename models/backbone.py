@@ -44,7 +44,7 @@ def build_mlm(cfg: BackboneConfig, vocab_size: int) -> BertForMaskedLM:
             raise ValueError(
                 f"backbone init {cfg.init!r} has vocab_size {config.vocab_size} but the corpus was tokenized "
                 f"with a vocabulary of {vocab_size}: prepare the corpus with this checkpoint's tokenizer")
-        model = AutoModelForMaskedLM.from_pretrained(cfg.init, use_safetensors=_has_safetensors(cfg.init))
+        model = AutoModelForMaskedLM.from_pretrained(cfg.init, use_safetensors=has_safetensors(cfg.init))
         if not isinstance(model, BertForMaskedLM):
             raise ValueError(f"backbone init {cfg.init!r}: loaded {type(model).__name__}, expected BertForMaskedLM")
         return model
@@ -57,7 +57,7 @@ def build_mlm(cfg: BackboneConfig, vocab_size: int) -> BertForMaskedLM:
     return BertForMaskedLM(config)
 
 
-def _has_safetensors(path: str) -> bool:
+def has_safetensors(path: str) -> bool:
     return any(name.endswith(".safetensors") for name in os.listdir(path))
 
 

@@ -20,7 +20,7 @@ from transformers.masking_utils import create_bidirectional_mask
 from transformers.models.bert.modeling_bert import BertLayer
 
 from models.backbone import export_backbone, load_module_state, save_module
-from models.masking import IGNORE_INDEX, MaskingVocab, whole_word_mask
+from models.masking import IGNORE_INDEX, WholeWordMaskingMethod
 
 
 @dataclass
@@ -137,26 +137,17 @@ class Condenser(nn.Module):
         self.head.load_state_dict(state)
 
 
-class CondenserMethod:
+class CondenserMethod(WholeWordMaskingMethod):
     """Condenser pre-training as the trainer sees it: batches, loss, export."""
 
     name = "condenser"
     example_format = "sequences"  # packed/truncated token sequences, see pipeline.stream
-
-    def __init__(self, cfg: CondenserConfig, vocab: MaskingVocab):
-        self.cfg = cfg
-        self.vocab = vocab
 
     def build(self, mlm: BertForMaskedLM) -> Condenser:
         model = Condenser(mlm, self.cfg.n_head_layers, self.cfg.skip_from)
         if self.cfg.head:
             model.load_head(self.cfg.head)
         return model
-
-    def make_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   generator: torch.Generator) -> dict[str, torch.Tensor]:
-        masked, labels = whole_word_mask(input_ids, self.vocab, generator, self.cfg.mlm_probability)
-        return {"input_ids": masked, "attention_mask": attention_mask, "labels": labels}
 
     def loss(self, model: Condenser, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         out = model(**batch)

@@ -17,6 +17,8 @@ from models.backbone import BackboneConfig, build_mlm
 from models.cocondenser import CoCondenserConfig, CoCondenserMethod
 from models.condenser import CondenserConfig, CondenserMethod
 from models.masking import MaskingVocab
+from models.mlm import MLMConfig, MLMMethod
+from models.simlm import SimLMConfig, SimLMMethod
 from pipeline import storage
 from pipeline.runtime import RayConfig, write_run_files
 from pipeline.shards import PrepareConfig, load_manifest, prepare_corpus
@@ -24,7 +26,8 @@ from pipeline.stream import StreamSpec, TrainingStream, estimate_sequences_per_e
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train import TrainConfig, epochs_needed, fit
 
-METHODS = {"condenser": CondenserMethod, "cocondenser": CoCondenserMethod}
+METHODS = {"condenser": CondenserMethod, "cocondenser": CoCondenserMethod, "simlm": SimLMMethod,
+           "mlm": MLMMethod}
 HEAD_FILE = "condenser_head.safetensors"
 
 
@@ -37,12 +40,14 @@ class StreamConfig:
 
 @dataclass
 class PretrainConfig:
-    method: Literal["condenser", "cocondenser"] = field(default="condenser", metadata={"help": "pre-training method"})
+    method: Literal["condenser", "cocondenser", "simlm", "mlm"] = field(default="condenser", metadata={"help": "pre-training method"})
     corpus: PrepareConfig = field(default_factory=PrepareConfig)
     data: StreamConfig = field(default_factory=StreamConfig)
     model: BackboneConfig = field(default_factory=BackboneConfig)
     condenser: CondenserConfig = field(default_factory=CondenserConfig)
     cocondenser: CoCondenserConfig = field(default_factory=CoCondenserConfig)
+    simlm: SimLMConfig = field(default_factory=SimLMConfig)
+    mlm: MLMConfig = field(default_factory=MLMConfig)
     # The embedded default: a tiny model from scratch on the bundled corpus in ~2 minutes on CPU.
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
         output="runs/pretrain-condenser", micro_batch_size=16, max_steps=200, lr=5e-4,
@@ -124,6 +129,20 @@ def _resolve_warm_start_head(cfg: PretrainConfig) -> None:
             raise FileNotFoundError(f"--cocondenser.head {cfg.cocondenser.head}: no such file")
 
 
+def _check_simlm_paths(cfg: PretrainConfig) -> None:
+    """Fail on the driver, in seconds, rather than on every worker after Ray starts them."""
+    if not cfg.simlm.generator:
+        raise ValueError("--method simlm needs --simlm.generator: a local HF masked-LM checkpoint with the "
+                         "corpus's vocabulary. Train a small one with `python jobs/pretrain.py --method mlm` "
+                         "(e.g. --model.num_layers 2) and pass its export_dir")
+    for name in ("generator", "decoder"):
+        path = getattr(cfg.simlm, name)
+        if path:
+            setattr(cfg.simlm, name, os.path.abspath(path))
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"--simlm.{name} {path}: no such file or directory")
+
+
 def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
     """Prepare the corpus if needed, train, export; returns the job summary.
 
@@ -139,6 +158,8 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
     storage.check_reachable(cfg.train.output)
     if cfg.method == "cocondenser":
         _resolve_warm_start_head(cfg)
+    if cfg.method == "simlm":
+        _check_simlm_paths(cfg)
 
     manifest = prepare_corpus(cfg.corpus) if cfg.corpus.input else load_manifest(cfg.corpus.output)
     tokenizer_uri = storage.join(cfg.corpus.output, manifest["tokenizer"])

@@ -174,3 +174,18 @@ def make_tokenizer_dir(out_dir: str, vocab_size: int = 120, texts: list[str] | N
 
     return train_wordpiece(texts if texts is not None else generated_texts(), out_dir,
                            vocab_size=vocab_size, min_frequency=1)
+
+
+def assert_drop_in_bert(export_dir: str, input_ids, attention_mask, expected_cls, atol: float = 1e-5) -> None:
+    """``export_dir`` loads as a plain HF ``BertModel`` whose CLS output is ``expected_cls``,
+    and as a ``BertForMaskedLM`` with its decoder still tied to the word embeddings."""
+    from transformers import AutoModel, AutoModelForMaskedLM, BertForMaskedLM, BertModel
+
+    bert = AutoModel.from_pretrained(export_dir).eval()
+    assert type(bert) is BertModel
+    with torch.no_grad():
+        cls = bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, 0]
+    assert (cls - expected_cls).abs().max() < atol
+    mlm = AutoModelForMaskedLM.from_pretrained(export_dir)
+    assert type(mlm) is BertForMaskedLM
+    assert mlm.cls.predictions.decoder.weight.data_ptr() == mlm.bert.embeddings.word_embeddings.weight.data_ptr()

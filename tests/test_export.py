@@ -1,0 +1,50 @@
+"""Every pre-training method exports a drop-in HF BERT, through the trainer's own task."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import BertForMaskedLM, BertConfig
+
+from models.backbone import load_module_state
+from pipeline.pretrain import METHODS, PretrainConfig, PretrainTask
+from tests.helpers import assert_drop_in_bert, make_tokenizer_dir, tiny_backbone_config
+from tests.test_condenser import tokenized_batch
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    tok_dir = str(tmp_path_factory.mktemp("tok"))
+    return tok_dir, make_tokenizer_dir(tok_dir)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_exports_a_drop_in_bert_and_its_extra_weights(method, tokenizer, tmp_path):
+    tok_dir, tok = tokenizer
+    cfg = PretrainConfig()
+    method_cfg = getattr(cfg, method)
+    if method == "cocondenser":
+        method_cfg.head = ""
+    if method == "simlm":  # a frozen generator with the same vocabulary
+        method_cfg.generator = str(tmp_path / "generator")
+        BertForMaskedLM(BertConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=1, num_attention_heads=1,
+                                   intermediate_size=32)).save_pretrained(method_cfg.generator)
+    task = PretrainTask(method, method_cfg, tiny_backbone_config(), tok_dir, len(tok))
+    torch.manual_seed(0)
+    model = task.build_model().eval()
+    ids, mask = tokenized_batch(tok)
+    with torch.no_grad():
+        expected = model.lm.bert(input_ids=ids, attention_mask=mask).last_hidden_state[:, 0]
+
+    paths = task.export(model, str(tmp_path / "export"))
+    assert_drop_in_bert(paths["export_dir"], ids, mask, expected)
+    assert os.path.isfile(os.path.join(paths["export_dir"], "tokenizer.json"))
+    extra = {"condenser": "condenser_head.safetensors", "cocondenser": "condenser_head.safetensors",
+             "simlm": "simlm_decoder.safetensors", "mlm": None}[method]
+    if extra:  # the head or decoder, so pre-training can continue
+        state, meta = load_module_state(paths["head_path"])
+        assert os.path.basename(paths["head_path"]) == extra and state and meta
+    else:
+        assert "head_path" not in paths
