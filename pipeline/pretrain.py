@@ -50,7 +50,7 @@ class PretrainConfig:
     mlm: MLMConfig = field(default_factory=MLMConfig)
     # The embedded default: a tiny model from scratch on the bundled corpus in ~2 minutes on CPU.
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        output="runs/pretrain-condenser", micro_batch_size=16, max_steps=200, lr=5e-4,
+        output="", micro_batch_size=16, max_steps=200, lr=5e-4,
         checkpoint_every=100, cpus_per_worker=2))
     ray: RayConfig = field(default_factory=RayConfig)
 
@@ -115,6 +115,36 @@ class PretrainTask:
         return self.method.export(model, out_dir, self._tokenizer_local())
 
 
+def _pair_fraction(corpus: str, manifest: dict, spans: CoCondenserConfig) -> float:
+    """The share of documents long enough for a span pair, from the first shard's lengths,
+    so that enough epochs are streamed for max_steps when many documents are skipped."""
+    import pyarrow.compute as pc
+
+    from pipeline.shards import shard_uris
+
+    table = storage.read_parquet(shard_uris(corpus, manifest)[0], columns=["input_ids"])
+    lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
+    if not len(lengths):
+        return 1.0
+    fraction = float((lengths >= 2 * spans.min_span_length).mean())
+    if fraction == 0:
+        raise ValueError(f"no document of {shard_uris(corpus, manifest)[0]} holds two spans of "
+                         f"{spans.min_span_length}+ tokens: lower --cocondenser.min_span_length")
+    return fraction
+
+
+def _check_same_method(cfg: PretrainConfig) -> None:
+    """A re-run resumes from the output's checkpoints: they must be this method's."""
+    import yaml
+
+    previous = storage.join(cfg.train.output, "config.yaml")
+    if storage.exists(previous):
+        method = (yaml.safe_load(storage.read_bytes(previous)) or {}).get("method")
+        if method and method != cfg.method:
+            raise ValueError(f"{cfg.train.output} holds a {method} run, and re-running into it resumes its "
+                             f"checkpoints: give --method {cfg.method} its own --train.output")
+
+
 def _resolve_warm_start_head(cfg: PretrainConfig) -> None:
     """coCondenser starts from a trained Condenser, head included (paper §3.3)."""
     if cfg.cocondenser.head == "auto":
@@ -149,13 +179,14 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
     ``replay_batches`` (benchmarks only) trains on the first N streamed batches, cycled.
     """
     cfg.corpus.output = storage.resolve(cfg.corpus.output).uri
-    cfg.train.output = storage.resolve(cfg.train.output).uri
+    cfg.train.output = storage.resolve(cfg.train.output or f"runs/pretrain-{cfg.method}").uri
     if cfg.model.init:
         cfg.model.init = os.path.abspath(cfg.model.init)
     if cfg.corpus.input and not storage.is_s3(cfg.corpus.input):
         cfg.corpus.input = os.path.abspath(cfg.corpus.input)
     storage.check_reachable(cfg.corpus.output)
     storage.check_reachable(cfg.train.output)
+    _check_same_method(cfg)
     if cfg.method == "cocondenser":
         _resolve_warm_start_head(cfg)
     if cfg.method == "simlm":
@@ -170,9 +201,12 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
     # coCondenser streams span pairs: a row is a document, and a span is at most span_length.
     max_len = spans.span_length + 2 if spans else cfg.data.max_len
     pack = cfg.data.pack and not spans
+    per_epoch = estimate_sequences_per_epoch(manifest, max_len, pack, bool(spans))
+    if spans:
+        per_epoch = max(1, int(per_epoch * _pair_fraction(cfg.corpus.output, manifest, spans)))
     spec = StreamSpec(
         corpus=cfg.corpus.output, max_len=max_len, pack=pack,
-        epochs=epochs_needed(cfg.train, estimate_sequences_per_epoch(manifest, max_len, pack, bool(spans))),
+        epochs=epochs_needed(cfg.train, per_epoch),
         seed=cfg.train.seed, shuffle_files=cfg.data.shuffle_files, cls_id=tokenizer.cls_token_id,
         sep_id=tokenizer.sep_token_id, pad_id=tokenizer.pad_token_id, run_dir=run_dir, spans=spans)
     method_cfg = getattr(cfg, cfg.method)
