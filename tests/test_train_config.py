@@ -56,3 +56,16 @@ def test_no_weight_decay_on_biases_and_layernorm():
 def test_step_seeds_differ_across_ranks_and_steps():
     seeds = {step_seed(42, r, s) for r in range(4) for s in range(1000)}
     assert len(seeds) == 4000
+
+
+def test_rerunning_into_another_methods_output_is_refused(tmp_path):
+    from pipeline.pretrain import PretrainConfig, run_pretraining
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("method: condenser\n")
+    cfg = PretrainConfig(method="mlm")
+    cfg.train.output = str(tmp_path / "run")
+    cfg.corpus.output = str(tmp_path / "corpus")
+    with pytest.raises(ValueError, match="holds a condenser run"):
+        run_pretraining(cfg)
+
