@@ -40,7 +40,12 @@ def ray_head():
     head = subprocess.Popen(
         [shutil.which("ray", path=env["PATH"]), "start", "--head", "--block", f"--port={free_port()}",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=4",
-         f"--temp-dir={temp_dir}", "--include-dashboard=true"],
+         f"--temp-dir={temp_dir}", "--include-dashboard=true",
+         # Fresh ports for the head's agents: the suite's in-process Ray may already hold
+         # the default ones, and then this head's job agent never comes up.
+         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+         f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+         f"--ray-client-server-port={free_port()}"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     address = f"http://127.0.0.1:{dashboard}"
     deadline = time.time() + 120
