@@ -23,6 +23,10 @@ from models.condenser import Condenser, CondenserConfig, CondenserMethod
 from models.grad_cache import LocalGradients, grad_cache_backward
 
 
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def gather_with_grad(local: torch.Tensor) -> torch.Tensor:
     """All-gather ``(b_r, H)`` rows from every worker into ``(sum b_r, H)``.
 
@@ -74,7 +78,7 @@ def global_span_contrastive_loss(local_cls: torch.Tensor) -> torch.Tensor:
     all-reduce *averages* them, so the loss is scaled by the world size here.
     """
     # fp32 for the gather (gloo has no bf16 collectives) and for the softmax.
-    return span_contrastive_loss(gather_with_grad(local_cls.float())) * _world_size()
+    return span_contrastive_loss(gather_with_grad(local_cls.float())) * world_size()
 
 
 # -- span pairs -------------------------------------------------------------------------
@@ -162,7 +166,7 @@ class CoCondenserMethod(CondenserMethod):
 
     @staticmethod
     def _extras(parts: dict, local: torch.Tensor, scaled_contrastive: torch.Tensor) -> dict:
-        contrastive = scaled_contrastive.detach() / _world_size()
+        contrastive = scaled_contrastive.detach() / world_size()
         return {**parts, "contrastive_loss": contrastive, "loss": local.detach() + contrastive}
 
     def backward(self, engine, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -199,7 +203,3 @@ class CoCondenserMethod(CondenserMethod):
 
     def export(self, model: Condenser, out_dir: str, tokenizer_dir: str | None) -> dict[str, str]:
         return model.save(out_dir, tokenizer_dir)
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -1,0 +1,143 @@
+"""The bi-encoder retriever: pooling, similarity, contrastive loss, cross-worker equivalence, export."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from transformers import AutoModel
+
+from models.biencoder import (BiEncoder, BiEncoderConfig, contrastive_loss, global_contrastive_loss,
+                              load_settings, pool)
+from tests.helpers import random_word_batch, tiny_mlm, tiny_vocab
+
+
+def encoder(seed: int = 0):
+    return tiny_mlm(len(tiny_vocab()), seed=seed, initializer_range=0.2).bert.eval()
+
+
+def biencoder(**cfg) -> BiEncoder:
+    config = BiEncoderConfig(**cfg)
+    return BiEncoder(encoder(0), None if config.shared_encoder else encoder(1), config)
+
+
+def test_loss_matches_a_hand_computation():
+    # 2 queries, groups of 2: query 0 owns passages 0 (positive) and 1, query 1 owns 2 and 3.
+    scores = torch.tensor([[3.0, 1.0, 0.5, -1.0],
+                           [0.0, 2.0, 1.0, 0.5]])
+    expected = 0.0
+    for i, row in enumerate(scores.tolist()):
+        expected += -(row[2 * i] - math.log(sum(math.exp(s) for s in row)))
+    assert contrastive_loss(scores, group_size=2).item() == pytest.approx(expected / 2, rel=1e-6)
+    with pytest.raises(ValueError, match="need 6 passages"):
+        contrastive_loss(torch.zeros(3, 4), group_size=2)
+
+
+def test_mean_pooling_ignores_padding_and_cls_takes_the_first_state():
+    hidden = torch.randn(2, 5, 3)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    assert torch.equal(pool(hidden, mask, "cls"), hidden[:, 0])
+    assert torch.allclose(pool(hidden, mask, "mean")[0], hidden[0, :3].mean(0))
+    assert torch.allclose(pool(hidden, mask, "mean")[1], hidden[1].mean(0))
+
+
+def test_cosine_similarity_is_divided_by_the_temperature():
+    model = biencoder(similarity="cos", temperature=0.02)
+    wb = random_word_batch(4, 12, seed=1, inner_sep=0.0)
+    q = model.encode_query(wb.input_ids, wb.attention_mask)
+    assert torch.allclose(q.norm(dim=-1), torch.ones(4), atol=1e-5)
+    hidden = model.query_encoder(input_ids=wb.input_ids, attention_mask=wb.attention_mask).last_hidden_state[:, 0]
+    direct = torch.nn.functional.cosine_similarity(hidden[:, None], hidden[None], dim=-1) / 0.02
+    assert torch.allclose(model.compute_similarity(q, q), direct, atol=1e-3)
+
+
+def test_separate_towers_are_independent_and_both_trained():
+    model = biencoder(shared_encoder=False)
+    wb = random_word_batch(4, 12, seed=2, inner_sep=0.0)
+    q, d = model(wb.input_ids[:2], wb.attention_mask[:2], wb.input_ids, wb.attention_mask)
+    contrastive_loss(model.compute_similarity(q, d), group_size=2).backward()
+    assert model.passage_encoder.embeddings.word_embeddings.weight.grad.abs().sum() > 0
+    assert model.query_encoder.embeddings.word_embeddings.weight.grad.abs().sum() > 0
+    shared = biencoder(shared_encoder=True)
+    assert shared.passage_encoder is None  # one module, registered once
+
+
+# -- two workers (gloo) against one process --------------------------------------------------
+
+N_QUERIES, GROUP = 4, 3  # per worker
+
+
+def batch(rank: int | None = None):
+    """Queries and their groups of passages; rank selects a worker's half of the global batch."""
+    q = random_word_batch(2 * N_QUERIES, 10, seed=3, inner_sep=0.0)
+    d = random_word_batch(2 * N_QUERIES * GROUP, 14, seed=4, inner_sep=0.0)
+    if rank is None:
+        return q.input_ids, q.attention_mask, d.input_ids, d.attention_mask
+    qs, ds = slice(rank * N_QUERIES, (rank + 1) * N_QUERIES), slice(rank * N_QUERIES * GROUP, (rank + 1) * N_QUERIES * GROUP)
+    return q.input_ids[qs], q.attention_mask[qs], d.input_ids[ds], d.attention_mask[ds]
+
+
+def _worker(rank: int, port: int, cfg: dict, out: dict):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        model = biencoder(**cfg)
+        q, d = model(*batch(rank))
+        loss = global_contrastive_loss(model, q, d, GROUP)
+        loss.backward()
+        grads = {n: p.grad.clone() / 2 for n, p in model.named_parameters() if p.grad is not None}
+        for g in grads.values():  # what DeepSpeed's all-reduce average does
+            dist.all_reduce(g)
+        out[rank] = {"loss": loss.item() / 2, "grads": grads}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("cfg", [{}, {"pooling": "mean", "similarity": "cos", "temperature": 0.05},
+                                 {"shared_encoder": False}])
+def test_two_workers_equal_one_process_holding_the_full_batch(cfg):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.spawn(_worker, args=(port, cfg, out), nprocs=2, join=True)
+
+    model = biencoder(**cfg)
+    q, d = model(*batch())
+    reference = contrastive_loss(model.compute_similarity(q, d), GROUP)
+    reference.backward()
+    ref = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for rank in (0, 1):
+        assert out[rank]["loss"] == pytest.approx(reference.item(), rel=1e-5)
+        grads = out[rank]["grads"]
+        assert set(grads) == set(ref)
+        diff = torch.cat([(grads[k] - ref[k]).flatten() for k in ref]).norm()
+        assert diff / torch.cat([ref[k].flatten() for k in ref]).norm() < 1e-4
+
+
+# -- export -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_export_loads_as_plain_bert_with_its_settings(shared, tmp_path):
+    model = biencoder(shared_encoder=shared, pooling="mean", similarity="cos", temperature=0.02)
+    model.save(str(tmp_path))
+    settings = load_settings(str(tmp_path))
+    assert (settings["pooling"], settings["similarity"], settings["temperature"]) == ("mean", "cos", 0.02)
+    wb = random_word_batch(3, 12, seed=5, inner_sep=0.0)
+    towers = {"query": model.encode_query, "passage": model.encode_passage}
+    for name, encode in towers.items():
+        path = str(tmp_path) if shared else os.path.join(tmp_path, name)
+        loaded = BiEncoder(AutoModel.from_pretrained(path).eval(), None, BiEncoderConfig(
+            pooling=settings["pooling"], similarity=settings["similarity"], temperature=settings["temperature"]))
+        with torch.no_grad():
+            assert torch.allclose(loaded.encode_query(wb.input_ids, wb.attention_mask),
+                                  encode(wb.input_ids, wb.attention_mask), atol=1e-5)
+    assert settings["towers"] == ([] if shared else ["passage", "query"])
+    with pytest.raises(FileNotFoundError, match="retriever.json"):
+        load_settings(str(tmp_path / "nowhere"))
