@@ -171,7 +171,7 @@ def _gzip_chunks(source: str) -> Iterator[bytes]:
             yield chunk
 
 
-def _raw_lines(source: str) -> Iterator[tuple[int, bytes]]:
+def numbered_lines(source: str) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, line bytes without "\\n" or a trailing "\\r")."""
     gz = _suffix(source).endswith(".gz")
     lines = _split_lines(_gzip_chunks(source)) if gz else storage.iter_lines(source, chunk_size=_CHUNK)
@@ -190,7 +190,7 @@ def _raw_lines(source: str) -> Iterator[tuple[int, bytes]]:
         yield number, raw
 
 
-def _decode(source: str, number: int, raw: bytes) -> str:
+def decode_line(source: str, number: int, raw: bytes) -> str:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -208,13 +208,13 @@ _JSON_TYPES = {type(None): "null", bool: "boolean", int: "number", float: "numbe
                list: "array", dict: "object"}
 
 
-def _json_type(value) -> str:
+def json_type(value) -> str:
     return _JSON_TYPES.get(type(value), type(value).__name__)
 
 
 def _parse_jsonl(source: str) -> Iterator[Document]:
-    for number, raw in _raw_lines(source):
-        line = _decode(source, number, raw)
+    for number, raw in numbered_lines(source):
+        line = decode_line(source, number, raw)
         if not line.strip():
             continue
 
@@ -228,14 +228,14 @@ def _parse_jsonl(source: str) -> Iterator[Document]:
         except RecursionError as exc:
             raise fail("malformed JSON (nested too deeply)") from exc
         if not isinstance(obj, dict):
-            raise fail(f"expected a JSON object, got {_json_type(obj)}")
+            raise fail(f"expected a JSON object, got {json_type(obj)}")
 
         if "_id" not in obj:
             raise fail("missing field '_id'")
         doc_id = obj["_id"]
         if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int, float)) or (
                 isinstance(doc_id, float) and not math.isfinite(doc_id)):
-            raise fail(f"field '_id' must be a string or a number, got {_json_type(doc_id)}")
+            raise fail(f"field '_id' must be a string or a number, got {json_type(doc_id)}")
         doc_id = str(doc_id)
         if not doc_id:
             raise fail("field '_id' is empty")
@@ -244,11 +244,11 @@ def _parse_jsonl(source: str) -> Iterator[Document]:
             raise fail(f"missing field 'text' (id {doc_id})")
         text = obj["text"]
         if not isinstance(text, str):
-            raise fail(f"field 'text' must be a string, got {_json_type(text)} (id {doc_id})")
+            raise fail(f"field 'text' must be a string, got {json_type(text)} (id {doc_id})")
 
         title = obj.get("title")
         if title is not None and not isinstance(title, str):
-            raise fail(f"field 'title' must be a string, got {_json_type(title)} (id {doc_id})")
+            raise fail(f"field 'title' must be a string, got {json_type(title)} (id {doc_id})")
         if title and title.strip():
             text = f"{title}\n{text}"
         yield Document(doc_id, text, source, number)
@@ -259,8 +259,8 @@ def _parse_txt(source: str) -> Iterator[Document]:
     count = 0
     start = 0
     lines: list[str] = []
-    for number, raw in _raw_lines(source):
-        line = _decode(source, number, raw)
+    for number, raw in numbered_lines(source):
+        line = decode_line(source, number, raw)
         if line.strip():
             if not lines:
                 start = number

@@ -1,0 +1,22 @@
+"""Round-1 hard negatives for retriever fine-tuning: BM25 (bm25s) top-depth minus judged positives.
+
+Example: python jobs/bm25_negatives.py --corpus data/nave/corpus.jsonl
+--queries data/nave/queries.train.jsonl --qrels data/nave/qrels.train.tsv
+--output runs/bm25/negatives.jsonl. Writes the negatives jsonl and a TREC run of the BM25
+results next to it; runs in this process (no Ray). Prints a JSON summary as its last line.
+"""
+
+from pipeline.bm25 import Bm25Config, mine_negatives
+from pipeline.config import parse_config
+from pipeline.runtime import print_summary
+
+
+def main(argv=None) -> dict:
+    cfg = parse_config(Bm25Config, argv, description=__doc__)
+    summary = mine_negatives(cfg)
+    print_summary(summary)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

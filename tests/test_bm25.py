@@ -1,0 +1,128 @@
+import json
+
+import pytest
+
+from pipeline import storage
+from pipeline.bm25 import Bm25Config, bm25_run, build_index, mine_negatives
+from pipeline.config import ConfigError, parse_config
+from pipeline.corpus import CorpusError
+from tests.conftest import synthetic_docs, write_jsonl
+
+# "zebra" and "stripes" occur in a handful of documents; d0 would rank first for q1.
+DOCS = [
+    {"_id": "d0", "title": "Zebra", "text": "zebra zebra stripes"},
+    {"_id": "d1", "text": "a zebra with stripes on the savanna"},
+    {"_id": "d2", "text": "zebra grazing grass near the river"},
+    {"_id": "d3", "text": "stripes on a shirt and a tie"},
+    {"_id": "d4", "text": "the zebra herd crossed the river at dawn"},
+    {"_id": "d5", "text": "the quokka smiled"},
+] + [{"_id": f"f{i}", "text": d["text"]} for i, d in enumerate(synthetic_docs(30))]
+QUERIES = [{"_id": "q1", "text": "zebra stripes"}, {"_id": "q2", "text": "quokka quokka"},
+           {"_id": "q3", "text": "the and of"}]
+QRELS = "query-id\tcorpus-id\tscore\nq1\td0\t1\nq1\td4\t0\nq2\td5\t1\n"
+
+
+@pytest.fixture
+def beir(tmp_path):
+    write_jsonl(tmp_path / "corpus.jsonl", DOCS)
+    write_jsonl(tmp_path / "queries.jsonl", QUERIES)
+    (tmp_path / "qrels.tsv").write_text(QRELS)
+    return tmp_path
+
+
+def config(beir, **overrides) -> Bm25Config:
+    return Bm25Config(**{"corpus": str(beir / "corpus.jsonl"), "queries": str(beir / "queries.jsonl"),
+                         "qrels": str(beir / "qrels.tsv"), "output": str(beir / "out" / "neg.jsonl"), **overrides})
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in storage.read_bytes(str(path)).decode().splitlines()]
+
+
+def test_rare_word_top_hit(beir):
+    run = bm25_run(build_index(str(beir / "corpus.jsonl")), {"q": "tell me about the quokka"}, depth=5)
+    assert list(run["q"]) == ["d5"]  # the only document sharing a non-stopword with the query
+
+
+def test_bm25_run_equals_direct_bm25s(beir):
+    import bm25s
+
+    texts = [f"{d['title']}\n{d['text']}" if d.get("title") else d["text"] for d in DOCS]
+    direct = bm25s.BM25(k1=1.2, b=0.75)
+    direct.index(bm25s.tokenize(texts, stopwords="en", show_progress=False), show_progress=False)
+    queries = {q["_id"]: q["text"] for q in QUERIES}
+    rows, scores = direct.retrieve(bm25s.tokenize(list(queries.values()), stopwords="en", show_progress=False),
+                                   k=len(DOCS), show_progress=False)
+    expected = {qid: {DOCS[r]["_id"]: float(s) for r, s in zip(rs, ss) if s > 0}
+                for qid, rs, ss in zip(queries, rows, scores)}
+    index = build_index(str(beir / "corpus.jsonl"), k1=1.2, b=0.75)
+    got = bm25_run(index, queries, depth=len(DOCS), batch_size=2, threads=1)
+    assert got == expected
+    assert list(got["q1"].values()) == sorted(expected["q1"].values(), reverse=True)  # ranked
+    assert got["q3"] == {}  # only stopwords: nothing retrieved
+
+
+def test_negatives_exclude_judged_positives(beir):
+    cfg = config(beir, count=3, threads=1)
+    full = bm25_run(build_index(cfg.corpus), {"q1": "zebra stripes"}, depth=cfg.depth)["q1"]
+    ranking = list(full)
+    assert ranking[0] == "d0" and "d4" in ranking[:4]
+    summary = mine_negatives(cfg)
+    negatives = {r["query_id"]: r for r in read_jsonl(cfg.output)}
+    # d0 (judged positive, ranked first) is gone; d4 (judged non-relevant) stays; order kept.
+    assert negatives["q1"]["negatives"] == [d for d in ranking if d != "d0"][:3]
+    assert negatives["q1"]["scores"] == pytest.approx([full[d] for d in negatives["q1"]["negatives"]], abs=1e-4)
+    assert negatives["q2"]["negatives"] == [] and negatives["q3"]["negatives"] == []
+    assert summary["positives_dropped"] == 2 and summary["queries_no_negatives"] == 2
+    run = storage.read_bytes(cfg.run_uri()).decode().splitlines()
+    assert run[0].split() == ["q1", "Q0", "d0", "1", f"{full['d0']:.4f}", "bm25"]
+
+
+def test_random_sample_is_seeded_subset_in_rank_order(beir):
+    cfg = config(beir, count=2, sample="random", seed=3, run="none")
+    ranking = [d for d in bm25_run(build_index(cfg.corpus), {"q1": "zebra stripes"})["q1"] if d != "d0"]
+    mine_negatives(cfg)
+    first = read_jsonl(cfg.output)[0]["negatives"]
+    assert set(first) < set(ranking) and first == sorted(first, key=ranking.index)
+    mine_negatives(cfg)
+    assert read_jsonl(cfg.output)[0]["negatives"] == first
+    assert not storage.exists(str(beir / "out" / "neg.run.trec"))
+
+
+def test_config_validation(beir):
+    with pytest.raises(ConfigError, match="count .* must not exceed depth"):
+        parse_config(Bm25Config, ["--corpus", "c", "--queries", "q", "--qrels", "r", "--depth", "10"])
+    with pytest.raises(ConfigError, match="missing required option 'qrels'"):
+        parse_config(Bm25Config, ["--corpus", "c", "--queries", "q"])
+    assert config(beir, output="x/neg.jsonl.gz").run_uri() == "x/neg.run.trec"
+
+
+def test_qrels_for_unknown_document_fails(beir):
+    (beir / "qrels.tsv").write_text(QRELS + "q2\tmissing\t1\n")
+    with pytest.raises(CorpusError, match=r"qrels\.tsv line 5: unknown document id 'missing'"):
+        mine_negatives(config(beir))
+
+
+def test_job_reads_s3_writes_local(beir, s3_bucket, capsys):
+    import boto3
+    import ir_measures
+
+    s3 = boto3.client("s3")
+    for name in ("corpus.jsonl", "queries.jsonl", "qrels.tsv"):
+        s3.upload_file(str(beir / name), s3_bucket, f"beir/{name}")
+    from jobs.bm25_negatives import main
+
+    out = beir / "job" / "negatives.jsonl.gz"
+    summary = main([f"--corpus=s3://{s3_bucket}/beir/corpus.jsonl", f"--queries=s3://{s3_bucket}/beir/queries.jsonl",
+                    f"--qrels=s3://{s3_bucket}/beir/qrels.tsv", f"--output={out}", "--depth=20", "--count=4",
+                    "--no-write_scores"])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last == summary
+    assert {k: last[k] for k in ("queries", "docs", "queries_without_positive", "positives_dropped")} == {
+        "queries": 3, "docs": len(DOCS), "queries_without_positive": 1, "positives_dropped": 2}
+    rows = read_jsonl(out)
+    assert [r["query_id"] for r in rows] == ["q1", "q2", "q3"] and all("scores" not in r for r in rows)
+    assert len(rows[0]["negatives"]) == 4 and "d0" not in rows[0]["negatives"]
+    assert last["negatives_per_query"] == pytest.approx(4 / 3, abs=1e-3)
+    run = list(ir_measures.read_trec_run(last["run"]))
+    assert {r.query_id for r in run} == {"q1", "q2"} and ("q1", "d0") in {(r.query_id, r.doc_id) for r in run}
