@@ -393,3 +393,48 @@ def tevatron_example(record: dict) -> TrainExample:
     return TrainExample(record["query_id"], record["query"],
                         [p["docid"] for p in record["positive_passages"]],
                         [p["docid"] for p in record["negative_passages"]])
+
+
+# -- training groups, rotated across epochs ---------------------------------------------
+
+def _query_seed(seed: int, query_id: str) -> int:
+    """A per-query seed that is the same in every process (Python's hash() is salted)."""
+    import hashlib
+
+    digest = hashlib.blake2b(f"{seed}\x00{query_id}".encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def select_group(example: TrainExample, epoch: int, group_size: int, seed: int = 0,
+                 fallback: list[str] | None = None) -> list[str]:
+    """The ``group_size`` passage ids a query trains on in ``epoch``: positive first.
+
+    As in Tevatron, the positive rotates through the query's positives, and the negatives
+    are a fixed per-query shuffle read through a window that slides by ``group_size - 1``
+    each epoch, so over ``len(negatives) / (group_size - 1)`` epochs every negative is
+    used once. A query with fewer negatives than the window samples its own with
+    replacement; one with none draws from ``fallback`` (e.g. a seeded sample of corpus ids;
+    its positives are never drawn), so every group has the same size.
+    """
+    import numpy as np
+
+    if not example.positives:
+        raise ValueError(f"query {example.query_id!r} has no positive")
+    key = _query_seed(seed, example.query_id)
+    positive = example.positives[(key + epoch) % len(example.positives)]
+    k = group_size - 1
+    if k <= 0:
+        return [positive]
+    negatives = list(example.negatives)
+    if not negatives:
+        excluded = set(example.positives)
+        negatives = [d for d in (fallback or []) if d not in excluded]
+        if not negatives:
+            raise ValueError(f"query {example.query_id!r} has no negatives and no fallback passages")
+    rng = np.random.default_rng([key % 2**63, epoch])
+    if len(negatives) < k:
+        return [positive] + [negatives[i] for i in rng.integers(len(negatives), size=k)]
+    order = np.random.default_rng(key % 2**63).permutation(len(negatives))
+    start = epoch * k % len(negatives)
+    window = np.concatenate([order, order])[start:start + k]
+    return [positive] + [negatives[i] for i in window]

@@ -193,3 +193,37 @@ def test_read_tevatron_errors(tmp_path, record, message):
     first = {"query_id": "q1", "query": "a", "positive_passages": [passage("p")], "negative_passages": []}
     with fails(message):
         list(read_tevatron(write(tmp_path / "t.jsonl", jsonl(first, record))))
+
+
+# -- training groups across epochs --------------------------------------------------------------
+
+def test_groups_rotate_so_every_negative_is_used_once_per_cycle():
+    from pipeline.retrieval_data import TrainExample, select_group
+
+    ex = TrainExample("q1", "text", positives=["p1", "p2", "p3"], negatives=[f"n{i}" for i in range(21)])
+    seen, positives = [], []
+    for epoch in range(3):  # 21 negatives / windows of 7 = 3 epochs
+        group = select_group(ex, epoch, group_size=8, seed=5)
+        assert len(group) == 8 and group[0] in ex.positives
+        positives.append(group[0])
+        seen.extend(group[1:])
+    assert sorted(seen) == sorted(ex.negatives)  # each exactly once
+    assert sorted(positives) == ["p1", "p2", "p3"]  # the positive rotates through all of them
+    assert select_group(ex, 1, 8, seed=5) == select_group(ex, 1, 8, seed=5)  # deterministic
+    assert select_group(ex, 0, 8, seed=5) != select_group(ex, 0, 8, seed=6)
+
+
+def test_groups_for_short_or_missing_negative_lists():
+    from pipeline.retrieval_data import TrainExample, select_group
+
+    short = TrainExample("q2", "t", positives=["p"], negatives=["a", "b"])
+    group = select_group(short, 0, group_size=5)
+    assert len(group) == 5 and set(group[1:]) <= {"a", "b"}
+    bare = TrainExample("q3", "t", positives=["p", "x"], negatives=[])
+    group = select_group(bare, 2, group_size=4, fallback=["x", "y", "z", "p"])
+    assert len(group) == 4 and set(group[1:]) <= {"y", "z"}  # positives never drawn as negatives
+    with pytest.raises(ValueError, match="no negatives and no fallback"):
+        select_group(bare, 0, group_size=4)
+    with pytest.raises(ValueError, match="no positive"):
+        select_group(TrainExample("q4", "t", positives=[]), 0, 4)
+    assert select_group(short, 3, group_size=1) == ["p"]
