@@ -183,6 +183,9 @@ class CoCondenserMethod(CondenserMethod):
         stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
         if stage >= 3:
             raise ValueError("the gradient cache needs whole parameters on each rank: use ZeRO stage 0, 1 or 2")
+        if getattr(engine, "fp16_enabled", lambda: False)():
+            # Chunk gradients are taken without DeepSpeed's loss scaling and could underflow.
+            raise ValueError("the gradient cache runs in fp32 or bf16, not fp16: use --train.precision bf16")
         module = getattr(engine, "module", engine)
         chunks = [{k: v[i:i + self.cfg.chunk_size] for k, v in batch.items()}
                   for i in range(0, n_local, self.cfg.chunk_size)]

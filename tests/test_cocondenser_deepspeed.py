@@ -136,3 +136,24 @@ def test_sequence_losses_average_to_the_per_span_mean():
         expected = (torch.nn.functional.cross_entropy(model.lm.cls(late[i][picked]), batch["labels"][i][picked])
                     if picked.any() else torch.tensor(0.0))
         assert per_span[i].item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
+
+
+class _Engine:
+    """The parts of a DeepSpeed engine the refusal checks read."""
+
+    def __init__(self, stage: int, fp16: bool):
+        self.module, self.stage, self.fp16 = build_model(), stage, fp16
+
+    def zero_optimization_stage(self):
+        return self.stage
+
+    def fp16_enabled(self):
+        return self.fp16
+
+
+@pytest.mark.parametrize("stage,fp16,message", [(3, False, "ZeRO stage 0, 1 or 2"), (2, True, "not fp16")])
+def test_the_cache_refuses_zero3_and_fp16(stage, fp16, message):
+    method = CoCondenserMethod(CoCondenserConfig(head="", chunk_size=2), tiny_masking_vocab())
+    batch = {k: v[:8] for k, v in global_batch().items()}
+    with pytest.raises(ValueError, match=message):
+        method.backward(_Engine(stage, fp16), batch)
