@@ -1,0 +1,156 @@
+"""Fine-tuning examples: each query with its group of passages, as token ids, per epoch.
+
+Queries reference passages by id, and the passages live in the prepared corpus shards
+(``pipeline/shards.py``). The join happens in Ray Data, so no worker ever holds the
+corpus text:
+
+1. The driver picks every query's group for the epoch (``select_group``: the positive
+   rotates, the negatives slide through a per-query shuffle) and turns the passage ids
+   into corpus rows. It knows ids only: an id index of the corpus, the groups and the
+   query token ids (all broadcast through the object store).
+2. A map over the corpus shards emits one ``(position, slot, passage ids)`` record per
+   request of each passage it reads: a passage in many groups is emitted once per group.
+3. One ``groupby(position)`` shuffle brings a group's passages together. ``position`` is
+   the query's place in the epoch's seeded random order; the shuffle (a hash shuffle in
+   Ray 2.60) may emit groups in another order, which is no less random.
+
+Each example carries its query's example row as ``source_rows``, which is what the
+trainer records as the data position, exactly as for pre-training sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline import storage
+from pipeline.retrieval_data import TrainExample, select_group
+from pipeline.shards import load_manifest
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    corpus: str           # prepared corpus (tokenized with the retriever's tokenizer)
+    group_size: int
+    query_max_len: int
+    passage_max_len: int
+    seed: int
+    cls_id: int
+    sep_id: int
+    pad_id: int
+
+
+def corpus_rows_by_id(corpus: str, manifest: dict | None = None) -> dict[str, int]:
+    """doc_id -> corpus row, reading only the ``doc_id`` and ``row`` columns of each shard."""
+    manifest = manifest or load_manifest(corpus)
+    index: dict[str, int] = {}
+    for shard in manifest["shards"]:
+        table = storage.read_parquet(storage.join(corpus, shard["path"]), columns=["row", "doc_id"])
+        index.update(zip(table.column("doc_id").to_pylist(), table.column("row").to_pylist()))
+    return index
+
+
+def frame(ids: np.ndarray, max_len: int, spec: GroupSpec) -> tuple[np.ndarray, int]:
+    """``[CLS] ids [SEP]`` truncated to max_len and padded, and its length."""
+    body = np.asarray(ids, dtype=np.int32)[:max_len - 2]
+    out = np.full(max_len, spec.pad_id, dtype=np.int32)
+    out[0], out[1:len(body) + 1], out[len(body) + 1] = spec.cls_id, body, spec.sep_id
+    return out, len(body) + 2
+
+
+@dataclass
+class EpochGroups:
+    """The driver's plan for one epoch, in the epoch's random order."""
+
+    example_rows: np.ndarray   # (E,) which example sits at each position
+    corpus_rows: np.ndarray    # (E, group_size) positive first
+
+
+def plan_epoch(examples: list[TrainExample], epoch: int, spec: GroupSpec, rows_by_id: dict[str, int],
+               skip_rows: np.ndarray | None = None) -> EpochGroups:
+    """Every example's group for ``epoch`` (as corpus rows), in a seeded random order,
+    leaving out the example rows in ``skip_rows`` (consumed before a resume)."""
+    rng = np.random.default_rng([spec.seed, epoch])
+    order = rng.permutation(len(examples))
+    if skip_rows is not None and len(skip_rows):
+        order = order[~np.isin(order, skip_rows)]
+    # Queries without negatives draw from a seeded sample of the corpus.
+    fallback_pool = list(rows_by_id)
+    fallback = [fallback_pool[i] for i in rng.choice(len(fallback_pool), size=min(1000, len(fallback_pool)),
+                                                     replace=False)]
+    groups = np.zeros((len(order), spec.group_size), dtype=np.int64)
+    for position, row in enumerate(order):
+        ids = select_group(examples[row], epoch, spec.group_size, spec.seed, fallback)
+        try:
+            groups[position] = [rows_by_id[i] for i in ids]
+        except KeyError as missing:
+            raise ValueError(f"query {examples[row].query_id!r}: passage {missing.args[0]!r} is not in the "
+                             f"corpus {spec.corpus}") from None
+    return EpochGroups(order.astype(np.int64), groups)
+
+
+def _resolved(value):
+    """Ray Data passes fn_kwargs as given: the plan travels as object refs (put once, not
+    pickled into every task), fetched here from the local object store."""
+    import ray
+
+    return ray.get(value) if isinstance(value, ray.ObjectRef) else value
+
+
+def _emit_requests(batch: dict, requests) -> dict:
+    """For the corpus rows of this batch, one record per (position, slot) that needs them."""
+    requests = _resolved(requests)
+    targets_row, targets_pos, targets_slot = requests["row"], requests["position"], requests["slot"]
+    lo = np.searchsorted(targets_row, batch["row"], side="left")
+    hi = np.searchsorted(targets_row, batch["row"], side="right")
+    counts = hi - lo
+    take = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)]) if counts.sum() else np.zeros(0, np.int64)
+    source = np.repeat(np.arange(len(batch["row"])), counts)
+    passages = np.empty(len(take), dtype=object)
+    passages[:] = [batch["input_ids"][i] for i in source]
+    return {"position": targets_pos[take], "slot": targets_slot[take], "input_ids": passages}
+
+
+def _assemble(group: dict, spec: GroupSpec, plan, query_ids, epoch: int) -> dict:
+    plan, query_ids = _resolved(plan), _resolved(query_ids)
+    position = int(group["position"][0])
+    if len(group["slot"]) != spec.group_size:
+        raise RuntimeError(f"group at position {position} has {len(group['slot'])} passages, "
+                           f"expected {spec.group_size}")
+    passages = np.zeros((spec.group_size, spec.passage_max_len), dtype=np.int32)
+    lengths = np.zeros(spec.group_size, dtype=np.int32)
+    for slot, ids in zip(group["slot"], group["input_ids"]):
+        passages[slot], lengths[slot] = frame(ids, spec.passage_max_len, spec)
+    example_row = int(plan["example_rows"][position])
+    query, query_length = frame(query_ids[example_row], spec.query_max_len, spec)
+    source_rows = np.empty(1, dtype=object)
+    source_rows[0] = np.array([example_row], dtype=np.int64)
+    return {"q_input_ids": query[None], "q_length": np.array([query_length], np.int32),
+            "d_input_ids": passages[None], "d_length": lengths[None],
+            "position": np.array([position], np.int64), "epoch": np.array([epoch], np.int32),
+            "source_rows": source_rows}
+
+
+def build_epoch(spec: GroupSpec, plan: EpochGroups, query_ids: list, epoch: int, manifest: dict | None = None):
+    """The Ray Dataset of one epoch's groups: one row per planned position."""
+    import ray
+
+    manifest = manifest or load_manifest(spec.corpus)
+    n = plan.corpus_rows.shape[1]
+    flat = plan.corpus_rows.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    requests = {"row": flat[order], "position": (np.arange(flat.size) // n)[order],
+                "slot": (np.arange(flat.size) % n)[order]}
+    needed = np.unique(flat)
+    loc = storage.resolve(spec.corpus)
+    shards = [s for s in manifest["shards"]  # a shard no group needs is not read at all
+              if np.any((needed >= s["first_row"]) & (needed < s["first_row"] + s["rows"]))]
+    paths = [storage.resolve(storage.join(spec.corpus, s["path"])).path for s in shards]
+    ds = ray.data.read_parquet(paths, filesystem=loc.fs, shuffle=None).select_columns(["row", "input_ids"])
+    requests_ref, plan_ref, queries_ref = (ray.put(requests), ray.put({"example_rows": plan.example_rows}),
+                                           ray.put(query_ids))
+    ds = ds.map_batches(_emit_requests, fn_kwargs={"requests": requests_ref}, batch_format="numpy")
+    return ds.groupby("position").map_groups(
+        _assemble, fn_kwargs={"spec": spec, "plan": plan_ref, "query_ids": queries_ref, "epoch": epoch},
+        batch_format="numpy")
