@@ -21,8 +21,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-import torch  # noqa: E402
-
 from models.biencoder import BiEncoder, BiEncoderConfig, load_settings  # noqa: E402
 from pipeline.corpus import iter_documents  # noqa: E402
 from pipeline.evaluate import encode_texts, evaluate, exact_search, to_run  # noqa: E402
@@ -56,7 +54,6 @@ def main() -> None:
     parser.add_argument("--retriever", nargs="*", default=[])
     parser.add_argument("--json", default="")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
 
     corpus = f"{args.data}/corpus.jsonl"
     docs = list(iter_documents(corpus))

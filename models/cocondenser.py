@@ -36,9 +36,10 @@ def gather_with_grad(local: torch.Tensor) -> torch.Tensor:
     hold different numbers of rows (the last batch of a stream): sizes are exchanged
     first and the rows padded for the gather, two collectives per call.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    world = world_size()
+    if world == 1:
         return local
-    world, rank = dist.get_world_size(), dist.get_rank()
+    rank = dist.get_rank()
     size = torch.tensor([local.shape[0]], dtype=torch.long, device=local.device)
     sizes = [torch.empty_like(size) for _ in range(world)]
     dist.all_gather(sizes, size)
@@ -203,6 +204,3 @@ class CoCondenserMethod(CondenserMethod):
         engine.backward(grads.surrogate())
         extras = self._extras(parts, local, contrastive)
         return extras.pop("loss"), extras
-
-    def export(self, model: Condenser, out_dir: str, tokenizer_dir: str | None) -> dict[str, str]:
-        return model.save(out_dir, tokenizer_dir)

@@ -27,7 +27,7 @@ import numpy as np
 
 from pipeline import storage
 from pipeline.corpus import CorpusError, CorpusStats, iter_documents
-from pipeline.retrieval_data import open_output, positives, read_qrels, read_queries, write_negatives
+from pipeline.retrieval_data import positives, read_qrels, read_queries, write_negatives
 
 if TYPE_CHECKING:
     import bm25s
@@ -188,7 +188,7 @@ def mine_negatives(cfg: Bm25Config) -> dict:
     if run_uri is None:
         write_negatives(rows(None), cfg.output)
     else:
-        with open_output(run_uri) as run_out:
+        with storage.open_output(run_uri) as run_out:
             write_negatives(rows(run_out), cfg.output)
     n = len(queries)
     return {

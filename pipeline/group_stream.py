@@ -27,6 +27,7 @@ import numpy as np
 from pipeline import storage
 from pipeline.retrieval_data import TrainExample, select_group
 from pipeline.shards import load_manifest
+from pipeline.stream import frame
 
 
 @dataclass(frozen=True)
@@ -51,12 +52,10 @@ def corpus_rows_by_id(corpus: str, manifest: dict | None = None) -> dict[str, in
     return index
 
 
-def frame(ids: np.ndarray, max_len: int, spec: GroupSpec) -> tuple[np.ndarray, int]:
-    """``[CLS] ids [SEP]`` truncated to max_len and padded, and its length."""
-    body = np.asarray(ids, dtype=np.int32)[:max_len - 2]
-    out = np.full(max_len, spec.pad_id, dtype=np.int32)
-    out[0], out[1:len(body) + 1], out[len(body) + 1] = spec.cls_id, body, spec.sep_id
-    return out, len(body) + 2
+def frame_truncated(token_lists: list, max_len: int, spec: GroupSpec) -> tuple[np.ndarray, np.ndarray]:
+    """``[CLS] ids [SEP]`` per token list, truncated to max_len and padded; and the lengths."""
+    chunks = [np.asarray(ids, dtype=np.int32)[:max_len - 2] for ids in token_lists]
+    return frame(chunks, max_len, spec.cls_id, spec.sep_id, spec.pad_id)
 
 
 @dataclass
@@ -75,10 +74,12 @@ def plan_epoch(examples: list[TrainExample], epoch: int, spec: GroupSpec, rows_b
     order = rng.permutation(len(examples))
     if skip_rows is not None and len(skip_rows):
         order = order[~np.isin(order, skip_rows)]
-    # Queries without negatives draw from a seeded sample of the corpus.
-    fallback_pool = list(rows_by_id)
-    fallback = [fallback_pool[i] for i in rng.choice(len(fallback_pool), size=min(1000, len(fallback_pool)),
-                                                     replace=False)]
+    # Queries without negatives draw from a seeded sample of the corpus (built only if one
+    # needs it: listing every corpus id is costly on a large corpus).
+    fallback = []
+    if any(not examples[row].negatives for row in order):
+        pool = list(rows_by_id)
+        fallback = [pool[i] for i in rng.choice(len(pool), size=min(1000, len(pool)), replace=False)]
     groups = np.zeros((len(order), spec.group_size), dtype=np.int64)
     for position, row in enumerate(order):
         ids = select_group(examples[row], epoch, spec.group_size, spec.seed, fallback)
@@ -118,15 +119,13 @@ def _assemble(group: dict, spec: GroupSpec, plan, query_ids, epoch: int) -> dict
     if len(group["slot"]) != spec.group_size:
         raise RuntimeError(f"group at position {position} has {len(group['slot'])} passages, "
                            f"expected {spec.group_size}")
-    passages = np.zeros((spec.group_size, spec.passage_max_len), dtype=np.int32)
-    lengths = np.zeros(spec.group_size, dtype=np.int32)
-    for slot, ids in zip(group["slot"], group["input_ids"]):
-        passages[slot], lengths[slot] = frame(ids, spec.passage_max_len, spec)
+    in_slot_order = np.argsort(group["slot"])
+    passages, lengths = frame_truncated([group["input_ids"][i] for i in in_slot_order], spec.passage_max_len, spec)
     example_row = int(plan["example_rows"][position])
-    query, query_length = frame(query_ids[example_row], spec.query_max_len, spec)
+    query, query_length = frame_truncated([query_ids[example_row]], spec.query_max_len, spec)
     source_rows = np.empty(1, dtype=object)
     source_rows[0] = np.array([example_row], dtype=np.int64)
-    return {"q_input_ids": query[None], "q_length": np.array([query_length], np.int32),
+    return {"q_input_ids": query, "q_length": query_length,
             "d_input_ids": passages[None], "d_length": lengths[None],
             "position": np.array([position], np.int64), "epoch": np.array([epoch], np.int32),
             "source_rows": source_rows}

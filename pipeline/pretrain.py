@@ -80,7 +80,8 @@ class PretrainTask:
 
     @property
     def counter_names(self) -> tuple[str, ...]:
-        return ("skipped_docs",) if self.method_name == "cocondenser" else ()
+        # The span-pair stream skips documents too short for a pair, and counts them.
+        return ("skipped_docs",) if METHODS[self.method_name].example_format == "span_pairs" else ()
 
     def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]:
         # Span pairs arrive as (b, 2, L): flattened to (2b, L), partners stay adjacent.
@@ -122,13 +123,14 @@ def _pair_fraction(corpus: str, manifest: dict, spans: CoCondenserConfig) -> flo
 
     from pipeline.shards import shard_uris
 
-    table = storage.read_parquet(shard_uris(corpus, manifest)[0], columns=["input_ids"])
+    first_shard = shard_uris(corpus, manifest)[0]
+    table = storage.read_parquet(first_shard, columns=["input_ids"])
     lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
     if not len(lengths):
         return 1.0
     fraction = float((lengths >= 2 * spans.min_span_length).mean())
     if fraction == 0:
-        raise ValueError(f"no document of {shard_uris(corpus, manifest)[0]} holds two spans of "
+        raise ValueError(f"no document of {first_shard} holds two spans of "
                          f"{spans.min_span_length}+ tokens: lower --cocondenser.min_span_length")
     return fraction
 
@@ -197,7 +199,8 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
     with storage.local_copy(tokenizer_uri) as tok_dir:
         tokenizer = load_tokenizer(tok_dir)
     run_dir = storage.join(cfg.train.output, "checkpoints")
-    spans = cfg.cocondenser if cfg.method == "cocondenser" else None
+    method_cfg = getattr(cfg, cfg.method)
+    spans = method_cfg if METHODS[cfg.method].example_format == "span_pairs" else None
     # coCondenser streams span pairs: a row is a document, and a span is at most span_length.
     max_len = spans.span_length + 2 if spans else cfg.data.max_len
     pack = cfg.data.pack and not spans
@@ -209,7 +212,6 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
         epochs=epochs_needed(cfg.train, per_epoch),
         seed=cfg.train.seed, shuffle_files=cfg.data.shuffle_files, cls_id=tokenizer.cls_token_id,
         sep_id=tokenizer.sep_token_id, pad_id=tokenizer.pad_token_id, run_dir=run_dir, spans=spans)
-    method_cfg = getattr(cfg, cfg.method)
     task = PretrainTask(cfg.method, method_cfg, cfg.model, tokenizer_uri, manifest["vocab_size"])
     write_run_files(cfg, cfg.train.output)
 

@@ -24,17 +24,10 @@ Ray Data, so that no worker has to hold the whole corpus.
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
-import os
-import tempfile
-import uuid
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO, Callable, Iterable, Iterator
-
-import pyarrow.fs as pafs
 
 from pipeline import storage
 from pipeline.corpus import MAX_SKIPPED_EXAMPLES, CorpusError, decode_line, json_type, numbered_lines, iter_documents
@@ -228,38 +221,6 @@ def read_negatives(uri: str, doc_ids: set[str] | None = None,
     return negatives
 
 
-@contextmanager
-def open_output(uri: str) -> Iterator[BinaryIO]:
-    """A binary stream that becomes ``uri`` (local or S3) only if the block succeeds, gzip-compressed
-    when the name ends in ``.gz``. It is written to a local temporary file first, so a failed job
-    leaves no half-written output, and large outputs are never held in memory."""
-    loc = storage.resolve(uri)
-    local = isinstance(loc.fs, pafs.LocalFileSystem)
-    if local:
-        os.makedirs(os.path.dirname(loc.path), exist_ok=True)
-    # Opened with open() rather than mkstemp, so the file gets the umask's permissions, not 0600.
-    tmp = os.path.join(os.path.dirname(loc.path) if local else tempfile.gettempdir(),
-                       f".{os.path.basename(loc.path)}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "xb") as raw:
-            if loc.path.endswith(".gz"):
-                with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
-                    yield gz  # type: ignore[misc]
-            else:
-                yield raw
-        if local:
-            os.replace(tmp, loc.path)
-        else:
-            try:
-                pafs.copy_files(tmp, loc.path, source_filesystem=pafs.LocalFileSystem(),
-                                destination_filesystem=loc.fs)
-            except Exception as exc:
-                raise storage.StorageError(f"cannot write {loc.describe()}: {exc}") from exc
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def _write_line(out: BinaryIO, obj: dict) -> None:
     out.write(json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n")
 
@@ -267,7 +228,7 @@ def _write_line(out: BinaryIO, obj: dict) -> None:
 def write_negatives(rows: Iterable[tuple[str, list[str], list[float] | None]], uri: str) -> int:
     """Write (query id, ranked negative ids, their scores or None) rows; returns the row count."""
     n = 0
-    with open_output(uri) as out:
+    with storage.open_output(uri) as out:
         for qid, ids, scores in rows:
             _write_line(out, {"query_id": qid, "negatives": list(ids),
                               **({"scores": [round(float(s), 4) for s in scores]} if scores is not None else {})})
@@ -344,7 +305,7 @@ def write_tevatron(examples: Iterable[TrainExample], corpus_lookup: Callable[[st
         return [{"docid": d, "title": t, "text": x} for d in ids for t, x in [corpus_lookup(d)]]
 
     n = 0
-    with open_output(uri) as out:
+    with storage.open_output(uri) as out:
         for ex in examples:
             _write_line(out, {"query_id": ex.query_id, "query": ex.query,
                               "positive_passages": passages(ex.positives),

@@ -10,15 +10,17 @@ to the filesystem object, so they never end up pickled into Ray tasks or checkpo
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import posixpath
 import shutil
 import tempfile
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 import pyarrow.fs as pafs
 
@@ -147,6 +149,38 @@ def write_bytes(uri: str, data: bytes) -> None:
                 f.write(data)
     except Exception as exc:
         raise _wrap(loc, "write", exc) from exc
+
+
+@contextmanager
+def open_output(uri: str) -> Iterator[BinaryIO]:
+    """A binary stream that becomes ``uri`` (local or S3) only if the block succeeds, gzip-compressed
+    when the name ends in ``.gz``. It is written to a local temporary file first, so a failed job
+    leaves no half-written output, and large outputs are never held in memory."""
+    loc = resolve(uri)
+    local = isinstance(loc.fs, pafs.LocalFileSystem)
+    if local:
+        os.makedirs(os.path.dirname(loc.path), exist_ok=True)
+    # Opened with open() rather than mkstemp, so the file gets the umask's permissions, not 0600.
+    tmp = os.path.join(os.path.dirname(loc.path) if local else tempfile.gettempdir(),
+                       f".{os.path.basename(loc.path)}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "xb") as raw:
+            if loc.path.endswith(".gz"):
+                with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
+                    yield gz  # type: ignore[misc]
+            else:
+                yield raw
+        if local:
+            os.replace(tmp, loc.path)
+        else:
+            try:
+                pafs.copy_files(tmp, loc.path, source_filesystem=pafs.LocalFileSystem(),
+                                destination_filesystem=loc.fs)
+            except Exception as exc:
+                raise StorageError(f"cannot write {loc.describe()}: {exc}") from exc
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def read_json(uri: str) -> Any:

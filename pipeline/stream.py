@@ -97,17 +97,25 @@ def read_position(run_dir: str) -> tuple[DataPosition, str | None]:
 
 # -- examples ---------------------------------------------------------------------------
 
-def _frame(chunks: list[np.ndarray], spec: StreamSpec) -> tuple[np.ndarray, np.ndarray]:
-    """[CLS] chunk [SEP] + padding, as an (N, max_len) int32 array, and the lengths."""
-    out = np.full((len(chunks), spec.max_len), spec.pad_id, dtype=np.int32)
+def frame(chunks: list[np.ndarray], max_len: int, cls_id: int, sep_id: int,
+          pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """[CLS] chunk [SEP] + padding, as an (N, max_len) int32 array, and the lengths.
+
+    Each chunk must fit, i.e. hold at most ``max_len - 2`` tokens.
+    """
+    out = np.full((len(chunks), max_len), pad_id, dtype=np.int32)
     lengths = np.zeros(len(chunks), dtype=np.int32)
     for i, chunk in enumerate(chunks):
         n = len(chunk) + 2
-        out[i, 0] = spec.cls_id
+        out[i, 0] = cls_id
         out[i, 1:n - 1] = chunk
-        out[i, n - 1] = spec.sep_id
+        out[i, n - 1] = sep_id
         lengths[i] = n
     return out, lengths
+
+
+def _frame(chunks: list[np.ndarray], spec: StreamSpec) -> tuple[np.ndarray, np.ndarray]:
+    return frame(chunks, spec.max_len, spec.cls_id, spec.sep_id, spec.pad_id)
 
 
 def to_sequences(batch: dict, spec: StreamSpec, epoch: int) -> dict:

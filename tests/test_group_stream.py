@@ -7,7 +7,7 @@ import pytest
 
 from conftest import synthetic_docs, write_jsonl
 from pipeline import storage
-from pipeline.group_stream import GroupSpec, build_epoch, corpus_rows_by_id, frame, plan_epoch
+from pipeline.group_stream import GroupSpec, build_epoch, corpus_rows_by_id, frame_truncated, plan_epoch
 from pipeline.retrieval_data import TrainExample
 from pipeline.shards import PrepareConfig, prepare_corpus
 
@@ -51,11 +51,11 @@ def test_every_group_holds_exactly_its_planned_passages_in_the_planned_order(cor
         example_row = int(r["source_rows"][0])
         assert example_row == plan.example_rows[position]
         assert r["epoch"] == 1
-        expected_q, q_len = frame(query_ids[example_row], 12, spec)
+        (expected_q,), (q_len,) = frame_truncated([query_ids[example_row]], 12, spec)
         assert r["q_input_ids"].tolist() == expected_q.tolist() and r["q_length"] == q_len
         for slot in range(4):
             doc = id_by_row[int(plan.corpus_rows[position, slot])]
-            want, length = frame(np.array(tokens[doc]), 16, spec)
+            (want,), (length,) = frame_truncated([tokens[doc]], 16, spec)
             assert r["d_input_ids"][slot].tolist() == want.tolist() and r["d_length"][slot] == length
         ex = examples[example_row]
         assert id_by_row[int(plan.corpus_rows[position, 0])] in ex.positives

@@ -7,7 +7,6 @@ import pytest
 from pipeline import storage
 from pipeline.corpus import CorpusError
 from pipeline.retrieval_data import (DataStats, TrainExample, build_training_examples, load_training_examples,
-                                     open_output,
                                      passage_lookup, read_negatives, read_qrels, read_queries,
                                      read_tevatron, tevatron_example, write_negatives, write_tevatron)
 
@@ -100,7 +99,7 @@ def test_negatives_round_trip_and_errors(tmp_path):
 
 def test_failed_write_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError):
-        with open_output(str(tmp_path / "out.jsonl")) as out:
+        with storage.open_output(str(tmp_path / "out.jsonl")) as out:
             out.write(b"half")
             raise RuntimeError
     assert list(tmp_path.iterdir()) == []
