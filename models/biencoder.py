@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.cocondenser import gather_with_grad, world_size
+from models.grad_cache import engine_grad_cache_backward
 
 SETTINGS_FILE = "retriever.json"
 
@@ -33,6 +34,8 @@ class BiEncoderConfig:
     temperature: float = field(default=1.0, metadata={"help": "scores are divided by this (SimLM uses cosine / 0.02)"})
     shared_encoder: bool = field(default=True, metadata={"help": "one encoder for queries and passages; false = separate towers"})
     group_size: int = field(default=8, metadata={"help": "passages per query: 1 positive + group_size-1 hard negatives"})
+    chunk_size: int = field(default=0, metadata={"help": "gradient cache: sequences per forward chunk (queries and passages alike); 0 = no cache"})
+    length_buckets: int = field(default=1, metadata={"help": "encode each batch as this many length-sorted slices, each padded only to its own longest sequence (same result, less padding)"})
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
@@ -57,6 +60,18 @@ class BiEncoder(nn.Module):
         self.passage_encoder = None if cfg.shared_encoder else passage_encoder
 
     def _encode(self, encoder: nn.Module, input_ids, attention_mask) -> torch.Tensor:
+        buckets = self.cfg.length_buckets
+        if buckets <= 1 or input_ids.shape[0] <= buckets:
+            return self._encode_slice(encoder, input_ids, attention_mask)
+        order = torch.argsort(attention_mask.sum(1), descending=True)
+        reps = torch.cat([self._encode_slice(encoder, input_ids[idx], attention_mask[idx])
+                          for idx in order.chunk(buckets)])
+        return reps[torch.argsort(order)]  # back to the input order
+
+    def _encode_slice(self, encoder: nn.Module, input_ids, attention_mask) -> torch.Tensor:
+        # Padding columns no sequence uses change nothing but the cost: drop them.
+        width = max(1, int(attention_mask.sum(1).max()))
+        input_ids, attention_mask = input_ids[:, :width], attention_mask[:, :width]
         hidden = encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         reps = pool(hidden, attention_mask, self.cfg.pooling)
         return F.normalize(reps, dim=-1) if self.cfg.similarity == "cos" else reps
@@ -117,3 +132,76 @@ def global_contrastive_loss(model: BiEncoder, local_queries: torch.Tensor, local
     queries = gather_with_grad(local_queries.float())
     passages = gather_with_grad(local_passages.float())
     return contrastive_loss(model.compute_similarity(queries, passages), group_size) * world_size()
+
+
+def load_biencoder(export_dir: str, overrides: dict | None = None) -> BiEncoder:
+    """A retriever export (``retriever.json`` + one or two HF encoders) ready to encode;
+    ``overrides`` (e.g. ``{"pooling": "mean"}``) replace saved settings. Any plain HF
+    checkpoint also loads, with the settings given in ``overrides`` (default CLS, dot)."""
+    from transformers import AutoModel
+
+    from models.backbone import has_safetensors
+
+    has_settings = os.path.isfile(os.path.join(export_dir, SETTINGS_FILE))
+    settings = load_settings(export_dir) if has_settings else {}
+    known = {f for f in BiEncoderConfig.__dataclass_fields__}
+    cfg = BiEncoderConfig(**{k: v for k, v in {**settings, **(overrides or {})}.items() if k in known})
+
+    def encoder(path: str) -> nn.Module:
+        return AutoModel.from_pretrained(path, use_safetensors=has_safetensors(path)).eval()
+
+    if settings.get("towers"):
+        cfg.shared_encoder = False
+        return BiEncoder(encoder(os.path.join(export_dir, "query")), encoder(os.path.join(export_dir, "passage")), cfg)
+    cfg.shared_encoder = True
+    return BiEncoder(encoder(export_dir), None, cfg)
+
+
+def contrastive_backward(engine, batch: dict[str, torch.Tensor], group_size: int, chunk_size: int = 0
+                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro-batch's forward and ``engine.backward`` of the global contrastive loss.
+
+    ``batch`` holds ``q_input_ids``/``q_attention_mask`` (b, Lq) and ``d_input_ids``/
+    ``d_attention_mask`` (b * group_size, Ld), each query's group contiguous, positive
+    first. With ``chunk_size`` the encoders run through the gradient cache in chunks of
+    that many sequences, with the exact gradient of the whole batch. Returns the true
+    (unscaled) global loss and the in-batch top-1 accuracy.
+    """
+    module = getattr(engine, "module", engine)
+    n_queries = batch["q_input_ids"].shape[0]
+    stats: dict[str, torch.Tensor] = {}
+
+    def coupled(queries: torch.Tensor, passages: torch.Tensor) -> torch.Tensor:
+        loss = global_contrastive_loss(module, queries, passages, group_size)
+        with torch.no_grad():  # logged only: how often the positive tops this worker's passages
+            scores = module.compute_similarity(queries, passages)
+            targets = torch.arange(queries.shape[0], device=scores.device) * group_size
+            stats["accuracy"] = (scores.argmax(1) == targets).float().mean()
+        return loss
+
+    q = batch["q_input_ids"], batch["q_attention_mask"]
+    d = batch["d_input_ids"], batch["d_attention_mask"]
+    n_total = max(n_queries, d[0].shape[0])
+    if not chunk_size or chunk_size >= n_total:
+        queries, passages = engine(q[0], q[1], d[0], d[1])
+        loss = coupled(queries, passages)
+        engine.backward(loss)
+    else:
+        # Chunks of length-sorted sequences: each is padded only to its own longest.
+        q_order = torch.argsort(q[1].sum(1), descending=True)
+        d_order = torch.argsort(d[1].sum(1), descending=True)
+        chunks = ([{"tower": "q", "ids": q[0][idx], "mask": q[1][idx]} for idx in q_order.split(chunk_size)]
+                  + [{"tower": "d", "ids": d[0][idx], "mask": d[1][idx]} for idx in d_order.split(chunk_size)])
+        # The cached representations come in chunk order; the loss reads them in batch order.
+        to_batch_order = torch.argsort(torch.cat([q_order, d_order + n_queries]))
+
+        def encode(bare, chunk):
+            encode_fn = bare.encode_query if chunk["tower"] == "q" else bare.encode_passage
+            return encode_fn(chunk["ids"], chunk["mask"]), torch.zeros((), device=chunk["ids"].device)
+
+        def coupled_in_batch_order(reps: torch.Tensor) -> torch.Tensor:
+            reps = reps[to_batch_order.to(reps.device)]
+            return coupled(reps[:n_queries], reps[n_queries:])
+
+        loss, _ = engine_grad_cache_backward(engine, chunks, encode, coupled_in_batch_order)
+    return loss.detach() / world_size(), {"accuracy": stats["accuracy"]}

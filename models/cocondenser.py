@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from models.condenser import Condenser, CondenserConfig, CondenserMethod
-from models.grad_cache import LocalGradients, grad_cache_backward
+from models.grad_cache import engine_grad_cache_backward
 
 
 def world_size() -> int:
@@ -171,36 +171,23 @@ class CoCondenserMethod(CondenserMethod):
         return {**parts, "contrastive_loss": contrastive, "loss": local.detach() + contrastive}
 
     def backward(self, engine, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """One optimiser step's backward, through the gradient cache when ``chunk_size`` asks.
-
-        The chunks call the bare module (``engine.module``): DeepSpeed's forward adds
-        backward hooks on outputs that must only run for the final ``engine.backward``.
-        """
+        """One optimiser step's backward, through the gradient cache when ``chunk_size`` asks."""
         n_local = batch["input_ids"].shape[0]
         if not self.cfg.chunk_size or self.cfg.chunk_size >= n_local:
             loss, extras = self.loss(engine, batch)
             engine.backward(loss)
             return extras.pop("loss"), extras
-        stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
-        if stage >= 3:
-            raise ValueError("the gradient cache needs whole parameters on each rank: use ZeRO stage 0, 1 or 2")
-        if getattr(engine, "fp16_enabled", lambda: False)():
-            # Chunk gradients are taken without DeepSpeed's loss scaling and could underflow.
-            raise ValueError("the gradient cache runs in fp32 or bf16, not fp16: use --train.precision bf16")
-        module = getattr(engine, "module", engine)
         chunks = [{k: v[i:i + self.cfg.chunk_size] for k, v in batch.items()}
                   for i in range(0, n_local, self.cfg.chunk_size)]
         parts: dict[str, torch.Tensor] = {}
 
-        def encode(chunk):
+        def encode(module, chunk):
             late_cls, local, chunk_parts = self._losses(module, chunk, n_local)
             if torch.is_grad_enabled():  # the replay, not the no-grad first pass
                 for k, v in chunk_parts.items():
                     parts[k] = parts.get(k, 0) + v
             return late_cls, local
 
-        grads = LocalGradients(module.parameters())
-        contrastive, local = grad_cache_backward(chunks, encode, global_span_contrastive_loss, grads.add)
-        engine.backward(grads.surrogate())
+        contrastive, local = engine_grad_cache_backward(engine, chunks, encode, global_span_contrastive_loss)
         extras = self._extras(parts, local, contrastive)
         return extras.pop("loss"), extras

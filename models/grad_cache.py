@@ -110,3 +110,30 @@ class LocalGradients:
         if not terms:
             raise RuntimeError("gradient cache: no parameter received a gradient")
         return torch.stack(terms).sum()
+
+
+def check_cacheable(engine) -> None:
+    """The engine settings under which chunk gradients can be summed outside DeepSpeed."""
+    stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
+    if stage >= 3:
+        raise ValueError("the gradient cache needs whole parameters on each rank: use ZeRO stage 0, 1 or 2")
+    if getattr(engine, "fp16_enabled", lambda: False)():
+        # Chunk gradients are taken without DeepSpeed's loss scaling and could underflow.
+        raise ValueError("the gradient cache runs in fp32 or bf16, not fp16: use --train.precision bf16")
+
+
+def engine_grad_cache_backward(engine, chunks: Sequence[dict], encode: Callable[[torch.nn.Module, dict], tuple],
+                               coupled_loss: Callable[[torch.Tensor], torch.Tensor]
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`grad_cache_backward` as one DeepSpeed backward: one reduction, one step.
+
+    ``encode(module, chunk)`` runs on the bare module (``engine.module``): DeepSpeed's own
+    forward adds backward hooks on outputs that must only run for the final
+    ``engine.backward``. Returns (coupled loss, summed local loss), detached.
+    """
+    check_cacheable(engine)
+    module = getattr(engine, "module", engine)
+    grads = LocalGradients(module.parameters())
+    coupled, local = grad_cache_backward(chunks, lambda chunk: encode(module, chunk), coupled_loss, grads.add)
+    engine.backward(grads.surrogate())
+    return coupled, local

@@ -53,6 +53,7 @@ class Bm25Config:
     threads: int = field(default=0, metadata={"help": "retrieval threads; 0 = all cores"})
     batch_size: int = field(default=1024, metadata={"help": "queries retrieved per batch"})
     write_scores: bool = field(default=True, metadata={"help": "also write each negative's BM25 score"})
+    tevatron: str = field(default="", metadata={"help": "also write the training file in Tevatron format (query, positive and negative passages with their text) here; empty = not written"})
 
     def __post_init__(self):
         for name in ("depth", "count", "batch_size"):
@@ -158,6 +159,19 @@ def _select(qid: str, ids: list[str], scores: list[float], judged_positive: set[
     return [ids[i] for i in cand], [scores[i] for i in cand], dropped
 
 
+def _write_tevatron(cfg: Bm25Config, queries: dict[str, str], qrels: dict) -> dict:
+    """The mined training data as Tevatron jsonl, passage text included (read back from the
+    corpus for just the passages it names)."""
+    from pipeline.retrieval_data import build_training_examples, passage_lookup, read_negatives, write_tevatron
+
+    negatives = read_negatives(cfg.output)
+    examples, stats = build_training_examples(queries, qrels, negatives)
+    needed = {d for ex in examples for d in ex.positives + ex.negatives}
+    written = write_tevatron(examples, passage_lookup(cfg.corpus, needed), cfg.tevatron)
+    return {"path": cfg.tevatron, "examples": written, **{k: v for k, v in stats.as_dict().items()
+                                                          if not k.endswith("_examples")}}
+
+
 def mine_negatives(cfg: Bm25Config) -> dict:
     """Write the negatives jsonl (and the run); returns the job summary."""
     start = time.perf_counter()
@@ -191,8 +205,9 @@ def mine_negatives(cfg: Bm25Config) -> dict:
         with storage.open_output(run_uri) as run_out:
             write_negatives(rows(run_out), cfg.output)
     n = len(queries)
+    tevatron = _write_tevatron(cfg, queries, qrels) if cfg.tevatron else None
     return {
-        "job": "bm25_negatives", "output": cfg.output, "run": run_uri,
+        "job": "bm25_negatives", "output": cfg.output, "run": run_uri, "tevatron": tevatron,
         "queries": n, "docs": len(index.doc_ids),
         "queries_without_positive": sum(1 for q in queries if not positives(qrels.get(q, {}))),
         "negatives_per_query": round(counts["negatives"] / max(n, 1), 3),

@@ -7,9 +7,13 @@ the pipeline land: it encodes every passage in memory. Metrics are always comput
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
+
+from pipeline.runtime import RayConfig
 
 DEFAULT_MEASURES = ("RR@10", "R@100", "nDCG@10")
 
@@ -61,3 +65,135 @@ def evaluate(qrels: dict[str, dict[str, int]], run: dict[str, dict[str, float]],
     parsed = [ir_measures.parse_measure(m) for m in measures]
     values = ir_measures.calc_aggregate(parsed, qrels, run)
     return {str(m): float(values[m]) for m in parsed}
+
+
+@dataclass
+class EvalConfig:
+    queries: str = field(default="data/bible-sample/queries.dev.jsonl", metadata={"help": "BEIR queries.jsonl to evaluate on after training; empty = no evaluation"})
+    qrels: str = field(default="data/bible-sample/qrels.dev.tsv", metadata={"help": "BEIR qrels TSV of those queries"})
+    corpus: str = field(default="", metadata={"help": "BEIR corpus.jsonl to search; empty = the training corpus"})
+    k: int = field(default=100, metadata={"help": "passages retrieved per query (exact search)"})
+    batch_size: int = field(default=128, metadata={"help": "sequences per encoding batch"})
+
+
+def dense_run(model, tokenizer, queries: dict[str, str], doc_ids: list[str], texts: list[str], k: int,
+              query_max_len: int = 32, passage_max_len: int = 128, batch_size: int = 128) -> tuple[dict, dict]:
+    """Encode, search exactly, and return the ``ir_measures`` run and timings.
+    ``model`` is a :class:`models.biencoder.BiEncoder`."""
+    start = time.perf_counter()
+    passages = encode_texts(model.encode_passage, tokenizer, texts, passage_max_len, batch_size)
+    encode_s = time.perf_counter() - start
+    qids = list(queries)
+    q = encode_texts(model.encode_query, tokenizer, [queries[i] for i in qids], query_max_len, batch_size)
+    scores, indices = exact_search(q, passages, k, similarity=model.compute_similarity)
+    info = {"passages_per_s": len(texts) / max(encode_s, 1e-9), "seconds": time.perf_counter() - start}
+    return to_run(qids, doc_ids, scores, indices), info
+
+
+def write_trec_run(run: dict[str, dict[str, float]], uri: str, tag: str = "raydense") -> None:
+    from pipeline import storage
+
+    with storage.open_output(uri) as out:
+        for qid, docs in run.items():
+            ranked = sorted(docs.items(), key=lambda kv: -kv[1])
+            out.write("".join(f"{qid} Q0 {d} {r} {s:.6f} {tag}\n" for r, (d, s) in enumerate(ranked, 1)).encode())
+
+
+def evaluate_retriever(model_dir: str, cfg: EvalConfig, corpus: str, query_max_len: int = 32,
+                       passage_max_len: int = 128, run_uri: str = "") -> dict:
+    """Exact-search evaluation of a retriever export (settings from its ``retriever.json``)
+    on one process: the small-collection path, with the corpus text in memory."""
+    import os
+
+    from models.biencoder import load_biencoder
+    from pipeline.corpus import iter_documents
+    from pipeline.retrieval_data import read_qrels, read_queries
+    from pipeline.tokenizer import load_tokenizer
+
+    docs = list(iter_documents(cfg.corpus or corpus))
+    doc_ids, texts = [d.doc_id for d in docs], [d.text for d in docs]
+    del docs
+    queries = read_queries(cfg.queries)
+    qrels = read_qrels(cfg.qrels, doc_ids=set(doc_ids), query_ids=set(queries))
+    model = load_biencoder(model_dir)
+    towers = os.path.join(model_dir, "query")
+    tokenizer = load_tokenizer(towers if os.path.isdir(towers) else model_dir)
+    run, info = dense_run(model, tokenizer, queries, doc_ids, texts, cfg.k, query_max_len, passage_max_len,
+                          cfg.batch_size)
+    if run_uri:
+        write_trec_run(run, run_uri)
+    return {"metrics": evaluate(qrels, run), "queries": len(queries), "docs": len(doc_ids),
+            "run": run_uri or None, **{k: round(v, 2) for k, v in info.items()}}
+
+
+# -- the evaluation job: encode on actors, index, search the shards, ir_measures ---------------
+
+JOB_MEASURES = {"MRR@10": "RR@10", "R@10": "R@10", "R@100": "R@100", "R@1000": "R@1000", "nDCG@10": "nDCG@10"}
+
+
+@dataclass
+class EvaluateJobConfig:
+    model: str = field(default="runs/finetune/export", metadata={"help": "retriever export (settings from its retriever.json) or any local HF checkpoint; 'package:NAME' = an installed model package"})
+    corpus: str = field(default="data/bible-sample/corpus.jsonl", metadata={"help": "BEIR corpus.jsonl or a prepared corpus folder (local or s3://)"})
+    queries: str = field(default="data/bible-sample/queries.dev.jsonl", metadata={"help": "BEIR queries.jsonl (local or s3://)"})
+    qrels: str = field(default="data/bible-sample/qrels.dev.tsv", metadata={"help": "BEIR qrels TSV with a header"})
+    pooling: str = field(default="", metadata={"help": "cls or mean; empty = the export's retriever.json (cls for a plain checkpoint)"})
+    normalize: bool = field(default=False, metadata={"help": "L2-normalise (cosine); without it, the export's setting (dot for a plain checkpoint)"})
+    index: str = field(default="Flat", metadata={"help": "FAISS factory string of the index (Flat = exact)"})
+    k: int = field(default=1000, metadata={"help": "passages retrieved per query"})
+    output: str = field(default="runs/evaluate", metadata={"help": "embeddings, index, run.trec and metrics.json go here"})
+    actors: int = field(default=2, metadata={"help": "encoder actors"})
+    max_len: int = field(default=128, metadata={"help": "passage tokens"})
+    query_max_len: int = field(default=32, metadata={"help": "query tokens"})
+    nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
+    docs_per_shard: int = field(default=20000, metadata={"help": "passages per corpus/embedding shard"})
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+def run_evaluation(cfg: EvaluateJobConfig) -> dict:
+    from pipeline import storage
+    from pipeline.encode import ActorConfig, EncodeConfig, EncoderSettings, run_encoding
+    from pipeline.index import IndexConfig
+    from pipeline.mine import _query_encoder
+    from pipeline.retrieval_data import read_qrels, read_queries
+    from pipeline.search import IndexJobConfig, ShardedIndex, run_indexing
+
+    started = time.perf_counter()
+    output = storage.resolve(cfg.output).uri
+    queries = read_queries(storage.resolve(cfg.queries).uri)  # duplicate ids fail here, before any work
+    settings = EncoderSettings(model=cfg.model, pooling=cfg.pooling, normalize="true" if cfg.normalize else "",
+                               max_len=cfg.max_len, query_max_len=cfg.query_max_len)
+    encoded = run_encoding(EncodeConfig(corpus=cfg.corpus, output=storage.join(output, "embeddings"),
+                                        docs_per_shard=cfg.docs_per_shard, encoder=settings,
+                                        pool=ActorConfig(actors=cfg.actors)))
+    if cfg.k > encoded["passages"]:
+        raise ValueError(f"--k {cfg.k} is larger than the corpus ({encoded['passages']} passages)")
+    indexed = run_indexing(IndexJobConfig(embeddings=encoded["output"], output=storage.join(output, "index"),
+                                          index=IndexConfig(factory=cfg.index, nprobe=cfg.nprobe)))
+    index = ShardedIndex(indexed["output"], nprobe=cfg.nprobe)
+    doc_by_row = index.doc_ids()
+    qrels = read_qrels(storage.resolve(cfg.qrels).uri, doc_ids=set(doc_by_row.values()), query_ids=set(queries))
+    qids = list(queries)
+    encoder = _query_encoder(settings, index)
+    vectors = encoder.encode_texts([queries[q] for q in qids], cfg.query_max_len, tower="query")
+    search_start = time.perf_counter()
+    scores, rows = index.search(vectors, cfg.k)
+    search_s = time.perf_counter() - search_start
+    index.close()
+    run = {q: {doc_by_row[int(r)]: float(s) for s, r in zip(srow, rrow) if r >= 0}
+           for q, srow, rrow in zip(qids, scores, rows)}
+    write_trec_run(run, storage.join(output, "run.trec"), tag="raydense")
+    values = evaluate(qrels, run, JOB_MEASURES.values())
+    metrics = {name: values[measure] for name, measure in JOB_MEASURES.items()}
+    summary = {"job": "evaluate", "metrics": metrics, "queries": len(qids), "judged_queries": len(qrels),
+               "passages": encoded["passages"], "index": cfg.index, "k": cfg.k,
+               "run": storage.join(output, "run.trec"), "similarity": encoded["similarity"],
+               "encode_passages_per_s": encoded["passages_per_s"], "search_seconds": round(search_s, 2),
+               "seconds": round(time.perf_counter() - started, 2)}
+    storage.write_json(storage.join(output, "metrics.json"), summary)
+    return summary
+
+
+def metrics_table(metrics: dict[str, float]) -> str:
+    names = list(metrics)
+    return " | ".join(f"{n:>8}" for n in names) + "\n" + " | ".join(f"{metrics[n]:8.4f}" for n in names)

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -24,7 +21,7 @@ from pipeline.runtime import RayConfig, write_run_files
 from pipeline.shards import PrepareConfig, load_manifest, prepare_corpus
 from pipeline.stream import StreamSpec, TrainingStream, estimate_sequences_per_epoch
 from pipeline.tokenizer import load_tokenizer
-from pipeline.train import TrainConfig, epochs_needed, fit
+from pipeline.train import TrainConfig, consumed_source_rows, epochs_needed, fit
 
 METHODS = {"condenser": CondenserMethod, "cocondenser": CoCondenserMethod, "simlm": SimLMMethod,
            "mlm": MLMMethod}
@@ -64,13 +61,8 @@ class PretrainTask:
         self._tokenizer_dir: str | None = None
 
     def _tokenizer_local(self) -> str:
-        if self._tokenizer_dir is None:
-            if storage.is_s3(self.tokenizer_uri):
-                local = tempfile.mkdtemp(prefix="raydense-tok-")
-                atexit.register(shutil.rmtree, local, True)  # needed until the final export
-                self._tokenizer_dir = storage.download_dir(self.tokenizer_uri, local)
-            else:
-                self._tokenizer_dir = self.tokenizer_uri
+        if self._tokenizer_dir is None:  # needed until the final export
+            self._tokenizer_dir = storage.process_local_dir(self.tokenizer_uri)
         return self._tokenizer_dir
 
     def build_model(self) -> torch.nn.Module:
@@ -104,10 +96,7 @@ class PretrainTask:
         return {"skipped_docs": int(np.asarray(batch["skipped_docs"]).sum())}
 
     def consumed_rows(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        sources = list(batch["source_rows"])
-        counts = np.array([len(s) for s in sources])
-        rows = np.concatenate(sources).astype(np.int64) if sources else np.zeros(0, np.int64)
-        return np.repeat(np.asarray(batch["epoch"]), counts), rows
+        return consumed_source_rows(batch)
 
     def count_tokens(self, batch: dict[str, np.ndarray]) -> int:
         return int(np.asarray(batch["length"]).sum())

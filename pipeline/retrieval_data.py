@@ -367,7 +367,7 @@ def _query_seed(seed: int, query_id: str) -> int:
 
 
 def select_group(example: TrainExample, epoch: int, group_size: int, seed: int = 0,
-                 fallback: list[str] | None = None) -> list[str]:
+                 fallback: list | None = None) -> list:
     """The ``group_size`` passage ids a query trains on in ``epoch``: positive first.
 
     As in Tevatron, the positive rotates through the query's positives, and the negatives
@@ -379,7 +379,7 @@ def select_group(example: TrainExample, epoch: int, group_size: int, seed: int =
     """
     import numpy as np
 
-    if not example.positives:
+    if not len(example.positives):  # lists of ids, or arrays of corpus rows
         raise ValueError(f"query {example.query_id!r} has no positive")
     key = _query_seed(seed, example.query_id)
     positive = example.positives[(key + epoch) % len(example.positives)]
@@ -399,3 +399,31 @@ def select_group(example: TrainExample, epoch: int, group_size: int, seed: int =
     start = epoch * k % len(negatives)
     window = np.concatenate([order, order])[start:start + k]
     return [positive] + [negatives[i] for i in window]
+
+
+def extract_tevatron_corpus(uri: str, corpus_uri: str) -> int:
+    """Write the distinct passages of a Tevatron file as a BEIR corpus jsonl; returns their count.
+
+    Streams: only each docid and a digest of its text are kept, to check that a passage
+    repeated across records has the same text every time (else the join by id would be
+    ambiguous, and that is an error naming both lines).
+    """
+    import hashlib
+
+    seen: dict[str, tuple[bytes, int]] = {}
+    with storage.open_output(corpus_uri) as out:
+        for source, number, obj in _json_lines(uri):
+            for key in ("positive_passages", "negative_passages"):
+                for p in _passages(obj, key, source, number):
+                    title, text = p["title"], p["text"]
+                    digest = hashlib.blake2b(f"{title}\x00{text}".encode("utf-8"), digest_size=16).digest()
+                    first = seen.get(p["docid"])
+                    if first is None:
+                        if not (title + text).strip():
+                            raise _fail(source, number, f"{key}: passage {p['docid']!r} has empty text")
+                        seen[p["docid"]] = (digest, number)
+                        _write_line(out, {"_id": p["docid"], "title": title, "text": text})
+                    elif first[0] != digest:
+                        raise _fail(source, number, f"{key}: passage {p['docid']!r} has another text than on "
+                                                    f"line {first[1]}")
+    return len(seen)

@@ -264,6 +264,17 @@ class local_copy:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
 
+def process_local_dir(uri: str) -> str:
+    """Like :class:`local_copy`, held until the process exits (e.g. a tokenizer a training
+    worker needs from start to final export)."""
+    import atexit
+
+    copy = local_copy(uri)
+    path = copy.__enter__()
+    atexit.register(copy.__exit__, None, None, None)
+    return path
+
+
 def iter_lines(uri: str, chunk_size: int = 1 << 20) -> Iterator[bytes]:
     """Raw lines (without the newline) of a local or S3 file, streamed."""
     with open_input(uri) as f:

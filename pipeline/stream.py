@@ -246,6 +246,11 @@ class TrainingStream:
         self.spec = spec
 
     def __call__(self):
+        from ray.data import DataContext
+
+        # This runs wherever Ray Train builds its datasets (not necessarily the driver):
+        # the epochs are concatenated, and must stay in order.
+        DataContext.get_current().execution_options.preserve_order = True
         manifest = load_manifest(self.spec.corpus)
         check_shards(self.spec.corpus, manifest)
         position, _ = read_position(self.spec.run_dir)

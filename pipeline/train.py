@@ -85,6 +85,14 @@ class TrainTask(Protocol):
     def export(self, model: torch.nn.Module, out_dir: str) -> dict[str, str]: ...
 
 
+def consumed_source_rows(batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(epoch, row) of every source row of a batch whose examples list theirs in ``source_rows``."""
+    sources = list(batch["source_rows"])
+    counts = np.array([len(s) for s in sources], dtype=np.int64)
+    rows = np.concatenate(sources).astype(np.int64) if sources else np.zeros(0, np.int64)
+    return np.repeat(np.asarray(batch["epoch"]), counts), rows
+
+
 # -- configuration helpers (driver side) -------------------------------------------------
 
 def effective_zero_stage(train: TrainConfig, world_size: int) -> int:

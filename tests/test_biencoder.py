@@ -141,3 +141,98 @@ def test_export_loads_as_plain_bert_with_its_settings(shared, tmp_path):
     assert settings["towers"] == ([] if shared else ["passage", "query"])
     with pytest.raises(FileNotFoundError, match="retriever.json"):
         load_settings(str(tmp_path / "nowhere"))
+
+
+# -- the trainer's backward: gradient cache and padding trim ----------------------------------
+
+class _PlainEngine:
+    """What contrastive_backward needs of a DeepSpeed engine, for one process."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __call__(self, *args):
+        return self.module(*args)
+
+    def backward(self, loss):
+        loss.backward()
+
+
+def _full_batch(pad_rows: float = 0.5) -> dict:
+    q = random_word_batch(5, 10, seed=21, inner_sep=0.0, pad_rows=pad_rows)
+    d = random_word_batch(5 * 3, 16, seed=22, inner_sep=0.0, pad_rows=pad_rows)
+    return {"q_input_ids": q.input_ids, "q_attention_mask": q.attention_mask,
+            "d_input_ids": d.input_ids, "d_attention_mask": d.attention_mask}
+
+
+@pytest.mark.parametrize("cfg", [{}, {"pooling": "mean", "similarity": "cos", "temperature": 0.05},
+                                 {"shared_encoder": False}])
+@pytest.mark.parametrize("chunk", [1, 4, 7])
+def test_gradient_cache_equals_the_plain_path(cfg, chunk):
+    from models.biencoder import contrastive_backward
+
+    batch = _full_batch()
+    plain = biencoder(**cfg)
+    loss_plain, extras = contrastive_backward(_PlainEngine(plain), batch, group_size=3)
+    cached = biencoder(**cfg)
+    loss_cached, _ = contrastive_backward(_PlainEngine(cached), batch, group_size=3, chunk_size=chunk)
+    assert loss_cached.item() == pytest.approx(loss_plain.item(), rel=1e-5)
+    ref = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
+    got = {n: p.grad for n, p in cached.named_parameters() if p.grad is not None}
+    assert set(got) == set(ref)
+    diff = torch.cat([(got[k] - ref[k]).flatten() for k in ref]).norm()
+    assert diff / torch.cat([ref[k].flatten() for k in ref]).norm() < 1e-5
+    assert 0.0 <= extras["accuracy"].item() <= 1.0
+
+
+def test_backward_loss_is_the_hand_formula_on_the_encoded_batch():
+    """contrastive_backward trims padding columns: the loss must be that of the untrimmed batch."""
+    from models.biencoder import contrastive_backward
+
+    batch = _full_batch(pad_rows=1.0)
+    model = biencoder(pooling="mean")
+    with torch.no_grad():
+        q = model.encode_query(batch["q_input_ids"], batch["q_attention_mask"])
+        d = model.encode_passage(batch["d_input_ids"], batch["d_attention_mask"])
+    scores = (q.double() @ d.double().T).tolist()
+    expected = sum(-(row[3 * i] - math.log(sum(math.exp(s) for s in row))) for i, row in enumerate(scores)) / 5
+    model.eval()  # no dropout in the tiny model either way; eval keeps it explicit
+    loss, _ = contrastive_backward(_PlainEngine(model), batch, group_size=3)
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_load_biencoder_restores_towers_and_settings(shared, tmp_path):
+    from models.biencoder import load_biencoder
+
+    model = biencoder(shared_encoder=shared, pooling="mean", similarity="cos", temperature=0.02)
+    model.save(str(tmp_path))
+    loaded = load_biencoder(str(tmp_path))
+    assert (loaded.cfg.pooling, loaded.cfg.similarity, loaded.cfg.temperature) == ("mean", "cos", 0.02)
+    assert (loaded.passage_encoder is None) == shared
+    wb = random_word_batch(3, 12, seed=5, inner_sep=0.0)
+    with torch.no_grad():
+        for mine, theirs in ((loaded.encode_query, model.encode_query), (loaded.encode_passage, model.encode_passage)):
+            assert torch.allclose(mine(wb.input_ids, wb.attention_mask), theirs(wb.input_ids, wb.attention_mask),
+                                  atol=1e-5)
+    overridden = load_biencoder(str(tmp_path), {"pooling": "cls"})
+    assert overridden.cfg.pooling == "cls"
+
+
+@pytest.mark.parametrize("buckets", [2, 3, 7])
+def test_length_buckets_give_the_same_representations_loss_and_gradients(buckets):
+    from models.biencoder import contrastive_backward
+
+    batch = _full_batch(pad_rows=1.0)
+    plain = biencoder(pooling="mean")
+    bucketed = biencoder(pooling="mean", length_buckets=buckets)
+    with torch.no_grad():
+        assert torch.allclose(bucketed.encode_passage(batch["d_input_ids"], batch["d_attention_mask"]),
+                              plain.encode_passage(batch["d_input_ids"], batch["d_attention_mask"]), atol=1e-5)
+    loss_plain, _ = contrastive_backward(_PlainEngine(plain), batch, group_size=3)
+    loss_bucketed, _ = contrastive_backward(_PlainEngine(bucketed), batch, group_size=3)
+    assert loss_bucketed.item() == pytest.approx(loss_plain.item(), rel=1e-5)
+    ref = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
+    got = {n: p.grad for n, p in bucketed.named_parameters() if p.grad is not None}
+    diff = torch.cat([(got[k] - ref[k]).flatten() for k in ref]).norm()
+    assert diff / torch.cat([ref[k].flatten() for k in ref]).norm() < 1e-5

@@ -126,3 +126,20 @@ def test_job_reads_s3_writes_local(beir, s3_bucket, capsys):
     assert last["negatives_per_query"] == pytest.approx(4 / 3, abs=1e-3)
     run = list(ir_measures.read_trec_run(last["run"]))
     assert {r.query_id for r in run} == {"q1", "q2"} and ("q1", "d0") in {(r.query_id, r.doc_id) for r in run}
+
+
+def test_tevatron_output_carries_the_mined_negatives_with_their_text(beir):
+    from pipeline.retrieval_data import read_tevatron
+
+    cfg = config(beir, count=3, threads=1, tevatron=str(beir / "out" / "train.tevatron.jsonl"))
+    summary = mine_negatives(cfg)
+    negatives = {r["query_id"]: r["negatives"] for r in read_jsonl(cfg.output)}
+    records = {r["query_id"]: r for r in read_tevatron(cfg.tevatron)}
+    assert set(records) == {"q1", "q2"}  # q3 has no judged positive
+    assert summary["tevatron"]["examples"] == 2 and summary["tevatron"]["skipped_no_positive"] == 1
+    q1 = records["q1"]
+    assert [p["docid"] for p in q1["positive_passages"]] == ["d0"]
+    assert [p["docid"] for p in q1["negative_passages"]] == negatives["q1"]
+    texts = {d["_id"]: (f"{d['title']}\n{d['text']}" if d.get("title") else d["text"]) for d in DOCS}
+    for p in q1["positive_passages"] + q1["negative_passages"]:
+        assert p["text"] == texts[p["docid"]]

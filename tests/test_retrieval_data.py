@@ -194,6 +194,35 @@ def test_read_tevatron_errors(tmp_path, record, message):
         list(read_tevatron(write(tmp_path / "t.jsonl", jsonl(first, record))))
 
 
+def test_tevatron_passages_become_a_corpus_each_once(tmp_path):
+    from pipeline.corpus import iter_documents
+    from pipeline.retrieval_data import extract_tevatron_corpus
+
+    path = write(tmp_path / "t.jsonl", jsonl(
+        {"query_id": "q1", "query": "a", "positive_passages": [passage("p", "pos text")],
+         "negative_passages": [passage("n1", "one"), passage("n2", "two")]},
+        {"query_id": "q2", "query": "b", "positive_passages": [passage("n1", "one")],
+         "negative_passages": [passage("p", "pos text")]}))
+    assert extract_tevatron_corpus(path, str(tmp_path / "corpus.jsonl")) == 3
+    assert [(d.doc_id, d.text) for d in iter_documents(str(tmp_path / "corpus.jsonl"))] == [
+        ("p", "pos text"), ("n1", "one"), ("n2", "two")]
+
+
+@pytest.mark.parametrize("second, message", [
+    (passage("p", "other text"), r"t\.jsonl line 2: negative_passages: passage 'p' has another text than on line 1"),
+    (passage("e", " "), r"line 2: negative_passages: passage 'e' has empty text"),
+])
+def test_tevatron_corpus_errors(tmp_path, second, message):
+    from pipeline.retrieval_data import extract_tevatron_corpus
+
+    path = write(tmp_path / "t.jsonl", jsonl(
+        {"query_id": "q1", "query": "a", "positive_passages": [passage("p", "pos text")], "negative_passages": []},
+        {"query_id": "q2", "query": "b", "positive_passages": [passage("x")], "negative_passages": [second]}))
+    with fails(message):
+        extract_tevatron_corpus(path, str(tmp_path / "corpus.jsonl"))
+    assert not (tmp_path / "corpus.jsonl").exists()  # nothing half-written
+
+
 # -- training groups across epochs --------------------------------------------------------------
 
 def test_groups_rotate_so_every_negative_is_used_once_per_cycle():

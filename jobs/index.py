@@ -1,0 +1,24 @@
+"""Build FAISS index shards from embedding shards (jobs/encode.py output), in parallel Ray tasks.
+
+The index type is a FAISS factory string (Flat, IVF4096,Flat, IVF4096,PQ64, HNSW32, ...),
+trained on one seeded sample of the corpus. Before building, the memory each shard needs
+is printed, and a plan that cannot fit is refused. faiss-gpu is used where a GPU is seen.
+Prints a JSON summary as its last line.
+"""
+
+
+from pipeline.config import parse_config
+from pipeline.runtime import init_ray, print_summary
+from pipeline.search import IndexJobConfig, run_indexing
+
+
+def main(argv=None) -> dict:
+    cfg = parse_config(IndexJobConfig, argv, description=__doc__)
+    init_ray(cfg.ray)
+    summary = run_indexing(cfg)
+    print_summary(summary)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Index building and search on Ray: one actor per index shard, queries fanned out, top-k merged.
+
+Building: embedding shards are grouped into index shards (``embedding_shards_per_index``
+at a time); a memory plan is printed and checked before anything is built; each index
+shard is built by its own Ray task, trained on one seeded sample of the whole corpus so
+every shard shares the same quantiser statistics, and persisted with a manifest.
+
+Searching: each :class:`ShardSearcher` actor loads one index shard and answers top-k for a
+block of query vectors; the driver merges the per-shard top-k into the exact global top-k
+(``pipeline.index.merge_topk``). With exact (Flat) shards the result is the brute-force one.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeline import embeddings as emb
+from pipeline import index as faiss_index
+from pipeline import storage
+from pipeline.index import IndexConfig
+from pipeline.runtime import RayConfig
+
+
+@dataclass
+class IndexJobConfig:
+    embeddings: str = field(default="runs/encode", metadata={"help": "embedding shards + manifest (jobs/encode.py output)"})
+    output: str = field(default="runs/index", metadata={"help": "index shards + manifest (local or s3://)"})
+    embedding_shards_per_index: int = field(default=1, metadata={"help": "embedding shards per index shard"})
+    cpus_per_task: float = field(default=1.0, metadata={"help": "CPUs per index-building task"})
+    index: IndexConfig = field(default_factory=IndexConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+def _groups(n_shards: int, per_index: int) -> list[list[int]]:
+    return [list(range(i, min(n_shards, i + per_index))) for i in range(0, n_shards, max(1, per_index))]
+
+
+def _train_sample(folder: str, manifest: dict, n: int, seed: int) -> np.ndarray:
+    """A seeded sample of ~n vectors drawn across all shards (each shard in proportion)."""
+    total = manifest["count"]
+    rng = np.random.default_rng(seed)
+    parts = []
+    for entry in manifest["shards"]:
+        take = min(entry["rows"], int(np.ceil(n * entry["rows"] / max(total, 1))))
+        if take:
+            _, _, vectors = emb.read_shard(folder, entry)
+            parts.append(vectors[np.sort(rng.choice(len(vectors), take, replace=False))])
+    return np.concatenate(parts) if parts else np.zeros((0, manifest["dim"]), np.float32)
+
+
+def _build_one(folder: str, entries: list[dict], shard_index: int, output: str, cfg: IndexConfig,
+               train_ref) -> dict:
+    import ray
+
+    train = ray.get(train_ref) if isinstance(train_ref, ray.ObjectRef) else train_ref
+    rows, vectors = [], []
+    for entry in entries:
+        r, _, v = emb.read_shard(folder, entry)
+        rows.append(r)
+        vectors.append(v)
+    index = faiss_index.build_index_shard(np.concatenate(vectors), np.concatenate(rows), cfg.factory, cfg.metric,
+                                          train_vectors=train, nprobe=cfg.nprobe, use_gpu=cfg.use_gpu)
+    path = faiss_index.index_shard_path(shard_index)
+    faiss_index.save_index(index, storage.join(output, path))
+    return {"index": shard_index, "path": path, "vectors": int(index.ntotal)}
+
+
+def run_indexing(cfg: IndexJobConfig) -> dict:
+    import ray
+
+    started = time.perf_counter()
+    folder, output = storage.resolve(cfg.embeddings).uri, storage.resolve(cfg.output).uri
+    manifest = emb.load_manifest(folder)
+    emb.check_embedding_shards(folder, manifest)
+    dim = manifest["dim"]
+    faiss_index.validate_factory(cfg.index.factory, dim, cfg.index.metric)
+    groups = _groups(len(manifest["shards"]), cfg.embedding_shards_per_index)
+    sizes = [sum(manifest["shards"][i]["rows"] for i in g) for g in groups]
+    plan = faiss_index.plan_memory(cfg.index.factory, dim, sizes, cfg.index.metric)
+    sys.stderr.write(faiss_index.format_plan(plan) + "\n")
+    faiss_index.check_plan(plan, faiss_index.memory_limit_bytes(cfg.index.memory_limit_gb))
+
+    probe = faiss_index._new_index(cfg.index.factory, dim, cfg.index.metric)
+    train = _train_sample(folder, manifest, cfg.index.train_sample, cfg.index.seed) if not probe.is_trained else None
+    train_ref = ray.put(train) if train is not None else None
+    build = ray.remote(_build_one).options(num_cpus=cfg.index.use_gpu != "always" and cfg.cpus_per_task or 1,
+                                           num_gpus=1 if cfg.index.use_gpu == "always" else 0, max_retries=3)
+    shards = ray.get([build.remote(folder, [manifest["shards"][i] for i in g], j, output, cfg.index, train_ref)
+                      for j, g in enumerate(groups)])
+    faiss_index.write_index_manifest(output, factory=cfg.index.factory, metric=cfg.index.metric, dim=dim,
+                                     shards=shards, embeddings=folder)
+    return {"job": "index", "output": output, "factory": cfg.index.factory, "shards": len(shards),
+            "vectors": sum(s["vectors"] for s in shards), "dim": dim,
+            "planned_bytes": [p["bytes"] for p in plan], "seconds": round(time.perf_counter() - started, 2)}
+
+
+class ShardSearcher:
+    """A Ray actor serving one index shard."""
+
+    def __init__(self, index_uri: str, entry: dict, nprobe: int, threads: int):
+        import faiss
+
+        faiss.omp_set_num_threads(max(1, threads))
+        self.index = faiss_index.load_index(storage.join(index_uri, entry["path"]))
+        self.nprobe = nprobe
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return faiss_index.search_shard(self.index, queries, min(k, self.index.ntotal), self.nprobe)
+
+
+class ShardedIndex:
+    """The driver's handle on a persisted sharded index: one searcher actor per shard."""
+
+    def __init__(self, index_uri: str, nprobe: int = 32, cpus_per_actor: float = 1.0):
+        import ray
+
+        self.uri = storage.resolve(index_uri).uri
+        self.manifest = faiss_index.load_index_manifest(self.uri)
+        self.metric = self.manifest["metric"]
+        self.total = sum(s["vectors"] for s in self.manifest["shards"])
+        remote = ray.remote(ShardSearcher).options(num_cpus=cpus_per_actor)
+        self.actors = [remote.remote(self.uri, s, nprobe, int(cpus_per_actor)) for s in self.manifest["shards"]]
+
+    def search(self, queries: np.ndarray, k: int, block: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+        """Exact merge of every shard's top-k: (scores (q, k), corpus rows (q, k))."""
+        import ray
+
+        faiss_index._check_k(k, self.total)
+        scores, rows = [], []
+        for start in range(0, len(queries), block):
+            part = np.ascontiguousarray(queries[start:start + block], dtype=np.float32)
+            results = ray.get([a.search.remote(part, k) for a in self.actors])
+            s, r = faiss_index.merge_topk(results, k, self.metric, self.total)
+            scores.append(s)
+            rows.append(r)
+        if not scores:
+            return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
+        return np.concatenate(scores), np.concatenate(rows)
+
+    def doc_ids(self) -> dict[int, str]:
+        """corpus row -> doc id, from the embedding shards' id columns (no vectors read)."""
+        folder = self.manifest["embeddings"]
+        out: dict[int, str] = {}
+        for entry in emb.load_manifest(folder)["shards"]:
+            table = storage.read_parquet(storage.join(folder, entry["path"]), columns=["row", "doc_id"])
+            out.update(zip(table.column("row").to_pylist(), table.column("doc_id").to_pylist()))
+        return out
+
+    def close(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor)

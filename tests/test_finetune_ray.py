@@ -1,0 +1,116 @@
+"""Retriever fine-tuning end to end on Ray Train + DeepSpeed: BEIR data and BM25 negatives on
+S3, two workers with the gradient cache, every query once per epoch, export and evaluation;
+then the Tevatron format, whose passages become the corpus."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import synthetic_docs
+from models.biencoder import load_biencoder
+from pipeline import storage
+from pipeline.finetune import FinetuneConfig, run_finetuning
+from pipeline.retrieval_data import positives, read_negatives, read_qrels
+from pipeline.train import TrainConfig
+from test_pretrain_ray import read_traces
+from tests.helpers import make_tokenizer_dir, tiny_bert_config
+
+pytestmark = pytest.mark.ray
+
+N_QUERIES = 24
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory) -> str:
+    """A random tiny BERT checkpoint with its own tokenizer: what --model.init points at."""
+    from transformers import BertModel
+
+    path = str(tmp_path_factory.mktemp("tiny-bert"))
+    tokenizer = make_tokenizer_dir(path, texts=[d["text"] for d in synthetic_docs(200, seed=1)])
+    torch.manual_seed(0)
+    BertModel(tiny_bert_config(len(tokenizer), dropout=0.1)).save_pretrained(path)
+    return path
+
+
+def put(bucket: str, key: str, text: str) -> str:
+    import boto3
+
+    boto3.client("s3").put_object(Bucket=bucket, Key=key, Body=text.encode())
+    return f"s3://{bucket}/{key}"
+
+
+def beir_on_s3(bucket: str) -> dict[str, str]:
+    docs = synthetic_docs(80, seed=9)
+    queries = [{"_id": f"q{i}", "text": " ".join(docs[i]["text"].split()[:4])} for i in range(N_QUERIES)]
+    qrels = "query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\t{docs[i]['_id']}\t1\n" for i in range(N_QUERIES))
+    return {"corpus": put(bucket, "beir/corpus.jsonl", "".join(json.dumps(d) + "\n" for d in docs)),
+            "queries": put(bucket, "beir/queries.jsonl", "".join(json.dumps(q) + "\n" for q in queries)),
+            "qrels": put(bucket, "beir/qrels.tsv", qrels)}
+
+
+def test_two_workers_with_gradient_cache_from_s3_with_bm25_negatives(tiny_bert, s3_bucket, ray_session):
+    data = beir_on_s3(s3_bucket)
+    out = f"s3://{s3_bucket}/run"
+    cfg = FinetuneConfig()
+    cfg.data.queries, cfg.data.qrels, cfg.data.negatives = data["queries"], data["qrels"], "bm25"
+    cfg.data.bm25_count, cfg.data.query_max_len, cfg.data.passage_max_len = 10, 12, 24
+    cfg.corpus.input, cfg.corpus.docs_per_shard = data["corpus"], 30
+    cfg.model.init = tiny_bert
+    cfg.retriever.pooling, cfg.retriever.group_size, cfg.retriever.chunk_size = "cls", 3, 5
+    cfg.eval.queries, cfg.eval.qrels, cfg.eval.k = data["queries"], data["qrels"], 10
+    cfg.train = TrainConfig(output=out, num_workers=2, zero_stage=2, micro_batch_size=4, max_steps=0, epochs=2,
+                            lr=1e-3, log_every=1, checkpoint_every=4, data_trace=True)
+    summary = run_finetuning(cfg)
+
+    # 24 queries / (2 workers x 4) = 3 steps an epoch.
+    assert summary["steps"] == 6 and summary["examples"] == N_QUERIES and summary["epochs"] == 2
+    traces = read_traces(f"{out}/checkpoints")
+    assert sorted(traces) == ["rank0-attempt0", "rank1-attempt0"]
+    for epoch in (0, 1):  # each example once per epoch, however the stream was split between workers
+        consumed = [row for trace in traces.values() for row in trace.get(epoch, [])]
+        assert sorted(consumed) == list(range(N_QUERIES))
+
+    # Round-1 negatives were mined with bm25s into the run folder, judged positives excluded.
+    negatives = read_negatives(f"{out}/bm25/negatives.jsonl")
+    judged = read_qrels(data["qrels"])
+    assert all(not set(negs) & set(positives(judged[q])) for q, negs in negatives.items())
+    assert summary["bm25"]["queries"] == N_QUERIES
+
+    assert summary["export_dir"] == f"{out}/export"
+    with storage.local_copy(summary["export_dir"]) as local:
+        model = load_biencoder(local)
+        assert (model.cfg.pooling, model.cfg.group_size, model.cfg.chunk_size) == ("cls", 3, 5)
+        assert os.path.exists(os.path.join(local, "tokenizer.json"))
+    history = storage.read_json(f"{out}/history.json")
+    assert len(history) == 6 and all(0.0 <= h["accuracy"] <= 1.0 for h in history)
+    assert set(summary["eval"]["metrics"]) == {"RR@10", "R@100", "nDCG@10"}
+    assert summary["eval"]["queries"] == N_QUERIES and storage.exists(f"{out}/eval.run.trec")
+
+
+def test_tevatron_training_file_with_its_own_passages(tiny_bert, tmp_path, ray_session):
+    from pipeline.retrieval_data import TrainExample, write_tevatron
+
+    docs = {d["_id"]: d["text"] for d in synthetic_docs(40, seed=4)}
+    ids = list(docs)
+    examples = [TrainExample(f"q{i}", " ".join(docs[ids[i]].split()[:3]), [ids[i]], ids[i + 1:i + 6])
+                for i in range(16)]
+    tevatron = str(tmp_path / "train.tevatron.jsonl")
+    write_tevatron(examples, lambda d: ("", docs[d]), tevatron)
+
+    cfg = FinetuneConfig()
+    cfg.data.tevatron, cfg.data.query_max_len, cfg.data.passage_max_len = tevatron, 10, 20
+    cfg.corpus.input = ""  # the passages of the Tevatron file are the corpus
+    cfg.model.init = tiny_bert
+    cfg.retriever.group_size = 4
+    cfg.eval.queries = ""
+    cfg.train = TrainConfig(output=str(tmp_path / "run"), num_workers=1, micro_batch_size=4, max_steps=0,
+                            epochs=1, lr=1e-3, log_every=1, checkpoint_every=100)
+    summary = run_finetuning(cfg)
+    assert summary["steps"] == 4 and summary["examples"] == 16
+    # Only the passages the file names: 16 positives and their negatives ids[1:21].
+    assert summary["corpus_docs"] == 21
+    assert "eval" not in summary

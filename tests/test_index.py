@@ -1,0 +1,156 @@
+"""FAISS index shards: exact sharded search, IVF recall, memory planning, persistence and errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+faiss = pytest.importorskip("faiss")
+
+from pipeline import index as ix  # noqa: E402
+from pipeline import storage  # noqa: E402
+
+DIM = 32
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The test machine is shared: one OpenMP thread keeps FAISS from hogging it."""
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    yield
+    faiss.omp_set_num_threads(before)
+
+
+def clustered(n: int, dim: int = DIM, seed: int = 0, centers: int = 40) -> np.ndarray:
+    """Points around a few centres, like real embeddings (uniform noise makes IVF look worse than it is)."""
+    rng = np.random.default_rng(seed)
+    means = np.random.default_rng(1234).standard_normal((centers, dim)) * 2
+    return (means[rng.integers(0, centers, n)] + rng.standard_normal((n, dim))).astype(np.float32)
+
+
+def build_shards(x, factory="Flat", metric="ip", parts=3, **kwargs):
+    rows = np.arange(len(x))
+    return [ix.build_index_shard(x[s], rows[s], factory, metric, **kwargs) for s in np.array_split(rows, parts)]
+
+
+def assert_exact_topk(queries, vectors, scores, rows, metric):
+    """Same top-k as brute force, ties allowed: every returned row really has the reference
+    score of its rank (recomputed from the vectors), and no row is returned twice."""
+    ref_scores, ref_rows = ix.brute_force_topk(queries, vectors, scores.shape[1], metric)
+    assert (rows >= 0).all() and all(len(set(r)) == len(r) for r in rows)
+    q, v = queries[:, None, :], vectors[rows]
+    true = (q * v).sum(-1) if metric == "ip" else ((q - v) ** 2).sum(-1)
+    np.testing.assert_allclose(true, ref_scores, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(scores, ref_scores, rtol=1e-4, atol=1e-3)
+    assert (rows == ref_rows).mean() > 0.99
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_sharded_flat_search_is_exact(metric):
+    x, q = clustered(6000), clustered(50, seed=1)
+    indexes = build_shards(x, "Flat", metric)
+    assert [i.ntotal for i in indexes] == [2000, 2000, 2000]
+    scores, rows = ix.search_shards(indexes, q, 10, metric)
+    assert scores.dtype == np.float32 and rows.dtype == np.int64 and rows.shape == (50, 10)
+    assert_exact_topk(q, x, scores, rows, metric)
+
+
+def test_ivf_recall_and_full_probe_is_exact():
+    x, q = clustered(6000), clustered(50, seed=1)
+    train = ix.sample_vectors(x, 1500, seed=0)
+    indexes = build_shards(x, "IVF16,Flat", "ip", train_vectors=train, nprobe=1)
+    _, exact = ix.brute_force_topk(q, x, 10, "ip")
+    _, approx = ix.search_shards(indexes, q, 10, "ip", nprobe=1)
+    recall = np.mean([len(set(a) & set(e)) / 10 for a, e in zip(approx, exact)])
+    assert recall > 0.5, recall
+    scores, rows = ix.search_shards(indexes, q, 10, "ip", nprobe=16)
+    assert_exact_topk(q, x, scores, rows, "ip")
+
+
+def test_merge_drops_padding_and_orders_by_metric():
+    a = (np.array([[0.9, 0.1, -3e38]], np.float32), np.array([[7, 3, -1]]))
+    b = (np.array([[0.5, -3e38, -3e38]], np.float32), np.array([[11, -1, -1]]))
+    scores, rows = ix.merge_topk([a, b], 3, "ip")
+    assert rows.tolist() == [[7, 11, 3]] and scores[0, 0] == np.float32(0.9)
+    d = (np.array([[0.2, 4.0]], np.float32), np.array([[5, 6]]))
+    e = (np.array([[1.0, 3e38]], np.float32), np.array([[8, -1]]))
+    assert ix.merge_topk([d, e], 3, "l2")[1].tolist() == [[5, 8, 6]]
+
+
+def test_bad_factory_and_k_larger_than_corpus_are_clear():
+    with pytest.raises(ValueError, match=r"FAISS rejects the index factory 'IVF16,PQ7' for dim 32: .*multiple of"):
+        ix.validate_factory("IVF16,PQ7", DIM)
+    with pytest.raises(ValueError, match=r"FAISS rejects the index factory 'Flatish' for dim 32: could not parse"):
+        ix.build_index_shard(clustered(10), np.arange(10), "Flatish")
+    ix.validate_factory("IVF64,PQ8", DIM)
+    x, q = clustered(812), clustered(3, seed=1)
+    indexes = build_shards(x, parts=2)
+    with pytest.raises(ValueError, match=r"k=1000 is larger than the corpus \(812 passages\)"):
+        ix.search_shards(indexes, q, 1000)
+    with pytest.raises(ValueError, match=r"k=1000 is larger than the corpus \(812 passages\)"):
+        ix.brute_force_topk(q, x, 1000)
+    assert ix.search_shards(indexes, q, 812)[1].shape == (3, 812)
+
+
+@pytest.mark.parametrize("factory", ["Flat", "IVF16,Flat", "IVF16,PQ8x4", "SQ8", "HNSW16", "PCA32,IVF16,Flat", "IVF16,PQ8x4fs"])
+def test_memory_plan_matches_the_serialized_size(factory):
+    x = clustered(5000, dim=64)
+    built = ix.build_index_shard(x, np.arange(5000), factory, train_vectors=x[:2500])
+    actual = len(faiss.serialize_index(built))
+    (plan,) = ix.plan_memory(factory, 64, [5000])
+    assert plan["estimate"] == ("measured" if factory.endswith("fs") else "formula")
+    assert abs(plan["bytes"] - actual) <= 0.1 * actual, (plan, actual)
+
+
+def test_plan_over_the_limit_names_the_shard():
+    plan = ix.plan_memory("Flat", 768, [1_000_000, 4_500_000])
+    ix.check_plan(plan[:1], 8 * 2**30)
+    with pytest.raises(ValueError, match=r"index shard 1 needs 12\.9 GiB, more than the 8\.0 GiB limit: use more "
+                                         r"shards or a compressed factory such as IVF8192,PQ64"):
+        ix.check_plan(plan, 8 * 2**30)
+    table = ix.format_plan(plan)
+    assert "4,500,000" in table and table.splitlines()[-1].startswith("total")
+    assert ix.memory_limit_bytes(2) == 2 * 2**30 and ix.memory_limit_bytes(0) > 0
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_save_load_round_trip(where, tmp_path, request):
+    folder = str(tmp_path / "index") if where == "local" else f"s3://{request.getfixturevalue('s3_bucket')}/index"
+    x, q = clustered(3000), clustered(20, seed=1)
+    indexes = build_shards(x, "IVF16,Flat", parts=2, nprobe=4)
+    before = ix.search_shards(indexes, q, 10, "ip", nprobe=4)
+    shards = []
+    for i, index in enumerate(indexes):
+        ix.save_index(index, storage.join(folder, ix.index_shard_path(i)))
+        shards.append({"index": i, "path": ix.index_shard_path(i), "vectors": index.ntotal})
+    ix.write_index_manifest(folder, factory="IVF16,Flat", metric="ip", dim=DIM, shards=shards,
+                            embeddings="s3://bucket/embeddings")
+    manifest = ix.load_index_manifest(folder)
+    assert [s["vectors"] for s in manifest["shards"]] == [1500, 1500]
+    after = ix.search_shards(ix.load_index_shards(folder, manifest), q, 10, "ip", nprobe=4)
+    np.testing.assert_array_equal(before[1], after[1])
+    np.testing.assert_array_equal(before[0], after[0])
+
+
+def test_missing_index_shard_is_named(tmp_path):
+    folder = str(tmp_path / "index")
+    with pytest.raises(ix.IndexShardError, match="no manifest"):
+        ix.load_index_manifest(folder)
+    index = build_shards(clustered(100), parts=1)[0]
+    ix.save_index(index, storage.join(folder, ix.index_shard_path(0)))
+    ix.write_index_manifest(folder, factory="Flat", metric="ip", dim=DIM, embeddings="emb",
+                            shards=[{"index": i, "path": ix.index_shard_path(i), "vectors": 100} for i in (0, 1)])
+    with pytest.raises(ix.IndexShardError, match=r"index shard .*index-00001\.faiss is missing"):
+        ix.load_index_manifest(folder)
+    with pytest.raises(storage.StorageError, match=r"index-00001\.faiss: no such file"):
+        ix.load_index(storage.join(folder, ix.index_shard_path(1)))
+
+
+@pytest.mark.skipif(hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0, reason="a GPU is present")
+def test_gpu_settings_on_a_cpu_build():
+    assert ix.resolve_gpu("auto") is False and ix.resolve_gpu("never") is False
+    with pytest.raises(ValueError, match="use_gpu='always' but FAISS sees no GPU"):
+        ix.resolve_gpu("always")
+    with pytest.raises(ValueError, match="use_gpu='sometimes'"):
+        ix.resolve_gpu("sometimes")

@@ -1,0 +1,186 @@
+"""Encoding on Ray actors, FAISS index shards, sharded search, mining and the evaluation job."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import synthetic_docs, write_jsonl
+from pipeline import embeddings as emb
+from pipeline.encode import ActorConfig, EncodeConfig, Encoder, EncoderSettings, run_actor_pool, run_encoding
+from pipeline.index import IndexConfig, brute_force_topk
+from pipeline.search import IndexJobConfig, ShardedIndex, run_indexing
+from test_finetune_ray import tiny_bert  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.ray
+
+N_DOCS = 90
+
+
+@pytest.fixture(scope="module")
+def collection(tmp_path_factory):
+    root = tmp_path_factory.mktemp("collection")
+    docs = synthetic_docs(N_DOCS, seed=21)
+    queries = [{"_id": f"q{i}", "text": " ".join(docs[i * 3]["text"].split()[:4])} for i in range(20)]
+    qrels = "query-id\tcorpus-id\tscore\n" + "".join(
+        f"q{i}\t{docs[i * 3]['_id']}\t1\nq{i}\t{docs[i * 3 + 1]['_id']}\t1\n" for i in range(20))
+    (root / "qrels.tsv").write_text(qrels)
+    return {"root": root, "docs": docs, "corpus": write_jsonl(root / "corpus.jsonl", docs),
+            "queries": write_jsonl(root / "queries.jsonl", queries), "qrels": str(root / "qrels.tsv")}
+
+
+@pytest.fixture(scope="module")
+def encoded(collection, tiny_bert, ray_session):  # noqa: F811
+    cfg = EncodeConfig(corpus=collection["corpus"], output=str(collection["root"] / "emb"), docs_per_shard=20,
+                       encoder=EncoderSettings(model=tiny_bert, pooling="mean", batch_size=7),
+                       pool=ActorConfig(actors=2))
+    return cfg, run_encoding(cfg)
+
+
+def read_all(folder: str):
+    manifest = emb.load_manifest(folder)
+    parts = [emb.read_shard(folder, e) for e in manifest["shards"]]
+    return (np.concatenate([p[0] for p in parts]), [d for p in parts for d in p[1]],
+            np.concatenate([p[2] for p in parts]))
+
+
+def test_every_passage_encoded_once_and_equal_to_a_direct_encoding(encoded, collection):
+    cfg, summary = encoded
+    assert summary["passages"] == N_DOCS and summary["shards"] == 5 and summary["shards_encoded"] == 5
+    rows, doc_ids, vectors = read_all(cfg.output)
+    assert sorted(rows.tolist()) == list(range(N_DOCS))
+    assert sorted(doc_ids) == sorted(d["_id"] for d in collection["docs"])
+    # Against the model applied directly, one passage at a time (no batching, no sorting).
+    encoder = Encoder(EncoderSettings(model=cfg.encoder.model, pooling="mean", batch_size=1),
+                      os.path.join(summary["corpus"], "tokenizer"))
+    texts = {d["_id"]: d["text"] for d in collection["docs"]}
+    direct = encoder.encode_texts([texts[d] for d in doc_ids], 128, tower="passage")
+    assert np.allclose(vectors, direct, atol=1e-4)
+
+
+def test_a_rerun_redoes_only_missing_shards(encoded, collection):
+    cfg, _ = encoded
+    before = read_all(cfg.output)
+    os.remove(os.path.join(cfg.output, emb.shard_path(2)))
+    again = run_encoding(cfg)
+    assert again["shards_encoded"] == 1 and again["shards_skipped"] == 4
+    after = read_all(cfg.output)
+    assert sorted(after[0].tolist()) == list(range(N_DOCS))
+    order_b, order_a = np.argsort(before[0]), np.argsort(after[0])
+    assert np.allclose(before[2][order_b], after[2][order_a], atol=1e-5)
+
+
+class _Flaky:
+    """An actor that dies (the process exits) on the first attempt at each marked task."""
+
+    def __init__(self, marker_dir: str):
+        self.marker_dir = marker_dir
+
+    def work(self, task: int) -> int:
+        marker = os.path.join(self.marker_dir, f"died-{task}")
+        if task % 3 == 0 and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(1)
+        return task * 10
+
+
+def test_a_task_whose_actor_died_is_retried_on_a_fresh_actor(tmp_path, ray_session):
+    import ray
+
+    remote = ray.remote(_Flaky).options(num_cpus=0.5, max_restarts=0)
+    results = run_actor_pool(lambda: remote.remote(str(tmp_path)), list(range(7)),
+                             lambda actor, t: actor.work.remote(t), max_retries=2, n_actors=2)
+    assert results == [t * 10 for t in range(7)]  # every task exactly once, in order
+    assert sorted(os.listdir(tmp_path)) == ["died-0", "died-3", "died-6"]
+
+
+@pytest.mark.parametrize("factory", ["Flat", "IVF4,Flat"])
+def test_sharded_search_equals_brute_force(encoded, collection, factory):
+    cfg, _ = encoded
+    out = str(collection["root"] / f"index-{factory.replace(',', '_')}")
+    summary = run_indexing(IndexJobConfig(embeddings=cfg.output, output=out, embedding_shards_per_index=2,
+                                          index=IndexConfig(factory=factory, nprobe=4)))
+    assert summary["shards"] == 3 and summary["vectors"] == N_DOCS
+    rows, _, vectors = read_all(cfg.output)
+    queries = np.random.default_rng(0).standard_normal((12, vectors.shape[1])).astype(np.float32)
+    index = ShardedIndex(out, nprobe=4)  # nprobe = nlist: IVF is exact too
+    scores, found = index.search(queries, 10)
+    index.close()
+    ref_scores, ref_rows = brute_force_topk(queries, vectors, 10, rows=rows)
+    assert np.allclose(scores, ref_scores, atol=1e-4)
+    assert (found == ref_rows).mean() > 0.99  # ties aside, the same passages
+    with pytest.raises(ValueError, match="larger than the corpus"):
+        ShardedIndex(out).search(queries, N_DOCS + 1)
+
+
+def test_a_factory_faiss_rejects_and_a_wrong_dimension_shard_are_clear_errors(encoded, collection, tmp_path):
+    import shutil
+
+    cfg, _ = encoded
+    with pytest.raises(ValueError, match="FAISS rejects the index factory 'IVF4,PQ7'"):
+        run_indexing(IndexJobConfig(embeddings=cfg.output, output=str(tmp_path / "i1"),
+                                    index=IndexConfig(factory="IVF4,PQ7")))
+    broken = str(tmp_path / "emb")
+    shutil.copytree(cfg.output, broken)
+    rows, ids, vectors = emb.read_shard(broken, emb.load_manifest(broken)["shards"][1])
+    os.remove(os.path.join(broken, emb.shard_path(1)))
+    emb.write_shard(broken, 1, rows, ids, np.zeros((len(rows), 5), np.float32))
+    with pytest.raises(ValueError, match="part-00001.parquet.*width 5"):
+        run_indexing(IndexJobConfig(embeddings=broken, output=str(tmp_path / "i2")))
+    os.remove(os.path.join(broken, emb.shard_path(3)))
+    with pytest.raises(ValueError, match="part-00003.parquet is missing"):
+        run_indexing(IndexJobConfig(embeddings=broken, output=str(tmp_path / "i3")))
+
+
+def test_mined_negatives_exclude_positives_and_are_reproducible(encoded, collection, tmp_path):
+    from pipeline.mine import MineConfig, run_mining
+    from pipeline.retrieval_data import read_negatives, read_qrels, read_tevatron
+
+    cfg, _ = encoded
+    index_dir = str(tmp_path / "index")
+    run_indexing(IndexJobConfig(embeddings=cfg.output, output=index_dir))
+    runs = []
+    for name in ("a", "b"):
+        mine = MineConfig(index=index_dir, queries=collection["queries"], qrels=collection["qrels"],
+                          output=str(tmp_path / name), depth=40, count=6, seed=3, encoder=cfg.encoder)
+        summary = run_mining(mine)
+        runs.append(read_negatives(summary["negatives"]))
+    assert runs[0] == runs[1]  # same seed, same negatives
+    qrels = read_qrels(collection["qrels"])
+    for qid, negatives in runs[0].items():
+        assert len(negatives) == 6 and not set(negatives) & set(qrels[qid])
+    records = list(read_tevatron(summary["tevatron"]))
+    assert len(records) == 20 and [p["docid"] for p in records[0]["negative_passages"]] == runs[0]["q0"]
+
+
+def test_evaluate_job_matches_ir_measures_on_a_brute_force_run(encoded, collection, tiny_bert, tmp_path, capsys):  # noqa: F811
+    import ir_measures
+
+    from jobs.evaluate import main
+    from pipeline.retrieval_data import read_qrels, read_queries
+
+    summary = main(["--model", tiny_bert, "--corpus", collection["corpus"], "--queries", collection["queries"],
+                    "--qrels", collection["qrels"], "--pooling", "mean", "--normalize", "--k", "50",
+                    "--output", str(tmp_path / "eval"), "--docs_per_shard", "25"])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(last["metrics"]) == {"MRR@10", "R@10", "R@100", "R@1000", "nDCG@10"}
+
+    encoder = Encoder(EncoderSettings(model=tiny_bert, pooling="mean", normalize="true"), tiny_bert)
+    queries = read_queries(collection["queries"])
+    passages = encoder.encode_texts([d["text"] for d in collection["docs"]], 128, tower="passage")
+    qvecs = encoder.encode_texts(list(queries.values()), 32, tower="query")
+    scores, idx = brute_force_topk(qvecs, passages, 50)
+    run = {q: {collection["docs"][j]["_id"]: float(s) for s, j in zip(srow, irow)}
+           for q, srow, irow in zip(queries, scores, idx)}
+    measures = ir_measures.calc_aggregate([ir_measures.RR @ 10, ir_measures.R @ 10, ir_measures.nDCG @ 10],
+                                          read_qrels(collection["qrels"]), run)
+    assert summary["metrics"]["MRR@10"] == pytest.approx(measures[ir_measures.RR @ 10], abs=1e-6)
+    assert summary["metrics"]["R@10"] == pytest.approx(measures[ir_measures.R @ 10], abs=1e-6)
+    assert summary["metrics"]["nDCG@10"] == pytest.approx(measures[ir_measures.nDCG @ 10], abs=1e-6)
+    with pytest.raises(ValueError, match="--k 1000 is larger than the corpus"):
+        main(["--model", tiny_bert, "--corpus", collection["corpus"], "--queries", collection["queries"],
+              "--qrels", collection["qrels"], "--output", str(tmp_path / "eval2")])
