@@ -119,6 +119,15 @@ class Encoder:
         return int(self.model.query_encoder.config.hidden_size)
 
 
+def local_encoder(settings: EncoderSettings, device: str = "cpu") -> Encoder:
+    """An :class:`Encoder` in this process (e.g. for queries), with the model's own tokenizer."""
+    from pipeline.finetune import resolve_init
+
+    model_dir = resolve_init(settings.model)
+    towers = os.path.join(model_dir, "query")
+    return Encoder(settings, towers if os.path.isdir(towers) else model_dir, device)
+
+
 class EncoderActor:
     """A Ray actor holding one :class:`Encoder`; encodes whole corpus shards."""
 
@@ -155,23 +164,33 @@ def run_actor_pool(make_actor, tasks: list, call, max_retries: int, n_actors: in
     from ray.exceptions import RayActorError
 
     pending, results, retries = list(range(len(tasks))), [None] * len(tasks), [0] * len(tasks)
-    idle = [make_actor() for _ in range(min(n_actors, len(tasks)))]
+    created = []
+
+    def fresh():
+        created.append(make_actor())
+        return created[-1]
+
+    idle = [fresh() for _ in range(min(n_actors, len(tasks)))]
     running: dict = {}
-    while pending or running:
-        while pending and idle:
-            actor, i = idle.pop(), pending.pop(0)
-            running[call(actor, tasks[i])] = (i, actor)
-        done, _ = ray.wait(list(running), num_returns=1)
-        i, actor = running.pop(done[0])
-        try:
-            results[i] = ray.get(done[0])
-            idle.append(actor)
-        except RayActorError:
-            retries[i] += 1
-            if retries[i] > max_retries:
-                raise
-            pending.insert(0, i)
-            idle.append(make_actor())  # the dead actor is gone: replace it
+    try:
+        while pending or running:
+            while pending and idle:
+                actor, i = idle.pop(), pending.pop(0)
+                running[call(actor, tasks[i])] = (i, actor)
+            done, _ = ray.wait(list(running), num_returns=1)
+            i, actor = running.pop(done[0])
+            try:
+                results[i] = ray.get(done[0])
+                idle.append(actor)
+            except RayActorError:
+                retries[i] += 1
+                if retries[i] > max_retries:
+                    raise
+                pending.insert(0, i)
+                idle.append(fresh())  # the dead actor is gone: replace it
+    finally:
+        for actor in created:  # free their CPUs/GPUs for the next stage
+            ray.kill(actor)
     return results
 
 

@@ -152,9 +152,8 @@ class EvaluateJobConfig:
 
 def run_evaluation(cfg: EvaluateJobConfig) -> dict:
     from pipeline import storage
-    from pipeline.encode import ActorConfig, EncodeConfig, EncoderSettings, run_encoding
+    from pipeline.encode import ActorConfig, EncodeConfig, EncoderSettings, local_encoder, run_encoding
     from pipeline.index import IndexConfig
-    from pipeline.mine import _query_encoder
     from pipeline.retrieval_data import read_qrels, read_queries
     from pipeline.search import IndexJobConfig, ShardedIndex, run_indexing
 
@@ -170,16 +169,15 @@ def run_evaluation(cfg: EvaluateJobConfig) -> dict:
         raise ValueError(f"--k {cfg.k} is larger than the corpus ({encoded['passages']} passages)")
     indexed = run_indexing(IndexJobConfig(embeddings=encoded["output"], output=storage.join(output, "index"),
                                           index=IndexConfig(factory=cfg.index, nprobe=cfg.nprobe)))
-    index = ShardedIndex(indexed["output"], nprobe=cfg.nprobe)
-    doc_by_row = index.doc_ids()
-    qrels = read_qrels(storage.resolve(cfg.qrels).uri, doc_ids=set(doc_by_row.values()), query_ids=set(queries))
-    qids = list(queries)
-    encoder = _query_encoder(settings, index)
-    vectors = encoder.encode_texts([queries[q] for q in qids], cfg.query_max_len, tower="query")
-    search_start = time.perf_counter()
-    scores, rows = index.search(vectors, cfg.k)
-    search_s = time.perf_counter() - search_start
-    index.close()
+    with ShardedIndex(indexed["output"], nprobe=cfg.nprobe) as index:
+        doc_by_row = index.doc_ids()
+        qrels = read_qrels(storage.resolve(cfg.qrels).uri, doc_ids=set(doc_by_row.values()), query_ids=set(queries))
+        qids = list(queries)
+        encoder = local_encoder(settings)
+        vectors = encoder.encode_texts([queries[q] for q in qids], cfg.query_max_len, tower="query")
+        search_start = time.perf_counter()
+        scores, rows = index.search(vectors, cfg.k)
+        search_s = time.perf_counter() - search_start
     run = {q: {doc_by_row[int(r)]: float(s) for s, r in zip(srow, rrow) if r >= 0}
            for q, srow, rrow in zip(qids, scores, rows)}
     write_trec_run(run, storage.join(output, "run.trec"), tag="raydense")

@@ -84,24 +84,23 @@ def _answer_hits(cfg: MineConfig, queries: dict, ranked: dict[str, list[str]]) -
 
 
 def run_mining(cfg: MineConfig) -> dict:
-    from pipeline.encode import Encoder
+    from pipeline.encode import local_encoder
     from pipeline.evaluate import write_trec_run
     from pipeline.retrieval_data import positives, read_qrels, read_queries
     from pipeline.search import ShardedIndex
 
     started = time.perf_counter()
     output = storage.resolve(cfg.output).uri
-    index = ShardedIndex(cfg.index, nprobe=cfg.nprobe)
-    doc_by_row = index.doc_ids()
-    queries = read_queries(cfg.queries)
-    qrels = read_qrels(cfg.qrels, doc_ids=set(doc_by_row.values()), query_ids=set(queries))
-    encoder = _query_encoder(cfg.encoder, index)
-    qids = list(queries)
-    vectors = encoder.encode_texts([queries[q] for q in qids], cfg.encoder.query_max_len, tower="query")
-    search_start = time.perf_counter()
-    scores, rows = index.search(vectors, min(cfg.depth, index.total))
-    search_s = time.perf_counter() - search_start
-    index.close()
+    with ShardedIndex(cfg.index, nprobe=cfg.nprobe) as index:
+        doc_by_row = index.doc_ids()
+        queries = read_queries(cfg.queries)
+        qrels = read_qrels(cfg.qrels, doc_ids=set(doc_by_row.values()), query_ids=set(queries))
+        encoder = local_encoder(cfg.encoder)
+        qids = list(queries)
+        vectors = encoder.encode_texts([queries[q] for q in qids], cfg.encoder.query_max_len, tower="query")
+        search_start = time.perf_counter()
+        scores, rows = index.search(vectors, min(cfg.depth, index.total))
+        search_s = time.perf_counter() - search_start
     ranked = {q: [doc_by_row[int(r)] for r in row if r >= 0] for q, row in zip(qids, rows)}
     answer_hits = _answer_hits(cfg, queries, ranked) if cfg.answers else {}
 
@@ -135,14 +134,3 @@ def run_mining(cfg: MineConfig) -> dict:
             "answer_dropped": counts["answer_dropped"], "depth": cfg.depth,
             "search_seconds": round(search_s, 2), "seconds": round(time.perf_counter() - started, 2)}
 
-
-def _query_encoder(settings: EncoderSettings, index):
-    """The query encoder, with the tokenizer the corpus was encoded with."""
-    import os
-
-    from pipeline.encode import Encoder
-    from pipeline.finetune import resolve_init
-
-    model_dir = resolve_init(settings.model)
-    towers = os.path.join(model_dir, "query")
-    return Encoder(settings, towers if os.path.isdir(towers) else model_dir)

@@ -115,15 +115,24 @@ class ShardSearcher:
 class ShardedIndex:
     """The driver's handle on a persisted sharded index: one searcher actor per shard."""
 
-    def __init__(self, index_uri: str, nprobe: int = 32, cpus_per_actor: float = 1.0):
+    def __init__(self, index_uri: str, nprobe: int = 32, cpus_per_actor: float = 0.0, threads: int = 1):
         import ray
 
         self.uri = storage.resolve(index_uri).uri
         self.manifest = faiss_index.load_index_manifest(self.uri)
         self.metric = self.manifest["metric"]
         self.total = sum(s["vectors"] for s in self.manifest["shards"])
+        # No CPU reservation by default: every shard's actor must be up for a search to
+        # finish, and reserving a CPU each would leave a shard unscheduled (a hang) whenever
+        # shards outnumber free CPUs. Memory, not CPU, is what a shard holds.
         remote = ray.remote(ShardSearcher).options(num_cpus=cpus_per_actor)
-        self.actors = [remote.remote(self.uri, s, nprobe, int(cpus_per_actor)) for s in self.manifest["shards"]]
+        self.actors = [remote.remote(self.uri, s, nprobe, threads) for s in self.manifest["shards"]]
+
+    def __enter__(self) -> "ShardedIndex":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def search(self, queries: np.ndarray, k: int, block: int = 4096) -> tuple[np.ndarray, np.ndarray]:
         """Exact merge of every shard's top-k: (scores (q, k), corpus rows (q, k))."""

@@ -89,8 +89,12 @@ class _Flaky:
 
 
 def test_a_task_whose_actor_died_is_retried_on_a_fresh_actor(tmp_path, ray_session):
-    import ray
+    import sys
 
+    import ray
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import a test module
     remote = ray.remote(_Flaky).options(num_cpus=0.5, max_restarts=0)
     results = run_actor_pool(lambda: remote.remote(str(tmp_path)), list(range(7)),
                              lambda actor, t: actor.work.remote(t), max_retries=2, n_actors=2)
@@ -113,8 +117,8 @@ def test_sharded_search_equals_brute_force(encoded, collection, factory):
     ref_scores, ref_rows = brute_force_topk(queries, vectors, 10, rows=rows)
     assert np.allclose(scores, ref_scores, atol=1e-4)
     assert (found == ref_rows).mean() > 0.99  # ties aside, the same passages
-    with pytest.raises(ValueError, match="larger than the corpus"):
-        ShardedIndex(out).search(queries, N_DOCS + 1)
+    with ShardedIndex(out) as index, pytest.raises(ValueError, match="larger than the corpus"):
+        index.search(queries, N_DOCS + 1)
 
 
 def test_a_factory_faiss_rejects_and_a_wrong_dimension_shard_are_clear_errors(encoded, collection, tmp_path):
@@ -131,6 +135,8 @@ def test_a_factory_faiss_rejects_and_a_wrong_dimension_shard_are_clear_errors(en
     emb.write_shard(broken, 1, rows, ids, np.zeros((len(rows), 5), np.float32))
     with pytest.raises(ValueError, match="part-00001.parquet.*width 5"):
         run_indexing(IndexJobConfig(embeddings=broken, output=str(tmp_path / "i2")))
+    os.remove(os.path.join(broken, emb.shard_path(1)))
+    emb.write_shard(broken, 1, rows, ids, vectors)  # mended; now another shard goes missing
     os.remove(os.path.join(broken, emb.shard_path(3)))
     with pytest.raises(ValueError, match="part-00003.parquet is missing"):
         run_indexing(IndexJobConfig(embeddings=broken, output=str(tmp_path / "i3")))
