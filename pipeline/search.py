@@ -111,6 +111,13 @@ class ShardSearcher:
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         return faiss_index.search_shard(self.index, queries, min(k, self.index.ntotal), self.nprobe)
 
+    def stats(self) -> dict:
+        """What this shard holds, and the peak memory of its process (for sizing)."""
+        import resource
+
+        return {"vectors": int(self.index.ntotal),
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
 
 class ShardedIndex:
     """The driver's handle on a persisted sharded index: one searcher actor per shard."""
@@ -149,6 +156,11 @@ class ShardedIndex:
         if not scores:
             return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
         return np.concatenate(scores), np.concatenate(rows)
+
+    def stats(self) -> list[dict]:
+        import ray
+
+        return ray.get([a.stats.remote() for a in self.actors])
 
     def doc_ids(self) -> dict[int, str]:
         """corpus row -> doc id, from the embedding shards' id columns (no vectors read)."""

