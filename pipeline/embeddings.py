@@ -100,16 +100,8 @@ def write_manifest(folder_uri: str, dim: int, shards: list[dict], *, dtype: str 
 
 def load_manifest(folder_uri: str) -> dict:
     """Read and check an embeddings folder's manifest."""
-    uri = storage.join(folder_uri, MANIFEST)
-    storage.check_reachable(uri)
-    if not storage.exists(uri):
-        raise EmbeddingError(f"{uri}: no manifest; encode the corpus first (or the encoding did not finish)")
-    manifest = storage.read_json(uri)
-    if manifest.get("format") != FORMAT:
-        raise EmbeddingError(f"{uri}: format {manifest.get('format')!r}, expected {FORMAT!r}")
-    if not manifest.get("completed"):
-        raise EmbeddingError(f"{uri}: encoding did not finish; run it again")
-    return manifest
+    return storage.read_manifest(folder_uri, FORMAT, EmbeddingError,
+                                 "encode the corpus first (or the encoding did not finish)", "encoding did not finish")
 
 
 def _width_error(uri: str, field: pa.Field, dim: int | None, dtype: str | None) -> str | None:

@@ -325,15 +325,9 @@ def write_index_manifest(index_uri: str, *, factory: str, metric: str, dim: int,
 
 def load_index_manifest(index_uri: str, *, check: bool = True) -> dict:
     """Read an index folder's manifest; with ``check``, every shard file must exist."""
-    uri = storage.join(index_uri, MANIFEST)
-    storage.check_reachable(uri)
-    if not storage.exists(uri):
-        raise IndexShardError(f"{uri}: no manifest; build the index first (or the build did not finish)")
-    manifest = storage.read_json(uri)
-    if manifest.get("format") != FORMAT:
-        raise IndexShardError(f"{uri}: format {manifest.get('format')!r}, expected {FORMAT!r}")
-    if not manifest.get("completed"):
-        raise IndexShardError(f"{uri}: the index build did not finish; run it again")
+    manifest = storage.read_manifest(index_uri, FORMAT, IndexShardError,
+                                     "build the index first (or the build did not finish)",
+                                     "the index build did not finish")
     for shard in manifest["shards"] if check else []:
         shard_uri = storage.join(index_uri, shard["path"])
         if not storage.exists(shard_uri):

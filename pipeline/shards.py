@@ -101,31 +101,26 @@ def _staged_texts(items: list[dict]) -> Iterator[str]:
         yield from storage.read_parquet(item["text_uri"], ["text"]).column("text").to_pylist()
 
 
-class _TokenizeShard:
-    """Ray Data UDF: tokenizes one staged text shard into one final shard."""
-
-    def __init__(self, tokenizer_uri: str, output: str):
-        self._local = storage.local_copy(tokenizer_uri)
-        self.tokenizer = load_tokenizer(self._local.__enter__())
-        self.output = output
-
-    def __call__(self, item: dict) -> dict:
-        table = storage.read_parquet(item["text_uri"])
-        encoded = self.tokenizer(table.column("text").to_pylist(), add_special_tokens=False,
-                                 return_attention_mask=False, return_token_type_ids=False)["input_ids"]
-        first = item["first_row"]
-        shard = pa.table({
-            "row": pa.array(range(first, first + len(encoded)), pa.int64()),
-            "doc_id": table.column("doc_id"),
-            "input_ids": pa.array(encoded, pa.list_(pa.int32())),
-        }, schema=SHARD_SCHEMA)
-        path = f"shards/part-{item['index']:05d}.parquet"
-        _write_table(storage.join(self.output, path), shard)
-        return {"index": item["index"], "path": path, "first_row": first, "rows": len(encoded),
-                "tokens": int(sum(len(e) for e in encoded))}
+def _tokenize_shard(item: dict, tokenizer_uri: str, output: str) -> dict:
+    """A Ray task: tokenizes one staged text shard into one final shard."""
+    with storage.local_copy(tokenizer_uri) as local:
+        tokenizer = load_tokenizer(local)
+    table = storage.read_parquet(item["text_uri"])
+    encoded = tokenizer(table.column("text").to_pylist(), add_special_tokens=False,
+                        return_attention_mask=False, return_token_type_ids=False)["input_ids"]
+    first = item["first_row"]
+    shard = pa.table({
+        "row": pa.array(range(first, first + len(encoded)), pa.int64()),
+        "doc_id": table.column("doc_id"),
+        "input_ids": pa.array(encoded, pa.list_(pa.int32())),
+    }, schema=SHARD_SCHEMA)
+    path = f"shards/part-{item['index']:05d}.parquet"
+    _write_table(storage.join(output, path), shard)
+    return {"index": item["index"], "path": path, "first_row": first, "rows": len(encoded),
+            "tokens": int(sum(len(e) for e in encoded))}
 
 
-def prepare_corpus(cfg: PrepareConfig, *, parallelism: int | None = None) -> dict:
+def prepare_corpus(cfg: PrepareConfig) -> dict:
     """Prepare ``cfg.input`` into ``cfg.output``; returns the manifest.
 
     A finished manifest with the same settings is reused unless ``overwrite`` is set.
@@ -153,10 +148,10 @@ def prepare_corpus(cfg: PrepareConfig, *, parallelism: int | None = None) -> dic
             tokenizer = train_wordpiece(_staged_texts(items), tmp, cfg.vocab_size, cfg.lowercase)
         storage.upload_dir(tmp, tokenizer_uri)
 
-    shards = (ray.data.from_items(items, override_num_blocks=len(items))
-              .map(_TokenizeShard, fn_constructor_kwargs={"tokenizer_uri": tokenizer_uri, "output": cfg.output},
-                   concurrency=max(1, min(len(items), parallelism or len(items))), num_cpus=1)
-              .take_all())
+    # Plain tasks, one per shard (a shard is already a big unit of work): Ray schedules
+    # them on free CPUs, with no actor pool to start or tear down.
+    tokenize = ray.remote(_tokenize_shard).options(num_cpus=1, max_retries=3)
+    shards = ray.get([tokenize.remote(item, tokenizer_uri, cfg.output) for item in items])
     shards = sorted(({k: s[k] for k in ("path", "first_row", "rows", "tokens")} for s in shards),
                     key=lambda s: s["first_row"])
     storage.delete_dir(staging)
@@ -179,16 +174,8 @@ def prepare_corpus(cfg: PrepareConfig, *, parallelism: int | None = None) -> dic
 
 def load_manifest(corpus_uri: str) -> dict:
     """Read and check a prepared corpus' manifest (the corpus URI is its folder)."""
-    uri = storage.join(corpus_uri, MANIFEST)
-    storage.check_reachable(uri)
-    if not storage.exists(uri):
-        raise ShardError(f"{uri}: no manifest; prepare the corpus first (jobs/prepare_corpus.py)")
-    manifest = storage.read_json(uri)
-    if manifest.get("format") != FORMAT:
-        raise ShardError(f"{uri}: format {manifest.get('format')!r}, expected {FORMAT!r}")
-    if not manifest.get("completed"):
-        raise ShardError(f"{uri}: preparation did not finish; run it again")
-    return manifest
+    return storage.read_manifest(corpus_uri, FORMAT, ShardError, "prepare the corpus first (jobs/prepare_corpus.py)",
+                                 "preparation did not finish")
 
 
 def check_shards(corpus_uri: str, manifest: dict) -> None:

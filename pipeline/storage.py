@@ -264,6 +264,21 @@ class local_copy:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
 
+def read_manifest(folder_uri: str, fmt: str, error: type[Exception], missing: str, unfinished: str) -> dict:
+    """A folder's ``manifest.json``, checked: present (else ``missing``), of format ``fmt``,
+    and marked completed (else ``unfinished``); failures raise ``error`` naming the file."""
+    uri = join(folder_uri, "manifest.json")
+    check_reachable(uri)
+    if not exists(uri):
+        raise error(f"{uri}: no manifest; {missing}")
+    manifest = read_json(uri)
+    if manifest.get("format") != fmt:
+        raise error(f"{uri}: format {manifest.get('format')!r}, expected {fmt!r}")
+    if not manifest.get("completed"):
+        raise error(f"{uri}: {unfinished}; run it again")
+    return manifest
+
+
 def process_local_dir(uri: str) -> str:
     """Like :class:`local_copy`, held until the process exits (e.g. a tokenizer a training
     worker needs from start to final export)."""
