@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import storage
+from pipeline.shards import check_parquet_shard
 
 MANIFEST = "manifest.json"
 FORMAT = "raydense-embeddings-v1"
@@ -120,20 +121,8 @@ def check_embedding_shards(folder_uri: str, manifest: dict) -> None:
     shard fails here, by name, before any index is built from it."""
     for shard in manifest["shards"]:
         uri = storage.join(folder_uri, shard["path"])
-        loc = storage.resolve(uri)
-        try:
-            with loc.fs.open_input_file(loc.path) as f:
-                meta = pq.ParquetFile(f).metadata
-                schema = meta.schema.to_arrow_schema()
-        except FileNotFoundError as exc:
-            raise EmbeddingError(f"embedding shard {loc.describe()} is missing") from exc
-        except Exception as exc:
-            raise EmbeddingError(f"embedding shard {uri} is unreadable (corrupt or truncated Parquet): {exc}") from exc
-        if meta.num_rows != shard["rows"]:
-            raise EmbeddingError(f"embedding shard {uri}: {meta.num_rows} rows, manifest says {shard['rows']}")
-        missing = {"row", "doc_id", "embedding"} - set(schema.names)
-        if missing:
-            raise EmbeddingError(f"embedding shard {uri}: missing columns {sorted(missing)}")
+        schema = check_parquet_shard(uri, shard["rows"], {"row", "doc_id", "embedding"}, EmbeddingError,
+                                     "embedding shard")
         error = _width_error(uri, schema.field("embedding"), manifest["dim"], manifest.get("dtype", "float32"))
         if error:
             raise EmbeddingError(error)

@@ -53,18 +53,16 @@ class ActorConfig:
 
 
 def _frame_batch(token_lists: list, max_len: int, cls_id: int, sep_id: int, pad_id: int):
+    """``[CLS] ids [SEP]`` per list, truncated to max_len, padded only to the batch's longest."""
     import torch
 
-    body = max_len - 2
-    width = min(max_len, max(len(t) for t in token_lists) + 2)
-    ids = torch.full((len(token_lists), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(token_lists), width), dtype=torch.long)
-    for i, tokens in enumerate(token_lists):
-        tokens = list(tokens[:body])
-        n = len(tokens) + 2
-        ids[i, :n] = torch.tensor([cls_id, *tokens, sep_id])
-        mask[i, :n] = 1
-    return ids, mask
+    from pipeline.stream import frame
+
+    chunks = [np.asarray(t[:max_len - 2], dtype=np.int32) for t in token_lists]
+    width = max(len(c) for c in chunks) + 2
+    ids, lengths = frame(chunks, width, cls_id, sep_id, pad_id)
+    mask = np.arange(width)[None, :] < lengths[:, None]
+    return torch.from_numpy(ids).long(), torch.from_numpy(mask).long()
 
 
 class Encoder:

@@ -87,8 +87,9 @@ def run_indexing(cfg: IndexJobConfig) -> dict:
     probe = faiss_index._new_index(cfg.index.factory, dim, cfg.index.metric)
     train = _train_sample(folder, manifest, cfg.index.train_sample, cfg.index.seed) if not probe.is_trained else None
     train_ref = ray.put(train) if train is not None else None
-    build = ray.remote(_build_one).options(num_cpus=cfg.index.use_gpu != "always" and cfg.cpus_per_task or 1,
-                                           num_gpus=1 if cfg.index.use_gpu == "always" else 0, max_retries=3)
+    on_gpu = cfg.index.use_gpu == "always"
+    build = ray.remote(_build_one).options(num_cpus=1 if on_gpu else cfg.cpus_per_task, num_gpus=1 if on_gpu else 0,
+                                           max_retries=3)
     shards = ray.get([build.remote(folder, [manifest["shards"][i] for i in g], j, output, cfg.index, train_ref)
                       for j, g in enumerate(groups)])
     faiss_index.write_index_manifest(output, factory=cfg.index.factory, metric=cfg.index.metric, dim=dim,

@@ -178,27 +178,33 @@ def load_manifest(corpus_uri: str) -> dict:
                                  "preparation did not finish")
 
 
+def check_parquet_shard(uri: str, rows: int, columns: set[str], error: type[Exception], what: str = "shard"):
+    """Read one shard's Parquet footer (not its data) and check it against its manifest
+    entry; returns its Arrow schema. Every failure raises ``error`` naming the shard."""
+    loc = storage.resolve(uri)
+    try:
+        with loc.fs.open_input_file(loc.path) as f:
+            meta = pq.ParquetFile(f).metadata
+            schema = meta.schema.to_arrow_schema()
+    except FileNotFoundError as exc:
+        raise error(f"{what} {loc.describe()} is missing") from exc
+    except storage.StorageError as exc:
+        raise error(f"{what} {uri}: {exc}") from exc
+    except Exception as exc:
+        raise error(f"{what} {uri} is unreadable (corrupt or truncated Parquet): {exc}") from exc
+    if meta.num_rows != rows:
+        raise error(f"{what} {uri}: {meta.num_rows} rows, manifest says {rows}")
+    missing = columns - set(schema.names)
+    if missing:
+        raise error(f"{what} {uri}: missing columns {sorted(missing)}")
+    return schema
+
+
 def check_shards(corpus_uri: str, manifest: dict) -> None:
     """Read every shard's Parquet footer: a truncated, corrupt or missing shard fails here,
     by name, before any training worker starts, instead of deep inside a Ray Data task."""
     for shard in manifest["shards"]:
-        uri = storage.join(corpus_uri, shard["path"])
-        loc = storage.resolve(uri)
-        try:
-            with loc.fs.open_input_file(loc.path) as f:
-                meta = pq.ParquetFile(f).metadata
-                schema = meta.schema.to_arrow_schema()
-        except FileNotFoundError as exc:
-            raise ShardError(f"shard {loc.describe()} is missing") from exc
-        except storage.StorageError as exc:
-            raise ShardError(f"shard {uri}: {exc}") from exc
-        except Exception as exc:
-            raise ShardError(f"shard {uri} is unreadable (corrupt or truncated Parquet): {exc}") from exc
-        if meta.num_rows != shard["rows"]:
-            raise ShardError(f"shard {uri}: {meta.num_rows} rows, manifest says {shard['rows']}")
-        missing = {"row", "input_ids"} - set(schema.names)
-        if missing:
-            raise ShardError(f"shard {uri}: missing columns {sorted(missing)}")
+        check_parquet_shard(storage.join(corpus_uri, shard["path"]), shard["rows"], {"row", "input_ids"}, ShardError)
 
 
 def shard_uris(corpus_uri: str, manifest: dict) -> list[str]:
