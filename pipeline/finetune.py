@@ -204,8 +204,25 @@ def _check_vocab(init: str, vocab_size: int) -> None:
                          "prepare it with this model's tokenizer (--corpus.tokenizer, default: --model.init)")
 
 
-def run_finetuning(cfg: FinetuneConfig) -> dict:
-    """Prepare the corpus, mine round-1 negatives if asked, train, export, evaluate."""
+@dataclass
+class GroupTraining:
+    """What a trainer on query groups (retriever, re-ranker, distillation) needs from the
+    driver: the prepared corpus, the examples as corpus rows and the stream over them."""
+
+    manifest: dict
+    tokenizer_uri: str
+    examples: list
+    stats: DataStats
+    bm25: dict | None
+    stream: GroupStream
+    epochs: int
+
+
+def prepare_group_training(cfg, group_size: int, load=None) -> GroupTraining:
+    """Prepare the corpus, read (or mine) the examples and plan the stream for a config
+    with ``data``, ``corpus``, ``model``, ``train`` (and ``eval``) sections like
+    :class:`FinetuneConfig`. Sets ``cfg.train.max_steps`` when it is derived from epochs.
+    ``load(cfg, doc_ids)`` replaces :func:`load_examples`."""
     if cfg.train.epochs < 1 and cfg.train.max_steps < 1:
         raise ValueError("set --train.epochs or --train.max_steps")
     _resolve_paths(cfg)
@@ -217,7 +234,7 @@ def run_finetuning(cfg: FinetuneConfig) -> dict:
         tokenizer = load_tokenizer(tok_dir)
 
     rows_by_id = corpus_rows_by_id(cfg.corpus.output, manifest)
-    examples, stats, bm25_summary = load_examples(cfg, set(rows_by_id))
+    examples, stats, bm25_summary = (load or load_examples)(cfg, set(rows_by_id))
     if not examples:
         raise ValueError("no training example: every query lacks a positive (see data_stats)")
     source = cfg.data.tevatron or cfg.data.queries
@@ -232,15 +249,23 @@ def run_finetuning(cfg: FinetuneConfig) -> dict:
     if cfg.train.max_steps < 1:
         cfg.train.max_steps = cfg.train.epochs * steps_per_epoch
     epochs = cfg.train.epochs or -(-cfg.train.max_steps // steps_per_epoch)
-    run_dir = storage.join(cfg.train.output, "checkpoints")
-    spec = GroupSpec(corpus=cfg.corpus.output, group_size=cfg.retriever.group_size,
+    spec = GroupSpec(corpus=cfg.corpus.output, group_size=group_size,
                      query_max_len=cfg.data.query_max_len, passage_max_len=cfg.data.passage_max_len,
                      seed=cfg.train.seed, cls_id=tokenizer.cls_token_id, sep_id=tokenizer.sep_token_id,
                      pad_id=tokenizer.pad_token_id)
+    stream = GroupStream(spec, example_rows, query_ids, epochs, manifest["num_docs"],
+                         storage.join(cfg.train.output, "checkpoints"))
+    return GroupTraining(manifest, tokenizer_uri, examples, stats, bm25_summary, stream, epochs)
+
+
+def run_finetuning(cfg: FinetuneConfig) -> dict:
+    """Prepare the corpus, mine round-1 negatives if asked, train, export, evaluate."""
+    prepared = prepare_group_training(cfg, cfg.retriever.group_size)
     write_run_files(cfg, cfg.train.output)
-    stream = GroupStream(spec, example_rows, query_ids, epochs, manifest["num_docs"], run_dir)
-    task = FinetuneTask(cfg.model.init, cfg.retriever, tokenizer_uri)
-    result = fit(cfg.train, task, stream, run_dir)
+    task = FinetuneTask(cfg.model.init, cfg.retriever, prepared.tokenizer_uri)
+    result = fit(cfg.train, task, prepared.stream, storage.join(cfg.train.output, "checkpoints"))
+    manifest, examples, stats, bm25_summary, epochs = (prepared.manifest, prepared.examples, prepared.stats,
+                                                       prepared.bm25, prepared.epochs)
 
     summary = {
         "job": "finetune", "export_dir": result.metrics.get("export_dir"),
