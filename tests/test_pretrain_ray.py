@@ -68,14 +68,12 @@ def test_two_workers_stream_disjoint_documents_from_s3_with_zero2(tmp_path, s3_b
 
 
 def _train_worker_pids() -> list[int]:
-    import psutil
+    """This Ray session's live train workers (asked of Ray, not the process table: other
+    Ray sessions on the machine, e.g. another test run, have train workers too)."""
+    from ray.util.state import list_actors
 
-    pids = []
-    for proc in psutil.process_iter(["pid", "name", "cmdline"]):
-        title = " ".join(proc.info["cmdline"] or []) + " " + (proc.info["name"] or "")
-        if "RayTrainWorker" in title:
-            pids.append(proc.info["pid"])
-    return pids
+    actors = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+    return sorted(a.pid for a in actors)
 
 
 def test_killed_worker_resumes_from_checkpoint_without_losing_documents(tmp_path, ray_session):

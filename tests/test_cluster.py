@@ -1,0 +1,437 @@
+"""cluster/: the AWS autoscaler config, the KubeRay manifests, the DeepSpeed templates, the
+run configs, the sizing table and S3 settings from the environment.
+
+Everything here is checked offline with the validators and schedulers of the installed
+Ray, botocore and DeepSpeed, so a config that those would reject on a real cluster fails
+here first. The submitted-job run (and its credential scan) is in test_job_submit.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import json
+import pickle
+import re
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CLUSTER = REPO / "cluster"
+AWS_YAML = CLUSTER / "aws.yaml"
+RAYCLUSTER = CLUSTER / "kuberay" / "raycluster.yaml"
+RAYJOB = CLUSTER / "kuberay" / "rayjob.yaml"
+SERVICE_ACCOUNT = CLUSTER / "kuberay" / "serviceaccount.yaml"
+PRETRAIN_CONFIG = CLUSTER / "configs" / "pretrain-condenser-bert-base.yaml"
+
+
+def load(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def docs(path: Path) -> dict[str, dict]:
+    return {d["kind"]: d for d in yaml.safe_load_all(path.read_text()) if d}
+
+
+def image_tag() -> str:
+    """The rayproject/ray tag that matches this environment: <ray>-py<major><minor>-gpu."""
+    import ray
+
+    return f"{ray.__version__}-py{sys.version_info.major}{sys.version_info.minor}-gpu"
+
+
+# -- AWS: Ray cluster launcher ------------------------------------------------------------
+
+def test_aws_yaml_validates_against_rays_schema_and_config_checks():
+    import jsonschema
+    import ray.autoscaler
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = load(AWS_YAML)
+    schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+    jsonschema.validate(config, schema)
+    # What `ray up` does before touching AWS: merge aws/defaults.yaml, then Ray's checks
+    # (schema again, head type, sum of min_workers within max_workers, docker image).
+    prepared = prepare_config(copy.deepcopy(config))
+    validate_config(prepared)
+    assert prepared["provider"]["type"] == "aws"
+    assert prepared["docker"]["image"] == f"rayproject/ray:{image_tag()}"
+    # pipeline/storage.py takes the region from the environment only.
+    assert f"--env AWS_DEFAULT_REGION={config['provider']['region']}" in prepared["docker"]["run_options"]
+
+    # The schema does catch mistakes: a misspelled node-type key is refused.
+    broken = copy.deepcopy(config)
+    broken["available_node_types"]["gpu8-spot"]["max_worker"] = 4
+    with pytest.raises(jsonschema.ValidationError, match="max_worker"):
+        jsonschema.validate(broken, schema)
+
+
+def test_aws_node_configs_are_valid_ec2_run_instances_requests():
+    """Ray passes node_config to EC2 RunInstances (plus counts, subnet and tags); botocore's
+    own model of that call rejects unknown or mistyped fields and unknown instance types."""
+    import botocore.session
+    from botocore.validate import ParamValidator
+
+    ec2 = botocore.session.get_session().get_service_model("ec2")
+    run_instances = ec2.operation_model("RunInstances").input_shape
+    instance_types = set(ec2.shape_for("InstanceType").enum)
+    for name, node_type in load(AWS_YAML)["available_node_types"].items():
+        request = dict(node_type["node_config"], MinCount=1, MaxCount=1, SubnetId="subnet-0")
+        report = ParamValidator().validate(request, run_instances)
+        assert not report.has_errors(), f"{name}: {report.generate_report()}"
+        assert node_type["node_config"]["InstanceType"] in instance_types, name
+        # S3 and EC2 through instance profiles, never keys in the config.
+        assert set(node_type["node_config"]["IamInstanceProfile"]) == {"Name"}, name
+
+    bad = dict(load(AWS_YAML)["available_node_types"]["gpu1-spot"]["node_config"], MinCount=1, MaxCount=1)
+    bad["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOption": {}}
+    assert ParamValidator().validate(bad, run_instances).has_errors()
+
+
+def test_aws_node_types_scale_from_zero_with_on_demand_twins():
+    config = load(AWS_YAML)
+    types = config["available_node_types"]
+    head = types[config["head_node_type"]]
+    assert head["resources"] == {"CPU": 0}
+    assert "InstanceMarketOptions" not in head["node_config"], "a spot head loses every running job"
+    workers = {n: t for n, t in types.items() if n != config["head_node_type"]}
+    spot = {n for n, t in workers.items() if t["node_config"].get("InstanceMarketOptions", {}).get("MarketType") == "spot"}
+    assert {n for n in workers if n.endswith("-spot")} == spot and len(spot) == 3
+    for name in spot:
+        twin = workers[name.replace("-spot", "-ondemand")]
+        s = workers[name]
+        assert twin["node_config"]["InstanceType"] == s["node_config"]["InstanceType"]
+        assert twin["resources"] == s["resources"]
+        assert "InstanceMarketOptions" not in twin["node_config"]
+        assert s["priority"] > twin["priority"]
+    for name, t in workers.items():
+        assert t["min_workers"] == 0 < t["max_workers"], name
+    gpus = {t["node_config"]["InstanceType"]: t["resources"].get("GPU", 0) for t in workers.values()}
+    assert gpus["p4d.24xlarge"] == 8 and gpus["g6.4xlarge"] == 1 and gpus["m6i.8xlarge"] == 0
+
+
+def test_aws_head_runs_the_spot_fallback_scorer_from_the_mounted_checkout():
+    config = load(AWS_YAML)
+    start = " ".join(config["head_start_ray_commands"])
+    assert "RAY_enable_autoscaler_v2=0" in start
+    assert "RAY_AUTOSCALER_UTILIZATION_SCORER=spot_fallback.utilization_score" in start
+    mount = next(remote for remote, local in config["file_mounts"].items() if local == ".")
+    assert re.search(rf"PYTHONPATH={re.escape(mount)}/cluster\b", start)
+    assert (CLUSTER / "spot_fallback.py").is_file()
+    assert start.index("RAY_enable_autoscaler_v2=0") < start.index("ray start --head")
+    # Dependencies with the gpu extra, torch pinned as in the README's install.
+    setup = " ".join(config["setup_commands"])
+    assert f"{mount}[gpu]" in setup and "torch==2.13.0" in setup
+
+
+@pytest.fixture
+def v1_scheduler(monkeypatch):
+    """Ray's v1 resource-demand scheduler as the head runs it: aws.yaml prepared by Ray,
+    our scorer loaded through RAY_AUTOSCALER_UTILIZATION_SCORER, launch failures recorded
+    by Ray's availability tracker."""
+    from ray.autoscaler._private.node_provider_availability_tracker import NodeProviderAvailabilityTracker
+    from ray.autoscaler._private.resource_demand_scheduler import ResourceDemandScheduler
+    from ray.autoscaler._private.util import prepare_config
+    from ray.autoscaler.node_launch_exception import NodeLaunchException
+
+    config = prepare_config(load(AWS_YAML))
+    monkeypatch.syspath_prepend(str(CLUSTER))
+    monkeypatch.setenv("RAYDENSE_AUTOSCALING_CONFIG", str(AWS_YAML))
+
+    def launch(demands, failed=(), seconds_ago=60, scorer="spot_fallback.utilization_score"):
+        monkeypatch.setenv("RAY_AUTOSCALER_UTILIZATION_SCORER", scorer)
+        scheduler = ResourceDemandScheduler(None, config["available_node_types"], config["max_workers"],
+                                            config["head_node_type"], config["upscaling_speed"])
+        tracker = NodeProviderAvailabilityTracker()
+        for node_type in failed:
+            tracker.update_node_availability(node_type, int(time.time() - seconds_ago), NodeLaunchException(
+                "InsufficientInstanceCapacity", "There is no Spot capacity available", None))
+        to_launch, _ = scheduler.get_nodes_to_launch([], {config["head_node_type"]: 1}, demands, {}, [], {},
+                                                     False, tracker.summary())
+        return dict(to_launch)
+
+    return launch
+
+
+def test_aws_autoscaler_picks_spot_then_falls_back_to_on_demand(v1_scheduler):
+    trainer = [{"GPU": 1, "CPU": 8}] * 8  # Ray Train, 8 workers of cpus_per_worker 8
+    assert v1_scheduler(trainer) == {"gpu8-spot": 1}
+    assert v1_scheduler(trainer * 2) == {"gpu8-spot": 2}
+    assert v1_scheduler(trainer, failed=["gpu8-spot"]) == {"gpu8-ondemand": 1}
+    # After the retry window spot is tried again.
+    assert v1_scheduler(trainer, failed=["gpu8-spot"], seconds_ago=700) == {"gpu8-spot": 1}
+    # Shape first: a 1-GPU encoder goes to the small GPU node, CPU work to the CPU node,
+    # whatever failed elsewhere.
+    assert v1_scheduler([{"GPU": 1, "CPU": 2}] * 2, failed=["gpu8-spot"]) == {"gpu1-spot": 2}
+    assert v1_scheduler([{"CPU": 1}] * 8, failed=["gpu1-spot"]) == {"cpu-spot": 1}
+    # Control: Ray's default scorer ignores the failure and asks for spot again.
+    default = "ray.autoscaler._private.resource_demand_scheduler._default_utilization_scorer"
+    assert v1_scheduler(trainer, failed=["gpu8-spot"], scorer=default) == {"gpu8-spot": 1}
+
+
+# -- Kubernetes: KubeRay -----------------------------------------------------------------
+
+def worker_groups(spec: dict) -> dict[str, dict]:
+    return {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+
+
+def containers(spec: dict) -> list[dict]:
+    pods = [spec["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in spec["workerGroupSpecs"]]
+    return [c for pod in pods for c in pod["containers"]]
+
+
+def test_kuberay_raycluster_autoscales_gpu_groups():
+    import ray
+
+    rc = docs(RAYCLUSTER)["RayCluster"]
+    assert rc["apiVersion"] == "ray.io/v1"
+    spec = rc["spec"]
+    assert spec["rayVersion"] == ray.__version__
+    assert spec["enableInTreeAutoscaling"] is True
+    assert spec["autoscalerOptions"]["version"] == "v2"
+    assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    images = {c["image"] for c in containers(spec)}
+    assert len(images) == 1 and next(iter(images)).endswith(":" + image_tag())
+    groups = worker_groups(spec)
+    gpus = {}
+    for name, group in groups.items():
+        assert group["minReplicas"] == 0 < group["maxReplicas"], name
+        pod = group["template"]["spec"]
+        assert pod["serviceAccountName"] == "raydense", name
+        (container,) = pod["containers"]
+        res = container["resources"]
+        assert res["requests"] == res["limits"], name  # Ray sizes the node from the limits
+        gpus[name] = int(res["limits"].get("nvidia.com/gpu", 0))
+        if gpus[name]:
+            assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"]
+            assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert gpus == {"gpu8-spot": 8, "gpu8-ondemand": 8, "gpu1-spot": 1, "gpu1-ondemand": 1,
+                    "cpu-spot": 0, "cpu-ondemand": 0}
+    for name in ("gpu8", "gpu1", "cpu"):
+        spot, ondemand = groups[f"{name}-spot"]["template"]["spec"], groups[f"{name}-ondemand"]["template"]["spec"]
+        assert spot["nodeSelector"]["karpenter.sh/capacity-type"] == "spot"
+        assert ondemand["nodeSelector"]["karpenter.sh/capacity-type"] == "on-demand"
+        assert groups[f"{name}-spot"]["priority"] > groups[f"{name}-ondemand"]["priority"]
+    env = {e["name"]: e["value"] for e in spec["autoscalerOptions"]["env"]}
+    assert int(env["RAY_AUTOSCALER_RECONCILE_ALLOCATE_STATUS_TIMEOUT_S"]) <= 900
+    for c in containers(spec):  # pipeline/storage.py takes the region from the environment only
+        assert {"name": "AWS_DEFAULT_REGION", "value": "us-west-2"} in c["env"], c["name"]
+
+
+def test_kuberay_autoscaler_reads_the_cluster_and_falls_back_to_on_demand():
+    """The RayCluster through Ray's own KubeRay converter (which validates the result) and
+    Ray's v2 scheduler, as the autoscaler sidecar runs them."""
+    from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
+    from ray.autoscaler.v2.instance_manager.config import AutoscalingConfig
+    from ray.autoscaler.v2.scheduler import ResourceDemandScheduler, SchedulingRequest
+    from ray.autoscaler.v2.utils import ResourceRequestUtil
+
+    cr = docs(RAYCLUSTER)["RayCluster"]
+    cr["metadata"]["namespace"] = "default"
+    derived = _derive_autoscaling_config_from_ray_cr(cr)
+    types = derived["available_node_types"]
+    assert types["gpu8-spot"]["resources"]["GPU"] == 8 and types["gpu1-ondemand"]["resources"]["GPU"] == 1
+    assert types["headgroup"]["resources"]["CPU"] == 0
+    config = AutoscalingConfig(derived, skip_content_hash=True)
+
+    def launch(demands, unavailable=()):
+        request = SchedulingRequest(
+            disable_launch_config_check=True, node_type_configs=config.get_node_type_configs(),
+            max_num_nodes=config.get_max_num_nodes(),
+            resource_requests=ResourceRequestUtil.group_by_count([ResourceRequestUtil.make(d) for d in demands]),
+            # What a spot pod stuck Pending past the allocation timeout leaves behind.
+            recoverable_resource_availabilities={t: 0.0 for t in unavailable},
+            cloud_resource_availabilities={t: 0.0 for t in unavailable})
+        reply = ResourceDemandScheduler(None).schedule(request)
+        return {r.instance_type: r.count for r in reply.to_launch}
+
+    trainer = [{"GPU": 1, "CPU": 8}] * 8
+    assert launch(trainer) == {"gpu8-spot": 1}
+    assert launch(trainer, unavailable=["gpu8-spot"]) == {"gpu8-ondemand": 1}
+    assert launch([{"GPU": 1, "CPU": 2}]) == {"gpu1-spot": 1}
+    assert launch([{"CPU": 1}] * 4) == {"cpu-spot": 1}
+
+
+def test_kuberay_rayjob_runs_pretrain_with_the_mounted_config():
+    from pipeline.config import parse_config
+    from pipeline.pretrain import PretrainConfig
+
+    job_docs = docs(RAYJOB)
+    job, config_map = job_docs["RayJob"], job_docs["ConfigMap"]
+    assert job["apiVersion"] == "ray.io/v1"
+    # The job brings up exactly the standing cluster's spec.
+    assert job["spec"]["rayClusterSpec"] == docs(RAYCLUSTER)["RayCluster"]["spec"]
+    assert job["spec"]["shutdownAfterJobFinishes"] is True and job["spec"]["backoffLimit"] >= 1
+
+    entrypoint = job["spec"]["entrypoint"].split()
+    assert entrypoint[:2] == ["python", "/home/ray/raydense/jobs/pretrain.py"]
+    config_path = entrypoint[entrypoint.index("--config") + 1]
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    (mount,) = [m for m in head["containers"][0]["volumeMounts"] if config_path.startswith(m["mountPath"] + "/")]
+    (volume,) = [v for v in head["volumes"] if v["name"] == mount["name"]]
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    key = config_path[len(mount["mountPath"]) + 1:]
+    # The ConfigMap carries the shipped run config verbatim, and it parses.
+    assert config_map["data"][key] == PRETRAIN_CONFIG.read_text()
+    cfg = parse_config(PretrainConfig, ["--config", str(PRETRAIN_CONFIG)])
+    assert cfg.train.use_gpu and cfg.train.num_workers == 8 and cfg.train.precision == "bf16"
+    for uri in (cfg.corpus.input, cfg.corpus.output, cfg.train.output):
+        assert uri.startswith("s3://"), uri  # pods have no shared disk
+
+
+def test_kuberay_s3_access_comes_from_the_service_account():
+    sa = docs(SERVICE_ACCOUNT)["ServiceAccount"]
+    assert sa["metadata"]["name"] == "raydense"
+    assert re.fullmatch(r"arn:aws:iam::\d{12}:role/[\w+=,.@-]+", sa["metadata"]["annotations"]["eks.amazonaws.com/role-arn"])
+    for path in (RAYCLUSTER, RAYJOB):
+        for kind, doc in docs(path).items():
+            if kind in ("RayCluster", "RayJob"):
+                spec = doc["spec"].get("rayClusterSpec", doc["spec"])
+                for c in containers(spec):
+                    names = {e["name"] for e in c.get("env", [])}
+                    assert not names & {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"}
+
+
+def test_no_credentials_anywhere_in_cluster():
+    key_id = re.compile(r"\b(AKIA|ASIA)[A-Z0-9]{16}\b")
+    assignments = re.compile(r"(aws_secret_access_key|aws_session_token|secretAccessKey)\s*[:=]", re.I)
+    files = [p for p in CLUSTER.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    assert len(files) >= 10
+    for path in files:
+        text = path.read_text()
+        assert not key_id.search(text), path
+        assert not assignments.search(text), path
+
+
+# -- the image ---------------------------------------------------------------------------
+
+def test_dockerfile_builds_on_the_matching_ray_image():
+    dockerfile = (CLUSTER / "Dockerfile").read_text()
+    (base,) = re.findall(r"^FROM\s+(\S+)", dockerfile, re.M)
+    assert base == f"rayproject/ray:{image_tag()}"
+    assert "optional-dependencies']['gpu']" in dockerfile and "pip install --no-cache-dir --no-deps -e ." in dockerfile
+    ignored = (CLUSTER / "Dockerfile.dockerignore").read_text().split()
+    assert {"runs", ".git", ".venv"} <= set(ignored)
+
+
+def test_default_and_test_installs_never_pull_cuda():
+    tomllib = pytest.importorskip("tomllib")
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert any(d.startswith("faiss-gpu") for d in extras["gpu"])
+    for group in (project["dependencies"], extras["cpu"], extras["test"]):
+        assert not any(re.match(r"(faiss-gpu|nvidia-|cupy)", d) for d in group), group
+    assert any(d.startswith("jsonschema") for d in extras["test"])
+
+
+# -- DeepSpeed ---------------------------------------------------------------------------
+
+@pytest.fixture
+def deepspeed_parse():
+    """DeepSpeed's own config object (the one deepspeed.initialize builds), as if on rank 0
+    of 8: its batch-size check then holds our fill of train_batch_size to the world size."""
+    import deepspeed.comm as dist
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    def parse(cfg: dict, world_size: int = 8):
+        with mock.patch.object(dist, "get_rank", return_value=0), \
+                mock.patch.object(dist, "get_world_size", return_value=world_size):
+            return DeepSpeedConfig(copy.deepcopy(cfg))
+
+    return parse
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+def test_deepspeed_templates_load_in_deepspeed(deepspeed_parse, stage, precision):
+    from pipeline.train import TrainConfig, deepspeed_config
+
+    train = TrainConfig(zero_stage=stage, precision=precision, micro_batch_size=4, grad_accum=2, grad_clip=0.5)
+    cfg = deepspeed_config(train, world_size=8)
+    template = json.loads((CLUSTER / "deepspeed" / f"zero{stage}.json").read_text())
+    assert cfg["zero_optimization"] == template["zero_optimization"]  # the file is what the trainer uses
+    parsed = deepspeed_parse(cfg)
+    assert parsed.zero_optimization_stage == stage
+    assert parsed.bfloat16_config.enabled == (precision == "bf16")
+    assert parsed.float16_config.enabled == (precision == "fp16")
+    assert parsed.train_batch_size == 4 * 2 * 8 and parsed.gradient_clipping == 0.5
+
+
+def test_every_deepspeed_file_parses_and_deepspeed_rejects_typos(deepspeed_parse):
+    from pipeline.train import TrainConfig, deepspeed_config
+
+    files = sorted(glob.glob(str(CLUSTER / "deepspeed" / "*.json")))
+    assert [Path(f).name for f in files] == ["zero0.json", "zero1.json", "zero2.json", "zero3.json"]
+    for path in files:
+        cfg = deepspeed_config(TrainConfig(deepspeed_config=path, precision="bf16", zero_stage=1), world_size=8)
+        stage = json.loads(Path(path).read_text())["zero_optimization"]["stage"]
+        assert deepspeed_parse(cfg).zero_optimization_stage == stage  # an explicit file keeps its stage
+    cfg = deepspeed_config(TrainConfig(zero_stage=2, precision="bf16"), world_size=8)
+    with pytest.raises(AssertionError):  # a batch filled for 8 workers is wrong for 4
+        deepspeed_parse(cfg, world_size=4)
+    cfg["zero_optimization"]["overlap_comms"] = True
+    with pytest.raises(Exception, match="overlap_comms"):
+        deepspeed_parse(cfg)
+
+
+def test_cluster_run_config_selects_zero1_bf16(deepspeed_parse):
+    from pipeline.config import parse_config
+    from pipeline.pretrain import PretrainConfig
+    from pipeline.train import deepspeed_config
+
+    cfg = parse_config(PretrainConfig, ["--config", str(PRETRAIN_CONFIG), "--train.num_workers", "16"])
+    parsed = deepspeed_parse(deepspeed_config(cfg.train, cfg.train.num_workers), world_size=16)
+    assert parsed.zero_optimization_stage == 1 and parsed.bfloat16_config.enabled
+    assert parsed.train_batch_size == cfg.train.micro_batch_size * 16
+
+
+# -- sizing ------------------------------------------------------------------------------
+
+def test_readme_sizing_table_is_the_planners_output(monkeypatch):
+    monkeypatch.syspath_prepend(str(CLUSTER))
+    import sizing
+
+    readme = (CLUSTER / "README.md").read_text()
+    assert sizing.table() in readme, "regenerate it: python cluster/sizing.py"
+    # The one measured rate it scales must still be the benchmark's published figure.
+    bench = (REPO / "bench" / "README.md").read_text()
+    assert re.search(rf"encoding, 1 CPU actor \(2 threads\), MiniLM.*\| {sizing.MEASURED_PASSAGES_PER_S} passages/s \|", bench)
+    from pipeline.index import plan_memory
+
+    for n, _ in sizing.CORPORA:
+        for factory in ("Flat", "SQfp16", f"IVF{sizing.ivf_nlist(n)},PQ64"):
+            total, shards = sizing.shard_plan(factory, n)
+            fewer = [n // (shards - 1)] if shards > 1 else []  # the largest shard of one split fewer
+            assert all(row["bytes"] > sizing.SHARD_BUDGET for row in plan_memory(factory, sizing.DIM, fewer))
+            assert total <= shards * sizing.SHARD_BUDGET
+    flat, _ = sizing.shard_plan("Flat", 8_841_823)
+    assert flat == 8_841_823 * (4 * 768 + 8)  # fp32 vector + int64 id, nothing else
+
+
+# -- object storage from the environment -------------------------------------------------
+
+def test_s3_settings_come_from_the_environment_and_keys_never_travel(monkeypatch):
+    from pipeline import storage
+
+    fake = {"AWS_ACCESS_KEY_ID": "AKIARAYDENSEFAKE0001", "AWS_SECRET_ACCESS_KEY": "raydense/fake+secret0001",
+            "AWS_SESSION_TOKEN": "raydense-fake-session-token-0001"}
+    for key, value in fake.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "https://minio.internal:9000")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-central-1")
+    loc = storage.resolve("s3://bucket/prefix")
+    assert loc.describe() == "s3://bucket/prefix (endpoint https://minio.internal:9000)"
+    # The filesystem object is what Ray pickles into every task that reads the corpus.
+    blob = pickle.dumps(loc.fs)
+    assert b"minio.internal:9000" in blob and b"eu-central-1" in blob
+    for value in fake.values():
+        assert value.encode() not in blob
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3")
+    assert b"127.0.0.1:9" in pickle.dumps(storage.resolve("s3://bucket/prefix").fs)
