@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -157,51 +157,73 @@ def load_biencoder(export_dir: str, overrides: dict | None = None) -> BiEncoder:
     return BiEncoder(encoder(export_dir), None, cfg)
 
 
-def contrastive_backward(engine, batch: dict[str, torch.Tensor], group_size: int, chunk_size: int = 0
-                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One micro-batch's forward and ``engine.backward`` of the global contrastive loss.
+def own_group_scores(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(b, b * group_size) scores of a batch's queries against its passages -> (b, group_size):
+    each query against its own group, positive first."""
+    n_queries = scores.shape[0]
+    rows = torch.arange(n_queries, device=scores.device)
+    return scores.view(n_queries, n_queries, group_size)[rows, rows]
+
+
+def positive_top1(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """How often a query's positive tops the (b, b * group_size) scores of its batch's passages."""
+    targets = torch.arange(scores.shape[0], device=scores.device) * group_size
+    return (scores.argmax(1) == targets).float().mean()
+
+
+CoupledLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def biencoder_backward(engine, batch: dict[str, torch.Tensor], coupled_loss: CoupledLoss,
+                       chunk_size: int = 0) -> torch.Tensor:
+    """One micro-batch's forward and ``engine.backward`` of ``coupled_loss(queries, passages)``.
 
     ``batch`` holds ``q_input_ids``/``q_attention_mask`` (b, Lq) and ``d_input_ids``/
     ``d_attention_mask`` (b * group_size, Ld), each query's group contiguous, positive
-    first. With ``chunk_size`` the encoders run through the gradient cache in chunks of
-    that many sequences, with the exact gradient of the whole batch. Returns the true
-    (unscaled) global loss and the in-batch top-1 accuracy.
+    first. ``coupled_loss`` sees this worker's query and passage representations in batch
+    order and may gather across workers: it runs once per call, whatever the chunking.
+    With ``chunk_size`` the encoders run through the gradient cache in chunks of that many
+    sequences, with the exact gradient of the whole batch. Returns the detached loss.
     """
+    q = batch["q_input_ids"], batch["q_attention_mask"]
+    d = batch["d_input_ids"], batch["d_attention_mask"]
+    n_queries = q[0].shape[0]
+    if not chunk_size or chunk_size >= max(n_queries, d[0].shape[0]):
+        queries, passages = engine(q[0], q[1], d[0], d[1])
+        loss = coupled_loss(queries, passages)
+        engine.backward(loss)
+        return loss.detach()
+    # Chunks of length-sorted sequences: each is padded only to its own longest.
+    q_order = torch.argsort(q[1].sum(1), descending=True)
+    d_order = torch.argsort(d[1].sum(1), descending=True)
+    chunks = ([{"tower": "q", "ids": q[0][idx], "mask": q[1][idx]} for idx in q_order.split(chunk_size)]
+              + [{"tower": "d", "ids": d[0][idx], "mask": d[1][idx]} for idx in d_order.split(chunk_size)])
+    # The cached representations come in chunk order; the loss reads them in batch order.
+    to_batch_order = torch.argsort(torch.cat([q_order, d_order + n_queries]))
+
+    def encode(bare, chunk):
+        encode_fn = bare.encode_query if chunk["tower"] == "q" else bare.encode_passage
+        return encode_fn(chunk["ids"], chunk["mask"]), torch.zeros((), device=chunk["ids"].device)
+
+    def coupled_in_batch_order(reps: torch.Tensor) -> torch.Tensor:
+        reps = reps[to_batch_order.to(reps.device)]
+        return coupled_loss(reps[:n_queries], reps[n_queries:])
+
+    loss, _ = engine_grad_cache_backward(engine, chunks, encode, coupled_in_batch_order)
+    return loss
+
+
+def contrastive_backward(engine, batch: dict[str, torch.Tensor], group_size: int, chunk_size: int = 0
+                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`biencoder_backward` of the global contrastive loss. Returns the true
+    (unscaled) global loss and the in-batch top-1 accuracy."""
     module = getattr(engine, "module", engine)
-    n_queries = batch["q_input_ids"].shape[0]
     stats: dict[str, torch.Tensor] = {}
 
     def coupled(queries: torch.Tensor, passages: torch.Tensor) -> torch.Tensor:
-        loss = global_contrastive_loss(module, queries, passages, group_size)
         with torch.no_grad():  # logged only: how often the positive tops this worker's passages
-            scores = module.compute_similarity(queries, passages)
-            targets = torch.arange(queries.shape[0], device=scores.device) * group_size
-            stats["accuracy"] = (scores.argmax(1) == targets).float().mean()
-        return loss
+            stats["accuracy"] = positive_top1(module.compute_similarity(queries, passages), group_size)
+        return global_contrastive_loss(module, queries, passages, group_size)
 
-    q = batch["q_input_ids"], batch["q_attention_mask"]
-    d = batch["d_input_ids"], batch["d_attention_mask"]
-    n_total = max(n_queries, d[0].shape[0])
-    if not chunk_size or chunk_size >= n_total:
-        queries, passages = engine(q[0], q[1], d[0], d[1])
-        loss = coupled(queries, passages)
-        engine.backward(loss)
-    else:
-        # Chunks of length-sorted sequences: each is padded only to its own longest.
-        q_order = torch.argsort(q[1].sum(1), descending=True)
-        d_order = torch.argsort(d[1].sum(1), descending=True)
-        chunks = ([{"tower": "q", "ids": q[0][idx], "mask": q[1][idx]} for idx in q_order.split(chunk_size)]
-                  + [{"tower": "d", "ids": d[0][idx], "mask": d[1][idx]} for idx in d_order.split(chunk_size)])
-        # The cached representations come in chunk order; the loss reads them in batch order.
-        to_batch_order = torch.argsort(torch.cat([q_order, d_order + n_queries]))
-
-        def encode(bare, chunk):
-            encode_fn = bare.encode_query if chunk["tower"] == "q" else bare.encode_passage
-            return encode_fn(chunk["ids"], chunk["mask"]), torch.zeros((), device=chunk["ids"].device)
-
-        def coupled_in_batch_order(reps: torch.Tensor) -> torch.Tensor:
-            reps = reps[to_batch_order.to(reps.device)]
-            return coupled(reps[:n_queries], reps[n_queries:])
-
-        loss, _ = engine_grad_cache_backward(engine, chunks, encode, coupled_in_batch_order)
-    return loss.detach() / world_size(), {"accuracy": stats["accuracy"]}
+    loss = biencoder_backward(engine, batch, coupled, chunk_size)
+    return loss / world_size(), stats

@@ -259,4 +259,5 @@ def run_encoding(cfg: EncodeConfig) -> dict:
             "shards": len(shards), "shards_encoded": len(todo), "shards_skipped": len(done & set(range(len(shards)))),
             "dim": dim, "similarity": similarity, "actors": cfg.pool.actors, "seconds": round(seconds, 2),
             "passages_per_s": round(sum(r["rows"] for r in results) / max(seconds, 1e-9), 1),
-            "actor_seconds": round(encode_seconds, 2)}
+            "actor_seconds": round(encode_seconds, 2),
+            "shard_results": [{k: r[k] for k in ("index", "rows", "seconds", "pid")} for r in results]}

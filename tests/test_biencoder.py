@@ -13,7 +13,7 @@ from transformers import AutoModel
 
 from models.biencoder import (BiEncoder, BiEncoderConfig, contrastive_loss, global_contrastive_loss,
                               load_settings, pool)
-from tests.helpers import random_word_batch, tiny_mlm, tiny_vocab
+from tests.helpers import PlainEngine, random_word_batch, tiny_mlm, tiny_vocab
 
 
 def encoder(seed: int = 0):
@@ -145,19 +145,6 @@ def test_export_loads_as_plain_bert_with_its_settings(shared, tmp_path):
 
 # -- the trainer's backward: gradient cache and padding trim ----------------------------------
 
-class _PlainEngine:
-    """What contrastive_backward needs of a DeepSpeed engine, for one process."""
-
-    def __init__(self, module):
-        self.module = module
-
-    def __call__(self, *args):
-        return self.module(*args)
-
-    def backward(self, loss):
-        loss.backward()
-
-
 def _full_batch(pad_rows: float = 0.5) -> dict:
     q = random_word_batch(5, 10, seed=21, inner_sep=0.0, pad_rows=pad_rows)
     d = random_word_batch(5 * 3, 16, seed=22, inner_sep=0.0, pad_rows=pad_rows)
@@ -173,9 +160,9 @@ def test_gradient_cache_equals_the_plain_path(cfg, chunk):
 
     batch = _full_batch()
     plain = biencoder(**cfg)
-    loss_plain, extras = contrastive_backward(_PlainEngine(plain), batch, group_size=3)
+    loss_plain, extras = contrastive_backward(PlainEngine(plain), batch, group_size=3)
     cached = biencoder(**cfg)
-    loss_cached, _ = contrastive_backward(_PlainEngine(cached), batch, group_size=3, chunk_size=chunk)
+    loss_cached, _ = contrastive_backward(PlainEngine(cached), batch, group_size=3, chunk_size=chunk)
     assert loss_cached.item() == pytest.approx(loss_plain.item(), rel=1e-5)
     ref = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
     got = {n: p.grad for n, p in cached.named_parameters() if p.grad is not None}
@@ -197,7 +184,7 @@ def test_backward_loss_is_the_hand_formula_on_the_encoded_batch():
     scores = (q.double() @ d.double().T).tolist()
     expected = sum(-(row[3 * i] - math.log(sum(math.exp(s) for s in row))) for i, row in enumerate(scores)) / 5
     model.eval()  # no dropout in the tiny model either way; eval keeps it explicit
-    loss, _ = contrastive_backward(_PlainEngine(model), batch, group_size=3)
+    loss, _ = contrastive_backward(PlainEngine(model), batch, group_size=3)
     assert loss.item() == pytest.approx(expected, rel=1e-5)
 
 
@@ -229,8 +216,8 @@ def test_length_buckets_give_the_same_representations_loss_and_gradients(buckets
     with torch.no_grad():
         assert torch.allclose(bucketed.encode_passage(batch["d_input_ids"], batch["d_attention_mask"]),
                               plain.encode_passage(batch["d_input_ids"], batch["d_attention_mask"]), atol=1e-5)
-    loss_plain, _ = contrastive_backward(_PlainEngine(plain), batch, group_size=3)
-    loss_bucketed, _ = contrastive_backward(_PlainEngine(bucketed), batch, group_size=3)
+    loss_plain, _ = contrastive_backward(PlainEngine(plain), batch, group_size=3)
+    loss_bucketed, _ = contrastive_backward(PlainEngine(bucketed), batch, group_size=3)
     assert loss_bucketed.item() == pytest.approx(loss_plain.item(), rel=1e-5)
     ref = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
     got = {n: p.grad for n, p in bucketed.named_parameters() if p.grad is not None}

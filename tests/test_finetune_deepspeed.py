@@ -1,10 +1,11 @@
-"""Retriever fine-tuning under DeepSpeed: 2 workers, plain and gradient-cached, equal one full batch.
+"""Retriever fine-tuning and distillation under DeepSpeed: 2 workers, plain and
+gradient-cached, equal one full batch.
 
 Two real processes (gloo) each run DeepSpeed ZeRO-1 or ZeRO-2 on half of a fixed batch
-of queries and their groups, through ``models.biencoder.contrastive_backward``, the code
-the trainer's task runs. Their reduced gradients and logged loss must equal those of the
-contrastive loss over the whole batch in one process. Dropout is 0, so both sides compute
-the same function.
+of queries and their groups, through ``models.biencoder.contrastive_backward`` or
+``models.distillation.distillation_backward``, the code the trainers' tasks run. Their
+reduced gradients and logged loss must equal those of the loss over the whole batch in one
+process. Dropout is 0, so both sides compute the same function.
 """
 
 from __future__ import annotations
@@ -16,14 +17,25 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from models.biencoder import BiEncoder, BiEncoderConfig, contrastive_backward, contrastive_loss
+from models.biencoder import (BiEncoder, BiEncoderConfig, contrastive_backward, contrastive_loss,
+                              own_group_scores)
+from models.distillation import distillation_backward, distillation_loss
 from tests.helpers import random_word_batch, tiny_mlm, tiny_vocab
 
 WORLD, N_QUERIES, GROUP = 2, 3, 4  # per worker: 3 queries, 12 passages
-CASES = [  # (ZeRO stage, precision, chunk size in sequences; 0 = no cache, shared encoder)
-    (1, "fp32", 0, True), (1, "fp32", 5, True), (2, "fp32", 0, True), (2, "fp32", 2, True),
-    (2, "fp32", 5, False), (2, "fp32", 0, False), (2, "bf16", 0, True), (2, "bf16", 4, True),
+ALPHA, TEACHER_TEMPERATURE = 0.2, 2.0
+CASES = [  # (loss, ZeRO stage, precision, chunk size in sequences; 0 = no cache, shared encoder)
+    ("contrastive", 1, "fp32", 0, True), ("contrastive", 1, "fp32", 5, True), ("contrastive", 2, "fp32", 0, True),
+    ("contrastive", 2, "fp32", 2, True), ("contrastive", 2, "fp32", 5, False), ("contrastive", 2, "fp32", 0, False),
+    ("contrastive", 2, "bf16", 0, True), ("contrastive", 2, "bf16", 4, True),
+    ("distillation", 2, "fp32", 0, True), ("distillation", 2, "fp32", 5, False),
 ]
+
+
+def run_backward(loss: str, engine, batch: dict, chunk: int):
+    if loss == "contrastive":
+        return contrastive_backward(engine, batch, GROUP, chunk)
+    return distillation_backward(engine, batch, GROUP, ALPHA, chunk, TEACHER_TEMPERATURE)
 
 
 def build(shared: bool) -> BiEncoder:
@@ -36,15 +48,15 @@ def build(shared: bool) -> BiEncoder:
 def global_batch() -> dict[str, torch.Tensor]:
     q = random_word_batch(WORLD * N_QUERIES, 9, seed=11, inner_sep=0.0, pad_rows=0.5)
     d = random_word_batch(WORLD * N_QUERIES * GROUP, 15, seed=12, inner_sep=0.0, pad_rows=0.5)
+    teacher = torch.randn(WORLD * N_QUERIES, GROUP, generator=torch.Generator().manual_seed(13)) * 3
     return {"q_input_ids": q.input_ids, "q_attention_mask": q.attention_mask,
-            "d_input_ids": d.input_ids, "d_attention_mask": d.attention_mask}
+            "d_input_ids": d.input_ids, "d_attention_mask": d.attention_mask, "d_teacher_scores": teacher}
 
 
 def local_batch(rank: int) -> dict[str, torch.Tensor]:
     batch = global_batch()
-    nq, nd = N_QUERIES, N_QUERIES * GROUP
-    return {k: v[rank * (nq if k.startswith("q_") else nd):(rank + 1) * (nq if k.startswith("q_") else nd)]
-            for k, v in batch.items()}
+    rows = {k: N_QUERIES if k.startswith("q_") or k == "d_teacher_scores" else N_QUERIES * GROUP for k in batch}
+    return {k: v[rank * rows[k]:(rank + 1) * rows[k]] for k, v in batch.items()}
 
 
 def _worker(rank: int, port: int, out: dict):
@@ -55,27 +67,32 @@ def _worker(rank: int, port: int, out: dict):
                       WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
-    for stage, precision, chunk, shared in CASES:
+    for loss_name, stage, precision, chunk, shared in CASES:
         model = build(shared)
         engine, *_ = deepspeed.initialize(
             model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.0),
             config={"train_micro_batch_size_per_gpu": N_QUERIES, "gradient_accumulation_steps": 1,
                     "zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"},
                     "gradient_clipping": 0.0, "steps_per_print": 10**9})
-        loss, _ = contrastive_backward(engine, local_batch(rank), GROUP, chunk)
+        loss, _ = run_backward(loss_name, engine, local_batch(rank), chunk)
         grads = {name: safe_get_full_grad(p).float().clone() for name, p in engine.module.named_parameters()
                  if p.requires_grad}
         engine.step()
-        out[(rank, stage, precision, chunk, shared)] = {"loss": float(loss), "grads": grads if rank == 0 else None}
+        out[(rank, loss_name, stage, precision, chunk, shared)] = {"loss": float(loss),
+                                                                   "grads": grads if rank == 0 else None}
         del engine
     torch.distributed.destroy_process_group()
 
 
-def reference(shared: bool):
+def reference(shared: bool, loss_name: str = "contrastive"):
     model = build(shared)
     batch = global_batch()
     q, d = model(batch["q_input_ids"], batch["q_attention_mask"], batch["d_input_ids"], batch["d_attention_mask"])
-    loss = contrastive_loss(model.compute_similarity(q, d), GROUP)
+    scores = model.compute_similarity(q, d)
+    loss = contrastive_loss(scores, GROUP)
+    if loss_name == "distillation":
+        loss = distillation_loss(own_group_scores(scores, GROUP), batch["d_teacher_scores"], loss, ALPHA,
+                                 TEACHER_TEMPERATURE)
     loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, loss.item()
 
@@ -96,16 +113,17 @@ def distributed_results():
     return dict(out)
 
 
-@pytest.mark.parametrize("stage,precision,chunk,shared", CASES)
-def test_two_deepspeed_workers_match_one_process_with_the_full_batch(distributed_results, stage, precision,
-                                                                     chunk, shared):
-    ref_grads, ref_loss = reference(shared)
+@pytest.mark.parametrize("loss_name,stage,precision,chunk,shared", CASES)
+def test_two_deepspeed_workers_match_one_process_with_the_full_batch(distributed_results, loss_name, stage,
+                                                                     precision, chunk, shared):
+    ref_grads, ref_loss = reference(shared, loss_name)
     tolerance = 1e-4 if precision == "fp32" else 3e-2
-    rank0 = distributed_results[(0, stage, precision, chunk, shared)]
-    assert relative_error(rank0["grads"], ref_grads) < tolerance
-    for rank in range(WORLD):
-        assert distributed_results[(rank, stage, precision, chunk, shared)]["loss"] == pytest.approx(
-            ref_loss, rel=tolerance)
+    results = [distributed_results[(rank, loss_name, stage, precision, chunk, shared)] for rank in range(WORLD)]
+    assert relative_error(results[0]["grads"], ref_grads) < tolerance
+    # The contrastive loss is global on every worker; the KL term is each worker's own
+    # queries', so only the workers' mean is the full-batch loss.
+    losses = [r["loss"] for r in results] if loss_name == "contrastive" else [sum(r["loss"] for r in results) / WORLD]
+    assert losses == [pytest.approx(ref_loss, rel=tolerance)] * len(losses)
 
 
 def test_a_worker_without_the_gather_would_get_another_gradient():

@@ -8,7 +8,6 @@ import json
 import os
 
 import pytest
-import torch
 
 from conftest import synthetic_docs
 from models.biencoder import load_biencoder
@@ -17,7 +16,7 @@ from pipeline.finetune import FinetuneConfig, run_finetuning
 from pipeline.retrieval_data import positives, read_negatives, read_qrels
 from pipeline.train import TrainConfig
 from test_pretrain_ray import read_traces
-from tests.helpers import make_tokenizer_dir, tiny_bert_config
+from tests.helpers import save_tiny_bert
 
 pytestmark = pytest.mark.ray
 
@@ -27,13 +26,8 @@ N_QUERIES = 24
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory) -> str:
     """A random tiny BERT checkpoint with its own tokenizer: what --model.init points at."""
-    from transformers import BertModel
-
-    path = str(tmp_path_factory.mktemp("tiny-bert"))
-    tokenizer = make_tokenizer_dir(path, texts=[d["text"] for d in synthetic_docs(200, seed=1)])
-    torch.manual_seed(0)
-    BertModel(tiny_bert_config(len(tokenizer), dropout=0.1)).save_pretrained(path)
-    return path
+    return save_tiny_bert(str(tmp_path_factory.mktemp("tiny-bert")), [d["text"] for d in synthetic_docs(200, seed=1)],
+                          dropout=0.1)
 
 
 def put(bucket: str, key: str, text: str) -> str:

@@ -1,0 +1,23 @@
+"""Distil a cross-encoder's scores into a bi-encoder retriever on Ray Train + DeepSpeed.
+
+The loss is KL(teacher softmax || student softmax) over each query's group plus
+--distill.alpha (0.2) times the contrastive loss; the teacher's scores are the TREC run
+the scoring stage writes (--data.teacher_scores, required). Ends with the same export
+(retriever.json) and evaluation as jobs/finetune.py. Prints a JSON summary as its last line.
+"""
+
+from pipeline.config import parse_config
+from pipeline.distill import DistillConfig, run_distillation
+from pipeline.runtime import init_ray, print_summary
+
+
+def main(argv=None) -> dict:
+    cfg = parse_config(DistillConfig, argv, description=__doc__)
+    init_ray(cfg.ray)
+    summary = run_distillation(cfg)
+    print_summary(summary)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Distillation of a cross-encoder into the bi-encoder (SimLM's last stage).
+
+The student retriever learns to reproduce the teacher's distribution over each query's
+group: ``KL(softmax(teacher / T) || softmax(student))``, plus ``alpha`` times the usual
+contrastive loss over the global batch (SimLM: alpha = 0.2). The teacher's scores are
+those the re-ranker gave the group's passages (read from the scoring stage's run); the
+student's are the retriever's own similarities (cosine already divided by its
+temperature), so only the teacher gets ``teacher_temperature``.
+
+Data parallelism: the KL couples a query with its own group only, so each worker takes it
+over its own queries (a batch mean) and DeepSpeed's gradient average makes it the mean over
+the global batch. The contrastive term is global and scaled by the world size, exactly as
+in plain fine-tuning (:func:`models.biencoder.global_contrastive_loss`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from models.biencoder import biencoder_backward, global_contrastive_loss, own_group_scores, positive_top1
+from models.cocondenser import world_size
+
+
+@dataclass
+class DistillationConfig:
+    alpha: float = field(default=0.2, metadata={"help": "weight of the contrastive loss added to the KL term (SimLM: 0.2)"})
+    teacher_temperature: float = field(default=1.0, metadata={"help": "the teacher's scores are divided by this before their softmax"})
+
+
+def teacher_kl(student_group_scores: torch.Tensor, teacher_scores: torch.Tensor,
+               teacher_temperature: float = 1.0) -> torch.Tensor:
+    """``KL(softmax(teacher / T) || softmax(student))`` per query over its group, averaged
+    over the queries. Both are (b, group_size), positive first."""
+    if student_group_scores.shape != teacher_scores.shape:
+        raise ValueError(f"student scores {tuple(student_group_scores.shape)} and teacher scores "
+                         f"{tuple(teacher_scores.shape)} must have the same (queries, group size) shape")
+    student = F.log_softmax(student_group_scores.float(), dim=-1)
+    teacher = F.log_softmax(teacher_scores.float() / teacher_temperature, dim=-1)
+    return F.kl_div(student, teacher, reduction="batchmean", log_target=True)
+
+
+def distillation_loss(student_group_scores: torch.Tensor, teacher_scores: torch.Tensor, ce_loss: torch.Tensor,
+                      alpha: float, teacher_temperature: float = 1.0) -> torch.Tensor:
+    """KL to the teacher plus ``alpha`` times the contrastive loss ``ce_loss``."""
+    return teacher_kl(student_group_scores, teacher_scores, teacher_temperature) + alpha * ce_loss
+
+
+def distillation_backward(engine, batch: dict[str, torch.Tensor], group_size: int, alpha: float,
+                          chunk_size: int = 0, teacher_temperature: float = 1.0
+                          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro-batch's forward and ``engine.backward`` of the distillation loss.
+
+    ``batch`` is :func:`models.biencoder.biencoder_backward`'s plus ``d_teacher_scores``
+    (b, group_size), aligned with each query's group. Returns this worker's
+    ``kl + alpha * ce`` (the KL over its own queries, the CE over the global batch) and, to
+    log, ``kl``, ``ce`` and the in-batch top-1 ``accuracy``.
+    """
+    module = getattr(engine, "module", engine)
+    teacher = batch["d_teacher_scores"]
+    stats: dict[str, torch.Tensor] = {}
+
+    def coupled(queries: torch.Tensor, passages: torch.Tensor) -> torch.Tensor:
+        local_scores = module.compute_similarity(queries, passages)  # (b, b * group_size)
+        student = own_group_scores(local_scores, group_size)
+        ce = global_contrastive_loss(module, queries, passages, group_size)  # scaled by the world size
+        with torch.no_grad():
+            stats["kl"] = teacher_kl(student, teacher, teacher_temperature)
+            stats["ce"] = ce / world_size()
+            stats["accuracy"] = positive_top1(local_scores, group_size)
+        return distillation_loss(student, teacher, ce, alpha, teacher_temperature)
+
+    biencoder_backward(engine, batch, coupled, chunk_size)
+    return stats["kl"] + alpha * stats["ce"], stats

@@ -1,0 +1,384 @@
+"""The cross-encoder re-ranker: training on the shared loop, and scoring on Ray actors.
+
+Training (SimLM stage 3) reuses the fine-tuning data path: the corpus is prepared with the
+model's tokenizer, each query gets a group of 1 positive and n-1 negatives (by default the
+round-2 top-k that ``jobs/mine.py`` wrote, or BM25 for a standalone run), and the group
+stream delivers ``[CLS] q [SEP]`` and ``[CLS] d [SEP]`` token ids. :class:`RerankTask`
+joins them into ``[CLS] q [SEP] d [SEP]`` pairs for the loop in ``pipeline/train.py``.
+
+Scoring reads a first-stage TREC run and scores its top-``depth`` candidates per query
+(plus, if asked, the judged positives it missed, so a distillation teacher has a score for
+every positive) on a pool of Ray actors. The driver holds the texts of the candidate
+passages only and ships each block of queries with the texts it needs, so no actor holds
+the corpus. The re-ranked run is written atomically; with qrels, it is evaluated with
+``ir_measures`` beside the first-stage run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from models.reranker import PairLengths, RerankerConfig, listwise_backward, pair_inputs
+from pipeline import storage
+from pipeline.encode import ActorConfig
+from pipeline.finetune import EncoderInit, FinetuneCorpusConfig, FinetuneDataConfig
+from pipeline.runtime import RayConfig
+from pipeline.train import TrainConfig, consumed_source_rows
+
+MINED_NEGATIVES = "runs/mine/negatives.jsonl"  # what jobs/mine.py writes by default
+
+
+@dataclass
+class RerankEvalConfig:
+    run: str = field(default="", metadata={"help": "TREC run of first-stage candidates for the eval queries, re-ranked after training; empty = no evaluation"})
+    queries: str = field(default="data/bible-sample/queries.dev.jsonl", metadata={"help": "BEIR queries.jsonl of that run"})
+    qrels: str = field(default="data/bible-sample/qrels.dev.tsv", metadata={"help": "BEIR qrels TSV of those queries"})
+    corpus: str = field(default="", metadata={"help": "BEIR corpus.jsonl of the candidates; empty = the training corpus"})
+    depth: int = field(default=100, metadata={"help": "candidates re-ranked per query"})
+
+
+@dataclass
+class RerankConfig:
+    # Passages up to 160 tokens so that a 32-token query and its passage fill max_len 192.
+    data: FinetuneDataConfig = field(default_factory=lambda: FinetuneDataConfig(
+        negatives=MINED_NEGATIVES, passage_max_len=160))
+    corpus: FinetuneCorpusConfig = field(default_factory=FinetuneCorpusConfig)
+    model: EncoderInit = field(default_factory=EncoderInit)
+    reranker: RerankerConfig = field(default_factory=RerankerConfig)
+    eval: RerankEvalConfig = field(default_factory=RerankEvalConfig)
+    pool: ActorConfig = field(default_factory=ActorConfig)
+    # micro_batch_size counts queries: each brings group_size pairs.
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        output="runs/rerank", micro_batch_size=8, max_steps=0, epochs=1, lr=1e-4,
+        checkpoint_every=100, cpus_per_worker=2))
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    def lengths(self) -> PairLengths:
+        return PairLengths(self.data.query_max_len, self.data.passage_max_len, self.reranker.max_len)
+
+
+class RerankTask:
+    """Adapts the cross-encoder to the loop; built on each worker from picklable settings."""
+
+    counter_names: tuple[str, ...] = ()
+
+    def __init__(self, init: str, reranker: RerankerConfig, lengths: PairLengths, tokenizer_uri: str,
+                 sep_id: int, pad_id: int):
+        self.init, self.reranker, self.lengths, self.tokenizer_uri = init, reranker, lengths, tokenizer_uri
+        self.sep_id, self.pad_id = sep_id, pad_id
+        self._tokenizer_dir: str | None = None
+
+    def build_model(self) -> torch.nn.Module:
+        from models.reranker import build_reranker
+
+        return build_reranker(self.init, self.lengths)
+
+    def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]:
+        q_ids = torch.from_numpy(np.ascontiguousarray(batch["q_input_ids"])).long()   # (b, Lq)
+        d_ids = torch.from_numpy(np.ascontiguousarray(batch["d_input_ids"])).long()   # (b, n, Ld)
+        b, n = d_ids.shape[:2]
+        q_len = torch.from_numpy(np.asarray(batch["q_length"])).long().reshape(-1)
+        d_len = torch.from_numpy(np.asarray(batch["d_length"])).long().reshape(-1)
+        # Row i * n + j is query i with its j-th passage: groups contiguous, positive first.
+        return pair_inputs(q_ids.repeat_interleave(n, 0), q_len.repeat_interleave(n), d_ids.reshape(b * n, -1),
+                           d_len, self.lengths.max_len, self.sep_id, self.pad_id)
+
+    def backward(self, engine, batch):
+        return listwise_backward(engine, batch, self.reranker.group_size)
+
+    def counters(self, batch: dict[str, np.ndarray]) -> dict[str, int]:
+        return {}
+
+    def consumed_rows(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        return consumed_source_rows(batch)
+
+    def count_tokens(self, batch: dict[str, np.ndarray]) -> int:
+        q_len = np.asarray(batch["q_length"]).reshape(-1, 1).astype(np.int64)
+        d_len = np.asarray(batch["d_length"]).reshape(len(q_len), -1).astype(np.int64)
+        return int(np.minimum(q_len + d_len - 1, self.lengths.max_len).sum())
+
+    def export(self, model: torch.nn.Module, out_dir: str) -> dict[str, str]:
+        if self._tokenizer_dir is None:
+            self._tokenizer_dir = storage.process_local_dir(self.tokenizer_uri)
+        return model.save(out_dir, self._tokenizer_dir)
+
+
+def _check_training_config(cfg: RerankConfig) -> None:
+    """Fail before any corpus preparation on settings that cannot train."""
+    from transformers import AutoConfig
+
+    from models.reranker import check_max_len
+    from pipeline.finetune import resolve_init
+
+    cfg.lengths().check()
+    if cfg.reranker.group_size < 2:
+        raise ValueError(f"--reranker.group_size must be >= 2 (a positive and a negative), got {cfg.reranker.group_size}")
+    init = resolve_init(cfg.model.init) if cfg.model.init else ""
+    if init and os.path.isdir(init):  # a missing init gets prepare_group_training's error and hint
+        check_max_len(AutoConfig.from_pretrained(init), cfg.reranker.max_len, f"--model.init {init}")
+    if cfg.eval.run:  # found wanting after training would waste the run
+        if cfg.eval.depth < 1:
+            raise ValueError(f"--eval.depth must be >= 1, got {cfg.eval.depth}")
+        if not storage.exists(cfg.eval.run):
+            raise FileNotFoundError(f"--eval.run {cfg.eval.run}: no such file (a TREC run of first-stage candidates)")
+    if cfg.data.tevatron or cfg.data.negatives == "bm25":
+        return
+    if not cfg.data.negatives:
+        raise ValueError("the re-ranker trains on hard negatives: --data.negatives FILE (the round-2 top-k "
+                         "that jobs/mine.py writes) or --data.negatives bm25")
+    if not storage.exists(cfg.data.negatives):
+        raise FileNotFoundError(f"--data.negatives {cfg.data.negatives}: no such file. It is what jobs/mine.py "
+                                "writes (negatives.jsonl); run that first, or use --data.negatives bm25")
+
+
+def run_reranker_training(cfg: RerankConfig) -> dict:
+    """Prepare the data, train the cross-encoder, export it, and re-rank ``eval.run`` if given."""
+    from pipeline.finetune import prepare_group_training
+    from pipeline.plots import plot_loss_curve
+    from pipeline.runtime import write_run_files
+    from pipeline.train import fit
+
+    _check_training_config(cfg)
+    prepared = prepare_group_training(cfg, cfg.reranker.group_size)
+    write_run_files(cfg, cfg.train.output)
+    spec = prepared.stream.spec
+    task = RerankTask(cfg.model.init, cfg.reranker, cfg.lengths(), prepared.tokenizer_uri, spec.sep_id, spec.pad_id)
+    result = fit(cfg.train, task, prepared.stream, storage.join(cfg.train.output, "checkpoints"))
+    metrics = result.metrics
+    summary = {
+        "job": "rerank", "export_dir": metrics.get("export_dir"), "steps": metrics.get("steps"),
+        "final_loss": metrics.get("final_loss"), "tokens_per_s": metrics.get("tokens_per_s"),
+        "tokens_per_s_per_worker": metrics.get("tokens_per_s_per_worker"), "restarts": metrics.get("restarts"),
+        "resumes": metrics.get("resumes"), "steps_this_attempt": metrics.get("steps_this_attempt"),
+        "checkpoint": result.checkpoint, "examples": len(prepared.examples), "epochs": prepared.epochs,
+        "group_size": cfg.reranker.group_size, "corpus_docs": prepared.manifest["num_docs"],
+        "data_stats": prepared.stats.as_dict(), "bm25": prepared.bm25,
+    }
+    history = storage.read_json(storage.join(cfg.train.output, "history.json"))
+    summary["loss_curve"] = plot_loss_curve(history, storage.join(cfg.train.output, "loss_curve.png"),
+                                            title="re-ranker training")
+    if cfg.eval.run and summary["export_dir"]:
+        summary["eval"] = run_scoring(RerankScoreConfig(
+            model=summary["export_dir"], run=cfg.eval.run, queries=cfg.eval.queries, qrels=cfg.eval.qrels,
+            corpus=cfg.eval.corpus or cfg.corpus.input, depth=cfg.eval.depth,
+            output=storage.join(cfg.train.output, "eval"), pool=cfg.pool))
+    storage.write_json(storage.join(cfg.train.output, "summary.json"), summary)
+    return summary
+
+
+# -- scoring -------------------------------------------------------------------------------
+
+@dataclass
+class RerankScoreConfig:
+    model: str = field(default="runs/rerank/export", metadata={"help": "re-ranker export (lengths from its reranker.json) or any local one-label HF sequence classifier (local or s3://; 'package:NAME' = an installed model package)"})
+    run: str = field(default="runs/evaluate/run.trec", metadata={"help": "TREC run of first-stage candidates (qid Q0 docid rank score tag)"})
+    queries: str = field(default="data/bible-sample/queries.dev.jsonl", metadata={"help": "BEIR queries.jsonl: every query of the run must be in it"})
+    corpus: str = field(default="data/bible-sample/corpus.jsonl", metadata={"help": "BEIR corpus.jsonl holding every candidate (local or s3://)"})
+    qrels: str = field(default="data/bible-sample/qrels.dev.tsv", metadata={"help": "BEIR qrels TSV: evaluate both runs with ir_measures; empty = no evaluation"})
+    include_positives: bool = field(default=False, metadata={"help": "also score the judged positives the run missed (for a distillation teacher); metrics still rank the first-stage candidates only"})
+    depth: int = field(default=100, metadata={"help": "best-scored candidates of the run re-ranked per query"})
+    output: str = field(default="runs/rerank_score", metadata={"help": "folder for run.trec (the re-ranker's scores) and summary.json (local or s3://)"})
+    query_max_len: int = field(default=0, metadata={"help": "query tokens; 0 = the export's reranker.json (32 for a plain checkpoint)"})
+    passage_max_len: int = field(default=0, metadata={"help": "passage tokens; 0 = the export's reranker.json (160 for a plain checkpoint)"})
+    max_len: int = field(default=0, metadata={"help": "pair tokens; 0 = the export's reranker.json (192 for a plain checkpoint)"})
+    batch_size: int = field(default=64, metadata={"help": "pairs per forward (length-sorted, each batch padded to its longest)"})
+    queries_per_task: int = field(default=64, metadata={"help": "queries per actor task (the unit of retry after an actor died)"})
+    precision: Literal["auto", "fp32", "fp16", "bf16"] = field(default="auto", metadata={"help": "auto = fp16 autocast on GPU, fp32 on CPU"})
+    pool: ActorConfig = field(default_factory=ActorConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    def __post_init__(self):
+        for name in ("depth", "batch_size", "queries_per_task"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def _texts_of(corpus: str, needed: dict[str, str]) -> dict[str, str]:
+    """The texts of the ``needed`` documents (doc id -> where it was named, for the error)."""
+    from pipeline.corpus import iter_documents
+
+    texts = {d.doc_id: d.text for d in iter_documents(corpus) if d.doc_id in needed}
+    missing = [d for d in needed if d not in texts]
+    if missing:
+        raise ValueError(f"{needed[missing[0]]}: document {missing[0]!r} is not in the corpus {corpus}"
+                         + (f" ({len(missing)} such documents)" if len(missing) > 1 else ""))
+    return texts
+
+
+class PairScorer:
+    """A re-ranker on one device, scoring (query, passage) texts in length-sorted batches.
+    Pairs are cut exactly as in training (:class:`models.reranker.PairLengths`)."""
+
+    def __init__(self, model_dir: str, lengths: PairLengths | None = None, batch_size: int = 64,
+                 precision: str = "auto", device: str = "cpu"):
+        from models.reranker import check_max_len, load_reranker
+        from pipeline.tokenizer import load_tokenizer
+
+        self.model = load_reranker(model_dir).to(device)
+        self.lengths = lengths or self.model.lengths
+        self.lengths.check()
+        check_max_len(self.model.model.config, self.lengths.max_len, model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.batch_size, self.device = batch_size, device
+        if precision == "auto":
+            precision = "fp16" if device.startswith("cuda") else "fp32"
+        self.autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+
+    def _framed(self, texts: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from pipeline.stream import frame
+
+        tok = self.tokenizer
+        tokens = tok(texts, add_special_tokens=False, truncation=True, max_length=max_len - 2)["input_ids"]
+        width = max((len(t) for t in tokens), default=0) + 2
+        ids, lengths = frame([np.asarray(t, dtype=np.int32) for t in tokens], width, tok.cls_token_id,
+                             tok.sep_token_id, tok.pad_token_id)
+        return torch.from_numpy(ids).long(), torch.from_numpy(lengths).long()
+
+    def score(self, query_texts: list[str], candidates: list[list[str]], texts: dict[str, str]) -> list[np.ndarray]:
+        """Per query, the scores of its candidates (doc ids whose text is in ``texts``), in order."""
+        import contextlib
+
+        doc_ids = list(dict.fromkeys(d for docs in candidates for d in docs))
+        doc_row = {d: i for i, d in enumerate(doc_ids)}
+        q_ids, q_len = self._framed(query_texts, self.lengths.query_max_len)
+        d_ids, d_len = self._framed([texts[d] for d in doc_ids], self.lengths.passage_max_len)
+        pair_q = torch.tensor([i for i, docs in enumerate(candidates) for _ in docs], dtype=torch.long)
+        pair_d = torch.tensor([doc_row[d] for docs in candidates for d in docs], dtype=torch.long)
+        pair_len = torch.clamp(q_len[pair_q] + d_len[pair_d] - 1, max=self.lengths.max_len)
+        order = torch.argsort(pair_len, descending=True, stable=True)
+        scores = torch.zeros(len(pair_q), dtype=torch.float32)
+        autocast = (torch.autocast(device_type=self.device.split(":")[0], dtype=self.autocast_dtype)
+                    if self.autocast_dtype is not None else contextlib.nullcontext())
+        sep, pad = self.tokenizer.sep_token_id, self.tokenizer.pad_token_id
+        with torch.inference_mode(), autocast:
+            for idx in order.split(self.batch_size):
+                qi, di = pair_q[idx], pair_d[idx]
+                batch = pair_inputs(q_ids[qi], q_len[qi], d_ids[di], d_len[di], self.lengths.max_len, sep, pad)
+                batch = {k: v.to(self.device) for k, v in batch.items()}
+                scores[idx] = self.model(**batch).float().cpu()
+        return [part.numpy() for part in scores.split([len(docs) for docs in candidates])]
+
+
+class RerankerActor:
+    """A Ray actor holding one :class:`PairScorer`; scores blocks of queries."""
+
+    def __init__(self, model_uri: str, lengths: PairLengths, batch_size: int, precision: str, cpus: float,
+                 use_gpu: bool):
+        torch.set_num_threads(max(1, int(cpus)))
+        model_dir = storage.process_local_dir(model_uri)
+        self.scorer = PairScorer(model_dir, lengths, batch_size, precision, "cuda" if use_gpu else "cpu")
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def score(self, block: dict) -> dict:
+        started = time.perf_counter()
+        scores = self.scorer.score(block["query_texts"], block["candidates"], block["texts"])
+        return {"scores": scores, "seconds": time.perf_counter() - started, "pid": os.getpid()}
+
+
+def _model_uri(model: str) -> str:
+    from pipeline.finetune import resolve_init
+
+    uri = model if storage.is_s3(model) else resolve_init(model)
+    if not storage.exists(storage.join(uri, "config.json")):
+        raise FileNotFoundError(f"--model {model}: no checkpoint there (config.json missing); "
+                                "jobs/rerank.py trains one")
+    return uri
+
+
+def _pair_lengths(cfg: RerankScoreConfig, model_uri: str) -> PairLengths:
+    """The export's lengths (``reranker.json``), each overridden by a non-zero setting."""
+    from models.reranker import SETTINGS_FILE
+
+    settings = storage.join(model_uri, SETTINGS_FILE)
+    saved = storage.read_json(settings) if storage.exists(settings) else {}
+    lengths = PairLengths.from_dict(saved)
+    for name in ("query_max_len", "passage_max_len", "max_len"):
+        if getattr(cfg, name):
+            setattr(lengths, name, getattr(cfg, name))
+    lengths.check()
+    return lengths
+
+
+def run_scoring(cfg: RerankScoreConfig) -> dict:
+    """Score the run's top-``depth`` candidates on Ray actors, write the re-ranked run, evaluate."""
+    import ray
+
+    from pipeline.encode import run_actor_pool
+    from pipeline.evaluate import JOB_MEASURES, evaluate, write_trec_run
+    from pipeline.retrieval_data import positives, read_qrels, read_queries, read_trec_run
+
+    started = time.perf_counter()
+    output = storage.resolve(cfg.output).uri
+    model_uri = _model_uri(cfg.model)
+    lengths = _pair_lengths(cfg, model_uri)
+    run_uri, qrels_uri = storage.resolve(cfg.run).uri, storage.resolve(cfg.qrels).uri if cfg.qrels else ""
+    queries = read_queries(storage.resolve(cfg.queries).uri)
+    first_stage = read_trec_run(run_uri, cfg.depth, query_ids=set(queries))
+    qrels = read_qrels(qrels_uri, query_ids=set(queries)) if qrels_uri else {}
+
+    candidates = {q: [d for d, _, _ in ranked] for q, ranked in first_stage.items()}
+    needed: dict[str, str] = {}  # doc id -> where the run names it, for a missing document's error
+    for ranked in first_stage.values():
+        for d, _, line in ranked:
+            needed.setdefault(d, f"{run_uri} line {line}")
+    added = 0
+    if cfg.include_positives:
+        for qid in queries:
+            missed = [d for d in positives(qrels.get(qid, {})) if d not in set(candidates.get(qid, []))]
+            if missed:
+                candidates.setdefault(qid, []).extend(missed)
+                added += len(missed)
+                for d in missed:
+                    needed.setdefault(d, f"{qrels_uri}: positive of query {qid!r}")
+    texts = _texts_of(storage.resolve(cfg.corpus).uri, needed)
+    del needed
+
+    qids = [q for q in queries if candidates.get(q)]
+    blocks = [qids[i:i + cfg.queries_per_task] for i in range(0, len(qids), cfg.queries_per_task)]
+    remote = ray.remote(RerankerActor).options(num_cpus=cfg.pool.cpus_per_actor,
+                                               num_gpus=1 if cfg.pool.use_gpu else 0, max_restarts=0)
+
+    def make_actor():
+        return remote.remote(model_uri, lengths, cfg.batch_size, cfg.precision, cfg.pool.cpus_per_actor,
+                             cfg.pool.use_gpu)
+
+    def call(actor, block: list[str]):
+        # Built when the block is handed out, so the driver never holds every payload at once.
+        cands = [candidates[q] for q in block]
+        payload = {"query_texts": [queries[q] for q in block], "candidates": cands,
+                   "texts": {d: texts[d] for docs in cands for d in docs}}
+        return actor.score.remote(payload)
+
+    score_start = time.perf_counter()
+    results = run_actor_pool(make_actor, blocks, call, cfg.pool.max_retries, cfg.pool.actors)
+    score_s = time.perf_counter() - score_start
+    reranked = {q: dict(zip(candidates[q], map(float, s)))
+                for block, result in zip(blocks, results) for q, s in zip(block, result["scores"])}
+    out_run = storage.join(output, "run.trec")
+    write_trec_run(reranked, out_run, tag="rerank")
+    pairs = sum(len(c) for c in candidates.values())
+
+    summary = {"job": "rerank_score", "output": output, "run": out_run, "input_run": run_uri, "model": model_uri,
+               "queries": len(qids), "queries_without_candidates": len(queries) - len(qids), "pairs": pairs,
+               "positives_added": added, "depth": cfg.depth, "lengths": asdict(lengths), "actors": cfg.pool.actors,
+               "pairs_per_s": round(pairs / max(score_s, 1e-9), 1),
+               "actor_seconds": round(sum(r["seconds"] for r in results), 2)}
+    if qrels:
+        # Both runs over the same first-stage candidates: added positives would inflate recall.
+        fair = {q: {d: reranked[q][d] for d, _, _ in ranked} for q, ranked in first_stage.items()}
+        before = {q: {d: s for d, s, _ in ranked} for q, ranked in first_stage.items()}
+        for key, run in (("metrics", fair), ("first_stage_metrics", before)):
+            values = evaluate(qrels, run, JOB_MEASURES.values())
+            summary[key] = {name: values[measure] for name, measure in JOB_MEASURES.items()}
+        summary["judged_queries"] = len(qrels)
+    summary["seconds"] = round(time.perf_counter() - started, 2)
+    storage.write_json(storage.join(output, "summary.json"), summary)
+    return summary

@@ -1,0 +1,249 @@
+"""Distillation: the KL + CE loss by hand, the gradient cache, teacher scores through the
+group stream and the example loading, and one run on Ray Train from a hand-written run."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from models.biencoder import contrastive_backward
+from models.distillation import distillation_backward, distillation_loss
+from pipeline.corpus import CorpusError
+from pipeline.group_stream import GroupSpec, _assemble, _emit_requests, passage_requests, plan_epoch
+from pipeline.retrieval_data import TrainExample, build_distillation_examples, read_trec_run, select_group
+from test_biencoder import _full_batch, biencoder
+from test_finetune_deepspeed import relative_error
+from test_finetune_ray import N_QUERIES, beir_on_s3, tiny_bert  # noqa: F401 (a fixture)
+from tests.helpers import PlainEngine
+
+
+def softmax(row: list[float]) -> list[float]:
+    top = max(row)
+    exps = [math.exp(x - top) for x in row]
+    return [e / sum(exps) for e in exps]
+
+
+def hand_kl(student: list[list[float]], teacher: list[list[float]], temperature: float) -> float:
+    """Mean over queries of sum_j p_j (log p_j - log q_j), p = softmax(teacher / T), q = softmax(student)."""
+    total = 0.0
+    for s_row, t_row in zip(student, teacher):
+        p, q = softmax([t / temperature for t in t_row]), softmax(s_row)
+        total += sum(pj * (math.log(pj) - math.log(qj)) for pj, qj in zip(p, q))
+    return total / len(student)
+
+
+def hand_ce(scores: list[list[float]], group_size: int) -> float:
+    return sum(-(row[i * group_size] - math.log(sum(math.exp(s) for s in row)))
+               for i, row in enumerate(scores)) / len(scores)
+
+
+# -- the loss ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_kl_plus_ce_equals_a_hand_computation(temperature):
+    student = [[2.0, 0.5, -1.0], [0.0, 1.5, 0.3]]
+    teacher = [[4.0, 1.0, 0.0], [-2.0, 3.0, 2.5]]
+    ce = torch.tensor(1.7)
+    got = distillation_loss(torch.tensor(student), torch.tensor(teacher), ce, alpha=0.2,
+                            teacher_temperature=temperature)
+    assert got.item() == pytest.approx(hand_kl(student, teacher, temperature) + 0.2 * 1.7, rel=1e-6)
+    # A student that matches the teacher pays only the CE share.
+    matched = distillation_loss(torch.tensor(teacher) / temperature, torch.tensor(teacher), ce, 0.2, temperature)
+    assert matched.item() == pytest.approx(0.2 * 1.7, abs=1e-6)
+    with pytest.raises(ValueError, match="same"):
+        distillation_loss(torch.zeros(2, 3), torch.zeros(2, 4), ce, 0.2)
+
+
+def teacher_for(batch: dict, seed: int = 5) -> dict:
+    n_queries = batch["q_input_ids"].shape[0]
+    group = batch["d_input_ids"].shape[0] // n_queries
+    scores = torch.randn(n_queries, group, generator=torch.Generator().manual_seed(seed)) * 3
+    return {**batch, "d_teacher_scores": scores}
+
+
+def test_backward_loss_is_kl_over_own_groups_plus_alpha_ce_over_the_batch():
+    batch = teacher_for(_full_batch(pad_rows=1.0))  # 5 queries, groups of 3
+    model = biencoder(pooling="mean", similarity="cos", temperature=0.1)
+    with torch.no_grad():
+        q = model.encode_query(batch["q_input_ids"], batch["q_attention_mask"]).double()
+        d = model.encode_passage(batch["d_input_ids"], batch["d_attention_mask"]).double()
+    scores = ((q @ d.T) / 0.1).tolist()
+    own = [row[3 * i:3 * i + 3] for i, row in enumerate(scores)]  # each query against its own group
+    kl, ce = hand_kl(own, batch["d_teacher_scores"].tolist(), 2.0), hand_ce(scores, 3)
+    loss, stats = distillation_backward(PlainEngine(model), batch, group_size=3, alpha=0.3, teacher_temperature=2.0)
+    assert stats["kl"].item() == pytest.approx(kl, rel=1e-4)
+    assert stats["ce"].item() == pytest.approx(ce, rel=1e-4)
+    assert loss.item() == pytest.approx(kl + 0.3 * ce, rel=1e-4)
+
+
+@pytest.mark.parametrize("cfg,chunk", [({}, 4), ({"pooling": "mean", "similarity": "cos", "temperature": 0.05}, 6),
+                                       ({"shared_encoder": False}, 7)])
+def test_gradient_cache_equals_the_plain_path(cfg, chunk):
+    batch = teacher_for(_full_batch())
+    plain, cached = biencoder(**cfg), biencoder(**cfg)
+    loss_plain, _ = distillation_backward(PlainEngine(plain), batch, group_size=3, alpha=0.2)
+    loss_cached, _ = distillation_backward(PlainEngine(cached), batch, group_size=3, alpha=0.2, chunk_size=chunk)
+    assert loss_cached.item() == pytest.approx(loss_plain.item(), rel=1e-5)
+    ref = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
+    assert relative_error({n: p.grad for n, p in cached.named_parameters() if p.grad is not None}, ref) < 1e-5
+    if not cfg:  # control: the KL term moves the gradient away from plain contrastive training
+        contrastive = biencoder(**cfg)
+        contrastive_backward(PlainEngine(contrastive), batch, group_size=3)
+        assert relative_error({n: p.grad for n, p in contrastive.named_parameters() if p.grad is not None}, ref) > 1e-2
+
+
+# -- teacher scores through the group stream ------------------------------------------------------
+
+def test_teacher_scores_arrive_aligned_with_the_groups_passages():
+    """Plan an epoch, join fake corpus rows to it as the Ray Data stages do, and check that
+    every group's score at slot j is the teacher's score of the passage at slot j."""
+    n_docs, group = 40, 4
+    rows_by_id = {f"d{i}": i for i in range(n_docs)}
+    rng = np.random.default_rng(1)
+    teacher = {}  # (query, doc) -> score
+    examples = []
+    for q in range(12):
+        picked = [f"d{i}" for i in rng.choice(n_docs, size=9, replace=False)]
+        pos, neg = picked[:1 + q % 3], picked[3:3 + (2 if q % 4 == 0 else 6)]  # some lists shorter than the window
+        scores = rng.normal(size=len(pos) + len(neg)).round(3).tolist()
+        teacher.update({(f"q{q}", d): s for d, s in zip(pos + neg, scores)})
+        examples.append(TrainExample(f"q{q}", "", pos, neg, scores))
+    spec = GroupSpec(corpus="unused", group_size=group, query_max_len=6, passage_max_len=8, seed=3,
+                     cls_id=2, sep_id=3, pad_id=0)
+    plan = plan_epoch(examples, epoch=2, spec=spec, rows_by_id=rows_by_id, skip_rows=np.array([5]))
+    assert plan.teacher_scores.shape == (11, group) and plan.teacher_scores.dtype == np.float32
+    # The plan's groups are select_group's choice: scores ride along without changing it.
+    for position, row in enumerate(plan.example_rows):
+        expected = select_group(examples[row], 2, group, seed=3)
+        assert plan.corpus_rows[position].tolist() == [rows_by_id[d] for d in expected]
+
+    # Each passage's tokens name its corpus row, so the assembled group can be decoded.
+    corpus_batch = {"row": np.arange(n_docs), "input_ids": [np.array([100 + r] * (1 + r % 3)) for r in range(n_docs)]}
+    records = _emit_requests(corpus_batch, passage_requests(plan))
+    plan_value = {"example_rows": plan.example_rows, "teacher_scores": plan.teacher_scores}
+    query_ids = [np.array([7, 8]) for _ in examples]
+    for position in range(len(plan.example_rows)):
+        mine = records["position"] == position
+        out = _assemble({k: v[mine] for k, v in records.items()}, spec, plan_value, query_ids, epoch=2)
+        query_id = examples[int(out["source_rows"][0][0])].query_id
+        doc_rows = out["d_input_ids"][0][:, 1] - 100  # [CLS] then the row's token
+        assert out["d_teacher_scores"].shape == (1, group)
+        assert out["d_teacher_scores"][0].tolist() == pytest.approx([teacher[query_id, f"d{r}"] for r in doc_rows])
+
+    unscored = TrainExample("qx", "", ["d1"], ["d2"])
+    with pytest.raises(ValueError, match="all or none"):
+        plan_epoch(examples + [unscored], 0, spec, rows_by_id)
+    no_negatives = TrainExample("qy", "", ["d1"], [], [1.0])
+    with pytest.raises(ValueError, match="'qy' has no negatives"):
+        plan_epoch([no_negatives], 0, spec, rows_by_id)
+    with pytest.raises(ValueError, match="2 teacher scores for 3 passages"):
+        plan_epoch([TrainExample("qz", "", ["d1"], ["d2", "d3"], [1.0, 2.0])], 0, spec, rows_by_id)
+
+
+# -- examples from the teacher's run --------------------------------------------------------------
+
+def write_run(path, lines: list[tuple]) -> str:
+    path.write_text("".join(f"{q} Q0 {d} {r} {s} rerank\n" for q, d, r, s in lines))
+    return str(path)
+
+
+def test_examples_take_positives_from_qrels_and_the_best_scored_negatives(tmp_path):
+    run = read_trec_run(write_run(tmp_path / "run.trec", [
+        ("q1", "a", 1, 9.0), ("q1", "p1", 2, 3.0), ("q1", "b", 3, -1.0), ("q1", "c", 4, 5.5), ("q1", "d", 5, 4.0),
+        ("q2", "p2", 1, 2.0), ("q3", "p3", 1, 1.0), ("q3", "x", 2, 0.5)]))
+    queries = {"q1": "one", "q2": "two", "q3": "three", "q4": "no positive", "q5": "not scored"}
+    qrels = {"q1": {"p1": 1, "b": 0}, "q2": {"p2": 2}, "q3": {"p3": 1}, "q4": {"a": 0}, "q5": {"p5": 1}}
+    examples, stats = build_distillation_examples(queries, qrels, run, depth=3)
+    assert [ex.query_id for ex in examples] == ["q1", "q3"]
+    q1 = examples[0]
+    # Judged non-relevant 'b' stays a candidate; the depth keeps the teacher's best three.
+    assert (q1.positives, q1.negatives, q1.scores) == (["p1"], ["a", "c", "d"], [3.0, 9.0, 5.5, 4.0])
+    assert build_distillation_examples(queries, qrels, run, depth=0)[0][0].negatives == ["a", "c", "d", "b"]
+    assert (stats.skipped_no_positive_examples, stats.skipped_not_scored_examples,
+            stats.skipped_no_scored_negative_examples) == (["q4"], ["q5"], ["q2"])
+    assert stats.examples == 2
+
+    qrels["q3"]["p9"] = 1
+    with pytest.raises(ValueError, match="query 'q3': judged positive 'p9' has no teacher score in here.trec"):
+        build_distillation_examples(queries, qrels, run, source="here.trec")
+
+
+@pytest.mark.parametrize("line,message", [
+    ("q1 Q0 a 1 2.0", "expected 6 columns"),
+    ("q1 Q0 a one 2.0 t", "rank must be an integer and score a number"),
+    ("q1 Q0 a 1 nan t", "score must be finite"),
+    ("q1 Q0 a 2 1.0 t", "document 'a' listed twice for query 'q1' \\(first at line 1\\)"),
+    ("q1 Q0 zz 2 1.0 t", "unknown document id 'zz'"),
+    ("q7 Q0 a 2 1.0 t", "unknown query id 'q7'"),
+])
+def test_bad_runs_are_errors_naming_file_and_line(tmp_path, line, message):
+    path = tmp_path / "run.trec"
+    path.write_text(f"q1 Q0 a 1 3.0 t\n{line}\n")
+    with pytest.raises(CorpusError, match=f"run.trec line 2: {message}"):
+        read_trec_run(str(path), doc_ids={"a", "b"}, query_ids={"q1"})
+
+
+def test_runs_are_read_best_first_with_ties_by_rank_and_cut_to_depth(tmp_path):
+    path = write_run(tmp_path / "run.trec", [("q1", "a", 3, 1.0), ("q1", "b", 1, 2.0), ("q2", "x", 1, 0.0),
+                                             ("q1", "c", 2, 1.0), ("q1", "d", 4, 5.0)])  # q1 in two blocks
+    assert [(d, s) for d, s, _ in read_trec_run(path)["q1"]] == [("d", 5.0), ("b", 2.0), ("c", 1.0), ("a", 1.0)]
+    assert [d for d, _, _ in read_trec_run(path, depth=2)["q1"]] == ["d", "b"]
+    (tmp_path / "empty.trec").write_text("\n")
+    with pytest.raises(CorpusError, match="holds no candidates"):
+        read_trec_run(str(tmp_path / "empty.trec"))
+
+
+def test_the_job_refuses_to_start_without_a_teacher_run_or_with_bad_settings():
+    from pipeline.distill import DistillConfig, run_distillation
+
+    with pytest.raises(ValueError, match="--data.teacher_scores is required"):
+        run_distillation(DistillConfig())
+    cfg = DistillConfig()
+    cfg.data.teacher_scores, cfg.distill.teacher_temperature = "run.trec", 0.0
+    with pytest.raises(ValueError, match="teacher_temperature > 0"):
+        run_distillation(cfg)
+
+
+# -- on Ray Train ---------------------------------------------------------------------------------
+
+@pytest.mark.ray
+def test_distillation_run_from_a_teacher_run_exports_a_retriever(tiny_bert, s3_bucket, tmp_path,  # noqa: F811
+                                                                  ray_session):
+    from models.biencoder import load_biencoder
+    from pipeline import storage
+    from pipeline.distill import DistillConfig, run_distillation
+    from pipeline.train import TrainConfig
+
+    data = beir_on_s3(s3_bucket)  # query q{i} is judged to have positive d{i}, 80 documents
+    lines = []
+    for i in [0] + list(range(2, N_QUERIES)):  # the teacher did not score q1, and scored q0's positive only
+        candidates = [f"d{i}"] + ([] if i == 0 else [f"d{(i + j) % 80}" for j in range(1, 7)])
+        lines += [(f"q{i}", d, r, round(6.0 - r, 2)) for r, d in enumerate(candidates, 1)]
+    cfg = DistillConfig()
+    cfg.data.queries, cfg.data.qrels = data["queries"], data["qrels"]
+    cfg.data.teacher_scores, cfg.data.teacher_depth = write_run(tmp_path / "teacher.trec", lines), 4
+    cfg.data.query_max_len, cfg.data.passage_max_len = 12, 24
+    cfg.corpus.input, cfg.corpus.docs_per_shard = data["corpus"], 40
+    cfg.model.init = tiny_bert
+    cfg.retriever.pooling, cfg.retriever.group_size = "cls", 3
+    cfg.distill.alpha = 0.5
+    cfg.eval.queries = ""  # the evaluation after training is fine-tuning's, tested there
+    out = str(tmp_path / "run")
+    cfg.train = TrainConfig(output=out, num_workers=1, micro_batch_size=8, max_steps=0, epochs=1, lr=1e-3,
+                            log_every=1, checkpoint_every=100)
+    summary = run_distillation(cfg)
+
+    assert summary["examples"] == N_QUERIES - 2 and summary["steps"] == (N_QUERIES - 2) // 8
+    stats = summary["data_stats"]
+    assert (stats["skipped_no_scored_negative_examples"], stats["skipped_not_scored_examples"]) == (["q0"], ["q1"])
+    history = storage.read_json(f"{out}/history.json")
+    assert len(history) == summary["steps"]
+    for entry in history:  # one micro-batch a log line: the logged loss is the KL plus alpha times the CE
+        assert entry["loss"] == pytest.approx(entry["kl"] + 0.5 * entry["ce"], rel=1e-5)
+        assert entry["kl"] > 0
+    model = load_biencoder(summary["export_dir"])  # retriever.json: what jobs/evaluate.py reads
+    assert (model.cfg.pooling, model.cfg.group_size) == ("cls", 3)
+    assert (summary["job"], summary["alpha"], summary["teacher_depth"]) == ("distill", 0.5, 4)

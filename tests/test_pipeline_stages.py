@@ -1,0 +1,154 @@
+"""The pipeline's stage bookkeeping: skip, resume, --only, --from, with stand-in stages.
+
+The stand-ins do what a real stage does to its folder (write progress, read it back on a
+resume), so these tests pin the manifest logic without paying for training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from pipeline.recipe import STAGES, PipelineConfig, RunManifest, cli_args, run_pipeline
+
+
+class Killed(Exception):
+    """Stands for the process dying: nothing after it runs."""
+
+
+def fake_stages(calls: list, kill_at: tuple[str, str] | None = None):
+    """Stages that count their calls, resume from a progress file, and can die: at a
+    stage's start (``(stage, "start")``: between stages) or after half its work
+    (``(stage, "middle")``)."""
+
+    def make(stage):
+        def run(ctx):
+            folder = ctx.folder(stage)
+            os.makedirs(folder, exist_ok=True)
+            progress = os.path.join(folder, "progress.json")
+            done_units = json.load(open(progress)) if os.path.exists(progress) else []
+            calls.append((stage, list(done_units)))
+            if kill_at == (stage, "start"):
+                raise Killed(stage)
+            for unit in range(4):
+                if unit in done_units:
+                    continue
+                if kill_at == (stage, "middle") and unit == 2:
+                    raise Killed(stage)
+                done_units.append(unit)
+                json.dump(done_units, open(progress, "w"))
+            # A stage reads what the previous stage recorded (and fails if it is missing).
+            previous = STAGES[STAGES.index(stage) - 1] if stage != "pretrain" else None
+            upstream = ctx.output(previous, "file") if previous else None
+            return {"outputs": {"file": progress, "upstream": upstream}, "metrics": {"MRR@10": 0.1}}
+        return run
+
+    return {s: make(s) for s in STAGES}
+
+
+def cfg_for(tmp_path, **kw) -> PipelineConfig:
+    cfg = PipelineConfig(output=str(tmp_path / "run"))
+    for key, value in kw.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def test_full_run_records_every_stage_and_a_rerun_does_nothing(tmp_path):
+    calls = []
+    summary = run_pipeline(cfg_for(tmp_path), fake_stages(calls))
+    assert [c[0] for c in calls] == list(STAGES)
+    assert summary["ran"] == list(STAGES)
+    manifest = RunManifest(str(tmp_path / "run"))
+    assert all(manifest.done(s) for s in STAGES)
+    results = open(tmp_path / "run" / "results.md").read()
+    assert "| round 2 (mined negatives) | 0.1000 |" in results and "| distill |" in results
+
+    calls.clear()
+    summary = run_pipeline(cfg_for(tmp_path), fake_stages(calls))
+    assert calls == [] and summary["ran"] == [] and summary["skipped"] == list(STAGES)
+
+
+def test_killed_between_stages_the_rerun_starts_at_the_next_stage(tmp_path):
+    calls = []
+    with pytest.raises(Killed):
+        run_pipeline(cfg_for(tmp_path), fake_stages(calls, kill_at=("mine1", "start")))
+    assert [c[0] for c in calls] == list(STAGES[:STAGES.index("mine1") + 1])
+    before = RunManifest(str(tmp_path / "run")).data["stages"]["round1"]
+
+    calls.clear()
+    run_pipeline(cfg_for(tmp_path), fake_stages(calls))
+    assert [c[0] for c in calls] == list(STAGES[STAGES.index("mine1"):])
+    assert RunManifest(str(tmp_path / "run")).data["stages"]["round1"] == before  # untouched
+
+
+def test_killed_mid_stage_the_rerun_resumes_that_stage(tmp_path):
+    calls = []
+    with pytest.raises(Killed):
+        run_pipeline(cfg_for(tmp_path), fake_stages(calls, kill_at=("round2", "middle")))
+    calls.clear()
+    run_pipeline(cfg_for(tmp_path), fake_stages(calls))
+    # round2 resumed with its first two units done, and did only the other two.
+    assert calls[0] == ("round2", [0, 1])
+    assert [c[0] for c in calls] == list(STAGES[STAGES.index("round2"):])
+    assert json.load(open(tmp_path / "run" / "round2" / "progress.json")) == [0, 1, 2, 3]
+
+
+def test_only_redoes_one_stage_from_scratch_and_keeps_the_rest(tmp_path):
+    calls = []
+    run_pipeline(cfg_for(tmp_path), fake_stages(calls))
+    later = RunManifest(str(tmp_path / "run")).data["stages"]["distill"]
+    calls.clear()
+    summary = run_pipeline(cfg_for(tmp_path, only="round1"), fake_stages(calls))
+    assert calls == [("round1", [])]  # a fresh folder: no progress resumed
+    assert summary["ran"] == ["round1"]
+    assert RunManifest(str(tmp_path / "run")).data["stages"]["distill"] == later
+
+
+def test_from_forgets_that_stage_and_every_later_one(tmp_path):
+    calls = []
+    run_pipeline(cfg_for(tmp_path), fake_stages(calls))
+    calls.clear()
+    run_pipeline(cfg_for(tmp_path, start_from="mine2"), fake_stages(calls))
+    assert calls == [(s, []) for s in STAGES[STAGES.index("mine2"):]]
+
+
+def test_only_without_the_inputs_it_needs_names_the_missing_stage(tmp_path):
+    with pytest.raises(RuntimeError, match="stage 'round1' has not run yet"):
+        run_pipeline(cfg_for(tmp_path, only="mine1"), fake_stages([]))
+
+
+def test_bad_stage_names_and_disabled_stages(tmp_path):
+    with pytest.raises(ValueError, match="--only mine3: not a stage"):
+        run_pipeline(cfg_for(tmp_path, only="mine3"), fake_stages([]))
+    cfg = cfg_for(tmp_path)
+    cfg.reranker.enabled = False
+    cfg.pretrain.enabled = False
+    calls = []
+    stages = fake_stages(calls)
+    stages["bm25"] = lambda ctx: {"outputs": {"file": ""}, "metrics": {"MRR@10": 0.2}}  # no pretrain upstream
+    run_pipeline(cfg, stages)
+    assert [c[0] for c in calls] == ["zeroshot", "round1", "mine1", "round2"]
+
+
+def test_stop_after_and_the_from_spelling():
+    assert cli_args(["--from", "round2", "--from=mine1", "--only", "x"]) == [
+        "--start_from", "round2", "--start_from=mine1", "--only", "x"]
+
+
+def test_stop_after_stops_there(tmp_path):
+    calls = []
+    run_pipeline(cfg_for(tmp_path, stop_after="round1"), fake_stages(calls))
+    assert [c[0] for c in calls] == list(STAGES[:STAGES.index("round1") + 1])
+
+
+def test_shipped_recipes_load_and_the_embedded_one_is_the_default():
+    from pipeline.config import parse_config, to_dict
+
+    recipes = os.path.join(os.path.dirname(__file__), "..", "jobs", "recipes")
+    embedded = parse_config(PipelineConfig, ["--config", os.path.join(recipes, "embedded.yaml")])
+    assert to_dict(embedded) == to_dict(PipelineConfig())
+    for name in sorted(os.listdir(recipes)):
+        cfg = parse_config(PipelineConfig, ["--config", os.path.join(recipes, name)])
+        assert cfg.data.corpus and cfg.round1.train.max_steps + cfg.round1.train.epochs > 0, name

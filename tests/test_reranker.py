@@ -1,0 +1,306 @@
+"""The cross-encoder re-ranker: the listwise loss by hand, pair assembly against the HF
+tokenizer's pair encoding, the trainer's backward against a plain reference, export (HF and
+sentence-transformers), batched scoring, clear errors, and one run end to end: train on Ray
+Train + DeepSpeed, export, re-rank a run on Ray actors, compare with in-process scoring and
+evaluate with ir_measures."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import synthetic_docs
+from models.reranker import PairLengths, build_reranker, listwise_backward, listwise_loss, load_reranker
+from pipeline.rerank import RerankScoreConfig, RerankTask, run_scoring
+from pipeline.retrieval_data import read_trec_run
+from pipeline.stream import frame
+from pipeline.tokenizer import load_tokenizer
+from tests.helpers import PlainEngine, save_tiny_bert
+
+N_DOCS, N_QUERIES = 40, 12
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> str:
+    """A random tiny BERT encoder with its own tokenizer (no classifier head: it starts random)."""
+    return save_tiny_bert(str(tmp_path_factory.mktemp("tiny-bert")), [d["text"] for d in synthetic_docs(200, seed=1)],
+                          initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def tiny_reranker(tiny_checkpoint):
+    torch.manual_seed(1)
+    lengths = PairLengths(query_max_len=12, passage_max_len=40, max_len=48)
+    return build_reranker(tiny_checkpoint, lengths).eval(), load_tokenizer(tiny_checkpoint)
+
+
+def hf_pair(tokenizer, query: str, passage: str, lengths: PairLengths) -> dict[str, torch.Tensor]:
+    """The reference: the HF tokenizer's own pair encoding of an uncut query, the passage cut
+    to ``passage_max_len - 2`` tokens and then the pair to ``max_len`` (only_second: the
+    pair is [CLS] q [SEP] d [SEP], so the first cut is a pair of len(q) + passage_max_len + 1)."""
+    n_query = len(tokenizer(query, add_special_tokens=False)["input_ids"])
+    assert n_query <= lengths.query_max_len - 2
+    return tokenizer(query, passage, truncation="only_second", return_tensors="pt",
+                     max_length=min(lengths.max_len, n_query + lengths.passage_max_len + 1))
+
+
+def test_listwise_loss_matches_a_hand_computation():
+    scores = torch.tensor([[2.0, 0.5, -1.0, 0.0],
+                           [0.0, 1.5, 0.3, -2.0]])
+    expected = sum(math.log(sum(math.exp(s) for s in row)) - row[0] for row in scores.tolist()) / 2
+    assert listwise_loss(scores).item() == pytest.approx(expected, rel=1e-6)
+    # The positive is column 0: moving it elsewhere is another loss.
+    assert listwise_loss(scores.flip(1)).item() != pytest.approx(expected, rel=1e-3)
+
+
+def stream_batch(tokenizer, queries: list[str], groups: list[list[str]], lengths: PairLengths) -> dict:
+    """A micro-batch as the group stream delivers it: framed ids and lengths, (b, n, Ld) passages."""
+    def framed(texts, max_len):
+        tokens = tokenizer(texts, add_special_tokens=False, truncation=True, max_length=max_len - 2)["input_ids"]
+        return frame([np.asarray(t, np.int32) for t in tokens], max_len, tokenizer.cls_token_id,
+                     tokenizer.sep_token_id, tokenizer.pad_token_id)
+
+    q_ids, q_len = framed(queries, lengths.query_max_len)
+    d = [framed(group, lengths.passage_max_len) for group in groups]
+    return {"q_input_ids": q_ids, "q_length": q_len, "d_input_ids": np.stack([ids for ids, _ in d]),
+            "d_length": np.stack([n for _, n in d])}
+
+
+def test_make_batch_equals_the_tokenizers_pair_encoding(tiny_checkpoint):
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    docs = [d["text"] for d in synthetic_docs(6, seed=3)]
+    long_passage = " ".join(d["text"] for d in synthetic_docs(4, seed=5))  # far over max_len: cut
+    # A 2-token query: the passage's own cut binds (2 + 20 + 1 < 24); a longer one: max_len binds.
+    queries = ["moses egypt", "the lord said unto moses and aaron in"]
+    lengths = PairLengths(query_max_len=12, passage_max_len=20, max_len=24)
+    groups = [[docs[0], long_passage, "tenth day"], [docs[2], long_passage, docs[3]]]
+    batch = stream_batch(tokenizer, queries, groups, lengths)
+    task = RerankTask("unused", None, lengths, "unused", tokenizer.sep_token_id, tokenizer.pad_token_id)
+    pairs = task.make_batch(batch, torch.Generator())
+
+    lens = [hf_pair(tokenizer, q, d, lengths)["input_ids"].shape[1] for q, g in zip(queries, groups) for d in g]
+    n_queries = [len(tokenizer(q, add_special_tokens=False)["input_ids"]) for q in queries]
+    assert lens[1] == n_queries[0] + lengths.passage_max_len + 1 < lengths.max_len  # the passage cut
+    assert lens[4] == lengths.max_len  # the pair cut
+    assert pairs["input_ids"].shape == (6, max(lens))  # no column of padding only
+    for row, (q, d) in enumerate((q, d) for q, g in zip(queries, groups) for d in g):
+        ref = hf_pair(tokenizer, q, d, lengths)
+        n = ref["input_ids"].shape[1]
+        assert pairs["input_ids"][row, :n].tolist() == ref["input_ids"][0].tolist()
+        assert pairs["token_type_ids"][row, :n].tolist() == ref["token_type_ids"][0].tolist()
+        assert pairs["attention_mask"][row].tolist() == [1] * n + [0] * (pairs["input_ids"].shape[1] - n)
+        assert set(pairs["input_ids"][row, n:].tolist()) <= {tokenizer.pad_token_id}
+    assert task.count_tokens(batch) == int(pairs["attention_mask"].sum())
+
+
+def test_backward_gives_the_loss_and_gradients_of_a_plain_reference(tiny_reranker):
+    model, tokenizer = tiny_reranker
+    lengths = model.lengths
+    docs = [d["text"] for d in synthetic_docs(8, seed=7)]
+    queries, groups = ["unto moses and aaron", "the first month"], [docs[:4], docs[4:]]
+    task = RerankTask("unused", None, lengths, "unused", tokenizer.sep_token_id, tokenizer.pad_token_id)
+    batch = task.make_batch(stream_batch(tokenizer, queries, groups, lengths), torch.Generator())
+
+    trained = copy.deepcopy(model)
+    loss, extras = listwise_backward(PlainEngine(trained), batch, group_size=4)
+
+    reference = copy.deepcopy(model)
+    scores = [[reference(**hf_pair(tokenizer, q, d, lengths))[0] for d in g] for q, g in zip(queries, groups)]
+    expected = sum(torch.logsumexp(torch.stack(row), 0) - row[0] for row in scores) / len(scores)
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    ref = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    got = {n: p.grad for n, p in trained.named_parameters() if p.grad is not None}
+    assert set(got) == set(ref) and "model.classifier.weight" in got
+    diff = torch.cat([(got[k] - ref[k]).flatten() for k in ref]).norm()
+    assert diff / torch.cat([ref[k].flatten() for k in ref]).norm() < 1e-5
+    positive_wins = [float(row[0] > max(row[1:])) for row in scores]
+    assert extras["accuracy"].item() == pytest.approx(sum(positive_wins) / 2)
+
+
+def test_export_loads_as_an_hf_classifier_and_a_sentence_transformers_cross_encoder(tiny_reranker, tmp_path):
+    from sentence_transformers import CrossEncoder as STCrossEncoder
+    from transformers import AutoModelForSequenceClassification
+
+    model, tokenizer = tiny_reranker
+    model.save(str(tmp_path), tokenizer.name_or_path)
+    loaded = load_reranker(str(tmp_path))
+    assert loaded.lengths == model.lengths
+    assert AutoModelForSequenceClassification.from_pretrained(str(tmp_path)).config.num_labels == 1
+    pairs = [("the lord said", d["text"]) for d in synthetic_docs(3, seed=11)]
+    with torch.no_grad():
+        ours = [loaded(**hf_pair(tokenizer, q, d, PairLengths(12, 100, 48))).item() for q, d in pairs]
+        theirs = STCrossEncoder(str(tmp_path), max_length=48, activation_fn=torch.nn.Identity()).predict(pairs)
+    assert np.allclose(ours, theirs, atol=1e-5)
+    assert len(set(np.round(ours, 5))) == 3  # a random head that still tells passages apart
+
+
+def test_pair_scorer_batches_equal_scoring_one_pair_at_a_time(tiny_reranker, tmp_path):
+    from pipeline.rerank import PairScorer
+
+    model, tokenizer = tiny_reranker
+    model.save(str(tmp_path), tokenizer.name_or_path)
+    docs = {d["_id"]: d["text"] for d in synthetic_docs(10, seed=13)}
+    queries = ["moses egypt", "the lord said unto moses and aaron in", "tenth day"]
+    candidates = [["d0", "d1", "d2", "d3"], ["d4", "d0"], ["d5", "d6", "d7", "d8", "d9"]]
+    scores = PairScorer(str(tmp_path), batch_size=3).score(queries, candidates, docs)
+    assert [len(s) for s in scores] == [4, 2, 5]
+    with torch.no_grad():
+        for q, docs_of_q, got in zip(queries, candidates, scores):
+            direct = [model(**hf_pair(tokenizer, q, docs[d], model.lengths)).item() for d in docs_of_q]
+            assert np.allclose(got, direct, atol=1e-5)
+
+
+def test_training_settings_that_cannot_work_fail_before_any_work(tiny_checkpoint, tmp_path):
+    from pipeline.rerank import RerankConfig, run_reranker_training
+
+    def config(**changes) -> RerankConfig:
+        cfg = RerankConfig()
+        cfg.model.init, cfg.train.output = tiny_checkpoint, str(tmp_path / "run")
+        cfg.data.query_max_len, cfg.data.passage_max_len, cfg.reranker.max_len = 12, 36, 48
+        for key, value in changes.items():
+            section, name = key.split("__")
+            setattr(getattr(cfg, section), name, value)
+        return cfg
+
+    cases = [({"data__negatives": str(tmp_path / "missing.jsonl")}, FileNotFoundError,
+              "run that first, or use --data.negatives bm25"),
+             ({"data__negatives": ""}, ValueError, "trains on hard negatives"),
+             ({"reranker__max_len": 13}, ValueError, "at least query_max_len \\+ 2"),
+             ({"reranker__max_len": 100}, ValueError, "exceeds the model's 64 positions"),
+             ({"reranker__group_size": 1}, ValueError, "group_size must be >= 2")]
+    for changes, error, message in cases:
+        with pytest.raises(error, match=message):
+            run_reranker_training(config(**changes))
+    assert not (tmp_path / "run").exists()
+
+
+# -- scoring ------------------------------------------------------------------------------
+
+def write_run(path, rows) -> str:
+    with open(path, "w") as f:
+        f.writelines(f"{q} Q0 {d} {r} {s} x\n" for q, d, r, s in rows)
+    return str(path)
+
+
+def beir_fixture(folder) -> dict[str, str]:
+    """A tiny collection: query i's positive is d{i}; the run lists a few candidates each."""
+    from conftest import write_jsonl
+
+    docs = synthetic_docs(N_DOCS, seed=9)
+    queries = [{"_id": f"q{i}", "text": " ".join(docs[i]["text"].split()[:4])} for i in range(N_QUERIES)]
+    qrels = folder / "qrels.tsv"
+    qrels.write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i}\t1\n" for i in range(N_QUERIES)))
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(N_QUERIES):
+        others = [f"d{j}" for j in rng.choice(np.arange(N_QUERIES, N_DOCS), 5, replace=False)]
+        ranked = others[:3] + [f"d{i}"] + others[3:] if i % 3 else others  # every third query: positive missed
+        rows += [(f"q{i}", d, r, round(10.0 - r, 2)) for r, d in enumerate(ranked, 1)]
+    return {"corpus": write_jsonl(folder / "corpus.jsonl", docs), "queries": write_jsonl(folder / "queries.jsonl", queries),
+            "qrels": str(qrels), "run": write_run(folder / "run.trec", rows)}
+
+
+def test_a_run_naming_a_document_outside_the_corpus_is_an_error(tiny_reranker, tmp_path):
+    model, tokenizer = tiny_reranker
+    model.save(str(tmp_path / "export"), tokenizer.name_or_path)
+    data = beir_fixture(tmp_path)
+    with open(data["run"], "a") as f:
+        f.write("q0 Q0 nowhere 99 0.1 x\n")
+    cfg = RerankScoreConfig(model=str(tmp_path / "export"), run=data["run"], queries=data["queries"],
+                            corpus=data["corpus"], qrels="", depth=100, output=str(tmp_path / "out"))
+    lines = len(open(data["run"]).readlines())
+    with pytest.raises(ValueError, match=rf"run.trec line {lines}: document 'nowhere' is not in the corpus"):
+        run_scoring(cfg)
+    with pytest.raises(ValueError, match="depth must be >= 1"):
+        RerankScoreConfig(depth=0)
+
+
+# -- on Ray -------------------------------------------------------------------------------
+
+def read_run_lines(path) -> list[tuple[str, str, float]]:
+    with open(path) as f:
+        return [(c[0], c[2], float(c[4])) for c in (line.split() for line in f)]
+
+
+@pytest.mark.ray
+def test_train_on_ray_export_and_rerank_a_run_on_actors(tiny_checkpoint, tmp_path, ray_session, monkeypatch):
+    """One Ray Train run and one scoring round (the suite's time budget): the training job's
+    evaluation step is checked for the scoring config it builds, and that config, with the
+    positives included and 2 actors, is then run for real."""
+    import ir_measures
+
+    from pipeline.evaluate import evaluate
+    from pipeline.rerank import RerankConfig, run_reranker_training
+    from pipeline.retrieval_data import read_queries, write_negatives
+    from pipeline.train import TrainConfig
+
+    data = beir_fixture(tmp_path)
+    # What jobs/mine.py writes: per query, ranked negatives (no judged positive among them).
+    write_negatives([(f"q{i}", [f"d{j}" for j in range(N_QUERIES, N_DOCS) if j % N_QUERIES != i][:6], None)
+                     for i in range(N_QUERIES)], str(tmp_path / "negatives.jsonl"))
+    cfg = RerankConfig()
+    cfg.data.queries, cfg.data.qrels, cfg.data.negatives = data["queries"], data["qrels"], str(tmp_path / "negatives.jsonl")
+    cfg.data.query_max_len, cfg.data.passage_max_len = 12, 36
+    cfg.corpus.input, cfg.corpus.docs_per_shard = data["corpus"], 20
+    cfg.model.init = tiny_checkpoint
+    cfg.reranker.group_size, cfg.reranker.max_len = 4, 48
+    cfg.eval.run, cfg.eval.queries, cfg.eval.qrels, cfg.eval.depth = data["run"], data["queries"], data["qrels"], 4
+    cfg.train = TrainConfig(output=str(tmp_path / "run"), num_workers=1, micro_batch_size=4, max_steps=0, epochs=1,
+                            lr=1e-3, log_every=1, checkpoint_every=100)
+    handed_over = []
+    monkeypatch.setattr("pipeline.rerank.run_scoring", lambda c: handed_over.append(c) or {"scored": True})
+    summary = run_reranker_training(cfg)
+
+    assert summary["steps"] == N_QUERIES // 4 and summary["examples"] == N_QUERIES
+    assert math.isfinite(summary["final_loss"]) and summary["tokens_per_s"] > 0
+    history = json.load(open(tmp_path / "run" / "history.json"))
+    assert len(history) == 3 and all(0.0 <= h["accuracy"] <= 1.0 for h in history)
+    export = summary["export_dir"]
+    trained = load_reranker(export)
+    assert trained.lengths == PairLengths(12, 36, 48)
+    assert os.path.exists(os.path.join(export, "tokenizer.json"))
+    start = build_reranker(tiny_checkpoint).model.bert.embeddings.word_embeddings.weight
+    assert not torch.equal(start, trained.model.bert.embeddings.word_embeddings.weight)  # training moved it
+
+    # The evaluation step re-ranks eval.run with the export, over the training corpus.
+    assert summary["eval"] == {"scored": True}
+    (score_cfg,) = handed_over
+    assert (score_cfg.model, score_cfg.run, score_cfg.depth) == (export, data["run"], 4)
+    assert score_cfg.corpus.endswith("corpus.jsonl") and score_cfg.output == str(tmp_path / "run" / "eval")
+    score_cfg.include_positives, score_cfg.batch_size, score_cfg.queries_per_task = True, 3, 5
+    score_cfg.pool.actors = 2
+    scored = run_scoring(score_cfg)
+
+    first_stage = read_trec_run(data["run"], depth=4)
+    expected = {(q, d) for q, ranked in first_stage.items() for d, _, _ in ranked}
+    missed = {(f"q{i}", f"d{i}") for i in range(N_QUERIES)} - expected
+    assert missed and scored["positives_added"] == len(missed) and scored["queries"] == N_QUERIES
+    lines = read_run_lines(scored["run"])
+    assert sorted((q, d) for q, d, _ in lines) == sorted(expected | missed)  # every pair exactly once
+
+    queries, texts = read_queries(data["queries"]), {d["_id"]: d["text"] for d in synthetic_docs(N_DOCS, seed=9)}
+    tokenizer = load_tokenizer(export)
+    with torch.no_grad():
+        direct = {(q, d): trained(**hf_pair(tokenizer, queries[q], texts[d], trained.lengths)).item()
+                  for q, d, _ in lines}
+    assert max(abs(score - direct[q, d]) for q, d, score in lines) < 1e-4
+    assert len({round(v, 4) for v in direct.values()}) > len(direct) // 2  # scores that tell pairs apart
+
+    # Metrics: ir_measures on the written run, over the first-stage candidates only.
+    written = {}
+    for row in ir_measures.read_trec_run(scored["run"]):
+        written.setdefault(row.query_id, {})[row.doc_id] = row.score
+    fair = {q: {d: s for d, s in docs.items() if (q, d) in expected} for q, docs in written.items()}
+    qrels = {f"q{i}": {f"d{i}": 1} for i in range(N_QUERIES)}
+    assert scored["metrics"]["MRR@10"] == pytest.approx(evaluate(qrels, fair, ["RR@10"])["RR@10"], abs=1e-6)
+    before = {q: {d: s for d, s, _ in ranked} for q, ranked in first_stage.items()}
+    assert scored["first_stage_metrics"]["MRR@10"] == pytest.approx(evaluate(qrels, before, ["RR@10"])["RR@10"])
+    assert scored["first_stage_metrics"]["R@100"] == pytest.approx(8 / 12)  # the run misses 4 positives
+    assert scored["metrics"]["R@100"] == pytest.approx(8 / 12)  # added positives are not counted
