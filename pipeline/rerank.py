@@ -181,7 +181,7 @@ class RerankScoreConfig:
     queries: str = field(default="data/bible-sample/queries.dev.jsonl", metadata={"help": "BEIR queries.jsonl: every query of the run must be in it"})
     corpus: str = field(default="data/bible-sample/corpus.jsonl", metadata={"help": "BEIR corpus.jsonl holding every candidate (local or s3://)"})
     qrels: str = field(default="data/bible-sample/qrels.dev.tsv", metadata={"help": "BEIR qrels TSV: evaluate both runs with ir_measures; empty = no evaluation"})
-    include_positives: bool = field(default=False, metadata={"help": "also score the judged positives the run missed (for a distillation teacher); metrics still rank the first-stage candidates only"})
+    include_positives: bool = field(default=False, metadata={"help": "also score the judged positives the run missed, for the run's queries (for a distillation teacher); metrics still rank the first-stage candidates only"})
     depth: int = field(default=100, metadata={"help": "best-scored candidates of the run re-ranked per query"})
     output: str = field(default="runs/rerank_score", metadata={"help": "folder for run.trec (the re-ranker's scores) and summary.json (local or s3://)"})
     query_max_len: int = field(default=0, metadata={"help": "query tokens; 0 = the export's reranker.json (32 for a plain checkpoint)"})
@@ -331,7 +331,9 @@ def run_scoring(cfg: RerankScoreConfig) -> dict:
             needed.setdefault(d, f"{run_uri} line {line}")
     added = 0
     if cfg.include_positives:
-        for qid in queries:
+        # Only the run's queries: a query the first stage did not retrieve for (e.g. left
+        # out of a sampled teacher run) would get its positives and nothing to compare.
+        for qid in first_stage:
             missed = [d for d in positives(qrels.get(qid, {})) if d not in set(candidates.get(qid, []))]
             if missed:
                 candidates.setdefault(qid, []).extend(missed)

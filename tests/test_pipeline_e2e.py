@@ -1,0 +1,139 @@
+"""The whole recipe on Ray, shrunk: a tiny random BERT, 120 passages, 40 training and 12
+dev queries, two steps per trainer. Every stage runs for real (Ray Train + DeepSpeed
+trainers, encoder / scorer actors, FAISS shards); the test checks what each stage hands the
+next and that the results table is what ir_measures says of each stage's run."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+
+from pipeline.recipe import STAGES, PipelineConfig, run_pipeline
+from pipeline.train import TrainConfig
+from tests.helpers import generated_texts, save_tiny_bert
+
+pytestmark = pytest.mark.ray
+
+N_DOCS, N_TRAIN, N_DEV = 120, 40, 12
+
+
+def _collection(folder) -> dict:
+    texts = generated_texts(N_DOCS, seed=3)
+    rng = random.Random(0)
+    os.makedirs(folder, exist_ok=True)
+    paths = {"corpus": os.path.join(folder, "corpus.jsonl")}
+    with open(paths["corpus"], "w") as f:
+        for i, text in enumerate(texts):
+            f.write(json.dumps({"_id": f"d{i}", "title": "", "text": text}) + "\n")
+    # A query is a few words of its passage, so that BM25 and training have signal.
+    for split, ids in (("train", range(N_TRAIN)), ("dev", range(N_TRAIN, N_TRAIN + N_DEV))):
+        paths[f"{split}_queries"] = os.path.join(folder, f"queries.{split}.jsonl")
+        paths[f"{split}_qrels"] = os.path.join(folder, f"qrels.{split}.tsv")
+        with open(paths[f"{split}_queries"], "w") as q, open(paths[f"{split}_qrels"], "w") as r:
+            r.write("query-id\tcorpus-id\tscore\n")
+            for i in ids:
+                words = texts[i].split()
+                q.write(json.dumps({"_id": f"q{i}", "text": " ".join(rng.sample(words, min(4, len(words))))}) + "\n")
+                r.write(f"q{i}\td{i}\t1\n")
+    return {"texts": texts, **paths}
+
+
+def _config(tmp_path, data: dict, init: str) -> PipelineConfig:
+    cfg = PipelineConfig(output=str(tmp_path / "run"))
+    cfg.pretrain.enabled = False
+    cfg.model.init = init
+    for key in ("corpus", "train_queries", "train_qrels", "dev_queries", "dev_qrels"):
+        setattr(cfg.data, key, data[key])
+    cfg.data.query_max_len, cfg.data.passage_max_len, cfg.data.docs_per_shard = 12, 32, 60
+
+    def steps(mbs):
+        return TrainConfig(micro_batch_size=mbs, max_steps=2, lr=1e-3, checkpoint_every=100, cpus_per_worker=1,
+                           log_every=1)
+
+    for stage in (cfg.round1, cfg.round2, cfg.distill):
+        stage.retriever.group_size, stage.train = 4, steps(8)
+    cfg.reranker.group_size, cfg.reranker.max_len, cfg.reranker.train = 4, 44, steps(4)
+    cfg.reranker.dev_depth, cfg.reranker.teacher_depth, cfg.reranker.teacher_queries = 10, 8, 24
+    cfg.reranker.pool.actors = cfg.eval.pool.actors = 1
+    cfg.mine.depth, cfg.mine.count, cfg.mine.bm25_depth, cfg.mine.bm25_count = 20, 5, 20, 5
+    cfg.eval.k = 50
+    return cfg
+
+
+def _ir_measures(run_uri: str, qrels_uri: str) -> dict:
+    import ir_measures
+
+    from pipeline.evaluate import JOB_MEASURES
+
+    qrels = list(ir_measures.read_trec_qrels(_trec_qrels(qrels_uri)))
+    run = list(ir_measures.read_trec_run(run_uri))
+    values = ir_measures.calc_aggregate([ir_measures.parse_measure(m) for m in JOB_MEASURES.values()], qrels, run)
+    return {name: values[ir_measures.parse_measure(m)] for name, m in JOB_MEASURES.items()}
+
+
+def _trec_qrels(tsv: str) -> str:
+    out = tsv + ".trec"
+    with open(tsv) as f, open(out, "w") as o:
+        next(f)
+        for line in f:
+            q, d, s = line.split()
+            o.write(f"{q} 0 {d} {s}\n")
+    return out
+
+
+def _ranked(run_uri: str) -> dict[str, list[str]]:
+    from pipeline.retrieval_data import read_trec_run
+
+    return {q: [d for d, _, _ in ranked] for q, ranked in read_trec_run(run_uri).items()}
+
+
+def test_recipe_end_to_end_then_rerun_and_only(tmp_path, ray_session):
+    data = _collection(tmp_path / "data")
+    init = save_tiny_bert(str(tmp_path / "init"), data["texts"])
+    cfg = _config(tmp_path, data, init)
+    summary = run_pipeline(cfg)
+    stages = [s for s in STAGES if s != "pretrain"]
+    assert summary["ran"] == stages
+
+    # Each retriever-stage row is what ir_measures computes from that stage's run file.
+    records = summary["stages"]
+    for stage in ("bm25", "zeroshot", "round1", "round2", "rerank", "distill"):
+        expected = _ir_measures(records[stage]["outputs"]["run"], data["dev_qrels"])
+        assert records[stage]["metrics"] == pytest.approx(expected, abs=1e-9), stage
+    results = open(summary["results"]).read()
+    for label in ("BM25", "zero-shot", "round 1", "round 2", "re-ranker", "distillation"):
+        assert f"| {label}" in results
+
+    # Round 2 restarts from the initial encoder, on round 1's mined negatives, none judged.
+    import yaml
+
+    round2 = yaml.safe_load(open(tmp_path / "run" / "round2" / "config.yaml"))
+    assert round2["model"]["init"] == init
+    assert round2["data"]["negatives"] == records["mine1"]["outputs"]["negatives"]
+    for line in open(records["mine1"]["outputs"]["negatives"]):
+        row = json.loads(line)
+        assert len(row["negatives"]) == 5 and f"d{row['query_id'][1:]}" not in row["negatives"]
+
+    # The re-ranked run: its top 10 are the re-ranker's order, the rest keep round 2's.
+    round2_run, merged = _ranked(records["round2"]["outputs"]["run"]), _ranked(records["rerank"]["outputs"]["run"])
+    reranked_top = _ranked(records["rerank"]["outputs"]["reranked_top"])
+    for qid, order in merged.items():
+        assert order[:10] == reranked_top[qid] and sorted(order[:10]) == sorted(round2_run[qid][:10])
+        assert order[10:] == round2_run[qid][10:]
+
+    # The teacher scored a sample of 24 training queries, every one with its positive.
+    teacher = _ranked(records["teacher"]["outputs"]["scores"])
+    assert len(teacher) == 24 and all(f"d{q[1:]}" in docs for q, docs in teacher.items())
+
+    # A rerun does nothing; --only reruns one stage and leaves the others' records alone.
+    again = run_pipeline(_config(tmp_path, data, init))
+    assert again["ran"] == [] and again["skipped"] == stages
+    only = _config(tmp_path, data, init)
+    only.only = "rerank"
+    redone = run_pipeline(only)
+    assert redone["ran"] == ["rerank"]
+    assert redone["stages"]["rerank"]["metrics"] == pytest.approx(records["rerank"]["metrics"])
+    assert redone["stages"]["distill"] == records["distill"]
