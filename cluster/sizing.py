@@ -19,10 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.index import plan_memory  # noqa: E402
 
-# bench/README.md, bench_search.py: 1 CPU actor with 2 torch threads, the 6-layer MiniLM
-# (hidden 384), the first 4,000 Nave verses at max length 128, on the 2-core machine.
-MEASURED_PASSAGES_PER_S = 139
-MEASURED_CORES = 2
+# bench/README.md, bench_search.py: 1 CPU actor with 1 core and 1 torch thread, fp32, the
+# 6-layer MiniLM (hidden 384), the first 4,000 Nave verses at max length 128 (steady state).
+MEASURED_PASSAGES_PER_S = 117.3
+MEASURED_CORES = 1
 MEASURED_MODEL = dict(layers=6, hidden=384, intermediate=1536)
 # Those verses are short: 34.2 tokens on average with [CLS] and [SEP] (MiniLM's tokenizer,
 # truncated at 128; measured once on /work/shared/data/nave/corpus.jsonl, lines 1-4,000).
@@ -37,7 +37,7 @@ DIM = BERT_BASE["hidden"]
 # One index shard per node, at most SHARD_BUDGET: it must fit the L4 for GPU search, and
 # building it can briefly need twice its size in RAM next to Ray's object store (30% of RAM).
 SHARD_BUDGET = 20 * 2**30
-ENCODE_NODE_VCPUS = 32  # m6i.8xlarge: CPU encoding with 16 actors of 2 threads
+ENCODE_NODE_VCPUS = 32  # m6i.8xlarge: CPU encoding with 32 one-thread actors (this machine's cores are vCPUs too)
 
 CORPORA = [
     (1_000_000, "1M"),
