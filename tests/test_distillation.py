@@ -16,7 +16,6 @@ from pipeline.group_stream import GroupSpec, _assemble, _emit_requests, passage_
 from pipeline.retrieval_data import TrainExample, build_distillation_examples, read_trec_run, select_group
 from test_biencoder import _full_batch, biencoder
 from test_finetune_deepspeed import relative_error
-from test_finetune_ray import N_QUERIES, beir_on_s3, tiny_bert  # noqa: F401 (a fixture)
 from tests.helpers import PlainEngine
 
 
@@ -205,45 +204,3 @@ def test_the_job_refuses_to_start_without_a_teacher_run_or_with_bad_settings():
     cfg.data.teacher_scores, cfg.distill.teacher_temperature = "run.trec", 0.0
     with pytest.raises(ValueError, match="teacher_temperature > 0"):
         run_distillation(cfg)
-
-
-# -- on Ray Train ---------------------------------------------------------------------------------
-
-@pytest.mark.ray
-def test_distillation_run_from_a_teacher_run_exports_a_retriever(tiny_bert, s3_bucket, tmp_path,  # noqa: F811
-                                                                  ray_session):
-    from models.biencoder import load_biencoder
-    from pipeline import storage
-    from pipeline.distill import DistillConfig, run_distillation
-    from pipeline.train import TrainConfig
-
-    data = beir_on_s3(s3_bucket)  # query q{i} is judged to have positive d{i}, 80 documents
-    lines = []
-    for i in [0] + list(range(2, N_QUERIES)):  # the teacher did not score q1, and scored q0's positive only
-        candidates = [f"d{i}"] + ([] if i == 0 else [f"d{(i + j) % 80}" for j in range(1, 7)])
-        lines += [(f"q{i}", d, r, round(6.0 - r, 2)) for r, d in enumerate(candidates, 1)]
-    cfg = DistillConfig()
-    cfg.data.queries, cfg.data.qrels = data["queries"], data["qrels"]
-    cfg.data.teacher_scores, cfg.data.teacher_depth = write_run(tmp_path / "teacher.trec", lines), 4
-    cfg.data.query_max_len, cfg.data.passage_max_len = 12, 24
-    cfg.corpus.input, cfg.corpus.docs_per_shard = data["corpus"], 40
-    cfg.model.init = tiny_bert
-    cfg.retriever.pooling, cfg.retriever.group_size = "cls", 3
-    cfg.distill.alpha = 0.5
-    cfg.eval.queries = ""  # the evaluation after training is fine-tuning's, tested there
-    out = str(tmp_path / "run")
-    cfg.train = TrainConfig(output=out, num_workers=1, micro_batch_size=8, max_steps=0, epochs=1, lr=1e-3,
-                            log_every=1, checkpoint_every=100)
-    summary = run_distillation(cfg)
-
-    assert summary["examples"] == N_QUERIES - 2 and summary["steps"] == (N_QUERIES - 2) // 8
-    stats = summary["data_stats"]
-    assert (stats["skipped_no_scored_negative_examples"], stats["skipped_not_scored_examples"]) == (["q0"], ["q1"])
-    history = storage.read_json(f"{out}/history.json")
-    assert len(history) == summary["steps"]
-    for entry in history:  # one micro-batch a log line: the logged loss is the KL plus alpha times the CE
-        assert entry["loss"] == pytest.approx(entry["kl"] + 0.5 * entry["ce"], rel=1e-5)
-        assert entry["kl"] > 0
-    model = load_biencoder(summary["export_dir"])  # retriever.json: what jobs/evaluate.py reads
-    assert (model.cfg.pooling, model.cfg.group_size) == ("cls", 3)
-    assert (summary["job"], summary["alpha"], summary["teacher_depth"]) == ("distill", 0.5, 4)

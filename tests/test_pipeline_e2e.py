@@ -124,9 +124,27 @@ def test_recipe_end_to_end_then_rerun_and_only(tmp_path, ray_session):
         assert order[:10] == reranked_top[qid] and sorted(order[:10]) == sorted(round2_run[qid][:10])
         assert order[10:] == round2_run[qid][10:]
 
-    # The teacher scored a sample of 24 training queries, every one with its positive.
-    teacher = _ranked(records["teacher"]["outputs"]["scores"])
-    assert len(teacher) == 24 and all(f"d{q[1:]}" in docs for q, docs in teacher.items())
+    # The teacher scored a sample of 24 training queries: each query's top 8 of the round-2
+    # mining run plus its positive, every pair exactly once, with the scores the exported
+    # cross-encoder gives in this process.
+    from pipeline.rerank import PairScorer
+    from pipeline.retrieval_data import read_queries, read_trec_run
+
+    teacher = read_trec_run(records["teacher"]["outputs"]["scores"])
+    mined = _ranked(records["mine2"]["outputs"]["run"])
+    assert len(teacher) == 24
+    for qid, scored in teacher.items():
+        assert sorted(d for d, _, _ in scored) == sorted(set(mined[qid][:8]) | {f"d{qid[1:]}"})
+    scorer = PairScorer(records["reranker"]["outputs"]["export"])
+    queries, passages = read_queries(data["train_queries"]), dict(zip((f"d{i}" for i in range(N_DOCS)), data["texts"]))
+    qids = sorted(teacher)[:3]
+    direct = scorer.score([queries[q] for q in qids], [[d for d, _, _ in teacher[q]] for q in qids], passages)
+    for qid, values in zip(qids, direct):
+        assert [s for _, s, _ in teacher[qid]] == pytest.approx(values.tolist(), abs=1e-4)
+
+    # Distillation logged KL + alpha * CE, alpha 0.2 by default.
+    history = json.load(open(tmp_path / "run" / "distill" / "history.json"))
+    assert history and all(h["loss"] == pytest.approx(h["kl"] + 0.2 * h["ce"], rel=1e-5) for h in history)
 
     # A rerun does nothing; --only reruns one stage and leaves the others' records alone.
     again = run_pipeline(_config(tmp_path, data, init))

@@ -68,12 +68,25 @@ def test_two_workers_stream_disjoint_documents_from_s3_with_zero2(tmp_path, s3_b
 
 
 def _train_worker_pids() -> list[int]:
-    """This Ray session's live train workers (asked of Ray, not the process table: other
-    Ray sessions on the machine, e.g. another test run, have train workers too)."""
-    from ray.util.state import list_actors
+    """This Ray session's train workers: the RayTrainWorker processes under this session's
+    raylet (other Ray sessions on the machine, e.g. another test run, have train workers too;
+    the state API would need the dashboard, which the test Ray does not start)."""
+    import psutil
+    import ray
 
-    actors = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
-    return sorted(a.pid for a in actors)
+    session = ray._private.worker._global_node.get_session_dir_path()
+    raylets = [p for p in psutil.process_iter(["cmdline"])
+               if "raylet" in " ".join(p.info["cmdline"] or [])[:200] and session in " ".join(p.info["cmdline"] or [])]
+    pids = []
+    for raylet in raylets:
+        for proc in raylet.children(recursive=True):
+            try:
+                title = " ".join(proc.cmdline()) + " " + proc.name()
+            except psutil.NoSuchProcess:
+                continue
+            if "RayTrainWorker" in title:
+                pids.append(proc.pid)
+    return sorted(pids)
 
 
 def test_killed_worker_resumes_from_checkpoint_without_losing_documents(tmp_path, ray_session):

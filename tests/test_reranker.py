@@ -7,9 +7,7 @@ evaluate with ir_measures."""
 from __future__ import annotations
 
 import copy
-import json
 import math
-import os
 
 import numpy as np
 import pytest
@@ -18,13 +16,12 @@ import torch
 from conftest import synthetic_docs
 from models.reranker import PairLengths, build_reranker, listwise_backward, listwise_loss, load_reranker
 from pipeline.rerank import RerankScoreConfig, RerankTask, run_scoring
-from pipeline.retrieval_data import read_trec_run
+
 from pipeline.stream import frame
 from pipeline.tokenizer import load_tokenizer
 from tests.helpers import PlainEngine, save_tiny_bert
 
 N_DOCS, N_QUERIES = 40, 12
-
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> str:
@@ -32,13 +29,11 @@ def tiny_checkpoint(tmp_path_factory) -> str:
     return save_tiny_bert(str(tmp_path_factory.mktemp("tiny-bert")), [d["text"] for d in synthetic_docs(200, seed=1)],
                           initializer_range=0.2)
 
-
 @pytest.fixture(scope="module")
 def tiny_reranker(tiny_checkpoint):
     torch.manual_seed(1)
     lengths = PairLengths(query_max_len=12, passage_max_len=40, max_len=48)
     return build_reranker(tiny_checkpoint, lengths).eval(), load_tokenizer(tiny_checkpoint)
-
 
 def hf_pair(tokenizer, query: str, passage: str, lengths: PairLengths) -> dict[str, torch.Tensor]:
     """The reference: the HF tokenizer's own pair encoding of an uncut query, the passage cut
@@ -49,7 +44,6 @@ def hf_pair(tokenizer, query: str, passage: str, lengths: PairLengths) -> dict[s
     return tokenizer(query, passage, truncation="only_second", return_tensors="pt",
                      max_length=min(lengths.max_len, n_query + lengths.passage_max_len + 1))
 
-
 def test_listwise_loss_matches_a_hand_computation():
     scores = torch.tensor([[2.0, 0.5, -1.0, 0.0],
                            [0.0, 1.5, 0.3, -2.0]])
@@ -57,7 +51,6 @@ def test_listwise_loss_matches_a_hand_computation():
     assert listwise_loss(scores).item() == pytest.approx(expected, rel=1e-6)
     # The positive is column 0: moving it elsewhere is another loss.
     assert listwise_loss(scores.flip(1)).item() != pytest.approx(expected, rel=1e-3)
-
 
 def stream_batch(tokenizer, queries: list[str], groups: list[list[str]], lengths: PairLengths) -> dict:
     """A micro-batch as the group stream delivers it: framed ids and lengths, (b, n, Ld) passages."""
@@ -70,7 +63,6 @@ def stream_batch(tokenizer, queries: list[str], groups: list[list[str]], lengths
     d = [framed(group, lengths.passage_max_len) for group in groups]
     return {"q_input_ids": q_ids, "q_length": q_len, "d_input_ids": np.stack([ids for ids, _ in d]),
             "d_length": np.stack([n for _, n in d])}
-
 
 def test_make_batch_equals_the_tokenizers_pair_encoding(tiny_checkpoint):
     tokenizer = load_tokenizer(tiny_checkpoint)
@@ -98,7 +90,6 @@ def test_make_batch_equals_the_tokenizers_pair_encoding(tiny_checkpoint):
         assert set(pairs["input_ids"][row, n:].tolist()) <= {tokenizer.pad_token_id}
     assert task.count_tokens(batch) == int(pairs["attention_mask"].sum())
 
-
 def test_backward_gives_the_loss_and_gradients_of_a_plain_reference(tiny_reranker):
     model, tokenizer = tiny_reranker
     lengths = model.lengths
@@ -123,7 +114,6 @@ def test_backward_gives_the_loss_and_gradients_of_a_plain_reference(tiny_reranke
     positive_wins = [float(row[0] > max(row[1:])) for row in scores]
     assert extras["accuracy"].item() == pytest.approx(sum(positive_wins) / 2)
 
-
 def test_export_loads_as_an_hf_classifier_and_a_sentence_transformers_cross_encoder(tiny_reranker, tmp_path):
     from sentence_transformers import CrossEncoder as STCrossEncoder
     from transformers import AutoModelForSequenceClassification
@@ -140,7 +130,6 @@ def test_export_loads_as_an_hf_classifier_and_a_sentence_transformers_cross_enco
     assert np.allclose(ours, theirs, atol=1e-5)
     assert len(set(np.round(ours, 5))) == 3  # a random head that still tells passages apart
 
-
 def test_pair_scorer_batches_equal_scoring_one_pair_at_a_time(tiny_reranker, tmp_path):
     from pipeline.rerank import PairScorer
 
@@ -155,7 +144,6 @@ def test_pair_scorer_batches_equal_scoring_one_pair_at_a_time(tiny_reranker, tmp
         for q, docs_of_q, got in zip(queries, candidates, scores):
             direct = [model(**hf_pair(tokenizer, q, docs[d], model.lengths)).item() for d in docs_of_q]
             assert np.allclose(got, direct, atol=1e-5)
-
 
 def test_training_settings_that_cannot_work_fail_before_any_work(tiny_checkpoint, tmp_path):
     from pipeline.rerank import RerankConfig, run_reranker_training
@@ -180,14 +168,12 @@ def test_training_settings_that_cannot_work_fail_before_any_work(tiny_checkpoint
             run_reranker_training(config(**changes))
     assert not (tmp_path / "run").exists()
 
-
 # -- scoring ------------------------------------------------------------------------------
 
 def write_run(path, rows) -> str:
     with open(path, "w") as f:
         f.writelines(f"{q} Q0 {d} {r} {s} x\n" for q, d, r, s in rows)
     return str(path)
-
 
 def beir_fixture(folder) -> dict[str, str]:
     """A tiny collection: query i's positive is d{i}; the run lists a few candidates each."""
@@ -206,7 +192,6 @@ def beir_fixture(folder) -> dict[str, str]:
     return {"corpus": write_jsonl(folder / "corpus.jsonl", docs), "queries": write_jsonl(folder / "queries.jsonl", queries),
             "qrels": str(qrels), "run": write_run(folder / "run.trec", rows)}
 
-
 def test_a_run_naming_a_document_outside_the_corpus_is_an_error(tiny_reranker, tmp_path):
     model, tokenizer = tiny_reranker
     model.save(str(tmp_path / "export"), tokenizer.name_or_path)
@@ -221,86 +206,8 @@ def test_a_run_naming_a_document_outside_the_corpus_is_an_error(tiny_reranker, t
     with pytest.raises(ValueError, match="depth must be >= 1"):
         RerankScoreConfig(depth=0)
 
-
 # -- on Ray -------------------------------------------------------------------------------
 
 def read_run_lines(path) -> list[tuple[str, str, float]]:
     with open(path) as f:
         return [(c[0], c[2], float(c[4])) for c in (line.split() for line in f)]
-
-
-@pytest.mark.ray
-def test_train_on_ray_export_and_rerank_a_run_on_actors(tiny_checkpoint, tmp_path, ray_session, monkeypatch):
-    """One Ray Train run and one scoring round (the suite's time budget): the training job's
-    evaluation step is checked for the scoring config it builds, and that config, with the
-    positives included and 2 actors, is then run for real."""
-    import ir_measures
-
-    from pipeline.evaluate import evaluate
-    from pipeline.rerank import RerankConfig, run_reranker_training
-    from pipeline.retrieval_data import read_queries, write_negatives
-    from pipeline.train import TrainConfig
-
-    data = beir_fixture(tmp_path)
-    # What jobs/mine.py writes: per query, ranked negatives (no judged positive among them).
-    write_negatives([(f"q{i}", [f"d{j}" for j in range(N_QUERIES, N_DOCS) if j % N_QUERIES != i][:6], None)
-                     for i in range(N_QUERIES)], str(tmp_path / "negatives.jsonl"))
-    cfg = RerankConfig()
-    cfg.data.queries, cfg.data.qrels, cfg.data.negatives = data["queries"], data["qrels"], str(tmp_path / "negatives.jsonl")
-    cfg.data.query_max_len, cfg.data.passage_max_len = 12, 36
-    cfg.corpus.input, cfg.corpus.docs_per_shard = data["corpus"], 20
-    cfg.model.init = tiny_checkpoint
-    cfg.reranker.group_size, cfg.reranker.max_len = 4, 48
-    cfg.eval.run, cfg.eval.queries, cfg.eval.qrels, cfg.eval.depth = data["run"], data["queries"], data["qrels"], 4
-    cfg.train = TrainConfig(output=str(tmp_path / "run"), num_workers=1, micro_batch_size=4, max_steps=0, epochs=1,
-                            lr=1e-3, log_every=1, checkpoint_every=100)
-    handed_over = []
-    monkeypatch.setattr("pipeline.rerank.run_scoring", lambda c: handed_over.append(c) or {"scored": True})
-    summary = run_reranker_training(cfg)
-
-    assert summary["steps"] == N_QUERIES // 4 and summary["examples"] == N_QUERIES
-    assert math.isfinite(summary["final_loss"]) and summary["tokens_per_s"] > 0
-    history = json.load(open(tmp_path / "run" / "history.json"))
-    assert len(history) == 3 and all(0.0 <= h["accuracy"] <= 1.0 for h in history)
-    export = summary["export_dir"]
-    trained = load_reranker(export)
-    assert trained.lengths == PairLengths(12, 36, 48)
-    assert os.path.exists(os.path.join(export, "tokenizer.json"))
-    start = build_reranker(tiny_checkpoint).model.bert.embeddings.word_embeddings.weight
-    assert not torch.equal(start, trained.model.bert.embeddings.word_embeddings.weight)  # training moved it
-
-    # The evaluation step re-ranks eval.run with the export, over the training corpus.
-    assert summary["eval"] == {"scored": True}
-    (score_cfg,) = handed_over
-    assert (score_cfg.model, score_cfg.run, score_cfg.depth) == (export, data["run"], 4)
-    assert score_cfg.corpus.endswith("corpus.jsonl") and score_cfg.output == str(tmp_path / "run" / "eval")
-    score_cfg.include_positives, score_cfg.batch_size, score_cfg.queries_per_task = True, 3, 5
-    score_cfg.pool.actors = 2
-    scored = run_scoring(score_cfg)
-
-    first_stage = read_trec_run(data["run"], depth=4)
-    expected = {(q, d) for q, ranked in first_stage.items() for d, _, _ in ranked}
-    missed = {(f"q{i}", f"d{i}") for i in range(N_QUERIES)} - expected
-    assert missed and scored["positives_added"] == len(missed) and scored["queries"] == N_QUERIES
-    lines = read_run_lines(scored["run"])
-    assert sorted((q, d) for q, d, _ in lines) == sorted(expected | missed)  # every pair exactly once
-
-    queries, texts = read_queries(data["queries"]), {d["_id"]: d["text"] for d in synthetic_docs(N_DOCS, seed=9)}
-    tokenizer = load_tokenizer(export)
-    with torch.no_grad():
-        direct = {(q, d): trained(**hf_pair(tokenizer, queries[q], texts[d], trained.lengths)).item()
-                  for q, d, _ in lines}
-    assert max(abs(score - direct[q, d]) for q, d, score in lines) < 1e-4
-    assert len({round(v, 4) for v in direct.values()}) > len(direct) // 2  # scores that tell pairs apart
-
-    # Metrics: ir_measures on the written run, over the first-stage candidates only.
-    written = {}
-    for row in ir_measures.read_trec_run(scored["run"]):
-        written.setdefault(row.query_id, {})[row.doc_id] = row.score
-    fair = {q: {d: s for d, s in docs.items() if (q, d) in expected} for q, docs in written.items()}
-    qrels = {f"q{i}": {f"d{i}": 1} for i in range(N_QUERIES)}
-    assert scored["metrics"]["MRR@10"] == pytest.approx(evaluate(qrels, fair, ["RR@10"])["RR@10"], abs=1e-6)
-    before = {q: {d: s for d, s, _ in ranked} for q, ranked in first_stage.items()}
-    assert scored["first_stage_metrics"]["MRR@10"] == pytest.approx(evaluate(qrels, before, ["RR@10"])["RR@10"])
-    assert scored["first_stage_metrics"]["R@100"] == pytest.approx(8 / 12)  # the run misses 4 positives
-    assert scored["metrics"]["R@100"] == pytest.approx(8 / 12)  # added positives are not counted
