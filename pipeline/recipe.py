@@ -33,7 +33,7 @@ from models.distillation import DistillationConfig
 from pipeline import storage
 from pipeline.encode import ActorConfig
 from pipeline.pretrain import PretrainConfig
-from pipeline.runtime import RayConfig
+from pipeline.runtime import RayConfig, write_run_files
 from pipeline.train import TrainConfig
 
 STAGES = ("pretrain", "bm25", "zeroshot", "round1", "mine1", "round2", "mine2", "reranker", "rerank", "teacher",
@@ -366,7 +366,8 @@ def stage_rerank(ctx: StageContext) -> dict:
     merged: dict[str, dict[str, float]] = {}
     for qid, ranked in read_trec_run(first_stage_uri).items():
         top = [doc for doc, _, _ in reranked.get(qid, [])]
-        order = top + [doc for doc, _, _ in ranked if doc not in set(top)]
+        in_top = set(top)
+        order = top + [doc for doc, _, _ in ranked if doc not in in_top]
         merged[qid] = {doc: float(len(order) - i) for i, doc in enumerate(order)}  # rank as score
     merged_uri = storage.join(ctx.folder("rerank"), "merged.run.trec")
     write_trec_run(merged, merged_uri, tag="rerank")
@@ -435,8 +436,6 @@ def run_pipeline(cfg: PipelineConfig, stage_functions: dict[str, Callable[[Stage
     storage.check_reachable(cfg.output)
     manifest = RunManifest(cfg.output)
     todo, redo = plan_stages(cfg, manifest)
-    from pipeline.runtime import write_run_files
-
     write_run_files(cfg, cfg.output)
     ctx = StageContext(cfg, manifest)
     ran = []
