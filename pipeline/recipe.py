@@ -26,7 +26,7 @@ import copy
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Literal
 
 from models.biencoder import BiEncoderConfig
 from models.distillation import DistillationConfig
@@ -87,6 +87,7 @@ class EvalStage:
     k: int = field(default=1000, metadata={"help": "passages retrieved per dev query (capped at the corpus size)"})
     index: str = field(default="Flat", metadata={"help": "FAISS factory of the evaluation / mining index (Flat = exact)"})
     nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
+    precision: Literal["auto", "fp32", "fp16", "bf16"] = field(default="auto", metadata={"help": "encoding precision: auto (fp16 on GPU, fp32 on CPU), fp32, fp16 or bf16 (bf16 autocast also speeds up CPUs with AMX)"})
     pool: ActorConfig = field(default_factory=ActorConfig)
 
 
@@ -137,8 +138,8 @@ class RunManifest:
     """``pipeline.json``: one record per finished stage. Rewritten whole after each stage
     (an atomic write), so a kill leaves the previous complete version."""
 
-    def __init__(self, output: str):
-        self.uri = storage.join(output, MANIFEST)
+    def __init__(self, output: str, name: str = MANIFEST):
+        self.uri = storage.join(output, name)
         self.data = storage.read_json(self.uri) if storage.exists(self.uri) else {"stages": {}}
 
     def done(self, stage: str) -> bool:
@@ -208,25 +209,32 @@ class StageContext:
         return storage.join(self.cfg.output, "corpus", hashlib.sha1(init.encode()).hexdigest()[:10])
 
 
-def _evaluate(ctx: StageContext, model: str, folder: str, pooling: str = "", normalize: bool = False) -> dict:
+def evaluate_dev(data: RecipeData, settings: EvalStage, model: str, folder: str, k: int, pooling: str = "",
+                 normalize: bool = False) -> dict:
     """Dev metrics of a retriever through the distributed path: encode on actors, index, search."""
     from pipeline.evaluate import EvaluateJobConfig, run_evaluation
 
-    cfg = ctx.cfg
-    summary = run_evaluation(EvaluateJobConfig(
-        model=model, corpus=cfg.data.corpus, queries=cfg.data.dev_queries, qrels=cfg.data.dev_qrels,
-        pooling=pooling, normalize=normalize, index=cfg.eval.index, k=_eval_k(ctx), output=folder,
-        actors=cfg.eval.pool.actors, max_len=cfg.data.passage_max_len, query_max_len=cfg.data.query_max_len,
-        nprobe=cfg.eval.nprobe, docs_per_shard=cfg.data.docs_per_shard))
-    return summary
+    return run_evaluation(EvaluateJobConfig(
+        model=model, corpus=data.corpus, queries=data.dev_queries, qrels=data.dev_qrels,
+        pooling=pooling, normalize=normalize, index=settings.index, k=k, output=folder,
+        actors=settings.pool.actors, max_len=data.passage_max_len, query_max_len=data.query_max_len,
+        nprobe=settings.nprobe, docs_per_shard=data.docs_per_shard, precision=settings.precision))
+
+
+def _evaluate(ctx: StageContext, model: str, folder: str, pooling: str = "", normalize: bool = False) -> dict:
+    return evaluate_dev(ctx.cfg.data, ctx.cfg.eval, model, folder, _eval_k(ctx), pooling, normalize)
 
 
 def _eval_k(ctx: StageContext) -> int:
+    if "corpus_docs" not in ctx.manifest.data:
+        ctx.manifest.data["corpus_docs"] = count_documents(ctx.cfg.data.corpus)
+    return min(ctx.cfg.eval.k, ctx.manifest.data["corpus_docs"])
+
+
+def count_documents(corpus: str) -> int:
     from pipeline.corpus import iter_documents
 
-    if "corpus_docs" not in ctx.manifest.data:
-        ctx.manifest.data["corpus_docs"] = sum(1 for _ in iter_documents(ctx.cfg.data.corpus))
-    return min(ctx.cfg.eval.k, ctx.manifest.data["corpus_docs"])
+    return sum(1 for _ in iter_documents(corpus))
 
 
 def stage_pretrain(ctx: StageContext) -> dict:
@@ -262,22 +270,30 @@ def stage_zeroshot(ctx: StageContext) -> dict:
     return {"outputs": {"run": summary["run"]}, "metrics": summary["metrics"], "summary": summary}
 
 
-def _finetune_config(ctx: StageContext, stage: str, settings: RetrieverStage, init: str, negatives: str):
+def finetune_config(data: RecipeData, settings: RetrieverStage, *, init: str, negatives: str, output: str,
+                    prepared_corpus: str, ray: RayConfig, queries: str = "", qrels: str = "",
+                    bm25_depth: int = 200, bm25_count: int = 30):
+    """The fine-tuning job of one retriever stage (``queries`` / ``qrels``: a subset of the
+    training queries instead of ``data``'s)."""
     from pipeline.finetune import EncoderInit, FinetuneConfig, FinetuneCorpusConfig, FinetuneDataConfig
     from pipeline.evaluate import EvalConfig
 
-    data = ctx.cfg.data
     train = copy.deepcopy(settings.train)
-    train.output = ctx.folder(stage)
+    train.output = output
     return FinetuneConfig(
-        data=FinetuneDataConfig(queries=data.train_queries, qrels=data.train_qrels, negatives=negatives,
-                                bm25_depth=ctx.cfg.mine.bm25_depth, bm25_count=ctx.cfg.mine.bm25_count,
+        data=FinetuneDataConfig(queries=queries or data.train_queries, qrels=qrels or data.train_qrels,
+                                negatives=negatives, bm25_depth=bm25_depth, bm25_count=bm25_count,
                                 query_max_len=data.query_max_len, passage_max_len=data.passage_max_len),
-        corpus=FinetuneCorpusConfig(input=data.corpus, output=ctx.prepared_corpus(init),
-                                    docs_per_shard=data.docs_per_shard),
+        corpus=FinetuneCorpusConfig(input=data.corpus, output=prepared_corpus, docs_per_shard=data.docs_per_shard),
         model=EncoderInit(init=init), retriever=copy.deepcopy(settings.retriever),
-        eval=EvalConfig(queries="", qrels=""),  # evaluated below, through the distributed path
-        train=train, ray=ctx.cfg.ray)
+        eval=EvalConfig(queries="", qrels=""),  # evaluated by the caller, through the distributed path
+        train=train, ray=ray)
+
+
+def _finetune_config(ctx: StageContext, stage: str, settings: RetrieverStage, init: str, negatives: str):
+    return finetune_config(ctx.cfg.data, settings, init=init, negatives=negatives, output=ctx.folder(stage),
+                           prepared_corpus=ctx.prepared_corpus(init), ray=ctx.cfg.ray,
+                           bm25_depth=ctx.cfg.mine.bm25_depth, bm25_count=ctx.cfg.mine.bm25_count)
 
 
 def _retriever_stage(ctx: StageContext, stage: str, settings: RetrieverStage, negatives: str) -> dict:

@@ -16,6 +16,8 @@ Everything here is deterministic and tiny enough to run in milliseconds on a CPU
 
 from __future__ import annotations
 
+import json
+import os
 import random
 from dataclasses import dataclass
 
@@ -216,3 +218,47 @@ def save_tiny_bert(out_dir: str, texts: list[str], seed: int = 0, **config_overr
     torch.manual_seed(seed)
     BertModel(tiny_bert_config(len(tokenizer), **config_overrides)).save_pretrained(out_dir)
     return out_dir
+
+
+def retrieval_collection(folder, n_docs: int, n_train: int, n_dev: int) -> dict:
+    """A BEIR collection of generated passages; query i is four words of passage i, its one
+    positive, so that BM25 and training have signal. Train queries first, then dev."""
+    texts = generated_texts(n_docs, seed=3)
+    rng = random.Random(0)
+    os.makedirs(folder, exist_ok=True)
+    paths = {"corpus": os.path.join(folder, "corpus.jsonl")}
+    with open(paths["corpus"], "w") as f:
+        for i, text in enumerate(texts):
+            f.write(json.dumps({"_id": f"d{i}", "title": "", "text": text}) + "\n")
+    for split, ids in (("train", range(n_train)), ("dev", range(n_train, n_train + n_dev))):
+        paths[f"{split}_queries"] = os.path.join(folder, f"queries.{split}.jsonl")
+        paths[f"{split}_qrels"] = os.path.join(folder, f"qrels.{split}.tsv")
+        with open(paths[f"{split}_queries"], "w") as q, open(paths[f"{split}_qrels"], "w") as r:
+            r.write("query-id\tcorpus-id\tscore\n")
+            for i in ids:
+                words = texts[i].split()
+                q.write(json.dumps({"_id": f"q{i}", "text": " ".join(rng.sample(words, min(4, len(words))))}) + "\n")
+                r.write(f"q{i}\td{i}\t1\n")
+    return {"texts": texts, **paths}
+
+
+def ir_measures_of_run(run_uri: str, qrels_uri: str) -> dict:
+    """The job's metrics of a TREC run, computed by ir_measures itself from the files."""
+    import ir_measures
+
+    from pipeline.evaluate import JOB_MEASURES
+
+    qrels = list(ir_measures.read_trec_qrels(_trec_qrels(qrels_uri)))
+    run = list(ir_measures.read_trec_run(run_uri))
+    values = ir_measures.calc_aggregate([ir_measures.parse_measure(m) for m in JOB_MEASURES.values()], qrels, run)
+    return {name: values[ir_measures.parse_measure(m)] for name, m in JOB_MEASURES.items()}
+
+
+def _trec_qrels(tsv: str) -> str:
+    out = tsv + ".trec"
+    with open(tsv) as f, open(out, "w") as o:
+        next(f)
+        for line in f:
+            q, d, s = line.split()
+            o.write(f"{q} 0 {d} {s}\n")
+    return out

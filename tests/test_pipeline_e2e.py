@@ -6,39 +6,16 @@ next and that the results table is what ir_measures says of each stage's run."""
 from __future__ import annotations
 
 import json
-import os
-import random
 
 import pytest
 
 from pipeline.recipe import STAGES, PipelineConfig, run_pipeline
 from pipeline.train import TrainConfig
-from tests.helpers import generated_texts, save_tiny_bert
+from tests.helpers import ir_measures_of_run, retrieval_collection, save_tiny_bert
 
 pytestmark = pytest.mark.ray
 
 N_DOCS, N_TRAIN, N_DEV = 120, 40, 12
-
-
-def _collection(folder) -> dict:
-    texts = generated_texts(N_DOCS, seed=3)
-    rng = random.Random(0)
-    os.makedirs(folder, exist_ok=True)
-    paths = {"corpus": os.path.join(folder, "corpus.jsonl")}
-    with open(paths["corpus"], "w") as f:
-        for i, text in enumerate(texts):
-            f.write(json.dumps({"_id": f"d{i}", "title": "", "text": text}) + "\n")
-    # A query is a few words of its passage, so that BM25 and training have signal.
-    for split, ids in (("train", range(N_TRAIN)), ("dev", range(N_TRAIN, N_TRAIN + N_DEV))):
-        paths[f"{split}_queries"] = os.path.join(folder, f"queries.{split}.jsonl")
-        paths[f"{split}_qrels"] = os.path.join(folder, f"qrels.{split}.tsv")
-        with open(paths[f"{split}_queries"], "w") as q, open(paths[f"{split}_qrels"], "w") as r:
-            r.write("query-id\tcorpus-id\tscore\n")
-            for i in ids:
-                words = texts[i].split()
-                q.write(json.dumps({"_id": f"q{i}", "text": " ".join(rng.sample(words, min(4, len(words))))}) + "\n")
-                r.write(f"q{i}\td{i}\t1\n")
-    return {"texts": texts, **paths}
 
 
 def _config(tmp_path, data: dict, init: str) -> PipelineConfig:
@@ -63,27 +40,6 @@ def _config(tmp_path, data: dict, init: str) -> PipelineConfig:
     return cfg
 
 
-def _ir_measures(run_uri: str, qrels_uri: str) -> dict:
-    import ir_measures
-
-    from pipeline.evaluate import JOB_MEASURES
-
-    qrels = list(ir_measures.read_trec_qrels(_trec_qrels(qrels_uri)))
-    run = list(ir_measures.read_trec_run(run_uri))
-    values = ir_measures.calc_aggregate([ir_measures.parse_measure(m) for m in JOB_MEASURES.values()], qrels, run)
-    return {name: values[ir_measures.parse_measure(m)] for name, m in JOB_MEASURES.items()}
-
-
-def _trec_qrels(tsv: str) -> str:
-    out = tsv + ".trec"
-    with open(tsv) as f, open(out, "w") as o:
-        next(f)
-        for line in f:
-            q, d, s = line.split()
-            o.write(f"{q} 0 {d} {s}\n")
-    return out
-
-
 def _ranked(run_uri: str) -> dict[str, list[str]]:
     from pipeline.retrieval_data import read_trec_run
 
@@ -91,7 +47,7 @@ def _ranked(run_uri: str) -> dict[str, list[str]]:
 
 
 def test_recipe_end_to_end_then_rerun_and_only(tmp_path, ray_session):
-    data = _collection(tmp_path / "data")
+    data = retrieval_collection(tmp_path / "data", N_DOCS, N_TRAIN, N_DEV)
     init = save_tiny_bert(str(tmp_path / "init"), data["texts"])
     cfg = _config(tmp_path, data, init)
     summary = run_pipeline(cfg)
@@ -101,7 +57,7 @@ def test_recipe_end_to_end_then_rerun_and_only(tmp_path, ray_session):
     # Each retriever-stage row is what ir_measures computes from that stage's run file.
     records = summary["stages"]
     for stage in ("bm25", "zeroshot", "round1", "round2", "rerank", "distill"):
-        expected = _ir_measures(records[stage]["outputs"]["run"], data["dev_qrels"])
+        expected = ir_measures_of_run(records[stage]["outputs"]["run"], data["dev_qrels"])
         assert records[stage]["metrics"] == pytest.approx(expected, abs=1e-9), stage
     results = open(summary["results"]).read()
     for label in ("BM25", "zero-shot", "round 1", "round 2", "re-ranker", "distillation"):

@@ -1,0 +1,26 @@
+"""Compare the pre-training methods the way the papers do, with one command.
+
+From one initial checkpoint, continue pre-training with each method (none, mlm, condenser,
+cocondenser warm-started from condenser, simlm with the mlm run as its generator), fine-tune
+each with identical settings at several training-set sizes, evaluate each on the same dev
+queries, and measure the CLS attention entropy before and after fine-tuning. Writes
+results.md, results.json and comparison.png under --output; a rerun skips finished work.
+With no arguments: MiniLM on the bundled Bible sample, a few steps each (a smoke run; the
+real one is jobs/recipes/compare-nave.yaml). Prints a JSON summary as its last line.
+"""
+
+from pipeline.compare import ComparisonConfig, run_comparison
+from pipeline.config import parse_config
+from pipeline.runtime import init_ray, print_summary
+
+
+def main(argv=None) -> dict:
+    cfg = parse_config(ComparisonConfig, argv, description=__doc__)
+    init_ray(cfg.ray)
+    summary = run_comparison(cfg)
+    print_summary(summary)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
