@@ -24,13 +24,14 @@ interrupted one from its own checkpoints.
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from pipeline import storage
 from pipeline.pretrain import PretrainConfig
-from pipeline.recipe import (EvalStage, RecipeData, RetrieverStage, RunManifest, count_documents, evaluate_dev,
+from pipeline.recipe import (EvalStage, RecipeData, RetrieverStage, RunManifest, eval_k, evaluate_dev,
                              finetune_config)
 from pipeline.runtime import RayConfig, write_run_files
 from pipeline.train import TrainConfig
@@ -118,7 +119,7 @@ class Comparison:
     def output(self, unit: str, key: str) -> str:
         return self.manifest.record(unit)["outputs"][key]
 
-    @property
+    @functools.cached_property
     def init(self) -> str:
         from pipeline.finetune import resolve_init
 
@@ -157,7 +158,7 @@ class Comparison:
         negatives = self.output("negatives", "negatives")
         if n == 0:
             return {"outputs": {"queries": data.train_queries, "qrels": data.train_qrels, "negatives": negatives},
-                    "metrics": {"queries": _count_judged(data.train_queries, data.train_qrels)}}
+                    "metrics": {"queries": len(_judged_training_queries(data.train_queries, data.train_qrels)[2])}}
         return sample_training_queries(data.train_queries, data.train_qrels, negatives, n, self.cfg.finetune.seed,
                                        self.folder("queries", size_label(n)))
 
@@ -195,17 +196,12 @@ class Comparison:
         job.corpus.tokenizer = self.init  # every method keeps its tokenizer: one prepared corpus for all
         summary = run_finetuning(job)
         train_s = time.time() - started
-        k = min(cfg.eval.k, self.corpus_docs())
+        k = eval_k(self.manifest, cfg.data.corpus, cfg.eval.k)
         evaluation = evaluate_dev(cfg.data, cfg.eval, summary["export_dir"], storage.join(folder, "eval"), k)
         return {"outputs": {"export": summary["export_dir"], "run": evaluation["run"]},
                 "metrics": {**evaluation["metrics"], "train_seconds": round(train_s, 1),
                             "tokens_per_s": summary.get("tokens_per_s")},
                 "summary": {"train": summary, "eval": evaluation}}
-
-    def corpus_docs(self) -> int:
-        if "corpus_docs" not in self.manifest.data:
-            self.manifest.data["corpus_docs"] = count_documents(self.cfg.data.corpus)
-        return self.manifest.data["corpus_docs"]
 
     def analyze(self) -> dict:
         """CLS attention entropy (Condenser paper, Figure 2): the initial checkpoint and each
@@ -229,11 +225,14 @@ class Comparison:
                             "after_train_queries": size_label(largest)}}
 
 
-def _count_judged(queries: str, qrels: str) -> int:
-    from pipeline.retrieval_data import read_qrels, read_queries
+def _judged_training_queries(queries: str, qrels: str):
+    """(texts, qrels, sorted ids of the queries with a judged positive): what a training
+    query is, as the trainers' reader (``retrieval_data.positives``) defines it."""
+    from pipeline.retrieval_data import positives, read_qrels, read_queries
 
-    q = read_queries(queries)
-    return sum(1 for qid, docs in read_qrels(qrels, query_ids=set(q)).items() if any(s > 0 for s in docs.values()))
+    texts = read_queries(queries)
+    judged = read_qrels(qrels, query_ids=set(texts))
+    return texts, judged, sorted(q for q in texts if positives(judged.get(q, {})))
 
 
 def sample_training_queries(queries: str, qrels: str, negatives: str, n: int, seed: int, folder: str) -> dict:
@@ -242,11 +241,9 @@ def sample_training_queries(queries: str, qrels: str, negatives: str, n: int, se
 
     import numpy as np
 
-    from pipeline.retrieval_data import QRELS_HEADER, read_negatives, read_qrels, read_queries
+    from pipeline.retrieval_data import QRELS_HEADER, read_negatives
 
-    texts = read_queries(queries)
-    judged = read_qrels(qrels, query_ids=set(texts))
-    eligible = sorted(q for q in texts if any(s > 0 for s in judged.get(q, {}).values()))
+    texts, judged, eligible = _judged_training_queries(queries, qrels)
     if n > len(eligible):
         raise ValueError(f"--finetune.train_sizes asks for {n} training queries, but {queries} has only "
                          f"{len(eligible)} with a judged positive")

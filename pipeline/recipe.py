@@ -226,15 +226,16 @@ def _evaluate(ctx: StageContext, model: str, folder: str, pooling: str = "", nor
 
 
 def _eval_k(ctx: StageContext) -> int:
-    if "corpus_docs" not in ctx.manifest.data:
-        ctx.manifest.data["corpus_docs"] = count_documents(ctx.cfg.data.corpus)
-    return min(ctx.cfg.eval.k, ctx.manifest.data["corpus_docs"])
+    return eval_k(ctx.manifest, ctx.cfg.data.corpus, ctx.cfg.eval.k)
 
 
-def count_documents(corpus: str) -> int:
+def eval_k(manifest: RunManifest, corpus: str, k: int) -> int:
+    """``k`` capped at the corpus size, which is counted once per run and kept in the manifest."""
     from pipeline.corpus import iter_documents
 
-    return sum(1 for _ in iter_documents(corpus))
+    if "corpus_docs" not in manifest.data:
+        manifest.data["corpus_docs"] = sum(1 for _ in iter_documents(corpus))
+    return min(k, manifest.data["corpus_docs"])
 
 
 def stage_pretrain(ctx: StageContext) -> dict:
