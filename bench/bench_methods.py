@@ -70,7 +70,7 @@ def minilm_path() -> str:
 
 def masking_vocab():
     from models.masking import MaskingVocab
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.data.tokenizer import load_tokenizer
 
     return MaskingVocab.from_tokenizer(load_tokenizer(minilm_path()))
 

@@ -39,7 +39,9 @@ if str(REPO_ROOT) not in sys.path:
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from pipeline.train import TrainConfig, effective_zero_stage  # noqa: E402  (after the path fix)
+from pipeline.training.train_config import TrainConfig
+
+from pipeline.training.deepspeed_config import effective_zero_stage
 
 CORPUS = REPO_ROOT / "data" / "bible-sample" / "corpus.jsonl"
 BUCKET = "bench"
@@ -118,9 +120,9 @@ def start_s3() -> tuple[object, str]:
 
 def pretrain_config(corpus_uri: str, output: str, steps: int):
     from models.backbone import BackboneConfig
-    from pipeline.pretrain import PretrainConfig, StreamConfig
-    from pipeline.shards import PrepareConfig
-    from pipeline.train import TrainConfig
+    from pipeline.training.pretrain import PretrainConfig, StreamConfig
+    from pipeline.data.shards import PrepareConfig
+    from pipeline.training.train_config import TrainConfig
 
     cfg = PretrainConfig()
     cfg.corpus = PrepareConfig(input="", output=corpus_uri)  # already prepared: load its manifest
@@ -135,8 +137,8 @@ def pretrain_config(corpus_uri: str, output: str, steps: int):
 # -- the variants -------------------------------------------------------------------------
 
 def run_ray(name: str, corpus_uri: str, output: str, steps: int, replay: int) -> dict:
-    from pipeline import storage
-    from pipeline.pretrain import run_pretraining
+    from pipeline.core import storage
+    from pipeline.training.pretrain import run_pretraining
 
     say(f"{name}: run_pretraining(corpus={corpus_uri}, replay_batches={replay}, steps={steps})")
     t0 = time.perf_counter()
@@ -161,13 +163,13 @@ def plain_batches(corpus_dir: str, steps: int, seed: int) -> tuple[object, list[
 
     from models.condenser import CondenserConfig
     from models.backbone import BackboneConfig
-    from pipeline import storage
-    from pipeline.position import IntervalSet
-    from pipeline.pretrain import PretrainTask
-    from pipeline.shards import load_manifest
-    from pipeline.stream import StreamSpec, epoch_files, to_sequences
-    from pipeline.tokenizer import load_tokenizer
-    from pipeline.train import step_seed
+    from pipeline.core import storage
+    from pipeline.data.position import IntervalSet
+    from pipeline.training.pretrain import PretrainTask
+    from pipeline.data.shards import load_manifest
+    from pipeline.data.stream import StreamSpec, epoch_files, to_sequences
+    from pipeline.data.tokenizer import load_tokenizer
+    from pipeline.training.loop import step_seed
 
     manifest = load_manifest(corpus_dir)
     tokenizer_dir = storage.join(corpus_dir, manifest["tokenizer"])
@@ -239,7 +241,9 @@ def run_plain(corpus_dir: str, steps: int, niceness: int | None) -> dict:
     """
     import torch
 
-    from pipeline.train import TrainConfig, linear_schedule, param_groups
+    from pipeline.training.loop import linear_schedule, param_groups
+
+    from pipeline.training.train_config import TrainConfig
 
     train = TrainConfig(micro_batch_size=MICRO_BATCH, max_steps=steps)  # defaults = the Ray runs' lr etc.
     say(f"plain: building model and {steps} batches (threads={CPUS_PER_WORKER})")
@@ -379,9 +383,9 @@ def main(argv=None) -> dict:
         # 1. S3 on loopback, its variables set before Ray starts (the workers inherit them).
         server, endpoint = start_s3()
         say(f"moto S3 server at {endpoint}; temp folder {tmp}")
-        from pipeline import storage
-        from pipeline.runtime import RayConfig, init_ray
-        from pipeline.shards import PrepareConfig, prepare_corpus
+        from pipeline.core import storage
+        from pipeline.core.runtime import RayConfig, init_ray
+        from pipeline.data.shards import PrepareConfig, prepare_corpus
 
         if ray.is_initialized():
             raise RuntimeError("Ray is already initialised in this process: the S3 variables would not reach it")

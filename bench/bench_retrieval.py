@@ -21,16 +21,17 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from pipeline.corpus import iter_documents  # noqa: E402
-from pipeline.evaluate import dense_run, evaluate  # noqa: E402
-from pipeline.retrieval_data import read_qrels, read_queries  # noqa: E402
+from pipeline.data.corpus import iter_documents
+from pipeline.retrieval.evaluate import dense_run
+from pipeline.retrieval.metrics import evaluate
+from pipeline.data.beir import read_qrels, read_queries
 
 DEPTH = 100
 
 
 def dense(name: str, path: str, overrides: dict, queries: dict, doc_ids: list, texts: list) -> tuple[dict, dict]:
     from models.biencoder import load_biencoder
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.data.tokenizer import load_tokenizer
 
     model = load_biencoder(path, overrides)
     towers = Path(path) / "query"
@@ -54,7 +55,7 @@ def main() -> None:
     qrels = read_qrels(f"{args.data}/qrels.dev.tsv", doc_ids=set(doc_ids), query_ids=set(queries))
 
     results = []
-    from pipeline.bm25 import bm25_run, build_index
+    from pipeline.retrieval.bm25 import bm25_run, build_index
 
     start = time.perf_counter()
     run = bm25_run(build_index(corpus), queries, depth=DEPTH)

@@ -27,9 +27,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from pipeline import embeddings as emb  # noqa: E402
-from pipeline.index import IndexConfig, brute_force_topk, plan_memory  # noqa: E402
-from pipeline.search import IndexJobConfig, ShardedIndex, run_indexing  # noqa: E402
+from pipeline.retrieval import embeddings as emb
+from pipeline.retrieval.index import brute_force_topk, plan_memory
+from pipeline.retrieval.index_build import IndexJobConfig
+from pipeline.retrieval.search import ShardedIndex, run_indexing
 
 NAVE = REPO_ROOT.parent / "shared" / "data" / "nave"
 GIB = 1024 ** 3
@@ -72,7 +73,9 @@ def bench_encode(n_passages: int) -> dict:
     from sentence_transformers import SentenceTransformer
     import torch
 
-    from pipeline.encode import ActorConfig, EncodeConfig, EncoderSettings, prepared_corpus, run_encoding
+    from pipeline.core.actor_pool import ActorConfig
+
+    from pipeline.retrieval.encode import EncodeConfig, EncoderSettings, prepared_corpus, run_encoding
 
     lines = (NAVE / "corpus.jsonl").read_text().splitlines()[:n_passages]
     texts = [json.loads(line)["text"] for line in lines]
@@ -141,7 +144,7 @@ def bench_search(n: int, dim: int, n_queries: int, k: int, cores: int = 2) -> di
 
 
 def bench_recall(n: int, dim: int, n_queries: int, k: int = 100) -> list[dict]:
-    from pipeline.index import build_index_shard, sample_vectors, search_shard
+    from pipeline.retrieval.index import build_index_shard, sample_vectors, search_shard
 
     vectors, queries = clustered(n, dim, 2), clustered(n_queries, dim, 3)
     _, exact = brute_force_topk(queries, vectors, k)
@@ -157,7 +160,7 @@ def bench_recall(n: int, dim: int, n_queries: int, k: int = 100) -> list[dict]:
 
 
 def bench_mine(n: int, dim: int, n_queries: int, depth: int = 200, count: int = 30) -> dict:
-    from pipeline.mine import MineConfig, select_negatives
+    from pipeline.retrieval.mine import MineConfig, select_negatives
 
     rng = np.random.default_rng(4)
     with tempfile.TemporaryDirectory() as tmp:

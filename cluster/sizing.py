@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.index import plan_memory  # noqa: E402
+from pipeline.retrieval.index import plan_memory  # noqa: E402
 
 # bench/README.md, bench_search.py: 1 CPU actor with 1 core and 1 torch thread, fp32, the
 # 6-layer MiniLM (hidden 384), the first 4,000 Nave verses at max length 128 (steady state).

@@ -6,9 +6,9 @@ sample and writes entropy.json and cls_entropy.png under ./runs/analyze. Prints 
 summary as its last line.
 """
 
-from pipeline.analyze import AnalyzeConfig, run_analysis
-from pipeline.config import parse_config
-from pipeline.runtime import print_summary
+from pipeline.workflows.analyze import AnalyzeConfig, run_analysis
+from pipeline.core.config import parse_config
+from pipeline.core.runtime import print_summary
 
 
 def main(argv=None) -> dict:

@@ -6,9 +6,9 @@ Example: python jobs/bm25_negatives.py --corpus data/nave/corpus.jsonl
 results next to it; runs in this process (no Ray). Prints a JSON summary as its last line.
 """
 
-from pipeline.bm25 import Bm25Config, mine_negatives
-from pipeline.config import parse_config
-from pipeline.runtime import print_summary
+from pipeline.retrieval.bm25 import Bm25Config, mine_negatives
+from pipeline.core.config import parse_config
+from pipeline.core.runtime import print_summary
 
 
 def main(argv=None) -> dict:

@@ -9,9 +9,9 @@ With no arguments: MiniLM on the bundled Bible sample, a few steps each (a smoke
 real one is jobs/recipes/compare-nave.yaml). Prints a JSON summary as its last line.
 """
 
-from pipeline.compare import ComparisonConfig, run_comparison
-from pipeline.config import parse_config
-from pipeline.runtime import init_ray, print_summary
+from pipeline.workflows.compare import ComparisonConfig, run_comparison
+from pipeline.core.config import parse_config
+from pipeline.core.runtime import init_ray, print_summary
 
 
 def main(argv=None) -> dict:

@@ -6,9 +6,9 @@ the scoring stage writes (--data.teacher_scores, required). Ends with the same e
 (retriever.json) and evaluation as jobs/finetune.py. Prints a JSON summary as its last line.
 """
 
-from pipeline.config import parse_config
-from pipeline.distill import DistillConfig, run_distillation
-from pipeline.runtime import init_ray, print_summary
+from pipeline.core.config import parse_config
+from pipeline.training.distill import DistillConfig, run_distillation
+from pipeline.core.runtime import init_ray, print_summary
 
 
 def main(argv=None) -> dict:

@@ -6,9 +6,9 @@ redone by a fresh actor. Pooling and normalisation come from the model's retriev
 Prints a JSON summary as its last line.
 """
 
-from pipeline.config import parse_config
-from pipeline.encode import EncodeConfig, run_encoding
-from pipeline.runtime import init_ray, print_summary
+from pipeline.core.config import parse_config
+from pipeline.retrieval.encode import EncodeConfig, run_encoding
+from pipeline.core.runtime import init_ray, print_summary
 
 
 def main(argv=None) -> dict:

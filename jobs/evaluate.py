@@ -7,9 +7,10 @@ Writes a TREC run and metrics.json under --output, prints a table of MRR@10, R@1
 R@1000 and nDCG@10 (ir_measures), and as its last line a JSON summary with a `metrics` key.
 """
 
-from pipeline.config import parse_config
-from pipeline.evaluate import EvaluateJobConfig, metrics_table, run_evaluation
-from pipeline.runtime import init_ray, print_summary
+from pipeline.core.config import parse_config
+from pipeline.retrieval.evaluate import EvaluateJobConfig, run_evaluation
+from pipeline.retrieval.metrics import metrics_table
+from pipeline.core.runtime import init_ray, print_summary
 
 
 def main(argv=None) -> dict:

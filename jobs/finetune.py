@@ -6,9 +6,9 @@ with BM25 negatives (mined here with bm25s), then evaluated on its dev queries b
 search. Prints a JSON summary as its last line.
 """
 
-from pipeline.config import parse_config
-from pipeline.finetune import FinetuneConfig, run_finetuning
-from pipeline.runtime import init_ray, print_summary
+from pipeline.core.config import parse_config
+from pipeline.training.finetune import FinetuneConfig, run_finetuning
+from pipeline.core.runtime import init_ray, print_summary
 
 
 def main(argv=None) -> dict:

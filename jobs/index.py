@@ -7,9 +7,9 @@ Prints a JSON summary as its last line.
 """
 
 
-from pipeline.config import parse_config
-from pipeline.runtime import init_ray, print_summary
-from pipeline.search import IndexJobConfig, run_indexing
+from pipeline.core.config import parse_config
+from pipeline.core.runtime import init_ray, print_summary
+from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
 
 
 def main(argv=None) -> dict:

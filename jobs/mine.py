@@ -6,9 +6,9 @@ Writes negatives.jsonl (for jobs/finetune.py --data.negatives), the Tevatron tra
 file (passages by id) and the TREC run. Prints a JSON summary as its last line.
 """
 
-from pipeline.config import parse_config
-from pipeline.mine import MineConfig, run_mining
-from pipeline.runtime import init_ray, print_summary
+from pipeline.core.config import parse_config
+from pipeline.retrieval.mine import MineConfig, run_mining
+from pipeline.core.runtime import init_ray, print_summary
 
 
 def main(argv=None) -> dict:

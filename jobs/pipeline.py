@@ -18,9 +18,9 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 if sys.modules.get("pipeline") is not None and not hasattr(sys.modules["pipeline"], "__path__"):
     del sys.modules["pipeline"]
 
-from pipeline.config import parse_config  # noqa: E402
-from pipeline.recipe import PipelineConfig, cli_args, run_pipeline  # noqa: E402
-from pipeline.runtime import init_ray, print_summary  # noqa: E402
+from pipeline.core.config import parse_config
+from pipeline.workflows.recipe import PipelineConfig, cli_args, run_pipeline
+from pipeline.core.runtime import init_ray, print_summary
 
 
 def main(argv=None) -> dict:

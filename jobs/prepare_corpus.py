@@ -6,9 +6,9 @@ Ray Data to tokenize shards in parallel. Prints a JSON summary as its last line.
 
 from dataclasses import dataclass, field
 
-from pipeline.config import parse_config
-from pipeline.runtime import RayConfig, init_ray, print_summary
-from pipeline.shards import PrepareConfig, prepare_corpus
+from pipeline.core.config import parse_config
+from pipeline.core.runtime import RayConfig, init_ray, print_summary
+from pipeline.data.shards import PrepareConfig, prepare_corpus
 
 
 @dataclass

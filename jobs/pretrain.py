@@ -4,9 +4,9 @@ With no arguments it runs the embedded default: a tiny Condenser on the bundled 
 sample, on a local Ray, writing under ./runs/. Prints a JSON summary as its last line.
 """
 
-from pipeline.config import parse_config
-from pipeline.pretrain import PretrainConfig, run_pretraining
-from pipeline.runtime import init_ray, print_summary
+from pipeline.core.config import parse_config
+from pipeline.training.pretrain import PretrainConfig, run_pretraining
+from pipeline.core.runtime import init_ray, print_summary
 
 
 def main(argv=None) -> dict:

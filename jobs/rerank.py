@@ -7,9 +7,9 @@ from the round-2 top-k that jobs/mine.py wrote (--data.negatives runs/mine/negat
 actors and evaluates it. Prints a JSON summary as its last line.
 """
 
-from pipeline.config import parse_config
-from pipeline.rerank import RerankConfig, run_reranker_training
-from pipeline.runtime import init_ray, print_summary
+from pipeline.core.config import parse_config
+from pipeline.training.rerank import RerankConfig, run_reranker_training
+from pipeline.core.runtime import init_ray, print_summary
 
 
 def main(argv=None) -> dict:

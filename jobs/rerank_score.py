@@ -9,10 +9,10 @@ re-ranker's scores under --output and, with qrels, prints MRR@10, R@10, R@100, R
 nDCG@10 (ir_measures) of the re-ranked and the first-stage run. The last line is a JSON summary.
 """
 
-from pipeline.config import parse_config
-from pipeline.evaluate import metrics_table
-from pipeline.rerank import RerankScoreConfig, run_scoring
-from pipeline.runtime import init_ray, print_summary
+from pipeline.core.config import parse_config
+from pipeline.retrieval.metrics import metrics_table
+from pipeline.retrieval.rerank_scoring import RerankScoreConfig, run_scoring
+from pipeline.core.runtime import init_ray, print_summary
 
 
 def main(argv=None) -> dict:

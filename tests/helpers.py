@@ -172,7 +172,7 @@ def make_tokenizer_dir(out_dir: str, vocab_size: int = 120, texts: list[str] | N
     The vocabulary may come out smaller than ``vocab_size`` on little text: size models
     with ``len(tokenizer)``.
     """
-    from pipeline.tokenizer import train_wordpiece
+    from pipeline.data.tokenizer import train_wordpiece
 
     return train_wordpiece(texts if texts is not None else generated_texts(), out_dir,
                            vocab_size=vocab_size, min_frequency=1)
@@ -246,7 +246,7 @@ def ir_measures_of_run(run_uri: str, qrels_uri: str) -> dict:
     """The job's metrics of a TREC run, computed by ir_measures itself from the files."""
     import ir_measures
 
-    from pipeline.evaluate import JOB_MEASURES
+    from pipeline.retrieval.metrics import JOB_MEASURES
 
     qrels = list(ir_measures.read_trec_qrels(_trec_qrels(qrels_uri)))
     run = list(ir_measures.read_trec_run(run_uri))

@@ -12,9 +12,9 @@ import torch
 
 from conftest import synthetic_docs, write_jsonl
 from jobs.analyze import main
-from pipeline import storage
-from pipeline.analyze import AnalyzeConfig, cls_entropy, load_checkpoint, load_passages, measure, run_analysis
-from pipeline.config import ConfigError
+from pipeline.core import storage
+from pipeline.workflows.analyze import AnalyzeConfig, cls_entropy, load_checkpoint, load_passages, measure, run_analysis
+from pipeline.core.errors import ConfigError
 from tests.helpers import make_tokenizer_dir, tiny_mlm
 
 MAX_LEN = 48  # below the tiny BERT's 64 positions; some passages get truncated

@@ -2,10 +2,11 @@ import json
 
 import pytest
 
-from pipeline import storage
-from pipeline.bm25 import Bm25Config, bm25_run, build_index, mine_negatives
-from pipeline.config import ConfigError, parse_config
-from pipeline.corpus import CorpusError
+from pipeline.core import storage
+from pipeline.retrieval.bm25 import Bm25Config, bm25_run, build_index, mine_negatives
+from pipeline.core.errors import ConfigError
+from pipeline.core.config import parse_config
+from pipeline.core.errors import InputError
 from tests.conftest import synthetic_docs, write_jsonl
 
 # "zebra" and "stripes" occur in a handful of documents; d0 would rank first for q1.
@@ -99,7 +100,7 @@ def test_config_validation(beir):
 
 def test_qrels_for_unknown_document_fails(beir):
     (beir / "qrels.tsv").write_text(QRELS + "q2\tmissing\t1\n")
-    with pytest.raises(CorpusError, match=r"qrels\.tsv line 5: unknown document id 'missing'"):
+    with pytest.raises(InputError, match=r"qrels\.tsv line 5: unknown document id 'missing'"):
         mine_negatives(config(beir))
 
 
@@ -129,7 +130,7 @@ def test_job_reads_s3_writes_local(beir, s3_bucket, capsys):
 
 
 def test_tevatron_output_carries_the_mined_negatives_with_their_text(beir):
-    from pipeline.retrieval_data import read_tevatron
+    from pipeline.data.tevatron import read_tevatron
 
     cfg = config(beir, count=3, threads=1, tevatron=str(beir / "out" / "train.tevatron.jsonl"))
     summary = mine_negatives(cfg)

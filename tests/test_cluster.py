@@ -23,6 +23,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "cluster"
+ZERO_TEMPLATES = REPO / "pipeline" / "training" / "zero_templates"  # package data; the non-editable install is tested too
 AWS_YAML = CLUSTER / "aws.yaml"
 RAYCLUSTER = CLUSTER / "kuberay" / "raycluster.yaml"
 RAYJOB = CLUSTER / "kuberay" / "rayjob.yaml"
@@ -258,8 +259,8 @@ def test_kuberay_autoscaler_reads_the_cluster_and_falls_back_to_on_demand():
 
 
 def test_kuberay_rayjob_runs_pretrain_with_the_mounted_config():
-    from pipeline.config import parse_config
-    from pipeline.pretrain import PretrainConfig
+    from pipeline.core.config import parse_config
+    from pipeline.training.pretrain import PretrainConfig
 
     job_docs = docs(RAYJOB)
     job, config_map = job_docs["RayJob"], job_docs["ConfigMap"]
@@ -350,11 +351,12 @@ def deepspeed_parse():
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
 def test_deepspeed_templates_load_in_deepspeed(deepspeed_parse, stage, precision):
-    from pipeline.train import TrainConfig, deepspeed_config
+    from pipeline.training.train_config import TrainConfig
+    from pipeline.training.deepspeed_config import deepspeed_config
 
     train = TrainConfig(zero_stage=stage, precision=precision, micro_batch_size=4, grad_accum=2, grad_clip=0.5)
     cfg = deepspeed_config(train, world_size=8)
-    template = json.loads((CLUSTER / "deepspeed" / f"zero{stage}.json").read_text())
+    template = json.loads((ZERO_TEMPLATES / f"zero{stage}.json").read_text())
     assert cfg["zero_optimization"] == template["zero_optimization"]  # the file is what the trainer uses
     parsed = deepspeed_parse(cfg)
     assert parsed.zero_optimization_stage == stage
@@ -364,9 +366,10 @@ def test_deepspeed_templates_load_in_deepspeed(deepspeed_parse, stage, precision
 
 
 def test_every_deepspeed_file_parses_and_deepspeed_rejects_typos(deepspeed_parse):
-    from pipeline.train import TrainConfig, deepspeed_config
+    from pipeline.training.train_config import TrainConfig
+    from pipeline.training.deepspeed_config import deepspeed_config
 
-    files = sorted(glob.glob(str(CLUSTER / "deepspeed" / "*.json")))
+    files = sorted(glob.glob(str(ZERO_TEMPLATES / "*.json")))
     assert [Path(f).name for f in files] == ["zero0.json", "zero1.json", "zero2.json", "zero3.json"]
     for path in files:
         cfg = deepspeed_config(TrainConfig(deepspeed_config=path, precision="bf16", zero_stage=1), world_size=8)
@@ -381,9 +384,9 @@ def test_every_deepspeed_file_parses_and_deepspeed_rejects_typos(deepspeed_parse
 
 
 def test_cluster_run_config_selects_zero1_bf16(deepspeed_parse):
-    from pipeline.config import parse_config
-    from pipeline.pretrain import PretrainConfig
-    from pipeline.train import deepspeed_config
+    from pipeline.core.config import parse_config
+    from pipeline.training.pretrain import PretrainConfig
+    from pipeline.training.deepspeed_config import deepspeed_config
 
     cfg = parse_config(PretrainConfig, ["--config", str(PRETRAIN_CONFIG), "--train.num_workers", "16"])
     parsed = deepspeed_parse(deepspeed_config(cfg.train, cfg.train.num_workers), world_size=16)
@@ -402,7 +405,7 @@ def test_readme_sizing_table_is_the_planners_output(monkeypatch):
     # The one measured rate it scales must still be the benchmark's published figure.
     bench = (REPO / "bench" / "README.md").read_text()
     assert re.search(rf"\| 1 actor, 1 core, fp32 \| {sizing.MEASURED_PASSAGES_PER_S} passages/s", bench)
-    from pipeline.index import plan_memory
+    from pipeline.retrieval.index import plan_memory
 
     for n, _ in sizing.CORPORA:
         for factory in ("Flat", "SQfp16", f"IVF{sizing.ivf_nlist(n)},PQ64"):
@@ -417,7 +420,7 @@ def test_readme_sizing_table_is_the_planners_output(monkeypatch):
 # -- object storage from the environment -------------------------------------------------
 
 def test_s3_settings_come_from_the_environment_and_keys_never_travel(monkeypatch):
-    from pipeline import storage
+    from pipeline.core import storage
 
     fake = {"AWS_ACCESS_KEY_ID": "AKIARAYDENSEFAKE0001", "AWS_SECRET_ACCESS_KEY": "raydense/fake+secret0001",
             "AWS_SESSION_TOKEN": "raydense-fake-session-token-0001"}

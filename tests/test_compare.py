@@ -13,8 +13,8 @@ import os
 import pytest
 import yaml
 
-from pipeline.compare import METHODS, ComparisonConfig, run_comparison
-from pipeline.train import TrainConfig
+from pipeline.workflows.compare import METHODS, ComparisonConfig, run_comparison
+from pipeline.training.train_config import TrainConfig
 from tests.helpers import ir_measures_of_run, retrieval_collection, save_tiny_bert
 
 N_DOCS, N_TRAIN, N_DEV = 80, 30, 10
@@ -104,21 +104,21 @@ def test_comparison_end_to_end_then_rerun(tmp_path, ray_session):
     (["none"], [-1], "distinct counts >= 0"),
 ])
 def test_bad_comparisons_are_rejected(methods, sizes, message):
-    from pipeline.compare import ComparisonFinetune, ComparisonPretrain
+    from pipeline.workflows.compare import ComparisonFinetune, ComparisonPretrain
 
     with pytest.raises(ValueError, match=message):
         ComparisonConfig(pretrain=ComparisonPretrain(methods=methods), finetune=ComparisonFinetune(train_sizes=sizes))
 
 
 def test_methods_run_in_dependency_order():
-    from pipeline.compare import ComparisonPretrain
+    from pipeline.workflows.compare import ComparisonPretrain
 
     cfg = ComparisonConfig(pretrain=ComparisonPretrain(methods=["simlm", "cocondenser", "none", "condenser", "mlm"]))
     assert cfg.ordered_methods == ["none", "mlm", "condenser", "cocondenser", "simlm"]
 
 
 def test_query_sample_is_seeded_and_keeps_only_judged_queries(tmp_path):
-    from pipeline.compare import sample_training_queries
+    from pipeline.workflows.compare import sample_training_queries
 
     folder = tmp_path / "data"
     folder.mkdir()
@@ -145,8 +145,8 @@ def test_query_sample_is_seeded_and_keeps_only_judged_queries(tmp_path):
 def test_results_table_json_and_plot_from_recorded_units(tmp_path):
     """Two training-set sizes, a method missing at one of them: the table has a row per
     recorded fine-tuning, in size then method order, with the wall times of its units."""
-    from pipeline.compare import ComparisonFinetune, ComparisonPretrain, write_results
-    from pipeline.recipe import RunManifest
+    from pipeline.workflows.compare import ComparisonFinetune, ComparisonPretrain, write_results
+    from pipeline.workflows.manifest import RunManifest
 
     cfg = ComparisonConfig(output=str(tmp_path), pretrain=ComparisonPretrain(methods=["none", "condenser"]),
                            finetune=ComparisonFinetune(train_sizes=[100, 0]))
@@ -179,7 +179,7 @@ def test_results_table_json_and_plot_from_recorded_units(tmp_path):
 
 
 def test_shipped_comparison_config_loads():
-    from pipeline.config import parse_config
+    from pipeline.core.config import parse_config
 
     recipe = os.path.join(os.path.dirname(__file__), "..", "jobs", "recipes", "compare-nave.yaml")
     cfg = parse_config(ComparisonConfig, ["--config", recipe])

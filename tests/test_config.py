@@ -12,7 +12,9 @@ from typing import Any, Literal, Optional
 import pytest
 import yaml
 
-from pipeline.config import ConfigError, dump_yaml, from_dict, parse_config, redact, to_dict
+from pipeline.core.errors import ConfigError
+
+from pipeline.core.config import dump_yaml, from_dict, parse_config, redact, to_dict
 
 
 @dataclass

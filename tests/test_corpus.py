@@ -5,7 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.corpus import CorpusError, CorpusStats, Document, corpus_files, iter_documents
+from pipeline.core.errors import InputError
+
+from pipeline.data.corpus import CorpusStats, Document, corpus_files, iter_documents
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -116,10 +118,10 @@ def test_directory_mixed_files_sorted(tmp_path):
 
 def test_empty_directory(tmp_path):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CorpusError, match=r"empty: directory holds no corpus files"):
+    with pytest.raises(InputError, match=r"empty: directory holds no corpus files"):
         list(iter_documents(str(tmp_path / "empty")))
     write(tmp_path / "other" / "README.md", "hi\n")
-    with pytest.raises(CorpusError, match=r"other: directory holds no corpus files"):
+    with pytest.raises(InputError, match=r"other: directory holds no corpus files"):
         list(iter_documents(str(tmp_path / "other")))
 
 
@@ -127,7 +129,7 @@ def test_streams_documents_before_a_later_error(tmp_path):
     path = write(tmp_path / "c.jsonl", jsonl({"_id": "ok", "text": "fine"}) + "{broken\n")
     it = iter_documents(str(path))
     assert next(it) == Document("ok", "fine", str(path), 1)
-    with pytest.raises(CorpusError, match=r"c\.jsonl line 2: malformed JSON"):
+    with pytest.raises(InputError, match=r"c\.jsonl line 2: malformed JSON"):
         next(it)
 
 
@@ -148,7 +150,7 @@ def test_bundled_bible_sample():
 
 def test_malformed_json(tmp_path):
     path = write(tmp_path / "bad.jsonl", jsonl({"_id": "1", "text": "x"}) + "\n" + '{"_id": "2" "text": "y"}\n')
-    with pytest.raises(CorpusError, match=r"bad\.jsonl line 3: malformed JSON \(Expecting ',' delimiter: column 13\)"):
+    with pytest.raises(InputError, match=r"bad\.jsonl line 3: malformed JSON \(Expecting ',' delimiter: column 13\)"):
         list(iter_documents(str(path)))
 
 
@@ -156,19 +158,19 @@ def test_malformed_json(tmp_path):
                                          ("42", "number"), ("null", "null")])
 def test_non_object_json(tmp_path, value, kind):
     path = write(tmp_path / "arr.jsonl", jsonl({"_id": "1", "text": "x"}) + value + "\n")
-    with pytest.raises(CorpusError, match=rf"arr\.jsonl line 2: expected a JSON object, got {kind}"):
+    with pytest.raises(InputError, match=rf"arr\.jsonl line 2: expected a JSON object, got {kind}"):
         list(iter_documents(str(path)))
 
 
 def test_missing_text(tmp_path):
     path = write(tmp_path / "c.jsonl", jsonl({"_id": "1", "text": "x"}, {"_id": "2", "title": "T"}))
-    with pytest.raises(CorpusError, match=r"c\.jsonl line 2: missing field 'text' \(id 2\)"):
+    with pytest.raises(InputError, match=r"c\.jsonl line 2: missing field 'text' \(id 2\)"):
         list(iter_documents(str(path)))
 
 
 def test_missing_id(tmp_path):
     path = write(tmp_path / "c.jsonl", "\n\n" + jsonl({"id": "1", "text": "x"}))
-    with pytest.raises(CorpusError, match=r"c\.jsonl line 3: missing field '_id'"):
+    with pytest.raises(InputError, match=r"c\.jsonl line 3: missing field '_id'"):
         list(iter_documents(str(path)))
 
 
@@ -182,7 +184,7 @@ def test_missing_id(tmp_path):
 ])
 def test_wrong_field_types(tmp_path, obj, message):
     path = write(tmp_path / "types.jsonl", jsonl({"_id": "0", "text": "ok"}, obj))
-    with pytest.raises(CorpusError, match=r"types\.jsonl line 2: " + message):
+    with pytest.raises(InputError, match=r"types\.jsonl line 2: " + message):
         list(iter_documents(str(path)))
 
 
@@ -210,7 +212,7 @@ def test_skipped_examples_are_capped(tmp_path):
 
 def test_empty_document_error_mode(tmp_path):
     path = write(tmp_path / "c.jsonl", jsonl({"_id": "1", "text": "one"}, {"_id": "2", "text": "   "}))
-    with pytest.raises(CorpusError, match=r"c\.jsonl line 2: empty text \(id 2\)"):
+    with pytest.raises(InputError, match=r"c\.jsonl line 2: empty text \(id 2\)"):
         list(iter_documents(str(path), on_empty="error"))
 
 
@@ -223,52 +225,52 @@ def test_duplicate_ids_across_files(tmp_path):
     write(tmp_path / "d" / "a.jsonl", "\n\n" + jsonl({"_id": "X", "text": "first"}))
     write(tmp_path / "d" / "b.jsonl", jsonl(*({"_id": f"b{i}", "text": "t"} for i in range(6)),
                                             {"_id": "X", "text": "second"}))
-    with pytest.raises(CorpusError,
+    with pytest.raises(InputError,
                        match=r"duplicate id 'X' at \S*b\.jsonl line 7 \(first at \S*a\.jsonl line 3\)"):
         list(iter_documents(str(tmp_path / "d")))
 
 
 def test_duplicate_ids_within_a_file(tmp_path):
     path = write(tmp_path / "c.jsonl", jsonl({"_id": 1, "text": "a"}, {"_id": "1", "text": "b"}))
-    with pytest.raises(CorpusError, match=r"duplicate id '1' at \S*c\.jsonl line 2 \(first at \S*c\.jsonl line 1\)"):
+    with pytest.raises(InputError, match=r"duplicate id '1' at \S*c\.jsonl line 2 \(first at \S*c\.jsonl line 1\)"):
         list(iter_documents(str(path)))
 
 
 def test_invalid_utf8(tmp_path):
     path = write(tmp_path / "c.jsonl", jsonl({"_id": "1", "text": "ok"}).encode() + b'{"_id": "2", "text": "caf\xe9"}\n')
-    with pytest.raises(CorpusError, match=r"c\.jsonl line 2: invalid UTF-8 at byte offset 25 .*0xe9"):
+    with pytest.raises(InputError, match=r"c\.jsonl line 2: invalid UTF-8 at byte offset 25 .*0xe9"):
         list(iter_documents(str(path)))
 
 
 def test_invalid_utf8_in_txt(tmp_path):
     path = write(tmp_path / "t.txt", b"fine\n\nstill fine\n\xff\xfe bad\n")
-    with pytest.raises(CorpusError, match=r"t\.txt line 4: invalid UTF-8 at byte offset 0 "):
+    with pytest.raises(InputError, match=r"t\.txt line 4: invalid UTF-8 at byte offset 0 "):
         list(iter_documents(str(path)))
 
 
 def test_missing_file(tmp_path):
-    with pytest.raises(CorpusError, match=r"nope\.jsonl: no such file or directory"):
+    with pytest.raises(InputError, match=r"nope\.jsonl: no such file or directory"):
         list(iter_documents(str(tmp_path / "nope.jsonl")))
 
 
 def test_unsupported_file_type(tmp_path):
     path = write(tmp_path / "c.csv", "a,b\n")
-    with pytest.raises(CorpusError, match=r"c\.csv: unsupported corpus file type"):
+    with pytest.raises(InputError, match=r"c\.csv: unsupported corpus file type"):
         list(iter_documents(str(path)))
 
 
 def test_corrupt_gzip(tmp_path):
     data = gzip.compress(jsonl(*({"_id": str(i), "text": "t" * 50} for i in range(2000))).encode())
     path = write(tmp_path / "c.jsonl.gz", data[: len(data) // 2])
-    with pytest.raises(CorpusError, match=r"c\.jsonl\.gz line \d+: corrupt gzip data"):
+    with pytest.raises(InputError, match=r"c\.jsonl\.gz line \d+: corrupt gzip data"):
         list(iter_documents(str(path)))
     path = write(tmp_path / "plain.jsonl.gz", jsonl({"_id": "1", "text": "not zipped"}))
-    with pytest.raises(CorpusError, match=r"plain\.jsonl\.gz line 1: corrupt gzip data"):
+    with pytest.raises(InputError, match=r"plain\.jsonl\.gz line 1: corrupt gzip data"):
         list(iter_documents(str(path)))
 
 
 def test_corpus_error_pickles_with_location(tmp_path):
-    err = CorpusError("f.jsonl line 3: boom", source="f.jsonl", line=3)
+    err = InputError("f.jsonl line 3: boom", source="f.jsonl", line=3)
     back = pickle.loads(pickle.dumps(err))
-    assert isinstance(back, CorpusError) and isinstance(back, ValueError)
+    assert isinstance(back, InputError) and isinstance(back, ValueError)
     assert (str(back), back.source, back.line) == ("f.jsonl line 3: boom", "f.jsonl", 3)

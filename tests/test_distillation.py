@@ -11,9 +11,11 @@ import torch
 
 from models.biencoder import contrastive_backward
 from models.distillation import distillation_backward, distillation_loss
-from pipeline.corpus import CorpusError
-from pipeline.group_stream import GroupSpec, _assemble, _emit_requests, passage_requests, plan_epoch
-from pipeline.retrieval_data import TrainExample, build_distillation_examples, read_trec_run, select_group
+from pipeline.core.errors import InputError
+from pipeline.data.group_stream import GroupSpec, _assemble, _emit_requests, passage_requests, plan_epoch
+from pipeline.data.examples import TrainExample, build_distillation_examples
+from pipeline.data.runs import read_trec_run
+from pipeline.data.groups import select_group
 from test_biencoder import _full_batch, biencoder
 from test_finetune_deepspeed import relative_error
 from tests.helpers import PlainEngine
@@ -181,7 +183,7 @@ def test_examples_take_positives_from_qrels_and_the_best_scored_negatives(tmp_pa
 def test_bad_runs_are_errors_naming_file_and_line(tmp_path, line, message):
     path = tmp_path / "run.trec"
     path.write_text(f"q1 Q0 a 1 3.0 t\n{line}\n")
-    with pytest.raises(CorpusError, match=f"run.trec line 2: {message}"):
+    with pytest.raises(InputError, match=f"run.trec line 2: {message}"):
         read_trec_run(str(path), doc_ids={"a", "b"}, query_ids={"q1"})
 
 
@@ -191,12 +193,12 @@ def test_runs_are_read_best_first_with_ties_by_rank_and_cut_to_depth(tmp_path):
     assert [(d, s) for d, s, _ in read_trec_run(path)["q1"]] == [("d", 5.0), ("b", 2.0), ("c", 1.0), ("a", 1.0)]
     assert [d for d, _, _ in read_trec_run(path, depth=2)["q1"]] == ["d", "b"]
     (tmp_path / "empty.trec").write_text("\n")
-    with pytest.raises(CorpusError, match="holds no candidates"):
+    with pytest.raises(InputError, match="holds no candidates"):
         read_trec_run(str(tmp_path / "empty.trec"))
 
 
 def test_the_job_refuses_to_start_without_a_teacher_run_or_with_bad_settings():
-    from pipeline.distill import DistillConfig, run_distillation
+    from pipeline.training.distill import DistillConfig, run_distillation
 
     with pytest.raises(ValueError, match="--data.teacher_scores is required"):
         run_distillation(DistillConfig())

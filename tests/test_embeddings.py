@@ -6,8 +6,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import embeddings as emb
-from pipeline import storage
+from pipeline.retrieval import embeddings as emb
+from pipeline.core import storage
 
 
 def _shard(first: int, n: int, dim: int = 8, seed: int = 0):
@@ -71,7 +71,7 @@ def test_finished_shards_after_partial_writes(tmp_path):
     # Debris of a writer killed mid-shard: a temporary name, never the final one.
     (tmp_path / "emb" / "shards" / ".part-00001.parquet.tmp-1234abcd").write_bytes(b"PAR1 half")
     assert emb.finished_shards(folder) == {0, 2}
-    with pytest.raises(emb.EmbeddingError, match="no manifest"):
+    with pytest.raises(emb.ArtifactError, match="no manifest"):
         emb.load_manifest(folder)
 
 
@@ -94,9 +94,9 @@ def test_wrong_width_shard_is_named(tmp_path):
     folder = str(tmp_path / "emb")
     manifest, _ = _write_all(folder, dim=8)
     emb.write_shard(folder, 1, *_shard(5, 7, dim=6))  # a retry with another model's width
-    with pytest.raises(emb.EmbeddingError, match=r"embedding shard .*part-00001\.parquet has width 6, the manifest's dim is 8"):
+    with pytest.raises(emb.ArtifactError, match=r"embedding shard .*part-00001\.parquet has width 6, the manifest's dim is 8"):
         emb.check_embedding_shards(folder, manifest)
-    with pytest.raises(emb.EmbeddingError, match=r"part-00001\.parquet has width 6, the manifest's dim is 8"):
+    with pytest.raises(emb.ArtifactError, match=r"part-00001\.parquet has width 6, the manifest's dim is 8"):
         emb.read_shard(folder, manifest["shards"][1], dim=8)
 
 
@@ -104,23 +104,23 @@ def test_missing_shard_and_bad_manifests_are_named(tmp_path):
     folder = str(tmp_path / "emb")
     manifest, _ = _write_all(folder)
     (tmp_path / "emb" / emb.shard_path(2)).unlink()
-    with pytest.raises(emb.EmbeddingError, match=r"embedding shard .*part-00002\.parquet is missing"):
+    with pytest.raises(emb.ArtifactError, match=r"embedding shard .*part-00002\.parquet is missing"):
         emb.check_embedding_shards(folder, manifest)
-    with pytest.raises(emb.EmbeddingError, match=r"part-00002\.parquet: no such file"):
+    with pytest.raises(emb.ArtifactError, match=r"part-00002\.parquet: no such file"):
         emb.read_shard(folder, manifest["shards"][2])
     storage.write_json(str(tmp_path / "emb" / "manifest.json"), {**manifest, "completed": False})
-    with pytest.raises(emb.EmbeddingError, match="did not finish"):
+    with pytest.raises(emb.ArtifactError, match="did not finish"):
         emb.load_manifest(folder)
     storage.write_json(str(tmp_path / "emb" / "manifest.json"), {**manifest, "format": "other"})
-    with pytest.raises(emb.EmbeddingError, match="expected 'raydense-embeddings-v1'"):
+    with pytest.raises(emb.ArtifactError, match="expected 'raydense-embeddings-v1'"):
         emb.load_manifest(folder)
 
 
 def test_inconsistent_inputs_are_rejected(tmp_path):
     rows, ids, vectors = _shard(0, 4)
-    with pytest.raises(emb.EmbeddingError, match="part-00003.parquet: 4 rows, 3 doc ids"):
+    with pytest.raises(emb.ArtifactError, match="part-00003.parquet: 4 rows, 3 doc ids"):
         emb.write_shard(str(tmp_path), 3, rows, ids[:3], vectors)
-    with pytest.raises(emb.EmbeddingError, match="dtype 'int8'"):
+    with pytest.raises(emb.ArtifactError, match="dtype 'int8'"):
         emb.write_shard(str(tmp_path), 3, rows, ids, vectors, dtype="int8")
-    with pytest.raises(emb.EmbeddingError, match="similarity 'euclid'"):
+    with pytest.raises(emb.ArtifactError, match="similarity 'euclid'"):
         emb.write_manifest(str(tmp_path), 8, [], normalized=False, similarity="euclid", model="m")

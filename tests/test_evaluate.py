@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.evaluate import encode_texts, evaluate, exact_search, to_run
+from pipeline.retrieval.evaluate import encode_texts, exact_search, to_run
+
+from pipeline.retrieval.metrics import evaluate
 
 
 @pytest.mark.parametrize("block", [1, 7, 1024])

@@ -9,7 +9,7 @@ import torch
 from transformers import BertForMaskedLM, BertConfig
 
 from models.backbone import load_module_state
-from pipeline.pretrain import METHODS, PretrainConfig, PretrainTask
+from pipeline.training.pretrain import METHODS, PretrainConfig, PretrainTask
 from tests.helpers import assert_drop_in_bert, make_tokenizer_dir, tiny_backbone_config
 from tests.test_condenser import tokenized_batch
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import parse_config
-from pipeline.finetune import FinetuneConfig, resolve_init, run_finetuning
+from pipeline.core.config import parse_config
+from pipeline.training.finetune import FinetuneConfig, run_finetuning
+from pipeline.core.model_ref import resolve_init
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,10 +11,11 @@ import pytest
 
 from conftest import synthetic_docs
 from models.biencoder import load_biencoder
-from pipeline import storage
-from pipeline.finetune import FinetuneConfig, run_finetuning
-from pipeline.retrieval_data import positives, read_negatives, read_qrels
-from pipeline.train import TrainConfig
+from pipeline.core import storage
+from pipeline.training.finetune import FinetuneConfig, run_finetuning
+from pipeline.data.beir import positives, read_qrels
+from pipeline.data.runs import read_negatives
+from pipeline.training.train_config import TrainConfig
 from test_pretrain_ray import read_traces
 from tests.helpers import save_tiny_bert
 
@@ -86,7 +87,8 @@ def test_two_workers_with_gradient_cache_from_s3_with_bm25_negatives(tiny_bert, 
 
 
 def test_tevatron_training_file_with_its_own_passages(tiny_bert, tmp_path, ray_session):
-    from pipeline.retrieval_data import TrainExample, write_tevatron
+    from pipeline.data.examples import TrainExample
+    from pipeline.data.tevatron import write_tevatron
 
     docs = {d["_id"]: d["text"] for d in synthetic_docs(40, seed=4)}
     ids = list(docs)

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from conftest import synthetic_docs, write_jsonl
-from pipeline import storage
-from pipeline.group_stream import GroupSpec, build_epoch, corpus_rows_by_id, frame_truncated, plan_epoch
-from pipeline.retrieval_data import TrainExample
-from pipeline.shards import PrepareConfig, prepare_corpus
+from pipeline.core import storage
+from pipeline.data.group_stream import GroupSpec, build_epoch, corpus_rows_by_id, frame_truncated, plan_epoch
+from pipeline.data.examples import TrainExample
+from pipeline.data.shards import PrepareConfig, prepare_corpus
 
 pytestmark = pytest.mark.ray
 

@@ -7,8 +7,9 @@ import pytest
 
 faiss = pytest.importorskip("faiss")
 
-from pipeline import index as ix  # noqa: E402
-from pipeline import storage  # noqa: E402
+from pipeline.retrieval import index as ix
+from pipeline.core import storage
+from pipeline.core.errors import StorageError
 
 DIM = 32
 
@@ -135,15 +136,15 @@ def test_save_load_round_trip(where, tmp_path, request):
 
 def test_missing_index_shard_is_named(tmp_path):
     folder = str(tmp_path / "index")
-    with pytest.raises(ix.IndexShardError, match="no manifest"):
+    with pytest.raises(ix.ArtifactError, match="no manifest"):
         ix.load_index_manifest(folder)
     index = build_shards(clustered(100), parts=1)[0]
     ix.save_index(index, storage.join(folder, ix.index_shard_path(0)))
     ix.write_index_manifest(folder, factory="Flat", metric="ip", dim=DIM, embeddings="emb",
                             shards=[{"index": i, "path": ix.index_shard_path(i), "vectors": 100} for i in (0, 1)])
-    with pytest.raises(ix.IndexShardError, match=r"index shard .*index-00001\.faiss is missing"):
+    with pytest.raises(ix.ArtifactError, match=r"index shard .*index-00001\.faiss is missing"):
         ix.load_index_manifest(folder)
-    with pytest.raises(storage.StorageError, match=r"index-00001\.faiss: no such file"):
+    with pytest.raises(StorageError, match=r"index-00001\.faiss: no such file"):
         ix.load_index(storage.join(folder, ix.index_shard_path(1)))
 
 

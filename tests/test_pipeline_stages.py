@@ -11,7 +11,9 @@ import os
 
 import pytest
 
-from pipeline.recipe import STAGES, PipelineConfig, RunManifest, cli_args, run_pipeline
+from pipeline.workflows.recipe import MANIFEST, STAGES, PipelineConfig, cli_args, run_pipeline
+
+from pipeline.workflows.manifest import RunManifest
 
 
 class Killed(Exception):
@@ -60,7 +62,7 @@ def test_full_run_records_every_stage_and_a_rerun_does_nothing(tmp_path):
     summary = run_pipeline(cfg_for(tmp_path), fake_stages(calls))
     assert [c[0] for c in calls] == list(STAGES)
     assert summary["ran"] == list(STAGES)
-    manifest = RunManifest(str(tmp_path / "run"))
+    manifest = RunManifest(str(tmp_path / "run"), MANIFEST)
     assert all(manifest.done(s) for s in STAGES)
     results = open(tmp_path / "run" / "results.md").read()
     assert "| round 2 (mined negatives) | 0.1000 |" in results and "| distill |" in results
@@ -75,12 +77,12 @@ def test_killed_between_stages_the_rerun_starts_at_the_next_stage(tmp_path):
     with pytest.raises(Killed):
         run_pipeline(cfg_for(tmp_path), fake_stages(calls, kill_at=("mine1", "start")))
     assert [c[0] for c in calls] == list(STAGES[:STAGES.index("mine1") + 1])
-    before = RunManifest(str(tmp_path / "run")).data["stages"]["round1"]
+    before = RunManifest(str(tmp_path / "run"), MANIFEST).data["stages"]["round1"]
 
     calls.clear()
     run_pipeline(cfg_for(tmp_path), fake_stages(calls))
     assert [c[0] for c in calls] == list(STAGES[STAGES.index("mine1"):])
-    assert RunManifest(str(tmp_path / "run")).data["stages"]["round1"] == before  # untouched
+    assert RunManifest(str(tmp_path / "run"), MANIFEST).data["stages"]["round1"] == before  # untouched
 
 
 def test_killed_mid_stage_the_rerun_resumes_that_stage(tmp_path):
@@ -98,12 +100,12 @@ def test_killed_mid_stage_the_rerun_resumes_that_stage(tmp_path):
 def test_only_redoes_one_stage_from_scratch_and_keeps_the_rest(tmp_path):
     calls = []
     run_pipeline(cfg_for(tmp_path), fake_stages(calls))
-    later = RunManifest(str(tmp_path / "run")).data["stages"]["distill"]
+    later = RunManifest(str(tmp_path / "run"), MANIFEST).data["stages"]["distill"]
     calls.clear()
     summary = run_pipeline(cfg_for(tmp_path, only="round1"), fake_stages(calls))
     assert calls == [("round1", [])]  # a fresh folder: no progress resumed
     assert summary["ran"] == ["round1"]
-    assert RunManifest(str(tmp_path / "run")).data["stages"]["distill"] == later
+    assert RunManifest(str(tmp_path / "run"), MANIFEST).data["stages"]["distill"] == later
 
 
 def test_from_forgets_that_stage_and_every_later_one(tmp_path):
@@ -144,7 +146,7 @@ def test_stop_after_stops_there(tmp_path):
 
 
 def test_shipped_recipes_load_and_the_embedded_one_is_the_default():
-    from pipeline.config import parse_config, to_dict
+    from pipeline.core.config import parse_config, to_dict
 
     recipes = os.path.join(os.path.dirname(__file__), "..", "jobs", "recipes")
     embedded = parse_config(PipelineConfig, ["--config", os.path.join(recipes, "embedded.yaml")])

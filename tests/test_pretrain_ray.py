@@ -12,12 +12,12 @@ import pytest
 
 from conftest import synthetic_docs, write_jsonl
 from models.backbone import BackboneConfig
-from pipeline import storage
-from pipeline.position import DataPosition
-from pipeline.pretrain import PretrainConfig, StreamConfig, run_pretraining
-from pipeline.shards import PrepareConfig
-from pipeline.stream import restorable_checkpoint
-from pipeline.train import TrainConfig
+from pipeline.core import storage
+from pipeline.data.position import DataPosition
+from pipeline.training.pretrain import PretrainConfig, StreamConfig, run_pretraining
+from pipeline.data.shards import PrepareConfig
+from pipeline.data.position import restorable_checkpoint
+from pipeline.training.train_config import TrainConfig
 
 pytestmark = pytest.mark.ray
 

@@ -15,10 +15,11 @@ import torch
 
 from conftest import synthetic_docs
 from models.reranker import PairLengths, build_reranker, listwise_backward, listwise_loss, load_reranker
-from pipeline.rerank import RerankScoreConfig, RerankTask, run_scoring
+from pipeline.retrieval.rerank_scoring import RerankScoreConfig, run_scoring
+from pipeline.training.rerank import RerankTask
 
-from pipeline.stream import frame
-from pipeline.tokenizer import load_tokenizer
+from pipeline.data.stream import frame
+from pipeline.data.tokenizer import load_tokenizer
 from tests.helpers import PlainEngine, save_tiny_bert
 
 N_DOCS, N_QUERIES = 40, 12
@@ -131,7 +132,7 @@ def test_export_loads_as_an_hf_classifier_and_a_sentence_transformers_cross_enco
     assert len(set(np.round(ours, 5))) == 3  # a random head that still tells passages apart
 
 def test_pair_scorer_batches_equal_scoring_one_pair_at_a_time(tiny_reranker, tmp_path):
-    from pipeline.rerank import PairScorer
+    from pipeline.retrieval.rerank_scoring import PairScorer
 
     model, tokenizer = tiny_reranker
     model.save(str(tmp_path), tokenizer.name_or_path)
@@ -146,7 +147,7 @@ def test_pair_scorer_batches_equal_scoring_one_pair_at_a_time(tiny_reranker, tmp
             assert np.allclose(got, direct, atol=1e-5)
 
 def test_training_settings_that_cannot_work_fail_before_any_work(tiny_checkpoint, tmp_path):
-    from pipeline.rerank import RerankConfig, run_reranker_training
+    from pipeline.training.rerank import RerankConfig, run_reranker_training
 
     def config(**changes) -> RerankConfig:
         cfg = RerankConfig()

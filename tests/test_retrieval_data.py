@@ -4,11 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import storage
-from pipeline.corpus import CorpusError
-from pipeline.retrieval_data import (DataStats, TrainExample, build_training_examples, load_training_examples,
-                                     passage_lookup, read_negatives, read_qrels, read_queries,
-                                     read_tevatron, tevatron_example, write_negatives, write_tevatron)
+from pipeline.core import storage
+from pipeline.core.errors import InputError
+from pipeline.data.beir import read_qrels, read_queries
+from pipeline.data.examples import DataStats, TrainExample, build_training_examples, load_training_examples
+from pipeline.data.runs import read_negatives, write_negatives
+from pipeline.data.tevatron import passage_lookup, read_tevatron, tevatron_example, write_tevatron
 
 
 def write(path: Path, text: str) -> str:
@@ -22,7 +23,7 @@ def jsonl(*objs) -> str:
 
 
 def fails(match: str):
-    return pytest.raises(CorpusError, match=match)
+    return pytest.raises(InputError, match=match)
 
 
 # ---------------------------------------------------------------- queries
@@ -195,8 +196,8 @@ def test_read_tevatron_errors(tmp_path, record, message):
 
 
 def test_tevatron_passages_become_a_corpus_each_once(tmp_path):
-    from pipeline.corpus import iter_documents
-    from pipeline.retrieval_data import extract_tevatron_corpus
+    from pipeline.data.corpus import iter_documents
+    from pipeline.data.tevatron import extract_tevatron_corpus
 
     path = write(tmp_path / "t.jsonl", jsonl(
         {"query_id": "q1", "query": "a", "positive_passages": [passage("p", "pos text")],
@@ -213,7 +214,7 @@ def test_tevatron_passages_become_a_corpus_each_once(tmp_path):
     (passage("e", " "), r"line 2: negative_passages: passage 'e' has empty text"),
 ])
 def test_tevatron_corpus_errors(tmp_path, second, message):
-    from pipeline.retrieval_data import extract_tevatron_corpus
+    from pipeline.data.tevatron import extract_tevatron_corpus
 
     path = write(tmp_path / "t.jsonl", jsonl(
         {"query_id": "q1", "query": "a", "positive_passages": [passage("p", "pos text")], "negative_passages": []},
@@ -226,7 +227,8 @@ def test_tevatron_corpus_errors(tmp_path, second, message):
 # -- training groups across epochs --------------------------------------------------------------
 
 def test_groups_rotate_so_every_negative_is_used_once_per_cycle():
-    from pipeline.retrieval_data import TrainExample, select_group
+    from pipeline.data.examples import TrainExample
+    from pipeline.data.groups import select_group
 
     ex = TrainExample("q1", "text", positives=["p1", "p2", "p3"], negatives=[f"n{i}" for i in range(21)])
     seen, positives = [], []
@@ -242,7 +244,8 @@ def test_groups_rotate_so_every_negative_is_used_once_per_cycle():
 
 
 def test_groups_for_short_or_missing_negative_lists():
-    from pipeline.retrieval_data import TrainExample, select_group
+    from pipeline.data.examples import TrainExample
+    from pipeline.data.groups import select_group
 
     short = TrainExample("q2", "t", positives=["p"], negatives=["a", "b"])
     group = select_group(short, 0, group_size=5)

@@ -7,13 +7,14 @@ import os
 
 import numpy as np
 import pytest
-import torch
 
 from conftest import synthetic_docs, write_jsonl
-from pipeline import embeddings as emb
-from pipeline.encode import ActorConfig, EncodeConfig, Encoder, EncoderSettings, run_actor_pool, run_encoding
-from pipeline.index import IndexConfig, brute_force_topk
-from pipeline.search import IndexJobConfig, ShardedIndex, run_indexing
+from pipeline.retrieval import embeddings as emb
+from pipeline.core.actor_pool import ActorConfig, run_actor_pool
+from pipeline.retrieval.encode import EncodeConfig, Encoder, EncoderSettings, run_encoding
+from pipeline.retrieval.index import IndexConfig, brute_force_topk
+from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
+from pipeline.retrieval.search import ShardedIndex
 from test_finetune_ray import tiny_bert  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.ray
@@ -143,8 +144,10 @@ def test_a_factory_faiss_rejects_and_a_wrong_dimension_shard_are_clear_errors(en
 
 
 def test_mined_negatives_exclude_positives_and_are_reproducible(encoded, collection, tmp_path):
-    from pipeline.mine import MineConfig, run_mining
-    from pipeline.retrieval_data import read_negatives, read_qrels, read_tevatron
+    from pipeline.retrieval.mine import MineConfig, run_mining
+    from pipeline.data.runs import read_negatives
+    from pipeline.data.beir import read_qrels
+    from pipeline.data.tevatron import read_tevatron
 
     cfg, _ = encoded
     index_dir = str(tmp_path / "index")
@@ -167,7 +170,7 @@ def test_evaluate_job_matches_ir_measures_on_a_brute_force_run(encoded, collecti
     import ir_measures
 
     from jobs.evaluate import main
-    from pipeline.retrieval_data import read_qrels, read_queries
+    from pipeline.data.beir import read_qrels, read_queries
 
     summary = main(["--model", tiny_bert, "--corpus", collection["corpus"], "--queries", collection["queries"],
                     "--qrels", collection["qrels"], "--pooling", "mean", "--normalize", "--k", "50",

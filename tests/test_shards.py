@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pyarrow.parquet as pq
 import pytest
 
 from conftest import synthetic_docs, write_jsonl
-from pipeline import storage
-from pipeline.corpus import CorpusError
-from pipeline.shards import PrepareConfig, ShardError, check_shards, load_manifest, prepare_corpus
-from pipeline.tokenizer import load_tokenizer
+from pipeline.core import storage
+from pipeline.core.errors import InputError
+from pipeline.data.shards import PrepareConfig, check_shards, load_manifest, prepare_corpus
+from pipeline.core.errors import ArtifactError
+from pipeline.data.tokenizer import load_tokenizer
+from pipeline.core.errors import StorageError
 
 pytestmark = pytest.mark.ray
 
@@ -46,7 +47,7 @@ def test_prepare_writes_contiguous_shards_matching_the_tokenizer(tmp_path, ray_s
 def test_bad_input_fails_before_any_manifest_is_written(tmp_path, ray_session):
     raw = tmp_path / "bad.jsonl"
     raw.write_text('{"_id": "a", "text": "fine"}\n{"_id": "b", "text": "broken"\n')
-    with pytest.raises(CorpusError, match=r"bad\.jsonl line 2: malformed JSON"):
+    with pytest.raises(InputError, match=r"bad\.jsonl line 2: malformed JSON"):
         prepare_corpus(PrepareConfig(input=str(raw), output=str(tmp_path / "out"), vocab_size=50))
     assert not (tmp_path / "out" / "manifest.json").exists()
 
@@ -59,18 +60,18 @@ def test_corrupt_and_missing_shards_are_named(tmp_path, ray_session):
     shard = out / manifest["shards"][1]["path"]
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
-    with pytest.raises(ShardError, match=r"part-00001\.parquet.*(corrupt|truncated)"):
+    with pytest.raises(ArtifactError, match=r"part-00001\.parquet.*(corrupt|truncated)"):
         check_shards(str(out), manifest)
     shard.unlink()
-    with pytest.raises(ShardError, match=r"part-00001\.parquet is missing"):
+    with pytest.raises(ArtifactError, match=r"part-00001\.parquet is missing"):
         check_shards(str(out), manifest)
 
 
 def test_unfinished_or_foreign_manifest_is_refused(tmp_path):
     storage.write_json(str(tmp_path / "manifest.json"), {"format": "raydense.corpus/1", "completed": False})
-    with pytest.raises(ShardError, match="did not finish"):
+    with pytest.raises(ArtifactError, match="did not finish"):
         load_manifest(str(tmp_path))
-    with pytest.raises(ShardError, match="no manifest"):
+    with pytest.raises(ArtifactError, match="no manifest"):
         load_manifest(str(tmp_path / "elsewhere"))
 
 
@@ -94,5 +95,5 @@ def test_unreachable_s3_endpoint_is_named(monkeypatch, s3_endpoint):
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # discard port: nothing listens
     monkeypatch.setenv("RAYDENSE_S3_CONNECT_TIMEOUT", "1")
     monkeypatch.setenv("RAYDENSE_S3_MAX_ATTEMPTS", "1")
-    with pytest.raises(storage.StorageError, match=r"s3://bucket/corpus.*127\.0\.0\.1:9.*unreachable"):
+    with pytest.raises(StorageError, match=r"s3://bucket/corpus.*127\.0\.0\.1:9.*unreachable"):
         load_manifest("s3://bucket/corpus")

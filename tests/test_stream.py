@@ -7,9 +7,10 @@ import random
 import numpy as np
 import pytest
 
-from pipeline import storage
-from pipeline.position import DataPosition, IntervalSet
-from pipeline.stream import StreamSpec, build_stream, read_position, to_sequences, write_pointer
+from pipeline.core import storage
+from pipeline.data.position import DataPosition, IntervalSet
+from pipeline.data.stream import StreamSpec, build_stream, to_sequences
+from pipeline.data.position import read_position, write_pointer
 
 CLS, SEP, PAD = 2, 3, 0
 
@@ -119,7 +120,7 @@ def test_read_position_merges_the_ranks_of_the_checkpoint_ray_will_restore(tmp_p
 @pytest.mark.ray
 def test_stream_leaves_out_consumed_rows_of_the_resumed_epoch_only(tmp_path, ray_session):
     from conftest import synthetic_docs, write_jsonl
-    from pipeline.shards import PrepareConfig, load_manifest, prepare_corpus
+    from pipeline.data.shards import PrepareConfig, load_manifest, prepare_corpus
 
     corpus = str(tmp_path / "corpus")
     prepare_corpus(PrepareConfig(input=write_jsonl(tmp_path / "raw.jsonl", synthetic_docs(90)), output=corpus,
@@ -150,7 +151,7 @@ def span_spec(span_length=10, min_span_length=3, short_span_prob=0.1, seed=0):
 
 
 def test_span_pairs_are_two_disjoint_slices_of_their_document():
-    from pipeline.stream import to_span_pairs
+    from pipeline.data.stream import to_span_pairs
 
     rng = random.Random(0)
     lengths = [rng.randint(1, 60) for _ in range(300)]
@@ -172,7 +173,7 @@ def test_span_pairs_are_two_disjoint_slices_of_their_document():
 
 
 def test_short_documents_are_skipped_counted_and_still_consumed():
-    from pipeline.stream import to_span_pairs
+    from pipeline.data.stream import to_span_pairs
 
     lengths = [2, 40, 5, 1, 30, 3, 50, 4]  # under 2 x 3 tokens: rows 0, 2, 3, 5, 7
     batch = docs_batch(lengths)
@@ -186,7 +187,7 @@ def test_short_documents_are_skipped_counted_and_still_consumed():
 
 
 def test_spans_are_redrawn_each_epoch_and_independent_of_batching():
-    from pipeline.stream import to_span_pairs
+    from pipeline.data.stream import to_span_pairs
 
     lengths = [60] * 200
     s = span_spec(span_length=10)

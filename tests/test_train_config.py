@@ -7,7 +7,11 @@ import json
 import pytest
 import torch
 
-from pipeline.train import TrainConfig, deepspeed_config, linear_schedule, param_groups, step_seed
+from pipeline.training.loop import linear_schedule, param_groups, step_seed
+
+from pipeline.training.train_config import TrainConfig
+
+from pipeline.training.deepspeed_config import deepspeed_config
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -59,7 +63,7 @@ def test_step_seeds_differ_across_ranks_and_steps():
 
 
 def test_rerunning_into_another_methods_output_is_refused(tmp_path):
-    from pipeline.pretrain import PretrainConfig, run_pretraining
+    from pipeline.training.pretrain import PretrainConfig, run_pretraining
 
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.yaml").write_text("method: condenser\n")
@@ -76,7 +80,7 @@ def test_pair_fraction_counts_documents_long_enough_for_two_spans(tmp_path):
     import pyarrow.parquet as pq
 
     from models.cocondenser import CoCondenserConfig
-    from pipeline.pretrain import _pair_fraction
+    from pipeline.training.pretrain import _pair_fraction
 
     (tmp_path / "shards").mkdir()
     lengths = [3, 15, 16, 40, 7, 100, 16, 2]  # with min_span_length 8: 16, 40, 100, 16 hold a pair

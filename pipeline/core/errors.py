@@ -1,0 +1,47 @@
+"""The errors raydense raises on purpose: each names what is wrong and where.
+
+    RaydenseError           anything below: a job prints its message without a traceback
+    ├── ConfigError         a configuration key, value or file (names the key and its source)
+    ├── InputError          user data: a corpus, queries, qrels, runs, negatives (file and line)
+    ├── ArtifactError       something raydense wrote earlier is missing, unfinished or corrupt
+    │                       (corpus, embedding or index shards, manifests, checkpoints)
+    └── StorageError        a path or URI cannot be read or written (missing, denied, bad scheme)
+
+``InputError`` and ``ConfigError`` are also ``ValueError`` and ``StorageError`` is also an
+``OSError``, so callers written against the built-in kinds keep working.
+"""
+
+from __future__ import annotations
+
+
+class RaydenseError(Exception):
+    """Base of raydense's own errors. ``source`` and ``line`` say where, when known."""
+
+    def __init__(self, message: str, *, source: str | None = None, line: int | None = None):
+        super().__init__(message)
+        self.source = source
+        self.line = line
+
+    def __reduce__(self):  # keep source/line when pickled (raised inside a Ray task or actor)
+        return (_rebuild, (type(self), str(self), self.source, self.line))
+
+
+def _rebuild(cls: type[RaydenseError], message: str, source: str | None, line: int | None) -> RaydenseError:
+    return cls(message, source=source, line=line)
+
+
+class ConfigError(RaydenseError, ValueError):
+    """A configuration key, value or file is wrong; the message says which and where from."""
+
+
+class InputError(RaydenseError, ValueError):
+    """Bad user data. The message names the file and, where there is one, the 1-based line."""
+
+
+class ArtifactError(RaydenseError):
+    """A stored artifact (shards, manifests, indexes, checkpoints) is missing, unfinished or
+    corrupt. The message names it and says how to rebuild it."""
+
+
+class StorageError(RaydenseError, OSError):
+    """A path or URI cannot be reached, read or written."""

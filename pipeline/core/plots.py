@@ -1,0 +1,90 @@
+"""PNG plots written by jobs (matplotlib without a display)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+from pipeline.core import storage
+
+
+@contextlib.contextmanager
+def png_figure(uri: str, size: tuple[float, float], dpi: int = 100):
+    """Yield a fresh axes; on exit, save the figure as PNG to ``uri`` (local or s3://)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # jobs run without a display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=size)
+    try:
+        yield ax
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=dpi)
+    finally:
+        plt.close(fig)
+    storage.write_bytes(uri, buf.getvalue())
+
+
+def plot_loss_curve(history: list[dict], uri: str, title: str = "training loss") -> str:
+    with png_figure(uri, (6, 3.5)) as ax:
+        _draw_loss_curve(ax, history, title)
+    return uri
+
+
+def _draw_loss_curve(ax, history: list[dict], title: str) -> None:
+    steps = [h["step"] for h in history]
+    ax.plot(steps, [h["loss"] for h in history], label="loss")
+    for key in sorted({k for h in history for k in h if k.endswith("_loss")}):
+        ax.plot(steps, [h.get(key) for h in history], label=key, alpha=0.7)
+    ax.set_xlabel("optimiser step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.legend()
+
+
+def plot_cls_entropy(results: list[dict], uri: str) -> str:
+    """One line per checkpoint (layer 1..L vs mean entropy), dashed: its uniform-attention level."""
+    with png_figure(uri, (6, 3.8), dpi=110) as ax:
+        for res in results:
+            x = [layer["layer"] for layer in res["layers"]]
+            (line,) = ax.plot(x, [layer["mean"] for layer in res["layers"]], marker="o", label=res["label"])
+            ax.axhline(res["uniform_entropy"], color=line.get_color(), linestyle="--", linewidth=0.8, alpha=0.6)
+        ax.set_ylim(bottom=0)
+        ax.set(xlabel="layer", ylabel="CLS attention entropy (nats)",
+               title="CLS attention entropy (dashed: uniform attention)")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend()
+    return uri
+
+
+def plot_method_comparison(rows: list[dict], metrics: tuple[str, ...], uri: str) -> str:
+    """One panel per metric: a group of bars per pre-training method, a bar per training-set size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    sizes = list(dict.fromkeys((r["train_size"], r["train_queries"]) for r in rows))
+    width = 0.8 / len(sizes)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.8), squeeze=False)
+    try:
+        for ax, metric in zip(axes[0], metrics):
+            for j, (size, n_queries) in enumerate(sizes):
+                values = {r["method"]: r["metrics"][metric] for r in rows if r["train_size"] == size}
+                xs = [i + (j - (len(sizes) - 1) / 2) * width for i, m in enumerate(methods) if m in values]
+                ax.bar(xs, [values[m] for m in methods if m in values], width, label=f"{n_queries} queries")
+            ax.set_xticks(range(len(methods)), methods, rotation=20)
+            ax.set_title(metric)
+            ax.set_ylim(bottom=0)
+        axes[0][0].set_ylabel("dev")
+        axes[0][-1].legend(title="fine-tuned on")
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110)
+    finally:
+        plt.close(fig)
+    storage.write_bytes(uri, buf.getvalue())
+    return uri

@@ -1,0 +1,48 @@
+"""What every job does around its work: connect to Ray, record its settings, report."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+
+from pipeline.core import storage
+
+
+@dataclass
+class RayConfig:
+    address: str = field(default="", metadata={"help": "Ray cluster to join; empty = RAY_ADDRESS if set (ray job submit sets it), else a local Ray"})
+    num_cpus: int = field(default=0, metadata={"help": "logical CPUs of a local Ray; 0 = max(4, cores), so Ray Data's readers never starve the trainers"})
+
+
+# Variables a local Ray must see before it starts, because its workers inherit them.
+_PASSED_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION",
+               "AWS_EC2_METADATA_DISABLED", "TORCH_EXTENSIONS_DIR")
+
+
+def init_ray(cfg: RayConfig) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = cfg.address or os.environ.get("RAY_ADDRESS", "")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return
+    num_cpus = cfg.num_cpus or max(4, os.cpu_count() or 1)
+    env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
+    ray.init(num_cpus=num_cpus, runtime_env={"env_vars": env} if env else None)
+
+
+def write_run_files(cfg, output: str) -> None:
+    """Save the resolved config (secrets redacted) next to the run's outputs."""
+    from pipeline.core.config import dump_yaml
+
+    storage.write_bytes(storage.join(output, "config.yaml"), dump_yaml(cfg).encode("utf-8"))
+
+
+def print_summary(summary: dict) -> None:
+    """The last line a job prints on stdout: one JSON object describing its outputs."""
+    sys.stderr.flush()
+    print(json.dumps(summary, default=str), flush=True)

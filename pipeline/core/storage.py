@@ -1,0 +1,315 @@
+"""One way to address storage: a local path or an ``s3://bucket/key`` URI.
+
+Every stage reads and writes through ``pyarrow.fs`` so that Ray Data, Ray Train's
+``storage_path`` and our own manifests see the same filesystem object. S3 settings
+(endpoint, region, credentials) come from the environment only: ``AWS_ENDPOINT_URL``
+(or ``AWS_ENDPOINT_URL_S3``) for S3-compatible stores, ``AWS_DEFAULT_REGION`` /
+``AWS_REGION``, and the standard AWS credential chain. Credentials are never passed
+to the filesystem object, so they never end up pickled into Ray tasks or checkpoints.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import posixpath
+import shutil
+import tempfile
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator
+
+import pyarrow.fs as pafs
+from pipeline.core.errors import StorageError
+
+
+def is_s3(uri: str) -> bool:
+    return str(uri).startswith("s3://")
+
+
+def s3_endpoint() -> str | None:
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def _s3_filesystem() -> pafs.S3FileSystem:
+    endpoint = s3_endpoint()
+    kwargs: dict[str, Any] = dict(
+        region=os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1",
+        connect_timeout=float(os.environ.get("RAYDENSE_S3_CONNECT_TIMEOUT", "5")),
+        request_timeout=float(os.environ.get("RAYDENSE_S3_REQUEST_TIMEOUT", "120")),
+        retry_strategy=pafs.AwsStandardS3RetryStrategy(
+            max_attempts=int(os.environ.get("RAYDENSE_S3_MAX_ATTEMPTS", "3"))
+        ),
+    )
+    if endpoint:
+        scheme, _, host = endpoint.partition("://")
+        kwargs.update(endpoint_override=host or scheme, scheme=scheme if host else "https")
+    return pafs.S3FileSystem(**kwargs)
+
+
+@dataclass(frozen=True)
+class Location:
+    """A resolved URI: the filesystem and the path inside it."""
+
+    uri: str
+    fs: pafs.FileSystem
+    path: str
+
+    def describe(self) -> str:
+        if is_s3(self.uri) and s3_endpoint():
+            return f"{self.uri} (endpoint {s3_endpoint()})"
+        return self.uri
+
+
+def resolve(uri: str | os.PathLike) -> Location:
+    uri = str(uri)
+    if is_s3(uri):
+        path = uri[len("s3://"):].rstrip("/")
+        if not path:
+            raise StorageError(f"{uri}: an S3 URI needs a bucket")
+        return Location(uri, _s3_filesystem(), path)
+    if "://" in uri:
+        raise StorageError(f"{uri}: unsupported scheme (use a local path or s3://bucket/prefix)")
+    path = str(Path(uri).expanduser().resolve())
+    return Location(path, pafs.LocalFileSystem(), path)
+
+
+def join(uri: str, *parts: str) -> str:
+    uri = str(uri)
+    if is_s3(uri):
+        return posixpath.join(uri.rstrip("/"), *parts)
+    return os.path.join(uri, *parts)
+
+
+def _wrap(loc: Location, action: str, exc: Exception) -> StorageError:
+    hint = ""
+    text = str(exc)
+    if is_s3(loc.uri) and ("NETWORK_CONNECTION" in text or "connect" in text.lower()):
+        hint = " (S3 endpoint unreachable: check AWS_ENDPOINT_URL and the network)"
+    return StorageError(f"cannot {action} {loc.describe()}{hint}: {text}")
+
+
+def info(uri: str) -> pafs.FileInfo:
+    loc = resolve(uri)
+    try:
+        return loc.fs.get_file_info(loc.path)
+    except Exception as exc:  # pyarrow raises OSError subclasses with AWS detail
+        raise _wrap(loc, "stat", exc) from exc
+
+
+def exists(uri: str) -> bool:
+    return info(uri).type != pafs.FileType.NotFound
+
+
+def check_reachable(uri: str) -> None:
+    """Fail fast, with the endpoint named, before any Ray work is scheduled."""
+    info(uri)
+
+
+def read_bytes(uri: str) -> bytes:
+    loc = resolve(uri)
+    try:
+        with loc.fs.open_input_stream(loc.path) as f:
+            return f.read()
+    except FileNotFoundError as exc:
+        raise StorageError(f"{loc.describe()}: no such file") from exc
+    except Exception as exc:
+        raise _wrap(loc, "read", exc) from exc
+
+
+def open_input(uri: str):
+    """A binary input stream (pyarrow NativeFile, usable as a file object)."""
+    loc = resolve(uri)
+    try:
+        return loc.fs.open_input_stream(loc.path)
+    except FileNotFoundError as exc:
+        raise StorageError(f"{loc.describe()}: no such file") from exc
+    except Exception as exc:
+        raise _wrap(loc, "open", exc) from exc
+
+
+def write_bytes(uri: str, data: bytes) -> None:
+    """Write a whole object. Local writes go through a rename so readers never see half a file."""
+    loc = resolve(uri)
+    try:
+        if isinstance(loc.fs, pafs.LocalFileSystem):
+            os.makedirs(os.path.dirname(loc.path), exist_ok=True)
+            tmp = f"{loc.path}.tmp-{uuid.uuid4().hex[:8]}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, loc.path)
+        else:
+            with loc.fs.open_output_stream(loc.path) as f:
+                f.write(data)
+    except Exception as exc:
+        raise _wrap(loc, "write", exc) from exc
+
+
+@contextmanager
+def open_output(uri: str) -> Iterator[BinaryIO]:
+    """A binary stream that becomes ``uri`` (local or S3) only if the block succeeds, gzip-compressed
+    when the name ends in ``.gz``. It is written to a local temporary file first, so a failed job
+    leaves no half-written output, and large outputs are never held in memory."""
+    loc = resolve(uri)
+    local = isinstance(loc.fs, pafs.LocalFileSystem)
+    if local:
+        os.makedirs(os.path.dirname(loc.path), exist_ok=True)
+    # Opened with open() rather than mkstemp, so the file gets the umask's permissions, not 0600.
+    tmp = os.path.join(os.path.dirname(loc.path) if local else tempfile.gettempdir(),
+                       f".{os.path.basename(loc.path)}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "xb") as raw:
+            if loc.path.endswith(".gz"):
+                with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
+                    yield gz  # type: ignore[misc]
+            else:
+                yield raw
+        if local:
+            os.replace(tmp, loc.path)
+        else:
+            try:
+                pafs.copy_files(tmp, loc.path, source_filesystem=pafs.LocalFileSystem(),
+                                destination_filesystem=loc.fs)
+            except Exception as exc:
+                raise StorageError(f"cannot write {loc.describe()}: {exc}") from exc
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def read_json(uri: str) -> Any:
+    try:
+        return json.loads(read_bytes(uri).decode("utf-8"))
+    except json.JSONDecodeError as exc:
+        raise StorageError(f"{uri}: not valid JSON ({exc})") from exc
+
+
+def write_json(uri: str, obj: Any) -> None:
+    write_bytes(uri, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+
+
+def list_files(uri: str, suffix: str = "") -> list[str]:
+    """Files below ``uri`` (recursive), as URIs of the same kind, sorted."""
+    loc = resolve(uri)
+    try:
+        infos = loc.fs.get_file_info(pafs.FileSelector(loc.path, recursive=True, allow_not_found=True))
+    except Exception as exc:
+        raise _wrap(loc, "list", exc) from exc
+    paths = sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(suffix))
+    return [("s3://" + p) if is_s3(uri) else p for p in paths]
+
+
+def delete_dir(uri: str) -> None:
+    loc = resolve(uri)
+    try:
+        if loc.fs.get_file_info(loc.path).type != pafs.FileType.NotFound:
+            loc.fs.delete_dir(loc.path)
+    except Exception as exc:
+        raise _wrap(loc, "delete", exc) from exc
+
+
+def upload_dir(local_dir: str | os.PathLike, uri: str) -> str:
+    """Copy a local directory to ``uri`` (local or S3); returns ``uri``."""
+    loc = resolve(uri)
+    if isinstance(loc.fs, pafs.LocalFileSystem):
+        if os.path.abspath(local_dir) != loc.path:
+            shutil.copytree(local_dir, loc.path, dirs_exist_ok=True)
+        return loc.uri
+    try:
+        pafs.copy_files(str(local_dir), loc.path, source_filesystem=pafs.LocalFileSystem(),
+                        destination_filesystem=loc.fs)
+    except Exception as exc:
+        raise _wrap(loc, "upload to", exc) from exc
+    return loc.uri
+
+
+def download_dir(uri: str, local_dir: str | os.PathLike) -> str:
+    loc = resolve(uri)
+    if isinstance(loc.fs, pafs.LocalFileSystem):
+        return loc.path
+    os.makedirs(local_dir, exist_ok=True)
+    try:
+        pafs.copy_files(loc.path, str(local_dir), source_filesystem=loc.fs,
+                        destination_filesystem=pafs.LocalFileSystem())
+    except Exception as exc:
+        raise _wrap(loc, "download", exc) from exc
+    return str(local_dir)
+
+
+class local_copy:
+    """Context manager: a local directory holding the contents of ``uri``.
+
+    Local URIs are used in place; S3 prefixes are downloaded to a temporary directory
+    that is removed on exit.
+    """
+
+    def __init__(self, uri: str):
+        self.uri = uri
+        self._tmp: str | None = None
+
+    def __enter__(self) -> str:
+        if not is_s3(self.uri):
+            return resolve(self.uri).path
+        self._tmp = tempfile.mkdtemp(prefix="raydense-")
+        return download_dir(self.uri, self._tmp)
+
+    def __exit__(self, *exc) -> None:
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def read_manifest(folder_uri: str, fmt: str, error: type[Exception], missing: str, unfinished: str) -> dict:
+    """A folder's ``manifest.json``, checked: present (else ``missing``), of format ``fmt``,
+    and marked completed (else ``unfinished``); failures raise ``error`` naming the file."""
+    uri = join(folder_uri, "manifest.json")
+    check_reachable(uri)
+    if not exists(uri):
+        raise error(f"{uri}: no manifest; {missing}")
+    manifest = read_json(uri)
+    if manifest.get("format") != fmt:
+        raise error(f"{uri}: format {manifest.get('format')!r}, expected {fmt!r}")
+    if not manifest.get("completed"):
+        raise error(f"{uri}: {unfinished}; run it again")
+    return manifest
+
+
+def process_local_dir(uri: str) -> str:
+    """Like :class:`local_copy`, held until the process exits (e.g. a tokenizer a training
+    worker needs from start to final export)."""
+    import atexit
+
+    copy = local_copy(uri)
+    path = copy.__enter__()
+    atexit.register(copy.__exit__, None, None, None)
+    return path
+
+
+def iter_lines(uri: str, chunk_size: int = 1 << 20) -> Iterator[bytes]:
+    """Raw lines (without the newline) of a local or S3 file, streamed."""
+    with open_input(uri) as f:
+        pending = b""
+        while True:
+            chunk = f.read(chunk_size)
+            if not chunk:
+                break
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            yield from lines
+        if pending:
+            yield pending
+
+
+def read_parquet(uri: str, columns: list[str] | None = None):
+    """A whole Parquet file as a pyarrow Table (Parquet needs random access, not a stream)."""
+    import pyarrow.parquet as pq
+
+    loc = resolve(uri)
+    try:
+        return pq.read_table(loc.path, filesystem=loc.fs, columns=columns)
+    except FileNotFoundError as exc:
+        raise StorageError(f"{loc.describe()}: no such file") from exc
+    except Exception as exc:
+        raise _wrap(loc, "read Parquet", exc) from exc

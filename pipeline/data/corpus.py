@@ -1,0 +1,259 @@
+"""Reading and validating raw corpora.
+
+A corpus is a local path or an ``s3://`` URI naming either one file or a directory (an S3
+prefix), in which case every ``*.jsonl``, ``*.jsonl.gz``, ``*.txt`` and ``*.txt.gz`` file
+below it is read, in sorted order. Two formats, chosen by suffix:
+
+- ``.jsonl``: BEIR corpus lines ``{"_id": str, "title": optional str, "text": str}``; extra
+  keys are allowed, blank lines are ignored. The document text is ``f"{title}\\n{text}"``
+  when the title is non-empty, else ``text``.
+- ``.txt``: plain text, documents separated by one or more blank lines; the id of the n-th
+  document (from 0) of ``notes.txt`` is ``"notes:n"``.
+
+``.gz`` files are decompressed on the fly. Files are streamed line by line, never read whole.
+
+Every input line either becomes part of a document, is counted as skipped, is a blank line
+(ignored), or raises :class:`InputError` with the file and 1-based line number in its message.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import posixpath
+import zlib
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import pyarrow.fs as pafs
+
+from pipeline.core import storage
+from pipeline.core.errors import InputError
+from pipeline.core.errors import StorageError
+
+SUFFIXES = (".jsonl", ".jsonl.gz", ".txt", ".txt.gz")
+ON_EMPTY = ("skip", "error")
+MAX_SKIPPED_EXAMPLES = 20
+_CHUNK = 1 << 20
+
+
+@dataclass
+class CorpusStats:
+    documents: int = 0
+    skipped_empty: int = 0
+    skipped_examples: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {
+            "documents": self.documents,
+            "skipped_empty": self.skipped_empty,
+            "skipped_examples": list(self.skipped_examples),
+        }
+
+
+@dataclass(frozen=True)
+class Document:
+    doc_id: str
+    text: str
+    source: str  # URI of the file it came from
+    line: int  # 1-based line where the document starts
+
+
+def corpus_files(uri: str) -> list[str]:
+    """The corpus files ``uri`` names: itself if it is a file, else the matching files below it."""
+    uri = str(uri)
+    kind = storage.info(uri).type
+    if kind == pafs.FileType.NotFound:
+        raise InputError(f"{uri}: no such file or directory", source=uri)
+    if kind == pafs.FileType.Directory:
+        files = [f for f in storage.list_files(uri) if _suffix(f)]
+        if not files:
+            raise InputError(
+                f"{uri}: directory holds no corpus files (expected {', '.join('*' + s for s in SUFFIXES)})",
+                source=uri)
+        return files
+    source = storage.resolve(uri).uri
+    if not _suffix(source):
+        raise InputError(
+            f"{source}: unsupported corpus file type (expected one of {', '.join(SUFFIXES)})", source=source)
+    return [source]
+
+
+def iter_documents(uri: str, *, on_empty: str = "skip", stats: CorpusStats | None = None) -> Iterator[Document]:
+    """Stream the documents of the corpus at ``uri`` (file or directory, local or S3), validated.
+
+    ``on_empty``: what to do with a document whose text is empty or whitespace only:
+    ``"skip"`` (count it in ``stats.skipped_empty``) or ``"error"`` (raise InputError).
+    Duplicate ids anywhere in the input are an error.
+    """
+    if on_empty not in ON_EMPTY:
+        raise ValueError(f"on_empty must be one of {ON_EMPTY}, got {on_empty!r}")
+    return _iter_documents(str(uri), on_empty, stats if stats is not None else CorpusStats())
+
+
+def _iter_documents(uri: str, on_empty: str, stats: CorpusStats) -> Iterator[Document]:
+    seen: dict[str, tuple[str, int]] = {}
+    for source in corpus_files(uri):
+        parse = _parse_jsonl if _suffix(source).startswith(".jsonl") else _parse_txt
+        for doc in parse(source):
+            first = seen.get(doc.doc_id)
+            if first is not None:
+                raise InputError(
+                    f"duplicate id {doc.doc_id!r} at {doc.source} line {doc.line} "
+                    f"(first at {first[0]} line {first[1]})", source=doc.source, line=doc.line)
+            seen[doc.doc_id] = (doc.source, doc.line)
+            if not doc.text.strip():
+                where = f"{doc.source} line {doc.line}: empty text (id {doc.doc_id})"
+                if on_empty == "error":
+                    raise InputError(f"{where}; pass on_empty='skip' to skip such documents",
+                                      source=doc.source, line=doc.line)
+                stats.skipped_empty += 1
+                if len(stats.skipped_examples) < MAX_SKIPPED_EXAMPLES:
+                    stats.skipped_examples.append(where)
+                continue
+            stats.documents += 1
+            yield doc
+
+
+# ---------------------------------------------------------------- reading lines
+
+
+def _suffix(uri: str) -> str:
+    """The corpus suffix of ``uri`` ("" if it has none of SUFFIXES)."""
+    name = posixpath.basename(uri.replace("\\", "/")).lower()
+    for suffix in sorted(SUFFIXES, key=len, reverse=True):
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return suffix
+    return ""
+
+
+def _stem(source: str) -> str:
+    name = posixpath.basename(source.replace("\\", "/"))
+    return name[: len(name) - len(_suffix(source))]
+
+
+def _split_lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    pending = b""
+    for chunk in chunks:
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        yield from lines
+    if pending:
+        yield pending
+
+
+def _gzip_chunks(source: str) -> Iterator[bytes]:
+    # Opened without pyarrow's own on-the-fly decompression, so that we decompress exactly once.
+    loc = storage.resolve(source)
+    try:
+        raw = loc.fs.open_input_stream(loc.path, compression=None)
+    except FileNotFoundError as exc:
+        raise StorageError(f"{loc.describe()}: no such file") from exc
+    except Exception as exc:
+        raise StorageError(f"cannot open {loc.describe()}: {exc}") from exc
+    with raw, gzip.GzipFile(fileobj=raw, mode="rb") as gz:
+        while chunk := gz.read(_CHUNK):
+            yield chunk
+
+
+def numbered_lines(source: str) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, line bytes without "\\n" or a trailing "\\r")."""
+    gz = _suffix(source).endswith(".gz")
+    lines = _split_lines(_gzip_chunks(source)) if gz else storage.iter_lines(source, chunk_size=_CHUNK)
+    number = 0
+    while True:
+        try:
+            raw = next(lines)
+        except StopIteration:
+            return
+        except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+            raise InputError(f"{source} line {number + 1}: corrupt gzip data ({exc})",
+                              source=source, line=number + 1) from exc
+        number += 1
+        if raw.endswith(b"\r"):
+            raw = raw[:-1]
+        yield number, raw
+
+
+def decode_line(source: str, number: int, raw: bytes) -> str:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(
+            f"{source} line {number}: invalid UTF-8 at byte offset {exc.start} of the line "
+            f"(byte 0x{raw[exc.start]:02x}: {exc.reason})", source=source, line=number) from exc
+    if number == 1 and text.startswith("\ufeff"):
+        text = text[1:]
+    return text
+
+
+# ---------------------------------------------------------------- formats
+
+_JSON_TYPES = {type(None): "null", bool: "boolean", int: "number", float: "number", str: "string",
+               list: "array", dict: "object"}
+
+
+def json_type(value) -> str:
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def _parse_jsonl(source: str) -> Iterator[Document]:
+    for number, raw in numbered_lines(source):
+        line = decode_line(source, number, raw)
+        if not line.strip():
+            continue
+
+        def fail(problem: str) -> InputError:
+            return InputError(f"{source} line {number}: {problem}", source=source, line=number)
+
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise fail(f"malformed JSON ({exc.msg}: column {exc.colno})") from exc
+        except RecursionError as exc:
+            raise fail("malformed JSON (nested too deeply)") from exc
+        if not isinstance(obj, dict):
+            raise fail(f"expected a JSON object, got {json_type(obj)}")
+
+        if "_id" not in obj:
+            raise fail("missing field '_id'")
+        doc_id = obj["_id"]
+        if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int, float)) or (
+                isinstance(doc_id, float) and not math.isfinite(doc_id)):
+            raise fail(f"field '_id' must be a string or a number, got {json_type(doc_id)}")
+        doc_id = str(doc_id)
+        if not doc_id:
+            raise fail("field '_id' is empty")
+
+        if "text" not in obj:
+            raise fail(f"missing field 'text' (id {doc_id})")
+        text = obj["text"]
+        if not isinstance(text, str):
+            raise fail(f"field 'text' must be a string, got {json_type(text)} (id {doc_id})")
+
+        title = obj.get("title")
+        if title is not None and not isinstance(title, str):
+            raise fail(f"field 'title' must be a string, got {json_type(title)} (id {doc_id})")
+        if title and title.strip():
+            text = f"{title}\n{text}"
+        yield Document(doc_id, text, source, number)
+
+
+def _parse_txt(source: str) -> Iterator[Document]:
+    stem = _stem(source)
+    count = 0
+    start = 0
+    lines: list[str] = []
+    for number, raw in numbered_lines(source):
+        line = decode_line(source, number, raw)
+        if line.strip():
+            if not lines:
+                start = number
+            lines.append(line)
+        elif lines:
+            yield Document(f"{stem}:{count}", "\n".join(lines), source, start)
+            count += 1
+            lines = []
+    if lines:
+        yield Document(f"{stem}:{count}", "\n".join(lines), source, start)

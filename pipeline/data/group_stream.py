@@ -1,0 +1,267 @@
+"""Fine-tuning examples: each query with its group of passages, as token ids, per epoch.
+
+Queries reference passages by id, and the passages live in the prepared corpus shards
+(``pipeline/shards.py``). The join happens in Ray Data, so no worker ever holds the
+corpus text:
+
+1. The driver picks every query's group for the epoch (``select_group``: the positive
+   rotates, the negatives slide through a per-query shuffle) and turns the passage ids
+   into corpus rows. It knows ids only: an id index of the corpus, the groups and the
+   query token ids (all broadcast through the object store).
+2. A map over the corpus shards emits one ``(position, slot, passage ids)`` record per
+   request of each passage it reads: a passage in many groups is emitted once per group.
+3. One ``groupby(position)`` shuffle brings a group's passages together. ``position`` is
+   the query's place in the epoch's seeded random order; the shuffle (a hash shuffle in
+   Ray 2.60) may emit groups in another order, which is no less random.
+
+Each example carries its query's example row as ``source_rows``, which is what the
+trainer records as the data position, exactly as for pre-training sequences. Examples
+with teacher scores (distillation) also carry ``d_teacher_scores``, the score of each
+passage of the group, in slot order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.core import storage
+from pipeline.data.examples import TrainExample
+from pipeline.data.groups import select_group_with_sources
+from pipeline.data.shards import load_manifest
+from pipeline.data.stream import frame
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    corpus: str           # prepared corpus (tokenized with the retriever's tokenizer)
+    group_size: int
+    query_max_len: int
+    passage_max_len: int
+    seed: int
+    cls_id: int
+    sep_id: int
+    pad_id: int
+
+
+def corpus_rows_by_id(corpus: str, manifest: dict | None = None) -> dict[str, int]:
+    """doc_id -> corpus row, reading only the ``doc_id`` and ``row`` columns of each shard."""
+    manifest = manifest or load_manifest(corpus)
+    index: dict[str, int] = {}
+    for shard in manifest["shards"]:
+        table = storage.read_parquet(storage.join(corpus, shard["path"]), columns=["row", "doc_id"])
+        index.update(zip(table.column("doc_id").to_pylist(), table.column("row").to_pylist()))
+    return index
+
+
+def frame_truncated(token_lists: list, max_len: int, spec: GroupSpec) -> tuple[np.ndarray, np.ndarray]:
+    """``[CLS] ids [SEP]`` per token list, truncated to max_len and padded; and the lengths."""
+    chunks = [np.asarray(ids, dtype=np.int32)[:max_len - 2] for ids in token_lists]
+    return frame(chunks, max_len, spec.cls_id, spec.sep_id, spec.pad_id)
+
+
+@dataclass
+class EpochGroups:
+    """The driver's plan for one epoch, in the epoch's random order."""
+
+    example_rows: np.ndarray   # (E,) which example sits at each position
+    corpus_rows: np.ndarray    # (E, group_size) positive first
+    teacher_scores: np.ndarray | None = None  # (E, group_size) float32, aligned with corpus_rows
+
+
+def examples_as_rows(examples: list[TrainExample], rows_by_id: dict[str, int], source: str = "") -> list[TrainExample]:
+    """The examples with passage ids replaced by corpus rows (int64 arrays), so that epoch
+    plans need no id index: a corpus of millions of ids is looked up once, here."""
+    out = []
+    where = f" ({source})" if source else ""
+    for ex in examples:
+        try:
+            pos = np.array([rows_by_id[i] for i in ex.positives], dtype=np.int64)
+            neg = np.array([rows_by_id[i] for i in ex.negatives], dtype=np.int64)
+        except KeyError as missing:
+            raise ValueError(f"query {ex.query_id!r}{where}: passage {missing.args[0]!r} is not in the corpus") from None
+        scores = None
+        if ex.scores is not None:
+            scores = np.asarray(ex.scores, dtype=np.float32)
+            if scores.shape != (len(pos) + len(neg),):
+                raise ValueError(f"query {ex.query_id!r}{where}: {scores.size} teacher scores for "
+                                 f"{len(pos) + len(neg)} passages")
+        out.append(TrainExample(ex.query_id, "", pos, neg, scores))
+    return out
+
+
+def plan_epoch(examples: list[TrainExample], epoch: int, spec: GroupSpec, rows_by_id: dict[str, int] | None = None,
+               skip_rows: np.ndarray | None = None, num_rows: int = 0) -> EpochGroups:
+    """Every example's group for ``epoch`` (as corpus rows), in a seeded random order,
+    leaving out the example rows in ``skip_rows`` (consumed before a resume).
+
+    Examples hold passage ids looked up in ``rows_by_id``, or (``rows_by_id=None``)
+    corpus rows already (:func:`examples_as_rows`), with ``num_rows`` the corpus size.
+    When the examples carry teacher scores, so does the plan, aligned with its groups.
+    """
+    if rows_by_id is not None:
+        examples = examples_as_rows(examples, rows_by_id, spec.corpus)
+        num_rows = len(rows_by_id)
+    rng = np.random.default_rng([spec.seed, epoch])
+    order = rng.permutation(len(examples))
+    if skip_rows is not None and len(skip_rows):
+        order = order[~np.isin(order, skip_rows)]
+    # Queries without negatives draw from a seeded sample of the corpus.
+    fallback = []
+    if any(not len(examples[row].negatives) for row in order):
+        fallback = rng.choice(num_rows, size=min(1000, num_rows), replace=False).tolist()
+    scored = _carry_scores(examples)
+    groups = np.zeros((len(order), spec.group_size), dtype=np.int64)
+    teacher = np.zeros((len(order), spec.group_size), dtype=np.float32) if scored else None
+    for position, row in enumerate(order):
+        example = examples[row]
+        groups[position], sources = select_group_with_sources(example, epoch, spec.group_size, spec.seed, fallback)
+        if teacher is not None:
+            if (sources < 0).any():
+                raise ValueError(f"query {example.query_id!r} has no negatives: random fallback passages have no "
+                                 "teacher score")
+            teacher[position] = np.asarray(example.scores)[sources]
+    return EpochGroups(order.astype(np.int64), groups, teacher)
+
+
+def _carry_scores(examples: list[TrainExample]) -> bool:
+    """Whether the examples carry teacher scores: all of them, or none."""
+    scored = sum(ex.scores is not None for ex in examples)
+    if 0 < scored < len(examples):
+        unscored = next(ex.query_id for ex in examples if ex.scores is None)
+        raise ValueError(f"{scored} of {len(examples)} examples carry teacher scores, but query {unscored!r} "
+                         "does not: all or none must")
+    return bool(scored)
+
+
+_RESOLVED: dict[str, object] = {}
+
+
+def _resolved(value):
+    """Ray Data passes fn_kwargs as given: the plan travels as object refs (put once, not
+    pickled into every task), fetched here once per worker process and kept (the UDF runs
+    once per group: a fetch per call would deserialize the whole plan each time)."""
+    import ray
+
+    if not isinstance(value, ray.ObjectRef):
+        return value
+    key = value.hex()
+    if key not in _RESOLVED:
+        if len(_RESOLVED) >= 8:  # plans of earlier epochs
+            _RESOLVED.clear()
+        _RESOLVED[key] = ray.get(value)
+    return _RESOLVED[key]
+
+
+def _emit_requests(batch: dict, requests) -> dict:
+    """For the corpus rows of this batch, one record per (position, slot) that needs them."""
+    requests = _resolved(requests)
+    targets_row, targets_pos, targets_slot = requests["row"], requests["position"], requests["slot"]
+    lo = np.searchsorted(targets_row, batch["row"], side="left")
+    hi = np.searchsorted(targets_row, batch["row"], side="right")
+    counts = hi - lo
+    take = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)]) if counts.sum() else np.zeros(0, np.int64)
+    source = np.repeat(np.arange(len(batch["row"])), counts)
+    passages = np.empty(len(take), dtype=object)
+    passages[:] = [batch["input_ids"][i] for i in source]
+    return {"position": targets_pos[take], "slot": targets_slot[take], "input_ids": passages}
+
+
+def _assemble(group: dict, spec: GroupSpec, plan, query_ids, epoch: int) -> dict:
+    plan, query_ids = _resolved(plan), _resolved(query_ids)
+    position = int(group["position"][0])
+    if len(group["slot"]) != spec.group_size:
+        raise RuntimeError(f"group at position {position} has {len(group['slot'])} passages, "
+                           f"expected {spec.group_size}")
+    in_slot_order = np.argsort(group["slot"])
+    passages, lengths = frame_truncated([group["input_ids"][i] for i in in_slot_order], spec.passage_max_len, spec)
+    example_row = int(plan["example_rows"][position])
+    query, query_length = frame_truncated([query_ids[example_row]], spec.query_max_len, spec)
+    source_rows = np.empty(1, dtype=object)
+    source_rows[0] = np.array([example_row], dtype=np.int64)
+    out = {"q_input_ids": query, "q_length": query_length,
+           "d_input_ids": passages[None], "d_length": lengths[None],
+           "position": np.array([position], np.int64), "epoch": np.array([epoch], np.int32),
+           "source_rows": source_rows}
+    if plan.get("teacher_scores") is not None:
+        out["d_teacher_scores"] = plan["teacher_scores"][position][None]  # planned in slot order
+    return out
+
+
+def passage_requests(plan: EpochGroups) -> dict[str, np.ndarray]:
+    """Every (position, slot) of the plan, sorted by the corpus row that fills it, so that a
+    corpus batch finds its requests by binary search (:func:`_emit_requests`)."""
+    n = plan.corpus_rows.shape[1]
+    flat = plan.corpus_rows.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    return {"row": flat[order], "position": (np.arange(flat.size) // n)[order],
+            "slot": (np.arange(flat.size) % n)[order]}
+
+
+def build_epoch(spec: GroupSpec, plan: EpochGroups, query_ids: list, epoch: int, manifest: dict | None = None):
+    """The Ray Dataset of one epoch's groups: one row per planned position."""
+    import ray
+
+    manifest = manifest or load_manifest(spec.corpus)
+    requests = passage_requests(plan)
+    needed = np.unique(requests["row"])
+    loc = storage.resolve(spec.corpus)
+    shards = [s for s in manifest["shards"]  # a shard no group needs is not read at all
+              if np.any((needed >= s["first_row"]) & (needed < s["first_row"] + s["rows"]))]
+    paths = [storage.resolve(storage.join(spec.corpus, s["path"])).path for s in shards]
+    ds = ray.data.read_parquet(paths, filesystem=loc.fs, shuffle=None).select_columns(["row", "input_ids"])
+    requests_ref, queries_ref = ray.put(requests), ray.put(query_ids)
+    plan_ref = ray.put({"example_rows": plan.example_rows, "teacher_scores": plan.teacher_scores})
+    ds = ds.map_batches(_emit_requests, fn_kwargs={"requests": requests_ref}, batch_format="numpy")
+    # Ray's default of 200 shuffle partitions costs more than the shuffle itself at this size
+    # (a 4,434-query epoch: 22 s with 200, 15 s with 1, on 2 cores).
+    partitions = max(1, min(32, len(plan.example_rows) // 10_000 + 1))
+    return ds.groupby("position", num_partitions=partitions).map_groups(
+        _assemble, fn_kwargs={"spec": spec, "plan": plan_ref, "query_ids": queries_ref, "epoch": epoch},
+        batch_format="numpy")
+
+
+class GroupStream:
+    """The callable handed to Ray Train as the fine-tuning ``train`` dataset.
+
+    Like :class:`pipeline.stream.TrainingStream`, each call (first start, restart after a
+    failure, re-run of the job) reads the data position of the checkpoint Ray Train will
+    restore and builds every remaining epoch, leaving out the example rows it consumed.
+    It holds ids only: examples as corpus rows, and the query token ids.
+    """
+
+    def __init__(self, spec: GroupSpec, examples: list[TrainExample], query_ids: list, epochs: int,
+                 num_rows: int, run_dir: str):
+        self.spec, self.examples, self.query_ids = spec, examples, query_ids
+        self.epochs, self.num_rows, self.run_dir = epochs, num_rows, run_dir
+
+    def __call__(self):
+        import ray
+
+        from pipeline.data.shards import check_shards
+        from pipeline.data.position import read_position
+
+        from ray.data import DataContext
+
+        # This runs wherever Ray Train builds its datasets (not necessarily the driver):
+        # the epochs are concatenated, and must stay in order.
+        DataContext.get_current().execution_options.preserve_order = True
+        manifest = load_manifest(self.spec.corpus)
+        check_shards(self.spec.corpus, manifest)
+        position, _ = read_position(self.run_dir)
+        parts = []
+        for epoch in range(self.epochs):
+            consumed = position.consumed(epoch)
+            skip = np.flatnonzero(consumed.contains(np.arange(len(self.examples)))) if consumed.count() else None
+            plan = plan_epoch(self.examples, epoch, self.spec, skip_rows=skip, num_rows=self.num_rows)
+            if len(plan.example_rows):
+                parts.append(build_epoch(self.spec, plan, self.query_ids, epoch, manifest))
+        if not parts:  # all consumed: an empty stream, so a resumed finished run just exports
+            g, lq, ld = self.spec.group_size, self.spec.query_max_len, self.spec.passage_max_len
+            row = {"q_input_ids": np.zeros(lq, np.int32), "q_length": 0, "d_input_ids": np.zeros((g, ld), np.int32),
+                   "d_length": np.zeros(g, np.int32), "position": 0, "epoch": 0, "source_rows": np.zeros(0, np.int64)}
+            if _carry_scores(self.examples):
+                row["d_teacher_scores"] = np.zeros(g, np.float32)
+            return ray.data.from_items([row]).limit(0)
+        return parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]

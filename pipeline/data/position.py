@@ -1,0 +1,183 @@
+"""The data position of a training run: which corpus rows each epoch has consumed.
+
+Workers receive blocks of rows from Ray Data's streaming split in no fixed order, so
+"how far we got" is not a single offset. It is a set of row ids per epoch, kept as
+merged half-open intervals: a worker consumes whole blocks in order, so the union
+over all workers is one long prefix plus a few islands, however big the corpus.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from pipeline.core import storage
+from pipeline.core.errors import StorageError
+
+
+class IntervalSet:
+    """A set of non-negative integers stored as sorted, disjoint, non-adjacent [start, end)."""
+
+    def __init__(self, intervals=None):
+        arr = np.asarray(intervals if intervals is not None else [], dtype=np.int64).reshape(-1, 2)
+        self._iv = _merge(arr)
+
+    @classmethod
+    def from_rows(cls, rows) -> "IntervalSet":
+        rows = np.unique(np.asarray(rows, dtype=np.int64))
+        if rows.size == 0:
+            return cls()
+        breaks = np.nonzero(np.diff(rows) != 1)[0]
+        starts = np.concatenate([rows[:1], rows[breaks + 1]])
+        ends = np.concatenate([rows[breaks], rows[-1:]]) + 1
+        return cls(np.stack([starts, ends], axis=1))
+
+    def union(self, other: "IntervalSet") -> "IntervalSet":
+        return IntervalSet(np.concatenate([self._iv, other._iv]))
+
+    def add_rows(self, rows) -> None:
+        self._iv = _merge(np.concatenate([self._iv, IntervalSet.from_rows(rows)._iv]))
+
+    def contains(self, rows) -> np.ndarray:
+        rows = np.asarray(rows, dtype=np.int64)
+        if not len(self._iv):
+            return np.zeros(rows.shape, dtype=bool)
+        idx = np.searchsorted(self._iv[:, 0], rows, side="right") - 1
+        ok = idx >= 0
+        inside = np.zeros(rows.shape, dtype=bool)
+        inside[ok] = rows[ok] < self._iv[idx[ok], 1]
+        return inside
+
+    def covers(self, start: int, end: int) -> bool:
+        """Whether every integer in [start, end) is in the set."""
+        if end <= start:
+            return True
+        idx = np.searchsorted(self._iv[:, 0], start, side="right") - 1
+        return idx >= 0 and self._iv[idx, 1] >= end
+
+    def count(self) -> int:
+        return int((self._iv[:, 1] - self._iv[:, 0]).sum())
+
+    def difference_count(self, other: "IntervalSet") -> int:
+        """How many members of self are not in other."""
+        return self.count() - _intersection_count(self._iv, other._iv)
+
+    def to_list(self) -> list[list[int]]:
+        return self._iv.tolist()
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, IntervalSet) and np.array_equal(self._iv, other._iv)
+
+    def __repr__(self) -> str:
+        return f"IntervalSet({self.to_list()})"
+
+
+def _merge(iv: np.ndarray) -> np.ndarray:
+    if len(iv) == 0:
+        return iv.reshape(0, 2)
+    iv = iv[np.argsort(iv[:, 0], kind="stable")]
+    ends_so_far = np.maximum.accumulate(iv[:, 1])
+    new_group = np.ones(len(iv), dtype=bool)
+    new_group[1:] = iv[1:, 0] > ends_so_far[:-1]  # adjacent intervals (start == end) merge
+    group = np.cumsum(new_group) - 1
+    starts = iv[new_group, 0]
+    ends = np.zeros(len(starts), dtype=np.int64)
+    np.maximum.at(ends, group, iv[:, 1])
+    return np.stack([starts, ends], axis=1)
+
+
+def _intersection_count(a: np.ndarray, b: np.ndarray) -> int:
+    total, i, j = 0, 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i, 0], b[j, 0]), min(a[i, 1], b[j, 1])
+        total += max(0, hi - lo)
+        if a[i, 1] < b[j, 1]:
+            i += 1
+        else:
+            j += 1
+    return int(total)
+
+
+class DataPosition:
+    """Consumed rows per epoch."""
+
+    def __init__(self, epochs: dict[int, IntervalSet] | None = None):
+        self.epochs: dict[int, IntervalSet] = dict(epochs or {})
+
+    def add(self, epoch: int, rows) -> None:
+        self.epochs.setdefault(int(epoch), IntervalSet()).add_rows(rows)
+
+    def consumed(self, epoch: int) -> IntervalSet:
+        return self.epochs.get(int(epoch), IntervalSet())
+
+    def merge(self, other: "DataPosition") -> "DataPosition":
+        out = DataPosition(self.epochs)
+        for epoch, iv in other.epochs.items():
+            out.epochs[epoch] = out.consumed(epoch).union(iv)
+        return out
+
+    def to_json(self) -> dict:
+        return {"epochs": {str(e): iv.to_list() for e, iv in sorted(self.epochs.items())}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "DataPosition":
+        return cls({int(e): IntervalSet(iv) for e, iv in (data or {}).get("epochs", {}).items()})
+
+    def count(self) -> int:
+        return sum(iv.count() for iv in self.epochs.values())
+
+    def difference_count(self, other: "DataPosition") -> int:
+        return sum(iv.difference_count(other.consumed(e)) for e, iv in self.epochs.items())
+
+
+# -- the data position of a run's checkpoints, on storage ------------------------------
+
+POINTER = "data_position.json"
+
+
+def write_pointer(run_dir: str, checkpoint_dir: str, step: int) -> None:
+    """Record which checkpoint the next stream should resume from (rank 0, after report)."""
+    storage.write_json(storage.join(run_dir, POINTER), {"checkpoint": checkpoint_dir, "step": step})
+
+
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+
+
+def restorable_checkpoint(run_dir: str) -> str | None:
+    """The checkpoint Ray Train will hand the workers on their next start (None: none yet).
+
+    Ray Train's controller persists its checkpoint registry (``checkpoint_manager_snapshot.json``)
+    when it *registers* a checkpoint, which can lag behind the workers' report. That file,
+    not our pointer, names what ``ray.train.get_checkpoint()`` will return, so the stream
+    follows it. The pointer (written by rank 0 after each report) is the fallback for a Ray
+    version whose snapshot we cannot read.
+    """
+    snapshot_uri = storage.join(run_dir, RAY_SNAPSHOT)
+    if storage.exists(snapshot_uri):
+        try:
+            latest = storage.read_json(snapshot_uri).get("latest_checkpoint_result")
+            return latest["checkpoint_dir_name"] if latest else None
+        except (StorageError, KeyError, TypeError, AttributeError):
+            pass
+    pointer_uri = storage.join(run_dir, POINTER)
+    if storage.exists(pointer_uri):
+        return storage.read_json(pointer_uri)["checkpoint"]
+    return None
+
+
+def read_checkpoint_position(checkpoint_uri: str) -> DataPosition:
+    """The merged position of every rank saved in one checkpoint folder."""
+    files = [f for f in storage.list_files(checkpoint_uri, ".json")
+             if f.replace("\\", "/").rsplit("/", 1)[-1].startswith("position_rank")]
+    if not files:
+        raise StorageError(f"{checkpoint_uri}: checkpoint holds no position files")
+    position = DataPosition()
+    for uri in files:
+        position = position.merge(DataPosition.from_json(storage.read_json(uri)))
+    return position
+
+
+def read_position(run_dir: str) -> tuple[DataPosition, str | None]:
+    """The data position the next stream resumes from, and the checkpoint it belongs to."""
+    name = restorable_checkpoint(run_dir)
+    if name is None:
+        return DataPosition(), None
+    return read_checkpoint_position(storage.join(run_dir, name)), name

@@ -1,0 +1,114 @@
+"""Ranked lists on storage: TREC runs and mined-negative files.
+
+- TREC run: ``qid Q0 docid rank score tag`` per line (first-stage results, a teacher's scores).
+- negatives (written by BM25 and dense mining): ``{"query_id": str, "negatives": [docid, ...],
+  "scores": [float, ...]}`` per line, negatives best-ranked first; ``scores`` is optional.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+
+from pipeline.core import storage
+from pipeline.core.errors import InputError
+from pipeline.data.records import as_id
+from pipeline.data.records import check_new
+from pipeline.data.records import get_field
+from pipeline.data.records import json_lines
+from pipeline.data.records import line_error
+from pipeline.data.records import read_lines
+from pipeline.data.records import write_json_line
+
+
+def read_negatives(uri: str, doc_ids: set[str] | None = None,
+                   query_ids: set[str] | None = None) -> dict[str, list[str]]:
+    """Negatives jsonl -> {query id: [doc id, ...]} in ranked order (``scores`` is not kept)."""
+    negatives: dict[str, list[str]] = {}
+    lines: dict[str, int] = {}
+    for source, number, obj in json_lines(uri):
+        qid = get_field(obj, "query_id", None, source, number)
+        if query_ids is not None and qid not in query_ids:
+            raise line_error(source, number, f"unknown query id {qid!r} (not in the queries)")
+        check_new(lines, qid, "query id", source, number)
+        ids = [as_id(d, f"negatives[{i}]", source, number)
+               for i, d in enumerate(get_field(obj, "negatives", list, source, number))]
+        if len(set(ids)) != len(ids):
+            raise line_error(source, number, f"query {qid!r} lists a negative twice")
+        unknown = [d for d in ids if doc_ids is not None and d not in doc_ids]
+        if unknown:
+            raise line_error(source, number, f"unknown document id {unknown[0]!r} (not in the corpus)")
+        negatives[qid] = ids
+    return negatives
+
+
+def write_negatives(rows: Iterable[tuple[str, list[str], list[float] | None]], uri: str) -> int:
+    """Write (query id, ranked negative ids, their scores or None) rows; returns the row count."""
+    n = 0
+    with storage.open_output(uri) as out:
+        for qid, ids, scores in rows:
+            write_json_line(out, {"query_id": qid, "negatives": list(ids),
+                              **({"scores": [round(float(s), 4) for s in scores]} if scores is not None else {})})
+            n += 1
+    return n
+
+
+def read_trec_run(uri: str, depth: int = 0, query_ids: set[str] | None = None, doc_ids: set[str] | None = None,
+                  ) -> dict[str, list[tuple[str, float, int]]]:
+    """TREC run (``qid Q0 docid rank score tag`` per line) -> per query its candidates as
+    (doc id, score, line), best first (ties broken by the rank column); with ``depth`` > 0
+    only the best ``depth``. Errors name the file and line: a malformed line, a score that is
+    not a finite number, a document listed twice for a query, and with ``query_ids`` /
+    ``doc_ids`` an id outside them. A run without a line is an error too.
+
+    Memory: a query's lines are held until the run moves to another query, then cut to
+    ``depth``. A query whose lines come in several blocks is merged; with a depth, a document
+    repeated across blocks is then caught only if its first mention was kept.
+    """
+    kept: dict[str, list[tuple[str, float, int, int]]] = {}  # (doc, score, rank, line)
+    current, block = None, {}
+
+    def close() -> None:
+        if current is not None:
+            best = sorted(block.items(), key=lambda item: (-item[1][0], item[1][1]))
+            kept[current] = [(d, score, rank, line) for d, (score, rank, line) in best[:depth or None]]
+
+    source = storage.resolve(uri).uri
+    for source, number, text in read_lines(uri):
+        cols = text.split()
+        if len(cols) != 6:
+            raise line_error(source, number, f"expected 6 columns (qid Q0 docid rank score tag), got {len(cols)}")
+        qid, _, did, rank_text, score_text, _ = cols
+        try:
+            rank, score = int(rank_text), float(score_text)
+        except ValueError:
+            raise line_error(source, number, f"rank must be an integer and score a number, got {rank_text!r} "
+                                        f"and {score_text!r}") from None
+        if not math.isfinite(score):
+            raise line_error(source, number, f"score must be finite, got {score_text!r}")
+        if query_ids is not None and qid not in query_ids:
+            raise line_error(source, number, f"unknown query id {qid!r} (not in the queries)")
+        if doc_ids is not None and did not in doc_ids:
+            raise line_error(source, number, f"unknown document id {did!r} (not in the corpus)")
+        if qid != current:
+            close()
+            current = qid
+            block = {d: (score_, rank_, line) for d, score_, rank_, line in kept.pop(qid, [])}
+        if did in block:
+            raise line_error(source, number, f"document {did!r} listed twice for query {qid!r} "
+                                        f"(first at line {block[did][2]})")
+        block[did] = (score, rank, number)
+    close()
+    if not kept:
+        raise InputError(f"{source}: the run holds no candidates", source=source)
+    return {q: [(d, score, line) for d, score, _, line in ranked] for q, ranked in kept.items()}
+
+
+def write_trec_run(run: dict[str, dict[str, float]], uri: str, tag: str = "raydense") -> None:
+    from pipeline.core import storage
+
+    with storage.open_output(uri) as out:
+        for qid, docs in run.items():
+            ranked = sorted(docs.items(), key=lambda kv: -kv[1])
+            out.write("".join(f"{qid} Q0 {d} {r} {s:.6f} {tag}\n" for r, (d, s) in enumerate(ranked, 1)).encode())

@@ -1,0 +1,216 @@
+"""Corpus encoding on a pool of Ray actors: prepared shards in, embedding shards out.
+
+Each corpus shard becomes one embedding shard with the same index, written atomically
+by whichever actor encoded it (``pipeline/embeddings.py``). That makes the job
+resumable at shard granularity: a rerun skips the shards already written, and a shard
+whose actor died is handed to a fresh actor. The manifest is written last, once every
+shard exists, so the result holds every passage exactly once.
+
+Inside an actor, a shard's passages are sorted by length and encoded in batches padded
+only to their own longest passage; on GPU under fp16 or bf16 autocast.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from pipeline.core import storage
+from pipeline.core.runtime import RayConfig
+from pipeline.core.actor_pool import ActorConfig
+from pipeline.core.actor_pool import run_actor_pool
+
+
+@dataclass
+class EncoderSettings:
+    model: str = field(default="runs/finetune/export", metadata={"help": "retriever export (settings from its retriever.json) or any local HF checkpoint; 'package:NAME' = an installed model package"})
+    pooling: str = field(default="", metadata={"help": "cls or mean; empty = the export's retriever.json (cls for a plain checkpoint)"})
+    normalize: str = field(default="", metadata={"help": "true = cosine (L2-normalised vectors), false = dot product; empty = the export's setting"})
+    max_len: int = field(default=128, metadata={"help": "passage tokens, [CLS] and [SEP] included"})
+    query_max_len: int = field(default=32, metadata={"help": "query tokens, [CLS] and [SEP] included"})
+    batch_size: int = field(default=256, metadata={"help": "passages per forward"})
+    precision: Literal["auto", "fp32", "fp16", "bf16"] = field(default="auto", metadata={"help": "auto = fp16 on GPU, fp32 on CPU"})
+
+    def overrides(self) -> dict:
+        out: dict = {}
+        if self.pooling:
+            out["pooling"] = self.pooling
+        if self.normalize:
+            if self.normalize.lower() not in ("true", "false"):
+                raise ValueError(f"normalize must be true, false or empty, got {self.normalize!r}")
+            out["similarity"] = "cos" if self.normalize.lower() == "true" else "dot"
+        return out
+
+
+def _frame_batch(token_lists: list, max_len: int, cls_id: int, sep_id: int, pad_id: int):
+    """``[CLS] ids [SEP]`` per list, truncated to max_len, padded only to the batch's longest."""
+    import torch
+
+    from pipeline.data.stream import frame
+
+    chunks = [np.asarray(t[:max_len - 2], dtype=np.int32) for t in token_lists]
+    width = max(len(c) for c in chunks) + 2
+    ids, lengths = frame(chunks, width, cls_id, sep_id, pad_id)
+    mask = np.arange(width)[None, :] < lengths[:, None]
+    return torch.from_numpy(ids).long(), torch.from_numpy(mask).long()
+
+
+class Encoder:
+    """The model on one device, encoding token-id lists in length-sorted batches."""
+
+    def __init__(self, settings: EncoderSettings, tokenizer_dir: str, device: str = "cpu"):
+        import torch
+
+        from models.biencoder import load_biencoder
+        from pipeline.core.model_ref import resolve_init
+        from pipeline.data.tokenizer import load_tokenizer
+
+        self.settings, self.device = settings, device
+        path = resolve_init(settings.model)
+        self.model = load_biencoder(path, settings.overrides()).to(device).eval()
+        self.tokenizer = load_tokenizer(tokenizer_dir)
+        precision = settings.precision
+        if precision == "auto":
+            precision = "fp16" if device.startswith("cuda") else "fp32"
+        self.autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+
+    @property
+    def normalized(self) -> bool:
+        return self.model.cfg.similarity == "cos"
+
+    def encode_tokens(self, token_lists: list, max_len: int, tower: str = "passage") -> np.ndarray:
+        import contextlib
+
+        import torch
+
+        tok = self.tokenizer
+        encode = self.model.encode_passage if tower == "passage" else self.model.encode_query
+        order = np.argsort([-len(t) for t in token_lists], kind="stable")
+        out = np.zeros((len(token_lists), self.dim), dtype=np.float32)
+        autocast = (torch.autocast(device_type=self.device.split(":")[0], dtype=self.autocast_dtype)
+                    if self.autocast_dtype is not None else contextlib.nullcontext())
+        with torch.inference_mode(), autocast:
+            for start in range(0, len(order), self.settings.batch_size):
+                idx = order[start:start + self.settings.batch_size]
+                ids, mask = _frame_batch([token_lists[i] for i in idx], max_len, tok.cls_token_id,
+                                         tok.sep_token_id, tok.pad_token_id)
+                reps = encode(ids.to(self.device), mask.to(self.device))
+                out[idx] = reps.float().cpu().numpy()
+        return out
+
+    def encode_texts(self, texts: list[str], max_len: int, tower: str = "query") -> np.ndarray:
+        tokens = self.tokenizer(texts, add_special_tokens=False, truncation=True, max_length=max_len - 2)["input_ids"]
+        return self.encode_tokens(tokens, max_len, tower)
+
+    @property
+    def dim(self) -> int:
+        return int(self.model.query_encoder.config.hidden_size)
+
+
+def local_encoder(settings: EncoderSettings, device: str = "cpu") -> Encoder:
+    """An :class:`Encoder` in this process (e.g. for queries), with the model's own tokenizer."""
+    from pipeline.core.model_ref import resolve_init
+
+    model_dir = resolve_init(settings.model)
+    towers = os.path.join(model_dir, "query")
+    return Encoder(settings, towers if os.path.isdir(towers) else model_dir, device)
+
+
+class EncoderActor:
+    """A Ray actor holding one :class:`Encoder`; encodes whole corpus shards."""
+
+    def __init__(self, settings: EncoderSettings, tokenizer_uri: str, cpus: float, use_gpu: bool):
+        import torch
+
+        torch.set_num_threads(max(1, int(cpus)))
+        self._tokenizer = storage.process_local_dir(tokenizer_uri)
+        self.encoder = Encoder(settings, self._tokenizer, "cuda" if use_gpu else "cpu")
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def encode_shard(self, corpus_shard_uri: str, index: int, output: str) -> dict:
+        from pipeline.retrieval.embeddings import write_shard
+
+        started = time.perf_counter()
+        table = storage.read_parquet(corpus_shard_uri, columns=["row", "doc_id", "input_ids"])
+        tokens = table.column("input_ids").to_pylist()
+        vectors = self.encoder.encode_tokens(tokens, self.encoder.settings.max_len)
+        entry = write_shard(output, index, table.column("row").to_numpy(), table.column("doc_id").to_pylist(),
+                            vectors)
+        return {**entry, "seconds": time.perf_counter() - started, "pid": os.getpid()}
+
+
+@dataclass
+class EncodeConfig:
+    corpus: str = field(default="data/bible-sample/corpus.jsonl", metadata={"help": "BEIR corpus.jsonl (prepared here with the model's tokenizer) or a prepared corpus folder (manifest.json); local or s3://"})
+    output: str = field(default="runs/encode", metadata={"help": "embedding shards + manifest (local or s3://)"})
+    prepared: str = field(default="", metadata={"help": "where a BEIR corpus is prepared; empty = <output>/corpus"})
+    docs_per_shard: int = field(default=20000, metadata={"help": "passages per shard when preparing a BEIR corpus (the unit of work and of resume)"})
+    encoder: EncoderSettings = field(default_factory=EncoderSettings)
+    pool: ActorConfig = field(default_factory=ActorConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+def prepared_corpus(corpus: str, model_dir: str, prepared: str, docs_per_shard: int) -> tuple[str, dict]:
+    """(prepared folder, manifest): ``corpus`` itself if it is prepared, else prepared with
+    the model's tokenizer (reused on a rerun)."""
+    from pipeline.data.shards import MANIFEST, PrepareConfig, load_manifest, prepare_corpus
+
+    if storage.exists(storage.join(corpus, MANIFEST)):
+        return corpus, load_manifest(corpus)
+    cfg = PrepareConfig(input=corpus, output=prepared, tokenizer=model_dir, docs_per_shard=docs_per_shard)
+    return prepared, prepare_corpus(cfg)
+
+
+def run_encoding(cfg: EncodeConfig) -> dict:
+    """Encode every shard not yet written, on ``cfg.pool.actors`` actors; write the manifest."""
+    import ray
+
+    from models.biencoder import load_biencoder
+    from pipeline.retrieval.embeddings import finished_shards, shard_path, write_manifest
+    from pipeline.core.model_ref import resolve_init
+    from pipeline.data.shards import check_shards
+
+    started = time.perf_counter()
+    cfg.output = storage.resolve(cfg.output).uri
+    model_dir = resolve_init(cfg.encoder.model)
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"--encoder.model {cfg.encoder.model}: no such checkpoint directory")
+    towers = os.path.join(model_dir, "query")
+    tokenizer_dir = towers if os.path.isdir(towers) else model_dir
+    corpus, manifest = prepared_corpus(storage.resolve(cfg.corpus).uri, tokenizer_dir,
+                                       cfg.prepared or storage.join(cfg.output, "corpus"), cfg.docs_per_shard)
+    check_shards(corpus, manifest)
+    tokenizer_uri = storage.join(corpus, manifest["tokenizer"])
+    probe = load_biencoder(model_dir, cfg.encoder.overrides())
+    dim, similarity = int(probe.query_encoder.config.hidden_size), probe.cfg.similarity
+    del probe
+
+    shards = manifest["shards"]
+    done = finished_shards(cfg.output)
+    todo = [(i, storage.join(corpus, s["path"])) for i, s in enumerate(shards) if i not in done]
+    remote = ray.remote(EncoderActor).options(num_cpus=cfg.pool.cpus_per_actor,
+                                              num_gpus=1 if cfg.pool.use_gpu else 0, max_restarts=0)
+
+    def make_actor():
+        return remote.remote(cfg.encoder, tokenizer_uri, cfg.pool.cpus_per_actor, cfg.pool.use_gpu)
+
+    results = run_actor_pool(make_actor, todo, lambda actor, t: actor.encode_shard.remote(t[1], t[0], cfg.output),
+                             cfg.pool.max_retries, cfg.pool.actors)
+    entries = [{"index": i, "path": shard_path(i), "rows": s["rows"], "first_row": s["first_row"]}
+               for i, s in enumerate(shards)]
+    write_manifest(cfg.output, dim, entries, dtype="float32", normalized=similarity == "cos",
+                   similarity=similarity, model=model_dir)
+    seconds = time.perf_counter() - started
+    encode_seconds = sum(r["seconds"] for r in results)
+    return {"job": "encode", "output": cfg.output, "corpus": corpus, "passages": manifest["num_docs"],
+            "shards": len(shards), "shards_encoded": len(todo), "shards_skipped": len(done & set(range(len(shards)))),
+            "dim": dim, "similarity": similarity, "actors": cfg.pool.actors, "seconds": round(seconds, 2),
+            "passages_per_s": round(sum(r["rows"] for r in results) / max(seconds, 1e-9), 1),
+            "actor_seconds": round(encode_seconds, 2),
+            "shard_results": [{k: r[k] for k in ("index", "rows", "seconds", "pid")} for r in results]}

@@ -1,0 +1,401 @@
+"""FAISS index shards over an embeddings folder: planning, building, saving and search.
+
+Layout under the index URI (local or s3://)::
+
+    manifest.json                 factory, metric, dim, shards, source embeddings; written last
+    shards/index-00000.faiss      one serialized FAISS index per embedding shard group
+
+Every index returns global corpus rows (int64) as ids, so per-shard results merge into
+the global top-k without any offset bookkeeping. Memory is planned before anything is
+built: a shard that cannot fit fails up front, by number, instead of an OOM kill hours
+into a build. ``faiss`` is imported lazily so that the planner's formulas, the merge and
+the numpy reference work without it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeline.core import storage
+from pipeline.core.errors import ArtifactError
+
+MANIFEST = "manifest.json"
+FORMAT = "raydense-index-v1"
+_FAISS_CONTEXT = re.compile(r"^Error in .*? at \S+:\d+: (?:Error: '.*?' failed: )?", re.S)
+
+
+@dataclass
+class IndexConfig:
+    factory: str = field(default="Flat", metadata={"help": "FAISS index_factory string: Flat, IVF4096,Flat, IVF4096,PQ64, HNSW32, ..."})
+    metric: str = field(default="ip", metadata={"help": "ip (inner product) or l2"})
+    train_sample: int = field(default=100_000, metadata={"help": "vectors sampled (seeded) to train indexes that need training"})
+    nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
+    memory_limit_gb: float = field(default=0, metadata={"help": "memory one index shard may use; 0 = the machine's available memory"})
+    use_gpu: str = field(default="auto", metadata={"help": "auto (when FAISS sees a GPU), never or always"})
+    seed: int = field(default=0, metadata={"help": "seed of the training sample"})
+
+
+def _faiss():
+    try:
+        import faiss
+    except ImportError as exc:
+        raise ImportError("faiss is not installed: pip install -e '.[cpu]' (or '.[gpu]')") from exc
+    return faiss
+
+
+def _reason(exc: Exception) -> str:
+    """FAISS's own reason, without the C++ function signature and source line around it."""
+    return _FAISS_CONTEXT.sub("", str(exc)).strip()
+
+
+def _check_metric(metric: str) -> None:
+    if metric not in ("ip", "l2"):
+        raise ValueError(f"metric {metric!r} is not one of ['ip', 'l2']")
+
+
+def _metric(metric: str) -> int:
+    _check_metric(metric)
+    faiss = _faiss()
+    return faiss.METRIC_INNER_PRODUCT if metric == "ip" else faiss.METRIC_L2
+
+
+def _f32(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def _new_index(factory: str, dim: int, metric: str):
+    faiss = _faiss()
+    try:
+        index = faiss.index_factory(int(dim), factory, _metric(metric))
+    except RuntimeError as exc:
+        raise ValueError(f"FAISS rejects the index factory {factory!r} for dim {dim}: {_reason(exc)}") from exc
+    # IVF indexes store ids in their lists; the others need a map (IndexIDMap, not IDMap2:
+    # we never reconstruct by id, so its reverse hash map would be RAM for nothing).
+    if faiss.try_extract_index_ivf(index) is None and not isinstance(index, (faiss.IndexIDMap, faiss.IndexIDMap2)):
+        index = faiss.IndexIDMap(index)
+    return index
+
+
+def validate_factory(factory: str, dim: int, metric: str = "ip") -> None:
+    """Fail with FAISS's own reason (not its C++ stack) before any data is read."""
+    _new_index(factory, dim, metric)
+
+
+# --- memory planning -------------------------------------------------------------------
+
+_TRANSFORM = re.compile(r"^(?:OPQ(\d+)(?:_(\d+))?|PCAR?(\d+)),(.+)$")
+_IVF = re.compile(r"^IVF(\d+)(?:_HNSW(\d+))?,(.+)$")
+_PQ = re.compile(r"^PQ(\d+)(?:x(\d+))?$")
+_SQ_BYTES = {"SQ4": 0.5, "SQ6": 0.75, "SQ8": 1.0, "SQfp16": 2.0}
+
+
+def _codes(payload: str, dim: int) -> tuple[float, int] | None:
+    """(bytes per vector, fixed bytes) of a flat/PQ/SQ payload, or None if not recognised."""
+    if payload == "Flat":
+        return dim * 4, 0
+    if payload in _SQ_BYTES:
+        return _SQ_BYTES[payload] * dim, 2 * dim * 4
+    m = _PQ.match(payload)
+    if m:
+        sub, nbits = int(m.group(1)), int(m.group(2) or 8)
+        return math.ceil(sub * nbits / 8), (1 << nbits) * dim * 4  # codebook: M * 2^nbits * (dim/M) floats
+    return None
+
+
+def _formula(factory: str, dim: int) -> tuple[float, int] | None:
+    """(bytes per vector, fixed bytes) of a recognised factory, ids included."""
+    m = _TRANSFORM.match(factory)
+    if m:  # OPQ stores a d_out x d_in rotation; PCA also keeps the full d_in x d_in eigenvector matrix
+        out = int(m.group(2) or m.group(3) or dim)
+        inner = _formula(m.group(4), out)
+        return inner and (inner[0], inner[1] + (out + (dim if m.group(3) else 0)) * dim * 4)
+    m = _IVF.match(factory)
+    if m:
+        nlist, hnsw, codes = int(m.group(1)), int(m.group(2) or 0), _codes(m.group(3), dim)
+        if codes is None:
+            return None
+        return codes[0] + 8, codes[1] + nlist * (dim * 4 + hnsw * 2 * 4)
+    m = re.match(r"^HNSW(\d+)(?:,Flat)?$", factory)
+    if m:  # level 0 has 2*M links of 4 bytes; upper levels, levels and offsets add ~16
+        return dim * 4 + int(m.group(1)) * 2 * 4 + 16 + 8, 0
+    codes = _codes(factory, dim)
+    return None if codes is None else (codes[0] + 8, codes[1])
+
+
+def _measured(factory: str, dim: int, metric: str, seed: int = 0) -> tuple[float, int]:
+    """Build the index on a small random sample and extrapolate from its serialized size."""
+    faiss = _faiss()
+    # Enough points to train the largest number in the string (usually nlist), within reason.
+    n = min(max(2048, 2 * max(map(int, re.findall(r"\d+", factory)), default=0)), 20_000)
+    train = np.random.default_rng(seed).standard_normal((n, dim), dtype=np.float32)
+    index = _new_index(factory, dim, metric)
+    try:
+        index.train(train)
+    except RuntimeError as exc:
+        raise ValueError(f"cannot estimate the memory of {factory!r} from a {n}-vector sample "
+                         f"({_reason(exc)}); use a factory the planner "
+                         "knows: [OPQ../PCA..,]Flat, PQ.., SQ.., HNSW.., IVF..,Flat|PQ..|SQ..") from exc
+    step, measured = 2048, []
+    for i in range(2):
+        index.add_with_ids(train[:step], np.arange(i * step, (i + 1) * step, dtype=np.int64))
+        measured.append(len(faiss.serialize_index(index)))
+    per_vector = (measured[1] - measured[0]) / step
+    return per_vector, max(0, int(measured[0] - per_vector * step))
+
+
+def plan_memory(factory: str, dim: int, n_vectors_per_shard: list[int], metric: str = "ip") -> list[dict]:
+    """Estimated bytes of each index shard: a formula for the common factories, otherwise a
+    measurement on a tiny sample. These are serialized sizes; an index being filled can
+    briefly hold up to twice its inverted lists while they grow."""
+    formula = _formula(factory.strip(), dim)
+    per_vector, fixed = formula if formula else _measured(factory, dim, metric)
+    return [{"shard": i, "vectors": int(n), "dim": int(dim), "bytes": int(fixed + per_vector * n),
+             "estimate": "formula" if formula else "measured"} for i, n in enumerate(n_vectors_per_shard)]
+
+
+def memory_limit_bytes(limit_gb: float = 0) -> int:
+    """``limit_gb`` in bytes, or the memory available now when it is 0."""
+    if limit_gb > 0:
+        return int(limit_gb * 2**30)
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def check_plan(plan: list[dict], limit_bytes: int) -> None:
+    """Refuse, before anything is built, a shard that would not fit in ``limit_bytes``."""
+    for row in plan:
+        if row["bytes"] > limit_bytes:
+            nlist = min(65536, max(16, 2 ** round(math.log2(4 * math.sqrt(max(row["vectors"], 1))))))
+            m = next(m for m in (64, 48, 32, 16, 8, 4, 2, 1) if row["dim"] % m == 0)
+            raise ValueError(f"index shard {row['shard']} needs {_gib(row['bytes'])}, more than the "
+                             f"{_gib(limit_bytes)} limit: use more shards or a compressed factory "
+                             f"such as IVF{nlist},PQ{m}")
+
+
+def format_plan(plan: list[dict]) -> str:
+    lines = [f"{'shard':>5}  {'vectors':>12}  {'size':>11}  estimate"]
+    for row in plan:
+        lines.append(f"{row['shard']:>5}  {row['vectors']:>12,}  {row['bytes'] / 2**20:>7.1f} MiB  {row['estimate']}")
+    total = sum(r["bytes"] for r in plan)
+    lines.append(f"{'total':>5}  {sum(r['vectors'] for r in plan):>12,}  {total / 2**20:>7.1f} MiB")
+    return "\n".join(lines)
+
+
+# --- building ----------------------------------------------------------------------------
+
+def resolve_gpu(use_gpu: str) -> bool:
+    if use_gpu not in ("auto", "never", "always"):
+        raise ValueError(f"use_gpu={use_gpu!r} is not one of auto, never, always")
+    if use_gpu == "never":
+        return False
+    faiss = _faiss()
+    available = hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
+    if use_gpu == "always" and not available:
+        raise ValueError("use_gpu='always' but FAISS sees no GPU (faiss-cpu is installed, or no CUDA "
+                         "device is visible): install faiss-gpu-cu12, or use auto/never")
+    return available
+
+
+def to_gpu(index):
+    """The index on every visible GPU (replicated), for building or searching."""
+    faiss = _faiss()
+    try:
+        return faiss.index_cpu_to_all_gpus(index)
+    except RuntimeError as exc:
+        raise ValueError(f"FAISS cannot move {type(index).__name__} to the GPU: {exc}") from exc
+
+
+def _on_gpu(index) -> bool:
+    faiss = _faiss()
+    if not hasattr(faiss, "GpuIndex"):
+        return False
+    index = faiss.downcast_index(index)
+    if isinstance(index, (faiss.GpuIndex, faiss.IndexReplicas, faiss.IndexShards)):
+        return True
+    inner = getattr(index, "index", None)
+    return inner is not None and _on_gpu(inner)
+
+
+def set_nprobe(index, nprobe: int) -> None:
+    faiss = _faiss()
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None:
+        ivf.nprobe = max(1, min(int(nprobe), ivf.nlist))
+    elif _on_gpu(index):
+        try:
+            faiss.GpuParameterSpace().set_index_parameter(index, "nprobe", int(nprobe))
+        except RuntimeError:
+            pass  # not an IVF index: nothing to set
+
+
+def sample_vectors(vectors: np.ndarray, n: int, seed: int = 0) -> np.ndarray:
+    """A seeded sample of ``n`` rows (all of them when there are fewer), in their original order."""
+    if len(vectors) <= n:
+        return vectors
+    return vectors[np.sort(np.random.default_rng(seed).choice(len(vectors), n, replace=False))]
+
+
+def build_index_shard(embeddings: np.ndarray, rows: np.ndarray, factory: str = "Flat", metric: str = "ip", *,
+                      train_vectors: np.ndarray | None = None, nprobe: int = 32, use_gpu: str = "auto"):
+    """A CPU FAISS index of ``embeddings`` whose ids are the corpus ``rows``.
+
+    Training uses ``train_vectors`` (e.g. :func:`sample_vectors` over the whole corpus, so
+    all shards share one sample's statistics), else the shard itself. With a GPU the index
+    is trained and filled there and brought back to the CPU, ready to save.
+    """
+    faiss = _faiss()
+    x, ids = _f32(embeddings), np.ascontiguousarray(rows, dtype=np.int64)
+    if x.ndim != 2 or len(ids) != len(x):
+        raise ValueError(f"{len(ids)} rows for embeddings of shape {x.shape}")
+    index = _new_index(factory, x.shape[1], metric)
+    gpu = resolve_gpu(use_gpu)
+    if gpu:
+        try:
+            index = to_gpu(index)
+        except ValueError:
+            if use_gpu == "always":
+                raise
+            gpu = False  # e.g. HNSW has no GPU version: "auto" builds it on the CPU
+    if not index.is_trained:
+        train = x if train_vectors is None else _f32(train_vectors)
+        try:
+            index.train(train)
+        except RuntimeError as exc:
+            raise ValueError(f"cannot train {factory!r} on {len(train)} vectors: {_reason(exc)}") from exc
+    index.add_with_ids(x, ids)
+    if gpu:
+        index = faiss.index_gpu_to_cpu(index)
+    set_nprobe(index, nprobe)
+    return index
+
+
+# --- persistence -------------------------------------------------------------------------
+
+def index_shard_path(index: int) -> str:
+    return f"shards/index-{index:05d}.faiss"
+
+
+def save_index(index, uri: str) -> None:
+    """Stream the index to ``uri`` (local or S3) without a second in-memory copy; it appears
+    under its final name only once complete."""
+    faiss = _faiss()
+    if _on_gpu(index):
+        index = faiss.index_gpu_to_cpu(index)
+    with storage.open_output(uri) as f:
+        writer = faiss.PyCallbackIOWriter(f.write)
+        try:
+            faiss.write_index(index, writer)
+        finally:
+            del writer  # flushes the writer's buffer into f before f closes
+
+
+def load_index(uri: str):
+    faiss = _faiss()
+    with storage.open_input(uri) as f:
+        reader = faiss.PyCallbackIOReader(f.read)
+        try:
+            return faiss.read_index(reader)
+        except RuntimeError as exc:
+            raise ArtifactError(f"{uri} is not a readable FAISS index: {_reason(exc)}") from exc
+        finally:
+            del reader
+
+
+def write_index_manifest(index_uri: str, *, factory: str, metric: str, dim: int, shards: list[dict],
+                         embeddings: str) -> dict:
+    manifest = {"format": FORMAT, "factory": factory, "metric": metric, "dim": int(dim),
+                "shards": sorted(({"index": int(s["index"]), "path": s["path"], "vectors": int(s["vectors"])}
+                                  for s in shards), key=lambda s: s["index"]),
+                "embeddings": embeddings, "completed": True}
+    storage.write_json(storage.join(index_uri, MANIFEST), manifest)
+    return manifest
+
+
+def load_index_manifest(index_uri: str, *, check: bool = True) -> dict:
+    """Read an index folder's manifest; with ``check``, every shard file must exist."""
+    manifest = storage.read_manifest(index_uri, FORMAT, ArtifactError,
+                                     "build the index first (or the build did not finish)",
+                                     "the index build did not finish")
+    for shard in manifest["shards"] if check else []:
+        shard_uri = storage.join(index_uri, shard["path"])
+        if not storage.exists(shard_uri):
+            raise ArtifactError(f"index shard {storage.resolve(shard_uri).describe()} is missing")
+    return manifest
+
+
+def load_index_shards(index_uri: str, manifest: dict) -> list:
+    return [load_index(storage.join(index_uri, s["path"])) for s in manifest["shards"]]
+
+
+# --- search ------------------------------------------------------------------------------
+
+def _check_k(k: int, total: int) -> None:
+    if k < 1:
+        raise ValueError(f"k={k} must be at least 1")
+    if k > total:
+        raise ValueError(f"k={k} is larger than the corpus ({total} passages)")
+
+
+def _smallest(key: np.ndarray, k: int) -> np.ndarray:
+    """Column indexes of each row's ``k`` smallest keys, ascending (argpartition: O(n), not a full sort)."""
+    top = (np.argpartition(key, k - 1, axis=1)[:, :k] if k < key.shape[1]
+           else np.broadcast_to(np.arange(key.shape[1]), key.shape))
+    return np.take_along_axis(top, np.argsort(np.take_along_axis(key, top, 1), axis=1, kind="stable"), 1)
+
+
+def search_shard(index, queries: np.ndarray, k: int, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(scores (q, k) float32, rows (q, k) int64)``; missing results are row -1, as FAISS pads."""
+    if nprobe is not None:
+        set_nprobe(index, nprobe)
+    scores, rows = index.search(_f32(queries), int(k))
+    return scores.astype(np.float32, copy=False), rows.astype(np.int64, copy=False)
+
+
+def merge_topk(results: list[tuple[np.ndarray, np.ndarray]], k: int, metric: str = "ip",
+               total: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Exact global top-k from per-shard top-k (each shard's top-k contains its share of the
+    global one). Padding (row -1) sorts last; ``total`` (the corpus size) bounds ``k``."""
+    _check_metric(metric)
+    scores = np.concatenate([s for s, _ in results], axis=1)
+    rows = np.concatenate([r for _, r in results], axis=1)
+    if total is not None:
+        _check_k(k, total)
+    elif not 1 <= k <= rows.shape[1]:
+        raise ValueError(f"k={k} is outside 1..{rows.shape[1]}, the number of results the shards returned")
+    # One ascending key for both metrics; padding gets +inf so it never displaces a real hit.
+    key = np.where(rows < 0, np.inf, -scores if metric == "ip" else scores)
+    top = _smallest(key, min(k, key.shape[1]))
+    return np.take_along_axis(scores, top, 1), np.take_along_axis(rows, top, 1)
+
+
+def search_shards(indexes: list, queries: np.ndarray, k: int, metric: str = "ip",
+                  nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Search every shard and merge: the global top-k over the whole corpus."""
+    total = sum(index.ntotal for index in indexes)
+    _check_k(k, total)
+    results = [search_shard(index, queries, min(k, index.ntotal), nprobe) for index in indexes if index.ntotal]
+    return merge_topk(results, k, metric, total)
+
+
+def brute_force_topk(queries: np.ndarray, vectors: np.ndarray, k: int, metric: str = "ip",
+                     rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Exact numpy reference: scores (inner products, or squared L2 as FAISS reports them)
+    and ``rows`` (positions when not given) of the top-k."""
+    q, v = _f32(queries), _f32(vectors)
+    _check_metric(metric)
+    _check_k(k, len(v))
+    scores = q @ v.T
+    if metric == "l2":
+        scores = (q * q).sum(1)[:, None] - 2 * scores + (v * v).sum(1)[None]
+    top = _smallest(-scores if metric == "ip" else scores, k)
+    ids = top if rows is None else np.asarray(rows, dtype=np.int64)[top]
+    return np.take_along_axis(scores, top, 1), ids.astype(np.int64)

@@ -1,0 +1,136 @@
+"""Hard-negative mining for the next fine-tuning round: dense top-depth minus judged positives.
+
+For each training query: search the sharded index to ``depth`` (200), drop every judged
+positive by id (and, with an answers file, every passage whose text contains one of the
+query's answer strings: an unjudged positive), optionally skip the ``skip_top`` best-ranked
+candidates (the likeliest false negatives), then keep ``count`` (30): a seeded random draw
+(per query, so a query's sample does not depend on the others) or the top ones.
+
+Outputs, under ``output``:
+- ``negatives.jsonl``: ``{query_id, negatives, scores}``, what ``jobs/finetune.py --data.negatives`` reads;
+- ``train.tevatron.jsonl``: the round's training file in Tevatron format, passages by id (text
+  empty: the trainer joins the text from the corpus at training time);
+- ``run.trec``: the full top-depth run, for ``ir_measures``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from pipeline.core import storage
+from pipeline.retrieval.encode import EncoderSettings
+from pipeline.core.runtime import RayConfig
+
+
+@dataclass
+class MineConfig:
+    index: str = field(default="runs/index", metadata={"help": "sharded index (jobs/index.py output) of the corpus, encoded with --encoder.model"})
+    queries: str = field(default="data/bible-sample/queries.train.jsonl", metadata={"help": "BEIR queries.jsonl to mine for"})
+    qrels: str = field(default="data/bible-sample/qrels.train.tsv", metadata={"help": "their judgments: positives (score > 0) are never negatives"})
+    output: str = field(default="runs/mine", metadata={"help": "folder for negatives.jsonl, train.tevatron.jsonl and run.trec"})
+    depth: int = field(default=200, metadata={"help": "passages retrieved per query"})
+    count: int = field(default=30, metadata={"help": "negatives kept per query"})
+    sample: Literal["random", "top"] = field(default="random", metadata={"help": "random = a seeded draw from the candidates (kept in rank order); top = the best-ranked"})
+    skip_top: int = field(default=0, metadata={"help": "ignore the best-ranked N candidates (likely unjudged positives)"})
+    answers: str = field(default="", metadata={"help": "jsonl {query_id, answers: [str]}: drop candidates whose text contains an answer (needs --corpus)"})
+    corpus: str = field(default="", metadata={"help": "BEIR corpus.jsonl, for the answer filter"})
+    seed: int = field(default=0, metadata={"help": "seed of sample=random"})
+    nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
+    encoder: EncoderSettings = field(default_factory=EncoderSettings)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    def __post_init__(self):
+        for name in ("depth", "count"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def select_negatives(query_id: str, ranked_ids: list[str], ranked_scores: list[float], excluded: set[str],
+                     cfg: MineConfig) -> tuple[list[str], list[float]]:
+    """The query's negatives from its ranking: exclusions removed, then the top or a seeded draw."""
+    from pipeline.data.groups import query_seed
+
+    candidates = [(d, s) for d, s in zip(ranked_ids[cfg.skip_top:], ranked_scores[cfg.skip_top:])
+                  if d not in excluded]
+    if cfg.sample == "random" and len(candidates) > cfg.count:
+        rng = np.random.default_rng([query_seed(cfg.seed, query_id) % 2**63])
+        candidates = [candidates[i] for i in np.sort(rng.choice(len(candidates), cfg.count, replace=False))]
+    candidates = candidates[:cfg.count]
+    return [d for d, _ in candidates], [float(s) for _, s in candidates]
+
+
+def _answer_hits(cfg: MineConfig, queries: dict, ranked: dict[str, list[str]]) -> dict[str, set[str]]:
+    """Per query, the candidates whose text contains one of its answers (case-insensitive)."""
+    from pipeline.data.corpus import iter_documents
+    from pipeline.data.records import json_lines
+
+    if not cfg.corpus:
+        raise ValueError("--answers needs --corpus (the passage texts to search for the answers)")
+    answers = {}
+    for source, number, obj in json_lines(cfg.answers):
+        qid = str(obj.get("query_id", ""))
+        if not qid or not isinstance(obj.get("answers"), list):
+            raise ValueError(f"{source} line {number}: expected {{\"query_id\": ..., \"answers\": [...]}}")
+        answers[qid] = [a.lower() for a in obj["answers"] if isinstance(a, str) and a.strip()]
+    wanted = {d for qid in answers for d in ranked.get(qid, [])}
+    texts = {d.doc_id: d.text.lower() for d in iter_documents(cfg.corpus) if d.doc_id in wanted}
+    return {qid: {d for d in ranked.get(qid, []) if any(a in texts.get(d, "") for a in ans)}
+            for qid, ans in answers.items()}
+
+
+def run_mining(cfg: MineConfig) -> dict:
+    from pipeline.retrieval.encode import local_encoder
+    from pipeline.data.runs import write_trec_run
+    from pipeline.data.beir import positives, read_qrels, read_queries
+    from pipeline.retrieval.search import ShardedIndex
+
+    started = time.perf_counter()
+    output = storage.resolve(cfg.output).uri
+    with ShardedIndex(cfg.index, nprobe=cfg.nprobe) as index:
+        doc_by_row = index.doc_ids()
+        queries = read_queries(cfg.queries)
+        qrels = read_qrels(cfg.qrels, doc_ids=set(doc_by_row.values()), query_ids=set(queries))
+        encoder = local_encoder(cfg.encoder)
+        qids = list(queries)
+        vectors = encoder.encode_texts([queries[q] for q in qids], cfg.encoder.query_max_len, tower="query")
+        search_start = time.perf_counter()
+        scores, rows = index.search(vectors, min(cfg.depth, index.total))
+        search_s = time.perf_counter() - search_start
+    ranked = {q: [doc_by_row[int(r)] for r in row if r >= 0] for q, row in zip(qids, rows)}
+    answer_hits = _answer_hits(cfg, queries, ranked) if cfg.answers else {}
+
+    counts = {"negatives": 0, "positives_dropped": 0, "answer_dropped": 0, "short": 0, "examples": 0}
+    run: dict[str, dict[str, float]] = {}
+    with storage.open_output(storage.join(output, "negatives.jsonl")) as neg_out, \
+            storage.open_output(storage.join(output, "train.tevatron.jsonl")) as tev_out:
+        for qid, row_scores in zip(qids, scores):
+            ids = ranked[qid]
+            run[qid] = dict(zip(ids, map(float, row_scores)))
+            judged = set(positives(qrels.get(qid, {})))
+            excluded = judged | answer_hits.get(qid, set())
+            counts["positives_dropped"] += sum(d in judged for d in ids)
+            counts["answer_dropped"] += sum(d in answer_hits.get(qid, ()) and d not in judged for d in ids)
+            negs, neg_scores = select_negatives(qid, ids, row_scores[:len(ids)].tolist(), excluded, cfg)
+            counts["negatives"] += len(negs)
+            counts["short"] += len(negs) < cfg.count
+            neg_out.write((json.dumps({"query_id": qid, "negatives": negs, "scores": neg_scores}) + "\n").encode())
+            if judged:
+                counts["examples"] += 1
+                tev_out.write((json.dumps({
+                    "query_id": qid, "query": queries[qid],
+                    "positive_passages": [{"docid": d, "title": "", "text": ""} for d in sorted(judged)],
+                    "negative_passages": [{"docid": d, "title": "", "text": ""} for d in negs]}) + "\n").encode())
+    write_trec_run(run, storage.join(output, "run.trec"), tag="mined")
+    return {"job": "mine", "output": output, "negatives": storage.join(output, "negatives.jsonl"),
+            "tevatron": storage.join(output, "train.tevatron.jsonl"), "run": storage.join(output, "run.trec"),
+            "queries": len(qids), "examples": counts["examples"],
+            "negatives_per_query": round(counts["negatives"] / max(len(qids), 1), 3),
+            "queries_short": counts["short"], "positives_dropped": counts["positives_dropped"],
+            "answer_dropped": counts["answer_dropped"], "depth": cfg.depth,
+            "search_seconds": round(search_s, 2), "seconds": round(time.perf_counter() - started, 2)}
+

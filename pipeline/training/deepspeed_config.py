@@ -1,0 +1,45 @@
+"""The DeepSpeed configuration of a run: a ZeRO template (package data) with its ``"auto"``
+values filled from the training config."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+from pipeline.training.train_config import TrainConfig
+
+TEMPLATES = "zero_templates"  # package data: zero0.json .. zero3.json
+
+def effective_zero_stage(train: TrainConfig, world_size: int) -> int:
+    """ZeRO partitions optimiser state across workers; with one worker there is nothing to
+    partition, and its gradient hooks cost ~4% of a step (bench/bench_pretrain.py), so a
+    single worker uses stage 0. Stage 3 is kept: it also shards parameters for offload."""
+    if world_size == 1 and train.zero_stage in (1, 2):
+        return 0
+    return train.zero_stage
+
+
+def deepspeed_config(train: TrainConfig, world_size: int) -> dict:
+    """Load the DeepSpeed JSON and fill each ``"auto"`` from our config."""
+    stage = effective_zero_stage(train, world_size)
+    if train.deepspeed_config:
+        with open(train.deepspeed_config) as f:
+            cfg = json.load(f)
+    else:
+        cfg = json.loads(resources.files("pipeline.training").joinpath(TEMPLATES, f"zero{stage}.json").read_text())
+    fill = {
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": train.grad_accum,
+        "train_batch_size": train.micro_batch_size * train.grad_accum * world_size,
+        "gradient_clipping": train.grad_clip,
+    }
+    for key, value in fill.items():
+        if cfg.get(key, "auto") == "auto":
+            cfg[key] = value
+    for name in ("bf16", "fp16"):
+        section = cfg.setdefault(name, {})
+        if section.get("enabled", "auto") == "auto":
+            section["enabled"] = train.precision == name
+    if not train.deepspeed_config:
+        cfg.setdefault("zero_optimization", {})["stage"] = stage
+    return cfg

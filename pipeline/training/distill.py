@@ -1,0 +1,93 @@
+"""Distillation: a retriever trained on a cross-encoder's scores (SimLM's last stage).
+
+The scoring stage writes a TREC run holding the re-ranker's score of each training
+query's candidates (the round-2 top-k, plus the judged positives). Each query trains with
+its positive (from the qrels) and negatives drawn from its scored candidates, and the
+loss is ``KL(teacher softmax || student softmax) + alpha * CE`` over the group
+(``models/distillation.py``). The student starts from a checkpoint (SimLM: the same
+pre-trained one the round-2 retriever started from). Everything else is fine-tuning's:
+the corpus, the group stream (which carries each group's teacher scores), the loop,
+the export with ``retriever.json`` and the evaluation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from models.biencoder import BiEncoderConfig
+from models.distillation import DistillationConfig, distillation_backward
+from pipeline.core import storage
+from pipeline.retrieval.evaluate import EvalConfig
+from pipeline.training.finetune import (EncoderInit, FinetuneCorpusConfig, FinetuneTask, QueryDataConfig, finish_retriever_run,
+                                        prepare_group_training)
+from pipeline.data.examples import DistillDataStats, load_distillation_examples
+from pipeline.core.runtime import RayConfig, write_run_files
+from pipeline.training.loop import fit
+from pipeline.training.train_config import TrainConfig
+
+
+@dataclass
+class DistillDataConfig(QueryDataConfig):
+    teacher_scores: str = field(default="", metadata={"help": "TREC run of the teacher's scores (qid Q0 docid rank score tag): every training query's candidates and judged positives, as the scoring stage writes it"})
+    teacher_depth: int = field(default=200, metadata={"help": "negatives per query: the best this many scored candidates by teacher score, judged positives excluded; 0 = all"})
+
+
+@dataclass
+class DistillConfig:
+    data: DistillDataConfig = field(default_factory=DistillDataConfig)
+    corpus: FinetuneCorpusConfig = field(default_factory=FinetuneCorpusConfig)
+    model: EncoderInit = field(default_factory=EncoderInit)
+    retriever: BiEncoderConfig = field(default_factory=lambda: BiEncoderConfig(pooling="mean"))  # as fine-tuning's
+    distill: DistillationConfig = field(default_factory=DistillationConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        output="runs/distill", micro_batch_size=16, max_steps=0, epochs=2, lr=5e-4,
+        checkpoint_every=100, cpus_per_worker=2))
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+class DistillTask(FinetuneTask):
+    """The fine-tuning task with the teacher's scores in the batch and the distillation loss."""
+
+    def __init__(self, init: str, retriever: BiEncoderConfig, tokenizer_uri: str, distill: DistillationConfig):
+        super().__init__(init, retriever, tokenizer_uri)
+        self.distill = distill
+
+    def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]:
+        tensors = super().make_batch(batch, generator)
+        tensors["d_teacher_scores"] = torch.from_numpy(np.asarray(batch["d_teacher_scores"], dtype=np.float32))
+        return tensors
+
+    def backward(self, engine, batch):
+        return distillation_backward(engine, batch, self.retriever.group_size, self.distill.alpha,
+                                     self.retriever.chunk_size, self.distill.teacher_temperature)
+
+
+def load_scored_examples(cfg: DistillConfig, doc_ids: set[str]) -> tuple[list, DistillDataStats, None]:
+    """``prepare_group_training``'s loader: the examples with their teacher scores."""
+    examples, stats = load_distillation_examples(cfg.data.queries, cfg.data.qrels, cfg.data.teacher_scores,
+                                                 cfg.data.teacher_depth, doc_ids)
+    return examples, stats, None
+
+
+def run_distillation(cfg: DistillConfig) -> dict:
+    """Prepare the corpus, read the teacher's scores, train, export, evaluate."""
+    if not cfg.data.teacher_scores:
+        raise ValueError("--data.teacher_scores is required: the TREC run of the re-ranker's scores that the "
+                         "scoring stage writes")
+    if cfg.data.teacher_depth < 0:
+        raise ValueError(f"--data.teacher_depth must be >= 0 (0 = all candidates), got {cfg.data.teacher_depth}")
+    if cfg.distill.alpha < 0 or cfg.distill.teacher_temperature <= 0:
+        raise ValueError(f"--distill.alpha must be >= 0 and --distill.teacher_temperature > 0, got "
+                         f"{cfg.distill.alpha} and {cfg.distill.teacher_temperature}")
+    cfg.data.teacher_scores = storage.resolve(cfg.data.teacher_scores).uri
+    prepared = prepare_group_training(cfg, cfg.retriever.group_size, load=load_scored_examples)
+    write_run_files(cfg, cfg.train.output)
+    task = DistillTask(cfg.model.init, cfg.retriever, prepared.tokenizer_uri, cfg.distill)
+    result = fit(cfg.train, task, prepared.stream, storage.join(cfg.train.output, "checkpoints"))
+    return finish_retriever_run(cfg, prepared, result, "distill", "retriever distillation",
+                                teacher_scores=cfg.data.teacher_scores, teacher_depth=cfg.data.teacher_depth,
+                                alpha=cfg.distill.alpha, teacher_temperature=cfg.distill.teacher_temperature)

@@ -1,0 +1,286 @@
+"""The one Ray Train + DeepSpeed training loop.
+
+Every trainer (pre-training now; fine-tuning and re-ranking later) differs only in the
+*task* it hands this loop: how to build the model, turn a streamed batch into tensors,
+and compute the loss, and how to export the result. The loop owns everything else:
+DeepSpeed, the optimiser and schedule, logging, checkpoints with the data position,
+resume, and the final export.
+
+Checkpoint layout (one Ray Train checkpoint directory per save, ``checkpoint_<step>``)::
+
+    state/...                   DeepSpeed engine: weights, optimiser (ZeRO shards per rank), schedule
+    latest                      DeepSpeed's tag file
+    trainer_state.json          step, tokens, loss history (rank 0)
+    position_rank<r>.json       the corpus rows rank r consumed, per epoch
+
+On the next worker-group start, the stream factory (pipeline.stream) reads the position
+of the checkpoint Ray Train will restore: Ray's own registry names it; the pointer
+``<run_dir>/data_position.json``, which rank 0 writes after each report, is the fallback.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import torch
+
+from pipeline.core import storage
+from pipeline.training.checkpoints import restore_checkpoint
+from pipeline.training.checkpoints import save_checkpoint
+from pipeline.training.deepspeed_config import deepspeed_config
+from pipeline.training.train_config import TrainConfig
+
+
+class TrainTask(Protocol):
+    """What a trainer plugs into the loop. Built on the worker, from picklable settings."""
+
+    def build_model(self) -> torch.nn.Module: ...
+    def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]: ...
+    def backward(self, engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Forward and ``engine.backward`` for one micro-batch; returns (loss to log, extras)."""
+    def consumed_rows(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]: ...
+    def count_tokens(self, batch: dict[str, np.ndarray]) -> int: ...
+    counter_names: tuple[str, ...]  # what counters() may return
+
+    def counters(self, batch: dict[str, np.ndarray]) -> dict[str, int]:
+        """Event counts to total over all workers for the summary (e.g. skipped documents)."""
+    def export(self, model: torch.nn.Module, out_dir: str) -> dict[str, str]: ...
+
+
+def consumed_source_rows(batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(epoch, row) of every source row of a batch whose examples list theirs in ``source_rows``."""
+    sources = list(batch["source_rows"])
+    counts = np.array([len(s) for s in sources], dtype=np.int64)
+    rows = np.concatenate(sources).astype(np.int64) if sources else np.zeros(0, np.int64)
+    return np.repeat(np.asarray(batch["epoch"]), counts), rows
+
+
+# -- configuration helpers (driver side) -------------------------------------------------
+
+
+def linear_schedule(max_steps: int, warmup_ratio: float) -> Callable[[int], float]:
+    warmup = max(1, int(round(max_steps * warmup_ratio))) if warmup_ratio > 0 else 0
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return max(0.0, (max_steps - step) / max(1, max_steps - warmup))
+
+    return factor
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 or "LayerNorm" in name or name.endswith(".bias") else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def step_seed(seed: int, rank: int, micro_step: int) -> int:
+    """Per-(rank, micro-step) seed: corruption is reproducible, and differs across workers."""
+    return (seed * 1_000_003 + rank * 7_919 + micro_step) % (2**63 - 1)
+
+
+# -- the worker loop ---------------------------------------------------------------------
+
+
+def log(msg: dict | str) -> None:
+    # Worker logs go to stderr: a job's stdout is reserved for its JSON summary. Written
+    # directly, because Ray Train patches `print` on workers and would emit each line twice.
+    sys.stderr.write((msg if isinstance(msg, str) else json.dumps(msg)) + "\n")
+    sys.stderr.flush()
+
+
+def train_worker(config: dict) -> None:
+    """Ray Train's train_loop_per_worker. ``config`` holds picklable settings only."""
+    import deepspeed
+    import ray.train
+    import ray.train.torch
+
+    train: TrainConfig = config["train"]
+    task: TrainTask = config["task"]
+    run_dir: str = config["run_dir"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(max(1, int(train.cpus_per_worker)))
+    torch.manual_seed(train.seed)  # identical initialisation on every rank
+
+    model = task.build_model()
+    optimizer = torch.optim.AdamW(param_groups(model, train.weight_decay), lr=train.lr, eps=train.adam_eps,
+                                  fused=train.use_gpu or None)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(train.max_steps, train.warmup_ratio))
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config["deepspeed"])
+    device = engine.device
+
+    state, position, restored_from = restore_checkpoint(engine, rank)
+    from pipeline.data.position import read_position
+    stream_position, stream_from = read_position(run_dir)
+    if restored_from is not None or stream_from is not None:
+        # The stream left out what checkpoint `stream_from` consumed; the model resumed from
+        # `restored_from`. Both come from Ray Train's checkpoint registry, so they agree; if
+        # they ever differ, the rows repeated or skipped are counted here, not hidden.
+        event = {"checkpoint": restored_from, "step": state.step, "stream_from": stream_from,
+                 "rows_repeated": position.difference_count(stream_position),
+                 "rows_skipped": stream_position.difference_count(position)}
+        state.resumes.append(event)
+        if rank == 0:
+            log({"event": "resumed", **event})
+
+    trace: dict[int, list[np.ndarray]] = {}
+    shard = ray.train.get_dataset_shard("train")
+    window_loss, window_tokens, window_start = [], 0, time.perf_counter()
+    started, start_tokens, start_step = time.perf_counter(), state.tokens, state.step
+    last_saved = state.step
+    extra: dict[str, torch.Tensor] = {}
+
+    batches = shard.iter_batches(batch_size=train.micro_batch_size, batch_format="numpy",
+                                 prefetch_batches=train.prefetch_batches, drop_last=False)
+    if config.get("replay_batches"):
+        # Benchmark mode: hold the first N batches in memory and cycle them, so the same
+        # loop can be timed without any ingest (bench/bench_pretrain.py).
+        batches = itertools.cycle(list(itertools.islice(batches, config["replay_batches"])))
+    for batch in batches:
+        if state.step >= train.max_steps:
+            break
+        generator = torch.Generator().manual_seed(step_seed(train.seed, rank, state.micro_step))
+        tensors = {k: v.to(device) for k, v in task.make_batch(batch, generator).items()}
+        loss, extra = task.backward(engine, tensors)
+        boundary = engine.is_gradient_accumulation_boundary()
+        engine.step()
+        state.micro_step += 1
+        epochs, rows = task.consumed_rows(batch)
+        for epoch in np.unique(epochs):
+            position.add(int(epoch), rows[epochs == epoch])
+            if train.data_trace:
+                trace.setdefault(int(epoch), []).append(rows[epochs == epoch])
+        for key, value in task.counters(batch).items():
+            state.counters[key] = state.counters.get(key, 0) + value
+        tokens = task.count_tokens(batch)
+        state.tokens += tokens
+        window_tokens += tokens
+        window_loss.append(loss.detach())
+        if not boundary:
+            continue
+        state.step += 1
+        if state.step % train.log_every == 0 or state.step == train.max_steps:
+            elapsed = time.perf_counter() - window_start
+            entry = {"step": state.step, "loss": float(torch.stack(window_loss).float().mean()),
+                     "lr": scheduler.get_last_lr()[0], "tokens_per_s": window_tokens / max(elapsed, 1e-9),
+                     "epoch": int(epochs.max()) if len(epochs) else 0,
+                     "elapsed_s": time.perf_counter() - started,
+                     **{k: float(v) for k, v in extra.items()}}
+            state.history.append(entry)
+            if rank == 0:
+                log(entry)
+            window_loss, window_tokens, window_start = [], 0, time.perf_counter()
+        if state.step % train.checkpoint_every == 0 and state.step < train.max_steps:
+            save_checkpoint(engine, state, position, rank, run_dir, {"step": state.step})
+            last_saved = state.step
+
+    elapsed = time.perf_counter() - started
+    counter_names = sorted(getattr(task, "counter_names", ()))  # the same on every rank
+    totals = torch.tensor([(state.tokens - start_tokens) / max(elapsed, 1e-9)]
+                          + [float(state.counters.get(k, 0)) for k in counter_names],
+                          dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(totals)  # one collective, at the end only
+    local_rate = totals[:1]
+    counter_totals = {k: int(v) for k, v in zip(counter_names, totals[1:].tolist())}
+    if train.data_trace:
+        _write_trace(run_dir, rank, state.restarts, trace)
+
+    export = _export(task, engine, rank, storage.join(train.output, "export"))
+    if rank == 0:
+        storage.write_json(storage.join(train.output, "history.json"), state.history)
+    final_loss = state.history[-1]["loss"] if state.history else float("nan")
+    summary = {"steps": state.step, "final_loss": final_loss, "tokens_per_s": float(local_rate.item()),
+               "tokens_per_s_per_worker": float(local_rate.item()) / world, "restarts": state.restarts,
+               "resumes": state.resumes, "steps_this_attempt": state.step - start_step,
+               "counters": counter_totals, **export}
+    if state.step > last_saved:
+        save_checkpoint(engine, state, position, rank, run_dir, summary)
+    else:
+        ray.train.report(summary)
+
+
+def _export(task: TrainTask, engine, rank: int, destination: str) -> dict[str, str]:
+    """Rank 0 exports the model with fp32 weights and uploads it; returns destination paths.
+
+    Under ZeRO-3 each rank holds a slice of every parameter, so all ranks gather the
+    full weights for the duration of the export.
+    """
+    import contextlib
+
+    import deepspeed
+
+    gather = (deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+              if engine.zero_optimization_stage() == 3 else contextlib.nullcontext())
+    with gather:
+        if rank != 0:
+            return {}
+        module = engine.module
+        if any(p.dtype != torch.float32 for p in module.parameters()):
+            module = copy.deepcopy(module).float()
+        with tempfile.TemporaryDirectory(prefix="raydense-export-") as tmp:
+            paths = task.export(module, tmp)
+            storage.upload_dir(tmp, destination)
+            uploaded = {k: storage.join(destination, os.path.relpath(v, tmp)) if v.startswith(tmp) else v
+                        for k, v in paths.items()}
+    return uploaded | {"export_dir": destination}
+
+
+def _write_trace(run_dir: str, rank: int, attempt: int, trace: dict[int, list[np.ndarray]]) -> None:
+    data = {str(e): np.concatenate(parts).tolist() for e, parts in trace.items()}
+    storage.write_json(storage.join(run_dir, "trace", f"rank{rank}-attempt{attempt}.json"), data)
+
+
+# -- the driver side ---------------------------------------------------------------------
+
+@dataclass
+class FitResult:
+    metrics: dict[str, Any]
+    checkpoint: str | None
+    run_dir: str
+
+
+def fit(train: TrainConfig, task: TrainTask, dataset_factory: Callable,
+        run_dir: str, name: str = "checkpoints", replay_batches: int = 0) -> FitResult:
+    """Run the loop on a Ray Train TorchTrainer. Re-running with the same output resumes."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from ray.data import DataContext
+
+    # Epochs are concatenated into one stream; keep them in order.
+    DataContext.get_current().execution_options.preserve_order = True
+    loc = storage.resolve(train.output)
+    resources = {"CPU": train.cpus_per_worker}
+    trainer = TorchTrainer(
+        train_worker,
+        train_loop_config={"train": train, "task": task, "run_dir": run_dir,
+                           "deepspeed": deepspeed_config(train, train.num_workers),
+                           "replay_batches": replay_batches},
+        scaling_config=ray.train.ScalingConfig(num_workers=train.num_workers, use_gpu=train.use_gpu,
+                                               resources_per_worker=resources),
+        run_config=ray.train.RunConfig(
+            name=name, storage_path=loc.path if storage.is_s3(train.output) else loc.uri,
+            storage_filesystem=loc.fs if storage.is_s3(train.output) else None,
+            failure_config=ray.train.FailureConfig(max_failures=train.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=train.keep_checkpoints),
+        ),
+        datasets={"train": dataset_factory},
+    )
+    result = trainer.fit()
+    checkpoint = result.checkpoint.path if result.checkpoint else None
+    return FitResult(dict(result.metrics or {}), checkpoint, run_dir)

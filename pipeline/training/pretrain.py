@@ -1,0 +1,225 @@
+"""Pre-training: a method from ``models/`` on the shared loop, fed by the corpus stream."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from models.backbone import BackboneConfig, build_mlm
+from models.cocondenser import CoCondenserConfig, CoCondenserMethod
+from models.condenser import CondenserConfig, CondenserMethod
+from models.masking import MaskingVocab
+from models.mlm import MLMConfig, MLMMethod
+from models.simlm import SimLMConfig, SimLMMethod
+from pipeline.core import storage
+from pipeline.core.runtime import RayConfig, write_run_files
+from pipeline.data.shards import PrepareConfig, load_manifest, prepare_corpus
+from pipeline.data.stream import StreamSpec, TrainingStream, estimate_sequences_per_epoch
+from pipeline.data.tokenizer import load_tokenizer
+from pipeline.training.loop import consumed_source_rows, fit
+from pipeline.training.train_config import TrainConfig, epochs_needed
+
+METHODS = {"condenser": CondenserMethod, "cocondenser": CoCondenserMethod, "simlm": SimLMMethod,
+           "mlm": MLMMethod}
+HEAD_FILE = "condenser_head.safetensors"
+
+
+@dataclass
+class StreamConfig:
+    max_len: int = field(default=128, metadata={"help": "tokens per sequence, [CLS] and [SEP] included"})
+    pack: bool = field(default=True, metadata={"help": "pack consecutive documents into full sequences; false = one truncated document per sequence"})
+    shuffle_files: bool = field(default=True, metadata={"help": "shuffle the shard order each epoch (seeded)"})
+
+
+@dataclass
+class PretrainConfig:
+    method: Literal["condenser", "cocondenser", "simlm", "mlm"] = field(default="condenser", metadata={"help": "pre-training method"})
+    corpus: PrepareConfig = field(default_factory=PrepareConfig)
+    data: StreamConfig = field(default_factory=StreamConfig)
+    model: BackboneConfig = field(default_factory=BackboneConfig)
+    condenser: CondenserConfig = field(default_factory=CondenserConfig)
+    cocondenser: CoCondenserConfig = field(default_factory=CoCondenserConfig)
+    simlm: SimLMConfig = field(default_factory=SimLMConfig)
+    mlm: MLMConfig = field(default_factory=MLMConfig)
+    # The embedded default: a tiny model from scratch on the bundled corpus in ~2 minutes on CPU.
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        output="", micro_batch_size=16, max_steps=200, lr=5e-4,
+        checkpoint_every=100, cpus_per_worker=2))
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+class PretrainTask:
+    """Adapts a pre-training method to the loop; built on each worker from picklable settings."""
+
+    def __init__(self, method: str, method_cfg, backbone: BackboneConfig, tokenizer_uri: str, vocab_size: int):
+        self.method_name, self.method_cfg, self.backbone = method, method_cfg, backbone
+        self.tokenizer_uri, self.vocab_size = tokenizer_uri, vocab_size
+        self._tokenizer_dir: str | None = None
+
+    def _tokenizer_local(self) -> str:
+        if self._tokenizer_dir is None:  # needed until the final export
+            self._tokenizer_dir = storage.process_local_dir(self.tokenizer_uri)
+        return self._tokenizer_dir
+
+    def build_model(self) -> torch.nn.Module:
+        vocab = MaskingVocab.from_tokenizer(load_tokenizer(self._tokenizer_local()))
+        self.method = METHODS[self.method_name](self.method_cfg, vocab)
+        return self.method.build(build_mlm(self.backbone, self.vocab_size))
+
+    @property
+    def counter_names(self) -> tuple[str, ...]:
+        # The span-pair stream skips documents too short for a pair, and counts them.
+        return ("skipped_docs",) if METHODS[self.method_name].example_format == "span_pairs" else ()
+
+    def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]:
+        # Span pairs arrive as (b, 2, L): flattened to (2b, L), partners stay adjacent.
+        input_ids = torch.from_numpy(np.ascontiguousarray(batch["input_ids"])).long()
+        input_ids = input_ids.reshape(-1, input_ids.shape[-1])
+        lengths = torch.from_numpy(np.asarray(batch["length"])).long().reshape(-1)
+        attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()
+        return self.method.make_batch(input_ids, attention_mask, generator)
+
+    def backward(self, engine, batch):
+        if hasattr(self.method, "backward"):
+            return self.method.backward(engine, batch)
+        loss, extras = self.method.loss(engine, batch)
+        engine.backward(loss)
+        return loss.detach(), extras
+
+    def counters(self, batch: dict[str, np.ndarray]) -> dict[str, int]:
+        if "skipped_docs" not in batch:
+            return {}
+        return {"skipped_docs": int(np.asarray(batch["skipped_docs"]).sum())}
+
+    def consumed_rows(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        return consumed_source_rows(batch)
+
+    def count_tokens(self, batch: dict[str, np.ndarray]) -> int:
+        return int(np.asarray(batch["length"]).sum())
+
+    def export(self, model: torch.nn.Module, out_dir: str) -> dict[str, str]:
+        return self.method.export(model, out_dir, self._tokenizer_local())
+
+
+def _pair_fraction(corpus: str, manifest: dict, spans: CoCondenserConfig) -> float:
+    """The share of documents long enough for a span pair, from the first shard's lengths,
+    so that enough epochs are streamed for max_steps when many documents are skipped."""
+    import pyarrow.compute as pc
+
+    from pipeline.data.shards import shard_uris
+
+    first_shard = shard_uris(corpus, manifest)[0]
+    table = storage.read_parquet(first_shard, columns=["input_ids"])
+    lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
+    if not len(lengths):
+        return 1.0
+    fraction = float((lengths >= 2 * spans.min_span_length).mean())
+    if fraction == 0:
+        raise ValueError(f"no document of {first_shard} holds two spans of "
+                         f"{spans.min_span_length}+ tokens: lower --cocondenser.min_span_length")
+    return fraction
+
+
+def _check_same_method(cfg: PretrainConfig) -> None:
+    """A re-run resumes from the output's checkpoints: they must be this method's."""
+    import yaml
+
+    previous = storage.join(cfg.train.output, "config.yaml")
+    if storage.exists(previous):
+        method = (yaml.safe_load(storage.read_bytes(previous)) or {}).get("method")
+        if method and method != cfg.method:
+            raise ValueError(f"{cfg.train.output} holds a {method} run, and re-running into it resumes its "
+                             f"checkpoints: give --method {cfg.method} its own --train.output")
+
+
+def _resolve_warm_start_head(cfg: PretrainConfig) -> None:
+    """coCondenser starts from a trained Condenser, head included (paper §3.3)."""
+    if cfg.cocondenser.head == "auto":
+        beside = os.path.join(cfg.model.init, HEAD_FILE) if cfg.model.init else ""
+        cfg.cocondenser.head = beside if beside and os.path.isfile(beside) else ""
+        if not cfg.cocondenser.head:
+            sys.stderr.write("cocondenser: no Condenser head beside --model.init; the head starts from random "
+                             "(the paper warm-starts from a trained Condenser: pass its export as --model.init)\n")
+    elif cfg.cocondenser.head:
+        cfg.cocondenser.head = os.path.abspath(cfg.cocondenser.head)
+        if not os.path.isfile(cfg.cocondenser.head):
+            raise FileNotFoundError(f"--cocondenser.head {cfg.cocondenser.head}: no such file")
+
+
+def _check_simlm_paths(cfg: PretrainConfig) -> None:
+    """Fail on the driver, in seconds, rather than on every worker after Ray starts them."""
+    if not cfg.simlm.generator:
+        raise ValueError("--method simlm needs --simlm.generator: a local HF masked-LM checkpoint with the "
+                         "corpus's vocabulary. Train a small one with `python jobs/pretrain.py --method mlm` "
+                         "(e.g. --model.num_layers 2) and pass its export_dir")
+    for name in ("generator", "decoder"):
+        path = getattr(cfg.simlm, name)
+        if path:
+            setattr(cfg.simlm, name, os.path.abspath(path))
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"--simlm.{name} {path}: no such file or directory")
+
+
+def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
+    """Prepare the corpus if needed, train, export; returns the job summary.
+
+    ``replay_batches`` (benchmarks only) trains on the first N streamed batches, cycled.
+    """
+    cfg.corpus.output = storage.resolve(cfg.corpus.output).uri
+    cfg.train.output = storage.resolve(cfg.train.output or f"runs/pretrain-{cfg.method}").uri
+    if cfg.model.init:
+        cfg.model.init = os.path.abspath(cfg.model.init)
+    if cfg.corpus.input and not storage.is_s3(cfg.corpus.input):
+        cfg.corpus.input = os.path.abspath(cfg.corpus.input)
+    storage.check_reachable(cfg.corpus.output)
+    storage.check_reachable(cfg.train.output)
+    _check_same_method(cfg)
+    if cfg.method == "cocondenser":
+        _resolve_warm_start_head(cfg)
+    if cfg.method == "simlm":
+        _check_simlm_paths(cfg)
+
+    manifest = prepare_corpus(cfg.corpus) if cfg.corpus.input else load_manifest(cfg.corpus.output)
+    tokenizer_uri = storage.join(cfg.corpus.output, manifest["tokenizer"])
+    with storage.local_copy(tokenizer_uri) as tok_dir:
+        tokenizer = load_tokenizer(tok_dir)
+    run_dir = storage.join(cfg.train.output, "checkpoints")
+    method_cfg = getattr(cfg, cfg.method)
+    spans = method_cfg if METHODS[cfg.method].example_format == "span_pairs" else None
+    # coCondenser streams span pairs: a row is a document, and a span is at most span_length.
+    max_len = spans.span_length + 2 if spans else cfg.data.max_len
+    pack = cfg.data.pack and not spans
+    per_epoch = estimate_sequences_per_epoch(manifest, max_len, pack, bool(spans))
+    if spans:
+        per_epoch = max(1, int(per_epoch * _pair_fraction(cfg.corpus.output, manifest, spans)))
+    spec = StreamSpec(
+        corpus=cfg.corpus.output, max_len=max_len, pack=pack,
+        epochs=epochs_needed(cfg.train, per_epoch),
+        seed=cfg.train.seed, shuffle_files=cfg.data.shuffle_files, cls_id=tokenizer.cls_token_id,
+        sep_id=tokenizer.sep_token_id, pad_id=tokenizer.pad_token_id, run_dir=run_dir, spans=spans)
+    task = PretrainTask(cfg.method, method_cfg, cfg.model, tokenizer_uri, manifest["vocab_size"])
+    write_run_files(cfg, cfg.train.output)
+
+    result = fit(cfg.train, task, TrainingStream(spec), run_dir, replay_batches=replay_batches)
+    summary = {
+        "job": "pretrain", "method": cfg.method,
+        "export_dir": result.metrics.get("export_dir"), "head_path": result.metrics.get("head_path"),
+        "steps": result.metrics.get("steps"), "final_loss": result.metrics.get("final_loss"),
+        "tokens_per_s": result.metrics.get("tokens_per_s"),
+        "tokens_per_s_per_worker": result.metrics.get("tokens_per_s_per_worker"),
+        "restarts": result.metrics.get("restarts"), "resumes": result.metrics.get("resumes"),
+        "steps_this_attempt": result.metrics.get("steps_this_attempt"), "checkpoint": result.checkpoint,
+        "corpus_docs": manifest["num_docs"], "epochs_streamed": spec.epochs,
+        **(result.metrics.get("counters") or {}),
+    }
+    from pipeline.core.plots import plot_loss_curve
+    history = storage.read_json(storage.join(cfg.train.output, "history.json"))
+    summary["loss_curve"] = plot_loss_curve(history, storage.join(cfg.train.output, "loss_curve.png"),
+                                            title=f"{cfg.method} pre-training")
+    storage.write_json(storage.join(cfg.train.output, "summary.json"), summary)
+    return summary

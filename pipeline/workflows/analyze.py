@@ -1,0 +1,146 @@
+"""The CLS attention-entropy diagnostic (Condenser paper, Figure 2).
+
+For layer l, head h and passage p, take the attention distribution of the [CLS] query
+(row 0) over the passage's real (non-padding) keys, ``a = attentions[l][p, h, 0, :len_p]``,
+and its entropy ``H = -sum a log a`` (natural log, 0 log 0 = 0). A layer's number is the
+mean of H over heads and passages. High entropy: [CLS] attends broadly over the passage;
+low entropy: it attends to a few tokens (typically [CLS]/[SEP] themselves). Uniform
+attention over ``len_p`` tokens scores ``log len_p``, the largest possible value.
+
+Every checkpoint sees the same passages, each tokenized with the checkpoint's own tokenizer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.core import storage
+from pipeline.data.corpus import iter_documents
+from pipeline.core.plots import plot_cls_entropy
+from pipeline.data.tokenizer import load_tokenizer
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
+
+
+@dataclass
+class AnalyzeConfig:
+    checkpoints: list[str] = field(default_factory=list, metadata={"help": "HF checkpoint dirs or s3:// prefixes, each with its tokenizer (at least one; comma-separated)"})
+    labels: list[str] = field(default_factory=list, metadata={"help": "display names, one per checkpoint; empty = each checkpoint's folder name"})
+    passages: str = field(default="data/bible-sample/corpus.jsonl", metadata={"help": "corpus (file or folder, local or s3://) in any format pipeline.corpus reads"})
+    num_passages: int = field(default=256, metadata={"help": "how many passages to average over"})
+    seed: int | None = field(default=0, metadata={"help": "seed of a uniform random sample of the passages (reads the whole corpus); none = the first num_passages"})
+    max_len: int = field(default=128, metadata={"help": "tokens per passage, [CLS] and [SEP] included; longer passages are truncated"})
+    batch_size: int = field(default=32, metadata={"help": "passages per forward pass (padding does not change the result)"})
+    device: str = field(default="auto", metadata={"help": "torch device; auto = cuda if available, else cpu"})
+    output: str = field(default="runs/analyze", metadata={"help": "folder (local or s3://) for entropy.json and cls_entropy.png"})
+
+    def __post_init__(self):
+        if not self.checkpoints:
+            raise ValueError("give at least one checkpoint (--checkpoints DIR[,DIR...])")
+        if self.labels and len(self.labels) != len(self.checkpoints):
+            raise ValueError(f"{len(self.labels)} labels for {len(self.checkpoints)} checkpoints: "
+                             "give one label per checkpoint, or none")
+        if len(set(self.display_labels)) != len(self.checkpoints):
+            raise ValueError(f"labels must be distinct, got {self.display_labels}: set --labels")
+        for name in ("num_passages", "max_len", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def display_labels(self) -> list[str]:
+        return self.labels or [c.rstrip("/").rsplit("/", 1)[-1] for c in self.checkpoints]
+
+
+def load_passages(uri: str, n: int, seed: int | None = 0) -> list[str]:
+    """``n`` passage texts: a seeded uniform sample (reservoir; kept in corpus order), or the
+    first ``n`` when ``seed`` is None. Fewer if the corpus is smaller."""
+    docs = iter_documents(uri)
+    if seed is None:
+        return [doc.text for _, doc in zip(range(n), docs)]
+    rng, sample = random.Random(seed), []
+    for i, doc in enumerate(docs):
+        if i < n:
+            sample.append((i, doc.text))
+        elif (j := rng.randrange(i + 1)) < n:
+            sample[j] = (i, doc.text)
+    return [text for _, text in sorted(sample)]
+
+
+def load_checkpoint(path: str, device: str = "cpu"):
+    """(model, tokenizer) from a local HF checkpoint dir: eager attention (the fused kernels do
+    not return attention weights), float32, eval mode."""
+    from transformers import AutoModel
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"checkpoint {path!r} is not a Hugging Face checkpoint (no config.json)")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise ValueError(f"checkpoint {path!r} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); export "
+                         "it with its tokenizer, e.g. models.backbone.export_backbone(..., tokenizer_dir=...)")
+    tokenizer = load_tokenizer(path)
+    tokenizer.padding_side = "right"  # [CLS] must stay at position 0
+    model = AutoModel.from_pretrained(path, attn_implementation="eager").float().eval().to(device)
+    return model, tokenizer
+
+
+@torch.no_grad()
+def cls_entropy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Entropy of the [CLS] query's attention over real keys: (batch, layers, heads), float64."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True)
+    rows = torch.stack([att[:, :, 0, :] for att in out.attentions], dim=1).double()  # (B, L, H, T)
+    real = attention_mask.bool()[:, None, None, :]
+    # Padding keys get ~0 weight anyway; leaving them out makes that exact. xlogy(0, 0) = 0.
+    return torch.where(real, -torch.xlogy(rows, rows), 0.0).sum(-1)
+
+
+@torch.no_grad()
+def measure(model, tokenizer, texts: list[str], max_len: int = 128, batch_size: int = 32) -> dict:
+    """Per-layer statistics of :func:`cls_entropy` over ``texts`` (the numbers in entropy.json)."""
+    limit = getattr(model.config, "max_position_embeddings", max_len)
+    if max_len > limit:
+        raise ValueError(f"max_len {max_len} exceeds the model's {limit} positions")
+    device = next(model.parameters()).device
+    entropies, lengths = [], []
+    for start in range(0, len(texts), batch_size):
+        enc = tokenizer(texts[start:start + batch_size], padding=True, truncation=True, max_length=max_len,
+                        return_tensors="pt")
+        if not (enc["input_ids"][:, 0] == tokenizer.cls_token_id).all():
+            raise ValueError("the tokenizer does not put [CLS] first")
+        entropies.append(cls_entropy(model, enc["input_ids"].to(device), enc["attention_mask"].to(device)).cpu())
+        lengths.append(enc["attention_mask"].sum(1))
+    ent, length = torch.cat(entropies), torch.cat(lengths).double()  # (P, L, H), (P,)
+    per_passage = ent.mean(2)  # (P, L): averaged over heads
+    layers = [{"layer": l + 1, "mean": per_passage[:, l].mean().item(),
+               "std": per_passage[:, l].std(correction=0).item(), "heads": ent[:, l].mean(0).tolist()}
+              for l in range(ent.shape[1])]
+    return {"num_passages": len(texts), "num_layers": ent.shape[1], "num_heads": ent.shape[2],
+            "mean_length": length.mean().item(), "log_mean_length": math.log(length.mean().item()),
+            "uniform_entropy": length.log().mean().item(), "layers": layers}
+
+
+def run_analysis(cfg: AnalyzeConfig) -> dict:
+    """Measure every checkpoint on the same passages; write entropy.json and cls_entropy.png."""
+    for uri in cfg.checkpoints:  # all of them before any model is loaded: fail in seconds
+        if not storage.exists(uri):
+            raise FileNotFoundError(f"checkpoint {uri!r}: no such directory or S3 prefix")
+    texts = load_passages(cfg.passages, cfg.num_passages, cfg.seed)
+    if not texts:
+        raise ValueError(f"{cfg.passages}: no passages")
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    results = []
+    for uri, label in zip(cfg.checkpoints, cfg.display_labels):
+        with storage.local_copy(uri) as path:
+            model, tokenizer = load_checkpoint(path, device)
+            results.append({"label": label, "path": uri,
+                            **measure(model, tokenizer, texts, cfg.max_len, cfg.batch_size)})
+            del model  # free it before the next one loads
+    files = {"json": storage.join(cfg.output, "entropy.json"), "plot": storage.join(cfg.output, "cls_entropy.png")}
+    storage.write_json(files["json"], {"passages": cfg.passages, "seed": cfg.seed, "max_len": cfg.max_len,
+                                       "checkpoints": results})
+    plot_cls_entropy(results, files["plot"])
+    return {"output": cfg.output, "files": files, "num_passages": len(texts),
+            "entropy": {r["label"]: [layer["mean"] for layer in r["layers"]] for r in results}}

