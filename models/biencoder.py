@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.cocondenser import gather_with_grad, world_size
+from models.distributed import gather_with_grad, world_size
 from models.grad_cache import engine_grad_cache_backward
 
 SETTINGS_FILE = "retriever.json"

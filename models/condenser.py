@@ -13,14 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import BertForMaskedLM
 from transformers.masking_utils import create_bidirectional_mask
 from transformers.models.bert.modeling_bert import BertLayer
 
 from models.backbone import export_backbone, load_module_state, save_module
-from models.masking import IGNORE_INDEX, WholeWordMaskingMethod
+from models.masking import WholeWordMaskingMethod
+from models.mlm_losses import masked_lm_loss, sequence_mlm_losses
 
 
 @dataclass
@@ -41,31 +41,6 @@ def init_bert_like(module: nn.Module, std: float) -> None:
         elif isinstance(m, nn.LayerNorm):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
-
-
-def masked_lm_loss(mlm: BertForMaskedLM, states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean CE over the labelled positions, projecting only those (vocab-sized logits are costly)."""
-    picked = labels != IGNORE_INDEX
-    if not picked.any():  # a batch with nothing masked contributes zero, not NaN
-        return states.sum() * 0.0
-    logits = mlm.cls(states[picked])
-    return F.cross_entropy(logits.float(), labels[picked])
-
-
-def sequence_mlm_losses(mlm: BertForMaskedLM, states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """(B,) mean CE over each sequence's labelled positions (0 for a sequence with none).
-
-    coCondenser averages its losses per span (paper eq. 7), which also makes the loss of
-    a batch split into chunks or across workers a plain sum of per-span terms.
-    """
-    picked = labels != IGNORE_INDEX
-    per_sequence = torch.zeros(labels.shape[0], dtype=torch.float32, device=states.device)
-    if not picked.any():
-        return per_sequence + states.sum() * 0.0
-    token_losses = F.cross_entropy(mlm.cls(states[picked]).float(), labels[picked], reduction="none")
-    rows = picked.nonzero()[:, 0]
-    counts = picked.sum(dim=1).clamp(min=1).float()
-    return per_sequence.index_add(0, rows, token_losses) / counts
 
 
 @dataclass

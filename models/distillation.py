@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from models.biencoder import biencoder_backward, global_contrastive_loss, own_group_scores, positive_top1
-from models.cocondenser import world_size
+from models.distributed import world_size
 
 
 @dataclass

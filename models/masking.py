@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from models.method import plain_backward
+
 IGNORE_INDEX = -100
 
 
@@ -97,3 +99,6 @@ class WholeWordMaskingMethod:
                    generator: torch.Generator) -> dict[str, torch.Tensor]:
         masked, labels = whole_word_mask(input_ids, self.vocab, generator, self.cfg.mlm_probability)
         return {"input_ids": masked, "attention_mask": attention_mask, "labels": labels}
+
+    def backward(self, engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return plain_backward(self, engine, batch)

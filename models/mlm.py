@@ -14,7 +14,7 @@ from torch import nn
 from transformers import BertForMaskedLM
 
 from models.backbone import export_backbone
-from models.condenser import masked_lm_loss
+from models.mlm_losses import masked_lm_loss
 from models.masking import WholeWordMaskingMethod
 
 

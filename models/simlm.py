@@ -25,7 +25,8 @@ from transformers import AutoConfig, AutoModelForMaskedLM, BertForMaskedLM
 from transformers.masking_utils import create_bidirectional_mask
 
 from models.backbone import has_safetensors, export_backbone, load_module_state, save_module
-from models.condenser import masked_lm_loss
+from models.mlm_losses import masked_lm_loss
+from models.method import plain_backward
 from models.masking import IGNORE_INDEX, MaskingVocab, select_words, word_ids
 
 DECODER_FILE = "simlm_decoder.safetensors"
@@ -227,6 +228,9 @@ class SimLMMethod:
         return out.loss, {"enc_mlm_loss": out.enc_mlm_loss.detach(), "dec_mlm_loss": out.dec_mlm_loss.detach(),
                           "enc_replace_rate": batch["enc_selected"].sum() / eligible,
                           "dec_replace_rate": batch["dec_selected"].sum() / eligible}
+
+    def backward(self, engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return plain_backward(self, engine, batch)
 
     def export(self, model: SimLM, out_dir: str, tokenizer_dir: str | None) -> dict[str, str]:
         return model.save(out_dir, tokenizer_dir)

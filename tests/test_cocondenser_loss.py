@@ -122,7 +122,7 @@ def _worker(rank: int, world: int, port: int, full: torch.Tensor, out: dict):
     try:
         b = full.shape[0] // world
         local = full[rank * b:(rank + 1) * b].clone().requires_grad_(True)
-        from models.cocondenser import gather_with_grad
+        from models.distributed import gather_with_grad
 
         gathered = gather_with_grad(local)
         loss = global_span_contrastive_loss(local)

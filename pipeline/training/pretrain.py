@@ -14,6 +14,7 @@ from models.backbone import BackboneConfig, build_mlm
 from models.cocondenser import CoCondenserConfig, CoCondenserMethod
 from models.condenser import CondenserConfig, CondenserMethod
 from models.masking import MaskingVocab
+from models.method import PretrainingMethod
 from models.mlm import MLMConfig, MLMMethod
 from models.simlm import SimLMConfig, SimLMMethod
 from pipeline.core import storage
@@ -24,7 +25,7 @@ from pipeline.data.tokenizer import load_tokenizer
 from pipeline.training.loop import consumed_source_rows, fit
 from pipeline.training.train_config import TrainConfig, epochs_needed
 
-METHODS = {"condenser": CondenserMethod, "cocondenser": CoCondenserMethod, "simlm": SimLMMethod,
+METHODS: dict[str, type[PretrainingMethod]] = {"condenser": CondenserMethod, "cocondenser": CoCondenserMethod, "simlm": SimLMMethod,
            "mlm": MLMMethod}
 HEAD_FILE = "condenser_head.safetensors"
 
@@ -85,11 +86,7 @@ class PretrainTask:
         return self.method.make_batch(input_ids, attention_mask, generator)
 
     def backward(self, engine, batch):
-        if hasattr(self.method, "backward"):
-            return self.method.backward(engine, batch)
-        loss, extras = self.method.loss(engine, batch)
-        engine.backward(loss)
-        return loss.detach(), extras
+        return self.method.backward(engine, batch)
 
     def counters(self, batch: dict[str, np.ndarray]) -> dict[str, int]:
         if "skipped_docs" not in batch:
