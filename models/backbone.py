@@ -13,6 +13,7 @@ import shutil
 from dataclasses import dataclass, field
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForMaskedLM, BertConfig, BertForMaskedLM
 
@@ -83,7 +84,6 @@ def save_module(module: torch.nn.Module, path: str, meta: dict) -> str:
 
 def load_module_state(path: str) -> tuple[dict[str, torch.Tensor], dict]:
     """Weights and settings saved by :func:`save_module` (safetensors: no pickle)."""
-    from safetensors import safe_open
 
     with safe_open(path, framework="pt") as f:
         meta = json.loads((f.metadata() or {}).get("raydense", "{}"))

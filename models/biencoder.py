@@ -20,7 +20,9 @@ from typing import Callable, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AutoModel
 
+from models.backbone import export_backbone, has_safetensors
 from models.distributed import gather_with_grad, world_size
 from models.grad_cache import engine_grad_cache_backward
 
@@ -90,7 +92,6 @@ class BiEncoder(nn.Module):
 
     def save(self, out_dir: str, tokenizer_dir: str | None = None) -> dict[str, str]:
         """Shared: ``out_dir`` is the encoder. Separate: ``out_dir/query`` and ``out_dir/passage``."""
-        from models.backbone import export_backbone
 
         towers = {"": self.query_encoder} if self.passage_encoder is None else {
             "query": self.query_encoder, "passage": self.passage_encoder}
@@ -138,9 +139,7 @@ def load_biencoder(export_dir: str, overrides: dict | None = None) -> BiEncoder:
     """A retriever export (``retriever.json`` + one or two HF encoders) ready to encode;
     ``overrides`` (e.g. ``{"pooling": "mean"}``) replace saved settings. Any plain HF
     checkpoint also loads, with the settings given in ``overrides`` (default CLS, dot)."""
-    from transformers import AutoModel
 
-    from models.backbone import has_safetensors
 
     has_settings = os.path.isfile(os.path.join(export_dir, SETTINGS_FILE))
     settings = load_settings(export_dir) if has_settings else {}

@@ -20,7 +20,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from models.biencoder import biencoder_backward, global_contrastive_loss, own_group_scores, positive_top1
+from models.biencoder import (
+    biencoder_backward,
+    global_contrastive_loss,
+    own_group_scores,
+    positive_top1,
+)
 from models.distributed import world_size
 
 

@@ -14,8 +14,8 @@ from torch import nn
 from transformers import BertForMaskedLM
 
 from models.backbone import export_backbone
-from models.mlm_losses import masked_lm_loss
 from models.masking import WholeWordMaskingMethod
+from models.mlm_losses import masked_lm_loss
 
 
 @dataclass

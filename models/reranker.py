@@ -23,6 +23,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+from models.backbone import has_safetensors
 
 SETTINGS_FILE = "reranker.json"
 
@@ -104,7 +107,6 @@ class CrossEncoder(nn.Module):
         os.makedirs(out_dir, exist_ok=True)
         self.model.save_pretrained(out_dir, safe_serialization=True)
         if tokenizer_dir:  # saved, not copied: the folder may also hold another model's weights
-            from transformers import AutoTokenizer
 
             AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
         with open(os.path.join(out_dir, SETTINGS_FILE), "w") as f:
@@ -146,9 +148,7 @@ def check_max_len(config, max_len: int, name: str) -> None:
 def build_reranker(init: str, lengths: PairLengths | None = None) -> CrossEncoder:
     """A re-ranker from any local HF checkpoint: a BERT encoder gets a fresh one-logit head
     (transformers logs which weights are new); a one-label classifier is used as it is."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from models.backbone import has_safetensors
 
     config = AutoConfig.from_pretrained(init)
     if lengths is not None:
@@ -172,9 +172,7 @@ def load_settings(export_dir: str) -> PairLengths | None:
 def load_reranker(export_dir: str) -> CrossEncoder:
     """A re-ranker export (or any one-label HF sequence classifier) in eval mode, with the
     lengths of its ``reranker.json`` (defaults for a plain checkpoint)."""
-    from transformers import AutoModelForSequenceClassification
 
-    from models.backbone import has_safetensors
 
     if not os.path.isfile(os.path.join(export_dir, "config.json")):
         raise FileNotFoundError(f"{export_dir}: no config.json; is this a re-ranker export?")

@@ -24,10 +24,15 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForMaskedLM, BertForMaskedLM
 from transformers.masking_utils import create_bidirectional_mask
 
-from models.backbone import has_safetensors, export_backbone, load_module_state, save_module
-from models.mlm_losses import masked_lm_loss
-from models.method import plain_backward
+from models.backbone import (
+    export_backbone,
+    has_safetensors,
+    load_module_state,
+    save_module,
+)
 from models.masking import IGNORE_INDEX, MaskingVocab, select_words, word_ids
+from models.method import plain_backward
+from models.mlm_losses import masked_lm_loss
 
 DECODER_FILE = "simlm_decoder.safetensors"
 

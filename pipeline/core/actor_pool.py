@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import ray
+from ray.exceptions import RayActorError
 
 
 @dataclass
@@ -21,8 +23,6 @@ def run_actor_pool(make_actor, tasks: list, call, max_retries: int, n_actors: in
     back in the queue for a fresh actor, up to ``max_retries`` times per task; other
     errors (bad input) propagate. Returns the results in task order.
     """
-    import ray
-    from ray.exceptions import RayActorError
 
     pending, results, retries = list(range(len(tasks))), [None] * len(tasks), [0] * len(tasks)
     created = []

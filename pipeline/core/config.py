@@ -20,9 +20,19 @@ import sys
 import types
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Sequence, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import (
+    Any,
+    Literal,
+    Sequence,
+    TypeVar,
+    Union,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
 
 import yaml
+
 from pipeline.core.errors import ConfigError
 
 __all__ = ["ConfigError", "parse_config", "from_dict", "to_dict", "dump_yaml", "redact"]

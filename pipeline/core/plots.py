@@ -1,9 +1,15 @@
-"""PNG plots written by jobs (matplotlib without a display)."""
+"""PNG plots written by jobs.
+
+Figures are built with matplotlib's object API and rendered by its Agg canvas, so no
+backend is chosen globally and no display is needed.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import io
+
+from matplotlib.figure import Figure
 
 from pipeline.core import storage
 
@@ -11,19 +17,16 @@ from pipeline.core import storage
 @contextlib.contextmanager
 def png_figure(uri: str, size: tuple[float, float], dpi: int = 100):
     """Yield a fresh axes; on exit, save the figure as PNG to ``uri`` (local or s3://)."""
-    import matplotlib
+    fig = Figure(figsize=size)
+    ax = fig.subplots()
+    yield ax
+    save_png(fig, uri, dpi)
 
-    matplotlib.use("Agg")  # jobs run without a display
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=size)
-    try:
-        yield ax
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=dpi)
-    finally:
-        plt.close(fig)
+def save_png(fig: Figure, uri: str, dpi: int) -> None:
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
     storage.write_bytes(uri, buf.getvalue())
 
 
@@ -61,30 +64,20 @@ def plot_cls_entropy(results: list[dict], uri: str) -> str:
 
 def plot_method_comparison(rows: list[dict], metrics: tuple[str, ...], uri: str) -> str:
     """One panel per metric: a group of bars per pre-training method, a bar per training-set size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     methods = list(dict.fromkeys(r["method"] for r in rows))
     sizes = list(dict.fromkeys((r["train_size"], r["train_queries"]) for r in rows))
     width = 0.8 / len(sizes)
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.8), squeeze=False)
-    try:
-        for ax, metric in zip(axes[0], metrics):
-            for j, (size, n_queries) in enumerate(sizes):
-                values = {r["method"]: r["metrics"][metric] for r in rows if r["train_size"] == size}
-                xs = [i + (j - (len(sizes) - 1) / 2) * width for i, m in enumerate(methods) if m in values]
-                ax.bar(xs, [values[m] for m in methods if m in values], width, label=f"{n_queries} queries")
-            ax.set_xticks(range(len(methods)), methods, rotation=20)
-            ax.set_title(metric)
-            ax.set_ylim(bottom=0)
-        axes[0][0].set_ylabel("dev")
-        axes[0][-1].legend(title="fine-tuned on")
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=110)
-    finally:
-        plt.close(fig)
-    storage.write_bytes(uri, buf.getvalue())
+    fig = Figure(figsize=(4.2 * len(metrics), 3.8))
+    axes = fig.subplots(1, len(metrics), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for j, (size, n_queries) in enumerate(sizes):
+            values = {r["method"]: r["metrics"][metric] for r in rows if r["train_size"] == size}
+            xs = [i + (j - (len(sizes) - 1) / 2) * width for i, m in enumerate(methods) if m in values]
+            ax.bar(xs, [values[m] for m in methods if m in values], width, label=f"{n_queries} queries")
+        ax.set_xticks(range(len(methods)), methods, rotation=20)
+        ax.set_title(metric)
+        ax.set_ylim(bottom=0)
+    axes[0][0].set_ylabel("dev")
+    axes[0][-1].legend(title="fine-tuned on")
+    save_png(fig, uri, dpi=110)
     return uri

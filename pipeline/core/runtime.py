@@ -7,7 +7,10 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+import ray
+
 from pipeline.core import storage
+from pipeline.core.config import dump_yaml
 
 
 @dataclass
@@ -22,7 +25,6 @@ _PASSED_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", 
 
 
 def init_ray(cfg: RayConfig) -> None:
-    import ray
 
     if ray.is_initialized():
         return
@@ -37,7 +39,6 @@ def init_ray(cfg: RayConfig) -> None:
 
 def write_run_files(cfg, output: str) -> None:
     """Save the resolved config (secrets redacted) next to the run's outputs."""
-    from pipeline.core.config import dump_yaml
 
     storage.write_bytes(storage.join(output, "config.yaml"), dump_yaml(cfg).encode("utf-8"))
 

@@ -10,6 +10,7 @@ to the filesystem object, so they never end up pickled into Ray tasks or checkpo
 
 from __future__ import annotations
 
+import atexit
 import gzip
 import json
 import os
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
 from pipeline.core.errors import StorageError
 
 
@@ -279,7 +282,6 @@ def read_manifest(folder_uri: str, fmt: str, error: type[Exception], missing: st
 def process_local_dir(uri: str) -> str:
     """Like :class:`local_copy`, held until the process exits (e.g. a tokenizer a training
     worker needs from start to final export)."""
-    import atexit
 
     copy = local_copy(uri)
     path = copy.__enter__()
@@ -304,7 +306,6 @@ def iter_lines(uri: str, chunk_size: int = 1 << 20) -> Iterator[bytes]:
 
 def read_parquet(uri: str, columns: list[str] | None = None):
     """A whole Parquet file as a pyarrow Table (Parquet needs random access, not a stream)."""
-    import pyarrow.parquet as pq
 
     loc = resolve(uri)
     try:

@@ -10,15 +10,14 @@
 """
 
 from __future__ import annotations
-from pipeline.data.records import check_new
-from pipeline.data.records import get_field
-from pipeline.data.records import json_lines
-from pipeline.data.records import line_error
-from pipeline.data.records import read_lines
 
-
-
-
+from pipeline.data.records import (
+    check_new,
+    get_field,
+    json_lines,
+    line_error,
+    read_lines,
+)
 
 QRELS_HEADER = ("query-id", "corpus-id", "score")
 

@@ -29,8 +29,7 @@ from typing import Iterable, Iterator
 import pyarrow.fs as pafs
 
 from pipeline.core import storage
-from pipeline.core.errors import InputError
-from pipeline.core.errors import StorageError
+from pipeline.core.errors import InputError, StorageError
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".txt", ".txt.gz")
 ON_EMPTY = ("skip", "error")

@@ -11,14 +11,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
-
 from pipeline.core import storage
+from pipeline.data.beir import positives, read_qrels, read_queries
 from pipeline.data.corpus import MAX_SKIPPED_EXAMPLES
-from pipeline.data.beir import positives
-from pipeline.data.runs import read_negatives
-from pipeline.data.beir import read_qrels
-from pipeline.data.beir import read_queries
-from pipeline.data.runs import read_trec_run
+from pipeline.data.runs import read_negatives, read_trec_run
 
 
 @dataclass

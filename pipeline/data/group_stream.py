@@ -25,11 +25,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import ray
+from ray.data import DataContext
 
 from pipeline.core import storage
 from pipeline.data.examples import TrainExample
 from pipeline.data.groups import select_group_with_sources
-from pipeline.data.shards import load_manifest
+from pipeline.data.position import read_position
+from pipeline.data.shards import check_shards, load_manifest
 from pipeline.data.stream import frame
 
 
@@ -142,7 +145,6 @@ def _resolved(value):
     """Ray Data passes fn_kwargs as given: the plan travels as object refs (put once, not
     pickled into every task), fetched here once per worker process and kept (the UDF runs
     once per group: a fetch per call would deserialize the whole plan each time)."""
-    import ray
 
     if not isinstance(value, ray.ObjectRef):
         return value
@@ -201,7 +203,6 @@ def passage_requests(plan: EpochGroups) -> dict[str, np.ndarray]:
 
 def build_epoch(spec: GroupSpec, plan: EpochGroups, query_ids: list, epoch: int, manifest: dict | None = None):
     """The Ray Dataset of one epoch's groups: one row per planned position."""
-    import ray
 
     manifest = manifest or load_manifest(spec.corpus)
     requests = passage_requests(plan)
@@ -237,12 +238,8 @@ class GroupStream:
         self.epochs, self.num_rows, self.run_dir = epochs, num_rows, run_dir
 
     def __call__(self):
-        import ray
 
-        from pipeline.data.shards import check_shards
-        from pipeline.data.position import read_position
 
-        from ray.data import DataContext
 
         # This runs wherever Ray Train builds its datasets (not necessarily the driver):
         # the epochs are concatenated, and must stay in order.

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 
 import numpy as np
-from pipeline.data.examples import TrainExample
 
+from pipeline.data.examples import TrainExample
 
 
 def query_seed(seed: int, query_id: str) -> int:
     """A per-query seed that is the same in every process (Python's hash() is salted)."""
-    import hashlib
 
     digest = hashlib.blake2b(f"{seed}\x00{query_id}".encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "little")
@@ -35,7 +35,6 @@ def select_group_with_sources(example: TrainExample, epoch: int, group_size: int
     """:func:`select_group`'s passages, and where each one came from: its index in
     ``[*example.positives, *example.negatives]``, or -1 for a passage drawn from
     ``fallback``. Per-passage data (teacher scores) follows the choice through it."""
-    import numpy as np
 
     if not len(example.positives):  # lists of ids, or arrays of corpus rows
         raise ValueError(f"query {example.query_id!r} has no positive")

@@ -9,6 +9,7 @@ over all workers is one long prefix plus a few islands, however big the corpus.
 from __future__ import annotations
 
 import numpy as np
+
 from pipeline.core import storage
 from pipeline.core.errors import StorageError
 

@@ -11,11 +11,9 @@ import json
 import math
 from typing import Any, BinaryIO, Iterator
 
-
 from pipeline.core import storage
-from pipeline.core.errors import InputError
+from pipeline.core.errors import InputError, StorageError
 from pipeline.data.corpus import decode_line, json_type, numbered_lines
-from pipeline.core.errors import StorageError
 
 
 def read_lines(uri: str) -> Iterator[tuple[str, int, str]]:

@@ -10,16 +10,17 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-
 from pipeline.core import storage
 from pipeline.core.errors import InputError
-from pipeline.data.records import as_id
-from pipeline.data.records import check_new
-from pipeline.data.records import get_field
-from pipeline.data.records import json_lines
-from pipeline.data.records import line_error
-from pipeline.data.records import read_lines
-from pipeline.data.records import write_json_line
+from pipeline.data.records import (
+    as_id,
+    check_new,
+    get_field,
+    json_lines,
+    line_error,
+    read_lines,
+    write_json_line,
+)
 
 
 def read_negatives(uri: str, doc_ids: set[str] | None = None,
@@ -106,7 +107,6 @@ def read_trec_run(uri: str, depth: int = 0, query_ids: set[str] | None = None, d
 
 
 def write_trec_run(run: dict[str, dict[str, float]], uri: str, tag: str = "raydense") -> None:
-    from pipeline.core import storage
 
     with storage.open_output(uri) as out:
         for qid, docs in run.items():

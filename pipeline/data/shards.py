@@ -30,12 +30,12 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+import ray
 
 from pipeline.core import storage
+from pipeline.core.errors import ArtifactError, StorageError
 from pipeline.data.corpus import CorpusStats, iter_documents
 from pipeline.data.tokenizer import load_tokenizer, train_wordpiece
-from pipeline.core.errors import ArtifactError
-from pipeline.core.errors import StorageError
 
 MANIFEST = "manifest.json"
 FORMAT = "raydense.corpus/1"
@@ -123,7 +123,6 @@ def prepare_corpus(cfg: PrepareConfig) -> dict:
 
     A finished manifest with the same settings is reused unless ``overwrite`` is set.
     """
-    import ray
 
     manifest_uri = storage.join(cfg.output, MANIFEST)
     storage.check_reachable(manifest_uri)

@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import ray
+from ray.data import DataContext
 
+from models.cocondenser import draw_span_pairs
 from pipeline.core import storage
-from pipeline.data.position import DataPosition, IntervalSet
+from pipeline.data.position import DataPosition, IntervalSet, read_position
 from pipeline.data.shards import check_shards, load_manifest
-from pipeline.data.position import read_position
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,6 @@ def to_span_pairs(batch: dict, spec: StreamSpec, epoch: int) -> dict:
     ``skipped_docs``. A block with no valid pair at all yields nothing; with whole-block
     batches (how this function is mapped) that means a whole shard of such documents.
     """
-    from models.cocondenser import draw_span_pairs
 
     rows, docs = np.asarray(batch["row"], dtype=np.int64), batch["input_ids"]
     lengths = np.array([len(d) for d in docs], dtype=np.int64)
@@ -158,7 +159,6 @@ def epoch_files(manifest: dict, spec: StreamSpec, epoch: int, consumed: Interval
 
 
 def build_stream(spec: StreamSpec, position: DataPosition, manifest: dict | None = None):
-    import ray
 
     manifest = manifest or load_manifest(spec.corpus)
     fs_loc = storage.resolve(spec.corpus)
@@ -196,7 +196,6 @@ class TrainingStream:
         self.spec = spec
 
     def __call__(self):
-        from ray.data import DataContext
 
         # This runs wherever Ray Train builds its datasets (not necessarily the driver):
         # the epochs are concatenated, and must stay in order.

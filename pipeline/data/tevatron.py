@@ -3,19 +3,19 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Callable, Iterable, Iterator
-
 
 from pipeline.core import storage
 from pipeline.data.corpus import iter_documents, json_type
-from pipeline.data.examples import DataStats
-from pipeline.data.examples import TrainExample
-from pipeline.data.examples import clean_negatives
-from pipeline.data.records import check_new
-from pipeline.data.records import get_field
-from pipeline.data.records import json_lines
-from pipeline.data.records import line_error
-from pipeline.data.records import write_json_line
+from pipeline.data.examples import DataStats, TrainExample, clean_negatives
+from pipeline.data.records import (
+    check_new,
+    get_field,
+    json_lines,
+    line_error,
+    write_json_line,
+)
 
 
 def passage_lookup(corpus_uri: str, doc_ids: set[str] | None = None) -> Callable[[str], tuple[str, str]]:
@@ -96,7 +96,6 @@ def extract_tevatron_corpus(uri: str, corpus_uri: str) -> int:
     repeated across records has the same text every time (else the join by id would be
     ambiguous, and that is an error naming both lines).
     """
-    import hashlib
 
     seen: dict[str, tuple[bytes, int]] = {}
     with storage.open_output(corpus_uri) as out:

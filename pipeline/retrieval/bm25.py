@@ -23,14 +23,16 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Literal
 
+import bm25s
 import numpy as np
 
 from pipeline.core import storage
-from pipeline.core.errors import InputError
-from pipeline.data.corpus import CorpusStats, iter_documents
+from pipeline.core.errors import InputError, StorageError
 from pipeline.data.beir import positives, read_qrels, read_queries
-from pipeline.data.runs import write_negatives
-from pipeline.core.errors import StorageError
+from pipeline.data.corpus import CorpusStats, iter_documents
+from pipeline.data.examples import build_training_examples
+from pipeline.data.runs import read_negatives, write_negatives
+from pipeline.data.tevatron import passage_lookup, write_tevatron
 
 if TYPE_CHECKING:
     import bm25s
@@ -102,7 +104,6 @@ def _stemmer(name: str):
 def build_index(corpus: str, *, k1: float = 0.9, b: float = 0.4, method: str = "lucene",
                 lowercase: bool = True, stopwords: str = "en", stemmer: str = "") -> Bm25Index:
     """Index a corpus with bm25s, tokenizing the documents as they stream past."""
-    import bm25s
 
     start = time.perf_counter()
     tokenizer = bm25s.tokenization.Tokenizer(
@@ -165,9 +166,6 @@ def _select(qid: str, ids: list[str], scores: list[float], judged_positive: set[
 def _write_tevatron(cfg: Bm25Config, queries: dict[str, str], qrels: dict) -> dict:
     """The mined training data as Tevatron jsonl, passage text included (read back from the
     corpus for just the passages it names)."""
-    from pipeline.data.examples import build_training_examples
-    from pipeline.data.tevatron import passage_lookup, write_tevatron
-    from pipeline.data.runs import read_negatives
 
     negatives = read_negatives(cfg.output)
     examples, stats = build_training_examples(queries, qrels, negatives)

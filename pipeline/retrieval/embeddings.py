@@ -23,9 +23,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.core import storage
+from pipeline.core.errors import ArtifactError, StorageError
 from pipeline.data.shards import check_parquet_shard
-from pipeline.core.errors import ArtifactError
-from pipeline.core.errors import StorageError
 
 MANIFEST = "manifest.json"
 FORMAT = "raydense-embeddings-v1"

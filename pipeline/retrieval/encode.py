@@ -12,17 +12,36 @@ only to their own longest passage; on GPU under fp16 or bf16 autocast.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
+import ray
+import torch
 
+from models.biencoder import load_biencoder
 from pipeline.core import storage
+from pipeline.core.actor_pool import ActorConfig, run_actor_pool
+from pipeline.core.model_ref import resolve_init
 from pipeline.core.runtime import RayConfig
-from pipeline.core.actor_pool import ActorConfig
-from pipeline.core.actor_pool import run_actor_pool
+from pipeline.data.shards import (
+    MANIFEST,
+    PrepareConfig,
+    check_shards,
+    load_manifest,
+    prepare_corpus,
+)
+from pipeline.data.stream import frame
+from pipeline.data.tokenizer import load_tokenizer
+from pipeline.retrieval.embeddings import (
+    finished_shards,
+    shard_path,
+    write_manifest,
+    write_shard,
+)
 
 
 @dataclass
@@ -48,9 +67,7 @@ class EncoderSettings:
 
 def _frame_batch(token_lists: list, max_len: int, cls_id: int, sep_id: int, pad_id: int):
     """``[CLS] ids [SEP]`` per list, truncated to max_len, padded only to the batch's longest."""
-    import torch
 
-    from pipeline.data.stream import frame
 
     chunks = [np.asarray(t[:max_len - 2], dtype=np.int32) for t in token_lists]
     width = max(len(c) for c in chunks) + 2
@@ -63,11 +80,7 @@ class Encoder:
     """The model on one device, encoding token-id lists in length-sorted batches."""
 
     def __init__(self, settings: EncoderSettings, tokenizer_dir: str, device: str = "cpu"):
-        import torch
 
-        from models.biencoder import load_biencoder
-        from pipeline.core.model_ref import resolve_init
-        from pipeline.data.tokenizer import load_tokenizer
 
         self.settings, self.device = settings, device
         path = resolve_init(settings.model)
@@ -83,9 +96,7 @@ class Encoder:
         return self.model.cfg.similarity == "cos"
 
     def encode_tokens(self, token_lists: list, max_len: int, tower: str = "passage") -> np.ndarray:
-        import contextlib
 
-        import torch
 
         tok = self.tokenizer
         encode = self.model.encode_passage if tower == "passage" else self.model.encode_query
@@ -113,7 +124,6 @@ class Encoder:
 
 def local_encoder(settings: EncoderSettings, device: str = "cpu") -> Encoder:
     """An :class:`Encoder` in this process (e.g. for queries), with the model's own tokenizer."""
-    from pipeline.core.model_ref import resolve_init
 
     model_dir = resolve_init(settings.model)
     towers = os.path.join(model_dir, "query")
@@ -124,7 +134,6 @@ class EncoderActor:
     """A Ray actor holding one :class:`Encoder`; encodes whole corpus shards."""
 
     def __init__(self, settings: EncoderSettings, tokenizer_uri: str, cpus: float, use_gpu: bool):
-        import torch
 
         torch.set_num_threads(max(1, int(cpus)))
         self._tokenizer = storage.process_local_dir(tokenizer_uri)
@@ -134,7 +143,6 @@ class EncoderActor:
         return os.getpid()
 
     def encode_shard(self, corpus_shard_uri: str, index: int, output: str) -> dict:
-        from pipeline.retrieval.embeddings import write_shard
 
         started = time.perf_counter()
         table = storage.read_parquet(corpus_shard_uri, columns=["row", "doc_id", "input_ids"])
@@ -159,7 +167,6 @@ class EncodeConfig:
 def prepared_corpus(corpus: str, model_dir: str, prepared: str, docs_per_shard: int) -> tuple[str, dict]:
     """(prepared folder, manifest): ``corpus`` itself if it is prepared, else prepared with
     the model's tokenizer (reused on a rerun)."""
-    from pipeline.data.shards import MANIFEST, PrepareConfig, load_manifest, prepare_corpus
 
     if storage.exists(storage.join(corpus, MANIFEST)):
         return corpus, load_manifest(corpus)
@@ -169,12 +176,7 @@ def prepared_corpus(corpus: str, model_dir: str, prepared: str, docs_per_shard: 
 
 def run_encoding(cfg: EncodeConfig) -> dict:
     """Encode every shard not yet written, on ``cfg.pool.actors`` actors; write the manifest."""
-    import ray
 
-    from models.biencoder import load_biencoder
-    from pipeline.retrieval.embeddings import finished_shards, shard_path, write_manifest
-    from pipeline.core.model_ref import resolve_init
-    from pipeline.data.shards import check_shards
 
     started = time.perf_counter()
     cfg.output = storage.resolve(cfg.output).uri

@@ -7,16 +7,31 @@ the pipeline land: it encodes every passage in memory. Metrics are always comput
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 import torch
 
+from models.biencoder import load_biencoder
+from pipeline.core import storage
+from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.runtime import RayConfig
-from pipeline.retrieval.metrics import JOB_MEASURES
-from pipeline.retrieval.metrics import evaluate
+from pipeline.data.beir import read_qrels, read_queries
+from pipeline.data.corpus import iter_documents
 from pipeline.data.runs import write_trec_run
+from pipeline.data.tokenizer import load_tokenizer
+from pipeline.retrieval.encode import (
+    EncodeConfig,
+    EncoderSettings,
+    local_encoder,
+    run_encoding,
+)
+from pipeline.retrieval.index import IndexConfig
+from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
+from pipeline.retrieval.metrics import JOB_MEASURES, evaluate
+from pipeline.retrieval.search import ShardedIndex
 
 
 @torch.no_grad()
@@ -85,12 +100,7 @@ def evaluate_retriever(model_dir: str, cfg: EvalConfig, corpus: str, query_max_l
                        passage_max_len: int = 128, run_uri: str = "") -> dict:
     """Exact-search evaluation of a retriever export (settings from its ``retriever.json``)
     on one process: the small-collection path, with the corpus text in memory."""
-    import os
 
-    from models.biencoder import load_biencoder
-    from pipeline.data.corpus import iter_documents
-    from pipeline.data.beir import read_qrels, read_queries
-    from pipeline.data.tokenizer import load_tokenizer
 
     docs = list(iter_documents(cfg.corpus or corpus))
     doc_ids, texts = [d.doc_id for d in docs], [d.text for d in docs]
@@ -132,13 +142,6 @@ class EvaluateJobConfig:
 
 
 def run_evaluation(cfg: EvaluateJobConfig) -> dict:
-    from pipeline.core import storage
-    from pipeline.core.actor_pool import ActorConfig
-    from pipeline.retrieval.encode import EncodeConfig, EncoderSettings, local_encoder, run_encoding
-    from pipeline.retrieval.index import IndexConfig
-    from pipeline.data.beir import read_qrels, read_queries
-    from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
-    from pipeline.retrieval.search import ShardedIndex
 
     started = time.perf_counter()
     output = storage.resolve(cfg.output).uri

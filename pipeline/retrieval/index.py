@@ -8,8 +8,7 @@ Layout under the index URI (local or s3://)::
 Every index returns global corpus rows (int64) as ids, so per-shard results merge into
 the global top-k without any offset bookkeeping. Memory is planned before anything is
 built: a shard that cannot fit fails up front, by number, instead of an OOM kill hours
-into a build. ``faiss`` is imported lazily so that the planner's formulas, the merge and
-the numpy reference work without it.
+into a build.
 """
 
 from __future__ import annotations
@@ -18,7 +17,9 @@ import math
 import re
 from dataclasses import dataclass, field
 
+import faiss
 import numpy as np
+import psutil
 
 from pipeline.core import storage
 from pipeline.core.errors import ArtifactError
@@ -39,14 +40,6 @@ class IndexConfig:
     seed: int = field(default=0, metadata={"help": "seed of the training sample"})
 
 
-def _faiss():
-    try:
-        import faiss
-    except ImportError as exc:
-        raise ImportError("faiss is not installed: pip install -e '.[cpu]' (or '.[gpu]')") from exc
-    return faiss
-
-
 def _reason(exc: Exception) -> str:
     """FAISS's own reason, without the C++ function signature and source line around it."""
     return _FAISS_CONTEXT.sub("", str(exc)).strip()
@@ -59,7 +52,6 @@ def _check_metric(metric: str) -> None:
 
 def _metric(metric: str) -> int:
     _check_metric(metric)
-    faiss = _faiss()
     return faiss.METRIC_INNER_PRODUCT if metric == "ip" else faiss.METRIC_L2
 
 
@@ -68,7 +60,6 @@ def _f32(x: np.ndarray) -> np.ndarray:
 
 
 def _new_index(factory: str, dim: int, metric: str):
-    faiss = _faiss()
     try:
         index = faiss.index_factory(int(dim), factory, _metric(metric))
     except RuntimeError as exc:
@@ -128,7 +119,6 @@ def _formula(factory: str, dim: int) -> tuple[float, int] | None:
 
 def _measured(factory: str, dim: int, metric: str, seed: int = 0) -> tuple[float, int]:
     """Build the index on a small random sample and extrapolate from its serialized size."""
-    faiss = _faiss()
     # Enough points to train the largest number in the string (usually nlist), within reason.
     n = min(max(2048, 2 * max(map(int, re.findall(r"\d+", factory)), default=0)), 20_000)
     train = np.random.default_rng(seed).standard_normal((n, dim), dtype=np.float32)
@@ -161,7 +151,6 @@ def memory_limit_bytes(limit_gb: float = 0) -> int:
     """``limit_gb`` in bytes, or the memory available now when it is 0."""
     if limit_gb > 0:
         return int(limit_gb * 2**30)
-    import psutil
 
     return int(psutil.virtual_memory().available)
 
@@ -197,7 +186,6 @@ def resolve_gpu(use_gpu: str) -> bool:
         raise ValueError(f"use_gpu={use_gpu!r} is not one of auto, never, always")
     if use_gpu == "never":
         return False
-    faiss = _faiss()
     available = hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
     if use_gpu == "always" and not available:
         raise ValueError("use_gpu='always' but FAISS sees no GPU (faiss-cpu is installed, or no CUDA "
@@ -207,7 +195,6 @@ def resolve_gpu(use_gpu: str) -> bool:
 
 def to_gpu(index):
     """The index on every visible GPU (replicated), for building or searching."""
-    faiss = _faiss()
     try:
         return faiss.index_cpu_to_all_gpus(index)
     except RuntimeError as exc:
@@ -215,7 +202,6 @@ def to_gpu(index):
 
 
 def _on_gpu(index) -> bool:
-    faiss = _faiss()
     if not hasattr(faiss, "GpuIndex"):
         return False
     index = faiss.downcast_index(index)
@@ -226,7 +212,6 @@ def _on_gpu(index) -> bool:
 
 
 def set_nprobe(index, nprobe: int) -> None:
-    faiss = _faiss()
     ivf = faiss.try_extract_index_ivf(index)
     if ivf is not None:
         ivf.nprobe = max(1, min(int(nprobe), ivf.nlist))
@@ -252,7 +237,6 @@ def build_index_shard(embeddings: np.ndarray, rows: np.ndarray, factory: str = "
     all shards share one sample's statistics), else the shard itself. With a GPU the index
     is trained and filled there and brought back to the CPU, ready to save.
     """
-    faiss = _faiss()
     x, ids = _f32(embeddings), np.ascontiguousarray(rows, dtype=np.int64)
     if x.ndim != 2 or len(ids) != len(x):
         raise ValueError(f"{len(ids)} rows for embeddings of shape {x.shape}")
@@ -287,7 +271,6 @@ def index_shard_path(index: int) -> str:
 def save_index(index, uri: str) -> None:
     """Stream the index to ``uri`` (local or S3) without a second in-memory copy; it appears
     under its final name only once complete."""
-    faiss = _faiss()
     if _on_gpu(index):
         index = faiss.index_gpu_to_cpu(index)
     with storage.open_output(uri) as f:
@@ -299,7 +282,6 @@ def save_index(index, uri: str) -> None:
 
 
 def load_index(uri: str):
-    faiss = _faiss()
     with storage.open_input(uri) as f:
         reader = faiss.PyCallbackIOReader(f.read)
         try:

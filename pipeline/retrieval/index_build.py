@@ -13,12 +13,13 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import ray
 
+from pipeline.core import storage
+from pipeline.core.runtime import RayConfig
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval import index as faiss_index
-from pipeline.core import storage
 from pipeline.retrieval.index import IndexConfig
-from pipeline.core.runtime import RayConfig
 
 
 @dataclass
@@ -50,7 +51,6 @@ def _train_sample(folder: str, manifest: dict, n: int, seed: int) -> np.ndarray:
 
 def _build_one(folder: str, entries: list[dict], shard_index: int, output: str, cfg: IndexConfig,
                train_ref) -> dict:
-    import ray
 
     train = ray.get(train_ref) if isinstance(train_ref, ray.ObjectRef) else train_ref
     rows, vectors = [], []
@@ -66,7 +66,6 @@ def _build_one(folder: str, entries: list[dict], shard_index: int, output: str, 
 
 
 def run_indexing(cfg: IndexJobConfig) -> dict:
-    import ray
 
     started = time.perf_counter()
     folder, output = storage.resolve(cfg.embeddings).uri, storage.resolve(cfg.output).uri

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-
+import ir_measures
 
 DEFAULT_MEASURES = ("RR@10", "R@100", "nDCG@10")
 
@@ -13,7 +13,6 @@ DEFAULT_MEASURES = ("RR@10", "R@100", "nDCG@10")
 def evaluate(qrels: dict[str, dict[str, int]], run: dict[str, dict[str, float]],
              measures: Iterable[str] = DEFAULT_MEASURES) -> dict[str, float]:
     """Aggregate metrics over the judged queries (a query missing from the run scores 0)."""
-    import ir_measures
 
     parsed = [ir_measures.parse_measure(m) for m in measures]
     values = ir_measures.calc_aggregate(parsed, qrels, run)

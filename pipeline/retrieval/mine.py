@@ -23,8 +23,14 @@ from typing import Literal
 import numpy as np
 
 from pipeline.core import storage
-from pipeline.retrieval.encode import EncoderSettings
 from pipeline.core.runtime import RayConfig
+from pipeline.data.beir import positives, read_qrels, read_queries
+from pipeline.data.corpus import iter_documents
+from pipeline.data.groups import query_seed
+from pipeline.data.records import json_lines
+from pipeline.data.runs import write_trec_run
+from pipeline.retrieval.encode import EncoderSettings, local_encoder
+from pipeline.retrieval.search import ShardedIndex
 
 
 @dataclass
@@ -53,7 +59,6 @@ class MineConfig:
 def select_negatives(query_id: str, ranked_ids: list[str], ranked_scores: list[float], excluded: set[str],
                      cfg: MineConfig) -> tuple[list[str], list[float]]:
     """The query's negatives from its ranking: exclusions removed, then the top or a seeded draw."""
-    from pipeline.data.groups import query_seed
 
     candidates = [(d, s) for d, s in zip(ranked_ids[cfg.skip_top:], ranked_scores[cfg.skip_top:])
                   if d not in excluded]
@@ -66,8 +71,6 @@ def select_negatives(query_id: str, ranked_ids: list[str], ranked_scores: list[f
 
 def _answer_hits(cfg: MineConfig, queries: dict, ranked: dict[str, list[str]]) -> dict[str, set[str]]:
     """Per query, the candidates whose text contains one of its answers (case-insensitive)."""
-    from pipeline.data.corpus import iter_documents
-    from pipeline.data.records import json_lines
 
     if not cfg.corpus:
         raise ValueError("--answers needs --corpus (the passage texts to search for the answers)")
@@ -84,10 +87,6 @@ def _answer_hits(cfg: MineConfig, queries: dict, ranked: dict[str, list[str]]) -
 
 
 def run_mining(cfg: MineConfig) -> dict:
-    from pipeline.retrieval.encode import local_encoder
-    from pipeline.data.runs import write_trec_run
-    from pipeline.data.beir import positives, read_qrels, read_queries
-    from pipeline.retrieval.search import ShardedIndex
 
     started = time.perf_counter()
     output = storage.resolve(cfg.output).uri

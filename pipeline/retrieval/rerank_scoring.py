@@ -3,18 +3,33 @@ cross-encoder, written as a TREC run and evaluated against the first stage."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import numpy as np
+import ray
 import torch
 
-from models.reranker import PairLengths, pair_inputs
+from models.reranker import (
+    SETTINGS_FILE,
+    PairLengths,
+    check_max_len,
+    load_reranker,
+    pair_inputs,
+)
 from pipeline.core import storage
-from pipeline.core.actor_pool import ActorConfig
+from pipeline.core.actor_pool import ActorConfig, run_actor_pool
+from pipeline.core.model_ref import resolve_init
 from pipeline.core.runtime import RayConfig
+from pipeline.data.beir import positives, read_qrels, read_queries
+from pipeline.data.corpus import iter_documents
+from pipeline.data.runs import read_trec_run, write_trec_run
+from pipeline.data.stream import frame
+from pipeline.data.tokenizer import load_tokenizer
+from pipeline.retrieval.metrics import JOB_MEASURES, evaluate
 
 
 @dataclass
@@ -44,7 +59,6 @@ class RerankScoreConfig:
 
 def _texts_of(corpus: str, needed: dict[str, str]) -> dict[str, str]:
     """The texts of the ``needed`` documents (doc id -> where it was named, for the error)."""
-    from pipeline.data.corpus import iter_documents
 
     texts = {d.doc_id: d.text for d in iter_documents(corpus) if d.doc_id in needed}
     missing = [d for d in needed if d not in texts]
@@ -60,8 +74,6 @@ class PairScorer:
 
     def __init__(self, model_dir: str, lengths: PairLengths | None = None, batch_size: int = 64,
                  precision: str = "auto", device: str = "cpu"):
-        from models.reranker import check_max_len, load_reranker
-        from pipeline.data.tokenizer import load_tokenizer
 
         self.model = load_reranker(model_dir).to(device)
         self.lengths = lengths or self.model.lengths
@@ -74,7 +86,6 @@ class PairScorer:
         self.autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
 
     def _framed(self, texts: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from pipeline.data.stream import frame
 
         tok = self.tokenizer
         tokens = tok(texts, add_special_tokens=False, truncation=True, max_length=max_len - 2)["input_ids"]
@@ -85,7 +96,6 @@ class PairScorer:
 
     def score(self, query_texts: list[str], candidates: list[list[str]], texts: dict[str, str]) -> list[np.ndarray]:
         """Per query, the scores of its candidates (doc ids whose text is in ``texts``), in order."""
-        import contextlib
 
         doc_ids = list(dict.fromkeys(d for docs in candidates for d in docs))
         doc_row = {d: i for i, d in enumerate(doc_ids)}
@@ -127,7 +137,6 @@ class RerankerActor:
 
 
 def _model_uri(model: str) -> str:
-    from pipeline.core.model_ref import resolve_init
 
     uri = model if storage.is_s3(model) else resolve_init(model)
     if not storage.exists(storage.join(uri, "config.json")):
@@ -138,7 +147,6 @@ def _model_uri(model: str) -> str:
 
 def _pair_lengths(cfg: RerankScoreConfig, model_uri: str) -> PairLengths:
     """The export's lengths (``reranker.json``), each overridden by a non-zero setting."""
-    from models.reranker import SETTINGS_FILE
 
     settings = storage.join(model_uri, SETTINGS_FILE)
     saved = storage.read_json(settings) if storage.exists(settings) else {}
@@ -152,13 +160,7 @@ def _pair_lengths(cfg: RerankScoreConfig, model_uri: str) -> PairLengths:
 
 def run_scoring(cfg: RerankScoreConfig) -> dict:
     """Score the run's top-``depth`` candidates on Ray actors, write the re-ranked run, evaluate."""
-    import ray
 
-    from pipeline.core.actor_pool import run_actor_pool
-    from pipeline.retrieval.metrics import JOB_MEASURES, evaluate
-    from pipeline.data.runs import write_trec_run
-    from pipeline.data.beir import positives, read_qrels, read_queries
-    from pipeline.data.runs import read_trec_run
 
     started = time.perf_counter()
     output = storage.resolve(cfg.output).uri

@@ -12,19 +12,21 @@ block of query vectors; the driver merges the per-shard top-k into the exact glo
 
 from __future__ import annotations
 
+import resource
 
+import faiss
 import numpy as np
+import ray
 
+from pipeline.core import storage
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval import index as faiss_index
-from pipeline.core import storage
 
 
 class ShardSearcher:
     """A Ray actor serving one index shard."""
 
     def __init__(self, index_uri: str, entry: dict, nprobe: int, threads: int):
-        import faiss
 
         faiss.omp_set_num_threads(max(1, threads))
         self.index = faiss_index.load_index(storage.join(index_uri, entry["path"]))
@@ -35,7 +37,6 @@ class ShardSearcher:
 
     def stats(self) -> dict:
         """What this shard holds, and the peak memory of its process (for sizing)."""
-        import resource
 
         return {"vectors": int(self.index.ntotal),
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
@@ -45,7 +46,6 @@ class ShardedIndex:
     """The driver's handle on a persisted sharded index: one searcher actor per shard."""
 
     def __init__(self, index_uri: str, nprobe: int = 32, cpus_per_actor: float = 0.0, threads: int = 1):
-        import ray
 
         self.uri = storage.resolve(index_uri).uri
         self.manifest = faiss_index.load_index_manifest(self.uri)
@@ -65,7 +65,6 @@ class ShardedIndex:
 
     def search(self, queries: np.ndarray, k: int, block: int = 4096) -> tuple[np.ndarray, np.ndarray]:
         """Exact merge of every shard's top-k: (scores (q, k), corpus rows (q, k))."""
-        import ray
 
         faiss_index._check_k(k, self.total)
         scores, rows = [], []
@@ -80,7 +79,6 @@ class ShardedIndex:
         return np.concatenate(scores), np.concatenate(rows)
 
     def stats(self) -> list[dict]:
-        import ray
 
         return ray.get([a.stats.remote() for a in self.actors])
 
@@ -94,7 +92,6 @@ class ShardedIndex:
         return out
 
     def close(self) -> None:
-        import ray
 
         for actor in self.actors:
             ray.kill(actor)

@@ -19,9 +19,9 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 
+import ray.train
 
-from pipeline.data.position import DataPosition
-
+from pipeline.data.position import DataPosition, write_pointer
 
 CHECKPOINT_TAG = "state"
 
@@ -39,7 +39,6 @@ class TrainState:
 
 def save_checkpoint(engine, state: TrainState, position: DataPosition, rank: int, run_dir: str,
                      metrics: dict) -> None:
-    import ray.train
 
     name = f"checkpoint_{state.step:09d}"
     with tempfile.TemporaryDirectory(prefix="raydense-ckpt-") as tmp:
@@ -54,12 +53,10 @@ def save_checkpoint(engine, state: TrainState, position: DataPosition, rank: int
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
                          checkpoint_dir_name=name)
     if rank == 0:
-        from pipeline.data.position import write_pointer
         write_pointer(run_dir, name, state.step)
 
 
 def restore_checkpoint(engine, rank: int) -> tuple[TrainState, DataPosition, str | None]:
-    import ray.train
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:

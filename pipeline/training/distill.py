@@ -20,11 +20,17 @@ import torch
 from models.biencoder import BiEncoderConfig
 from models.distillation import DistillationConfig, distillation_backward
 from pipeline.core import storage
-from pipeline.retrieval.evaluate import EvalConfig
-from pipeline.training.finetune import (EncoderInit, FinetuneCorpusConfig, FinetuneTask, QueryDataConfig, finish_retriever_run,
-                                        prepare_group_training)
-from pipeline.data.examples import DistillDataStats, load_distillation_examples
 from pipeline.core.runtime import RayConfig, write_run_files
+from pipeline.data.examples import DistillDataStats, load_distillation_examples
+from pipeline.retrieval.evaluate import EvalConfig
+from pipeline.training.finetune import (
+    EncoderInit,
+    FinetuneCorpusConfig,
+    FinetuneTask,
+    QueryDataConfig,
+    finish_retriever_run,
+    prepare_group_training,
+)
 from pipeline.training.loop import fit
 from pipeline.training.train_config import TrainConfig
 

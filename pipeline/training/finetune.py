@@ -8,24 +8,38 @@ corpus rows), and Ray Data joins the passages (``pipeline/group_stream.py``).
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from transformers import AutoConfig, AutoModel
 
+from models.backbone import has_safetensors
 from models.biencoder import BiEncoder, BiEncoderConfig, contrastive_backward
 from pipeline.core import storage
-from pipeline.retrieval.evaluate import EvalConfig, evaluate_retriever
-from pipeline.data.group_stream import GroupSpec, GroupStream, corpus_rows_by_id, examples_as_rows
-from pipeline.data.examples import DataStats, load_training_examples
-from pipeline.data.tevatron import extract_tevatron_corpus, read_tevatron, tevatron_example
+from pipeline.core.model_ref import resolve_init
+from pipeline.core.plots import plot_loss_curve
 from pipeline.core.runtime import RayConfig, write_run_files
+from pipeline.data.examples import DataStats, load_training_examples
+from pipeline.data.group_stream import (
+    GroupSpec,
+    GroupStream,
+    corpus_rows_by_id,
+    examples_as_rows,
+)
 from pipeline.data.shards import PrepareConfig, prepare_corpus
+from pipeline.data.tevatron import (
+    extract_tevatron_corpus,
+    read_tevatron,
+    tevatron_example,
+)
 from pipeline.data.tokenizer import load_tokenizer
+from pipeline.retrieval.bm25 import Bm25Config, mine_negatives
+from pipeline.retrieval.evaluate import EvalConfig, evaluate_retriever
 from pipeline.training.loop import consumed_source_rows, fit
 from pipeline.training.train_config import TrainConfig
-from pipeline.core.model_ref import resolve_init
 
 PRETRAIN_EXPORT = "runs/pretrain-condenser/export"  # what the embedded pre-training default writes
 
@@ -91,11 +105,8 @@ class FinetuneTask:
         return self._tokenizer_dir
 
     def build_model(self) -> torch.nn.Module:
-        import copy
 
-        from transformers import AutoModel
 
-        from models.backbone import has_safetensors
 
         encoder = AutoModel.from_pretrained(self.init, use_safetensors=has_safetensors(self.init))
         pooler = getattr(encoder, "pooler", None)
@@ -164,7 +175,6 @@ def _resolve_paths(cfg: FinetuneConfig) -> None:
 
 def _bm25_negatives(cfg: FinetuneConfig) -> tuple[str, dict | None]:
     """Round 1: mine BM25 negatives once per run folder (reused on a re-run)."""
-    from pipeline.retrieval.bm25 import Bm25Config, mine_negatives
 
     uri = storage.join(cfg.train.output, "bm25", "negatives.jsonl")
     if storage.exists(uri):  # written atomically: present means complete
@@ -188,7 +198,6 @@ def load_examples(cfg: FinetuneConfig, doc_ids: set[str]) -> tuple[list, DataSta
 
 
 def _check_vocab(init: str, vocab_size: int) -> None:
-    from transformers import AutoConfig
 
     model_vocab = AutoConfig.from_pretrained(init).vocab_size
     if model_vocab < vocab_size:
@@ -273,7 +282,6 @@ def finish_retriever_run(cfg, prepared: GroupTraining, result, job: str, title: 
         "examples": len(prepared.examples), "epochs": prepared.epochs, "corpus_docs": prepared.manifest["num_docs"],
         "data_stats": prepared.stats.as_dict(), **extra,
     }
-    from pipeline.core.plots import plot_loss_curve
     history = storage.read_json(storage.join(cfg.train.output, "history.json"))
     summary["loss_curve"] = plot_loss_curve(history, storage.join(cfg.train.output, "loss_curve.png"), title=title)
     if cfg.eval.queries and summary["export_dir"]:

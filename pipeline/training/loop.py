@@ -20,6 +20,7 @@ of the checkpoint Ray Train will restore: Ray's own registry names it; the point
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import json
@@ -31,11 +32,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import numpy as np
+import ray.train
+import ray.train.torch
 import torch
+from ray.data import DataContext
+from ray.train.torch import TorchTrainer
 
 from pipeline.core import storage
-from pipeline.training.checkpoints import restore_checkpoint
-from pipeline.training.checkpoints import save_checkpoint
+from pipeline.data.position import read_position
+from pipeline.training.checkpoints import restore_checkpoint, save_checkpoint
 from pipeline.training.deepspeed_config import deepspeed_config
 from pipeline.training.train_config import TrainConfig
 
@@ -105,8 +110,6 @@ def log(msg: dict | str) -> None:
 def train_worker(config: dict) -> None:
     """Ray Train's train_loop_per_worker. ``config`` holds picklable settings only."""
     import deepspeed
-    import ray.train
-    import ray.train.torch
 
     train: TrainConfig = config["train"]
     task: TrainTask = config["task"]
@@ -125,7 +128,6 @@ def train_worker(config: dict) -> None:
     device = engine.device
 
     state, position, restored_from = restore_checkpoint(engine, rank)
-    from pipeline.data.position import read_position
     stream_position, stream_from = read_position(run_dir)
     if restored_from is not None or stream_from is not None:
         # The stream left out what checkpoint `stream_from` consumed; the model resumed from
@@ -220,7 +222,6 @@ def _export(task: TrainTask, engine, rank: int, destination: str) -> dict[str, s
     Under ZeRO-3 each rank holds a slice of every parameter, so all ranks gather the
     full weights for the duration of the export.
     """
-    import contextlib
 
     import deepspeed
 
@@ -257,10 +258,7 @@ class FitResult:
 def fit(train: TrainConfig, task: TrainTask, dataset_factory: Callable,
         run_dir: str, name: str = "checkpoints", replay_batches: int = 0) -> FitResult:
     """Run the loop on a Ray Train TorchTrainer. Re-running with the same output resumes."""
-    import ray.train
-    from ray.train.torch import TorchTrainer
 
-    from ray.data import DataContext
 
     # Epochs are concatenated into one stream; keep them in order.
     DataContext.get_current().execution_options.preserve_order = True

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
+import pyarrow.compute as pc
 import torch
+import yaml
 
 from models.backbone import BackboneConfig, build_mlm
 from models.cocondenser import CoCondenserConfig, CoCondenserMethod
@@ -18,9 +20,19 @@ from models.method import PretrainingMethod
 from models.mlm import MLMConfig, MLMMethod
 from models.simlm import SimLMConfig, SimLMMethod
 from pipeline.core import storage
+from pipeline.core.plots import plot_loss_curve
 from pipeline.core.runtime import RayConfig, write_run_files
-from pipeline.data.shards import PrepareConfig, load_manifest, prepare_corpus
-from pipeline.data.stream import StreamSpec, TrainingStream, estimate_sequences_per_epoch
+from pipeline.data.shards import (
+    PrepareConfig,
+    load_manifest,
+    prepare_corpus,
+    shard_uris,
+)
+from pipeline.data.stream import (
+    StreamSpec,
+    TrainingStream,
+    estimate_sequences_per_epoch,
+)
 from pipeline.data.tokenizer import load_tokenizer
 from pipeline.training.loop import consumed_source_rows, fit
 from pipeline.training.train_config import TrainConfig, epochs_needed
@@ -106,9 +118,7 @@ class PretrainTask:
 def _pair_fraction(corpus: str, manifest: dict, spans: CoCondenserConfig) -> float:
     """The share of documents long enough for a span pair, from the first shard's lengths,
     so that enough epochs are streamed for max_steps when many documents are skipped."""
-    import pyarrow.compute as pc
 
-    from pipeline.data.shards import shard_uris
 
     first_shard = shard_uris(corpus, manifest)[0]
     table = storage.read_parquet(first_shard, columns=["input_ids"])
@@ -124,7 +134,6 @@ def _pair_fraction(corpus: str, manifest: dict, spans: CoCondenserConfig) -> flo
 
 def _check_same_method(cfg: PretrainConfig) -> None:
     """A re-run resumes from the output's checkpoints: they must be this method's."""
-    import yaml
 
     previous = storage.join(cfg.train.output, "config.yaml")
     if storage.exists(previous):
@@ -214,7 +223,6 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
         "corpus_docs": manifest["num_docs"], "epochs_streamed": spec.epochs,
         **(result.metrics.get("counters") or {}),
     }
-    from pipeline.core.plots import plot_loss_curve
     history = storage.read_json(storage.join(cfg.train.output, "history.json"))
     summary["loss_curve"] = plot_loss_curve(history, storage.join(cfg.train.output, "loss_curve.png"),
                                             title=f"{cfg.method} pre-training")

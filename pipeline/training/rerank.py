@@ -21,16 +21,30 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from transformers import AutoConfig
 
-from models.reranker import PairLengths, RerankerConfig, listwise_backward, pair_inputs
+from models.reranker import (
+    PairLengths,
+    RerankerConfig,
+    build_reranker,
+    check_max_len,
+    listwise_backward,
+    pair_inputs,
+)
 from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
-from pipeline.training.finetune import EncoderInit, FinetuneCorpusConfig, FinetuneDataConfig
-from pipeline.core.runtime import RayConfig
-from pipeline.training.loop import consumed_source_rows
+from pipeline.core.model_ref import resolve_init
+from pipeline.core.plots import plot_loss_curve
+from pipeline.core.runtime import RayConfig, write_run_files
+from pipeline.retrieval.rerank_scoring import RerankScoreConfig, run_scoring
+from pipeline.training.finetune import (
+    EncoderInit,
+    FinetuneCorpusConfig,
+    FinetuneDataConfig,
+    prepare_group_training,
+)
+from pipeline.training.loop import consumed_source_rows, fit
 from pipeline.training.train_config import TrainConfig
-from pipeline.retrieval.rerank_scoring import RerankScoreConfig
-from pipeline.retrieval.rerank_scoring import run_scoring
 
 MINED_NEGATIVES = "runs/mine/negatives.jsonl"  # what jobs/mine.py writes by default
 
@@ -76,7 +90,6 @@ class RerankTask:
         self._tokenizer_dir: str | None = None
 
     def build_model(self) -> torch.nn.Module:
-        from models.reranker import build_reranker
 
         return build_reranker(self.init, self.lengths)
 
@@ -112,10 +125,7 @@ class RerankTask:
 
 def _check_training_config(cfg: RerankConfig) -> None:
     """Fail before any corpus preparation on settings that cannot train."""
-    from transformers import AutoConfig
 
-    from models.reranker import check_max_len
-    from pipeline.core.model_ref import resolve_init
 
     cfg.lengths().check()
     if cfg.reranker.group_size < 2:
@@ -140,10 +150,6 @@ def _check_training_config(cfg: RerankConfig) -> None:
 
 def run_reranker_training(cfg: RerankConfig) -> dict:
     """Prepare the data, train the cross-encoder, export it, and re-rank ``eval.run`` if given."""
-    from pipeline.training.finetune import prepare_group_training
-    from pipeline.core.plots import plot_loss_curve
-    from pipeline.core.runtime import write_run_files
-    from pipeline.training.loop import fit
 
     _check_training_config(cfg)
     prepared = prepare_group_training(cfg, cfg.reranker.group_size)

@@ -18,10 +18,11 @@ import random
 from dataclasses import dataclass, field
 
 import torch
+from transformers import AutoModel
 
 from pipeline.core import storage
-from pipeline.data.corpus import iter_documents
 from pipeline.core.plots import plot_cls_entropy
+from pipeline.data.corpus import iter_documents
 from pipeline.data.tokenizer import load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
@@ -74,7 +75,6 @@ def load_passages(uri: str, n: int, seed: int | None = 0) -> list[str]:
 def load_checkpoint(path: str, device: str = "cpu"):
     """(model, tokenizer) from a local HF checkpoint dir: eager attention (the fused kernels do
     not return attention weights), float32, eval mode."""
-    from transformers import AutoModel
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"checkpoint {path!r} is not a Hugging Face checkpoint (no config.json)")

@@ -25,16 +25,33 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from pipeline.core import storage
-from pipeline.training.pretrain import PretrainConfig
-from pipeline.workflows.recipe import EvalStage, RecipeData, RetrieverStage, eval_k, evaluate_dev, finetune_config
-from pipeline.workflows.manifest import RunManifest
+from pipeline.core.model_ref import resolve_init
+from pipeline.core.plots import plot_method_comparison
 from pipeline.core.runtime import RayConfig, write_run_files
+from pipeline.data.beir import QRELS_HEADER, positives, read_qrels, read_queries
+from pipeline.data.runs import read_negatives
+from pipeline.retrieval.bm25 import Bm25Config, mine_negatives
+from pipeline.training.finetune import run_finetuning
+from pipeline.training.pretrain import PretrainConfig, run_pretraining
 from pipeline.training.train_config import TrainConfig
+from pipeline.workflows.analyze import AnalyzeConfig, run_analysis
+from pipeline.workflows.manifest import RunManifest
+from pipeline.workflows.recipe import (
+    EvalStage,
+    RecipeData,
+    RetrieverStage,
+    eval_k,
+    evaluate_dev,
+    finetune_config,
+)
 
 METHODS = ("none", "mlm", "condenser", "cocondenser", "simlm")
 MANIFEST = "comparison.json"
@@ -121,7 +138,6 @@ class Comparison:
 
     @functools.cached_property
     def init(self) -> str:
-        from pipeline.core.model_ref import resolve_init
 
         return resolve_init(self.cfg.init)
 
@@ -142,7 +158,6 @@ class Comparison:
 
     def mine_bm25_negatives(self) -> dict:
         """BM25 negatives of all training queries, once: every fine-tuning draws on the same file."""
-        from pipeline.retrieval.bm25 import Bm25Config, mine_negatives
 
         data = self.cfg.data
         summary = mine_negatives(Bm25Config(
@@ -163,7 +178,6 @@ class Comparison:
                                        self.folder("queries", size_label(n)))
 
     def pretrain(self, method: str) -> dict:
-        from pipeline.training.pretrain import run_pretraining
 
         cfg = self.cfg
         job = copy.deepcopy(cfg.pretrain.job)
@@ -184,7 +198,6 @@ class Comparison:
                 "summary": summary}
 
     def finetune(self, method: str, n: int) -> dict:
-        from pipeline.training.finetune import run_finetuning
 
         cfg, subset = self.cfg, f"queries/{size_label(n)}"
         folder = self.folder("finetune", method, size_label(n))
@@ -206,7 +219,6 @@ class Comparison:
     def analyze(self) -> dict:
         """CLS attention entropy (Condenser paper, Figure 2): the initial checkpoint and each
         pre-trained encoder, then each retriever fine-tuned on the most queries."""
-        from pipeline.workflows.analyze import AnalyzeConfig, run_analysis
 
         cfg = self.cfg
         largest = max(cfg.finetune.train_sizes, key=lambda n: (n == 0, n))
@@ -228,7 +240,6 @@ class Comparison:
 def _judged_training_queries(queries: str, qrels: str):
     """(texts, qrels, sorted ids of the queries with a judged positive): what a training
     query is, as the trainers' reader (``retrieval_data.positives``) defines it."""
-    from pipeline.data.beir import positives, read_qrels, read_queries
 
     texts = read_queries(queries)
     judged = read_qrels(qrels, query_ids=set(texts))
@@ -237,13 +248,9 @@ def _judged_training_queries(queries: str, qrels: str):
 
 def sample_training_queries(queries: str, qrels: str, negatives: str, n: int, seed: int, folder: str) -> dict:
     """Write the files of a seeded sample of ``n`` queries that have a judged positive."""
-    import json
 
-    import numpy as np
 
-    from pipeline.data.beir import QRELS_HEADER
 
-    from pipeline.data.runs import read_negatives
 
     texts, judged, eligible = _judged_training_queries(queries, qrels)
     if n > len(eligible):
@@ -311,7 +318,6 @@ def result_rows(cfg: ComparisonConfig, manifest: RunManifest) -> list[dict]:
 
 
 def write_results(cfg: ComparisonConfig, manifest: RunManifest) -> dict:
-    from pipeline.core.plots import plot_method_comparison
 
     rows = result_rows(cfg, manifest)
     lines = ["| method | training queries | " + " | ".join(RESULT_METRICS)

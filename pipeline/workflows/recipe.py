@@ -28,12 +28,38 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
+import numpy as np
+
 from models.biencoder import BiEncoderConfig
 from models.distillation import DistillationConfig
+from models.reranker import RerankerConfig
 from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
-from pipeline.training.pretrain import PretrainConfig
+from pipeline.core.model_ref import resolve_init
 from pipeline.core.runtime import RayConfig, write_run_files
+from pipeline.data.beir import read_qrels, read_queries
+from pipeline.data.corpus import iter_documents
+from pipeline.data.runs import read_trec_run, write_trec_run
+from pipeline.retrieval.bm25 import bm25_run, build_index
+from pipeline.retrieval.encode import EncoderSettings
+from pipeline.retrieval.evaluate import EvalConfig, EvaluateJobConfig, run_evaluation
+from pipeline.retrieval.metrics import JOB_MEASURES, evaluate
+from pipeline.retrieval.mine import MineConfig, run_mining
+from pipeline.retrieval.rerank_scoring import RerankScoreConfig, run_scoring
+from pipeline.training.distill import DistillConfig, DistillDataConfig, run_distillation
+from pipeline.training.finetune import (
+    EncoderInit,
+    FinetuneConfig,
+    FinetuneCorpusConfig,
+    FinetuneDataConfig,
+    run_finetuning,
+)
+from pipeline.training.pretrain import PretrainConfig, run_pretraining
+from pipeline.training.rerank import (
+    RerankConfig,
+    RerankEvalConfig,
+    run_reranker_training,
+)
 from pipeline.training.train_config import TrainConfig
 from pipeline.workflows.manifest import RunManifest
 
@@ -175,7 +201,6 @@ class StageContext:
         """What the retrievers start from: the pre-training export, or the initial checkpoint."""
         if self.cfg.pretrain.enabled:
             return self.output("pretrain", "export")
-        from pipeline.core.model_ref import resolve_init
 
         return resolve_init(self.cfg.model.init)
 
@@ -187,7 +212,6 @@ class StageContext:
 def evaluate_dev(data: RecipeData, settings: EvalStage, model: str, folder: str, k: int, pooling: str = "",
                  normalize: bool = False) -> dict:
     """Dev metrics of a retriever through the distributed path: encode on actors, index, search."""
-    from pipeline.retrieval.evaluate import EvaluateJobConfig, run_evaluation
 
     return run_evaluation(EvaluateJobConfig(
         model=model, corpus=data.corpus, queries=data.dev_queries, qrels=data.dev_qrels,
@@ -206,7 +230,6 @@ def _eval_k(ctx: StageContext) -> int:
 
 def eval_k(manifest: RunManifest, corpus: str, k: int) -> int:
     """``k`` capped at the corpus size, which is counted once per run and kept in the manifest."""
-    from pipeline.data.corpus import iter_documents
 
     if "corpus_docs" not in manifest.data:
         manifest.data["corpus_docs"] = sum(1 for _ in iter_documents(corpus))
@@ -214,7 +237,6 @@ def eval_k(manifest: RunManifest, corpus: str, k: int) -> int:
 
 
 def stage_pretrain(ctx: StageContext) -> dict:
-    from pipeline.training.pretrain import run_pretraining
 
     job = copy.deepcopy(ctx.cfg.pretrain.job)
     job.train.output = ctx.folder("pretrain")
@@ -225,10 +247,6 @@ def stage_pretrain(ctx: StageContext) -> dict:
 
 
 def stage_bm25(ctx: StageContext) -> dict:
-    from pipeline.retrieval.bm25 import bm25_run, build_index
-    from pipeline.retrieval.metrics import JOB_MEASURES, evaluate
-    from pipeline.data.runs import write_trec_run
-    from pipeline.data.beir import read_qrels, read_queries
 
     cfg = ctx.cfg
     index = build_index(cfg.data.corpus)
@@ -252,8 +270,6 @@ def finetune_config(data: RecipeData, settings: RetrieverStage, *, init: str, ne
                     bm25_depth: int = 200, bm25_count: int = 30):
     """The fine-tuning job of one retriever stage (``queries`` / ``qrels``: a subset of the
     training queries instead of ``data``'s)."""
-    from pipeline.training.finetune import EncoderInit, FinetuneConfig, FinetuneCorpusConfig, FinetuneDataConfig
-    from pipeline.retrieval.evaluate import EvalConfig
 
     train = copy.deepcopy(settings.train)
     train.output = output
@@ -274,7 +290,6 @@ def _finetune_config(ctx: StageContext, stage: str, settings: RetrieverStage, in
 
 
 def _retriever_stage(ctx: StageContext, stage: str, settings: RetrieverStage, negatives: str) -> dict:
-    from pipeline.training.finetune import run_finetuning
 
     summary = run_finetuning(_finetune_config(ctx, stage, settings, ctx.encoder_init(), negatives))
     evaluation = _evaluate(ctx, summary["export_dir"], storage.join(ctx.folder(stage), "eval"))
@@ -288,8 +303,6 @@ def stage_round1(ctx: StageContext) -> dict:
 
 
 def _mine(ctx: StageContext, stage: str, retriever_stage: str) -> dict:
-    from pipeline.retrieval.encode import EncoderSettings
-    from pipeline.retrieval.mine import MineConfig, run_mining
 
     cfg = ctx.cfg
     summary = run_mining(MineConfig(
@@ -315,9 +328,6 @@ def stage_mine2(ctx: StageContext) -> dict:
 
 
 def stage_reranker(ctx: StageContext) -> dict:
-    from pipeline.training.finetune import EncoderInit, FinetuneCorpusConfig, FinetuneDataConfig
-    from pipeline.training.rerank import RerankConfig, RerankEvalConfig, run_reranker_training
-    from models.reranker import RerankerConfig
 
     cfg, stage = ctx.cfg, ctx.cfg.reranker
     init = stage.init or ctx.encoder_init()
@@ -337,7 +347,6 @@ def stage_reranker(ctx: StageContext) -> dict:
 
 def _score(ctx: StageContext, stage: str, run: str, queries: str, qrels: str, depth: int,
            include_positives: bool) -> dict:
-    from pipeline.retrieval.rerank_scoring import RerankScoreConfig, run_scoring
 
     return run_scoring(RerankScoreConfig(
         model=ctx.output("reranker", "export"), run=run, queries=queries, corpus=ctx.cfg.data.corpus, qrels=qrels,
@@ -348,10 +357,6 @@ def stage_rerank(ctx: StageContext) -> dict:
     """The round-2 dev run with its top ``dev_depth`` re-ordered by the re-ranker and the
     rest kept in round-2 order below them, so every metric is over the same ranking depth
     as the retriever rows (a re-ranked top-30 alone would cap R@100 at R@30)."""
-    from pipeline.retrieval.metrics import JOB_MEASURES, evaluate
-    from pipeline.data.runs import write_trec_run
-    from pipeline.data.beir import read_qrels
-    from pipeline.data.runs import read_trec_run
 
     cfg = ctx.cfg
     first_stage_uri = ctx.output("round2", "run")
@@ -373,7 +378,6 @@ def stage_rerank(ctx: StageContext) -> dict:
 
 def _sample_run(run_uri: str, n_queries: int, seed: int, out_uri: str) -> str:
     """The run cut to a seeded sample of its queries (all of them when ``n_queries`` is 0)."""
-    import numpy as np
 
     if n_queries <= 0:
         return run_uri
@@ -395,9 +399,6 @@ def stage_teacher(ctx: StageContext) -> dict:
 
 
 def stage_distill(ctx: StageContext) -> dict:
-    from pipeline.training.distill import DistillConfig, DistillDataConfig, run_distillation
-    from pipeline.retrieval.evaluate import EvalConfig
-    from pipeline.training.finetune import EncoderInit, FinetuneCorpusConfig
 
     cfg, stage = ctx.cfg, ctx.cfg.distill
     init = stage.init or ctx.encoder_init()
