@@ -76,9 +76,9 @@ def masking_vocab():
 
 
 def backbone():
-    from models.backbone import BackboneConfig, build_mlm
-
     import transformers
+
+    from models.backbone import BackboneConfig, build_mlm
     transformers.logging.set_verbosity_error()  # the missing MLM head is expected
     return build_mlm(BackboneConfig(init=minilm_path()), 30522)
 

@@ -39,11 +39,11 @@ if str(REPO_ROOT) not in sys.path:
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+from pipeline.core.sample import SAMPLE_CORPUS
+from pipeline.training.deepspeed_config import effective_zero_stage
 from pipeline.training.train_config import TrainConfig
 
-from pipeline.training.deepspeed_config import effective_zero_stage
-
-CORPUS = REPO_ROOT / "data" / "bible-sample" / "corpus.jsonl"
+CORPUS = REPO_ROOT / SAMPLE_CORPUS
 BUCKET = "bench"
 S3_ENV = {  # fake credentials, for the loopback server only
     "AWS_ACCESS_KEY_ID": "bench-key-id",
@@ -120,8 +120,8 @@ def start_s3() -> tuple[object, str]:
 
 def pretrain_config(corpus_uri: str, output: str, steps: int):
     from models.backbone import BackboneConfig
-    from pipeline.training.pretrain import PretrainConfig, StreamConfig
     from pipeline.data.shards import PrepareConfig
+    from pipeline.training.pretrain import PretrainConfig, StreamConfig
     from pipeline.training.train_config import TrainConfig
 
     cfg = PretrainConfig()
@@ -161,15 +161,15 @@ def plain_batches(corpus_dir: str, steps: int, seed: int) -> tuple[object, list[
     import numpy as np
     import torch
 
-    from models.condenser import CondenserConfig
     from models.backbone import BackboneConfig
+    from models.condenser import CondenserConfig
     from pipeline.core import storage
     from pipeline.data.position import IntervalSet
-    from pipeline.training.pretrain import PretrainTask
     from pipeline.data.shards import load_manifest
     from pipeline.data.stream import StreamSpec, epoch_files, to_sequences
     from pipeline.data.tokenizer import load_tokenizer
     from pipeline.training.loop import step_seed
+    from pipeline.training.pretrain import PretrainTask
 
     manifest = load_manifest(corpus_dir)
     tokenizer_dir = storage.join(corpus_dir, manifest["tokenizer"])
@@ -242,7 +242,6 @@ def run_plain(corpus_dir: str, steps: int, niceness: int | None) -> dict:
     import torch
 
     from pipeline.training.loop import linear_schedule, param_groups
-
     from pipeline.training.train_config import TrainConfig
 
     train = TrainConfig(micro_batch_size=MICRO_BATCH, max_steps=steps)  # defaults = the Ray runs' lr etc.

@@ -21,10 +21,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from pipeline.data.beir import read_qrels, read_queries
 from pipeline.data.corpus import iter_documents
 from pipeline.retrieval.evaluate import dense_run
 from pipeline.retrieval.metrics import evaluate
-from pipeline.data.beir import read_qrels, read_queries
 
 DEPTH = 100
 

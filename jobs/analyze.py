@@ -6,16 +6,12 @@ sample and writes entropy.json and cls_entropy.png under ./runs/analyze. Prints 
 summary as its last line.
 """
 
+from pipeline.core.entry import run_job
 from pipeline.workflows.analyze import AnalyzeConfig, run_analysis
-from pipeline.core.config import parse_config
-from pipeline.core.runtime import print_summary
 
 
 def main(argv=None) -> dict:
-    cfg = parse_config(AnalyzeConfig, argv, description=__doc__)
-    summary = run_analysis(cfg)
-    print_summary(summary)
-    return summary
+    return run_job(AnalyzeConfig, run_analysis, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -6,16 +6,12 @@ Example: python jobs/bm25_negatives.py --corpus data/nave/corpus.jsonl
 results next to it; runs in this process (no Ray). Prints a JSON summary as its last line.
 """
 
+from pipeline.core.entry import run_job
 from pipeline.retrieval.bm25 import Bm25Config, mine_negatives
-from pipeline.core.config import parse_config
-from pipeline.core.runtime import print_summary
 
 
 def main(argv=None) -> dict:
-    cfg = parse_config(Bm25Config, argv, description=__doc__)
-    summary = mine_negatives(cfg)
-    print_summary(summary)
-    return summary
+    return run_job(Bm25Config, mine_negatives, __doc__, argv)
 
 
 if __name__ == "__main__":

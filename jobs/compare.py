@@ -9,17 +9,12 @@ With no arguments: MiniLM on the bundled Bible sample, a few steps each (a smoke
 real one is jobs/recipes/compare-nave.yaml). Prints a JSON summary as its last line.
 """
 
+from pipeline.core.entry import run_job
 from pipeline.workflows.compare import ComparisonConfig, run_comparison
-from pipeline.core.config import parse_config
-from pipeline.core.runtime import init_ray, print_summary
 
 
 def main(argv=None) -> dict:
-    cfg = parse_config(ComparisonConfig, argv, description=__doc__)
-    init_ray(cfg.ray)
-    summary = run_comparison(cfg)
-    print_summary(summary)
-    return summary
+    return run_job(ComparisonConfig, run_comparison, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -6,17 +6,12 @@ the scoring stage writes (--data.teacher_scores, required). Ends with the same e
 (retriever.json) and evaluation as jobs/finetune.py. Prints a JSON summary as its last line.
 """
 
-from pipeline.core.config import parse_config
+from pipeline.core.entry import run_job
 from pipeline.training.distill import DistillConfig, run_distillation
-from pipeline.core.runtime import init_ray, print_summary
 
 
 def main(argv=None) -> dict:
-    cfg = parse_config(DistillConfig, argv, description=__doc__)
-    init_ray(cfg.ray)
-    summary = run_distillation(cfg)
-    print_summary(summary)
-    return summary
+    return run_job(DistillConfig, run_distillation, __doc__, argv)
 
 
 if __name__ == "__main__":

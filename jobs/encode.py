@@ -6,17 +6,12 @@ redone by a fresh actor. Pooling and normalisation come from the model's retriev
 Prints a JSON summary as its last line.
 """
 
-from pipeline.core.config import parse_config
+from pipeline.core.entry import run_job
 from pipeline.retrieval.encode import EncodeConfig, run_encoding
-from pipeline.core.runtime import init_ray, print_summary
 
 
 def main(argv=None) -> dict:
-    cfg = parse_config(EncodeConfig, argv, description=__doc__)
-    init_ray(cfg.ray)
-    summary = run_encoding(cfg)
-    print_summary(summary)
-    return summary
+    return run_job(EncodeConfig, run_encoding, __doc__, argv)
 
 
 if __name__ == "__main__":

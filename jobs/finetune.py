@@ -6,17 +6,12 @@ with BM25 negatives (mined here with bm25s), then evaluated on its dev queries b
 search. Prints a JSON summary as its last line.
 """
 
-from pipeline.core.config import parse_config
+from pipeline.core.entry import run_job
 from pipeline.training.finetune import FinetuneConfig, run_finetuning
-from pipeline.core.runtime import init_ray, print_summary
 
 
 def main(argv=None) -> dict:
-    cfg = parse_config(FinetuneConfig, argv, description=__doc__)
-    init_ray(cfg.ray)
-    summary = run_finetuning(cfg)
-    print_summary(summary)
-    return summary
+    return run_job(FinetuneConfig, run_finetuning, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -6,18 +6,12 @@ is printed, and a plan that cannot fit is refused. faiss-gpu is used where a GPU
 Prints a JSON summary as its last line.
 """
 
-
-from pipeline.core.config import parse_config
-from pipeline.core.runtime import init_ray, print_summary
+from pipeline.core.entry import run_job
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
 
 
 def main(argv=None) -> dict:
-    cfg = parse_config(IndexJobConfig, argv, description=__doc__)
-    init_ray(cfg.ray)
-    summary = run_indexing(cfg)
-    print_summary(summary)
-    return summary
+    return run_job(IndexJobConfig, run_indexing, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -6,17 +6,12 @@ Writes negatives.jsonl (for jobs/finetune.py --data.negatives), the Tevatron tra
 file (passages by id) and the TREC run. Prints a JSON summary as its last line.
 """
 
-from pipeline.core.config import parse_config
+from pipeline.core.entry import run_job
 from pipeline.retrieval.mine import MineConfig, run_mining
-from pipeline.core.runtime import init_ray, print_summary
 
 
 def main(argv=None) -> dict:
-    cfg = parse_config(MineConfig, argv, description=__doc__)
-    init_ray(cfg.ray)
-    summary = run_mining(cfg)
-    print_summary(summary)
-    return summary
+    return run_job(MineConfig, run_mining, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -4,17 +4,12 @@ With no arguments it runs the embedded default: a tiny Condenser on the bundled 
 sample, on a local Ray, writing under ./runs/. Prints a JSON summary as its last line.
 """
 
-from pipeline.core.config import parse_config
+from pipeline.core.entry import run_job
 from pipeline.training.pretrain import PretrainConfig, run_pretraining
-from pipeline.core.runtime import init_ray, print_summary
 
 
 def main(argv=None) -> dict:
-    cfg = parse_config(PretrainConfig, argv, description=__doc__)
-    init_ray(cfg.ray)
-    summary = run_pretraining(cfg)
-    print_summary(summary)
-    return summary
+    return run_job(PretrainConfig, run_pretraining, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -7,17 +7,12 @@ from the round-2 top-k that jobs/mine.py wrote (--data.negatives runs/mine/negat
 actors and evaluates it. Prints a JSON summary as its last line.
 """
 
-from pipeline.core.config import parse_config
+from pipeline.core.entry import run_job
 from pipeline.training.rerank import RerankConfig, run_reranker_training
-from pipeline.core.runtime import init_ray, print_summary
 
 
 def main(argv=None) -> dict:
-    cfg = parse_config(RerankConfig, argv, description=__doc__)
-    init_ray(cfg.ray)
-    summary = run_reranker_training(cfg)
-    print_summary(summary)
-    return summary
+    return run_job(RerankConfig, run_reranker_training, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -9,21 +9,16 @@ re-ranker's scores under --output and, with qrels, prints MRR@10, R@10, R@100, R
 nDCG@10 (ir_measures) of the re-ranked and the first-stage run. The last line is a JSON summary.
 """
 
-from pipeline.core.config import parse_config
-from pipeline.retrieval.metrics import metrics_table
-from pipeline.retrieval.rerank_scoring import RerankScoreConfig, run_scoring
-from pipeline.core.runtime import init_ray, print_summary
+from pipeline.core.entry import run_job
+from pipeline.retrieval.rerank_scoring import (
+    RerankScoreConfig,
+    print_metrics,
+    run_scoring,
+)
 
 
 def main(argv=None) -> dict:
-    cfg = parse_config(RerankScoreConfig, argv, description=__doc__)
-    init_ray(cfg.ray)
-    summary = run_scoring(cfg)
-    if "metrics" in summary:
-        print("first stage\n" + metrics_table(summary["first_stage_metrics"]), flush=True)
-        print("re-ranked\n" + metrics_table(summary["metrics"]), flush=True)
-    print_summary(summary)
-    return summary
+    return run_job(RerankScoreConfig, run_scoring, __doc__, argv, report=print_metrics)
 
 
 if __name__ == "__main__":

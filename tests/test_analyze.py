@@ -9,12 +9,19 @@ import os
 import numpy as np
 import pytest
 import torch
-
 from conftest import synthetic_docs, write_jsonl
+
 from jobs.analyze import main
 from pipeline.core import storage
-from pipeline.workflows.analyze import AnalyzeConfig, cls_entropy, load_checkpoint, load_passages, measure, run_analysis
 from pipeline.core.errors import ConfigError
+from pipeline.workflows.analyze import (
+    AnalyzeConfig,
+    cls_entropy,
+    load_checkpoint,
+    load_passages,
+    measure,
+    run_analysis,
+)
 from tests.helpers import make_tokenizer_dir, tiny_mlm
 
 MAX_LEN = 48  # below the tiny BERT's 64 positions; some passages get truncated
@@ -102,9 +109,9 @@ def test_overlay_of_two_checkpoints_writes_json_and_png(checkpoints, corpus, s3_
     for path, got in zip(checkpoints, saved["checkpoints"]):
         want = measure(*load_checkpoint(path), texts, MAX_LEN, batch_size=7)
         assert got["num_passages"] == 7 and got["mean_length"] == pytest.approx(want["mean_length"])
-        np.testing.assert_allclose([l["mean"] for l in got["layers"]], [l["mean"] for l in want["layers"]],
+        np.testing.assert_allclose([lay["mean"] for lay in got["layers"]], [lay["mean"] for lay in want["layers"]],
                                    atol=1e-6)
-        assert summary["entropy"][got["label"]] == [l["mean"] for l in got["layers"]]
+        assert summary["entropy"][got["label"]] == [lay["mean"] for lay in got["layers"]]
     means = [summary["entropy"][label] for label in ("local", "remote")]
     assert not np.allclose(*means)  # different weights, different curves
 
@@ -118,7 +125,7 @@ def test_job_end_to_end_with_passages_on_s3(checkpoints, corpus, s3_bucket, tmp_
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == json.loads(json.dumps(summary))
     want = measure(*load_checkpoint(checkpoints[0]), TEXTS[:5], MAX_LEN)  # seed none: the first 5
     label = os.path.basename(checkpoints[0])
-    np.testing.assert_allclose(summary["entropy"][label], [l["mean"] for l in want["layers"]], atol=1e-6)
+    np.testing.assert_allclose(summary["entropy"][label], [lay["mean"] for lay in want["layers"]], atol=1e-6)
     assert summary["num_passages"] == 5
     assert os.path.isfile(tmp_path / "out" / "cls_entropy.png")
     assert json.loads((tmp_path / "out" / "entropy.json").read_text())["passages"] == passages

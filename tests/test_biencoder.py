@@ -11,8 +11,14 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModel
 
-from models.biencoder import (BiEncoder, BiEncoderConfig, contrastive_loss, global_contrastive_loss,
-                              load_settings, pool)
+from models.biencoder import (
+    BiEncoder,
+    BiEncoderConfig,
+    contrastive_loss,
+    global_contrastive_loss,
+    load_settings,
+    pool,
+)
 from tests.helpers import PlainEngine, random_word_batch, tiny_mlm, tiny_vocab
 
 

@@ -3,10 +3,9 @@ import json
 import pytest
 
 from pipeline.core import storage
-from pipeline.retrieval.bm25 import Bm25Config, bm25_run, build_index, mine_negatives
-from pipeline.core.errors import ConfigError
 from pipeline.core.config import parse_config
-from pipeline.core.errors import InputError
+from pipeline.core.errors import ConfigError, InputError
+from pipeline.retrieval.bm25 import Bm25Config, bm25_run, build_index, mine_negatives
 from tests.conftest import synthetic_docs, write_jsonl
 
 # "zebra" and "stripes" occur in a handful of documents; d0 would rank first for q1.

@@ -135,8 +135,12 @@ def v1_scheduler(monkeypatch):
     """Ray's v1 resource-demand scheduler as the head runs it: aws.yaml prepared by Ray,
     our scorer loaded through RAY_AUTOSCALER_UTILIZATION_SCORER, launch failures recorded
     by Ray's availability tracker."""
-    from ray.autoscaler._private.node_provider_availability_tracker import NodeProviderAvailabilityTracker
-    from ray.autoscaler._private.resource_demand_scheduler import ResourceDemandScheduler
+    from ray.autoscaler._private.node_provider_availability_tracker import (
+        NodeProviderAvailabilityTracker,
+    )
+    from ray.autoscaler._private.resource_demand_scheduler import (
+        ResourceDemandScheduler,
+    )
     from ray.autoscaler._private.util import prepare_config
     from ray.autoscaler.node_launch_exception import NodeLaunchException
 
@@ -227,7 +231,9 @@ def test_kuberay_raycluster_autoscales_gpu_groups():
 def test_kuberay_autoscaler_reads_the_cluster_and_falls_back_to_on_demand():
     """The RayCluster through Ray's own KubeRay converter (which validates the result) and
     Ray's v2 scheduler, as the autoscaler sidecar runs them."""
-    from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
+    from ray.autoscaler._private.kuberay.autoscaling_config import (
+        _derive_autoscaling_config_from_ray_cr,
+    )
     from ray.autoscaler.v2.instance_manager.config import AutoscalingConfig
     from ray.autoscaler.v2.scheduler import ResourceDemandScheduler, SchedulingRequest
     from ray.autoscaler.v2.utils import ResourceRequestUtil
@@ -351,8 +357,8 @@ def deepspeed_parse():
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
 def test_deepspeed_templates_load_in_deepspeed(deepspeed_parse, stage, precision):
-    from pipeline.training.train_config import TrainConfig
     from pipeline.training.deepspeed_config import deepspeed_config
+    from pipeline.training.train_config import TrainConfig
 
     train = TrainConfig(zero_stage=stage, precision=precision, micro_batch_size=4, grad_accum=2, grad_clip=0.5)
     cfg = deepspeed_config(train, world_size=8)
@@ -366,8 +372,8 @@ def test_deepspeed_templates_load_in_deepspeed(deepspeed_parse, stage, precision
 
 
 def test_every_deepspeed_file_parses_and_deepspeed_rejects_typos(deepspeed_parse):
-    from pipeline.training.train_config import TrainConfig
     from pipeline.training.deepspeed_config import deepspeed_config
+    from pipeline.training.train_config import TrainConfig
 
     files = sorted(glob.glob(str(ZERO_TEMPLATES / "*.json")))
     assert [Path(f).name for f in files] == ["zero0.json", "zero1.json", "zero2.json", "zero3.json"]
@@ -385,8 +391,8 @@ def test_every_deepspeed_file_parses_and_deepspeed_rejects_typos(deepspeed_parse
 
 def test_cluster_run_config_selects_zero1_bf16(deepspeed_parse):
     from pipeline.core.config import parse_config
-    from pipeline.training.pretrain import PretrainConfig
     from pipeline.training.deepspeed_config import deepspeed_config
+    from pipeline.training.pretrain import PretrainConfig
 
     cfg = parse_config(PretrainConfig, ["--config", str(PRETRAIN_CONFIG), "--train.num_workers", "16"])
     parsed = deepspeed_parse(deepspeed_config(cfg.train, cfg.train.num_workers), world_size=16)

@@ -17,10 +17,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from models.cocondenser import CoCondenserConfig, CoCondenserMethod, span_contrastive_loss
+from models.cocondenser import (
+    CoCondenserConfig,
+    CoCondenserMethod,
+    span_contrastive_loss,
+)
 from models.condenser import Condenser
-from models.mlm_losses import sequence_mlm_losses
 from models.masking import whole_word_mask
+from models.mlm_losses import sequence_mlm_losses
 from tests.helpers import random_word_batch, tiny_masking_vocab, tiny_mlm, tiny_vocab
 
 WORLD = 2

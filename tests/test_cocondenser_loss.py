@@ -10,7 +10,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from models.cocondenser import global_span_contrastive_loss, partner_targets, span_contrastive_loss
+from models.cocondenser import (
+    global_span_contrastive_loss,
+    partner_targets,
+    span_contrastive_loss,
+)
 from models.grad_cache import RngState, grad_cache_backward
 
 

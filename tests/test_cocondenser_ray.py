@@ -6,17 +6,17 @@ import os
 
 import pytest
 import torch
-
 from conftest import synthetic_docs, write_jsonl
+from test_pretrain_ray import read_traces
+
 from models.backbone import BackboneConfig, build_mlm, load_module_state
 from models.cocondenser import CoCondenserConfig
 from models.condenser import Condenser
 from pipeline.core import storage
-from pipeline.training.pretrain import PretrainConfig, run_pretraining
 from pipeline.data.shards import PrepareConfig, prepare_corpus
 from pipeline.data.tokenizer import load_tokenizer
+from pipeline.training.pretrain import PretrainConfig, run_pretraining
 from pipeline.training.train_config import TrainConfig
-from test_pretrain_ray import read_traces
 
 pytestmark = pytest.mark.ray
 

@@ -13,8 +13,8 @@ import os
 import pytest
 import yaml
 
-from pipeline.workflows.compare import METHODS, ComparisonConfig, run_comparison
 from pipeline.training.train_config import TrainConfig
+from pipeline.workflows.compare import METHODS, ComparisonConfig, run_comparison
 from tests.helpers import ir_measures_of_run, retrieval_collection, save_tiny_bert
 
 N_DOCS, N_TRAIN, N_DEV = 80, 30, 10
@@ -145,7 +145,11 @@ def test_query_sample_is_seeded_and_keeps_only_judged_queries(tmp_path):
 def test_results_table_json_and_plot_from_recorded_units(tmp_path):
     """Two training-set sizes, a method missing at one of them: the table has a row per
     recorded fine-tuning, in size then method order, with the wall times of its units."""
-    from pipeline.workflows.compare import ComparisonFinetune, ComparisonPretrain, write_results
+    from pipeline.workflows.compare import (
+        ComparisonFinetune,
+        ComparisonPretrain,
+        write_results,
+    )
     from pipeline.workflows.manifest import RunManifest
 
     cfg = ComparisonConfig(output=str(tmp_path), pretrain=ComparisonPretrain(methods=["none", "condenser"]),

@@ -11,13 +11,26 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModel, AutoModelForMaskedLM, AutoTokenizer, BertForMaskedLM, BertModel
+from transformers import (
+    AutoModel,
+    AutoModelForMaskedLM,
+    AutoTokenizer,
+    BertForMaskedLM,
+    BertModel,
+)
 
 from models.backbone import BackboneConfig, build_mlm
 from models.condenser import Condenser, CondenserConfig, CondenserMethod
 from models.masking import IGNORE_INDEX, MaskingVocab, whole_word_mask
-from tests.helpers import (TINY_SIZES, make_tokenizer_dir, random_word_batch, tiny_backbone_config,
-                           tiny_masking_vocab, tiny_mlm, tiny_vocab)
+from tests.helpers import (
+    TINY_SIZES,
+    make_tokenizer_dir,
+    random_word_batch,
+    tiny_backbone_config,
+    tiny_masking_vocab,
+    tiny_mlm,
+    tiny_vocab,
+)
 
 V = len(tiny_vocab())
 L = TINY_SIZES["num_layers"]

@@ -12,9 +12,8 @@ from typing import Any, Literal, Optional
 import pytest
 import yaml
 
-from pipeline.core.errors import ConfigError
-
 from pipeline.core.config import dump_yaml, from_dict, parse_config, redact, to_dict
+from pipeline.core.errors import ConfigError
 
 
 @dataclass

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.core.errors import InputError
-
+from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.data.corpus import CorpusStats, Document, corpus_files, iter_documents
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,7 +135,7 @@ def test_streams_documents_before_a_later_error(tmp_path):
 
 def test_bundled_bible_sample():
     stats = CorpusStats()
-    docs = list(iter_documents(str(REPO / "data" / "bible-sample" / "corpus.jsonl"), on_empty="error", stats=stats))
+    docs = list(iter_documents(str(REPO / SAMPLE_CORPUS), on_empty="error", stats=stats))
     assert stats.documents == len(docs) == 10904
     assert docs[0].doc_id == "Gen.1.1" and docs[-1].doc_id == "Acts.28.31"
     books = {}

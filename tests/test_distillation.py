@@ -8,16 +8,22 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_biencoder import _full_batch, biencoder
+from test_finetune_deepspeed import relative_error
 
 from models.biencoder import contrastive_backward
 from models.distillation import distillation_backward, distillation_loss
 from pipeline.core.errors import InputError
-from pipeline.data.group_stream import GroupSpec, _assemble, _emit_requests, passage_requests, plan_epoch
 from pipeline.data.examples import TrainExample, build_distillation_examples
-from pipeline.data.runs import read_trec_run
+from pipeline.data.group_stream import (
+    GroupSpec,
+    _assemble,
+    _emit_requests,
+    passage_requests,
+    plan_epoch,
+)
 from pipeline.data.groups import select_group
-from test_biencoder import _full_batch, biencoder
-from test_finetune_deepspeed import relative_error
+from pipeline.data.runs import read_trec_run
 from tests.helpers import PlainEngine
 
 

@@ -6,8 +6,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.retrieval import embeddings as emb
 from pipeline.core import storage
+from pipeline.retrieval import embeddings as emb
 
 
 def _shard(first: int, n: int, dim: int = 8, seed: int = 0):

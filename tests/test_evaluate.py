@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from pipeline.retrieval.evaluate import encode_texts, exact_search, to_run
-
 from pipeline.retrieval.metrics import evaluate
 
 

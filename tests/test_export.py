@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from transformers import BertForMaskedLM, BertConfig
+from transformers import BertConfig, BertForMaskedLM
 
 from models.backbone import load_module_state
 from pipeline.training.pretrain import METHODS, PretrainConfig, PretrainTask

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.core.config import parse_config
-from pipeline.training.finetune import FinetuneConfig, run_finetuning
 from pipeline.core.model_ref import resolve_init
+from pipeline.training.finetune import FinetuneConfig, run_finetuning
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -17,8 +17,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from models.biencoder import (BiEncoder, BiEncoderConfig, contrastive_backward, contrastive_loss,
-                              own_group_scores)
+from models.biencoder import (
+    BiEncoder,
+    BiEncoderConfig,
+    contrastive_backward,
+    contrastive_loss,
+    own_group_scores,
+)
 from models.distillation import distillation_backward, distillation_loss
 from tests.helpers import random_word_batch, tiny_mlm, tiny_vocab
 

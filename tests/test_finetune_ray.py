@@ -8,15 +8,15 @@ import json
 import os
 
 import pytest
-
 from conftest import synthetic_docs
+from test_pretrain_ray import read_traces
+
 from models.biencoder import load_biencoder
 from pipeline.core import storage
-from pipeline.training.finetune import FinetuneConfig, run_finetuning
 from pipeline.data.beir import positives, read_qrels
 from pipeline.data.runs import read_negatives
+from pipeline.training.finetune import FinetuneConfig, run_finetuning
 from pipeline.training.train_config import TrainConfig
-from test_pretrain_ray import read_traces
 from tests.helpers import save_tiny_bert
 
 pytestmark = pytest.mark.ray

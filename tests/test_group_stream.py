@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import synthetic_docs, write_jsonl
+
 from pipeline.core import storage
-from pipeline.data.group_stream import GroupSpec, build_epoch, corpus_rows_by_id, frame_truncated, plan_epoch
 from pipeline.data.examples import TrainExample
+from pipeline.data.group_stream import (
+    GroupSpec,
+    build_epoch,
+    corpus_rows_by_id,
+    frame_truncated,
+    plan_epoch,
+)
 from pipeline.data.shards import PrepareConfig, prepare_corpus
 
 pytestmark = pytest.mark.ray

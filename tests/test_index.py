@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import faiss
 import numpy as np
 import pytest
 
-faiss = pytest.importorskip("faiss")
-
-from pipeline.retrieval import index as ix
 from pipeline.core import storage
 from pipeline.core.errors import StorageError
+from pipeline.retrieval import index as ix
 
 DIM = 32
 

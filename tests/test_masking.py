@@ -6,8 +6,16 @@ import pytest
 import torch
 
 from models.masking import IGNORE_INDEX, MaskingVocab, whole_word_mask, word_ids
-from tests.helpers import (CLS_ID, MASK_ID, PAD_ID, SEP_ID, SPECIAL_IDS, random_word_batch, tiny_masking_vocab,
-                           tiny_vocab)
+from tests.helpers import (
+    CLS_ID,
+    MASK_ID,
+    PAD_ID,
+    SEP_ID,
+    SPECIAL_IDS,
+    random_word_batch,
+    tiny_masking_vocab,
+    tiny_vocab,
+)
 
 N_SEQ, SEQ_LEN = 200, 128
 

@@ -11,8 +11,16 @@ from transformers import AutoModelForMaskedLM, AutoTokenizer
 from models.backbone import build_mlm
 from models.masking import IGNORE_INDEX, MaskingVocab
 from models.mlm import MaskedLM, MLMConfig, MLMMethod
-from tests.helpers import (MASK_ID, assert_drop_in_bert, make_tokenizer_dir, random_word_batch, tiny_backbone_config,
-                           tiny_masking_vocab, tiny_mlm, tiny_vocab)
+from tests.helpers import (
+    MASK_ID,
+    assert_drop_in_bert,
+    make_tokenizer_dir,
+    random_word_batch,
+    tiny_backbone_config,
+    tiny_masking_vocab,
+    tiny_mlm,
+    tiny_vocab,
+)
 from tests.test_condenser import tokenized_batch
 
 V = len(tiny_vocab())

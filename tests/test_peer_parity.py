@@ -14,10 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pipeline.core.sample import SAMPLE_DIR
+
 pytestmark = pytest.mark.ray
 
 REPO = Path(__file__).resolve().parents[1]
-SAMPLE = REPO / "data" / "bible-sample"
+SAMPLE = REPO / SAMPLE_DIR
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from pipeline.workflows.recipe import STAGES, PipelineConfig, run_pipeline
 from pipeline.training.train_config import TrainConfig
+from pipeline.workflows.recipe import STAGES, PipelineConfig, run_pipeline
 from tests.helpers import ir_measures_of_run, retrieval_collection, save_tiny_bert
 
 pytestmark = pytest.mark.ray
@@ -83,9 +83,9 @@ def test_recipe_end_to_end_then_rerun_and_only(tmp_path, ray_session):
     # The teacher scored a sample of 24 training queries: each query's top 8 of the round-2
     # mining run plus its positive, every pair exactly once, with the scores the exported
     # cross-encoder gives in this process.
-    from pipeline.retrieval.rerank_scoring import PairScorer
     from pipeline.data.beir import read_queries
     from pipeline.data.runs import read_trec_run
+    from pipeline.retrieval.rerank_scoring import PairScorer
 
     teacher = read_trec_run(records["teacher"]["outputs"]["scores"])
     mined = _ranked(records["mine2"]["outputs"]["run"])

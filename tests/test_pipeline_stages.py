@@ -11,9 +11,14 @@ import os
 
 import pytest
 
-from pipeline.workflows.recipe import MANIFEST, STAGES, PipelineConfig, cli_args, run_pipeline
-
 from pipeline.workflows.manifest import RunManifest
+from pipeline.workflows.recipe import (
+    MANIFEST,
+    STAGES,
+    PipelineConfig,
+    cli_args,
+    run_pipeline,
+)
 
 
 class Killed(Exception):

@@ -9,14 +9,13 @@ import threading
 import time
 
 import pytest
-
 from conftest import synthetic_docs, write_jsonl
+
 from models.backbone import BackboneConfig
 from pipeline.core import storage
-from pipeline.data.position import DataPosition
-from pipeline.training.pretrain import PretrainConfig, StreamConfig, run_pretraining
+from pipeline.data.position import DataPosition, restorable_checkpoint
 from pipeline.data.shards import PrepareConfig
-from pipeline.data.position import restorable_checkpoint
+from pipeline.training.pretrain import PretrainConfig, StreamConfig, run_pretraining
 from pipeline.training.train_config import TrainConfig
 
 pytestmark = pytest.mark.ray

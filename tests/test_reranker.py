@@ -12,14 +12,19 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from conftest import synthetic_docs
-from models.reranker import PairLengths, build_reranker, listwise_backward, listwise_loss, load_reranker
-from pipeline.retrieval.rerank_scoring import RerankScoreConfig, run_scoring
-from pipeline.training.rerank import RerankTask
 
+from models.reranker import (
+    PairLengths,
+    build_reranker,
+    listwise_backward,
+    listwise_loss,
+    load_reranker,
+)
 from pipeline.data.stream import frame
 from pipeline.data.tokenizer import load_tokenizer
+from pipeline.retrieval.rerank_scoring import RerankScoreConfig, run_scoring
+from pipeline.training.rerank import RerankTask
 from tests.helpers import PlainEngine, save_tiny_bert
 
 N_DOCS, N_QUERIES = 40, 12

@@ -7,9 +7,19 @@ import pytest
 from pipeline.core import storage
 from pipeline.core.errors import InputError
 from pipeline.data.beir import read_qrels, read_queries
-from pipeline.data.examples import DataStats, TrainExample, build_training_examples, load_training_examples
+from pipeline.data.examples import (
+    DataStats,
+    TrainExample,
+    build_training_examples,
+    load_training_examples,
+)
 from pipeline.data.runs import read_negatives, write_negatives
-from pipeline.data.tevatron import passage_lookup, read_tevatron, tevatron_example, write_tevatron
+from pipeline.data.tevatron import (
+    passage_lookup,
+    read_tevatron,
+    tevatron_example,
+    write_tevatron,
+)
 
 
 def write(path: Path, text: str) -> str:

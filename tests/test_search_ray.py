@@ -7,15 +7,20 @@ import os
 
 import numpy as np
 import pytest
-
 from conftest import synthetic_docs, write_jsonl
-from pipeline.retrieval import embeddings as emb
+from test_finetune_ray import tiny_bert  # noqa: F401  (fixture)
+
 from pipeline.core.actor_pool import ActorConfig, run_actor_pool
-from pipeline.retrieval.encode import EncodeConfig, Encoder, EncoderSettings, run_encoding
+from pipeline.retrieval import embeddings as emb
+from pipeline.retrieval.encode import (
+    EncodeConfig,
+    Encoder,
+    EncoderSettings,
+    run_encoding,
+)
 from pipeline.retrieval.index import IndexConfig, brute_force_topk
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
 from pipeline.retrieval.search import ShardedIndex
-from test_finetune_ray import tiny_bert  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.ray
 
@@ -144,10 +149,10 @@ def test_a_factory_faiss_rejects_and_a_wrong_dimension_shard_are_clear_errors(en
 
 
 def test_mined_negatives_exclude_positives_and_are_reproducible(encoded, collection, tmp_path):
-    from pipeline.retrieval.mine import MineConfig, run_mining
-    from pipeline.data.runs import read_negatives
     from pipeline.data.beir import read_qrels
+    from pipeline.data.runs import read_negatives
     from pipeline.data.tevatron import read_tevatron
+    from pipeline.retrieval.mine import MineConfig, run_mining
 
     cfg, _ = encoded
     index_dir = str(tmp_path / "index")

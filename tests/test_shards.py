@@ -6,14 +6,17 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import synthetic_docs, write_jsonl
+
 from pipeline.core import storage
-from pipeline.core.errors import InputError
-from pipeline.data.shards import PrepareConfig, check_shards, load_manifest, prepare_corpus
-from pipeline.core.errors import ArtifactError
+from pipeline.core.errors import ArtifactError, InputError, StorageError
+from pipeline.data.shards import (
+    PrepareConfig,
+    check_shards,
+    load_manifest,
+    prepare_corpus,
+)
 from pipeline.data.tokenizer import load_tokenizer
-from pipeline.core.errors import StorageError
 
 pytestmark = pytest.mark.ray
 

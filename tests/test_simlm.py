@@ -19,10 +19,27 @@ from models.backbone import build_mlm
 from models.condenser import Condenser
 from models.masking import IGNORE_INDEX, MaskingVocab
 from models.mlm import MLMConfig, MLMMethod
-from models.simlm import (DECODER_FILE, SimLM, SimLMConfig, SimLMMethod, recovery_labels, sample_replacements,
-                          select_replacements)
-from tests.helpers import (MASK_ID, SPECIAL_IDS, TINY_SIZES, assert_drop_in_bert, make_tokenizer_dir,
-                           random_word_batch, tiny_backbone_config, tiny_masking_vocab, tiny_mlm, tiny_vocab)
+from models.simlm import (
+    DECODER_FILE,
+    SimLM,
+    SimLMConfig,
+    SimLMMethod,
+    recovery_labels,
+    sample_replacements,
+    select_replacements,
+)
+from tests.helpers import (
+    MASK_ID,
+    SPECIAL_IDS,
+    TINY_SIZES,
+    assert_drop_in_bert,
+    make_tokenizer_dir,
+    random_word_batch,
+    tiny_backbone_config,
+    tiny_masking_vocab,
+    tiny_mlm,
+    tiny_vocab,
+)
 from tests.test_condenser import Capture, perturb_output, tokenized_batch
 
 V = len(tiny_vocab())

@@ -8,9 +8,13 @@ import numpy as np
 import pytest
 
 from pipeline.core import storage
-from pipeline.data.position import DataPosition, IntervalSet
+from pipeline.data.position import (
+    DataPosition,
+    IntervalSet,
+    read_position,
+    write_pointer,
+)
 from pipeline.data.stream import StreamSpec, build_stream, to_sequences
-from pipeline.data.position import read_position, write_pointer
 
 CLS, SEP, PAD = 2, 3, 0
 
@@ -120,6 +124,7 @@ def test_read_position_merges_the_ranks_of_the_checkpoint_ray_will_restore(tmp_p
 @pytest.mark.ray
 def test_stream_leaves_out_consumed_rows_of_the_resumed_epoch_only(tmp_path, ray_session):
     from conftest import synthetic_docs, write_jsonl
+
     from pipeline.data.shards import PrepareConfig, load_manifest, prepare_corpus
 
     corpus = str(tmp_path / "corpus")

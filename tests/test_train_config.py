@@ -7,11 +7,9 @@ import json
 import pytest
 import torch
 
-from pipeline.training.loop import linear_schedule, param_groups, step_seed
-
-from pipeline.training.train_config import TrainConfig
-
 from pipeline.training.deepspeed_config import deepspeed_config
+from pipeline.training.loop import linear_schedule, param_groups, step_seed
+from pipeline.training.train_config import TrainConfig
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

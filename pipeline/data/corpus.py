@@ -18,23 +18,21 @@ Every input line either becomes part of a document, is counted as skipped, is a 
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import posixpath
-import zlib
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import pyarrow.fs as pafs
 
 from pipeline.core import storage
-from pipeline.core.errors import InputError, StorageError
+from pipeline.core.errors import InputError
+from pipeline.data.records import decode_line, json_type, line_error, numbered_lines
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".txt", ".txt.gz")
 ON_EMPTY = ("skip", "error")
 MAX_SKIPPED_EXAMPLES = 20
-_CHUNK = 1 << 20
 
 
 @dataclass
@@ -132,69 +130,7 @@ def _stem(source: str) -> str:
     return name[: len(name) - len(_suffix(source))]
 
 
-def _split_lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
-    pending = b""
-    for chunk in chunks:
-        pending += chunk
-        *lines, pending = pending.split(b"\n")
-        yield from lines
-    if pending:
-        yield pending
-
-
-def _gzip_chunks(source: str) -> Iterator[bytes]:
-    # Opened without pyarrow's own on-the-fly decompression, so that we decompress exactly once.
-    loc = storage.resolve(source)
-    try:
-        raw = loc.fs.open_input_stream(loc.path, compression=None)
-    except FileNotFoundError as exc:
-        raise StorageError(f"{loc.describe()}: no such file") from exc
-    except Exception as exc:
-        raise StorageError(f"cannot open {loc.describe()}: {exc}") from exc
-    with raw, gzip.GzipFile(fileobj=raw, mode="rb") as gz:
-        while chunk := gz.read(_CHUNK):
-            yield chunk
-
-
-def numbered_lines(source: str) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number, line bytes without "\\n" or a trailing "\\r")."""
-    gz = _suffix(source).endswith(".gz")
-    lines = _split_lines(_gzip_chunks(source)) if gz else storage.iter_lines(source, chunk_size=_CHUNK)
-    number = 0
-    while True:
-        try:
-            raw = next(lines)
-        except StopIteration:
-            return
-        except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
-            raise InputError(f"{source} line {number + 1}: corrupt gzip data ({exc})",
-                              source=source, line=number + 1) from exc
-        number += 1
-        if raw.endswith(b"\r"):
-            raw = raw[:-1]
-        yield number, raw
-
-
-def decode_line(source: str, number: int, raw: bytes) -> str:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InputError(
-            f"{source} line {number}: invalid UTF-8 at byte offset {exc.start} of the line "
-            f"(byte 0x{raw[exc.start]:02x}: {exc.reason})", source=source, line=number) from exc
-    if number == 1 and text.startswith("\ufeff"):
-        text = text[1:]
-    return text
-
-
 # ---------------------------------------------------------------- formats
-
-_JSON_TYPES = {type(None): "null", bool: "boolean", int: "number", float: "number", str: "string",
-               list: "array", dict: "object"}
-
-
-def json_type(value) -> str:
-    return _JSON_TYPES.get(type(value), type(value).__name__)
 
 
 def _parse_jsonl(source: str) -> Iterator[Document]:
@@ -203,37 +139,34 @@ def _parse_jsonl(source: str) -> Iterator[Document]:
         if not line.strip():
             continue
 
-        def fail(problem: str) -> InputError:
-            return InputError(f"{source} line {number}: {problem}", source=source, line=number)
-
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise fail(f"malformed JSON ({exc.msg}: column {exc.colno})") from exc
+            raise line_error(source, number, f"malformed JSON ({exc.msg}: column {exc.colno})") from exc
         except RecursionError as exc:
-            raise fail("malformed JSON (nested too deeply)") from exc
+            raise line_error(source, number, "malformed JSON (nested too deeply)") from exc
         if not isinstance(obj, dict):
-            raise fail(f"expected a JSON object, got {json_type(obj)}")
+            raise line_error(source, number, f"expected a JSON object, got {json_type(obj)}")
 
         if "_id" not in obj:
-            raise fail("missing field '_id'")
+            raise line_error(source, number, "missing field '_id'")
         doc_id = obj["_id"]
         if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int, float)) or (
                 isinstance(doc_id, float) and not math.isfinite(doc_id)):
-            raise fail(f"field '_id' must be a string or a number, got {json_type(doc_id)}")
+            raise line_error(source, number, f"field '_id' must be a string or a number, got {json_type(doc_id)}")
         doc_id = str(doc_id)
         if not doc_id:
-            raise fail("field '_id' is empty")
+            raise line_error(source, number, "field '_id' is empty")
 
         if "text" not in obj:
-            raise fail(f"missing field 'text' (id {doc_id})")
+            raise line_error(source, number, f"missing field 'text' (id {doc_id})")
         text = obj["text"]
         if not isinstance(text, str):
-            raise fail(f"field 'text' must be a string, got {json_type(text)} (id {doc_id})")
+            raise line_error(source, number, f"field 'text' must be a string, got {json_type(text)} (id {doc_id})")
 
         title = obj.get("title")
         if title is not None and not isinstance(title, str):
-            raise fail(f"field 'title' must be a string, got {json_type(title)} (id {doc_id})")
+            raise line_error(source, number, f"field 'title' must be a string, got {json_type(title)} (id {doc_id})")
         if title and title.strip():
             text = f"{title}\n{text}"
         yield Document(doc_id, text, source, number)

@@ -1,24 +1,90 @@
-"""Validated line records: the reading helpers every retrieval file format shares.
+"""Validated line records: the line reading every input format shares (corpora, queries,
+qrels, runs, negatives, Tevatron files).
 
-Each yields or raises with the file and its 1-based line, so a bad record anywhere in
-queries, qrels, runs, negatives or Tevatron files is reported the same way
+Each yields or raises with the file and its 1-based line, so a bad record anywhere is
+reported the same way
 (:class:`pipeline.core.errors.InputError`). A name ending in ``.gz`` is gzip.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
-from typing import Any, BinaryIO, Iterator
+import zlib
+from typing import Any, BinaryIO, Iterable, Iterator
 
 from pipeline.core import storage
 from pipeline.core.errors import InputError, StorageError
-from pipeline.data.corpus import decode_line, json_type, numbered_lines
+
+_CHUNK = 1 << 20
+
+
+def _split_lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    pending = b""
+    for chunk in chunks:
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        yield from lines
+    if pending:
+        yield pending
+
+
+def _gzip_chunks(source: str) -> Iterator[bytes]:
+    # Opened without pyarrow's own on-the-fly decompression, so that we decompress exactly once.
+    loc = storage.resolve(source)
+    try:
+        raw = loc.fs.open_input_stream(loc.path, compression=None)
+    except FileNotFoundError as exc:
+        raise StorageError(f"{loc.describe()}: no such file") from exc
+    except Exception as exc:
+        raise StorageError(f"cannot open {loc.describe()}: {exc}") from exc
+    with raw, gzip.GzipFile(fileobj=raw, mode="rb") as gz:
+        while chunk := gz.read(_CHUNK):
+            yield chunk
+
+
+def numbered_lines(source: str) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, line bytes without "\\n" or a trailing "\\r")."""
+    gz = source.lower().endswith(".gz")
+    lines = _split_lines(_gzip_chunks(source)) if gz else storage.iter_lines(source, chunk_size=_CHUNK)
+    number = 0
+    while True:
+        try:
+            raw = next(lines)
+        except StopIteration:
+            return
+        except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+            raise InputError(f"{source} line {number + 1}: corrupt gzip data ({exc})",
+                              source=source, line=number + 1) from exc
+        number += 1
+        if raw.endswith(b"\r"):
+            raw = raw[:-1]
+        yield number, raw
+
+
+def decode_line(source: str, number: int, raw: bytes) -> str:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(
+            f"{source} line {number}: invalid UTF-8 at byte offset {exc.start} of the line "
+            f"(byte 0x{raw[exc.start]:02x}: {exc.reason})", source=source, line=number) from exc
+    if number == 1 and text.startswith("\ufeff"):
+        text = text[1:]
+    return text
+
+
+_JSON_TYPES = {type(None): "null", bool: "boolean", int: "number", float: "number", str: "string",
+               list: "array", dict: "object"}
+
+
+def json_type(value) -> str:
+    return _JSON_TYPES.get(type(value), type(value).__name__)
 
 
 def read_lines(uri: str) -> Iterator[tuple[str, int, str]]:
-    """(file, 1-based number, text) of each non-blank line. The corpus reader's line reader
-    gunzips ``*.jsonl.gz`` itself; pyarrow detects other ``*.gz`` names (e.g. ``qrels.tsv.gz``)."""
+    """(file, 1-based number, text) of each non-blank line; a ``*.gz`` file is gunzipped."""
     source = storage.resolve(uri).uri
     try:
         for number, raw in numbered_lines(source):

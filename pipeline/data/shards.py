@@ -34,6 +34,8 @@ import ray
 
 from pipeline.core import storage
 from pipeline.core.errors import ArtifactError, StorageError
+from pipeline.core.runtime import RayConfig
+from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.data.corpus import CorpusStats, iter_documents
 from pipeline.data.tokenizer import load_tokenizer, train_wordpiece
 
@@ -44,7 +46,7 @@ SHARD_SCHEMA = pa.schema([("row", pa.int64()), ("doc_id", pa.string()), ("input_
 
 @dataclass
 class PrepareConfig:
-    input: str = field(default="data/bible-sample/corpus.jsonl", metadata={"help": "BEIR corpus.jsonl, a .txt file (blank-line separated documents), or a folder of them; local or s3://"})
+    input: str = field(default=SAMPLE_CORPUS, metadata={"help": "BEIR corpus.jsonl, a .txt file (blank-line separated documents), or a folder of them; local or s3://"})
     output: str = field(default="runs/corpus", metadata={"help": "where the shards and manifest go; local or s3://"})
     tokenizer: str = field(default="", metadata={"help": "local HF tokenizer directory; empty = train a WordPiece vocabulary on the corpus"})
     vocab_size: int = field(default=8000, metadata={"help": "size of a trained vocabulary"})
@@ -206,3 +208,16 @@ def check_shards(corpus_uri: str, manifest: dict) -> None:
 
 def shard_uris(corpus_uri: str, manifest: dict) -> list[str]:
     return [storage.join(corpus_uri, s["path"]) for s in manifest["shards"]]
+
+
+@dataclass
+class PrepareJobConfig:
+    corpus: PrepareConfig = field(default_factory=PrepareConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+def run_preparation(cfg: PrepareJobConfig) -> dict:
+    """jobs/prepare_corpus.py: prepare the corpus and summarise its manifest."""
+    manifest = prepare_corpus(cfg.corpus)
+    return {"job": "prepare_corpus", "output": cfg.corpus.output, "shards": len(manifest["shards"]),
+            **{k: manifest[k] for k in ("num_docs", "num_tokens", "vocab_size", "input_stats")}}

@@ -27,6 +27,7 @@ from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig, run_actor_pool
 from pipeline.core.model_ref import resolve_init
 from pipeline.core.runtime import RayConfig
+from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.data.shards import (
     MANIFEST,
     PrepareConfig,
@@ -155,7 +156,7 @@ class EncoderActor:
 
 @dataclass
 class EncodeConfig:
-    corpus: str = field(default="data/bible-sample/corpus.jsonl", metadata={"help": "BEIR corpus.jsonl (prepared here with the model's tokenizer) or a prepared corpus folder (manifest.json); local or s3://"})
+    corpus: str = field(default=SAMPLE_CORPUS, metadata={"help": "BEIR corpus.jsonl (prepared here with the model's tokenizer) or a prepared corpus folder (manifest.json); local or s3://"})
     output: str = field(default="runs/encode", metadata={"help": "embedding shards + manifest (local or s3://)"})
     prepared: str = field(default="", metadata={"help": "where a BEIR corpus is prepared; empty = <output>/corpus"})
     docs_per_shard: int = field(default=20000, metadata={"help": "passages per shard when preparing a BEIR corpus (the unit of work and of resume)"})

@@ -18,6 +18,7 @@ from models.biencoder import load_biencoder
 from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.runtime import RayConfig
+from pipeline.core.sample import SAMPLE_CORPUS, SAMPLE_DEV_QRELS, SAMPLE_DEV_QUERIES
 from pipeline.data.beir import read_qrels, read_queries
 from pipeline.data.corpus import iter_documents
 from pipeline.data.runs import write_trec_run
@@ -30,7 +31,7 @@ from pipeline.retrieval.encode import (
 )
 from pipeline.retrieval.index import IndexConfig
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
-from pipeline.retrieval.metrics import JOB_MEASURES, evaluate
+from pipeline.retrieval.metrics import JOB_MEASURES, evaluate, metrics_table
 from pipeline.retrieval.search import ShardedIndex
 
 
@@ -75,8 +76,8 @@ def to_run(query_ids: list[str], doc_ids: list[str], scores: torch.Tensor,
 
 @dataclass
 class EvalConfig:
-    queries: str = field(default="data/bible-sample/queries.dev.jsonl", metadata={"help": "BEIR queries.jsonl to evaluate on after training; empty = no evaluation"})
-    qrels: str = field(default="data/bible-sample/qrels.dev.tsv", metadata={"help": "BEIR qrels TSV of those queries"})
+    queries: str = field(default=SAMPLE_DEV_QUERIES, metadata={"help": "BEIR queries.jsonl to evaluate on after training; empty = no evaluation"})
+    qrels: str = field(default=SAMPLE_DEV_QRELS, metadata={"help": "BEIR qrels TSV of those queries"})
     corpus: str = field(default="", metadata={"help": "BEIR corpus.jsonl to search; empty = the training corpus"})
     k: int = field(default=100, metadata={"help": "passages retrieved per query (exact search)"})
     batch_size: int = field(default=128, metadata={"help": "sequences per encoding batch"})
@@ -124,9 +125,9 @@ def evaluate_retriever(model_dir: str, cfg: EvalConfig, corpus: str, query_max_l
 @dataclass
 class EvaluateJobConfig:
     model: str = field(default="runs/finetune/export", metadata={"help": "retriever export (settings from its retriever.json) or any local HF checkpoint; 'package:NAME' = an installed model package"})
-    corpus: str = field(default="data/bible-sample/corpus.jsonl", metadata={"help": "BEIR corpus.jsonl or a prepared corpus folder (local or s3://)"})
-    queries: str = field(default="data/bible-sample/queries.dev.jsonl", metadata={"help": "BEIR queries.jsonl (local or s3://)"})
-    qrels: str = field(default="data/bible-sample/qrels.dev.tsv", metadata={"help": "BEIR qrels TSV with a header"})
+    corpus: str = field(default=SAMPLE_CORPUS, metadata={"help": "BEIR corpus.jsonl or a prepared corpus folder (local or s3://)"})
+    queries: str = field(default=SAMPLE_DEV_QUERIES, metadata={"help": "BEIR queries.jsonl (local or s3://)"})
+    qrels: str = field(default=SAMPLE_DEV_QRELS, metadata={"help": "BEIR qrels TSV with a header"})
     pooling: str = field(default="", metadata={"help": "cls or mean; empty = the export's retriever.json (cls for a plain checkpoint)"})
     normalize: bool = field(default=False, metadata={"help": "L2-normalise (cosine); without it, the export's setting (dot for a plain checkpoint)"})
     index: str = field(default="Flat", metadata={"help": "FAISS factory string of the index (Flat = exact)"})
@@ -176,3 +177,7 @@ def run_evaluation(cfg: EvaluateJobConfig) -> dict:
                "seconds": round(time.perf_counter() - started, 2)}
     storage.write_json(storage.join(output, "metrics.json"), summary)
     return summary
+
+
+def print_metrics(summary: dict) -> None:
+    print(metrics_table(summary["metrics"]), flush=True)

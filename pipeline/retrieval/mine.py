@@ -24,6 +24,7 @@ import numpy as np
 
 from pipeline.core import storage
 from pipeline.core.runtime import RayConfig
+from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
 from pipeline.data.beir import positives, read_qrels, read_queries
 from pipeline.data.corpus import iter_documents
 from pipeline.data.groups import query_seed
@@ -36,8 +37,8 @@ from pipeline.retrieval.search import ShardedIndex
 @dataclass
 class MineConfig:
     index: str = field(default="runs/index", metadata={"help": "sharded index (jobs/index.py output) of the corpus, encoded with --encoder.model"})
-    queries: str = field(default="data/bible-sample/queries.train.jsonl", metadata={"help": "BEIR queries.jsonl to mine for"})
-    qrels: str = field(default="data/bible-sample/qrels.train.tsv", metadata={"help": "their judgments: positives (score > 0) are never negatives"})
+    queries: str = field(default=SAMPLE_TRAIN_QUERIES, metadata={"help": "BEIR queries.jsonl to mine for"})
+    qrels: str = field(default=SAMPLE_TRAIN_QRELS, metadata={"help": "their judgments: positives (score > 0) are never negatives"})
     output: str = field(default="runs/mine", metadata={"help": "folder for negatives.jsonl, train.tevatron.jsonl and run.trec"})
     depth: int = field(default=200, metadata={"help": "passages retrieved per query"})
     count: int = field(default=30, metadata={"help": "negatives kept per query"})

@@ -24,21 +24,22 @@ from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig, run_actor_pool
 from pipeline.core.model_ref import resolve_init
 from pipeline.core.runtime import RayConfig
+from pipeline.core.sample import SAMPLE_CORPUS, SAMPLE_DEV_QRELS, SAMPLE_DEV_QUERIES
 from pipeline.data.beir import positives, read_qrels, read_queries
 from pipeline.data.corpus import iter_documents
 from pipeline.data.runs import read_trec_run, write_trec_run
 from pipeline.data.stream import frame
 from pipeline.data.tokenizer import load_tokenizer
-from pipeline.retrieval.metrics import JOB_MEASURES, evaluate
+from pipeline.retrieval.metrics import JOB_MEASURES, evaluate, metrics_table
 
 
 @dataclass
 class RerankScoreConfig:
     model: str = field(default="runs/rerank/export", metadata={"help": "re-ranker export (lengths from its reranker.json) or any local one-label HF sequence classifier (local or s3://; 'package:NAME' = an installed model package)"})
     run: str = field(default="runs/evaluate/run.trec", metadata={"help": "TREC run of first-stage candidates (qid Q0 docid rank score tag)"})
-    queries: str = field(default="data/bible-sample/queries.dev.jsonl", metadata={"help": "BEIR queries.jsonl: every query of the run must be in it"})
-    corpus: str = field(default="data/bible-sample/corpus.jsonl", metadata={"help": "BEIR corpus.jsonl holding every candidate (local or s3://)"})
-    qrels: str = field(default="data/bible-sample/qrels.dev.tsv", metadata={"help": "BEIR qrels TSV: evaluate both runs with ir_measures; empty = no evaluation"})
+    queries: str = field(default=SAMPLE_DEV_QUERIES, metadata={"help": "BEIR queries.jsonl: every query of the run must be in it"})
+    corpus: str = field(default=SAMPLE_CORPUS, metadata={"help": "BEIR corpus.jsonl holding every candidate (local or s3://)"})
+    qrels: str = field(default=SAMPLE_DEV_QRELS, metadata={"help": "BEIR qrels TSV: evaluate both runs with ir_measures; empty = no evaluation"})
     include_positives: bool = field(default=False, metadata={"help": "also score the judged positives the run missed, for the run's queries (for a distillation teacher); metrics still rank the first-stage candidates only"})
     depth: int = field(default=100, metadata={"help": "best-scored candidates of the run re-ranked per query"})
     output: str = field(default="runs/rerank_score", metadata={"help": "folder for run.trec (the re-ranker's scores) and summary.json (local or s3://)"})
@@ -231,3 +232,10 @@ def run_scoring(cfg: RerankScoreConfig) -> dict:
     summary["seconds"] = round(time.perf_counter() - started, 2)
     storage.write_json(storage.join(output, "summary.json"), summary)
     return summary
+
+
+def print_metrics(summary: dict) -> None:
+    """Both runs' metrics side by side, when the job had qrels."""
+    if "metrics" in summary:
+        print("first stage\n" + metrics_table(summary["first_stage_metrics"]), flush=True)
+        print("re-ranked\n" + metrics_table(summary["metrics"]), flush=True)

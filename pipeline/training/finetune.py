@@ -22,6 +22,7 @@ from pipeline.core import storage
 from pipeline.core.model_ref import resolve_init
 from pipeline.core.plots import plot_loss_curve
 from pipeline.core.runtime import RayConfig, write_run_files
+from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
 from pipeline.data.examples import DataStats, load_training_examples
 from pipeline.data.group_stream import (
     GroupSpec,
@@ -48,8 +49,8 @@ PRETRAIN_EXPORT = "runs/pretrain-condenser/export"  # what the embedded pre-trai
 class QueryDataConfig:
     """The training queries and their judgments: what every trainer on query groups reads."""
 
-    queries: str = field(default="data/bible-sample/queries.train.jsonl", metadata={"help": "BEIR queries.jsonl (local or s3://)"})
-    qrels: str = field(default="data/bible-sample/qrels.train.tsv", metadata={"help": "BEIR qrels TSV with a header: score > 0 = positive"})
+    queries: str = field(default=SAMPLE_TRAIN_QUERIES, metadata={"help": "BEIR queries.jsonl (local or s3://)"})
+    qrels: str = field(default=SAMPLE_TRAIN_QRELS, metadata={"help": "BEIR qrels TSV with a header: score > 0 = positive"})
     query_max_len: int = field(default=32, metadata={"help": "query tokens, [CLS] and [SEP] included"})
     passage_max_len: int = field(default=128, metadata={"help": "passage tokens, [CLS] and [SEP] included"})
 

@@ -36,6 +36,7 @@ from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.model_ref import resolve_init
 from pipeline.core.plots import plot_loss_curve
 from pipeline.core.runtime import RayConfig, write_run_files
+from pipeline.core.sample import SAMPLE_DEV_QRELS, SAMPLE_DEV_QUERIES
 from pipeline.retrieval.rerank_scoring import RerankScoreConfig, run_scoring
 from pipeline.training.finetune import (
     EncoderInit,
@@ -52,8 +53,8 @@ MINED_NEGATIVES = "runs/mine/negatives.jsonl"  # what jobs/mine.py writes by def
 @dataclass
 class RerankEvalConfig:
     run: str = field(default="", metadata={"help": "TREC run of first-stage candidates for the eval queries, re-ranked after training; empty = no evaluation"})
-    queries: str = field(default="data/bible-sample/queries.dev.jsonl", metadata={"help": "BEIR queries.jsonl of that run"})
-    qrels: str = field(default="data/bible-sample/qrels.dev.tsv", metadata={"help": "BEIR qrels TSV of those queries"})
+    queries: str = field(default=SAMPLE_DEV_QUERIES, metadata={"help": "BEIR queries.jsonl of that run"})
+    qrels: str = field(default=SAMPLE_DEV_QRELS, metadata={"help": "BEIR qrels TSV of those queries"})
     corpus: str = field(default="", metadata={"help": "BEIR corpus.jsonl of the candidates; empty = the training corpus"})
     depth: int = field(default=100, metadata={"help": "candidates re-ranked per query"})
 

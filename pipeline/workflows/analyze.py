@@ -22,6 +22,7 @@ from transformers import AutoModel
 
 from pipeline.core import storage
 from pipeline.core.plots import plot_cls_entropy
+from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.data.corpus import iter_documents
 from pipeline.data.tokenizer import load_tokenizer
 
@@ -32,7 +33,7 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
 class AnalyzeConfig:
     checkpoints: list[str] = field(default_factory=list, metadata={"help": "HF checkpoint dirs or s3:// prefixes, each with its tokenizer (at least one; comma-separated)"})
     labels: list[str] = field(default_factory=list, metadata={"help": "display names, one per checkpoint; empty = each checkpoint's folder name"})
-    passages: str = field(default="data/bible-sample/corpus.jsonl", metadata={"help": "corpus (file or folder, local or s3://) in any format pipeline.corpus reads"})
+    passages: str = field(default=SAMPLE_CORPUS, metadata={"help": "corpus (file or folder, local or s3://) in any format pipeline.corpus reads"})
     num_passages: int = field(default=256, metadata={"help": "how many passages to average over"})
     seed: int | None = field(default=0, metadata={"help": "seed of a uniform random sample of the passages (reads the whole corpus); none = the first num_passages"})
     max_len: int = field(default=128, metadata={"help": "tokens per passage, [CLS] and [SEP] included; longer passages are truncated"})
@@ -114,9 +115,9 @@ def measure(model, tokenizer, texts: list[str], max_len: int = 128, batch_size: 
         lengths.append(enc["attention_mask"].sum(1))
     ent, length = torch.cat(entropies), torch.cat(lengths).double()  # (P, L, H), (P,)
     per_passage = ent.mean(2)  # (P, L): averaged over heads
-    layers = [{"layer": l + 1, "mean": per_passage[:, l].mean().item(),
-               "std": per_passage[:, l].std(correction=0).item(), "heads": ent[:, l].mean(0).tolist()}
-              for l in range(ent.shape[1])]
+    layers = [{"layer": layer + 1, "mean": per_passage[:, layer].mean().item(),
+               "std": per_passage[:, layer].std(correction=0).item(), "heads": ent[:, layer].mean(0).tolist()}
+              for layer in range(ent.shape[1])]
     return {"num_passages": len(texts), "num_layers": ent.shape[1], "num_heads": ent.shape[2],
             "mean_length": length.mean().item(), "log_mean_length": math.log(length.mean().item()),
             "uniform_entropy": length.log().mean().item(), "layers": layers}

@@ -37,6 +37,13 @@ from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.model_ref import resolve_init
 from pipeline.core.runtime import RayConfig, write_run_files
+from pipeline.core.sample import (
+    SAMPLE_CORPUS,
+    SAMPLE_DEV_QRELS,
+    SAMPLE_DEV_QUERIES,
+    SAMPLE_TRAIN_QRELS,
+    SAMPLE_TRAIN_QUERIES,
+)
 from pipeline.data.beir import read_qrels, read_queries
 from pipeline.data.corpus import iter_documents
 from pipeline.data.runs import read_trec_run, write_trec_run
@@ -71,11 +78,11 @@ MANIFEST = "pipeline.json"
 
 @dataclass
 class RecipeData:
-    corpus: str = field(default="data/bible-sample/corpus.jsonl", metadata={"help": "BEIR corpus.jsonl (local or s3://)"})
-    train_queries: str = field(default="data/bible-sample/queries.train.jsonl", metadata={"help": "training queries (BEIR jsonl)"})
-    train_qrels: str = field(default="data/bible-sample/qrels.train.tsv", metadata={"help": "their qrels (TSV with a header)"})
-    dev_queries: str = field(default="data/bible-sample/queries.dev.jsonl", metadata={"help": "evaluation queries"})
-    dev_qrels: str = field(default="data/bible-sample/qrels.dev.tsv", metadata={"help": "their qrels"})
+    corpus: str = field(default=SAMPLE_CORPUS, metadata={"help": "BEIR corpus.jsonl (local or s3://)"})
+    train_queries: str = field(default=SAMPLE_TRAIN_QUERIES, metadata={"help": "training queries (BEIR jsonl)"})
+    train_qrels: str = field(default=SAMPLE_TRAIN_QRELS, metadata={"help": "their qrels (TSV with a header)"})
+    dev_queries: str = field(default=SAMPLE_DEV_QUERIES, metadata={"help": "evaluation queries"})
+    dev_qrels: str = field(default=SAMPLE_DEV_QRELS, metadata={"help": "their qrels"})
     query_max_len: int = field(default=32, metadata={"help": "query tokens, [CLS] and [SEP] included"})
     passage_max_len: int = field(default=128, metadata={"help": "passage tokens, [CLS] and [SEP] included"})
     docs_per_shard: int = field(default=20000, metadata={"help": "passages per corpus / embedding shard"})
