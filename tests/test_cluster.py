@@ -382,7 +382,7 @@ def test_every_deepspeed_file_parses_and_deepspeed_rejects_typos(deepspeed_parse
         stage = json.loads(Path(path).read_text())["zero_optimization"]["stage"]
         assert deepspeed_parse(cfg).zero_optimization_stage == stage  # an explicit file keeps its stage
     cfg = deepspeed_config(TrainConfig(zero_stage=2, precision="bf16"), world_size=8)
-    with pytest.raises(AssertionError):  # a batch filled for 8 workers is wrong for 4
+    with pytest.raises(AssertionError, match="train_batch_size"):  # a batch filled for 8 workers is wrong for 4
         deepspeed_parse(cfg, world_size=4)
     cfg["zero_optimization"]["overlap_comms"] = True
     with pytest.raises(Exception, match="overlap_comms"):

@@ -28,6 +28,7 @@ from models.mlm_losses import sequence_mlm_losses
 from tests.helpers import random_word_batch, tiny_masking_vocab, tiny_mlm, tiny_vocab
 
 WORLD = 2
+FP32_TOLERANCE, BF16_TOLERANCE = 1e-4, 3e-2  # relative gradient error; bf16 keeps 8 bits of mantissa
 PAIRS_PER_WORKER = 4  # 8 spans per worker, 16 in the global batch
 CASES = [  # (ZeRO stage, precision, chunk size in spans; 0 = no cache)
     (1, "fp32", 0), (1, "fp32", 2), (1, "fp32", 3), (1, "fp32", 8),
@@ -79,16 +80,16 @@ def _worker(rank: int, port: int, out: dict):
     torch.distributed.destroy_process_group()
 
 
-def reference():
-    """One process, the whole global batch in one graph."""
-    model = build_model()
-    batch = global_batch()
+def reference(batch: dict | None = None, dtype: torch.dtype = torch.float32):
+    """One process, the whole global batch (or ``batch``) in one graph."""
+    model = build_model().to(dtype)
+    batch = batch if batch is not None else global_batch()
     out = model(batch["input_ids"], batch["attention_mask"], batch["labels"], per_sequence=True)
     n_spans = batch["input_ids"].shape[0]
     mlm = (out.head_mlm_loss + out.late_mlm_loss).sum() / n_spans
     contrastive = span_contrastive_loss(out.late_cls)
     (mlm + contrastive).backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    grads = {name: p.grad.float().clone() for name, p in model.named_parameters() if p.grad is not None}
     return grads, (mlm + contrastive).item(), contrastive.item()
 
 
@@ -112,23 +113,24 @@ def relative_error(grads: dict, ref: dict) -> float:
 def test_two_deepspeed_workers_match_the_full_batch_gradient(distributed_results, stage, precision, chunk):
     ref_grads, ref_loss, ref_contrastive = reference()
     ranks = [distributed_results[(rank, stage, precision, chunk)] for rank in range(WORLD)]
-    tolerance = 1e-4 if precision == "fp32" else 3e-2  # bf16 keeps 8 bits of mantissa
+    tolerance = FP32_TOLERANCE if precision == "fp32" else BF16_TOLERANCE
     assert relative_error(ranks[0]["grads"], ref_grads) < tolerance
     assert sum(r["loss"] for r in ranks) / WORLD == pytest.approx(ref_loss, rel=tolerance)
     for r in ranks:
         assert r["contrastive"] == pytest.approx(ref_contrastive, rel=tolerance)
 
 
-def test_the_reference_is_not_trivially_matched():
-    """Control: the contrastive term changes the gradient, and halving the batch (what a
-    worker without the cross-worker gather would see) gives a different one."""
+def test_the_bf16_bound_fits_bf16_rounding_and_catches_a_missing_gather():
+    """Control for the bounds above. The whole batch in bf16 in one process stays inside
+    the bf16 bound (it is wide enough for bf16's own rounding), while what a worker without
+    the cross-worker gather would compute (its half of the batch) misses the reference by
+    more than ten times that bound: a broken gather cannot pass even the bf16 cases."""
     ref_grads, _, _ = reference()
-    model = build_model()
-    batch = {k: v[:2 * PAIRS_PER_WORKER] for k, v in global_batch().items()}
-    out = model(batch["input_ids"], batch["attention_mask"], batch["labels"], per_sequence=True)
-    ((out.head_mlm_loss + out.late_mlm_loss).mean() + span_contrastive_loss(out.late_cls)).backward()
-    local_only = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    assert relative_error(local_only, ref_grads) > 1e-2
+    bf16_grads, _, _ = reference(dtype=torch.bfloat16)
+    assert relative_error(bf16_grads, ref_grads) < BF16_TOLERANCE
+    half = {k: v[:2 * PAIRS_PER_WORKER] for k, v in global_batch().items()}
+    local_only, _, _ = reference(half)
+    assert relative_error(local_only, ref_grads) > 10 * BF16_TOLERANCE
 
 
 def test_sequence_losses_average_to_the_per_span_mean():

@@ -136,7 +136,7 @@ def test_head_input_is_late_cls_then_early_tokens(skip_from):
 
 @pytest.mark.parametrize("skip_from", [5, 4, -1])
 def test_skip_from_must_split_the_layers(skip_from):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"skip_from={skip_from} must split 4 layers into non-empty groups"):
         Condenser(tiny_mlm(V), skip_from=skip_from)
 
 
@@ -365,7 +365,7 @@ def test_head_with_other_shape_is_rejected(exported, cfg):
     _, tok, paths = exported
     cfg.head = paths["head_path"]
     method = CondenserMethod(cfg, MaskingVocab.from_tokenizer(tok))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"head (has \d+ layers, model expects|was trained with skip_from=)"):
         method.build(AutoModelForMaskedLM.from_pretrained(paths["export_dir"]))
 
 
@@ -378,7 +378,7 @@ def test_build_mlm_from_local_checkpoint(exported):
 
     with pytest.raises(ValueError, match="vocab"):
         build_mlm(BackboneConfig(init=out_dir), len(tok) + 7)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="not a local checkpoint directory"):
         build_mlm(BackboneConfig(init=os.path.join(out_dir, "does-not-exist")), len(tok))
 
 

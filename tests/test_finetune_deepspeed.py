@@ -28,6 +28,7 @@ from models.distillation import distillation_backward, distillation_loss
 from tests.helpers import random_word_batch, tiny_mlm, tiny_vocab
 
 WORLD, N_QUERIES, GROUP = 2, 3, 4  # per worker: 3 queries, 12 passages
+FP32_TOLERANCE, BF16_TOLERANCE = 1e-4, 3e-2  # relative gradient error; bf16 keeps 8 bits of mantissa
 ALPHA, TEACHER_TEMPERATURE = 0.2, 2.0
 CASES = [  # (loss, ZeRO stage, precision, chunk size in sequences; 0 = no cache, shared encoder)
     ("contrastive", 1, "fp32", 0, True), ("contrastive", 1, "fp32", 5, True), ("contrastive", 2, "fp32", 0, True),
@@ -89,9 +90,11 @@ def _worker(rank: int, port: int, out: dict):
     torch.distributed.destroy_process_group()
 
 
-def reference(shared: bool, loss_name: str = "contrastive"):
-    model = build(shared)
-    batch = global_batch()
+def reference(shared: bool, loss_name: str = "contrastive", batch: dict | None = None,
+              dtype: torch.dtype = torch.float32):
+    """One process, the whole global batch (or ``batch``) in one graph."""
+    model = build(shared).to(dtype)
+    batch = batch if batch is not None else global_batch()
     q, d = model(batch["q_input_ids"], batch["q_attention_mask"], batch["d_input_ids"], batch["d_attention_mask"])
     scores = model.compute_similarity(q, d)
     loss = contrastive_loss(scores, GROUP)
@@ -99,7 +102,7 @@ def reference(shared: bool, loss_name: str = "contrastive"):
         loss = distillation_loss(own_group_scores(scores, GROUP), batch["d_teacher_scores"], loss, ALPHA,
                                  TEACHER_TEMPERATURE)
     loss.backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, loss.item()
+    return {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}, loss.item()
 
 
 def relative_error(grads: dict, ref: dict) -> float:
@@ -122,7 +125,7 @@ def distributed_results():
 def test_two_deepspeed_workers_match_one_process_with_the_full_batch(distributed_results, loss_name, stage,
                                                                      precision, chunk, shared):
     ref_grads, ref_loss = reference(shared, loss_name)
-    tolerance = 1e-4 if precision == "fp32" else 3e-2
+    tolerance = FP32_TOLERANCE if precision == "fp32" else BF16_TOLERANCE
     results = [distributed_results[(rank, loss_name, stage, precision, chunk, shared)] for rank in range(WORLD)]
     assert relative_error(results[0]["grads"], ref_grads) < tolerance
     # The contrastive loss is global on every worker; the KL term is each worker's own
@@ -131,12 +134,12 @@ def test_two_deepspeed_workers_match_one_process_with_the_full_batch(distributed
     assert losses == [pytest.approx(ref_loss, rel=tolerance)] * len(losses)
 
 
-def test_a_worker_without_the_gather_would_get_another_gradient():
-    """Control: half the batch (no cross-worker negatives) moves the gradient measurably."""
+def test_the_bf16_bound_fits_bf16_rounding_and_catches_a_missing_gather():
+    """Control for the bounds above. The whole batch in bf16 in one process stays inside
+    the bf16 bound, while a worker without the gather (its half of the batch, no
+    cross-worker negatives) misses the reference by more than ten times that bound."""
     ref_grads, _ = reference(True)
-    model = build(True)
-    batch = local_batch(0)
-    q, d = model(batch["q_input_ids"], batch["q_attention_mask"], batch["d_input_ids"], batch["d_attention_mask"])
-    contrastive_loss(model.compute_similarity(q, d), GROUP).backward()
-    local = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    assert relative_error(local, ref_grads) > 1e-2
+    bf16_grads, _ = reference(True, dtype=torch.bfloat16)
+    assert relative_error(bf16_grads, ref_grads) < BF16_TOLERANCE
+    local, _ = reference(True, batch=local_batch(0))
+    assert relative_error(local, ref_grads) > 10 * BF16_TOLERANCE

@@ -8,7 +8,14 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+import yaml
+from transformers import AutoModel
 
+from pipeline.core.actor_pool import ActorConfig
+from pipeline.data.beir import positives, read_qrels, read_queries
+from pipeline.data.runs import read_trec_run
+from pipeline.retrieval.rerank_scoring import PairScorer, RerankScoreConfig, run_scoring
 from pipeline.training.train_config import TrainConfig
 from pipeline.workflows.recipe import STAGES, PipelineConfig, run_pipeline
 from tests.helpers import ir_measures_of_run, retrieval_collection, save_tiny_bert
@@ -41,8 +48,6 @@ def _config(tmp_path, data: dict, init: str) -> PipelineConfig:
 
 
 def _ranked(run_uri: str) -> dict[str, list[str]]:
-    from pipeline.data.runs import read_trec_run
-
     return {q: [d for d, _, _ in ranked] for q, ranked in read_trec_run(run_uri).items()}
 
 
@@ -64,8 +69,6 @@ def test_recipe_end_to_end_then_rerun_and_only(tmp_path, ray_session):
         assert f"| {label}" in results
 
     # Round 2 restarts from the initial encoder, on round 1's mined negatives, none judged.
-    import yaml
-
     round2 = yaml.safe_load(open(tmp_path / "run" / "round2" / "config.yaml"))
     assert round2["model"]["init"] == init
     assert round2["data"]["negatives"] == records["mine1"]["outputs"]["negatives"]
@@ -83,9 +86,6 @@ def test_recipe_end_to_end_then_rerun_and_only(tmp_path, ray_session):
     # The teacher scored a sample of 24 training queries: each query's top 8 of the round-2
     # mining run plus its positive, every pair exactly once, with the scores the exported
     # cross-encoder gives in this process.
-    from pipeline.data.beir import read_queries
-    from pipeline.data.runs import read_trec_run
-    from pipeline.retrieval.rerank_scoring import PairScorer
 
     teacher = read_trec_run(records["teacher"]["outputs"]["scores"])
     mined = _ranked(records["mine2"]["outputs"]["run"])
@@ -98,6 +98,30 @@ def test_recipe_end_to_end_then_rerun_and_only(tmp_path, ray_session):
     direct = scorer.score([queries[q] for q in qids], [[d for d, _, _ in teacher[q]] for q in qids], passages)
     for qid, values in zip(qids, direct):
         assert [s for _, s, _ in teacher[qid]] == pytest.approx(values.tolist(), abs=1e-4)
+
+    # The re-ranker learned: every encoder tensor of its export moved away from the
+    # checkpoint it started from (two steps at lr 1e-3).
+    initial = AutoModel.from_pretrained(init).state_dict()
+    trained = AutoModel.from_pretrained(records["reranker"]["outputs"]["export"]).state_dict()
+    moved = [k for k in initial if not torch.equal(initial[k], trained[k])]
+    assert len(moved) >= 0.9 * len(initial), f"only {len(moved)} of {len(initial)} tensors changed"
+
+    # include_positives adds the judged positives the first stage missed to what is scored
+    # (the teacher's use), but the re-ranked metrics still rank the first-stage candidates.
+    scored = {}
+    for include in (False, True):
+        scored[include] = run_scoring(RerankScoreConfig(
+            model=records["reranker"]["outputs"]["export"], run=records["round2"]["outputs"]["run"],
+            queries=data["dev_queries"], corpus=data["corpus"], qrels=data["dev_qrels"], depth=3,
+            include_positives=include, output=str(tmp_path / f"score-{include}"), pool=ActorConfig(actors=1)))
+    assert scored[True]["positives_added"] > 0 and scored[False]["positives_added"] == 0
+    assert scored[True]["pairs"] == scored[False]["pairs"] + scored[True]["positives_added"]
+    assert scored[True]["metrics"] == pytest.approx(scored[False]["metrics"], abs=1e-9)
+    assert scored[True]["first_stage_metrics"] == scored[False]["first_stage_metrics"]
+    without, with_positives = (read_trec_run(scored[b]["run"]) for b in (False, True))
+    for qid, ranked in without.items():
+        extra = {d for d, _, _ in with_positives[qid]} - {d for d, _, _ in ranked}
+        assert extra <= set(positives(read_qrels(data["dev_qrels"]).get(qid, {})))
 
     # Distillation logged KL + alpha * CE, alpha 0.2 by default.
     history = json.load(open(tmp_path / "run" / "distill" / "history.json"))

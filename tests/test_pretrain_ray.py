@@ -31,11 +31,21 @@ def tiny_config(corpus_input: str, corpus_out: str, train_out: str, **train) -> 
     return cfg
 
 
+def read_trace_entries(run_dir: str) -> dict[str, list[tuple[int, int, list[int]]]]:
+    """``rank<r>-attempt<a>`` -> its (micro_step, epoch, rows) entries, over every flushed part."""
+    entries: dict[str, list] = {}
+    for uri in sorted(storage.list_files(storage.join(run_dir, "trace"), ".json")):
+        name = uri.rsplit("/", 1)[-1].split("-upto")[0]
+        entries.setdefault(name, []).extend(tuple(e) for e in storage.read_json(uri))
+    return entries
+
+
 def read_traces(run_dir: str) -> dict[str, dict[int, list[int]]]:
+    """``rank<r>-attempt<a>`` -> {epoch: rows it trained on}."""
     traces = {}
-    for uri in storage.list_files(storage.join(run_dir, "trace"), ".json"):
-        name = uri.rsplit("/", 1)[-1][: -len(".json")]
-        traces[name] = {int(e): rows for e, rows in storage.read_json(uri).items()}
+    for name, entries in read_trace_entries(run_dir).items():
+        for _, epoch, rows in entries:
+            traces.setdefault(name, {}).setdefault(epoch, []).extend(rows)
     return traces
 
 
@@ -94,6 +104,7 @@ def test_killed_worker_resumes_from_checkpoint_without_losing_documents(tmp_path
     cfg = tiny_config(write_jsonl(tmp_path / "raw.jsonl", docs), str(tmp_path / "corpus"), out,
                       micro_batch_size=6, max_steps=20, checkpoint_every=5, keep_checkpoints=100,
                       max_failures=2)
+    assert cfg.train.data_trace and cfg.train.grad_accum == 1  # one micro-step per step below
     result: dict = {}
     runner = threading.Thread(target=lambda: result.update(run_pretraining(cfg)), daemon=True)
     runner.start()
@@ -113,24 +124,37 @@ def test_killed_worker_resumes_from_checkpoint_without_losing_documents(tmp_path
     assert result["steps"] == 20 and result["restarts"] == 1
     (resume,) = result["resumes"]
     assert resume["rows_repeated"] == 0 and resume["rows_skipped"] == 0
-    # What the restored checkpoint had consumed, plus what the resumed attempt read,
-    # is every document of each full epoch exactly once.
+    # The independent record: every worker logged the rows of each micro-batch it trained
+    # on, flushed before each checkpoint (so the killed attempt's log survives up to its last
+    # one). The model of the restored checkpoint trained on attempt 0's micro-steps before
+    # that checkpoint's step, the resumed attempt on the rest: together they must hold every
+    # document of each full epoch exactly once, whatever the data position says.
+    restored_step = int(resume["checkpoint"].rsplit("_", 1)[1])
+    entries = read_trace_entries(os.path.join(out, "checkpoints"))
+    assert sorted(entries) == ["rank0-attempt0", "rank0-attempt1", "rank1-attempt0", "rank1-attempt1"]
+    trained = {e: [] for e in range(2)}
+    before_checkpoint = {e: [] for e in range(2)}
+    for name, logged in entries.items():
+        for micro_step, epoch, rows in logged:
+            if name.endswith("attempt1"):
+                assert micro_step >= restored_step
+                trained[epoch].extend(rows)
+            elif micro_step < restored_step:  # later attempt-0 micro-batches died with the worker
+                trained[epoch].extend(rows)
+                before_checkpoint[epoch].extend(rows)
+    for epoch in range(2):  # 120 docs / 12 per step = 10 steps an epoch; 20 steps = 2 epochs
+        assert sorted(trained[epoch]) == list(range(120)), f"epoch {epoch}: documents lost or repeated"
+
+    # The loop's own bookkeeping agrees: the restored checkpoint's data position is exactly
+    # what the log says attempt 0 trained on before it.
     ckpt_dir = os.path.join(out, "checkpoints", resume["checkpoint"])
     restored = DataPosition()
     for name in os.listdir(ckpt_dir):
         if name.startswith("position_rank"):
             restored = restored.merge(DataPosition.from_json(json.load(open(os.path.join(ckpt_dir, name)))))
-    traces = read_traces(os.path.join(out, "checkpoints"))
-    after = {e: [] for e in range(2)}
-    for name, epochs in traces.items():
-        assert name.endswith("attempt1")  # the killed attempt never finished
-        for epoch, rows in epochs.items():
-            after.setdefault(epoch, []).extend(rows)
-    for epoch in range(2):  # 120 docs / 12 per step = 10 steps an epoch; 20 steps = 2 epochs
-        before = restored.consumed(epoch)
-        assert not before.contains(after[epoch]).any(), f"epoch {epoch}: documents repeated"
-        assert before.count() + len(after[epoch]) == 120, f"epoch {epoch}: documents skipped"
-        assert len(set(after[epoch])) == len(after[epoch])
+    for epoch in range(2):
+        assert restored.consumed(epoch).count() == len(before_checkpoint[epoch])
+        assert restored.consumed(epoch).contains(before_checkpoint[epoch]).all()
 
     # Re-running the finished job with a larger budget continues from its last checkpoint.
     cfg.train.max_steps = 24

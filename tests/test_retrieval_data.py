@@ -109,10 +109,10 @@ def test_negatives_round_trip_and_errors(tmp_path):
 
 
 def test_failed_write_leaves_nothing(tmp_path):
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="killed mid-write"):
         with storage.open_output(str(tmp_path / "out.jsonl")) as out:
             out.write(b"half")
-            raise RuntimeError
+            raise RuntimeError("killed mid-write")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -380,10 +380,11 @@ def test_generator_vocab_mismatch_is_a_clear_error(tmp_path):
         SimLMMethod(SimLMConfig(generator=str(tmp_path)), tiny_masking_vocab())
 
 
-@pytest.mark.parametrize("overrides", [dict(encoder_mask_rate=0.6), dict(decoder_mask_rate=1.0),
-                                       dict(encoder_mask_rate=0.0), dict(generator_temperature=0.0)])
-def test_bad_rates_are_rejected(generator_dir, overrides):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("overrides, message", [
+    (dict(encoder_mask_rate=0.6), "need 0 < encoder_mask_rate"), (dict(decoder_mask_rate=1.0), "need 0 < encoder_mask_rate"),
+    (dict(encoder_mask_rate=0.0), "need 0 < encoder_mask_rate"), (dict(generator_temperature=0.0), "generator_temperature must be > 0")])
+def test_bad_rates_are_rejected(generator_dir, overrides, message):
+    with pytest.raises(ValueError, match=message):
         make_method(generator_dir, **overrides)
 
 

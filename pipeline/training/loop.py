@@ -140,7 +140,7 @@ def train_worker(config: dict) -> None:
         if rank == 0:
             log({"event": "resumed", **event})
 
-    trace: dict[int, list[np.ndarray]] = {}
+    trace: list[list] = []  # [micro_step, epoch, rows] per micro-batch, with train.data_trace
     shard = ray.train.get_dataset_shard("train")
     window_loss, window_tokens, window_start = [], 0, time.perf_counter()
     started, start_tokens, start_step = time.perf_counter(), state.tokens, state.step
@@ -161,12 +161,12 @@ def train_worker(config: dict) -> None:
         loss, extra = task.backward(engine, tensors)
         boundary = engine.is_gradient_accumulation_boundary()
         engine.step()
-        state.micro_step += 1
         epochs, rows = task.consumed_rows(batch)
         for epoch in np.unique(epochs):
             position.add(int(epoch), rows[epochs == epoch])
             if train.data_trace:
-                trace.setdefault(int(epoch), []).append(rows[epochs == epoch])
+                trace.append([state.micro_step, int(epoch), rows[epochs == epoch].tolist()])
+        state.micro_step += 1
         for key, value in task.counters(batch).items():
             state.counters[key] = state.counters.get(key, 0) + value
         tokens = task.count_tokens(batch)
@@ -188,6 +188,7 @@ def train_worker(config: dict) -> None:
                 log(entry)
             window_loss, window_tokens, window_start = [], 0, time.perf_counter()
         if state.step % train.checkpoint_every == 0 and state.step < train.max_steps:
+            trace = _flush_trace(trace, run_dir, rank, state)
             save_checkpoint(engine, state, position, rank, run_dir, {"step": state.step})
             last_saved = state.step
 
@@ -199,8 +200,7 @@ def train_worker(config: dict) -> None:
     torch.distributed.all_reduce(totals)  # one collective, at the end only
     local_rate = totals[:1]
     counter_totals = {k: int(v) for k, v in zip(counter_names, totals[1:].tolist())}
-    if train.data_trace:
-        _write_trace(run_dir, rank, state.restarts, trace)
+    _flush_trace(trace, run_dir, rank, state)
 
     export = _export(task, engine, rank, storage.join(train.output, "export"))
     if rank == 0:
@@ -241,9 +241,15 @@ def _export(task: TrainTask, engine, rank: int, destination: str) -> dict[str, s
     return uploaded | {"export_dir": destination}
 
 
-def _write_trace(run_dir: str, rank: int, attempt: int, trace: dict[int, list[np.ndarray]]) -> None:
-    data = {str(e): np.concatenate(parts).tolist() for e, parts in trace.items()}
-    storage.write_json(storage.join(run_dir, "trace", f"rank{rank}-attempt{attempt}.json"), data)
+def _flush_trace(trace: list, run_dir: str, rank: int, state: TrainState) -> list:
+    """Write the data trace gathered since the last flush (``train.data_trace``): one
+    ``[micro_step, epoch, rows]`` entry per micro-batch trained on. Flushed before every
+    checkpoint, so the record of a killed attempt survives up to its last checkpoint; an
+    audit independent of the data position that checkpoints carry."""
+    if trace:
+        name = f"rank{rank}-attempt{state.restarts}-upto{state.micro_step:09d}.json"
+        storage.write_json(storage.join(run_dir, "trace", name), trace)
+    return []
 
 
 # -- the driver side ---------------------------------------------------------------------
