@@ -40,7 +40,7 @@ from ray.train.torch import TorchTrainer
 
 from pipeline.core import storage
 from pipeline.data.position import read_position
-from pipeline.training.checkpoints import restore_checkpoint, save_checkpoint
+from pipeline.training.checkpoints import TrainState, restore_checkpoint, save_checkpoint
 from pipeline.training.deepspeed_config import deepspeed_config
 from pipeline.training.train_config import TrainConfig
 
