@@ -79,6 +79,7 @@ def backbone():
     import transformers
 
     from models.backbone import BackboneConfig, build_mlm
+
     transformers.logging.set_verbosity_error()  # the missing MLM head is expected
     return build_mlm(BackboneConfig(init=minilm_path()), 30522)
 
@@ -86,7 +87,7 @@ def backbone():
 def random_batch(n: int, length: int, vocab, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = vocab.replacement_ids[torch.randint(len(vocab.replacement_ids), (n, length + 2), generator=g)]
-    ids[:, 0] = 101   # [CLS] in the MiniLM vocabulary
+    ids[:, 0] = 101  # [CLS] in the MiniLM vocabulary
     ids[:, -1] = 102  # [SEP]
     return ids, torch.ones_like(ids)
 
@@ -134,11 +135,18 @@ def memory_table(python: str) -> list[dict]:
     rows = []
     for spans in SIZES:
         for chunk in (0, CHUNK):
-            out = subprocess.run([python, __file__, "--_memory", str(spans), "--_chunk", str(chunk)],
-                                 check=True, capture_output=True, text=True)
+            out = subprocess.run(
+                [python, __file__, "--_memory", str(spans), "--_chunk", str(chunk)],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(f"  memory: {spans:4d} spans, {'cache ' + str(chunk) if chunk else 'no cache':>9}: "
-                  f"{rows[-1]['peak_step_mib']:8.0f} MiB peak, step {rows[-1]['step_s']:.1f} s", flush=True)
+            print(
+                f"  memory: {spans:4d} spans, {'cache ' + str(chunk) if chunk else 'no cache':>9}: "
+                f"{rows[-1]['peak_step_mib']:8.0f} MiB peak, step {rows[-1]['step_s']:.1f} s",
+                flush=True,
+            )
     return rows
 
 
@@ -155,8 +163,13 @@ def cache_cost(repeats: int) -> dict:
             if i:
                 times[name].append(t)
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"spans": 64, "chunk": CHUNK, "plain_step_s": med["plain"], "cache_step_s": med["cache"],
-            "cache_cost_ratio": med["cache"] / med["plain"]}
+    return {
+        "spans": 64,
+        "chunk": CHUNK,
+        "plain_step_s": med["plain"],
+        "cache_step_s": med["cache"],
+        "cache_cost_ratio": med["cache"] / med["plain"],
+    }
 
 
 def simlm_vs_condenser(repeats: int) -> dict:
@@ -168,8 +181,11 @@ def simlm_vs_condenser(repeats: int) -> dict:
     vocab = masking_vocab()
     with tempfile.TemporaryDirectory() as gen_dir:
         torch.manual_seed(0)
-        BertForMaskedLM(BertConfig(vocab_size=30522, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
-                                   intermediate_size=512)).save_pretrained(gen_dir)
+        BertForMaskedLM(
+            BertConfig(
+                vocab_size=30522, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512
+            )
+        ).save_pretrained(gen_dir)
         simlm = SimLMMethod(SimLMConfig(generator=gen_dir), vocab)
         simlm_model = simlm.build(backbone()).train()
         condenser = CondenserMethod(CondenserConfig(), vocab)
@@ -188,8 +204,13 @@ def simlm_vs_condenser(repeats: int) -> dict:
                 if i:
                     times[name].append(elapsed)
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"passages": PASSAGES, "tokens": PASSAGE_TOKENS, "condenser_step_s": med["condenser"],
-            "simlm_step_s": med["simlm"], "simlm_over_condenser": med["simlm"] / med["condenser"]}
+    return {
+        "passages": PASSAGES,
+        "tokens": PASSAGE_TOKENS,
+        "condenser_step_s": med["condenser"],
+        "simlm_step_s": med["simlm"],
+        "simlm_over_condenser": med["simlm"] / med["condenser"],
+    }
 
 
 def main() -> None:
@@ -203,12 +224,16 @@ def main() -> None:
         print(json.dumps(measure_memory(args._memory, args._chunk)))
         return
 
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-          flush=True)
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        flush=True,
+    )
     rows = memory_table(sys.executable)
     peak = {(r["spans"], r["chunk"]): r["peak_step_mib"] for r in rows}
     cost = cache_cost(args.repeats)
-    print(f"  cache cost at 64 spans: plain {cost['plain_step_s']:.2f} s, cache {cost['cache_step_s']:.2f} s", flush=True)
+    print(
+        f"  cache cost at 64 spans: plain {cost['plain_step_s']:.2f} s, cache {cost['cache_step_s']:.2f} s", flush=True
+    )
     simlm = simlm_vs_condenser(args.repeats)
     print(f"  condenser {simlm['condenser_step_s']:.2f} s/step, simlm {simlm['simlm_step_s']:.2f} s/step", flush=True)
     result = {
@@ -216,9 +241,12 @@ def main() -> None:
         "memory_ratio_256_over_16_with_cache": peak[(256, CHUNK)] / peak[(16, CHUNK)],
         "memory_ratio_256_over_16_without_cache": peak[(256, 0)] / peak[(16, 0)],
         "memory_256_cache_over_no_cache": peak[(256, CHUNK)] / peak[(256, 0)],
-        **cost, **simlm,
+        **cost,
+        **simlm,
     }
-    print(f"memory_ratio_256_over_16_with_cache    = {result['memory_ratio_256_over_16_with_cache']:.3f}  (goal <= 1.5)")
+    print(
+        f"memory_ratio_256_over_16_with_cache    = {result['memory_ratio_256_over_16_with_cache']:.3f}  (goal <= 1.5)"
+    )
     print(f"memory_ratio_256_over_16_without_cache = {result['memory_ratio_256_over_16_without_cache']:.3f}")
     print(f"memory_256_cache_over_no_cache         = {result['memory_256_cache_over_no_cache']:.3f}")
     print(f"cache_cost_ratio (64 spans)            = {result['cache_cost_ratio']:.3f}")

@@ -58,11 +58,11 @@ MAX_LEN = 128
 MICRO_BATCH = 32
 REPLAY_BATCHES = 32
 ZERO_STAGE = effective_zero_stage(TrainConfig(zero_stage=2), world_size=1)  # what one worker runs
-CPUS_PER_WORKER = 2        # Ray resources of the one worker, and its torch threads
-RAY_CPUS = 4               # logical CPUs of the local Ray, so Ray Data's readers never starve
+CPUS_PER_WORKER = 2  # Ray resources of the one worker, and its torch threads
+RAY_CPUS = 4  # logical CPUs of the local Ray, so Ray Data's readers never starve
 LOG_EVERY = 5
-WARMUP_STEP = 10           # steady state starts at the first log entry with step >= this
-DOCS_PER_SHARD = 1000      # 11 shards, so the stream reads several files as a real corpus would
+WARMUP_STEP = 10  # steady state starts at the first log entry with step >= this
+DOCS_PER_SHARD = 1000  # 11 shards, so the stream reads several files as a real corpus would
 INGEST_GOAL = 0.98
 FRAMEWORK_GOAL = 0.95
 
@@ -72,6 +72,7 @@ def say(msg: str) -> None:
 
 
 # -- measurement -------------------------------------------------------------------------
+
 
 def steady_state(history: list[dict], warmup_step: int = WARMUP_STEP) -> dict:
     """Steady-state rates from log entries (step, elapsed_s, tokens_per_s).
@@ -83,8 +84,9 @@ def steady_state(history: list[dict], warmup_step: int = WARMUP_STEP) -> dict:
     entries = sorted(history, key=lambda e: e["step"])
     kept = [e for e in entries if e["step"] >= warmup_step]
     if len(kept) < 2:
-        raise ValueError(f"need two log entries at step >= {warmup_step}, got steps "
-                         f"{[e['step'] for e in entries]}: raise --steps")
+        raise ValueError(
+            f"need two log entries at step >= {warmup_step}, got steps {[e['step'] for e in entries]}: raise --steps"
+        )
     first, last = kept[0], kept[-1]
     seconds = last["elapsed_s"] - first["elapsed_s"]
     steps = last["step"] - first["step"]
@@ -93,13 +95,20 @@ def steady_state(history: list[dict], warmup_step: int = WARMUP_STEP) -> dict:
         dt = cur["elapsed_s"] - prev["elapsed_s"]
         tokens += cur["tokens_per_s"] * dt
         windows.append((cur["step"] - prev["step"]) / dt)
-    return {"steps_per_s": steps / seconds, "tokens_per_s": tokens / seconds,
-            "steps_timed": steps, "seconds_timed": seconds, "first_kept_step": first["step"],
-            "last_step": last["step"], "window_steps_per_s": windows,
-            "final_loss": last.get("loss")}
+    return {
+        "steps_per_s": steps / seconds,
+        "tokens_per_s": tokens / seconds,
+        "steps_timed": steps,
+        "seconds_timed": seconds,
+        "first_kept_step": first["step"],
+        "last_step": last["step"],
+        "window_steps_per_s": windows,
+        "final_loss": last.get("loss"),
+    }
 
 
 # -- setup --------------------------------------------------------------------------------
+
 
 def start_s3() -> tuple[object, str]:
     """A moto S3 server on loopback; its variables go into os.environ before Ray starts."""
@@ -114,6 +123,7 @@ def start_s3() -> tuple[object, str]:
     endpoint = f"http://{host}:{port}"
     os.environ.update(S3_ENV, AWS_ENDPOINT_URL=endpoint)
     import boto3
+
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
     return server, endpoint
 
@@ -128,13 +138,23 @@ def pretrain_config(corpus_uri: str, output: str, steps: int):
     cfg.corpus = PrepareConfig(input="", output=corpus_uri)  # already prepared: load its manifest
     cfg.data = StreamConfig(max_len=MAX_LEN, pack=True)
     cfg.model = BackboneConfig(**MODEL)
-    cfg.train = TrainConfig(output=output, num_workers=1, cpus_per_worker=CPUS_PER_WORKER, zero_stage=2,
-                            precision="fp32", micro_batch_size=MICRO_BATCH, max_steps=steps,
-                            log_every=LOG_EVERY, checkpoint_every=steps + 1000, max_failures=0)
+    cfg.train = TrainConfig(
+        output=output,
+        num_workers=1,
+        cpus_per_worker=CPUS_PER_WORKER,
+        zero_stage=2,
+        precision="fp32",
+        micro_batch_size=MICRO_BATCH,
+        max_steps=steps,
+        log_every=LOG_EVERY,
+        checkpoint_every=steps + 1000,
+        max_failures=0,
+    )
     return cfg
 
 
 # -- the variants -------------------------------------------------------------------------
+
 
 def run_ray(name: str, corpus_uri: str, output: str, steps: int, replay: int) -> dict:
     from pipeline.core import storage
@@ -149,8 +169,7 @@ def run_ray(name: str, corpus_uri: str, output: str, steps: int, replay: int) ->
     history = storage.read_json(storage.join(output, "history.json"))
     result = steady_state(history)
     result.update(wall_s=wall, run_tokens_per_s=summary.get("tokens_per_s"), history=history)
-    say(f"{name}: {result['steps_per_s']:.4f} steps/s, {result['tokens_per_s']:.1f} tokens/s "
-        f"(wall {wall:.1f} s)")
+    say(f"{name}: {result['steps_per_s']:.4f} steps/s, {result['tokens_per_s']:.1f} tokens/s (wall {wall:.1f} s)")
     return result
 
 
@@ -174,11 +193,19 @@ def plain_batches(corpus_dir: str, steps: int, seed: int) -> tuple[object, list[
     manifest = load_manifest(corpus_dir)
     tokenizer_dir = storage.join(corpus_dir, manifest["tokenizer"])
     tokenizer = load_tokenizer(tokenizer_dir)
-    spec = StreamSpec(corpus=corpus_dir, max_len=MAX_LEN, pack=True, epochs=1, seed=seed, shuffle_files=True,
-                      cls_id=tokenizer.cls_token_id, sep_id=tokenizer.sep_token_id,
-                      pad_id=tokenizer.pad_token_id, run_dir="")
-    task = PretrainTask("condenser", CondenserConfig(), BackboneConfig(**MODEL), tokenizer_dir,
-                        manifest["vocab_size"])
+    spec = StreamSpec(
+        corpus=corpus_dir,
+        max_len=MAX_LEN,
+        pack=True,
+        epochs=1,
+        seed=seed,
+        shuffle_files=True,
+        cls_id=tokenizer.cls_token_id,
+        sep_id=tokenizer.sep_token_id,
+        pad_id=tokenizer.pad_token_id,
+        run_dir="",
+    )
+    task = PretrainTask("condenser", CondenserConfig(), BackboneConfig(**MODEL), tokenizer_dir, manifest["vocab_size"])
     torch.manual_seed(seed)  # as the worker does before build_model
     model = task.build_model()
 
@@ -190,8 +217,9 @@ def plain_batches(corpus_dir: str, steps: int, seed: int) -> tuple[object, list[
         parts.append(to_sequences({"row": table.column("row").to_numpy(), "input_ids": docs}, spec, 0))
     seqs = {k: np.concatenate([p[k] for p in parts]) for k in ("input_ids", "length")}
     n = len(seqs["length"]) // MICRO_BATCH
-    raw = [{k: v[i * MICRO_BATCH:(i + 1) * MICRO_BATCH] for k, v in seqs.items()}
-           for i in range(min(n, REPLAY_BATCHES))]
+    raw = [
+        {k: v[i * MICRO_BATCH : (i + 1) * MICRO_BATCH] for k, v in seqs.items()} for i in range(min(n, REPLAY_BATCHES))
+    ]
     batches, tokens = [], []
     t0 = time.perf_counter()
     for micro_step, numpy_batch in zip(range(steps), itertools.cycle(raw)):
@@ -271,23 +299,35 @@ def run_plain(corpus_dir: str, steps: int, niceness: int | None) -> dict:
         window_tokens += tokens[step - 1]
         if step % LOG_EVERY == 0 or step == steps:
             now = time.perf_counter()
-            history.append({"step": step, "loss": float(torch.stack(window_loss).mean()),
-                            "tokens_per_s": window_tokens / (now - window_start),
-                            "elapsed_s": now - t_start})
+            history.append(
+                {
+                    "step": step,
+                    "loss": float(torch.stack(window_loss).mean()),
+                    "tokens_per_s": window_tokens / (now - window_start),
+                    "elapsed_s": now - t_start,
+                }
+            )
             window_loss, window_tokens, window_start = [], 0, time.perf_counter()
     wall = time.perf_counter() - t_start
     restored = restore_niceness(previous)
     if not restored:
         say(f"plain: could not restore this process' niceness (no privilege); it stays at {niceness_used}")
     result = steady_state(history)
-    result.update(wall_s=wall, make_batch_ms=make_batch_ms, torch_threads=torch.get_num_threads(),
-                  niceness=niceness_used, niceness_restored=restored,
-                  parameters=sum(p.numel() for p in model.parameters()), history=history)
+    result.update(
+        wall_s=wall,
+        make_batch_ms=make_batch_ms,
+        torch_threads=torch.get_num_threads(),
+        niceness=niceness_used,
+        niceness_restored=restored,
+        parameters=sum(p.numel() for p in model.parameters()),
+        history=history,
+    )
     say(f"plain: {result['steps_per_s']:.4f} steps/s, {result['tokens_per_s']:.1f} tokens/s")
     return result
 
 
 # -- report -------------------------------------------------------------------------------
+
 
 def machine_info() -> dict:
     import deepspeed
@@ -302,63 +342,96 @@ def machine_info() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu or platform.processor(), "cores": os.cpu_count(),
-            "cores_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__,
-            "deepspeed": deepspeed.__version__, "torch_threads": CPUS_PER_WORKER,
-            "ray_logical_cpus": RAY_CPUS, "ray_worker_niceness": ray_worker_niceness(),
-            "loadavg_start": list(os.getloadavg())}
+    return {
+        "cpu": cpu or platform.processor(),
+        "cores": os.cpu_count(),
+        "cores_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "deepspeed": deepspeed.__version__,
+        "torch_threads": CPUS_PER_WORKER,
+        "ray_logical_cpus": RAY_CPUS,
+        "ray_worker_niceness": ray_worker_niceness(),
+        "loadavg_start": list(os.getloadavg()),
+    }
 
 
 def report(results: dict, ratios: dict, info: dict, settings: dict) -> str:
     lines = []
     lines.append("== raydense pre-training benchmark ==")
-    lines.append(f"machine: {info['cpu']}; {info['cores']} cores ({info['cores_available']} available); "
-                 f"python {info['python']}, torch {info['torch']}, ray {info['ray']}, "
-                 f"deepspeed {info['deepspeed']}")
-    lines.append(f"threads: torch {info['torch_threads']} (plain loop: torch.get_num_threads()="
-                 f"{results['plain']['torch_threads']}; Ray worker: cpus_per_worker={CPUS_PER_WORKER}); "
-                 f"local Ray with {info['ray_logical_cpus']} logical CPUs")
-    lines.append(f"niceness: plain loop {results['plain']['niceness']}, Ray workers {info['ray_worker_niceness']} "
-                 "(Ray's worker_niceness; the same value makes both yield alike to other load)")
-    lines.append("load average (1/5/15 min): start " + " ".join(f"{x:.2f}" for x in info["loadavg_start"])
-                 + ", end " + " ".join(f"{x:.2f}" for x in info["loadavg_end"]))
-    lines.append(f"model: Condenser on BERT hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers, "
-                 f"{MODEL['num_heads']} heads, intermediate {MODEL['intermediate_size']} "
-                 f"(+2 head layers), {settings['parameters']:,} parameters; vocab {settings['vocab_size']}; "
-                 f"max_len {MAX_LEN}, micro-batch {MICRO_BATCH}, packed, fp32, DeepSpeed ZeRO stage {ZERO_STAGE} "
-                 "(configured 2; one worker runs stage 0), 1 worker")
-    lines.append(f"corpus: {settings['corpus_docs']:,} docs, {settings['corpus_tokens']:,} tokens, "
-                 f"{settings['corpus_shards']} shards; steps {settings['steps']}, log every {LOG_EVERY}, "
-                 f"steady state from the first log entry at step >= {WARMUP_STEP}")
+    lines.append(
+        f"machine: {info['cpu']}; {info['cores']} cores ({info['cores_available']} available); "
+        f"python {info['python']}, torch {info['torch']}, ray {info['ray']}, "
+        f"deepspeed {info['deepspeed']}"
+    )
+    lines.append(
+        f"threads: torch {info['torch_threads']} (plain loop: torch.get_num_threads()="
+        f"{results['plain']['torch_threads']}; Ray worker: cpus_per_worker={CPUS_PER_WORKER}); "
+        f"local Ray with {info['ray_logical_cpus']} logical CPUs"
+    )
+    lines.append(
+        f"niceness: plain loop {results['plain']['niceness']}, Ray workers {info['ray_worker_niceness']} "
+        "(Ray's worker_niceness; the same value makes both yield alike to other load)"
+    )
+    lines.append(
+        "load average (1/5/15 min): start "
+        + " ".join(f"{x:.2f}" for x in info["loadavg_start"])
+        + ", end "
+        + " ".join(f"{x:.2f}" for x in info["loadavg_end"])
+    )
+    lines.append(
+        f"model: Condenser on BERT hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers, "
+        f"{MODEL['num_heads']} heads, intermediate {MODEL['intermediate_size']} "
+        f"(+2 head layers), {settings['parameters']:,} parameters; vocab {settings['vocab_size']}; "
+        f"max_len {MAX_LEN}, micro-batch {MICRO_BATCH}, packed, fp32, DeepSpeed ZeRO stage {ZERO_STAGE} "
+        "(configured 2; one worker runs stage 0), 1 worker"
+    )
+    lines.append(
+        f"corpus: {settings['corpus_docs']:,} docs, {settings['corpus_tokens']:,} tokens, "
+        f"{settings['corpus_shards']} shards; steps {settings['steps']}, log every {LOG_EVERY}, "
+        f"steady state from the first log entry at step >= {WARMUP_STEP}"
+    )
     lines.append("")
     header = f"{'variant':<44} {'steps/s':>9} {'tokens/s':>10} {'window steps/s min..max':>24} {'wall s':>8}"
     lines.append(header)
     lines.append("-" * len(header))
-    labels = {"plain": "plain PyTorch loop (in memory, 1 process)",
-              "replay": "Ray Train + DeepSpeed, replay (in memory)",
-              "stream": "Ray Train + DeepSpeed, streaming from S3"}
+    labels = {
+        "plain": "plain PyTorch loop (in memory, 1 process)",
+        "replay": "Ray Train + DeepSpeed, replay (in memory)",
+        "stream": "Ray Train + DeepSpeed, streaming from S3",
+    }
     for key in ("plain", "replay", "stream"):
         r = results[key]
         w = r["window_steps_per_s"]
-        lines.append(f"{labels[key]:<44} {r['steps_per_s']:>9.4f} {r['tokens_per_s']:>10.1f} "
-                     f"{min(w):>11.4f}..{max(w):<11.4f} {r['wall_s']:>9.1f}")
+        lines.append(
+            f"{labels[key]:<44} {r['steps_per_s']:>9.4f} {r['tokens_per_s']:>10.1f} "
+            f"{min(w):>11.4f}..{max(w):<11.4f} {r['wall_s']:>9.1f}"
+        )
     lines.append("")
-    lines.append("(wall s: plain = its timed loop only; Ray runs = the whole run_pretraining call, "
-                 "worker start, warm-up, final checkpoint and export included)")
+    lines.append(
+        "(wall s: plain = its timed loop only; Ray runs = the whole run_pretraining call, "
+        "worker start, warm-up, final checkpoint and export included)"
+    )
     first = {k: results[k]["history"][0] for k in ("plain", "replay", "stream")}
-    lines.append("loss check, first window (steps 1-%d; same init, data and masks, so these should agree): %s"
-                 % (first["plain"]["step"], ", ".join(f"{k} {e['loss']:.4f}" for k, e in first.items())))
-    lines.append("final-window loss: " + ", ".join(f"{k} {results[k]['final_loss']:.4f}"
-                                                  for k in ("plain", "replay", "stream")))
-    lines.append(f"plain loop: task.make_batch took {results['plain']['make_batch_ms']:.1f} ms/batch "
-                 f"(done before timing there; inside the step in the Ray worker)")
+    lines.append(
+        "loss check, first window (steps 1-%d; same init, data and masks, so these should agree): %s"
+        % (first["plain"]["step"], ", ".join(f"{k} {e['loss']:.4f}" for k, e in first.items()))
+    )
+    lines.append(
+        "final-window loss: " + ", ".join(f"{k} {results[k]['final_loss']:.4f}" for k in ("plain", "replay", "stream"))
+    )
+    lines.append(
+        f"plain loop: task.make_batch took {results['plain']['make_batch_ms']:.1f} ms/batch "
+        f"(done before timing there; inside the step in the Ray worker)"
+    )
     lines.append("")
     for key, goal in (("ingest_overhead_ratio", INGEST_GOAL), ("framework_overhead_ratio", FRAMEWORK_GOAL)):
         met = ratios[key] >= goal
         lines.append(f"{key} = {ratios[key]:.4f}   (goal >= {goal}: {'MET' if met else 'MISSED'})")
-    lines.append(f"end_to_end_ratio = {ratios['end_to_end_ratio']:.4f}   "
-                 "(streaming tokens/s / plain-loop tokens/s; no goal)")
+    lines.append(
+        f"end_to_end_ratio = {ratios['end_to_end_ratio']:.4f}   (streaming tokens/s / plain-loop tokens/s; no goal)"
+    )
     lines.append(f"total benchmark time: {settings['total_s']:.1f} s")
     return "\n".join(lines)
 
@@ -367,8 +440,12 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60, help="optimiser steps per variant (default 60)")
     parser.add_argument("--json", default="", help="also write every number to this JSON file")
-    parser.add_argument("--plain-niceness", type=int, default=None,
-                        help="niceness of the plain loop (default: Ray's worker niceness, RAY_worker_niceness or 15)")
+    parser.add_argument(
+        "--plain-niceness",
+        type=int,
+        default=None,
+        help="niceness of the plain loop (default: Ray's worker niceness, RAY_worker_niceness or 15)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (for debugging)")
     args = parser.parse_args(argv)
     if args.steps < WARMUP_STEP + LOG_EVERY:
@@ -378,6 +455,7 @@ def main(argv=None) -> dict:
     tmp = tempfile.mkdtemp(prefix="raydense-bench-")
     server = None
     import ray
+
     try:
         # 1. S3 on loopback, its variables set before Ray starts (the workers inherit them).
         server, endpoint = start_s3()
@@ -394,8 +472,9 @@ def main(argv=None) -> dict:
         # 2. The corpus, prepared once locally and uploaded: both runs read identical shards.
         local_corpus = os.path.join(tmp, "corpus")
         say(f"preparing {CORPUS} -> {local_corpus}")
-        manifest = prepare_corpus(PrepareConfig(input=str(CORPUS), output=local_corpus,
-                                                docs_per_shard=DOCS_PER_SHARD), parallelism=2)
+        manifest = prepare_corpus(
+            PrepareConfig(input=str(CORPUS), output=local_corpus, docs_per_shard=DOCS_PER_SHARD), parallelism=2
+        )
         s3_corpus = f"s3://{BUCKET}/corpus"
         storage.upload_dir(local_corpus, s3_corpus)
         say(f"uploaded to {s3_corpus}")
@@ -405,8 +484,7 @@ def main(argv=None) -> dict:
         results = {"plain": run_plain(local_corpus, args.steps, niceness)}
         parameters = results["plain"]["parameters"]
         # 4. The two Ray Train + DeepSpeed runs, one after the other.
-        results["replay"] = run_ray("replay", local_corpus, os.path.join(tmp, "run-replay"),
-                                    args.steps, REPLAY_BATCHES)
+        results["replay"] = run_ray("replay", local_corpus, os.path.join(tmp, "run-replay"), args.steps, REPLAY_BATCHES)
         results["stream"] = run_ray("stream", s3_corpus, os.path.join(tmp, "run-stream"), args.steps, 0)
         info["loadavg_end"] = list(os.getloadavg())
     finally:
@@ -424,19 +502,38 @@ def main(argv=None) -> dict:
         "framework_overhead_ratio": results["replay"]["tokens_per_s"] / results["plain"]["tokens_per_s"],
         "end_to_end_ratio": results["stream"]["tokens_per_s"] / results["plain"]["tokens_per_s"],
     }
-    settings = {"steps": args.steps, "log_every": LOG_EVERY, "warmup_step": WARMUP_STEP, "model": MODEL,
-                "max_len": MAX_LEN, "micro_batch": MICRO_BATCH, "replay_batches": REPLAY_BATCHES,
-                "cpus_per_worker": CPUS_PER_WORKER, "zero_stage": ZERO_STAGE, "precision": "fp32",
-                "docs_per_shard": DOCS_PER_SHARD, "parameters": parameters,
-                "vocab_size": manifest["vocab_size"], "corpus_docs": manifest["num_docs"],
-                "corpus_tokens": manifest["num_tokens"], "corpus_shards": len(manifest["shards"]),
-                "total_s": time.perf_counter() - started}
+    settings = {
+        "steps": args.steps,
+        "log_every": LOG_EVERY,
+        "warmup_step": WARMUP_STEP,
+        "model": MODEL,
+        "max_len": MAX_LEN,
+        "micro_batch": MICRO_BATCH,
+        "replay_batches": REPLAY_BATCHES,
+        "cpus_per_worker": CPUS_PER_WORKER,
+        "zero_stage": ZERO_STAGE,
+        "precision": "fp32",
+        "docs_per_shard": DOCS_PER_SHARD,
+        "parameters": parameters,
+        "vocab_size": manifest["vocab_size"],
+        "corpus_docs": manifest["num_docs"],
+        "corpus_tokens": manifest["num_tokens"],
+        "corpus_shards": len(manifest["shards"]),
+        "total_s": time.perf_counter() - started,
+    }
     text = report(results, ratios, info, settings)
     print(text, flush=True)
-    out = {"machine": info, "settings": settings, "results": results, "ratios": ratios,
-           "goals": {"ingest_overhead_ratio": INGEST_GOAL, "framework_overhead_ratio": FRAMEWORK_GOAL},
-           "goals_met": {"ingest_overhead_ratio": ratios["ingest_overhead_ratio"] >= INGEST_GOAL,
-                         "framework_overhead_ratio": ratios["framework_overhead_ratio"] >= FRAMEWORK_GOAL}}
+    out = {
+        "machine": info,
+        "settings": settings,
+        "results": results,
+        "ratios": ratios,
+        "goals": {"ingest_overhead_ratio": INGEST_GOAL, "framework_overhead_ratio": FRAMEWORK_GOAL},
+        "goals_met": {
+            "ingest_overhead_ratio": ratios["ingest_overhead_ratio"] >= INGEST_GOAL,
+            "framework_overhead_ratio": ratios["framework_overhead_ratio"] >= FRAMEWORK_GOAL,
+        },
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

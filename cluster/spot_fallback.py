@@ -41,8 +41,9 @@ def node_type_priorities(config_path: str | None = None) -> dict[str, int]:
     Re-read when the file changes, because ``ray up`` rewrites it in place on updates."""
     import yaml
 
-    path = os.path.expanduser(config_path or os.environ.get(
-        "RAYDENSE_AUTOSCALING_CONFIG", "~/ray_bootstrap_config.yaml"))
+    path = os.path.expanduser(
+        config_path or os.environ.get("RAYDENSE_AUTOSCALING_CONFIG", "~/ray_bootstrap_config.yaml")
+    )
     try:
         mtime = os.path.getmtime(path)
     except OSError:  # no config (e.g. a test): every type ties on priority
@@ -50,9 +51,13 @@ def node_type_priorities(config_path: str | None = None) -> dict[str, int]:
     if (_priorities["path"], _priorities["mtime"]) != (path, mtime):
         with open(path) as f:
             config = yaml.safe_load(f) or {}
-        _priorities.update(path=path, mtime=mtime, values={
-            name: int(spec.get("priority", 0))
-            for name, spec in (config.get("available_node_types") or {}).items()})
+        _priorities.update(
+            path=path,
+            mtime=mtime,
+            values={
+                name: int(spec.get("priority", 0)) for name, spec in (config.get("available_node_types") or {}).items()
+            },
+        )
     return _priorities["values"]
 
 
@@ -75,7 +80,8 @@ def utilization_score(node_resources, resources, node_type, *, node_availability
     )
 
     score = _resource_based_utilization_scorer(
-        node_resources, resources, node_availability_summary=node_availability_summary)
+        node_resources, resources, node_availability_summary=node_availability_summary
+    )
     if score is None:
         return None
     available = 0 if recently_failed(node_type, node_availability_summary) else 1

@@ -20,7 +20,9 @@ from transformers import AutoConfig, AutoModelForMaskedLM, BertConfig, BertForMa
 
 @dataclass
 class BackboneConfig:
-    init: str = field(default="", metadata={"help": "local HF checkpoint to start from; empty = random init from the sizes below"})
+    init: str = field(
+        default="", metadata={"help": "local HF checkpoint to start from; empty = random init from the sizes below"}
+    )
     hidden_size: int = field(default=128, metadata={"help": "random init only"})
     num_layers: int = field(default=4, metadata={"help": "random init only"})
     num_heads: int = field(default=4, metadata={"help": "random init only"})
@@ -40,19 +42,26 @@ def build_mlm(cfg: BackboneConfig, vocab_size: int) -> BertForMaskedLM:
             raise FileNotFoundError(f"backbone init {cfg.init!r}: not a local checkpoint directory")
         config = AutoConfig.from_pretrained(cfg.init)
         if config.model_type != "bert":
-            raise ValueError(f"backbone init {cfg.init!r}: model_type {config.model_type!r}, expected a BERT checkpoint")
+            raise ValueError(
+                f"backbone init {cfg.init!r}: model_type {config.model_type!r}, expected a BERT checkpoint"
+            )
         if config.vocab_size != vocab_size:
             raise ValueError(
                 f"backbone init {cfg.init!r} has vocab_size {config.vocab_size} but the corpus was tokenized "
-                f"with a vocabulary of {vocab_size}: prepare the corpus with this checkpoint's tokenizer")
+                f"with a vocabulary of {vocab_size}: prepare the corpus with this checkpoint's tokenizer"
+            )
         model = AutoModelForMaskedLM.from_pretrained(cfg.init, use_safetensors=has_safetensors(cfg.init))
         if not isinstance(model, BertForMaskedLM):
             raise ValueError(f"backbone init {cfg.init!r}: loaded {type(model).__name__}, expected BertForMaskedLM")
         return model
     config = BertConfig(
-        vocab_size=vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size,
-        max_position_embeddings=cfg.max_position, hidden_dropout_prob=cfg.dropout,
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_position,
+        hidden_dropout_prob=cfg.dropout,
         attention_probs_dropout_prob=cfg.dropout,
     )
     return BertForMaskedLM(config)

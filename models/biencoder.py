@@ -31,13 +31,29 @@ SETTINGS_FILE = "retriever.json"
 
 @dataclass
 class BiEncoderConfig:
-    pooling: Literal["cls", "mean"] = field(default="cls", metadata={"help": "CLS vector, or the mean of the non-padding token states"})
-    similarity: Literal["dot", "cos"] = field(default="dot", metadata={"help": "dot product, or cosine divided by temperature"})
+    pooling: Literal["cls", "mean"] = field(
+        default="cls", metadata={"help": "CLS vector, or the mean of the non-padding token states"}
+    )
+    similarity: Literal["dot", "cos"] = field(
+        default="dot", metadata={"help": "dot product, or cosine divided by temperature"}
+    )
     temperature: float = field(default=1.0, metadata={"help": "scores are divided by this (SimLM uses cosine / 0.02)"})
-    shared_encoder: bool = field(default=True, metadata={"help": "one encoder for queries and passages; false = separate towers"})
-    group_size: int = field(default=8, metadata={"help": "passages per query: 1 positive + group_size-1 hard negatives"})
-    chunk_size: int = field(default=0, metadata={"help": "gradient cache: sequences per forward chunk (queries and passages alike); 0 = no cache"})
-    length_buckets: int = field(default=1, metadata={"help": "encode each batch as this many length-sorted slices, each padded only to its own longest sequence (same result, less padding)"})
+    shared_encoder: bool = field(
+        default=True, metadata={"help": "one encoder for queries and passages; false = separate towers"}
+    )
+    group_size: int = field(
+        default=8, metadata={"help": "passages per query: 1 positive + group_size-1 hard negatives"}
+    )
+    chunk_size: int = field(
+        default=0,
+        metadata={"help": "gradient cache: sequences per forward chunk (queries and passages alike); 0 = no cache"},
+    )
+    length_buckets: int = field(
+        default=1,
+        metadata={
+            "help": "encode each batch as this many length-sorted slices, each padded only to its own longest sequence (same result, less padding)"
+        },
+    )
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
@@ -66,8 +82,9 @@ class BiEncoder(nn.Module):
         if buckets <= 1 or input_ids.shape[0] <= buckets:
             return self._encode_slice(encoder, input_ids, attention_mask)
         order = torch.argsort(attention_mask.sum(1), descending=True)
-        reps = torch.cat([self._encode_slice(encoder, input_ids[idx], attention_mask[idx])
-                          for idx in order.chunk(buckets)])
+        reps = torch.cat(
+            [self._encode_slice(encoder, input_ids[idx], attention_mask[idx]) for idx in order.chunk(buckets)]
+        )
         return reps[torch.argsort(order)]  # back to the input order
 
     def _encode_slice(self, encoder: nn.Module, input_ids, attention_mask) -> torch.Tensor:
@@ -93,8 +110,11 @@ class BiEncoder(nn.Module):
     def save(self, out_dir: str, tokenizer_dir: str | None = None) -> dict[str, str]:
         """Shared: ``out_dir`` is the encoder. Separate: ``out_dir/query`` and ``out_dir/passage``."""
 
-        towers = {"": self.query_encoder} if self.passage_encoder is None else {
-            "query": self.query_encoder, "passage": self.passage_encoder}
+        towers = (
+            {"": self.query_encoder}
+            if self.passage_encoder is None
+            else {"query": self.query_encoder, "passage": self.passage_encoder}
+        )
         for sub, encoder in towers.items():
             export_backbone(encoder, os.path.join(out_dir, sub), tokenizer_dir)
         settings = {**asdict(self.cfg), "towers": sorted(t for t in towers if t)}
@@ -116,14 +136,16 @@ def contrastive_loss(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     """-log softmax of each query's positive (passage ``i * group_size``) over all passages."""
     n_queries, n_passages = scores.shape
     if n_passages != n_queries * group_size:
-        raise ValueError(f"{n_queries} queries need {n_queries * group_size} passages (group size "
-                         f"{group_size}), got {n_passages}")
+        raise ValueError(
+            f"{n_queries} queries need {n_queries * group_size} passages (group size {group_size}), got {n_passages}"
+        )
     targets = torch.arange(n_queries, device=scores.device) * group_size
     return F.cross_entropy(scores, targets)
 
 
-def global_contrastive_loss(model: BiEncoder, local_queries: torch.Tensor, local_passages: torch.Tensor,
-                            group_size: int) -> torch.Tensor:
+def global_contrastive_loss(
+    model: BiEncoder, local_queries: torch.Tensor, local_passages: torch.Tensor, group_size: int
+) -> torch.Tensor:
     """The loss over every worker's queries and passages, scaled for data-parallel averaging.
 
     Both matrices are gathered, each worker's rows at its global rank's slot; a worker's
@@ -139,7 +161,6 @@ def load_biencoder(export_dir: str, overrides: dict | None = None) -> BiEncoder:
     """A retriever export (``retriever.json`` + one or two HF encoders) ready to encode;
     ``overrides`` (e.g. ``{"pooling": "mean"}``) replace saved settings. Any plain HF
     checkpoint also loads, with the settings given in ``overrides`` (default CLS, dot)."""
-
 
     has_settings = os.path.isfile(os.path.join(export_dir, SETTINGS_FILE))
     settings = load_settings(export_dir) if has_settings else {}
@@ -173,8 +194,9 @@ def positive_top1(scores: torch.Tensor, group_size: int) -> torch.Tensor:
 CoupledLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def biencoder_backward(engine, batch: dict[str, torch.Tensor], coupled_loss: CoupledLoss,
-                       chunk_size: int = 0) -> torch.Tensor:
+def biencoder_backward(
+    engine, batch: dict[str, torch.Tensor], coupled_loss: CoupledLoss, chunk_size: int = 0
+) -> torch.Tensor:
     """One micro-batch's forward and ``engine.backward`` of ``coupled_loss(queries, passages)``.
 
     ``batch`` holds ``q_input_ids``/``q_attention_mask`` (b, Lq) and ``d_input_ids``/
@@ -195,8 +217,9 @@ def biencoder_backward(engine, batch: dict[str, torch.Tensor], coupled_loss: Cou
     # Chunks of length-sorted sequences: each is padded only to its own longest.
     q_order = torch.argsort(q[1].sum(1), descending=True)
     d_order = torch.argsort(d[1].sum(1), descending=True)
-    chunks = ([{"tower": "q", "ids": q[0][idx], "mask": q[1][idx]} for idx in q_order.split(chunk_size)]
-              + [{"tower": "d", "ids": d[0][idx], "mask": d[1][idx]} for idx in d_order.split(chunk_size)])
+    chunks = [{"tower": "q", "ids": q[0][idx], "mask": q[1][idx]} for idx in q_order.split(chunk_size)] + [
+        {"tower": "d", "ids": d[0][idx], "mask": d[1][idx]} for idx in d_order.split(chunk_size)
+    ]
     # The cached representations come in chunk order; the loss reads them in batch order.
     to_batch_order = torch.argsort(torch.cat([q_order, d_order + n_queries]))
 
@@ -212,8 +235,9 @@ def biencoder_backward(engine, batch: dict[str, torch.Tensor], coupled_loss: Cou
     return loss
 
 
-def contrastive_backward(engine, batch: dict[str, torch.Tensor], group_size: int, chunk_size: int = 0
-                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def contrastive_backward(
+    engine, batch: dict[str, torch.Tensor], group_size: int, chunk_size: int = 0
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:func:`biencoder_backward` of the global contrastive loss. Returns the true
     (unscaled) global loss and the in-batch top-1 accuracy."""
     module = getattr(engine, "module", engine)

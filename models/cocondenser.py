@@ -54,13 +54,28 @@ def global_span_contrastive_loss(local_cls: torch.Tensor) -> torch.Tensor:
 
 # -- span pairs -------------------------------------------------------------------------
 
+
 @dataclass
 class CoCondenserConfig(CondenserConfig):
-    head: str = field(default="auto", metadata={"help": "Condenser head to warm-start from (safetensors); 'auto' = condenser_head.safetensors beside --model.init when present, '' = a fresh head"})
+    head: str = field(
+        default="auto",
+        metadata={
+            "help": "Condenser head to warm-start from (safetensors); 'auto' = condenser_head.safetensors beside --model.init when present, '' = a fresh head"
+        },
+    )
     span_length: int = field(default=80, metadata={"help": "tokens per span (without [CLS]/[SEP])"})
-    short_span_prob: float = field(default=0.1, metadata={"help": "chance that a pair's spans are shorter: uniform in [min_span_length, span_length)"})
-    min_span_length: int = field(default=16, metadata={"help": "shortest span; documents under 2x this many tokens hold no pair and are skipped (counted)"})
-    chunk_size: int = field(default=0, metadata={"help": "gradient cache: spans per forward chunk; 0 = no cache (the whole micro-batch in one graph)"})
+    short_span_prob: float = field(
+        default=0.1,
+        metadata={"help": "chance that a pair's spans are shorter: uniform in [min_span_length, span_length)"},
+    )
+    min_span_length: int = field(
+        default=16,
+        metadata={"help": "shortest span; documents under 2x this many tokens hold no pair and are skipped (counted)"},
+    )
+    chunk_size: int = field(
+        default=0,
+        metadata={"help": "gradient cache: spans per forward chunk; 0 = no cache (the whole micro-batch in one graph)"},
+    )
 
 
 def _uniform(seed: int, epoch: int, rows: np.ndarray, draw: int) -> np.ndarray:
@@ -70,16 +85,18 @@ def _uniform(seed: int, epoch: int, rows: np.ndarray, draw: int) -> np.ndarray:
     epochs re-batch the rows), and per-row generators would cost ~10 us a document.
     """
     with np.errstate(over="ignore"):
-        x = (rows.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-             + np.uint64((seed * 1_000_003 + epoch * 7_919 + draw * 104_729) % 2**63))
+        x = rows.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(
+            (seed * 1_000_003 + epoch * 7_919 + draw * 104_729) % 2**63
+        )
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         x = x ^ (x >> np.uint64(31))
     return (x >> np.uint64(11)).astype(np.float64) / float(2**53)
 
 
-def draw_span_pairs(lengths: np.ndarray, rows: np.ndarray, cfg: CoCondenserConfig, seed: int,
-                    epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def draw_span_pairs(
+    lengths: np.ndarray, rows: np.ndarray, cfg: CoCondenserConfig, seed: int, epoch: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Two non-overlapping spans of equal length per document.
 
     Returns ``(valid, first_start, second_start, span_len)`` per document. The length is
@@ -91,17 +108,20 @@ def draw_span_pairs(lengths: np.ndarray, rows: np.ndarray, cfg: CoCondenserConfi
     lengths = np.asarray(lengths, dtype=np.int64)
     short = _uniform(seed, epoch, rows, 0) < cfg.short_span_prob
     short_len = cfg.min_span_length + np.floor(
-        _uniform(seed, epoch, rows, 1) * max(0, cfg.span_length - cfg.min_span_length)).astype(np.int64)
+        _uniform(seed, epoch, rows, 1) * max(0, cfg.span_length - cfg.min_span_length)
+    ).astype(np.int64)
     span_len = np.minimum(np.where(short, short_len, cfg.span_length), lengths // 2)
     valid = lengths >= 2 * cfg.min_span_length
     free = np.maximum(lengths - 2 * span_len, 0)
-    cuts = np.floor(np.stack([_uniform(seed, epoch, rows, 2), _uniform(seed, epoch, rows, 3)])
-                    * (free + 1)).astype(np.int64)
+    cuts = np.floor(np.stack([_uniform(seed, epoch, rows, 2), _uniform(seed, epoch, rows, 3)]) * (free + 1)).astype(
+        np.int64
+    )
     first, second = cuts.min(axis=0), cuts.max(axis=0) + span_len
     return valid, first, second, span_len
 
 
 # -- the method -------------------------------------------------------------------------
+
 
 class CoCondenserMethod(CondenserMethod):
     """coCondenser pre-training: Condenser MLM losses + span-pair contrastive loss.
@@ -123,8 +143,10 @@ class CoCondenserMethod(CondenserMethod):
         """(late CLS, summed per-span MLM share of this chunk, detached parts)."""
         out = model(batch["input_ids"], batch["attention_mask"], batch["labels"], per_sequence=True)
         local = out.loss / n_local
-        parts = {"head_mlm_loss": out.head_mlm_loss.detach().sum() / n_local,
-                 "late_mlm_loss": out.late_mlm_loss.detach().sum() / n_local}
+        parts = {
+            "head_mlm_loss": out.head_mlm_loss.detach().sum() / n_local,
+            "late_mlm_loss": out.late_mlm_loss.detach().sum() / n_local,
+        }
         return out.late_cls, local, parts
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -147,8 +169,10 @@ class CoCondenserMethod(CondenserMethod):
             loss, extras = self.loss(engine, batch)
             engine.backward(loss)
             return extras.pop("loss"), extras
-        chunks = [{k: v[i:i + self.cfg.chunk_size] for k, v in batch.items()}
-                  for i in range(0, n_local, self.cfg.chunk_size)]
+        chunks = [
+            {k: v[i : i + self.cfg.chunk_size] for k, v in batch.items()}
+            for i in range(0, n_local, self.cfg.chunk_size)
+        ]
         parts: dict[str, torch.Tensor] = {}
 
         def encode(module, chunk):

@@ -26,7 +26,9 @@ from models.mlm_losses import masked_lm_loss, sequence_mlm_losses
 @dataclass
 class CondenserConfig:
     n_head_layers: int = field(default=2, metadata={"help": "Transformer layers in the Condenser head"})
-    skip_from: int = field(default=0, metadata={"help": "early/late split: early tokens are hidden_states[skip_from]; 0 = num_layers // 2"})
+    skip_from: int = field(
+        default=0, metadata={"help": "early/late split: early tokens are hidden_states[skip_from]; 0 = num_layers // 2"}
+    )
     mlm_probability: float = field(default=0.15, metadata={"help": "whole-word masking rate (80/10/10 replacement)"})
     head: str = field(default="", metadata={"help": "head weights (safetensors) to continue pre-training from"})
 
@@ -68,16 +70,17 @@ class Condenser(nn.Module):
 
     def backbone_states(self, input_ids, attention_mask):
         """(late hidden states, early token states)."""
-        out = self.lm.bert(input_ids=input_ids, attention_mask=attention_mask,
-                           output_hidden_states=True, return_dict=True)
+        out = self.lm.bert(
+            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, return_dict=True
+        )
         return out.last_hidden_state, out.hidden_states[self.skip_from][:, 1:]
 
-    def head_states(self, late_cls: torch.Tensor, early_tokens: torch.Tensor,
-                    attention_mask: torch.Tensor) -> torch.Tensor:
+    def head_states(
+        self, late_cls: torch.Tensor, early_tokens: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
         """Run the head on ``[late CLS ; early tokens]`` (late_cls is (B, 1, H))."""
         hidden = torch.cat([late_cls, early_tokens], dim=1)
-        mask = create_bidirectional_mask(config=self.lm.config, inputs_embeds=hidden,
-                                         attention_mask=attention_mask)
+        mask = create_bidirectional_mask(config=self.lm.config, inputs_embeds=hidden, attention_mask=attention_mask)
         for layer in self.head:
             hidden = layer(hidden, mask)
         return hidden
@@ -108,7 +111,9 @@ class Condenser(nn.Module):
         if meta.get("n_head_layers", len(self.head)) != len(self.head):
             raise ValueError(f"{path}: head has {meta['n_head_layers']} layers, model expects {len(self.head)}")
         if meta.get("skip_from", self.skip_from) != self.skip_from:
-            raise ValueError(f"{path}: head was trained with skip_from={meta['skip_from']}, model uses {self.skip_from}")
+            raise ValueError(
+                f"{path}: head was trained with skip_from={meta['skip_from']}, model uses {self.skip_from}"
+            )
         self.head.load_state_dict(state)
 
 

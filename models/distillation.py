@@ -31,31 +31,48 @@ from models.distributed import world_size
 
 @dataclass
 class DistillationConfig:
-    alpha: float = field(default=0.2, metadata={"help": "weight of the contrastive loss added to the KL term (SimLM: 0.2)"})
-    teacher_temperature: float = field(default=1.0, metadata={"help": "the teacher's scores are divided by this before their softmax"})
+    alpha: float = field(
+        default=0.2, metadata={"help": "weight of the contrastive loss added to the KL term (SimLM: 0.2)"}
+    )
+    teacher_temperature: float = field(
+        default=1.0, metadata={"help": "the teacher's scores are divided by this before their softmax"}
+    )
 
 
-def teacher_kl(student_group_scores: torch.Tensor, teacher_scores: torch.Tensor,
-               teacher_temperature: float = 1.0) -> torch.Tensor:
+def teacher_kl(
+    student_group_scores: torch.Tensor, teacher_scores: torch.Tensor, teacher_temperature: float = 1.0
+) -> torch.Tensor:
     """``KL(softmax(teacher / T) || softmax(student))`` per query over its group, averaged
     over the queries. Both are (b, group_size), positive first."""
     if student_group_scores.shape != teacher_scores.shape:
-        raise ValueError(f"student scores {tuple(student_group_scores.shape)} and teacher scores "
-                         f"{tuple(teacher_scores.shape)} must have the same (queries, group size) shape")
+        raise ValueError(
+            f"student scores {tuple(student_group_scores.shape)} and teacher scores "
+            f"{tuple(teacher_scores.shape)} must have the same (queries, group size) shape"
+        )
     student = F.log_softmax(student_group_scores.float(), dim=-1)
     teacher = F.log_softmax(teacher_scores.float() / teacher_temperature, dim=-1)
     return F.kl_div(student, teacher, reduction="batchmean", log_target=True)
 
 
-def distillation_loss(student_group_scores: torch.Tensor, teacher_scores: torch.Tensor, ce_loss: torch.Tensor,
-                      alpha: float, teacher_temperature: float = 1.0) -> torch.Tensor:
+def distillation_loss(
+    student_group_scores: torch.Tensor,
+    teacher_scores: torch.Tensor,
+    ce_loss: torch.Tensor,
+    alpha: float,
+    teacher_temperature: float = 1.0,
+) -> torch.Tensor:
     """KL to the teacher plus ``alpha`` times the contrastive loss ``ce_loss``."""
     return teacher_kl(student_group_scores, teacher_scores, teacher_temperature) + alpha * ce_loss
 
 
-def distillation_backward(engine, batch: dict[str, torch.Tensor], group_size: int, alpha: float,
-                          chunk_size: int = 0, teacher_temperature: float = 1.0
-                          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def distillation_backward(
+    engine,
+    batch: dict[str, torch.Tensor],
+    group_size: int,
+    alpha: float,
+    chunk_size: int = 0,
+    teacher_temperature: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch's forward and ``engine.backward`` of the distillation loss.
 
     ``batch`` is :func:`models.biencoder.biencoder_backward`'s plus ``d_teacher_scores``

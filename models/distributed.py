@@ -28,7 +28,7 @@ def gather_with_grad(local: torch.Tensor) -> torch.Tensor:
     dist.all_gather(sizes, size)
     sizes = [int(s) for s in sizes]
     padded = local.new_zeros((max(sizes), *local.shape[1:]))
-    padded[:local.shape[0]] = local.detach()
+    padded[: local.shape[0]] = local.detach()
     slots = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(slots, padded)
     slots = [slot[:n] for slot, n in zip(slots, sizes)]

@@ -46,9 +46,12 @@ class RngState:
 Encode = Callable[[dict], tuple[torch.Tensor, torch.Tensor]]
 
 
-def grad_cache_backward(chunks: Sequence[dict], encode: Encode,
-                        coupled_loss: Callable[[torch.Tensor], torch.Tensor],
-                        backward: Callable[[torch.Tensor], None]) -> tuple[torch.Tensor, torch.Tensor]:
+def grad_cache_backward(
+    chunks: Sequence[dict],
+    encode: Encode,
+    coupled_loss: Callable[[torch.Tensor], torch.Tensor],
+    backward: Callable[[torch.Tensor], None],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Accumulate into the parameters' ``.grad`` the gradient of
     ``coupled_loss(cat(reps)) + sum(local losses)`` over all chunks.
 
@@ -122,9 +125,12 @@ def check_cacheable(engine) -> None:
         raise ValueError("the gradient cache runs in fp32 or bf16, not fp16: use --train.precision bf16")
 
 
-def engine_grad_cache_backward(engine, chunks: Sequence[dict], encode: Callable[[torch.nn.Module, dict], tuple],
-                               coupled_loss: Callable[[torch.Tensor], torch.Tensor]
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+def engine_grad_cache_backward(
+    engine,
+    chunks: Sequence[dict],
+    encode: Callable[[torch.nn.Module, dict], tuple],
+    coupled_loss: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`grad_cache_backward` as one DeepSpeed backward: one reduction, one step.
 
     ``encode(module, chunk)`` runs on the bare module (``engine.module``): DeepSpeed's own

@@ -48,8 +48,9 @@ def word_ids(input_ids: torch.Tensor, vocab: MaskingVocab) -> torch.Tensor:
     return ids.masked_fill(special, -1)
 
 
-def select_words(input_ids: torch.Tensor, vocab: MaskingVocab, probability: float,
-                 generator: torch.Generator) -> torch.Tensor:
+def select_words(
+    input_ids: torch.Tensor, vocab: MaskingVocab, probability: float, generator: torch.Generator
+) -> torch.Tensor:
     """Boolean (B, L) selection of whole words, each word chosen with ``probability``.
 
     A word's pieces share one random draw (the draw at the word's index), so they are
@@ -61,22 +62,27 @@ def select_words(input_ids: torch.Tensor, vocab: MaskingVocab, probability: floa
     return (per_piece < probability) & (words >= 0)
 
 
-def apply_bert_replacement(input_ids: torch.Tensor, selected: torch.Tensor, vocab: MaskingVocab,
-                           generator: torch.Generator, mask_fraction: float = 0.8,
-                           random_fraction: float = 0.1) -> torch.Tensor:
+def apply_bert_replacement(
+    input_ids: torch.Tensor,
+    selected: torch.Tensor,
+    vocab: MaskingVocab,
+    generator: torch.Generator,
+    mask_fraction: float = 0.8,
+    random_fraction: float = 0.1,
+) -> torch.Tensor:
     """BERT's 80/10/10: [MASK], a random non-special token, or unchanged, per selected piece."""
     draws = torch.rand(input_ids.shape, generator=generator, device=input_ids.device)
     to_mask = selected & (draws < mask_fraction)
     to_random = selected & (draws >= mask_fraction) & (draws < mask_fraction + random_fraction)
-    pick = torch.randint(len(vocab.replacement_ids), input_ids.shape, generator=generator,
-                         device=input_ids.device)
+    pick = torch.randint(len(vocab.replacement_ids), input_ids.shape, generator=generator, device=input_ids.device)
     random_tokens = vocab.replacement_ids.to(input_ids.device)[pick]
     out = input_ids.masked_fill(to_mask, vocab.mask_token_id)
     return torch.where(to_random, random_tokens, out)
 
 
-def whole_word_mask(input_ids: torch.Tensor, vocab: MaskingVocab, generator: torch.Generator,
-                    probability: float = 0.15) -> tuple[torch.Tensor, torch.Tensor]:
+def whole_word_mask(
+    input_ids: torch.Tensor, vocab: MaskingVocab, generator: torch.Generator, probability: float = 0.15
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole-word masking for MLM: returns (corrupted input ids, labels).
 
     Labels hold the original id at selected positions and -100 everywhere else, so
@@ -95,8 +101,9 @@ class WholeWordMaskingMethod:
         self.cfg = cfg
         self.vocab = vocab
 
-    def make_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   generator: torch.Generator) -> dict[str, torch.Tensor]:
+    def make_batch(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generator: torch.Generator
+    ) -> dict[str, torch.Tensor]:
         masked, labels = whole_word_mask(input_ids, self.vocab, generator, self.cfg.mlm_probability)
         return {"input_ids": masked, "attention_mask": attention_mask, "labels": labels}
 

@@ -27,8 +27,9 @@ class PretrainingMethod(Protocol):
     def build(self, mlm: BertForMaskedLM) -> nn.Module:
         """The trained module around ``mlm`` (head or decoder added, warm-started if configured)."""
 
-    def make_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   generator: torch.Generator) -> dict[str, torch.Tensor]:
+    def make_batch(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generator: torch.Generator
+    ) -> dict[str, torch.Tensor]:
         """The method's corruption of a (B, L) batch; reproducible from ``generator``."""
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -41,8 +42,9 @@ class PretrainingMethod(Protocol):
         """Write the backbone as a drop-in HF checkpoint (plus the method's own parts); returns paths."""
 
 
-def plain_backward(method: PretrainingMethod, engine, batch: dict[str, torch.Tensor]
-                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def plain_backward(
+    method: PretrainingMethod, engine, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``backward`` for a method whose loss needs no gradient cache."""
     loss, extras = method.loss(engine, batch)
     engine.backward(loss)

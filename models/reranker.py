@@ -32,8 +32,13 @@ SETTINGS_FILE = "reranker.json"
 
 @dataclass
 class RerankerConfig:
-    group_size: int = field(default=8, metadata={"help": "passages per query: 1 positive + group_size-1 negatives (SimLM uses more)"})
-    max_len: int = field(default=192, metadata={"help": "tokens of a (query, passage) pair, [CLS] and both [SEP] included; the passage is cut first"})
+    group_size: int = field(
+        default=8, metadata={"help": "passages per query: 1 positive + group_size-1 negatives (SimLM uses more)"}
+    )
+    max_len: int = field(
+        default=192,
+        metadata={"help": "tokens of a (query, passage) pair, [CLS] and both [SEP] included; the passage is cut first"},
+    )
 
 
 @dataclass
@@ -55,12 +60,21 @@ class PairLengths:
         if min(self.query_max_len, self.passage_max_len) < 3:
             raise ValueError(f"query_max_len and passage_max_len must be >= 3, got {self}")
         if self.max_len < self.query_max_len + 2:
-            raise ValueError(f"max_len {self.max_len} leaves no room for a passage after a query of up to "
-                             f"{self.query_max_len} tokens: it must be at least query_max_len + 2")
+            raise ValueError(
+                f"max_len {self.max_len} leaves no room for a passage after a query of up to "
+                f"{self.query_max_len} tokens: it must be at least query_max_len + 2"
+            )
 
 
-def pair_inputs(q_ids: torch.Tensor, q_lengths: torch.Tensor, d_ids: torch.Tensor, d_lengths: torch.Tensor,
-                max_len: int, sep_id: int, pad_id: int) -> dict[str, torch.Tensor]:
+def pair_inputs(
+    q_ids: torch.Tensor,
+    q_lengths: torch.Tensor,
+    d_ids: torch.Tensor,
+    d_lengths: torch.Tensor,
+    max_len: int,
+    sep_id: int,
+    pad_id: int,
+) -> dict[str, torch.Tensor]:
     """``[CLS] q [SEP] d [SEP]`` rows from framed queries and passages, one pair per row.
 
     ``q_ids`` (P, Lq) and ``d_ids`` (P, Ld) are ``[CLS] ids [SEP]`` + padding with lengths
@@ -107,7 +121,6 @@ class CrossEncoder(nn.Module):
         os.makedirs(out_dir, exist_ok=True)
         self.model.save_pretrained(out_dir, safe_serialization=True)
         if tokenizer_dir:  # saved, not copied: the folder may also hold another model's weights
-
             AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
         with open(os.path.join(out_dir, SETTINGS_FILE), "w") as f:
             json.dump(asdict(self.lengths), f, indent=2)
@@ -120,8 +133,9 @@ def listwise_loss(scores: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(scores.float(), targets)
 
 
-def listwise_backward(engine, batch: dict[str, torch.Tensor], group_size: int
-                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def listwise_backward(
+    engine, batch: dict[str, torch.Tensor], group_size: int
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch's forward and ``engine.backward`` of the listwise loss.
 
     ``batch`` holds ``input_ids`` / ``attention_mask`` / ``token_type_ids`` of b * group_size
@@ -132,8 +146,7 @@ def listwise_backward(engine, batch: dict[str, torch.Tensor], group_size: int
     loss = listwise_loss(scores)
     engine.backward(loss)
     with torch.no_grad():  # logged only
-        best_negative = (scores[:, 1:].max(1).values if group_size > 1
-                         else torch.full_like(scores[:, 0], -math.inf))
+        best_negative = scores[:, 1:].max(1).values if group_size > 1 else torch.full_like(scores[:, 0], -math.inf)
         accuracy = (scores[:, 0] > best_negative).float().mean()
     return loss.detach(), {"accuracy": accuracy}
 
@@ -149,14 +162,15 @@ def build_reranker(init: str, lengths: PairLengths | None = None) -> CrossEncode
     """A re-ranker from any local HF checkpoint: a BERT encoder gets a fresh one-logit head
     (transformers logs which weights are new); a one-label classifier is used as it is."""
 
-
     config = AutoConfig.from_pretrained(init)
     if lengths is not None:
         check_max_len(config, lengths.max_len, init)
     classifier = any(a.endswith("ForSequenceClassification") for a in (config.architectures or []))
     if classifier and config.num_labels != 1:
         raise ValueError(f"{init} is a classifier with {config.num_labels} labels; a re-ranker needs one")
-    model = AutoModelForSequenceClassification.from_pretrained(init, num_labels=1, use_safetensors=has_safetensors(init))
+    model = AutoModelForSequenceClassification.from_pretrained(
+        init, num_labels=1, use_safetensors=has_safetensors(init)
+    )
     return CrossEncoder(model, lengths)
 
 
@@ -172,7 +186,6 @@ def load_settings(export_dir: str) -> PairLengths | None:
 def load_reranker(export_dir: str) -> CrossEncoder:
     """A re-ranker export (or any one-label HF sequence classifier) in eval mode, with the
     lengths of its ``reranker.json`` (defaults for a plain checkpoint)."""
-
 
     if not os.path.isfile(os.path.join(export_dir, "config.json")):
         raise FileNotFoundError(f"{export_dir}: no config.json; is this a re-ranker export?")

@@ -39,15 +39,28 @@ DECODER_FILE = "simlm_decoder.safetensors"
 
 @dataclass
 class SimLMConfig:
-    generator: str = field(default="", metadata={"help": "local HF masked-LM checkpoint (same vocabulary) that samples the replacements; kept frozen. Train a small one with `python jobs/pretrain.py --method mlm` and pass its export_dir"})
+    generator: str = field(
+        default="",
+        metadata={
+            "help": "local HF masked-LM checkpoint (same vocabulary) that samples the replacements; kept frozen. Train a small one with `python jobs/pretrain.py --method mlm` and pass its export_dir"
+        },
+    )
     encoder_mask_rate: float = field(default=0.3, metadata={"help": "fraction of words replaced in the encoder input"})
-    decoder_mask_rate: float = field(default=0.5, metadata={"help": "fraction of words replaced in the decoder input (includes all encoder replacements)"})
-    n_decoder_layers: int = field(default=2, metadata={"help": "decoder layers, initialised from the encoder's last layers"})
+    decoder_mask_rate: float = field(
+        default=0.5,
+        metadata={"help": "fraction of words replaced in the decoder input (includes all encoder replacements)"},
+    )
+    n_decoder_layers: int = field(
+        default=2, metadata={"help": "decoder layers, initialised from the encoder's last layers"}
+    )
     decoder: str = field(default="", metadata={"help": "decoder weights (safetensors) to continue pre-training from"})
-    generator_temperature: float = field(default=1.0, metadata={"help": "softmax temperature of the generator's samples"})
+    generator_temperature: float = field(
+        default=1.0, metadata={"help": "softmax temperature of the generator's samples"}
+    )
 
 
 # -- the frozen generator --------------------------------------------------------------------
+
 
 def load_generator(path: str, vocab_size: int) -> nn.Module:
     """A frozen (eval, no grad) masked LM from a local checkpoint whose vocabulary matches the corpus."""
@@ -55,20 +68,28 @@ def load_generator(path: str, vocab_size: int) -> nn.Module:
         raise FileNotFoundError(
             f"SimLM needs a generator: a local masked-LM checkpoint directory (got {path!r}). "
             "Train one with `python jobs/pretrain.py --method mlm` (a small model) and pass its export_dir "
-            "as --simlm.generator")
+            "as --simlm.generator"
+        )
     generator_vocab = AutoConfig.from_pretrained(path).vocab_size
     if generator_vocab != vocab_size:
         raise ValueError(
             f"SimLM generator {path!r} has vocab_size {generator_vocab} but the corpus vocabulary has {vocab_size}: "
-            "the generator must use the corpus tokenizer (train it on the same prepared corpus)")
+            "the generator must use the corpus tokenizer (train it on the same prepared corpus)"
+        )
     model = AutoModelForMaskedLM.from_pretrained(path, use_safetensors=has_safetensors(path))
     return model.eval().requires_grad_(False)
 
 
 @torch.no_grad()
-def sample_replacements(generator: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        selected: torch.Tensor, mask_token_id: int, temperature: float,
-                        rng: torch.Generator) -> torch.Tensor:
+def sample_replacements(
+    generator: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    selected: torch.Tensor,
+    mask_token_id: int,
+    temperature: float,
+    rng: torch.Generator,
+) -> torch.Tensor:
     """``input_ids`` with each selected position replaced by a sample from the generator.
 
     The generator sees the text with [MASK] at the selected positions (as an MLM was
@@ -87,9 +108,15 @@ def sample_replacements(generator: nn.Module, input_ids: torch.Tensor, attention
 
 # -- masking ---------------------------------------------------------------------------------
 
-def select_replacements(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab: MaskingVocab,
-                        encoder_rate: float, decoder_rate: float,
-                        generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+
+def select_replacements(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    vocab: MaskingVocab,
+    encoder_rate: float,
+    decoder_rate: float,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole-word (encoder, decoder) selections with encoder ⊆ decoder.
 
     The decoder adds an independent draw over the words the encoder left, at the rate
@@ -111,6 +138,7 @@ def recovery_labels(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab
 
 # -- the model -------------------------------------------------------------------------------
 
+
 @dataclass
 class SimLMOutput:
     loss: torch.Tensor
@@ -124,8 +152,10 @@ class SimLM(nn.Module):
         super().__init__()
         num_layers = mlm.config.num_hidden_layers
         if not 1 <= n_decoder_layers <= num_layers:
-            raise ValueError(f"n_decoder_layers={n_decoder_layers} must be 1..{num_layers}: "
-                             "the decoder is a copy of the encoder's last layers")
+            raise ValueError(
+                f"n_decoder_layers={n_decoder_layers} must be 1..{num_layers}: "
+                "the decoder is a copy of the encoder's last layers"
+            )
         self.lm = mlm
         # Copies, not shared layers: the decoder trains apart from the encoder, but starts
         # from weights that already read the encoder's embedding space.
@@ -138,8 +168,9 @@ class SimLM(nn.Module):
     def encoder_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.lm.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
-    def decoder_states(self, enc_cls: torch.Tensor, dec_input_ids: torch.Tensor,
-                       attention_mask: torch.Tensor) -> torch.Tensor:
+    def decoder_states(
+        self, enc_cls: torch.Tensor, dec_input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
         """Run the decoder on ``[encoder CLS ; embeddings(dec ids)[:, 1:]]`` (enc_cls is (B, 1, H))."""
         tokens = self.lm.bert.embeddings(input_ids=dec_input_ids)[:, 1:]
         hidden = torch.cat([enc_cls, tokens], dim=1)
@@ -148,8 +179,14 @@ class SimLM(nn.Module):
             hidden = layer(hidden, mask)
         return hidden
 
-    def forward(self, enc_input_ids: torch.Tensor, dec_input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                enc_labels: torch.Tensor, dec_labels: torch.Tensor) -> SimLMOutput:
+    def forward(
+        self,
+        enc_input_ids: torch.Tensor,
+        dec_input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        enc_labels: torch.Tensor,
+        dec_labels: torch.Tensor,
+    ) -> SimLMOutput:
         enc = self.encoder_states(enc_input_ids, attention_mask)
         dec = self.decoder_states(enc[:, :1], dec_input_ids, attention_mask)
         enc_loss = masked_lm_loss(self.lm, enc, enc_labels)
@@ -189,8 +226,10 @@ class SimLMMethod:
 
     def __init__(self, cfg: SimLMConfig, vocab: MaskingVocab):
         if not 0.0 < cfg.encoder_mask_rate <= cfg.decoder_mask_rate < 1.0:
-            raise ValueError(f"need 0 < encoder_mask_rate ({cfg.encoder_mask_rate}) <= decoder_mask_rate "
-                             f"({cfg.decoder_mask_rate}) < 1")
+            raise ValueError(
+                f"need 0 < encoder_mask_rate ({cfg.encoder_mask_rate}) <= decoder_mask_rate "
+                f"({cfg.decoder_mask_rate}) < 1"
+            )
         if cfg.generator_temperature <= 0:
             raise ValueError(f"generator_temperature must be > 0, got {cfg.generator_temperature}")
         self.cfg = cfg
@@ -203,14 +242,22 @@ class SimLMMethod:
             model.load_decoder(self.cfg.decoder)
         return model
 
-    def make_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   generator: torch.Generator) -> dict[str, torch.Tensor]:
-        enc, dec = select_replacements(input_ids, attention_mask, self.vocab, self.cfg.encoder_mask_rate,
-                                       self.cfg.decoder_mask_rate, generator)
+    def make_batch(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generator: torch.Generator
+    ) -> dict[str, torch.Tensor]:
+        enc, dec = select_replacements(
+            input_ids, attention_mask, self.vocab, self.cfg.encoder_mask_rate, self.cfg.decoder_mask_rate, generator
+        )
         labels = recovery_labels(input_ids, attention_mask, self.vocab)
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "enc_selected": enc, "dec_selected": dec,
-                "enc_labels": labels, "dec_labels": labels,
-                "gen_seed": torch.randint(0, 2**62, (), generator=generator)}
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "enc_selected": enc,
+            "dec_selected": dec,
+            "enc_labels": labels,
+            "dec_labels": labels,
+            "gen_seed": torch.randint(0, 2**62, (), generator=generator),
+        }
 
     def corrupt(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(enc_input_ids, dec_input_ids), sampled on the batch's device, reproducible from gen_seed."""
@@ -219,20 +266,33 @@ class SimLMMethod:
             self.generator.to(ids.device)
         rng = torch.Generator(device=ids.device).manual_seed(int(batch["gen_seed"]))
         # Both views in one generator pass; each view sees only its own [MASK]s.
-        both = sample_replacements(self.generator, torch.cat([ids, ids]),
-                                   batch["attention_mask"].repeat(2, 1),
-                                   torch.cat([batch["enc_selected"], batch["dec_selected"]]),
-                                   self.vocab.mask_token_id, self.cfg.generator_temperature, rng)
-        return both[: len(ids)], both[len(ids):]
+        both = sample_replacements(
+            self.generator,
+            torch.cat([ids, ids]),
+            batch["attention_mask"].repeat(2, 1),
+            torch.cat([batch["enc_selected"], batch["dec_selected"]]),
+            self.vocab.mask_token_id,
+            self.cfg.generator_temperature,
+            rng,
+        )
+        return both[: len(ids)], both[len(ids) :]
 
     def loss(self, model: SimLM, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         enc_ids, dec_ids = self.corrupt(batch)
-        out = model(enc_input_ids=enc_ids, dec_input_ids=dec_ids, attention_mask=batch["attention_mask"],
-                    enc_labels=batch["enc_labels"], dec_labels=batch["dec_labels"])
+        out = model(
+            enc_input_ids=enc_ids,
+            dec_input_ids=dec_ids,
+            attention_mask=batch["attention_mask"],
+            enc_labels=batch["enc_labels"],
+            dec_labels=batch["dec_labels"],
+        )
         eligible = (batch["enc_labels"] != IGNORE_INDEX).sum().clamp(min=1)
-        return out.loss, {"enc_mlm_loss": out.enc_mlm_loss.detach(), "dec_mlm_loss": out.dec_mlm_loss.detach(),
-                          "enc_replace_rate": batch["enc_selected"].sum() / eligible,
-                          "dec_replace_rate": batch["dec_selected"].sum() / eligible}
+        return out.loss, {
+            "enc_mlm_loss": out.enc_mlm_loss.detach(),
+            "dec_mlm_loss": out.dec_mlm_loss.detach(),
+            "enc_replace_rate": batch["enc_selected"].sum() / eligible,
+            "dec_replace_rate": batch["dec_selected"].sum() / eligible,
+        }
 
     def backward(self, engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return plain_backward(self, engine, batch)

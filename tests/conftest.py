@@ -78,8 +78,9 @@ def synthetic_docs(n: int, seed: int = 0) -> list[dict]:
     import random
 
     rng = random.Random(seed)
-    words = ("the lord said unto moses and aaron in the land of egypt saying this month shall be "
-             "unto you the beginning of months it shall be the first month of the year to you "
-             "speak ye unto all the congregation of israel tenth day lamb house fathers").split()
-    return [{"_id": f"d{i}", "text": " ".join(rng.choice(words) for _ in range(rng.randint(8, 40)))}
-            for i in range(n)]
+    words = (
+        "the lord said unto moses and aaron in the land of egypt saying this month shall be "
+        "unto you the beginning of months it shall be the first month of the year to you "
+        "speak ye unto all the congregation of israel tenth day lamb house fathers"
+    ).split()
+    return [{"_id": f"d{i}", "text": " ".join(rng.choice(words) for _ in range(rng.randint(8, 40)))} for i in range(n)]

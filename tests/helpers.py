@@ -73,13 +73,20 @@ class WordBatch:
     """A generated batch. ``words`` lists, per row, the (start, end) piece span of each word
     (end exclusive). Spans never include special tokens or padding."""
 
-    input_ids: torch.Tensor       # (B, L) long
+    input_ids: torch.Tensor  # (B, L) long
     attention_mask: torch.Tensor  # (B, L) long, 0 on padding
     words: list[list[tuple[int, int]]]
 
 
-def random_word_batch(batch_size: int, seq_len: int, seed: int = 0, tokens: list[str] | None = None,
-                      max_continuations: int = 3, pad_rows: float = 0.3, inner_sep: float = 0.3) -> WordBatch:
+def random_word_batch(
+    batch_size: int,
+    seq_len: int,
+    seed: int = 0,
+    tokens: list[str] | None = None,
+    max_continuations: int = 3,
+    pad_rows: float = 0.3,
+    inner_sep: float = 0.3,
+) -> WordBatch:
     """``[CLS] w w ... [SEP] [PAD]*`` rows of whole words, as the training stream frames them.
 
     Each word is a start piece followed by 0..``max_continuations`` ``##`` pieces, and a
@@ -129,10 +136,15 @@ def tiny_bert_config(vocab_size: int = len(tiny_vocab()), initializer_range: flo
 
     sizes = {**TINY_SIZES, "dropout": 0.0, **overrides}
     return BertConfig(
-        vocab_size=vocab_size, hidden_size=sizes["hidden_size"], num_hidden_layers=sizes["num_layers"],
-        num_attention_heads=sizes["num_heads"], intermediate_size=sizes["intermediate_size"],
-        max_position_embeddings=sizes["max_position"], hidden_dropout_prob=sizes["dropout"],
-        attention_probs_dropout_prob=sizes["dropout"], pad_token_id=PAD_ID,
+        vocab_size=vocab_size,
+        hidden_size=sizes["hidden_size"],
+        num_hidden_layers=sizes["num_layers"],
+        num_attention_heads=sizes["num_heads"],
+        intermediate_size=sizes["intermediate_size"],
+        max_position_embeddings=sizes["max_position"],
+        hidden_dropout_prob=sizes["dropout"],
+        attention_probs_dropout_prob=sizes["dropout"],
+        pad_token_id=PAD_ID,
         initializer_range=initializer_range,
     )
 
@@ -159,10 +171,13 @@ def tiny_mlm(vocab_size: int = len(tiny_vocab()), seed: int = 0, initializer_ran
 
 # -- a real tokenizer ----------------------------------------------------------------------
 
+
 def generated_texts(n: int = 400, seed: int = 0) -> list[str]:
     """English-like sentences built from a fixed word list (enough to train a WordPiece)."""
     rng = random.Random(seed)
-    words = _WORDS + [w + s for w in ("play", "train", "model", "read", "walk", "search") for s in ("", "s", "ed", "ing", "er")]
+    words = _WORDS + [
+        w + s for w in ("play", "train", "model", "read", "walk", "search") for s in ("", "s", "ed", "ing", "er")
+    ]
     return [" ".join(rng.choice(words) for _ in range(rng.randint(5, 25))) + "." for _ in range(n)]
 
 
@@ -174,8 +189,9 @@ def make_tokenizer_dir(out_dir: str, vocab_size: int = 120, texts: list[str] | N
     """
     from pipeline.data.tokenizer import train_wordpiece
 
-    return train_wordpiece(texts if texts is not None else generated_texts(), out_dir,
-                           vocab_size=vocab_size, min_frequency=1)
+    return train_wordpiece(
+        texts if texts is not None else generated_texts(), out_dir, vocab_size=vocab_size, min_frequency=1
+    )
 
 
 def assert_drop_in_bert(export_dir: str, input_ids, attention_mask, expected_cls, atol: float = 1e-5) -> None:
@@ -194,6 +210,7 @@ def assert_drop_in_bert(export_dir: str, input_ids, attention_mask, expected_cls
 
 
 # -- trainers outside DeepSpeed ---------------------------------------------------------------
+
 
 class PlainEngine:
     """What a task's ``backward(engine, batch)`` needs of a DeepSpeed engine, in one process:

@@ -83,22 +83,31 @@ def test_padding_does_not_change_the_result(checkpoints):
     runs = [measure(model, tokenizer, TEXTS, MAX_LEN, batch_size=b) for b in (1, 3, len(TEXTS))]
     for res in runs[1:]:
         for got, want in zip(res["layers"], runs[0]["layers"]):
-            np.testing.assert_allclose([got["mean"], got["std"], *got["heads"]],
-                                       [want["mean"], want["std"], *want["heads"]], atol=1e-5)
+            np.testing.assert_allclose(
+                [got["mean"], got["std"], *got["heads"]], [want["mean"], want["std"], *want["heads"]], atol=1e-5
+            )
     enc = tokenizer(TEXTS, padding=True, truncation=True, max_length=MAX_LEN, return_tensors="pt")
     extra = 9  # more padding columns than the batch needs
     ids = torch.nn.functional.pad(enc["input_ids"], (0, extra), value=tokenizer.pad_token_id)
     mask = torch.nn.functional.pad(enc["attention_mask"], (0, extra))
-    torch.testing.assert_close(cls_entropy(model, ids, mask),
-                               cls_entropy(model, enc["input_ids"], enc["attention_mask"]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        cls_entropy(model, ids, mask), cls_entropy(model, enc["input_ids"], enc["attention_mask"]), atol=1e-5, rtol=0
+    )
 
 
 def test_overlay_of_two_checkpoints_writes_json_and_png(checkpoints, corpus, s3_bucket):
     # The second checkpoint and the output live on S3 (moto on loopback).
     remote = storage.upload_dir(checkpoints[1], f"s3://{s3_bucket}/ckpt1")
     output = f"s3://{s3_bucket}/analyze"
-    cfg = AnalyzeConfig(checkpoints=[checkpoints[0], remote], labels=["local", "remote"], passages=corpus,
-                        num_passages=7, max_len=MAX_LEN, batch_size=3, output=output)
+    cfg = AnalyzeConfig(
+        checkpoints=[checkpoints[0], remote],
+        labels=["local", "remote"],
+        passages=corpus,
+        num_passages=7,
+        max_len=MAX_LEN,
+        batch_size=3,
+        output=output,
+    )
     summary = run_analysis(cfg)
     assert summary["files"] == {"json": f"{output}/entropy.json", "plot": f"{output}/cls_entropy.png"}
     assert storage.read_bytes(summary["files"]["plot"]).startswith(b"\x89PNG\r\n\x1a\n")
@@ -109,8 +118,9 @@ def test_overlay_of_two_checkpoints_writes_json_and_png(checkpoints, corpus, s3_
     for path, got in zip(checkpoints, saved["checkpoints"]):
         want = measure(*load_checkpoint(path), texts, MAX_LEN, batch_size=7)
         assert got["num_passages"] == 7 and got["mean_length"] == pytest.approx(want["mean_length"])
-        np.testing.assert_allclose([lay["mean"] for lay in got["layers"]], [lay["mean"] for lay in want["layers"]],
-                                   atol=1e-6)
+        np.testing.assert_allclose(
+            [lay["mean"] for lay in got["layers"]], [lay["mean"] for lay in want["layers"]], atol=1e-6
+        )
         assert summary["entropy"][got["label"]] == [lay["mean"] for lay in got["layers"]]
     means = [summary["entropy"][label] for label in ("local", "remote")]
     assert not np.allclose(*means)  # different weights, different curves
@@ -119,9 +129,24 @@ def test_overlay_of_two_checkpoints_writes_json_and_png(checkpoints, corpus, s3_
 def test_job_end_to_end_with_passages_on_s3(checkpoints, corpus, s3_bucket, tmp_path, capsys):
     passages = f"s3://{s3_bucket}/corpus.jsonl"
     storage.write_bytes(passages, open(corpus, "rb").read())
-    summary = main(["--checkpoints", checkpoints[0], "--passages", passages, "--num_passages", "5",
-                    "--seed", "none", "--max_len", str(MAX_LEN), "--batch_size", "2",
-                    "--output", str(tmp_path / "out")])
+    summary = main(
+        [
+            "--checkpoints",
+            checkpoints[0],
+            "--passages",
+            passages,
+            "--num_passages",
+            "5",
+            "--seed",
+            "none",
+            "--max_len",
+            str(MAX_LEN),
+            "--batch_size",
+            "2",
+            "--output",
+            str(tmp_path / "out"),
+        ]
+    )
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == json.loads(json.dumps(summary))
     want = measure(*load_checkpoint(checkpoints[0]), TEXTS[:5], MAX_LEN)  # seed none: the first 5
     label = os.path.basename(checkpoints[0])

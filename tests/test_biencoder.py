@@ -33,8 +33,7 @@ def biencoder(**cfg) -> BiEncoder:
 
 def test_loss_matches_a_hand_computation():
     # 2 queries, groups of 2: query 0 owns passages 0 (positive) and 1, query 1 owns 2 and 3.
-    scores = torch.tensor([[3.0, 1.0, 0.5, -1.0],
-                           [0.0, 2.0, 1.0, 0.5]])
+    scores = torch.tensor([[3.0, 1.0, 0.5, -1.0], [0.0, 2.0, 1.0, 0.5]])
     expected = 0.0
     for i, row in enumerate(scores.tolist()):
         expected += -(row[2 * i] - math.log(sum(math.exp(s) for s in row)))
@@ -83,7 +82,10 @@ def batch(rank: int | None = None):
     d = random_word_batch(2 * N_QUERIES * GROUP, 14, seed=4, inner_sep=0.0)
     if rank is None:
         return q.input_ids, q.attention_mask, d.input_ids, d.attention_mask
-    qs, ds = slice(rank * N_QUERIES, (rank + 1) * N_QUERIES), slice(rank * N_QUERIES * GROUP, (rank + 1) * N_QUERIES * GROUP)
+    qs, ds = (
+        slice(rank * N_QUERIES, (rank + 1) * N_QUERIES),
+        slice(rank * N_QUERIES * GROUP, (rank + 1) * N_QUERIES * GROUP),
+    )
     return q.input_ids[qs], q.attention_mask[qs], d.input_ids[ds], d.attention_mask[ds]
 
 
@@ -105,8 +107,9 @@ def _worker(rank: int, port: int, cfg: dict, out: dict):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("cfg", [{}, {"pooling": "mean", "similarity": "cos", "temperature": 0.05},
-                                 {"shared_encoder": False}])
+@pytest.mark.parametrize(
+    "cfg", [{}, {"pooling": "mean", "similarity": "cos", "temperature": 0.05}, {"shared_encoder": False}]
+)
 def test_two_workers_equal_one_process_holding_the_full_batch(cfg):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -129,6 +132,7 @@ def test_two_workers_equal_one_process_holding_the_full_batch(cfg):
 
 # -- export -----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_export_loads_as_plain_bert_with_its_settings(shared, tmp_path):
     model = biencoder(shared_encoder=shared, pooling="mean", similarity="cos", temperature=0.02)
@@ -139,11 +143,17 @@ def test_export_loads_as_plain_bert_with_its_settings(shared, tmp_path):
     towers = {"query": model.encode_query, "passage": model.encode_passage}
     for name, encode in towers.items():
         path = str(tmp_path) if shared else os.path.join(tmp_path, name)
-        loaded = BiEncoder(AutoModel.from_pretrained(path).eval(), None, BiEncoderConfig(
-            pooling=settings["pooling"], similarity=settings["similarity"], temperature=settings["temperature"]))
+        loaded = BiEncoder(
+            AutoModel.from_pretrained(path).eval(),
+            None,
+            BiEncoderConfig(
+                pooling=settings["pooling"], similarity=settings["similarity"], temperature=settings["temperature"]
+            ),
+        )
         with torch.no_grad():
-            assert torch.allclose(loaded.encode_query(wb.input_ids, wb.attention_mask),
-                                  encode(wb.input_ids, wb.attention_mask), atol=1e-5)
+            assert torch.allclose(
+                loaded.encode_query(wb.input_ids, wb.attention_mask), encode(wb.input_ids, wb.attention_mask), atol=1e-5
+            )
     assert settings["towers"] == ([] if shared else ["passage", "query"])
     with pytest.raises(FileNotFoundError, match="retriever.json"):
         load_settings(str(tmp_path / "nowhere"))
@@ -151,15 +161,21 @@ def test_export_loads_as_plain_bert_with_its_settings(shared, tmp_path):
 
 # -- the trainer's backward: gradient cache and padding trim ----------------------------------
 
+
 def _full_batch(pad_rows: float = 0.5) -> dict:
     q = random_word_batch(5, 10, seed=21, inner_sep=0.0, pad_rows=pad_rows)
     d = random_word_batch(5 * 3, 16, seed=22, inner_sep=0.0, pad_rows=pad_rows)
-    return {"q_input_ids": q.input_ids, "q_attention_mask": q.attention_mask,
-            "d_input_ids": d.input_ids, "d_attention_mask": d.attention_mask}
+    return {
+        "q_input_ids": q.input_ids,
+        "q_attention_mask": q.attention_mask,
+        "d_input_ids": d.input_ids,
+        "d_attention_mask": d.attention_mask,
+    }
 
 
-@pytest.mark.parametrize("cfg", [{}, {"pooling": "mean", "similarity": "cos", "temperature": 0.05},
-                                 {"shared_encoder": False}])
+@pytest.mark.parametrize(
+    "cfg", [{}, {"pooling": "mean", "similarity": "cos", "temperature": 0.05}, {"shared_encoder": False}]
+)
 @pytest.mark.parametrize("chunk", [1, 4, 7])
 def test_gradient_cache_equals_the_plain_path(cfg, chunk):
     from models.biencoder import contrastive_backward
@@ -206,8 +222,9 @@ def test_load_biencoder_restores_towers_and_settings(shared, tmp_path):
     wb = random_word_batch(3, 12, seed=5, inner_sep=0.0)
     with torch.no_grad():
         for mine, theirs in ((loaded.encode_query, model.encode_query), (loaded.encode_passage, model.encode_passage)):
-            assert torch.allclose(mine(wb.input_ids, wb.attention_mask), theirs(wb.input_ids, wb.attention_mask),
-                                  atol=1e-5)
+            assert torch.allclose(
+                mine(wb.input_ids, wb.attention_mask), theirs(wb.input_ids, wb.attention_mask), atol=1e-5
+            )
     overridden = load_biencoder(str(tmp_path), {"pooling": "cls"})
     assert overridden.cfg.pooling == "cls"
 
@@ -220,8 +237,11 @@ def test_length_buckets_give_the_same_representations_loss_and_gradients(buckets
     plain = biencoder(pooling="mean")
     bucketed = biencoder(pooling="mean", length_buckets=buckets)
     with torch.no_grad():
-        assert torch.allclose(bucketed.encode_passage(batch["d_input_ids"], batch["d_attention_mask"]),
-                              plain.encode_passage(batch["d_input_ids"], batch["d_attention_mask"]), atol=1e-5)
+        assert torch.allclose(
+            bucketed.encode_passage(batch["d_input_ids"], batch["d_attention_mask"]),
+            plain.encode_passage(batch["d_input_ids"], batch["d_attention_mask"]),
+            atol=1e-5,
+        )
     loss_plain, _ = contrastive_backward(PlainEngine(plain), batch, group_size=3)
     loss_bucketed, _ = contrastive_backward(PlainEngine(bucketed), batch, group_size=3)
     assert loss_bucketed.item() == pytest.approx(loss_plain.item(), rel=1e-5)

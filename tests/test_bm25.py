@@ -17,8 +17,11 @@ DOCS = [
     {"_id": "d4", "text": "the zebra herd crossed the river at dawn"},
     {"_id": "d5", "text": "the quokka smiled"},
 ] + [{"_id": f"f{i}", "text": d["text"]} for i, d in enumerate(synthetic_docs(30))]
-QUERIES = [{"_id": "q1", "text": "zebra stripes"}, {"_id": "q2", "text": "quokka quokka"},
-           {"_id": "q3", "text": "the and of"}]
+QUERIES = [
+    {"_id": "q1", "text": "zebra stripes"},
+    {"_id": "q2", "text": "quokka quokka"},
+    {"_id": "q3", "text": "the and of"},
+]
 QRELS = "query-id\tcorpus-id\tscore\nq1\td0\t1\nq1\td4\t0\nq2\td5\t1\n"
 
 
@@ -31,8 +34,15 @@ def beir(tmp_path):
 
 
 def config(beir, **overrides) -> Bm25Config:
-    return Bm25Config(**{"corpus": str(beir / "corpus.jsonl"), "queries": str(beir / "queries.jsonl"),
-                         "qrels": str(beir / "qrels.tsv"), "output": str(beir / "out" / "neg.jsonl"), **overrides})
+    return Bm25Config(
+        **{
+            "corpus": str(beir / "corpus.jsonl"),
+            "queries": str(beir / "queries.jsonl"),
+            "qrels": str(beir / "qrels.tsv"),
+            "output": str(beir / "out" / "neg.jsonl"),
+            **overrides,
+        }
+    )
 
 
 def read_jsonl(path) -> list[dict]:
@@ -51,10 +61,12 @@ def test_bm25_run_equals_direct_bm25s(beir):
     direct = bm25s.BM25(k1=1.2, b=0.75)
     direct.index(bm25s.tokenize(texts, stopwords="en", show_progress=False), show_progress=False)
     queries = {q["_id"]: q["text"] for q in QUERIES}
-    rows, scores = direct.retrieve(bm25s.tokenize(list(queries.values()), stopwords="en", show_progress=False),
-                                   k=len(DOCS), show_progress=False)
-    expected = {qid: {DOCS[r]["_id"]: float(s) for r, s in zip(rs, ss) if s > 0}
-                for qid, rs, ss in zip(queries, rows, scores)}
+    rows, scores = direct.retrieve(
+        bm25s.tokenize(list(queries.values()), stopwords="en", show_progress=False), k=len(DOCS), show_progress=False
+    )
+    expected = {
+        qid: {DOCS[r]["_id"]: float(s) for r, s in zip(rs, ss) if s > 0} for qid, rs, ss in zip(queries, rows, scores)
+    }
     index = build_index(str(beir / "corpus.jsonl"), k1=1.2, b=0.75)
     got = bm25_run(index, queries, depth=len(DOCS), batch_size=2, threads=1)
     assert got == expected
@@ -113,13 +125,25 @@ def test_job_reads_s3_writes_local(beir, s3_bucket, capsys):
     from jobs.bm25_negatives import main
 
     out = beir / "job" / "negatives.jsonl.gz"
-    summary = main([f"--corpus=s3://{s3_bucket}/beir/corpus.jsonl", f"--queries=s3://{s3_bucket}/beir/queries.jsonl",
-                    f"--qrels=s3://{s3_bucket}/beir/qrels.tsv", f"--output={out}", "--depth=20", "--count=4",
-                    "--no-write_scores"])
+    summary = main(
+        [
+            f"--corpus=s3://{s3_bucket}/beir/corpus.jsonl",
+            f"--queries=s3://{s3_bucket}/beir/queries.jsonl",
+            f"--qrels=s3://{s3_bucket}/beir/qrels.tsv",
+            f"--output={out}",
+            "--depth=20",
+            "--count=4",
+            "--no-write_scores",
+        ]
+    )
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last == summary
     assert {k: last[k] for k in ("queries", "docs", "queries_without_positive", "positives_dropped")} == {
-        "queries": 3, "docs": len(DOCS), "queries_without_positive": 1, "positives_dropped": 2}
+        "queries": 3,
+        "docs": len(DOCS),
+        "queries_without_positive": 1,
+        "positives_dropped": 2,
+    }
     rows = read_jsonl(out)
     assert [r["query_id"] for r in rows] == ["q1", "q2", "q3"] and all("scores" not in r for r in rows)
     assert len(rows[0]["negatives"]) == 4 and "d0" not in rows[0]["negatives"]

@@ -23,7 +23,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "cluster"
-ZERO_TEMPLATES = REPO / "pipeline" / "training" / "zero_templates"  # package data; the non-editable install is tested too
+ZERO_TEMPLATES = (
+    REPO / "pipeline" / "training" / "zero_templates"
+)  # package data; the non-editable install is tested too
 AWS_YAML = CLUSTER / "aws.yaml"
 RAYCLUSTER = CLUSTER / "kuberay" / "raycluster.yaml"
 RAYJOB = CLUSTER / "kuberay" / "rayjob.yaml"
@@ -47,6 +49,7 @@ def image_tag() -> str:
 
 
 # -- AWS: Ray cluster launcher ------------------------------------------------------------
+
 
 def test_aws_yaml_validates_against_rays_schema_and_config_checks():
     import jsonschema
@@ -101,7 +104,9 @@ def test_aws_node_types_scale_from_zero_with_on_demand_twins():
     assert head["resources"] == {"CPU": 0}
     assert "InstanceMarketOptions" not in head["node_config"], "a spot head loses every running job"
     workers = {n: t for n, t in types.items() if n != config["head_node_type"]}
-    spot = {n for n, t in workers.items() if t["node_config"].get("InstanceMarketOptions", {}).get("MarketType") == "spot"}
+    spot = {
+        n for n, t in workers.items() if t["node_config"].get("InstanceMarketOptions", {}).get("MarketType") == "spot"
+    }
     assert {n for n in workers if n.endswith("-spot")} == spot and len(spot) == 3
     for name in spot:
         twin = workers[name.replace("-spot", "-ondemand")]
@@ -150,14 +155,23 @@ def v1_scheduler(monkeypatch):
 
     def launch(demands, failed=(), seconds_ago=60, scorer="spot_fallback.utilization_score"):
         monkeypatch.setenv("RAY_AUTOSCALER_UTILIZATION_SCORER", scorer)
-        scheduler = ResourceDemandScheduler(None, config["available_node_types"], config["max_workers"],
-                                            config["head_node_type"], config["upscaling_speed"])
+        scheduler = ResourceDemandScheduler(
+            None,
+            config["available_node_types"],
+            config["max_workers"],
+            config["head_node_type"],
+            config["upscaling_speed"],
+        )
         tracker = NodeProviderAvailabilityTracker()
         for node_type in failed:
-            tracker.update_node_availability(node_type, int(time.time() - seconds_ago), NodeLaunchException(
-                "InsufficientInstanceCapacity", "There is no Spot capacity available", None))
-        to_launch, _ = scheduler.get_nodes_to_launch([], {config["head_node_type"]: 1}, demands, {}, [], {},
-                                                     False, tracker.summary())
+            tracker.update_node_availability(
+                node_type,
+                int(time.time() - seconds_ago),
+                NodeLaunchException("InsufficientInstanceCapacity", "There is no Spot capacity available", None),
+            )
+        to_launch, _ = scheduler.get_nodes_to_launch(
+            [], {config["head_node_type"]: 1}, demands, {}, [], {}, False, tracker.summary()
+        )
         return dict(to_launch)
 
     return launch
@@ -180,6 +194,7 @@ def test_aws_autoscaler_picks_spot_then_falls_back_to_on_demand(v1_scheduler):
 
 
 # -- Kubernetes: KubeRay -----------------------------------------------------------------
+
 
 def worker_groups(spec: dict) -> dict[str, dict]:
     return {g["groupName"]: g for g in spec["workerGroupSpecs"]}
@@ -215,8 +230,14 @@ def test_kuberay_raycluster_autoscales_gpu_groups():
         if gpus[name]:
             assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"]
             assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
-    assert gpus == {"gpu8-spot": 8, "gpu8-ondemand": 8, "gpu1-spot": 1, "gpu1-ondemand": 1,
-                    "cpu-spot": 0, "cpu-ondemand": 0}
+    assert gpus == {
+        "gpu8-spot": 8,
+        "gpu8-ondemand": 8,
+        "gpu1-spot": 1,
+        "gpu1-ondemand": 1,
+        "cpu-spot": 0,
+        "cpu-ondemand": 0,
+    }
     for name in ("gpu8", "gpu1", "cpu"):
         spot, ondemand = groups[f"{name}-spot"]["template"]["spec"], groups[f"{name}-ondemand"]["template"]["spec"]
         assert spot["nodeSelector"]["karpenter.sh/capacity-type"] == "spot"
@@ -248,12 +269,14 @@ def test_kuberay_autoscaler_reads_the_cluster_and_falls_back_to_on_demand():
 
     def launch(demands, unavailable=()):
         request = SchedulingRequest(
-            disable_launch_config_check=True, node_type_configs=config.get_node_type_configs(),
+            disable_launch_config_check=True,
+            node_type_configs=config.get_node_type_configs(),
             max_num_nodes=config.get_max_num_nodes(),
             resource_requests=ResourceRequestUtil.group_by_count([ResourceRequestUtil.make(d) for d in demands]),
             # What a spot pod stuck Pending past the allocation timeout leaves behind.
             recoverable_resource_availabilities={t: 0.0 for t in unavailable},
-            cloud_resource_availabilities={t: 0.0 for t in unavailable})
+            cloud_resource_availabilities={t: 0.0 for t in unavailable},
+        )
         reply = ResourceDemandScheduler(None).schedule(request)
         return {r.instance_type: r.count for r in reply.to_launch}
 
@@ -282,7 +305,7 @@ def test_kuberay_rayjob_runs_pretrain_with_the_mounted_config():
     (mount,) = [m for m in head["containers"][0]["volumeMounts"] if config_path.startswith(m["mountPath"] + "/")]
     (volume,) = [v for v in head["volumes"] if v["name"] == mount["name"]]
     assert volume["configMap"]["name"] == config_map["metadata"]["name"]
-    key = config_path[len(mount["mountPath"]) + 1:]
+    key = config_path[len(mount["mountPath"]) + 1 :]
     # The ConfigMap carries the shipped run config verbatim, and it parses.
     assert config_map["data"][key] == PRETRAIN_CONFIG.read_text()
     cfg = parse_config(PretrainConfig, ["--config", str(PRETRAIN_CONFIG)])
@@ -294,7 +317,9 @@ def test_kuberay_rayjob_runs_pretrain_with_the_mounted_config():
 def test_kuberay_s3_access_comes_from_the_service_account():
     sa = docs(SERVICE_ACCOUNT)["ServiceAccount"]
     assert sa["metadata"]["name"] == "raydense"
-    assert re.fullmatch(r"arn:aws:iam::\d{12}:role/[\w+=,.@-]+", sa["metadata"]["annotations"]["eks.amazonaws.com/role-arn"])
+    assert re.fullmatch(
+        r"arn:aws:iam::\d{12}:role/[\w+=,.@-]+", sa["metadata"]["annotations"]["eks.amazonaws.com/role-arn"]
+    )
     for path in (RAYCLUSTER, RAYJOB):
         for kind, doc in docs(path).items():
             if kind in ("RayCluster", "RayJob"):
@@ -316,6 +341,7 @@ def test_no_credentials_anywhere_in_cluster():
 
 
 # -- the image ---------------------------------------------------------------------------
+
 
 def test_dockerfile_builds_on_the_matching_ray_image():
     dockerfile = (CLUSTER / "Dockerfile").read_text()
@@ -339,6 +365,7 @@ def test_default_and_test_installs_never_pull_cuda():
 
 # -- DeepSpeed ---------------------------------------------------------------------------
 
+
 @pytest.fixture
 def deepspeed_parse():
     """DeepSpeed's own config object (the one deepspeed.initialize builds), as if on rank 0
@@ -347,8 +374,10 @@ def deepspeed_parse():
     from deepspeed.runtime.config import DeepSpeedConfig
 
     def parse(cfg: dict, world_size: int = 8):
-        with mock.patch.object(dist, "get_rank", return_value=0), \
-                mock.patch.object(dist, "get_world_size", return_value=world_size):
+        with (
+            mock.patch.object(dist, "get_rank", return_value=0),
+            mock.patch.object(dist, "get_world_size", return_value=world_size),
+        ):
             return DeepSpeedConfig(copy.deepcopy(cfg))
 
     return parse
@@ -402,6 +431,7 @@ def test_cluster_run_config_selects_zero1_bf16(deepspeed_parse):
 
 # -- sizing ------------------------------------------------------------------------------
 
+
 def test_readme_sizing_table_is_the_planners_output(monkeypatch):
     monkeypatch.syspath_prepend(str(CLUSTER))
     import sizing
@@ -425,11 +455,15 @@ def test_readme_sizing_table_is_the_planners_output(monkeypatch):
 
 # -- object storage from the environment -------------------------------------------------
 
+
 def test_s3_settings_come_from_the_environment_and_keys_never_travel(monkeypatch):
     from pipeline.core import storage
 
-    fake = {"AWS_ACCESS_KEY_ID": "AKIARAYDENSEFAKE0001", "AWS_SECRET_ACCESS_KEY": "raydense/fake+secret0001",
-            "AWS_SESSION_TOKEN": "raydense-fake-session-token-0001"}
+    fake = {
+        "AWS_ACCESS_KEY_ID": "AKIARAYDENSEFAKE0001",
+        "AWS_SECRET_ACCESS_KEY": "raydense/fake+secret0001",
+        "AWS_SESSION_TOKEN": "raydense-fake-session-token-0001",
+    }
     for key, value in fake.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")

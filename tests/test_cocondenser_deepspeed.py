@@ -31,9 +31,18 @@ WORLD = 2
 FP32_TOLERANCE, BF16_TOLERANCE = 1e-4, 3e-2  # relative gradient error; bf16 keeps 8 bits of mantissa
 PAIRS_PER_WORKER = 4  # 8 spans per worker, 16 in the global batch
 CASES = [  # (ZeRO stage, precision, chunk size in spans; 0 = no cache)
-    (1, "fp32", 0), (1, "fp32", 2), (1, "fp32", 3), (1, "fp32", 8),
-    (2, "fp32", 0), (2, "fp32", 2), (2, "fp32", 3), (2, "fp32", 8),
-    (1, "bf16", 0), (1, "bf16", 4), (2, "bf16", 0), (2, "bf16", 4),
+    (1, "fp32", 0),
+    (1, "fp32", 2),
+    (1, "fp32", 3),
+    (1, "fp32", 8),
+    (2, "fp32", 0),
+    (2, "fp32", 2),
+    (2, "fp32", 3),
+    (2, "fp32", 8),
+    (1, "bf16", 0),
+    (1, "bf16", 4),
+    (2, "bf16", 0),
+    (2, "bf16", 4),
 ]
 
 
@@ -49,33 +58,50 @@ def global_batch() -> dict[str, torch.Tensor]:
 
 
 def ds_config(stage: int, precision: str) -> dict:
-    return {"train_micro_batch_size_per_gpu": PAIRS_PER_WORKER, "gradient_accumulation_steps": 1,
-            "zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"},
-            "gradient_clipping": 0.0, "steps_per_print": 10**9}
+    return {
+        "train_micro_batch_size_per_gpu": PAIRS_PER_WORKER,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": precision == "bf16"},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+    }
 
 
 def _worker(rank: int, port: int, out: dict):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_WORLD_SIZE=str(WORLD),
+    )
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     n = 2 * PAIRS_PER_WORKER
-    local = {k: v[rank * n:(rank + 1) * n] for k, v in global_batch().items()}
+    local = {k: v[rank * n : (rank + 1) * n] for k, v in global_batch().items()}
     for stage, precision, chunk in CASES:
         model = build_model()
         method = CoCondenserMethod(CoCondenserConfig(head="", chunk_size=chunk), tiny_masking_vocab())
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(stage, precision))
         loss, extras = method.backward(engine, local)
-        grads = {name: safe_get_full_grad(p).float().clone() for name, p in engine.module.named_parameters()
-                 if p.requires_grad}
+        grads = {
+            name: safe_get_full_grad(p).float().clone()
+            for name, p in engine.module.named_parameters()
+            if p.requires_grad
+        }
         engine.step()  # one optimiser step per global batch, with no hang
         # The logged loss is this worker's MLM share plus the global contrastive loss.
-        out[(rank, stage, precision, chunk)] = {"grads": grads if rank == 0 else None, "loss": float(loss),
-                                                "contrastive": float(extras["contrastive_loss"])}
+        out[(rank, stage, precision, chunk)] = {
+            "grads": grads if rank == 0 else None,
+            "loss": float(loss),
+            "contrastive": float(extras["contrastive_loss"]),
+        }
         del engine, optimizer
     torch.distributed.destroy_process_group()
 
@@ -128,7 +154,7 @@ def test_the_bf16_bound_fits_bf16_rounding_and_catches_a_missing_gather():
     ref_grads, _, _ = reference()
     bf16_grads, _, _ = reference(dtype=torch.bfloat16)
     assert relative_error(bf16_grads, ref_grads) < BF16_TOLERANCE
-    half = {k: v[:2 * PAIRS_PER_WORKER] for k, v in global_batch().items()}
+    half = {k: v[: 2 * PAIRS_PER_WORKER] for k, v in global_batch().items()}
     local_only, _, _ = reference(half)
     assert relative_error(local_only, ref_grads) > 10 * BF16_TOLERANCE
 
@@ -140,8 +166,11 @@ def test_sequence_losses_average_to_the_per_span_mean():
     per_span = sequence_mlm_losses(model.lm, late, batch["labels"])
     for i in range(batch["input_ids"].shape[0]):
         picked = batch["labels"][i] != -100
-        expected = (torch.nn.functional.cross_entropy(model.lm.cls(late[i][picked]), batch["labels"][i][picked])
-                    if picked.any() else torch.tensor(0.0))
+        expected = (
+            torch.nn.functional.cross_entropy(model.lm.cls(late[i][picked]), batch["labels"][i][picked])
+            if picked.any()
+            else torch.tensor(0.0)
+        )
         assert per_span[i].item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
 
 

@@ -50,8 +50,9 @@ class TinyEncoder(torch.nn.Module):
 
     def __init__(self, dropout: float):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(dropout),
-                                       torch.nn.Linear(16, 6))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(dropout), torch.nn.Linear(16, 6)
+        )
         self.head = torch.nn.Linear(6, 3)
 
     def encode(self, chunk):
@@ -70,7 +71,7 @@ def test_grad_cache_equals_one_graph_over_the_whole_batch(chunk_size, dropout):
     torch.manual_seed(0)
     model = TinyEncoder(dropout).train()
     x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
-    chunks = [{"x": x[i:i + chunk_size], "y": y[i:i + chunk_size], "total": 16} for i in range(0, 16, chunk_size)]
+    chunks = [{"x": x[i : i + chunk_size], "y": y[i : i + chunk_size], "total": 16} for i in range(0, 16, chunk_size)]
 
     torch.manual_seed(1)
     coupled, local = grad_cache_backward(chunks, model.encode, span_contrastive_loss, lambda s: s.backward())
@@ -100,7 +101,7 @@ def test_replay_reproduces_the_first_pass_exactly_under_dropout():
     torch.manual_seed(0)
     model = TinyEncoder(0.5).train()
     x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
-    chunks = [{"x": x[i:i + 4], "y": y[i:i + 4], "total": 8} for i in (0, 4)]
+    chunks = [{"x": x[i : i + 4], "y": y[i : i + 4], "total": 8} for i in (0, 4)]
     seen = []
 
     def recording_encode(chunk):
@@ -118,6 +119,7 @@ def test_replay_reproduces_the_first_pass_exactly_under_dropout():
 
 # -- two real processes (gloo) ------------------------------------------------------------
 
+
 def _worker(rank: int, world: int, port: int, full: torch.Tensor, out: dict):
     import torch.distributed as dist
 
@@ -125,7 +127,7 @@ def _worker(rank: int, world: int, port: int, full: torch.Tensor, out: dict):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         b = full.shape[0] // world
-        local = full[rank * b:(rank + 1) * b].clone().requires_grad_(True)
+        local = full[rank * b : (rank + 1) * b].clone().requires_grad_(True)
         from models.distributed import gather_with_grad
 
         gathered = gather_with_grad(local)
@@ -153,4 +155,4 @@ def test_two_workers_place_chunks_by_global_rank_and_reproduce_the_full_batch_gr
         assert torch.equal(out[rank]["gathered"], full)  # identical on both, each chunk at its rank's slot
         assert out[rank]["loss"] == pytest.approx(2 * ref_loss.item(), rel=1e-6)  # scaled by world size
         # After the data-parallel average (÷ world), each worker's rows get exactly the full-batch gradient.
-        assert torch.allclose(out[rank]["grad"] / 2, reference.grad[rank * 4:(rank + 1) * 4], atol=1e-6)
+        assert torch.allclose(out[rank]["grad"] / 2, reference.grad[rank * 4 : (rank + 1) * 4], atol=1e-6)

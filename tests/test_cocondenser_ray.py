@@ -27,8 +27,12 @@ def test_warm_started_cocondenser_with_gradient_cache_on_two_workers(tmp_path, r
     from safetensors.torch import load_file
 
     docs = synthetic_docs(120, seed=11)
-    corpus = PrepareConfig(input=write_jsonl(tmp_path / "raw.jsonl", docs), output=str(tmp_path / "corpus"),
-                           vocab_size=120, docs_per_shard=40)
+    corpus = PrepareConfig(
+        input=write_jsonl(tmp_path / "raw.jsonl", docs),
+        output=str(tmp_path / "corpus"),
+        vocab_size=120,
+        docs_per_shard=40,
+    )
     manifest = prepare_corpus(corpus)
     corpus.input = ""  # prepared: the job reads the manifest
     tokenizer_dir = os.path.join(corpus.output, manifest["tokenizer"])
@@ -45,9 +49,18 @@ def test_warm_started_cocondenser_with_gradient_cache_on_two_workers(tmp_path, r
     cfg = PretrainConfig(method="cocondenser", corpus=corpus, model=BackboneConfig(init=condenser_dir))
     cfg.cocondenser = CoCondenserConfig(span_length=12, min_span_length=6, chunk_size=4)  # head: "auto"
     # lr 0: the export must then be exactly the warm start, head included.
-    cfg.train = TrainConfig(output=str(tmp_path / "run"), num_workers=2, zero_stage=2, micro_batch_size=5,
-                            max_steps=1000, epochs=1, lr=0.0, log_every=1, checkpoint_every=100,
-                            data_trace=True)
+    cfg.train = TrainConfig(
+        output=str(tmp_path / "run"),
+        num_workers=2,
+        zero_stage=2,
+        micro_batch_size=5,
+        max_steps=1000,
+        epochs=1,
+        lr=0.0,
+        log_every=1,
+        checkpoint_every=100,
+        data_trace=True,
+    )
     summary = run_pretraining(cfg)
 
     head_before = load_file(os.path.join(condenser_dir, "condenser_head.safetensors"))
@@ -74,5 +87,6 @@ def test_warm_started_cocondenser_with_gradient_cache_on_two_workers(tmp_path, r
     assert all(entry["contrastive_loss"] > 0 for entry in history)
     # The logged loss is the eq. 7 total: MLM head + MLM late + contrastive.
     entry = history[0]
-    assert entry["loss"] == pytest.approx(entry["head_mlm_loss"] + entry["late_mlm_loss"] + entry["contrastive_loss"],
-                                          rel=1e-4)
+    assert entry["loss"] == pytest.approx(
+        entry["head_mlm_loss"] + entry["late_mlm_loss"] + entry["contrastive_loss"], rel=1e-4
+    )

@@ -27,15 +27,17 @@ def _config(tmp_path, data: dict, init: str) -> ComparisonConfig:
     cfg.data.query_max_len, cfg.data.passage_max_len, cfg.data.docs_per_shard = 12, 32, 40
     job = cfg.pretrain.job
     job.data.max_len = 32
-    job.train = TrainConfig(micro_batch_size=4, max_steps=2, lr=1e-3, checkpoint_every=100, cpus_per_worker=1,
-                            log_every=1)
+    job.train = TrainConfig(
+        micro_batch_size=4, max_steps=2, lr=1e-3, checkpoint_every=100, cpus_per_worker=1, log_every=1
+    )
     job.cocondenser.span_length, job.cocondenser.min_span_length, job.cocondenser.chunk_size = 10, 3, 4
     job.simlm.n_decoder_layers = 1
     cfg.finetune.train_sizes = [0]
     cfg.finetune.bm25_depth, cfg.finetune.bm25_count = 20, 4
     cfg.finetune.stage.retriever.group_size = 3
-    cfg.finetune.stage.train = TrainConfig(micro_batch_size=6, max_steps=2, lr=1e-3, checkpoint_every=100,
-                                           cpus_per_worker=1, log_every=1)
+    cfg.finetune.stage.train = TrainConfig(
+        micro_batch_size=6, max_steps=2, lr=1e-3, checkpoint_every=100, cpus_per_worker=1, log_every=1
+    )
     cfg.eval.k, cfg.eval.pool.actors = 20, 1
     cfg.analysis.num_passages = 16
     return cfg
@@ -66,8 +68,9 @@ def test_comparison_end_to_end_then_rerun(tmp_path, ray_session):
     pretrain = {m: yaml.safe_load(open(out / "pretrain" / m / "config.yaml")) for m in METHODS if m != "none"}
     condenser_export = units["pretrain/condenser"]["outputs"]["export"]
     assert pretrain["cocondenser"]["model"]["init"] == condenser_export
-    assert pretrain["cocondenser"]["cocondenser"]["head"] == os.path.join(condenser_export,
-                                                                         "condenser_head.safetensors")
+    assert pretrain["cocondenser"]["cocondenser"]["head"] == os.path.join(
+        condenser_export, "condenser_head.safetensors"
+    )
     assert pretrain["simlm"]["simlm"]["generator"] == units["pretrain/mlm"]["outputs"]["export"]
     for method in ("mlm", "condenser", "simlm"):
         assert pretrain[method]["model"]["init"] == init and pretrain[method]["method"] == method
@@ -88,21 +91,25 @@ def test_comparison_end_to_end_then_rerun(tmp_path, ray_session):
     before = json.load(open(out / "analysis" / "before" / "entropy.json"))
     after = json.load(open(out / "analysis" / "after" / "entropy.json"))
     assert [c["label"] for c in before["checkpoints"]] == ["initial", "mlm", "condenser", "cocondenser", "simlm"]
-    assert [c["path"] for c in after["checkpoints"]] == [units[f"finetune/{m}/all"]["outputs"]["export"]
-                                                         for m in METHODS]
+    assert [c["path"] for c in after["checkpoints"]] == [
+        units[f"finetune/{m}/all"]["outputs"]["export"] for m in METHODS
+    ]
 
     # A rerun finds every unit recorded and does nothing.
     again = run_comparison(_config(tmp_path, data, init))
     assert again["ran"] == [] and again["rows"] == rows
 
 
-@pytest.mark.parametrize("methods, sizes, message", [
-    (["none", "bert"], [0], "unknown"),
-    (["none", "none"], [0], "twice"),
-    (["none", "simlm"], [0], "generator is the mlm run"),
-    (["none"], [100, 100], "distinct"),
-    (["none"], [-1], "distinct counts >= 0"),
-])
+@pytest.mark.parametrize(
+    "methods, sizes, message",
+    [
+        (["none", "bert"], [0], "unknown"),
+        (["none", "none"], [0], "twice"),
+        (["none", "simlm"], [0], "generator is the mlm run"),
+        (["none"], [100, 100], "distinct"),
+        (["none"], [-1], "distinct counts >= 0"),
+    ],
+)
 def test_bad_comparisons_are_rejected(methods, sizes, message):
     from pipeline.workflows.compare import ComparisonFinetune, ComparisonPretrain
 
@@ -124,10 +131,12 @@ def test_query_sample_is_seeded_and_keeps_only_judged_queries(tmp_path):
     folder.mkdir()
     (folder / "q.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": f"t{i}"}) + "\n" for i in range(10)))
     # q9 has only a 0-scored judgment: not a training query.
-    (folder / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i}\t1\n" for i in range(9))
-                                      + "q9\td9\t0\n")
-    (folder / "neg.jsonl").write_text("".join(json.dumps({"query_id": f"q{i}", "negatives": [f"d{i + 1}"]}) + "\n"
-                                              for i in range(0, 10, 2)))
+    (folder / "qrels.tsv").write_text(
+        "query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i}\t1\n" for i in range(9)) + "q9\td9\t0\n"
+    )
+    (folder / "neg.jsonl").write_text(
+        "".join(json.dumps({"query_id": f"q{i}", "negatives": [f"d{i + 1}"]}) + "\n" for i in range(0, 10, 2))
+    )
     args = (str(folder / "q.jsonl"), str(folder / "qrels.tsv"), str(folder / "neg.jsonl"))
     first = sample_training_queries(*args, 5, 0, str(tmp_path / "a"))
     second = sample_training_queries(*args, 5, 0, str(tmp_path / "b"))
@@ -152,13 +161,19 @@ def test_results_table_json_and_plot_from_recorded_units(tmp_path):
     )
     from pipeline.workflows.manifest import RunManifest
 
-    cfg = ComparisonConfig(output=str(tmp_path), pretrain=ComparisonPretrain(methods=["none", "condenser"]),
-                           finetune=ComparisonFinetune(train_sizes=[100, 0]))
+    cfg = ComparisonConfig(
+        output=str(tmp_path),
+        pretrain=ComparisonPretrain(methods=["none", "condenser"]),
+        finetune=ComparisonFinetune(train_sizes=[100, 0]),
+    )
     manifest = RunManifest(str(tmp_path), "comparison.json")
 
     def finetuned(mrr, seconds, train_seconds):
-        return {"seconds": seconds, "outputs": {"export": "e", "run": "r"},
-                "metrics": {"MRR@10": mrr, "R@100": 0.5, "nDCG@10": 0.25, "train_seconds": train_seconds}}
+        return {
+            "seconds": seconds,
+            "outputs": {"export": "e", "run": "r"},
+            "metrics": {"MRR@10": mrr, "R@100": 0.5, "nDCG@10": 0.25, "train_seconds": train_seconds},
+        }
 
     manifest.save("queries/100", {"metrics": {"queries": 100}})
     manifest.save("queries/all", {"metrics": {"queries": 4000}})
@@ -169,12 +184,22 @@ def test_results_table_json_and_plot_from_recorded_units(tmp_path):
     files = write_results(cfg, manifest)
 
     rows = json.load(open(files["json"]))["rows"]
-    assert [(r["method"], r["train_queries"]) for r in rows] == [("condenser", 100), ("none", 4000),
-                                                                 ("condenser", 4000)]
-    assert rows[2] == {"method": "condenser", "train_queries": 4000, "train_size": "all",
-                       "metrics": {"MRR@10": 0.4, "R@100": 0.5, "nDCG@10": 0.25}, "pretrain_seconds": 300.0,
-                       "pretrain_tokens_per_s": 1500.0, "finetune_seconds": 45.5, "eval_seconds": 34.5,
-                       "export": "e"}
+    assert [(r["method"], r["train_queries"]) for r in rows] == [
+        ("condenser", 100),
+        ("none", 4000),
+        ("condenser", 4000),
+    ]
+    assert rows[2] == {
+        "method": "condenser",
+        "train_queries": 4000,
+        "train_size": "all",
+        "metrics": {"MRR@10": 0.4, "R@100": 0.5, "nDCG@10": 0.25},
+        "pretrain_seconds": 300.0,
+        "pretrain_tokens_per_s": 1500.0,
+        "finetune_seconds": 45.5,
+        "eval_seconds": 34.5,
+        "export": "e",
+    }
     assert rows[1]["pretrain_seconds"] == 0.0
     table = open(files["markdown"]).read().splitlines()
     assert table[2] == "| condenser | 100 | 0.3000 | 0.5000 | 0.2500 | 300 | 1500 | 60 | 40 |"

@@ -39,16 +39,15 @@ L = TINY_SIZES["num_layers"]
 def make_model(skip_from: int = 0, n_head_layers: int = 2, seed: int = 0) -> Condenser:
     # initializer_range 0.2 (BERT: 0.02): a random tiny BERT then has far-from-uniform logits,
     # so the head and late losses (and any perturbation) differ clearly.
-    model = Condenser(tiny_mlm(V, seed=seed, initializer_range=0.2), n_head_layers=n_head_layers,
-                      skip_from=skip_from)
+    model = Condenser(tiny_mlm(V, seed=seed, initializer_range=0.2), n_head_layers=n_head_layers, skip_from=skip_from)
     return model.eval()
 
 
 def masked_batch(batch_size: int = 4, seq_len: int = 24, seed: int = 0, probability: float = 0.3):
     """(input_ids, attention_mask, labels) with padding in some rows and some masked words."""
     wb = random_word_batch(batch_size, seq_len, seed=seed, pad_rows=0.5)
-    wb.attention_mask[0, seq_len // 2:] = 0  # at least one padded row
-    wb.input_ids[0, seq_len // 2:] = 0
+    wb.attention_mask[0, seq_len // 2 :] = 0  # at least one padded row
+    wb.input_ids[0, seq_len // 2 :] = 0
     wb.input_ids[0, seq_len // 2 - 1] = 3
     ids, labels = whole_word_mask(wb.input_ids, tiny_masking_vocab(), torch.Generator().manual_seed(seed), probability)
     assert (labels != IGNORE_INDEX).sum() >= 4
@@ -65,6 +64,7 @@ class Capture:
     def input_of(self, module):
         def hook(mod, args, kwargs):
             self.value = (args[0] if args else kwargs["hidden_states"]).detach().clone()
+
         self.handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
         return self
 
@@ -72,6 +72,7 @@ class Capture:
         def hook(mod, args, output):
             out = output[0] if isinstance(output, tuple) else output
             self.value = out.detach().clone()
+
         self.handles.append(module.register_forward_hook(hook))
         return self
 
@@ -83,6 +84,7 @@ class Capture:
 def perturb_output(module, positions: slice, scale: float = 1.0, seed: int = 0):
     """Add noise to ``module``'s output at sequence ``positions`` (a BertLayer returns a tensor
     in transformers 5; a tuple in 4.x)."""
+
     def hook(mod, args, output):
         out = output[0] if isinstance(output, tuple) else output
         noise = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)) * scale
@@ -90,6 +92,7 @@ def perturb_output(module, positions: slice, scale: float = 1.0, seed: int = 0):
         keep[:, positions] = 1.0
         out = out + noise * keep
         return (out,) + tuple(output[1:]) if isinstance(output, tuple) else out
+
     return module.register_forward_hook(hook)
 
 
@@ -104,6 +107,7 @@ def head_output(model, ids, mask, labels):
 
 
 # -- head wiring -------------------------------------------------------------------------------
+
 
 def test_default_skip_from_is_half_the_layers():
     assert make_model().skip_from == L // 2
@@ -185,6 +189,7 @@ def test_padding_is_invisible_to_the_head():
 
 # -- losses ------------------------------------------------------------------------------------
 
+
 def reference_losses(model, ids, mask, labels):
     head_states, out = head_output(model, ids, mask, labels)
     with torch.no_grad():
@@ -228,7 +233,9 @@ def test_both_losses_share_the_tied_projection():
     assert lm.cls.predictions.decoder.weight.data_ptr() == emb.data_ptr()
 
     # No other vocab-sized projection anywhere in the model (head included).
-    vocab_linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m.out_features == V]
+    vocab_linears = [
+        name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m.out_features == V
+    ]
     assert vocab_linears == ["lm.cls.predictions.decoder"]
     vocab_params = {p.data_ptr() for p in model.parameters() if V in p.shape}
     assert vocab_params == {emb.data_ptr(), lm.cls.predictions.bias.data_ptr()}
@@ -263,6 +270,7 @@ def test_nothing_masked_gives_zero_loss_and_zero_gradient():
 
 
 # -- export and continued pre-training ---------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
@@ -299,8 +307,12 @@ def test_export_is_a_drop_in_bert(exported):
 
         mlm = AutoModelForMaskedLM.from_pretrained(out_dir).eval()
         assert type(mlm) is BertForMaskedLM
-        torch.testing.assert_close(mlm(input_ids=ids, attention_mask=mask).logits,
-                                   model.lm(input_ids=ids, attention_mask=mask).logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            mlm(input_ids=ids, attention_mask=mask).logits,
+            model.lm(input_ids=ids, attention_mask=mask).logits,
+            rtol=0,
+            atol=1e-5,
+        )
         assert mlm.cls.predictions.decoder.weight.data_ptr() == mlm.bert.embeddings.word_embeddings.weight.data_ptr()
 
     reloaded = AutoTokenizer.from_pretrained(out_dir)
@@ -343,7 +355,9 @@ def test_head_reload_and_continued_pretraining(exported):
     ids, mask = tokenized_batch(tok)
     batch = method.make_batch(ids, mask, torch.Generator().manual_seed(0))
     if not (batch["labels"] != IGNORE_INDEX).any():  # tiny batch: make sure something is masked
-        batch = CondenserMethod(CondenserConfig(mlm_probability=0.5), vocab).make_batch(ids, mask, torch.Generator().manual_seed(0))
+        batch = CondenserMethod(CondenserConfig(mlm_probability=0.5), vocab).make_batch(
+            ids, mask, torch.Generator().manual_seed(0)
+        )
     assert (batch["labels"] != IGNORE_INDEX).any()
     opt = torch.optim.AdamW(resumed.parameters(), lr=1e-3)
     before = {k: v.clone() for k, v in resumed.head.state_dict().items()}
@@ -359,8 +373,15 @@ def test_head_reload_and_continued_pretraining(exported):
     assert len(changed) == len(before), set(before) - set(changed)
 
 
-@pytest.mark.parametrize("cfg", [CondenserConfig(n_head_layers=1), CondenserConfig(n_head_layers=3),
-                                 CondenserConfig(skip_from=1), CondenserConfig(skip_from=3)])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        CondenserConfig(n_head_layers=1),
+        CondenserConfig(n_head_layers=3),
+        CondenserConfig(skip_from=1),
+        CondenserConfig(skip_from=3),
+    ],
+)
 def test_head_with_other_shape_is_rejected(exported, cfg):
     _, tok, paths = exported
     cfg.head = paths["head_path"]
@@ -394,4 +415,6 @@ def test_head_is_initialised_like_bert():
         else:
             assert abs(p.std().item() - std) < 0.15 * std and abs(p.mean().item()) < 0.1 * std, name
     # Fresh layers, not copies of the backbone's.
-    assert not torch.equal(model.head[0].attention.self.query.weight, model.lm.bert.encoder.layer[-1].attention.self.query.weight)
+    assert not torch.equal(
+        model.head[0].attention.self.query.weight, model.lm.bert.encoder.layer[-1].attention.self.query.weight
+    )

@@ -113,8 +113,16 @@ def test_cli_beats_yaml_and_later_yaml_beats_earlier(yaml_file):
 
 
 def test_dotted_and_equals_syntax():
-    cfg = parse("--train.epochs", "4", "--train.optim.lr=0.5", "--method=cocondenser",
-                "--seed", "-3", "--train.warmup-steps", "10")
+    cfg = parse(
+        "--train.epochs",
+        "4",
+        "--train.optim.lr=0.5",
+        "--method=cocondenser",
+        "--seed",
+        "-3",
+        "--train.warmup-steps",
+        "10",
+    )
     assert (cfg.train.epochs, cfg.train.optim.lr, cfg.method) == (4, 0.5, "cocondenser")
     assert cfg.seed == -3
     assert cfg.train.warmup_steps == 10
@@ -122,17 +130,33 @@ def test_dotted_and_equals_syntax():
 
 @pytest.mark.parametrize(
     ("argv", "expected"),
-    [(["--data.pack", "true"], True), (["--data.pack=no"], False), (["--data.pack", "1"], True),
-     (["--data.pack", "0"], False), (["--data.pack", "yes"], True), (["--data.pack"], True),
-     (["--data.pack", "--seed", "1"], True), (["--data.pack", "--no-data.pack"], False)],
+    [
+        (["--data.pack", "true"], True),
+        (["--data.pack=no"], False),
+        (["--data.pack", "1"], True),
+        (["--data.pack", "0"], False),
+        (["--data.pack", "yes"], True),
+        (["--data.pack"], True),
+        (["--data.pack", "--seed", "1"], True),
+        (["--data.pack", "--no-data.pack"], False),
+    ],
 )
 def test_bool_forms(argv, expected):
     assert parse(*argv).data.pack is expected
 
 
 def test_none_lists_and_dicts_from_cli():
-    cfg = parse("--train.warmup_steps", "100", "--data.tokenizer", "none", "--ranks", "0,1",
-                "--data.shards=x, y", "--extra", '{"a": 1, "b": [true]}')
+    cfg = parse(
+        "--train.warmup_steps",
+        "100",
+        "--data.tokenizer",
+        "none",
+        "--ranks",
+        "0,1",
+        "--data.shards=x, y",
+        "--extra",
+        '{"a": 1, "b": [true]}',
+    )
     assert cfg.train.warmup_steps == 100 and cfg.data.tokenizer is None
     assert cfg.ranks == [0, 1] and cfg.data.shards == ["x", "y"]
     assert cfg.extra == {"a": 1, "b": [True]}
@@ -168,8 +192,7 @@ def test_bad_values_name_key_type_and_source(yaml_file):
     path = yaml_file("train:\n  optim:\n    lr: fast\n")
     with pytest.raises(ConfigError, match="invalid value for 'train.optim.lr'") as exc:
         parse("--config", path)
-    assert str(exc.value) == f"invalid value for 'train.optim.lr' from config file '{path}': " \
-        "expected float, got 'fast'"
+    assert str(exc.value) == f"invalid value for 'train.optim.lr' from config file '{path}': expected float, got 'fast'"
     with pytest.raises(ConfigError, match=r"expected int \| None"):
         parse("--train.warmup_steps", "soon")
     with pytest.raises(ConfigError, match=r"expected int, got True"):
@@ -208,20 +231,35 @@ def test_help_lists_dotted_options_types_defaults_and_help(capsys):
         parse_config(Job, ["--help"], description="Pre-train an encoder.")
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for text in ["Pre-train an encoder.", "--config FILE", "--train.optim.lr float",
-                 "peak learning rate (default: 0.001)", "--data.pack bool",
-                 "pack short passages together (default: false)", "--train.warmup_steps int | None",
-                 "(default: none)", "--method {condenser,cocondenser,simlm}",
-                 "pre-training recipe (default: condenser)", "--ranks list[int]", "(default: 0)",
-                 "[train.optim]", "optimisation", "--data.shards list[str]", "(default: [])",
-                 "--hf_token str | None", "(default: ***)", "--mix list[Shard]"]:
+    for text in [
+        "Pre-train an encoder.",
+        "--config FILE",
+        "--train.optim.lr float",
+        "peak learning rate (default: 0.001)",
+        "--data.pack bool",
+        "pack short passages together (default: false)",
+        "--train.warmup_steps int | None",
+        "(default: none)",
+        "--method {condenser,cocondenser,simlm}",
+        "pre-training recipe (default: condenser)",
+        "--ranks list[int]",
+        "(default: 0)",
+        "[train.optim]",
+        "optimisation",
+        "--data.shards list[str]",
+        "(default: [])",
+        "--hf_token str | None",
+        "(default: ***)",
+        "--mix list[Shard]",
+    ]:
         assert text in out, text
     assert "hf_from_env" not in out
 
 
 def test_to_dict_dump_yaml_round_trip():
-    cfg = parse("--train.optim.lr", "2e-5", "--data.shards", "s3://b/x",
-                "--extra", '{"n": {"m": 1}}', "--hf_token", "abc")
+    cfg = parse(
+        "--train.optim.lr", "2e-5", "--data.shards", "s3://b/x", "--extra", '{"n": {"m": 1}}', "--hf_token", "abc"
+    )
     cfg.mix = [Shard("a", 2.0)]
     data = to_dict(cfg)
     assert data["train"]["optim"] == {"lr": 2e-5, "betas": [0.9, 0.999]}
@@ -238,15 +276,28 @@ def test_from_dict_validates_like_yaml():
 
 
 def test_redact_rules():
-    secret = {"token": "t", "api_token": "t", "authToken": "t", "HFToken": "t", "HF_TOKEN": "t",
-              "aws_secret_access_key": "s", "AWS_ACCESS_KEY_ID": "k", "db_password": "p",
-              "Credentials": {"a": 1}}
-    public = {"unset_token": None, "tokenizer": "bert", "max_tokens": 512, "tokens_per_s": 9.5,
-              "pad_token_id": 0, "token_type_ids": [0]}
+    secret = {
+        "token": "t",
+        "api_token": "t",
+        "authToken": "t",
+        "HFToken": "t",
+        "HF_TOKEN": "t",
+        "aws_secret_access_key": "s",
+        "AWS_ACCESS_KEY_ID": "k",
+        "db_password": "p",
+        "Credentials": {"a": 1},
+    }
+    public = {
+        "unset_token": None,
+        "tokenizer": "bert",
+        "max_tokens": 512,
+        "tokens_per_s": 9.5,
+        "pad_token_id": 0,
+        "token_type_ids": [0],
+    }
     d = {**secret, **public, "nested": [{"secret": "x", "name": "n"}]}
     out = redact(d)
-    assert out == {**{k: "***" for k in secret}, **public,
-                   "nested": [{"secret": "***", "name": "n"}]}
+    assert out == {**{k: "***" for k in secret}, **public, "nested": [{"secret": "***", "name": "n"}]}
     assert d["token"] == "t" and d["nested"][0]["secret"] == "x"  # input untouched
 
 
@@ -267,7 +318,6 @@ def test_required_field_and_unsupported_type():
 @dataclass
 class Unsupported:
     things: set = field(default_factory=set)
-
 
 
 def test_list_of_dataclasses_from_yaml(yaml_file):

@@ -30,14 +30,16 @@ def triples(docs):
 
 
 def test_jsonl_documents_title_join_and_line_numbers(tmp_path):
-    path = write(tmp_path / "corpus.jsonl",
-                 '{"_id": "a", "title": "Title A", "text": "Body A"}\n'
-                 "\n"
-                 '{"_id": "b", "text": "Body B", "extra": [1, 2]}\r\n'
-                 '{"_id": 7, "title": "", "text": "Body seven"}\n'
-                 "   \n"
-                 '{"_id": "c", "title": null, "text": "Body C"}\n'
-                 '{"_id": "d", "title": "  ", "text": "Body D"}')  # no final newline
+    path = write(
+        tmp_path / "corpus.jsonl",
+        '{"_id": "a", "title": "Title A", "text": "Body A"}\n'
+        "\n"
+        '{"_id": "b", "text": "Body B", "extra": [1, 2]}\r\n'
+        '{"_id": 7, "title": "", "text": "Body seven"}\n'
+        "   \n"
+        '{"_id": "c", "title": null, "text": "Body C"}\n'
+        '{"_id": "d", "title": "  ", "text": "Body D"}',
+    )  # no final newline
     stats = CorpusStats()
     docs = list(iter_documents(str(path), stats=stats))
     assert triples(docs) == [
@@ -62,20 +64,22 @@ def test_utf8_text_and_bom(tmp_path):
 
 
 def test_txt_split_on_blank_lines(tmp_path):
-    path = write(tmp_path / "notes.txt",
-                 "\n"
-                 "\n"
-                 "first doc line one\n"
-                 "first doc line two\r\n"
-                 "\n"
-                 "  \t\n"
-                 "\n"
-                 "second doc\n"
-                 "\r\n"
-                 "  third doc, indented\n"
-                 "third again\n"
-                 "\n"
-                 "\n")
+    path = write(
+        tmp_path / "notes.txt",
+        "\n"
+        "\n"
+        "first doc line one\n"
+        "first doc line two\r\n"
+        "\n"
+        "  \t\n"
+        "\n"
+        "second doc\n"
+        "\r\n"
+        "  third doc, indented\n"
+        "third again\n"
+        "\n"
+        "\n",
+    )
     docs = list(iter_documents(str(path)))
     assert triples(docs) == [
         ("notes:0", "first doc line one\nfirst doc line two", 3),
@@ -90,8 +94,10 @@ def test_txt_without_trailing_newline(tmp_path):
 
 
 def test_gzip_jsonl_and_txt(tmp_path):
-    gz_json = write(tmp_path / "c.jsonl.gz", gzip.compress(
-        b'{"_id": "g1", "text": "zipped one"}\n\n{"_id": "g2", "title": "T", "text": "zipped two"}\n'))
+    gz_json = write(
+        tmp_path / "c.jsonl.gz",
+        gzip.compress(b'{"_id": "g1", "text": "zipped one"}\n\n{"_id": "g2", "title": "T", "text": "zipped two"}\n'),
+    )
     assert triples(iter_documents(str(gz_json))) == [("g1", "zipped one", 1), ("g2", "T\nzipped two", 3)]
     gz_txt = write(tmp_path / "book.txt.gz", gzip.compress(b"alpha\nbeta\n\n\ngamma\n"))
     assert triples(iter_documents(str(gz_txt))) == [("book:0", "alpha\nbeta", 1), ("book:1", "gamma", 5)]
@@ -141,8 +147,17 @@ def test_bundled_bible_sample():
     books = {}
     for d in docs:
         books[d.doc_id.split(".")[0]] = books.get(d.doc_id.split(".")[0], 0) + 1
-    assert books == {"Gen": 1533, "Exod": 1213, "Ps": 2461, "Prov": 915, "Matt": 1071,
-                     "Mark": 678, "Luke": 1150, "John": 879, "Acts": 1004}
+    assert books == {
+        "Gen": 1533,
+        "Exod": 1213,
+        "Ps": 2461,
+        "Prov": 915,
+        "Matt": 1071,
+        "Mark": 678,
+        "Luke": 1150,
+        "John": 879,
+        "Acts": 1004,
+    }
 
 
 # ---------------------------------------------------------------- bad input
@@ -154,8 +169,9 @@ def test_malformed_json(tmp_path):
         list(iter_documents(str(path)))
 
 
-@pytest.mark.parametrize("value, kind", [('["a", "b"]', "array"), ('"just a string"', "string"),
-                                         ("42", "number"), ("null", "null")])
+@pytest.mark.parametrize(
+    "value, kind", [('["a", "b"]', "array"), ('"just a string"', "string"), ("42", "number"), ("null", "null")]
+)
 def test_non_object_json(tmp_path, value, kind):
     path = write(tmp_path / "arr.jsonl", jsonl({"_id": "1", "text": "x"}) + value + "\n")
     with pytest.raises(InputError, match=rf"arr\.jsonl line 2: expected a JSON object, got {kind}"):
@@ -174,14 +190,17 @@ def test_missing_id(tmp_path):
         list(iter_documents(str(path)))
 
 
-@pytest.mark.parametrize("obj, message", [
-    ({"_id": "1", "text": 5}, r"field 'text' must be a string, got number"),
-    ({"_id": "1", "text": None}, r"field 'text' must be a string, got null"),
-    ({"_id": ["1"], "text": "x"}, r"field '_id' must be a string or a number, got array"),
-    ({"_id": True, "text": "x"}, r"field '_id' must be a string or a number, got boolean"),
-    ({"_id": "", "text": "x"}, r"field '_id' is empty"),
-    ({"_id": "1", "title": 3, "text": "x"}, r"field 'title' must be a string, got number"),
-])
+@pytest.mark.parametrize(
+    "obj, message",
+    [
+        ({"_id": "1", "text": 5}, r"field 'text' must be a string, got number"),
+        ({"_id": "1", "text": None}, r"field 'text' must be a string, got null"),
+        ({"_id": ["1"], "text": "x"}, r"field '_id' must be a string or a number, got array"),
+        ({"_id": True, "text": "x"}, r"field '_id' must be a string or a number, got boolean"),
+        ({"_id": "", "text": "x"}, r"field '_id' is empty"),
+        ({"_id": "1", "title": 3, "text": "x"}, r"field 'title' must be a string, got number"),
+    ],
+)
 def test_wrong_field_types(tmp_path, obj, message):
     path = write(tmp_path / "types.jsonl", jsonl({"_id": "0", "text": "ok"}, obj))
     with pytest.raises(InputError, match=r"types\.jsonl line 2: " + message):
@@ -189,12 +208,15 @@ def test_wrong_field_types(tmp_path, obj, message):
 
 
 def test_empty_documents_skipped_and_counted(tmp_path):
-    path = write(tmp_path / "c.jsonl", jsonl(
-        {"_id": "1", "text": "one"},
-        {"_id": "2", "text": ""},
-        {"_id": "3", "title": " ", "text": " \t\n "},
-        {"_id": "4", "text": "four"},
-    ))
+    path = write(
+        tmp_path / "c.jsonl",
+        jsonl(
+            {"_id": "1", "text": "one"},
+            {"_id": "2", "text": ""},
+            {"_id": "3", "title": " ", "text": " \t\n "},
+            {"_id": "4", "text": "four"},
+        ),
+    )
     stats = CorpusStats()
     assert [d.doc_id for d in iter_documents(str(path), stats=stats)] == ["1", "4"]
     assert stats.documents == 2 and stats.skipped_empty == 2
@@ -223,10 +245,11 @@ def test_bad_on_empty_value_raises_immediately(tmp_path):
 
 def test_duplicate_ids_across_files(tmp_path):
     write(tmp_path / "d" / "a.jsonl", "\n\n" + jsonl({"_id": "X", "text": "first"}))
-    write(tmp_path / "d" / "b.jsonl", jsonl(*({"_id": f"b{i}", "text": "t"} for i in range(6)),
-                                            {"_id": "X", "text": "second"}))
-    with pytest.raises(InputError,
-                       match=r"duplicate id 'X' at \S*b\.jsonl line 7 \(first at \S*a\.jsonl line 3\)"):
+    write(
+        tmp_path / "d" / "b.jsonl",
+        jsonl(*({"_id": f"b{i}", "text": "t"} for i in range(6)), {"_id": "X", "text": "second"}),
+    )
+    with pytest.raises(InputError, match=r"duplicate id 'X' at \S*b\.jsonl line 7 \(first at \S*a\.jsonl line 3\)"):
         list(iter_documents(str(tmp_path / "d")))
 
 
@@ -237,7 +260,9 @@ def test_duplicate_ids_within_a_file(tmp_path):
 
 
 def test_invalid_utf8(tmp_path):
-    path = write(tmp_path / "c.jsonl", jsonl({"_id": "1", "text": "ok"}).encode() + b'{"_id": "2", "text": "caf\xe9"}\n')
+    path = write(
+        tmp_path / "c.jsonl", jsonl({"_id": "1", "text": "ok"}).encode() + b'{"_id": "2", "text": "caf\xe9"}\n'
+    )
     with pytest.raises(InputError, match=r"c\.jsonl line 2: invalid UTF-8 at byte offset 25 .*0xe9"):
         list(iter_documents(str(path)))
 

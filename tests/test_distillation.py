@@ -43,19 +43,22 @@ def hand_kl(student: list[list[float]], teacher: list[list[float]], temperature:
 
 
 def hand_ce(scores: list[list[float]], group_size: int) -> float:
-    return sum(-(row[i * group_size] - math.log(sum(math.exp(s) for s in row)))
-               for i, row in enumerate(scores)) / len(scores)
+    return sum(-(row[i * group_size] - math.log(sum(math.exp(s) for s in row))) for i, row in enumerate(scores)) / len(
+        scores
+    )
 
 
 # -- the loss ------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_kl_plus_ce_equals_a_hand_computation(temperature):
     student = [[2.0, 0.5, -1.0], [0.0, 1.5, 0.3]]
     teacher = [[4.0, 1.0, 0.0], [-2.0, 3.0, 2.5]]
     ce = torch.tensor(1.7)
-    got = distillation_loss(torch.tensor(student), torch.tensor(teacher), ce, alpha=0.2,
-                            teacher_temperature=temperature)
+    got = distillation_loss(
+        torch.tensor(student), torch.tensor(teacher), ce, alpha=0.2, teacher_temperature=temperature
+    )
     assert got.item() == pytest.approx(hand_kl(student, teacher, temperature) + 0.2 * 1.7, rel=1e-6)
     # A student that matches the teacher pays only the CE share.
     matched = distillation_loss(torch.tensor(teacher) / temperature, torch.tensor(teacher), ce, 0.2, temperature)
@@ -78,7 +81,7 @@ def test_backward_loss_is_kl_over_own_groups_plus_alpha_ce_over_the_batch():
         q = model.encode_query(batch["q_input_ids"], batch["q_attention_mask"]).double()
         d = model.encode_passage(batch["d_input_ids"], batch["d_attention_mask"]).double()
     scores = ((q @ d.T) / 0.1).tolist()
-    own = [row[3 * i:3 * i + 3] for i, row in enumerate(scores)]  # each query against its own group
+    own = [row[3 * i : 3 * i + 3] for i, row in enumerate(scores)]  # each query against its own group
     kl, ce = hand_kl(own, batch["d_teacher_scores"].tolist(), 2.0), hand_ce(scores, 3)
     loss, stats = distillation_backward(PlainEngine(model), batch, group_size=3, alpha=0.3, teacher_temperature=2.0)
     assert stats["kl"].item() == pytest.approx(kl, rel=1e-4)
@@ -86,8 +89,10 @@ def test_backward_loss_is_kl_over_own_groups_plus_alpha_ce_over_the_batch():
     assert loss.item() == pytest.approx(kl + 0.3 * ce, rel=1e-4)
 
 
-@pytest.mark.parametrize("cfg,chunk", [({}, 4), ({"pooling": "mean", "similarity": "cos", "temperature": 0.05}, 6),
-                                       ({"shared_encoder": False}, 7)])
+@pytest.mark.parametrize(
+    "cfg,chunk",
+    [({}, 4), ({"pooling": "mean", "similarity": "cos", "temperature": 0.05}, 6), ({"shared_encoder": False}, 7)],
+)
 def test_gradient_cache_equals_the_plain_path(cfg, chunk):
     batch = teacher_for(_full_batch())
     plain, cached = biencoder(**cfg), biencoder(**cfg)
@@ -104,6 +109,7 @@ def test_gradient_cache_equals_the_plain_path(cfg, chunk):
 
 # -- teacher scores through the group stream ------------------------------------------------------
 
+
 def test_teacher_scores_arrive_aligned_with_the_groups_passages():
     """Plan an epoch, join fake corpus rows to it as the Ray Data stages do, and check that
     every group's score at slot j is the teacher's score of the passage at slot j."""
@@ -114,12 +120,13 @@ def test_teacher_scores_arrive_aligned_with_the_groups_passages():
     examples = []
     for q in range(12):
         picked = [f"d{i}" for i in rng.choice(n_docs, size=9, replace=False)]
-        pos, neg = picked[:1 + q % 3], picked[3:3 + (2 if q % 4 == 0 else 6)]  # some lists shorter than the window
+        pos, neg = picked[: 1 + q % 3], picked[3 : 3 + (2 if q % 4 == 0 else 6)]  # some lists shorter than the window
         scores = rng.normal(size=len(pos) + len(neg)).round(3).tolist()
         teacher.update({(f"q{q}", d): s for d, s in zip(pos + neg, scores)})
         examples.append(TrainExample(f"q{q}", "", pos, neg, scores))
-    spec = GroupSpec(corpus="unused", group_size=group, query_max_len=6, passage_max_len=8, seed=3,
-                     cls_id=2, sep_id=3, pad_id=0)
+    spec = GroupSpec(
+        corpus="unused", group_size=group, query_max_len=6, passage_max_len=8, seed=3, cls_id=2, sep_id=3, pad_id=0
+    )
     plan = plan_epoch(examples, epoch=2, spec=spec, rows_by_id=rows_by_id, skip_rows=np.array([5]))
     assert plan.teacher_scores.shape == (11, group) and plan.teacher_scores.dtype == np.float32
     # The plan's groups are select_group's choice: scores ride along without changing it.
@@ -152,15 +159,28 @@ def test_teacher_scores_arrive_aligned_with_the_groups_passages():
 
 # -- examples from the teacher's run --------------------------------------------------------------
 
+
 def write_run(path, lines: list[tuple]) -> str:
     path.write_text("".join(f"{q} Q0 {d} {r} {s} rerank\n" for q, d, r, s in lines))
     return str(path)
 
 
 def test_examples_take_positives_from_qrels_and_the_best_scored_negatives(tmp_path):
-    run = read_trec_run(write_run(tmp_path / "run.trec", [
-        ("q1", "a", 1, 9.0), ("q1", "p1", 2, 3.0), ("q1", "b", 3, -1.0), ("q1", "c", 4, 5.5), ("q1", "d", 5, 4.0),
-        ("q2", "p2", 1, 2.0), ("q3", "p3", 1, 1.0), ("q3", "x", 2, 0.5)]))
+    run = read_trec_run(
+        write_run(
+            tmp_path / "run.trec",
+            [
+                ("q1", "a", 1, 9.0),
+                ("q1", "p1", 2, 3.0),
+                ("q1", "b", 3, -1.0),
+                ("q1", "c", 4, 5.5),
+                ("q1", "d", 5, 4.0),
+                ("q2", "p2", 1, 2.0),
+                ("q3", "p3", 1, 1.0),
+                ("q3", "x", 2, 0.5),
+            ],
+        )
+    )
     queries = {"q1": "one", "q2": "two", "q3": "three", "q4": "no positive", "q5": "not scored"}
     qrels = {"q1": {"p1": 1, "b": 0}, "q2": {"p2": 2}, "q3": {"p3": 1}, "q4": {"a": 0}, "q5": {"p5": 1}}
     examples, stats = build_distillation_examples(queries, qrels, run, depth=3)
@@ -169,8 +189,11 @@ def test_examples_take_positives_from_qrels_and_the_best_scored_negatives(tmp_pa
     # Judged non-relevant 'b' stays a candidate; the depth keeps the teacher's best three.
     assert (q1.positives, q1.negatives, q1.scores) == (["p1"], ["a", "c", "d"], [3.0, 9.0, 5.5, 4.0])
     assert build_distillation_examples(queries, qrels, run, depth=0)[0][0].negatives == ["a", "c", "d", "b"]
-    assert (stats.skipped_no_positive_examples, stats.skipped_not_scored_examples,
-            stats.skipped_no_scored_negative_examples) == (["q4"], ["q5"], ["q2"])
+    assert (
+        stats.skipped_no_positive_examples,
+        stats.skipped_not_scored_examples,
+        stats.skipped_no_scored_negative_examples,
+    ) == (["q4"], ["q5"], ["q2"])
     assert stats.examples == 2
 
     qrels["q3"]["p9"] = 1
@@ -178,14 +201,17 @@ def test_examples_take_positives_from_qrels_and_the_best_scored_negatives(tmp_pa
         build_distillation_examples(queries, qrels, run, source="here.trec")
 
 
-@pytest.mark.parametrize("line,message", [
-    ("q1 Q0 a 1 2.0", "expected 6 columns"),
-    ("q1 Q0 a one 2.0 t", "rank must be an integer and score a number"),
-    ("q1 Q0 a 1 nan t", "score must be finite"),
-    ("q1 Q0 a 2 1.0 t", "document 'a' listed twice for query 'q1' \\(first at line 1\\)"),
-    ("q1 Q0 zz 2 1.0 t", "unknown document id 'zz'"),
-    ("q7 Q0 a 2 1.0 t", "unknown query id 'q7'"),
-])
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ("q1 Q0 a 1 2.0", "expected 6 columns"),
+        ("q1 Q0 a one 2.0 t", "rank must be an integer and score a number"),
+        ("q1 Q0 a 1 nan t", "score must be finite"),
+        ("q1 Q0 a 2 1.0 t", "document 'a' listed twice for query 'q1' \\(first at line 1\\)"),
+        ("q1 Q0 zz 2 1.0 t", "unknown document id 'zz'"),
+        ("q7 Q0 a 2 1.0 t", "unknown query id 'q7'"),
+    ],
+)
 def test_bad_runs_are_errors_naming_file_and_line(tmp_path, line, message):
     path = tmp_path / "run.trec"
     path.write_text(f"q1 Q0 a 1 3.0 t\n{line}\n")
@@ -194,8 +220,10 @@ def test_bad_runs_are_errors_naming_file_and_line(tmp_path, line, message):
 
 
 def test_runs_are_read_best_first_with_ties_by_rank_and_cut_to_depth(tmp_path):
-    path = write_run(tmp_path / "run.trec", [("q1", "a", 3, 1.0), ("q1", "b", 1, 2.0), ("q2", "x", 1, 0.0),
-                                             ("q1", "c", 2, 1.0), ("q1", "d", 4, 5.0)])  # q1 in two blocks
+    path = write_run(
+        tmp_path / "run.trec",
+        [("q1", "a", 3, 1.0), ("q1", "b", 1, 2.0), ("q2", "x", 1, 0.0), ("q1", "c", 2, 1.0), ("q1", "d", 4, 5.0)],
+    )  # q1 in two blocks
     assert [(d, s) for d, s, _ in read_trec_run(path)["q1"]] == [("d", 5.0), ("b", 2.0), ("c", 1.0), ("a", 1.0)]
     assert [d for d, _, _ in read_trec_run(path, depth=2)["q1"]] == ["d", "b"]
     (tmp_path / "empty.trec").write_text("\n")

@@ -23,8 +23,9 @@ def _write_all(folder: str, sizes=(5, 7, 3), dim: int = 8, dtype: str = "float32
         entries.append(emb.write_shard(folder, i, *part, dtype=dtype))
         parts.append(part)
         first += n
-    manifest = emb.write_manifest(folder, dim, entries[::-1], dtype=dtype, normalized=True,
-                                  similarity="cos", model="tiny-bert")
+    manifest = emb.write_manifest(
+        folder, dim, entries[::-1], dtype=dtype, normalized=True, similarity="cos", model="tiny-bert"
+    )
     return manifest, parts
 
 
@@ -94,7 +95,9 @@ def test_wrong_width_shard_is_named(tmp_path):
     folder = str(tmp_path / "emb")
     manifest, _ = _write_all(folder, dim=8)
     emb.write_shard(folder, 1, *_shard(5, 7, dim=6))  # a retry with another model's width
-    with pytest.raises(emb.ArtifactError, match=r"embedding shard .*part-00001\.parquet has width 6, the manifest's dim is 8"):
+    with pytest.raises(
+        emb.ArtifactError, match=r"embedding shard .*part-00001\.parquet has width 6, the manifest's dim is 8"
+    ):
         emb.check_embedding_shards(folder, manifest)
     with pytest.raises(emb.ArtifactError, match=r"part-00001\.parquet has width 6, the manifest's dim is 8"):
         emb.read_shard(folder, manifest["shards"][1], dim=8)

@@ -31,8 +31,8 @@ class LengthTokenizer:
         mask = torch.zeros_like(ids)
         for i, t in enumerate(texts):
             codes = [ord(c) for c in t[:longest]]
-            ids[i, :len(codes)] = torch.tensor(codes)
-            mask[i, :len(codes)] = 1
+            ids[i, : len(codes)] = torch.tensor(codes)
+            mask[i, : len(codes)] = 1
         return {"input_ids": ids, "attention_mask": mask}
 
 

@@ -29,8 +29,11 @@ def test_every_method_exports_a_drop_in_bert_and_its_extra_weights(method, token
         method_cfg.head = ""
     if method == "simlm":  # a frozen generator with the same vocabulary
         method_cfg.generator = str(tmp_path / "generator")
-        BertForMaskedLM(BertConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=1, num_attention_heads=1,
-                                   intermediate_size=32)).save_pretrained(method_cfg.generator)
+        BertForMaskedLM(
+            BertConfig(
+                vocab_size=len(tok), hidden_size=16, num_hidden_layers=1, num_attention_heads=1, intermediate_size=32
+            )
+        ).save_pretrained(method_cfg.generator)
     task = PretrainTask(method, method_cfg, tiny_backbone_config(), tok_dir, len(tok))
     torch.manual_seed(0)
     model = task.build_model().eval()
@@ -41,8 +44,12 @@ def test_every_method_exports_a_drop_in_bert_and_its_extra_weights(method, token
     paths = task.export(model, str(tmp_path / "export"))
     assert_drop_in_bert(paths["export_dir"], ids, mask, expected)
     assert os.path.isfile(os.path.join(paths["export_dir"], "tokenizer.json"))
-    extra = {"condenser": "condenser_head.safetensors", "cocondenser": "condenser_head.safetensors",
-             "simlm": "simlm_decoder.safetensors", "mlm": None}[method]
+    extra = {
+        "condenser": "condenser_head.safetensors",
+        "cocondenser": "condenser_head.safetensors",
+        "simlm": "simlm_decoder.safetensors",
+        "mlm": None,
+    }[method]
     if extra:  # the head or decoder, so pre-training can continue
         state, meta = load_module_state(paths["head_path"])
         assert os.path.basename(paths["head_path"]) == extra and state and meta

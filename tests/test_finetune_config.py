@@ -39,8 +39,16 @@ def test_a_missing_init_says_how_to_get_one(tmp_path):
 
 
 def test_help_lists_every_section():
-    out = subprocess.run([sys.executable, str(REPO / "jobs/finetune.py"), "--help"], capture_output=True,
-                         text=True, check=True, cwd=REPO).stdout
-    for option in ("--data.negatives", "--data.tevatron", "--retriever.chunk_size", "--retriever.pooling",
-                   "--eval.queries", "--train.zero_stage", "--model.init"):
+    out = subprocess.run(
+        [sys.executable, str(REPO / "jobs/finetune.py"), "--help"], capture_output=True, text=True, check=True, cwd=REPO
+    ).stdout
+    for option in (
+        "--data.negatives",
+        "--data.tevatron",
+        "--retriever.chunk_size",
+        "--retriever.pooling",
+        "--eval.queries",
+        "--train.zero_stage",
+        "--model.init",
+    ):
         assert option in out

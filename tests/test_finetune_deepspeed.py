@@ -31,10 +31,16 @@ WORLD, N_QUERIES, GROUP = 2, 3, 4  # per worker: 3 queries, 12 passages
 FP32_TOLERANCE, BF16_TOLERANCE = 1e-4, 3e-2  # relative gradient error; bf16 keeps 8 bits of mantissa
 ALPHA, TEACHER_TEMPERATURE = 0.2, 2.0
 CASES = [  # (loss, ZeRO stage, precision, chunk size in sequences; 0 = no cache, shared encoder)
-    ("contrastive", 1, "fp32", 0, True), ("contrastive", 1, "fp32", 5, True), ("contrastive", 2, "fp32", 0, True),
-    ("contrastive", 2, "fp32", 2, True), ("contrastive", 2, "fp32", 5, False), ("contrastive", 2, "fp32", 0, False),
-    ("contrastive", 2, "bf16", 0, True), ("contrastive", 2, "bf16", 4, True),
-    ("distillation", 2, "fp32", 0, True), ("distillation", 2, "fp32", 5, False),
+    ("contrastive", 1, "fp32", 0, True),
+    ("contrastive", 1, "fp32", 5, True),
+    ("contrastive", 2, "fp32", 0, True),
+    ("contrastive", 2, "fp32", 2, True),
+    ("contrastive", 2, "fp32", 5, False),
+    ("contrastive", 2, "fp32", 0, False),
+    ("contrastive", 2, "bf16", 0, True),
+    ("contrastive", 2, "bf16", 4, True),
+    ("distillation", 2, "fp32", 0, True),
+    ("distillation", 2, "fp32", 5, False),
 ]
 
 
@@ -45,8 +51,7 @@ def run_backward(loss: str, engine, batch: dict, chunk: int):
 
 
 def build(shared: bool) -> BiEncoder:
-    cfg = BiEncoderConfig(pooling="mean", similarity="cos", temperature=0.1, shared_encoder=shared,
-                          group_size=GROUP)
+    cfg = BiEncoderConfig(pooling="mean", similarity="cos", temperature=0.1, shared_encoder=shared, group_size=GROUP)
     encoder = lambda seed: tiny_mlm(len(tiny_vocab()), seed=seed, initializer_range=0.2).bert  # noqa: E731
     return BiEncoder(encoder(0), None if shared else encoder(1), cfg)
 
@@ -55,43 +60,67 @@ def global_batch() -> dict[str, torch.Tensor]:
     q = random_word_batch(WORLD * N_QUERIES, 9, seed=11, inner_sep=0.0, pad_rows=0.5)
     d = random_word_batch(WORLD * N_QUERIES * GROUP, 15, seed=12, inner_sep=0.0, pad_rows=0.5)
     teacher = torch.randn(WORLD * N_QUERIES, GROUP, generator=torch.Generator().manual_seed(13)) * 3
-    return {"q_input_ids": q.input_ids, "q_attention_mask": q.attention_mask,
-            "d_input_ids": d.input_ids, "d_attention_mask": d.attention_mask, "d_teacher_scores": teacher}
+    return {
+        "q_input_ids": q.input_ids,
+        "q_attention_mask": q.attention_mask,
+        "d_input_ids": d.input_ids,
+        "d_attention_mask": d.attention_mask,
+        "d_teacher_scores": teacher,
+    }
 
 
 def local_batch(rank: int) -> dict[str, torch.Tensor]:
     batch = global_batch()
     rows = {k: N_QUERIES if k.startswith("q_") or k == "d_teacher_scores" else N_QUERIES * GROUP for k in batch}
-    return {k: v[rank * rows[k]:(rank + 1) * rows[k]] for k, v in batch.items()}
+    return {k: v[rank * rows[k] : (rank + 1) * rows[k]] for k, v in batch.items()}
 
 
 def _worker(rank: int, port: int, out: dict):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_WORLD_SIZE=str(WORLD),
+    )
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     for loss_name, stage, precision, chunk, shared in CASES:
         model = build(shared)
         engine, *_ = deepspeed.initialize(
-            model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.0),
-            config={"train_micro_batch_size_per_gpu": N_QUERIES, "gradient_accumulation_steps": 1,
-                    "zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"},
-                    "gradient_clipping": 0.0, "steps_per_print": 10**9})
+            model=model,
+            optimizer=torch.optim.AdamW(model.parameters(), lr=0.0),
+            config={
+                "train_micro_batch_size_per_gpu": N_QUERIES,
+                "gradient_accumulation_steps": 1,
+                "zero_optimization": {"stage": stage},
+                "bf16": {"enabled": precision == "bf16"},
+                "gradient_clipping": 0.0,
+                "steps_per_print": 10**9,
+            },
+        )
         loss, _ = run_backward(loss_name, engine, local_batch(rank), chunk)
-        grads = {name: safe_get_full_grad(p).float().clone() for name, p in engine.module.named_parameters()
-                 if p.requires_grad}
+        grads = {
+            name: safe_get_full_grad(p).float().clone()
+            for name, p in engine.module.named_parameters()
+            if p.requires_grad
+        }
         engine.step()
-        out[(rank, loss_name, stage, precision, chunk, shared)] = {"loss": float(loss),
-                                                                   "grads": grads if rank == 0 else None}
+        out[(rank, loss_name, stage, precision, chunk, shared)] = {
+            "loss": float(loss),
+            "grads": grads if rank == 0 else None,
+        }
         del engine
     torch.distributed.destroy_process_group()
 
 
-def reference(shared: bool, loss_name: str = "contrastive", batch: dict | None = None,
-              dtype: torch.dtype = torch.float32):
+def reference(
+    shared: bool, loss_name: str = "contrastive", batch: dict | None = None, dtype: torch.dtype = torch.float32
+):
     """One process, the whole global batch (or ``batch``) in one graph."""
     model = build(shared).to(dtype)
     batch = batch if batch is not None else global_batch()
@@ -99,8 +128,9 @@ def reference(shared: bool, loss_name: str = "contrastive", batch: dict | None =
     scores = model.compute_similarity(q, d)
     loss = contrastive_loss(scores, GROUP)
     if loss_name == "distillation":
-        loss = distillation_loss(own_group_scores(scores, GROUP), batch["d_teacher_scores"], loss, ALPHA,
-                                 TEACHER_TEMPERATURE)
+        loss = distillation_loss(
+            own_group_scores(scores, GROUP), batch["d_teacher_scores"], loss, ALPHA, TEACHER_TEMPERATURE
+        )
     loss.backward()
     return {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}, loss.item()
 
@@ -122,8 +152,9 @@ def distributed_results():
 
 
 @pytest.mark.parametrize("loss_name,stage,precision,chunk,shared", CASES)
-def test_two_deepspeed_workers_match_one_process_with_the_full_batch(distributed_results, loss_name, stage,
-                                                                     precision, chunk, shared):
+def test_two_deepspeed_workers_match_one_process_with_the_full_batch(
+    distributed_results, loss_name, stage, precision, chunk, shared
+):
     ref_grads, ref_loss = reference(shared, loss_name)
     tolerance = FP32_TOLERANCE if precision == "fp32" else BF16_TOLERANCE
     results = [distributed_results[(rank, loss_name, stage, precision, chunk, shared)] for rank in range(WORLD)]

@@ -27,8 +27,9 @@ N_QUERIES = 24
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory) -> str:
     """A random tiny BERT checkpoint with its own tokenizer: what --model.init points at."""
-    return save_tiny_bert(str(tmp_path_factory.mktemp("tiny-bert")), [d["text"] for d in synthetic_docs(200, seed=1)],
-                          dropout=0.1)
+    return save_tiny_bert(
+        str(tmp_path_factory.mktemp("tiny-bert")), [d["text"] for d in synthetic_docs(200, seed=1)], dropout=0.1
+    )
 
 
 def put(bucket: str, key: str, text: str) -> str:
@@ -42,9 +43,11 @@ def beir_on_s3(bucket: str) -> dict[str, str]:
     docs = synthetic_docs(80, seed=9)
     queries = [{"_id": f"q{i}", "text": " ".join(docs[i]["text"].split()[:4])} for i in range(N_QUERIES)]
     qrels = "query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\t{docs[i]['_id']}\t1\n" for i in range(N_QUERIES))
-    return {"corpus": put(bucket, "beir/corpus.jsonl", "".join(json.dumps(d) + "\n" for d in docs)),
-            "queries": put(bucket, "beir/queries.jsonl", "".join(json.dumps(q) + "\n" for q in queries)),
-            "qrels": put(bucket, "beir/qrels.tsv", qrels)}
+    return {
+        "corpus": put(bucket, "beir/corpus.jsonl", "".join(json.dumps(d) + "\n" for d in docs)),
+        "queries": put(bucket, "beir/queries.jsonl", "".join(json.dumps(q) + "\n" for q in queries)),
+        "qrels": put(bucket, "beir/qrels.tsv", qrels),
+    }
 
 
 def test_two_workers_with_gradient_cache_from_s3_with_bm25_negatives(tiny_bert, s3_bucket, ray_session):
@@ -57,8 +60,18 @@ def test_two_workers_with_gradient_cache_from_s3_with_bm25_negatives(tiny_bert, 
     cfg.model.init = tiny_bert
     cfg.retriever.pooling, cfg.retriever.group_size, cfg.retriever.chunk_size = "cls", 3, 5
     cfg.eval.queries, cfg.eval.qrels, cfg.eval.k = data["queries"], data["qrels"], 10
-    cfg.train = TrainConfig(output=out, num_workers=2, zero_stage=2, micro_batch_size=4, max_steps=0, epochs=2,
-                            lr=1e-3, log_every=1, checkpoint_every=4, data_trace=True)
+    cfg.train = TrainConfig(
+        output=out,
+        num_workers=2,
+        zero_stage=2,
+        micro_batch_size=4,
+        max_steps=0,
+        epochs=2,
+        lr=1e-3,
+        log_every=1,
+        checkpoint_every=4,
+        data_trace=True,
+    )
     summary = run_finetuning(cfg)
 
     # 24 queries / (2 workers x 4) = 3 steps an epoch.
@@ -92,8 +105,9 @@ def test_tevatron_training_file_with_its_own_passages(tiny_bert, tmp_path, ray_s
 
     docs = {d["_id"]: d["text"] for d in synthetic_docs(40, seed=4)}
     ids = list(docs)
-    examples = [TrainExample(f"q{i}", " ".join(docs[ids[i]].split()[:3]), [ids[i]], ids[i + 1:i + 6])
-                for i in range(16)]
+    examples = [
+        TrainExample(f"q{i}", " ".join(docs[ids[i]].split()[:3]), [ids[i]], ids[i + 1 : i + 6]) for i in range(16)
+    ]
     tevatron = str(tmp_path / "train.tevatron.jsonl")
     write_tevatron(examples, lambda d: ("", docs[d]), tevatron)
 
@@ -103,8 +117,16 @@ def test_tevatron_training_file_with_its_own_passages(tiny_bert, tmp_path, ray_s
     cfg.model.init = tiny_bert
     cfg.retriever.group_size = 4
     cfg.eval.queries = ""
-    cfg.train = TrainConfig(output=str(tmp_path / "run"), num_workers=1, micro_batch_size=4, max_steps=0,
-                            epochs=1, lr=1e-3, log_every=1, checkpoint_every=100)
+    cfg.train = TrainConfig(
+        output=str(tmp_path / "run"),
+        num_workers=1,
+        micro_batch_size=4,
+        max_steps=0,
+        epochs=1,
+        lr=1e-3,
+        log_every=1,
+        checkpoint_every=100,
+    )
     summary = run_finetuning(cfg)
     assert summary["steps"] == 4 and summary["examples"] == 16
     # Only the passages the file names: 16 positives and their negatives ids[1:21].

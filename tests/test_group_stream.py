@@ -24,8 +24,9 @@ pytestmark = pytest.mark.ray
 def corpus(tmp_path_factory, ray_session):
     root = tmp_path_factory.mktemp("groups")
     docs = synthetic_docs(90, seed=7)
-    cfg = PrepareConfig(input=write_jsonl(root / "raw.jsonl", docs), output=str(root / "corpus"),
-                        vocab_size=120, docs_per_shard=25)
+    cfg = PrepareConfig(
+        input=write_jsonl(root / "raw.jsonl", docs), output=str(root / "corpus"), vocab_size=120, docs_per_shard=25
+    )
     manifest = prepare_corpus(cfg)
     tokens = {}
     for shard in manifest["shards"]:
@@ -43,8 +44,9 @@ def test_every_group_holds_exactly_its_planned_passages_in_the_planned_order(cor
         picked = list(rng.choice(ids, size=8, replace=False))
         examples.append(TrainExample(f"q{q}", "", positives=picked[:2], negatives=picked[2:] if q % 5 else []))
     query_ids = [np.arange(q + 1, dtype=np.int32) + 10 for q in range(30)]
-    spec = GroupSpec(corpus=uri, group_size=4, query_max_len=12, passage_max_len=16, seed=3,
-                     cls_id=2, sep_id=3, pad_id=0)
+    spec = GroupSpec(
+        corpus=uri, group_size=4, query_max_len=12, passage_max_len=16, seed=3, cls_id=2, sep_id=3, pad_id=0
+    )
     rows_by_id = corpus_rows_by_id(uri, manifest)
     id_by_row = {row: doc for doc, row in rows_by_id.items()}
     plan = plan_epoch(examples, epoch=1, spec=spec, rows_by_id=rows_by_id, skip_rows=np.array([4, 9]))

@@ -93,7 +93,9 @@ def test_bad_factory_and_k_larger_than_corpus_are_clear():
     assert ix.search_shards(indexes, q, 812)[1].shape == (3, 812)
 
 
-@pytest.mark.parametrize("factory", ["Flat", "IVF16,Flat", "IVF16,PQ8x4", "SQ8", "HNSW16", "PCA32,IVF16,Flat", "IVF16,PQ8x4fs"])
+@pytest.mark.parametrize(
+    "factory", ["Flat", "IVF16,Flat", "IVF16,PQ8x4", "SQ8", "HNSW16", "PCA32,IVF16,Flat", "IVF16,PQ8x4fs"]
+)
 def test_memory_plan_matches_the_serialized_size(factory):
     x = clustered(5000, dim=64)
     built = ix.build_index_shard(x, np.arange(5000), factory, train_vectors=x[:2500])
@@ -106,8 +108,11 @@ def test_memory_plan_matches_the_serialized_size(factory):
 def test_plan_over_the_limit_names_the_shard():
     plan = ix.plan_memory("Flat", 768, [1_000_000, 4_500_000])
     ix.check_plan(plan[:1], 8 * 2**30)
-    with pytest.raises(ValueError, match=r"index shard 1 needs 12\.9 GiB, more than the 8\.0 GiB limit: use more "
-                                         r"shards or a compressed factory such as IVF8192,PQ64"):
+    with pytest.raises(
+        ValueError,
+        match=r"index shard 1 needs 12\.9 GiB, more than the 8\.0 GiB limit: use more "
+        r"shards or a compressed factory such as IVF8192,PQ64",
+    ):
         ix.check_plan(plan, 8 * 2**30)
     table = ix.format_plan(plan)
     assert "4,500,000" in table and table.splitlines()[-1].startswith("total")
@@ -124,8 +129,9 @@ def test_save_load_round_trip(where, tmp_path, request):
     for i, index in enumerate(indexes):
         ix.save_index(index, storage.join(folder, ix.index_shard_path(i)))
         shards.append({"index": i, "path": ix.index_shard_path(i), "vectors": index.ntotal})
-    ix.write_index_manifest(folder, factory="IVF16,Flat", metric="ip", dim=DIM, shards=shards,
-                            embeddings="s3://bucket/embeddings")
+    ix.write_index_manifest(
+        folder, factory="IVF16,Flat", metric="ip", dim=DIM, shards=shards, embeddings="s3://bucket/embeddings"
+    )
     manifest = ix.load_index_manifest(folder)
     assert [s["vectors"] for s in manifest["shards"]] == [1500, 1500]
     after = ix.search_shards(ix.load_index_shards(folder, manifest), q, 10, "ip", nprobe=4)
@@ -139,8 +145,14 @@ def test_missing_index_shard_is_named(tmp_path):
         ix.load_index_manifest(folder)
     index = build_shards(clustered(100), parts=1)[0]
     ix.save_index(index, storage.join(folder, ix.index_shard_path(0)))
-    ix.write_index_manifest(folder, factory="Flat", metric="ip", dim=DIM, embeddings="emb",
-                            shards=[{"index": i, "path": ix.index_shard_path(i), "vectors": 100} for i in (0, 1)])
+    ix.write_index_manifest(
+        folder,
+        factory="Flat",
+        metric="ip",
+        dim=DIM,
+        embeddings="emb",
+        shards=[{"index": i, "path": ix.index_shard_path(i), "vectors": 100} for i in (0, 1)],
+    )
     with pytest.raises(ix.ArtifactError, match=r"index shard .*index-00001\.faiss is missing"):
         ix.load_index_manifest(folder)
     with pytest.raises(StorageError, match=r"index-00001\.faiss: no such file"):

@@ -33,22 +33,38 @@ def free_port() -> int:
 
 @pytest.fixture
 def ray_head():
-    env = dict(os.environ, RAY_AUTH_MODE="disabled",
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env = dict(
+        os.environ, RAY_AUTH_MODE="disabled", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    )
     env.pop("RAY_ADDRESS", None)
     dashboard = free_port()
     temp_dir = tempfile.mkdtemp(prefix="rdh-", dir="/tmp")  # short: Ray's socket paths have a length limit
     log = open(os.path.join(temp_dir, "head.log"), "w")
     head = subprocess.Popen(
-        [shutil.which("ray", path=env["PATH"]), "start", "--head", "--block", f"--port={free_port()}",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=4",
-         f"--temp-dir={temp_dir}", "--include-dashboard=true",
-         # Fresh ports for the head's agents: the suite's in-process Ray may already hold
-         # the default ones, and then this head's job agent never comes up.
-         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-         f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-         f"--ray-client-server-port={free_port()}"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            shutil.which("ray", path=env["PATH"]),
+            "start",
+            "--head",
+            "--block",
+            f"--port={free_port()}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard}",
+            "--num-cpus=4",
+            f"--temp-dir={temp_dir}",
+            "--include-dashboard=true",
+            # Fresh ports for the head's agents: the suite's in-process Ray may already hold
+            # the default ones, and then this head's job agent never comes up.
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}",
+            f"--ray-client-server-port={free_port()}",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     address = f"http://127.0.0.1:{dashboard}"
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -99,23 +115,55 @@ def test_submitted_pretrain_job_succeeds_and_prints_its_summary(ray_head, tmp_pa
     address, env, ray_temp_dir = ray_head
     out = tmp_path / "run"
     pretrain = [
-        "python", "jobs/pretrain.py",
-        "--corpus.output", str(tmp_path / "corpus"), "--corpus.vocab_size", "2000",
-        "--train.output", str(out), "--train.max_steps", "6", "--train.log_every", "2",
-        "--train.checkpoint_every", "3", "--train.micro_batch_size", "8",
-        "--model.hidden_size", "32", "--model.num_layers", "2", "--model.num_heads", "2",
-        "--model.intermediate_size", "64", "--data.max_len", "64",
+        "python",
+        "jobs/pretrain.py",
+        "--corpus.output",
+        str(tmp_path / "corpus"),
+        "--corpus.vocab_size",
+        "2000",
+        "--train.output",
+        str(out),
+        "--train.max_steps",
+        "6",
+        "--train.log_every",
+        "2",
+        "--train.checkpoint_every",
+        "3",
+        "--train.micro_batch_size",
+        "8",
+        "--model.hidden_size",
+        "32",
+        "--model.num_layers",
+        "2",
+        "--model.num_heads",
+        "2",
+        "--model.intermediate_size",
+        "64",
+        "--data.max_len",
+        "64",
     ]
     # The job gets the credentials as a cluster job would get keys for an S3-compatible
     # store; the entrypoint refuses to start without them, so the scan below cannot pass
     # because they never arrived.
     present = " && ".join(f'test -n "${name}"' for name in FAKE_CREDENTIALS)
-    runtime_env = {"excludes": ["runs/", ".git/", ".venv/", "*.egg-info/", "__pycache__/"],
-                   "env_vars": FAKE_CREDENTIALS}
+    runtime_env = {
+        "excludes": ["runs/", ".git/", ".venv/", "*.egg-info/", "__pycache__/"],
+        "env_vars": FAKE_CREDENTIALS,
+    }
     submit = [
-        "ray", "job", "submit", "--address", address, "--working-dir", str(REPO),
-        "--runtime-env-json", json.dumps(runtime_env),
-        "--", "sh", "-c", f"{present} && exec {shlex.join(pretrain)}",
+        "ray",
+        "job",
+        "submit",
+        "--address",
+        address,
+        "--working-dir",
+        str(REPO),
+        "--runtime-env-json",
+        json.dumps(runtime_env),
+        "--",
+        "sh",
+        "-c",
+        f"{present} && exec {shlex.join(pretrain)}",
     ]
     deadline = time.time() + 120
     while True:
@@ -146,12 +194,19 @@ def test_submitted_pretrain_job_succeeds_and_prints_its_summary(ray_head, tmp_pa
     # summary, history, checkpoints with DeepSpeed state and trainer state, export), the
     # prepared corpus, the job's logs as `ray job submit` streamed them, and the log files
     # of the job's driver and of every worker process (the Ray Train workers among them).
-    for name in ("config.yaml", "summary.json", "history.json", "checkpoints/data_position.json",
-                 "checkpoints/checkpoint_000000006/trainer_state.json"):
+    for name in (
+        "config.yaml",
+        "summary.json",
+        "history.json",
+        "checkpoints/data_position.json",
+        "checkpoints/checkpoint_000000006/trainer_state.json",
+    ):
         assert (out / name).is_file(), name
     logs = Path(ray_temp_dir) / "session_latest" / "logs"
     process_logs = sorted(logs.glob("job-driver-*")) + sorted(logs.glob("worker-*"))
-    assert any(b'"step": 6' in p.read_bytes() for p in process_logs), "the training log lines are not among the scanned logs"
+    assert any(b'"step": 6' in p.read_bytes() for p in process_logs), (
+        "the training log lines are not among the scanned logs"
+    )
     job_output = tmp_path / "job-output.txt"
     job_output.write_text(output)
     leaks = files_containing([tmp_path, *process_logs], FAKE_CREDENTIALS)

@@ -91,8 +91,11 @@ def test_export_is_a_drop_in_bert_with_its_mlm_head(exported):
         cls = model.lm.bert(input_ids=ids, attention_mask=mask).last_hidden_state[:, 0]
         assert_drop_in_bert(paths["export_dir"], ids, mask, cls)
         reloaded = AutoModelForMaskedLM.from_pretrained(paths["export_dir"]).eval()
-        torch.testing.assert_close(reloaded(input_ids=ids, attention_mask=mask).logits,
-                                   model.lm(input_ids=ids, attention_mask=mask).logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            reloaded(input_ids=ids, attention_mask=mask).logits,
+            model.lm(input_ids=ids, attention_mask=mask).logits,
+            rtol=0,
+            atol=1e-5,
+        )
     assert AutoTokenizer.from_pretrained(paths["export_dir"]).get_vocab() == tok.get_vocab()
     assert not any(n.endswith(".bin") for n in os.listdir(paths["export_dir"]))
-

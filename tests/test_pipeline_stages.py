@@ -50,6 +50,7 @@ def fake_stages(calls: list, kill_at: tuple[str, str] | None = None):
             previous = STAGES[STAGES.index(stage) - 1] if stage != "pretrain" else None
             upstream = ctx.output(previous, "file") if previous else None
             return {"outputs": {"file": progress, "upstream": upstream}, "metrics": {"MRR@10": 0.1}}
+
         return run
 
     return {s: make(s) for s in STAGES}
@@ -81,12 +82,12 @@ def test_killed_between_stages_the_rerun_starts_at_the_next_stage(tmp_path):
     calls = []
     with pytest.raises(Killed):
         run_pipeline(cfg_for(tmp_path), fake_stages(calls, kill_at=("mine1", "start")))
-    assert [c[0] for c in calls] == list(STAGES[:STAGES.index("mine1") + 1])
+    assert [c[0] for c in calls] == list(STAGES[: STAGES.index("mine1") + 1])
     before = RunManifest(str(tmp_path / "run"), MANIFEST).data["stages"]["round1"]
 
     calls.clear()
     run_pipeline(cfg_for(tmp_path), fake_stages(calls))
-    assert [c[0] for c in calls] == list(STAGES[STAGES.index("mine1"):])
+    assert [c[0] for c in calls] == list(STAGES[STAGES.index("mine1") :])
     assert RunManifest(str(tmp_path / "run"), MANIFEST).data["stages"]["round1"] == before  # untouched
 
 
@@ -98,7 +99,7 @@ def test_killed_mid_stage_the_rerun_resumes_that_stage(tmp_path):
     run_pipeline(cfg_for(tmp_path), fake_stages(calls))
     # round2 resumed with its first two units done, and did only the other two.
     assert calls[0] == ("round2", [0, 1])
-    assert [c[0] for c in calls] == list(STAGES[STAGES.index("round2"):])
+    assert [c[0] for c in calls] == list(STAGES[STAGES.index("round2") :])
     assert json.load(open(tmp_path / "run" / "round2" / "progress.json")) == [0, 1, 2, 3]
 
 
@@ -118,7 +119,7 @@ def test_from_forgets_that_stage_and_every_later_one(tmp_path):
     run_pipeline(cfg_for(tmp_path), fake_stages(calls))
     calls.clear()
     run_pipeline(cfg_for(tmp_path, start_from="mine2"), fake_stages(calls))
-    assert calls == [(s, []) for s in STAGES[STAGES.index("mine2"):]]
+    assert calls == [(s, []) for s in STAGES[STAGES.index("mine2") :]]
 
 
 def test_only_without_the_inputs_it_needs_names_the_missing_stage(tmp_path):
@@ -141,13 +142,18 @@ def test_bad_stage_names_and_disabled_stages(tmp_path):
 
 def test_stop_after_and_the_from_spelling():
     assert cli_args(["--from", "round2", "--from=mine1", "--only", "x"]) == [
-        "--start_from", "round2", "--start_from=mine1", "--only", "x"]
+        "--start_from",
+        "round2",
+        "--start_from=mine1",
+        "--only",
+        "x",
+    ]
 
 
 def test_stop_after_stops_there(tmp_path):
     calls = []
     run_pipeline(cfg_for(tmp_path, stop_after="round1"), fake_stages(calls))
-    assert [c[0] for c in calls] == list(STAGES[:STAGES.index("round1") + 1])
+    assert [c[0] for c in calls] == list(STAGES[: STAGES.index("round1") + 1])
 
 
 def test_shipped_recipes_load_and_the_embedded_one_is_the_default():

@@ -26,8 +26,9 @@ def tiny_config(corpus_input: str, corpus_out: str, train_out: str, **train) -> 
     cfg.corpus = PrepareConfig(input=corpus_input, output=corpus_out, vocab_size=120, docs_per_shard=30)
     cfg.data = StreamConfig(max_len=32, pack=False)
     cfg.model = BackboneConfig(hidden_size=32, num_layers=4, num_heads=2, intermediate_size=64, max_position=64)
-    cfg.train = TrainConfig(output=train_out, num_workers=2, zero_stage=2, lr=1e-3, log_every=2,
-                            data_trace=True, **train)
+    cfg.train = TrainConfig(
+        output=train_out, num_workers=2, zero_stage=2, lr=1e-3, log_every=2, data_trace=True, **train
+    )
     return cfg
 
 
@@ -54,11 +55,18 @@ def test_two_workers_stream_disjoint_documents_from_s3_with_zero2(tmp_path, s3_b
     from transformers import AutoModel, BertModel
 
     docs = synthetic_docs(240, seed=3)
-    boto3.client("s3").put_object(Bucket=s3_bucket, Key="raw/corpus.jsonl",
-                                  Body="".join(json.dumps(d) + "\n" for d in docs).encode())
-    cfg = tiny_config(f"s3://{s3_bucket}/raw/corpus.jsonl", f"s3://{s3_bucket}/corpus",
-                      f"s3://{s3_bucket}/run", micro_batch_size=10, max_steps=1000, epochs=1,
-                      checkpoint_every=5)
+    boto3.client("s3").put_object(
+        Bucket=s3_bucket, Key="raw/corpus.jsonl", Body="".join(json.dumps(d) + "\n" for d in docs).encode()
+    )
+    cfg = tiny_config(
+        f"s3://{s3_bucket}/raw/corpus.jsonl",
+        f"s3://{s3_bucket}/corpus",
+        f"s3://{s3_bucket}/run",
+        micro_batch_size=10,
+        max_steps=1000,
+        epochs=1,
+        checkpoint_every=5,
+    )
     summary = run_pretraining(cfg)
 
     assert summary["steps"] == 12  # 240 docs / (2 workers x 10): the one epoch streamed ends the run
@@ -84,8 +92,11 @@ def _train_worker_pids() -> list[int]:
     import ray
 
     session = ray._private.worker._global_node.get_session_dir_path()
-    raylets = [p for p in psutil.process_iter(["cmdline"])
-               if "raylet" in " ".join(p.info["cmdline"] or [])[:200] and session in " ".join(p.info["cmdline"] or [])]
+    raylets = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "raylet" in " ".join(p.info["cmdline"] or [])[:200] and session in " ".join(p.info["cmdline"] or [])
+    ]
     pids = []
     for raylet in raylets:
         for proc in raylet.children(recursive=True):
@@ -101,9 +112,16 @@ def _train_worker_pids() -> list[int]:
 def test_killed_worker_resumes_from_checkpoint_without_losing_documents(tmp_path, ray_session):
     docs = synthetic_docs(120, seed=5)
     out = str(tmp_path / "run")
-    cfg = tiny_config(write_jsonl(tmp_path / "raw.jsonl", docs), str(tmp_path / "corpus"), out,
-                      micro_batch_size=6, max_steps=20, checkpoint_every=5, keep_checkpoints=100,
-                      max_failures=2)
+    cfg = tiny_config(
+        write_jsonl(tmp_path / "raw.jsonl", docs),
+        str(tmp_path / "corpus"),
+        out,
+        micro_batch_size=6,
+        max_steps=20,
+        checkpoint_every=5,
+        keep_checkpoints=100,
+        max_failures=2,
+    )
     assert cfg.train.data_trace and cfg.train.grad_accum == 1  # one micro-step per step below
     result: dict = {}
     runner = threading.Thread(target=lambda: result.update(run_pretraining(cfg)), daemon=True)

@@ -29,11 +29,16 @@ from tests.helpers import PlainEngine, save_tiny_bert
 
 N_DOCS, N_QUERIES = 40, 12
 
+
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> str:
     """A random tiny BERT encoder with its own tokenizer (no classifier head: it starts random)."""
-    return save_tiny_bert(str(tmp_path_factory.mktemp("tiny-bert")), [d["text"] for d in synthetic_docs(200, seed=1)],
-                          initializer_range=0.2)
+    return save_tiny_bert(
+        str(tmp_path_factory.mktemp("tiny-bert")),
+        [d["text"] for d in synthetic_docs(200, seed=1)],
+        initializer_range=0.2,
+    )
+
 
 @pytest.fixture(scope="module")
 def tiny_reranker(tiny_checkpoint):
@@ -41,34 +46,52 @@ def tiny_reranker(tiny_checkpoint):
     lengths = PairLengths(query_max_len=12, passage_max_len=40, max_len=48)
     return build_reranker(tiny_checkpoint, lengths).eval(), load_tokenizer(tiny_checkpoint)
 
+
 def hf_pair(tokenizer, query: str, passage: str, lengths: PairLengths) -> dict[str, torch.Tensor]:
     """The reference: the HF tokenizer's own pair encoding of an uncut query, the passage cut
     to ``passage_max_len - 2`` tokens and then the pair to ``max_len`` (only_second: the
     pair is [CLS] q [SEP] d [SEP], so the first cut is a pair of len(q) + passage_max_len + 1)."""
     n_query = len(tokenizer(query, add_special_tokens=False)["input_ids"])
     assert n_query <= lengths.query_max_len - 2
-    return tokenizer(query, passage, truncation="only_second", return_tensors="pt",
-                     max_length=min(lengths.max_len, n_query + lengths.passage_max_len + 1))
+    return tokenizer(
+        query,
+        passage,
+        truncation="only_second",
+        return_tensors="pt",
+        max_length=min(lengths.max_len, n_query + lengths.passage_max_len + 1),
+    )
+
 
 def test_listwise_loss_matches_a_hand_computation():
-    scores = torch.tensor([[2.0, 0.5, -1.0, 0.0],
-                           [0.0, 1.5, 0.3, -2.0]])
+    scores = torch.tensor([[2.0, 0.5, -1.0, 0.0], [0.0, 1.5, 0.3, -2.0]])
     expected = sum(math.log(sum(math.exp(s) for s in row)) - row[0] for row in scores.tolist()) / 2
     assert listwise_loss(scores).item() == pytest.approx(expected, rel=1e-6)
     # The positive is column 0: moving it elsewhere is another loss.
     assert listwise_loss(scores.flip(1)).item() != pytest.approx(expected, rel=1e-3)
 
+
 def stream_batch(tokenizer, queries: list[str], groups: list[list[str]], lengths: PairLengths) -> dict:
     """A micro-batch as the group stream delivers it: framed ids and lengths, (b, n, Ld) passages."""
+
     def framed(texts, max_len):
         tokens = tokenizer(texts, add_special_tokens=False, truncation=True, max_length=max_len - 2)["input_ids"]
-        return frame([np.asarray(t, np.int32) for t in tokens], max_len, tokenizer.cls_token_id,
-                     tokenizer.sep_token_id, tokenizer.pad_token_id)
+        return frame(
+            [np.asarray(t, np.int32) for t in tokens],
+            max_len,
+            tokenizer.cls_token_id,
+            tokenizer.sep_token_id,
+            tokenizer.pad_token_id,
+        )
 
     q_ids, q_len = framed(queries, lengths.query_max_len)
     d = [framed(group, lengths.passage_max_len) for group in groups]
-    return {"q_input_ids": q_ids, "q_length": q_len, "d_input_ids": np.stack([ids for ids, _ in d]),
-            "d_length": np.stack([n for _, n in d])}
+    return {
+        "q_input_ids": q_ids,
+        "q_length": q_len,
+        "d_input_ids": np.stack([ids for ids, _ in d]),
+        "d_length": np.stack([n for _, n in d]),
+    }
+
 
 def test_make_batch_equals_the_tokenizers_pair_encoding(tiny_checkpoint):
     tokenizer = load_tokenizer(tiny_checkpoint)
@@ -96,6 +119,7 @@ def test_make_batch_equals_the_tokenizers_pair_encoding(tiny_checkpoint):
         assert set(pairs["input_ids"][row, n:].tolist()) <= {tokenizer.pad_token_id}
     assert task.count_tokens(batch) == int(pairs["attention_mask"].sum())
 
+
 def test_backward_gives_the_loss_and_gradients_of_a_plain_reference(tiny_reranker):
     model, tokenizer = tiny_reranker
     lengths = model.lengths
@@ -120,6 +144,7 @@ def test_backward_gives_the_loss_and_gradients_of_a_plain_reference(tiny_reranke
     positive_wins = [float(row[0] > max(row[1:])) for row in scores]
     assert extras["accuracy"].item() == pytest.approx(sum(positive_wins) / 2)
 
+
 def test_export_loads_as_an_hf_classifier_and_a_sentence_transformers_cross_encoder(tiny_reranker, tmp_path):
     from sentence_transformers import CrossEncoder as STCrossEncoder
     from transformers import AutoModelForSequenceClassification
@@ -136,6 +161,7 @@ def test_export_loads_as_an_hf_classifier_and_a_sentence_transformers_cross_enco
     assert np.allclose(ours, theirs, atol=1e-5)
     assert len(set(np.round(ours, 5))) == 3  # a random head that still tells passages apart
 
+
 def test_pair_scorer_batches_equal_scoring_one_pair_at_a_time(tiny_reranker, tmp_path):
     from pipeline.retrieval.rerank_scoring import PairScorer
 
@@ -151,6 +177,7 @@ def test_pair_scorer_batches_equal_scoring_one_pair_at_a_time(tiny_reranker, tmp
             direct = [model(**hf_pair(tokenizer, q, docs[d], model.lengths)).item() for d in docs_of_q]
             assert np.allclose(got, direct, atol=1e-5)
 
+
 def test_training_settings_that_cannot_work_fail_before_any_work(tiny_checkpoint, tmp_path):
     from pipeline.training.rerank import RerankConfig, run_reranker_training
 
@@ -163,23 +190,31 @@ def test_training_settings_that_cannot_work_fail_before_any_work(tiny_checkpoint
             setattr(getattr(cfg, section), name, value)
         return cfg
 
-    cases = [({"data__negatives": str(tmp_path / "missing.jsonl")}, FileNotFoundError,
-              "run that first, or use --data.negatives bm25"),
-             ({"data__negatives": ""}, ValueError, "trains on hard negatives"),
-             ({"reranker__max_len": 13}, ValueError, "at least query_max_len \\+ 2"),
-             ({"reranker__max_len": 100}, ValueError, "exceeds the model's 64 positions"),
-             ({"reranker__group_size": 1}, ValueError, "group_size must be >= 2")]
+    cases = [
+        (
+            {"data__negatives": str(tmp_path / "missing.jsonl")},
+            FileNotFoundError,
+            "run that first, or use --data.negatives bm25",
+        ),
+        ({"data__negatives": ""}, ValueError, "trains on hard negatives"),
+        ({"reranker__max_len": 13}, ValueError, "at least query_max_len \\+ 2"),
+        ({"reranker__max_len": 100}, ValueError, "exceeds the model's 64 positions"),
+        ({"reranker__group_size": 1}, ValueError, "group_size must be >= 2"),
+    ]
     for changes, error, message in cases:
         with pytest.raises(error, match=message):
             run_reranker_training(config(**changes))
     assert not (tmp_path / "run").exists()
 
+
 # -- scoring ------------------------------------------------------------------------------
+
 
 def write_run(path, rows) -> str:
     with open(path, "w") as f:
         f.writelines(f"{q} Q0 {d} {r} {s} x\n" for q, d, r, s in rows)
     return str(path)
+
 
 def beir_fixture(folder) -> dict[str, str]:
     """A tiny collection: query i's positive is d{i}; the run lists a few candidates each."""
@@ -195,8 +230,13 @@ def beir_fixture(folder) -> dict[str, str]:
         others = [f"d{j}" for j in rng.choice(np.arange(N_QUERIES, N_DOCS), 5, replace=False)]
         ranked = others[:3] + [f"d{i}"] + others[3:] if i % 3 else others  # every third query: positive missed
         rows += [(f"q{i}", d, r, round(10.0 - r, 2)) for r, d in enumerate(ranked, 1)]
-    return {"corpus": write_jsonl(folder / "corpus.jsonl", docs), "queries": write_jsonl(folder / "queries.jsonl", queries),
-            "qrels": str(qrels), "run": write_run(folder / "run.trec", rows)}
+    return {
+        "corpus": write_jsonl(folder / "corpus.jsonl", docs),
+        "queries": write_jsonl(folder / "queries.jsonl", queries),
+        "qrels": str(qrels),
+        "run": write_run(folder / "run.trec", rows),
+    }
+
 
 def test_a_run_naming_a_document_outside_the_corpus_is_an_error(tiny_reranker, tmp_path):
     model, tokenizer = tiny_reranker
@@ -204,15 +244,24 @@ def test_a_run_naming_a_document_outside_the_corpus_is_an_error(tiny_reranker, t
     data = beir_fixture(tmp_path)
     with open(data["run"], "a") as f:
         f.write("q0 Q0 nowhere 99 0.1 x\n")
-    cfg = RerankScoreConfig(model=str(tmp_path / "export"), run=data["run"], queries=data["queries"],
-                            corpus=data["corpus"], qrels="", depth=100, output=str(tmp_path / "out"))
+    cfg = RerankScoreConfig(
+        model=str(tmp_path / "export"),
+        run=data["run"],
+        queries=data["queries"],
+        corpus=data["corpus"],
+        qrels="",
+        depth=100,
+        output=str(tmp_path / "out"),
+    )
     lines = len(open(data["run"]).readlines())
     with pytest.raises(ValueError, match=rf"run.trec line {lines}: document 'nowhere' is not in the corpus"):
         run_scoring(cfg)
     with pytest.raises(ValueError, match="depth must be >= 1"):
         RerankScoreConfig(depth=0)
 
+
 # -- on Ray -------------------------------------------------------------------------------
+
 
 def read_run_lines(path) -> list[tuple[str, str, float]]:
     with open(path) as f:

@@ -40,20 +40,27 @@ def fails(match: str):
 
 
 def test_read_queries(tmp_path):
-    path = write(tmp_path / "q.jsonl.gz", jsonl({"_id": "a", "text": "first"}, {"_id": 7, "text": "seven", "x": 1})
-                 + "\n")
+    path = write(
+        tmp_path / "q.jsonl.gz", jsonl({"_id": "a", "text": "first"}, {"_id": 7, "text": "seven", "x": 1}) + "\n"
+    )
     assert read_queries(path) == {"a": "first", "7": "seven"}
 
 
-@pytest.mark.parametrize("lines, message", [
-    ('{"_id": "a", "text": "x"}\n{"_id": "b", "text": \n', r"q\.jsonl line 2: malformed JSON"),
-    ('[1, 2]\n', r"line 1: expected a JSON object, got array"),
-    ('{"text": "x"}\n', r"line 1: missing field '_id'"),
-    ('{"_id": "a"}\n', r"line 1: missing field 'text'"),
-    ('{"_id": "a", "text": 3}\n', r"line 1: field 'text' must be a string, got number"),
-    ('{"_id": "a", "text": "  "}\n', r"line 1: empty text \(query a\)"),
-    ('{"_id": "a", "text": "x"}\n\n{"_id": "a", "text": "y"}\n', r"line 3: duplicate query id 'a' \(first at line 1\)"),
-])
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        ('{"_id": "a", "text": "x"}\n{"_id": "b", "text": \n', r"q\.jsonl line 2: malformed JSON"),
+        ("[1, 2]\n", r"line 1: expected a JSON object, got array"),
+        ('{"text": "x"}\n', r"line 1: missing field '_id'"),
+        ('{"_id": "a"}\n', r"line 1: missing field 'text'"),
+        ('{"_id": "a", "text": 3}\n', r"line 1: field 'text' must be a string, got number"),
+        ('{"_id": "a", "text": "  "}\n', r"line 1: empty text \(query a\)"),
+        (
+            '{"_id": "a", "text": "x"}\n\n{"_id": "a", "text": "y"}\n',
+            r"line 3: duplicate query id 'a' \(first at line 1\)",
+        ),
+    ],
+)
 def test_read_queries_errors(tmp_path, lines, message):
     path = write(tmp_path / "q.jsonl", lines)
     with fails(message) as info:
@@ -73,14 +80,17 @@ def test_read_qrels_header_scores_and_gzip(tmp_path):
     assert read_qrels(write(tmp_path / "b.tsv", "q1 d1 1\nq1\td2\t0\n")) == {"q1": {"d1": 1, "d2": 0}}
 
 
-@pytest.mark.parametrize("text, message", [
-    ("qid\tdocid\trel\nq1\td1\t1\n", r"a\.tsv line 1: expected the header 'query-id corpus-id score'"),
-    ("query-id\tcorpus-id\tscore\nq1\td1\n", r"line 2: expected 3 columns"),
-    ("query-id\tcorpus-id\tscore\nq1\td1\thigh\n", r"line 2: score must be an integer, got 'high'"),
-    ("query-id\tcorpus-id\tscore\nq1\td1\t1\nq1\tnope\t1\n", r"line 3: unknown document id 'nope'"),
-    ("query-id\tcorpus-id\tscore\nq9\td1\t1\n", r"line 2: unknown query id 'q9'"),
-    ("q1\td1\t1\nq1\td2\t1\nq1\td1\t0\n", r"line 3: duplicate judgment \('q1', 'd1'\) \(first at line 1\)"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("qid\tdocid\trel\nq1\td1\t1\n", r"a\.tsv line 1: expected the header 'query-id corpus-id score'"),
+        ("query-id\tcorpus-id\tscore\nq1\td1\n", r"line 2: expected 3 columns"),
+        ("query-id\tcorpus-id\tscore\nq1\td1\thigh\n", r"line 2: score must be an integer, got 'high'"),
+        ("query-id\tcorpus-id\tscore\nq1\td1\t1\nq1\tnope\t1\n", r"line 3: unknown document id 'nope'"),
+        ("query-id\tcorpus-id\tscore\nq9\td1\t1\n", r"line 2: unknown query id 'q9'"),
+        ("q1\td1\t1\nq1\td2\t1\nq1\td1\t0\n", r"line 3: duplicate judgment \('q1', 'd1'\) \(first at line 1\)"),
+    ],
+)
 def test_read_qrels_errors(tmp_path, text, message):
     with fails(message):
         read_qrels(write(tmp_path / "a.tsv", text), doc_ids={"d1", "d2"}, query_ids={"q1"})
@@ -93,7 +103,9 @@ def test_negatives_round_trip_and_errors(tmp_path):
     path = str(tmp_path / "n" / "neg.jsonl")
     assert write_negatives([("q1", ["d3", "d2"], [2.5, 1.0]), ("q2", [], None)], path) == 2
     assert [json.loads(x) for x in Path(path).read_text().splitlines()] == [
-        {"query_id": "q1", "negatives": ["d3", "d2"], "scores": [2.5, 1.0]}, {"query_id": "q2", "negatives": []}]
+        {"query_id": "q1", "negatives": ["d3", "d2"], "scores": [2.5, 1.0]},
+        {"query_id": "q2", "negatives": []},
+    ]
     assert read_negatives(path, doc_ids={"d2", "d3"}, query_ids={"q1", "q2"}) == {"q1": ["d3", "d2"], "q2": []}
     for text, message in [
         (jsonl({"query_id": "q1"}), r"neg\.jsonl line 1: missing field 'negatives'"),
@@ -101,8 +113,10 @@ def test_negatives_round_trip_and_errors(tmp_path):
         (jsonl({"query_id": "q1", "negatives": ["d2", None]}), r"line 1: negatives\[1\] must be a string or a number"),
         (jsonl({"query_id": "q1", "negatives": ["d2", "d2"]}), r"line 1: query 'q1' lists a negative twice"),
         (jsonl({"query_id": "q1", "negatives": ["d9"]}), r"line 1: unknown document id 'd9'"),
-        (jsonl({"query_id": "q1", "negatives": []}, {"query_id": "q1", "negatives": []}),
-         r"line 2: duplicate query id 'q1' \(first at line 1\)"),
+        (
+            jsonl({"query_id": "q1", "negatives": []}, {"query_id": "q1", "negatives": []}),
+            r"line 2: duplicate query id 'q1' \(first at line 1\)",
+        ),
     ]:
         with fails(message):
             read_negatives(write(tmp_path / "neg.jsonl", text), doc_ids={"d2", "d3"})
@@ -126,31 +140,59 @@ NEGATIVES = {"q1": ["d2", "d1", "d3"], "q4": ["d5"], "q9": ["d1"]}
 
 def test_build_training_examples_skips_drops_and_counts():
     examples, stats = build_training_examples(QUERIES, QRELS, NEGATIVES)
-    assert examples == [TrainExample("q1", "first query", ["d1"], ["d2", "d3"]),
-                        TrainExample("q4", "fourth", ["d4", "d5"], [])]
-    assert stats == DataStats(examples=2, skipped_no_positive=2, skipped_no_positive_examples=["q2", "q3"],
-                              dropped_negative_is_positive=2,
-                              dropped_negative_is_positive_examples=["q1:d1", "q4:d5"],
-                              no_negatives=1, no_negatives_examples=["q4"])
-    assert examples[0].as_dict() == {"query_id": "q1", "query": "first query", "positives": ["d1"],
-                                     "negatives": ["d2", "d3"]}
+    assert examples == [
+        TrainExample("q1", "first query", ["d1"], ["d2", "d3"]),
+        TrainExample("q4", "fourth", ["d4", "d5"], []),
+    ]
+    assert stats == DataStats(
+        examples=2,
+        skipped_no_positive=2,
+        skipped_no_positive_examples=["q2", "q3"],
+        dropped_negative_is_positive=2,
+        dropped_negative_is_positive_examples=["q1:d1", "q4:d5"],
+        no_negatives=1,
+        no_negatives_examples=["q4"],
+    )
+    assert examples[0].as_dict() == {
+        "query_id": "q1",
+        "query": "first query",
+        "positives": ["d1"],
+        "negatives": ["d2", "d3"],
+    }
 
 
 # ---------------------------------------------------------------- Tevatron
 
 
 def test_beir_to_tevatron_round_trip(tmp_path):
-    corpus = write(tmp_path / "beir" / "corpus.jsonl", jsonl(
-        *({"_id": f"d{i}", "title": "T" if i == 1 else "", "text": f"text {i} \u201cq\u201d"} for i in range(1, 6))))
-    queries = read_queries(write(tmp_path / "beir" / "queries.jsonl",
-                                 jsonl(*({"_id": k, "text": v} for k, v in QUERIES.items()))))
-    qrels = read_qrels(write(tmp_path / "beir" / "qrels.tsv", "query-id\tcorpus-id\tscore\n" + "".join(
-        f"{q}\t{d}\t{s}\n" for q, ds in QRELS.items() for d, s in ds.items())))
+    corpus = write(
+        tmp_path / "beir" / "corpus.jsonl",
+        jsonl(
+            *({"_id": f"d{i}", "title": "T" if i == 1 else "", "text": f"text {i} \u201cq\u201d"} for i in range(1, 6))
+        ),
+    )
+    queries = read_queries(
+        write(tmp_path / "beir" / "queries.jsonl", jsonl(*({"_id": k, "text": v} for k, v in QUERIES.items())))
+    )
+    qrels = read_qrels(
+        write(
+            tmp_path / "beir" / "qrels.tsv",
+            "query-id\tcorpus-id\tscore\n"
+            + "".join(f"{q}\t{d}\t{s}\n" for q, ds in QRELS.items() for d, s in ds.items()),
+        )
+    )
     examples, _ = build_training_examples(queries, qrels, NEGATIVES)
     negatives = str(tmp_path / "beir" / "neg.jsonl")
     write_negatives([(q, [d for d in NEGATIVES[q]], None) for q in ("q1", "q4")], negatives)
-    assert load_training_examples(str(tmp_path / "beir" / "queries.jsonl"), str(tmp_path / "beir" / "qrels.tsv"),
-                                  negatives, doc_ids={f"d{i}" for i in range(1, 6)})[0] == examples
+    assert (
+        load_training_examples(
+            str(tmp_path / "beir" / "queries.jsonl"),
+            str(tmp_path / "beir" / "qrels.tsv"),
+            negatives,
+            doc_ids={f"d{i}" for i in range(1, 6)},
+        )[0]
+        == examples
+    )
     lookup = passage_lookup(corpus)
     out = str(tmp_path / "tev" / "train.jsonl.gz")
     assert write_tevatron(examples, lookup, out) == 2
@@ -168,7 +210,8 @@ def test_write_tevatron_to_s3(s3_bucket):
     write_tevatron([example], lambda d: (f"title {d}", f"text {d}"), uri)
     assert [tevatron_example(r) for r in read_tevatron(uri)] == [example]
     assert json.loads(storage.read_bytes(uri))["negative_passages"] == [
-        {"docid": "b", "title": "title b", "text": "text b"}]
+        {"docid": "b", "title": "title b", "text": "text b"}
+    ]
 
 
 def passage(docid, text="t"):
@@ -176,29 +219,55 @@ def passage(docid, text="t"):
 
 
 def test_read_tevatron_skips_and_drops(tmp_path):
-    path = write(tmp_path / "t.jsonl", jsonl(
-        {"query_id": "q1", "query": "a", "positive_passages": [], "negative_passages": [passage("x")]},
-        {"query_id": 2, "query": "b", "positive_passages": [passage("p")],
-         "negative_passages": [passage("p"), passage("n")]}))
+    path = write(
+        tmp_path / "t.jsonl",
+        jsonl(
+            {"query_id": "q1", "query": "a", "positive_passages": [], "negative_passages": [passage("x")]},
+            {
+                "query_id": 2,
+                "query": "b",
+                "positive_passages": [passage("p")],
+                "negative_passages": [passage("p"), passage("n")],
+            },
+        ),
+    )
     stats = DataStats()
     assert list(read_tevatron(path, stats)) == [
-        {"query_id": "2", "query": "b", "positive_passages": [passage("p")], "negative_passages": [passage("n")]}]
-    assert stats == DataStats(examples=1, skipped_no_positive=1, skipped_no_positive_examples=["q1"],
-                              dropped_negative_is_positive=1, dropped_negative_is_positive_examples=["2:p"])
+        {"query_id": "2", "query": "b", "positive_passages": [passage("p")], "negative_passages": [passage("n")]}
+    ]
+    assert stats == DataStats(
+        examples=1,
+        skipped_no_positive=1,
+        skipped_no_positive_examples=["q1"],
+        dropped_negative_is_positive=1,
+        dropped_negative_is_positive_examples=["2:p"],
+    )
 
 
-@pytest.mark.parametrize("record, message", [
-    ({"query": "a", "positive_passages": [], "negative_passages": []}, r"t\.jsonl line 2: missing field 'query_id'"),
-    ({"query_id": "q2", "positive_passages": [], "negative_passages": []}, r"line 2: missing field 'query'"),
-    ({"query_id": "q2", "query": " ", "positive_passages": [], "negative_passages": []}, r"line 2: empty query"),
-    ({"query_id": "q2", "query": "a", "negative_passages": []}, r"line 2: missing field 'positive_passages'"),
-    ({"query_id": "q2", "query": "a", "positive_passages": [{"docid": "p"}], "negative_passages": []},
-     r"line 2: positive_passages\[0\]: missing field 'text'"),
-    ({"query_id": "q2", "query": "a", "positive_passages": [passage("p")], "negative_passages": ["n"]},
-     r"line 2: negative_passages\[0\]: expected an object, got string"),
-    ({"query_id": "q1", "query": "a", "positive_passages": [], "negative_passages": []},
-     r"line 2: duplicate query id 'q1' \(first at line 1\)"),
-])
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        (
+            {"query": "a", "positive_passages": [], "negative_passages": []},
+            r"t\.jsonl line 2: missing field 'query_id'",
+        ),
+        ({"query_id": "q2", "positive_passages": [], "negative_passages": []}, r"line 2: missing field 'query'"),
+        ({"query_id": "q2", "query": " ", "positive_passages": [], "negative_passages": []}, r"line 2: empty query"),
+        ({"query_id": "q2", "query": "a", "negative_passages": []}, r"line 2: missing field 'positive_passages'"),
+        (
+            {"query_id": "q2", "query": "a", "positive_passages": [{"docid": "p"}], "negative_passages": []},
+            r"line 2: positive_passages\[0\]: missing field 'text'",
+        ),
+        (
+            {"query_id": "q2", "query": "a", "positive_passages": [passage("p")], "negative_passages": ["n"]},
+            r"line 2: negative_passages\[0\]: expected an object, got string",
+        ),
+        (
+            {"query_id": "q1", "query": "a", "positive_passages": [], "negative_passages": []},
+            r"line 2: duplicate query id 'q1' \(first at line 1\)",
+        ),
+    ],
+)
 def test_read_tevatron_errors(tmp_path, record, message):
     first = {"query_id": "q1", "query": "a", "positive_passages": [passage("p")], "negative_passages": []}
     with fails(message):
@@ -209,32 +278,58 @@ def test_tevatron_passages_become_a_corpus_each_once(tmp_path):
     from pipeline.data.corpus import iter_documents
     from pipeline.data.tevatron import extract_tevatron_corpus
 
-    path = write(tmp_path / "t.jsonl", jsonl(
-        {"query_id": "q1", "query": "a", "positive_passages": [passage("p", "pos text")],
-         "negative_passages": [passage("n1", "one"), passage("n2", "two")]},
-        {"query_id": "q2", "query": "b", "positive_passages": [passage("n1", "one")],
-         "negative_passages": [passage("p", "pos text")]}))
+    path = write(
+        tmp_path / "t.jsonl",
+        jsonl(
+            {
+                "query_id": "q1",
+                "query": "a",
+                "positive_passages": [passage("p", "pos text")],
+                "negative_passages": [passage("n1", "one"), passage("n2", "two")],
+            },
+            {
+                "query_id": "q2",
+                "query": "b",
+                "positive_passages": [passage("n1", "one")],
+                "negative_passages": [passage("p", "pos text")],
+            },
+        ),
+    )
     assert extract_tevatron_corpus(path, str(tmp_path / "corpus.jsonl")) == 3
     assert [(d.doc_id, d.text) for d in iter_documents(str(tmp_path / "corpus.jsonl"))] == [
-        ("p", "pos text"), ("n1", "one"), ("n2", "two")]
+        ("p", "pos text"),
+        ("n1", "one"),
+        ("n2", "two"),
+    ]
 
 
-@pytest.mark.parametrize("second, message", [
-    (passage("p", "other text"), r"t\.jsonl line 2: negative_passages: passage 'p' has another text than on line 1"),
-    (passage("e", " "), r"line 2: negative_passages: passage 'e' has empty text"),
-])
+@pytest.mark.parametrize(
+    "second, message",
+    [
+        (
+            passage("p", "other text"),
+            r"t\.jsonl line 2: negative_passages: passage 'p' has another text than on line 1",
+        ),
+        (passage("e", " "), r"line 2: negative_passages: passage 'e' has empty text"),
+    ],
+)
 def test_tevatron_corpus_errors(tmp_path, second, message):
     from pipeline.data.tevatron import extract_tevatron_corpus
 
-    path = write(tmp_path / "t.jsonl", jsonl(
-        {"query_id": "q1", "query": "a", "positive_passages": [passage("p", "pos text")], "negative_passages": []},
-        {"query_id": "q2", "query": "b", "positive_passages": [passage("x")], "negative_passages": [second]}))
+    path = write(
+        tmp_path / "t.jsonl",
+        jsonl(
+            {"query_id": "q1", "query": "a", "positive_passages": [passage("p", "pos text")], "negative_passages": []},
+            {"query_id": "q2", "query": "b", "positive_passages": [passage("x")], "negative_passages": [second]},
+        ),
+    )
     with fails(message):
         extract_tevatron_corpus(path, str(tmp_path / "corpus.jsonl"))
     assert not (tmp_path / "corpus.jsonl").exists()  # nothing half-written
 
 
 # -- training groups across epochs --------------------------------------------------------------
+
 
 def test_groups_rotate_so_every_negative_is_used_once_per_cycle():
     from pipeline.data.examples import TrainExample

@@ -33,25 +33,38 @@ def collection(tmp_path_factory):
     docs = synthetic_docs(N_DOCS, seed=21)
     queries = [{"_id": f"q{i}", "text": " ".join(docs[i * 3]["text"].split()[:4])} for i in range(20)]
     qrels = "query-id\tcorpus-id\tscore\n" + "".join(
-        f"q{i}\t{docs[i * 3]['_id']}\t1\nq{i}\t{docs[i * 3 + 1]['_id']}\t1\n" for i in range(20))
+        f"q{i}\t{docs[i * 3]['_id']}\t1\nq{i}\t{docs[i * 3 + 1]['_id']}\t1\n" for i in range(20)
+    )
     (root / "qrels.tsv").write_text(qrels)
-    return {"root": root, "docs": docs, "corpus": write_jsonl(root / "corpus.jsonl", docs),
-            "queries": write_jsonl(root / "queries.jsonl", queries), "qrels": str(root / "qrels.tsv")}
+    return {
+        "root": root,
+        "docs": docs,
+        "corpus": write_jsonl(root / "corpus.jsonl", docs),
+        "queries": write_jsonl(root / "queries.jsonl", queries),
+        "qrels": str(root / "qrels.tsv"),
+    }
 
 
 @pytest.fixture(scope="module")
 def encoded(collection, tiny_bert, ray_session):  # noqa: F811
-    cfg = EncodeConfig(corpus=collection["corpus"], output=str(collection["root"] / "emb"), docs_per_shard=20,
-                       encoder=EncoderSettings(model=tiny_bert, pooling="mean", batch_size=7),
-                       pool=ActorConfig(actors=2))
+    cfg = EncodeConfig(
+        corpus=collection["corpus"],
+        output=str(collection["root"] / "emb"),
+        docs_per_shard=20,
+        encoder=EncoderSettings(model=tiny_bert, pooling="mean", batch_size=7),
+        pool=ActorConfig(actors=2),
+    )
     return cfg, run_encoding(cfg)
 
 
 def read_all(folder: str):
     manifest = emb.load_manifest(folder)
     parts = [emb.read_shard(folder, e) for e in manifest["shards"]]
-    return (np.concatenate([p[0] for p in parts]), [d for p in parts for d in p[1]],
-            np.concatenate([p[2] for p in parts]))
+    return (
+        np.concatenate([p[0] for p in parts]),
+        [d for p in parts for d in p[1]],
+        np.concatenate([p[2] for p in parts]),
+    )
 
 
 def test_every_passage_encoded_once_and_equal_to_a_direct_encoding(encoded, collection):
@@ -61,8 +74,10 @@ def test_every_passage_encoded_once_and_equal_to_a_direct_encoding(encoded, coll
     assert sorted(rows.tolist()) == list(range(N_DOCS))
     assert sorted(doc_ids) == sorted(d["_id"] for d in collection["docs"])
     # Against the model applied directly, one passage at a time (no batching, no sorting).
-    encoder = Encoder(EncoderSettings(model=cfg.encoder.model, pooling="mean", batch_size=1),
-                      os.path.join(summary["corpus"], "tokenizer"))
+    encoder = Encoder(
+        EncoderSettings(model=cfg.encoder.model, pooling="mean", batch_size=1),
+        os.path.join(summary["corpus"], "tokenizer"),
+    )
     texts = {d["_id"]: d["text"] for d in collection["docs"]}
     direct = encoder.encode_texts([texts[d] for d in doc_ids], 128, tower="passage")
     assert np.allclose(vectors, direct, atol=1e-4)
@@ -102,8 +117,13 @@ def test_a_task_whose_actor_died_is_retried_on_a_fresh_actor(tmp_path, ray_sessi
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import a test module
     remote = ray.remote(_Flaky).options(num_cpus=0.5, max_restarts=0)
-    results = run_actor_pool(lambda: remote.remote(str(tmp_path)), list(range(7)),
-                             lambda actor, t: actor.work.remote(t), max_retries=2, n_actors=2)
+    results = run_actor_pool(
+        lambda: remote.remote(str(tmp_path)),
+        list(range(7)),
+        lambda actor, t: actor.work.remote(t),
+        max_retries=2,
+        n_actors=2,
+    )
     assert results == [t * 10 for t in range(7)]  # every task exactly once, in order
     assert sorted(os.listdir(tmp_path)) == ["died-0", "died-3", "died-6"]
 
@@ -112,8 +132,14 @@ def test_a_task_whose_actor_died_is_retried_on_a_fresh_actor(tmp_path, ray_sessi
 def test_sharded_search_equals_brute_force(encoded, collection, factory):
     cfg, _ = encoded
     out = str(collection["root"] / f"index-{factory.replace(',', '_')}")
-    summary = run_indexing(IndexJobConfig(embeddings=cfg.output, output=out, embedding_shards_per_index=2,
-                                          index=IndexConfig(factory=factory, nprobe=4)))
+    summary = run_indexing(
+        IndexJobConfig(
+            embeddings=cfg.output,
+            output=out,
+            embedding_shards_per_index=2,
+            index=IndexConfig(factory=factory, nprobe=4),
+        )
+    )
     assert summary["shards"] == 3 and summary["vectors"] == N_DOCS
     rows, _, vectors = read_all(cfg.output)
     queries = np.random.default_rng(0).standard_normal((12, vectors.shape[1])).astype(np.float32)
@@ -132,8 +158,9 @@ def test_a_factory_faiss_rejects_and_a_wrong_dimension_shard_are_clear_errors(en
 
     cfg, _ = encoded
     with pytest.raises(ValueError, match="FAISS rejects the index factory 'IVF4,PQ7'"):
-        run_indexing(IndexJobConfig(embeddings=cfg.output, output=str(tmp_path / "i1"),
-                                    index=IndexConfig(factory="IVF4,PQ7")))
+        run_indexing(
+            IndexJobConfig(embeddings=cfg.output, output=str(tmp_path / "i1"), index=IndexConfig(factory="IVF4,PQ7"))
+        )
     broken = str(tmp_path / "emb")
     shutil.copytree(cfg.output, broken)
     rows, ids, vectors = emb.read_shard(broken, emb.load_manifest(broken)["shards"][1])
@@ -159,8 +186,16 @@ def test_mined_negatives_exclude_positives_and_are_reproducible(encoded, collect
     run_indexing(IndexJobConfig(embeddings=cfg.output, output=index_dir))
     runs = []
     for name in ("a", "b"):
-        mine = MineConfig(index=index_dir, queries=collection["queries"], qrels=collection["qrels"],
-                          output=str(tmp_path / name), depth=40, count=6, seed=3, encoder=cfg.encoder)
+        mine = MineConfig(
+            index=index_dir,
+            queries=collection["queries"],
+            qrels=collection["qrels"],
+            output=str(tmp_path / name),
+            depth=40,
+            count=6,
+            seed=3,
+            encoder=cfg.encoder,
+        )
         summary = run_mining(mine)
         runs.append(read_negatives(summary["negatives"]))
     assert runs[0] == runs[1]  # same seed, same negatives
@@ -177,9 +212,27 @@ def test_evaluate_job_matches_ir_measures_on_a_brute_force_run(encoded, collecti
     from jobs.evaluate import main
     from pipeline.data.beir import read_qrels, read_queries
 
-    summary = main(["--model", tiny_bert, "--corpus", collection["corpus"], "--queries", collection["queries"],
-                    "--qrels", collection["qrels"], "--pooling", "mean", "--normalize", "--k", "50",
-                    "--output", str(tmp_path / "eval"), "--docs_per_shard", "25"])
+    summary = main(
+        [
+            "--model",
+            tiny_bert,
+            "--corpus",
+            collection["corpus"],
+            "--queries",
+            collection["queries"],
+            "--qrels",
+            collection["qrels"],
+            "--pooling",
+            "mean",
+            "--normalize",
+            "--k",
+            "50",
+            "--output",
+            str(tmp_path / "eval"),
+            "--docs_per_shard",
+            "25",
+        ]
+    )
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(last["metrics"]) == {"MRR@10", "R@10", "R@100", "R@1000", "nDCG@10"}
 
@@ -188,13 +241,28 @@ def test_evaluate_job_matches_ir_measures_on_a_brute_force_run(encoded, collecti
     passages = encoder.encode_texts([d["text"] for d in collection["docs"]], 128, tower="passage")
     qvecs = encoder.encode_texts(list(queries.values()), 32, tower="query")
     scores, idx = brute_force_topk(qvecs, passages, 50)
-    run = {q: {collection["docs"][j]["_id"]: float(s) for s, j in zip(srow, irow)}
-           for q, srow, irow in zip(queries, scores, idx)}
-    measures = ir_measures.calc_aggregate([ir_measures.RR @ 10, ir_measures.R @ 10, ir_measures.nDCG @ 10],
-                                          read_qrels(collection["qrels"]), run)
+    run = {
+        q: {collection["docs"][j]["_id"]: float(s) for s, j in zip(srow, irow)}
+        for q, srow, irow in zip(queries, scores, idx)
+    }
+    measures = ir_measures.calc_aggregate(
+        [ir_measures.RR @ 10, ir_measures.R @ 10, ir_measures.nDCG @ 10], read_qrels(collection["qrels"]), run
+    )
     assert summary["metrics"]["MRR@10"] == pytest.approx(measures[ir_measures.RR @ 10], abs=1e-6)
     assert summary["metrics"]["R@10"] == pytest.approx(measures[ir_measures.R @ 10], abs=1e-6)
     assert summary["metrics"]["nDCG@10"] == pytest.approx(measures[ir_measures.nDCG @ 10], abs=1e-6)
     with pytest.raises(ValueError, match="--k 1000 is larger than the corpus"):
-        main(["--model", tiny_bert, "--corpus", collection["corpus"], "--queries", collection["queries"],
-              "--qrels", collection["qrels"], "--output", str(tmp_path / "eval2")])
+        main(
+            [
+                "--model",
+                tiny_bert,
+                "--corpus",
+                collection["corpus"],
+                "--queries",
+                collection["queries"],
+                "--qrels",
+                collection["qrels"],
+                "--output",
+                str(tmp_path / "eval2"),
+            ]
+        )

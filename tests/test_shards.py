@@ -22,10 +22,13 @@ pytestmark = pytest.mark.ray
 
 
 def test_prepare_writes_contiguous_shards_matching_the_tokenizer(tmp_path, ray_session):
-    docs = synthetic_docs(70) + [{"_id": "titled", "title": "Exodus", "text": "the lamb"},
-                                 {"_id": "blank", "text": "   "}]
-    cfg = PrepareConfig(input=write_jsonl(tmp_path / "c.jsonl", docs), output=str(tmp_path / "out"),
-                        vocab_size=150, docs_per_shard=20)
+    docs = synthetic_docs(70) + [
+        {"_id": "titled", "title": "Exodus", "text": "the lamb"},
+        {"_id": "blank", "text": "   "},
+    ]
+    cfg = PrepareConfig(
+        input=write_jsonl(tmp_path / "c.jsonl", docs), output=str(tmp_path / "out"), vocab_size=150, docs_per_shard=20
+    )
     manifest = prepare_corpus(cfg)
     assert manifest["num_docs"] == 71 and manifest["input_stats"]["skipped_empty"] == 1
     assert [s["rows"] for s in manifest["shards"]] == [20, 20, 20, 11]
@@ -57,8 +60,14 @@ def test_bad_input_fails_before_any_manifest_is_written(tmp_path, ray_session):
 
 def test_corrupt_and_missing_shards_are_named(tmp_path, ray_session):
     out = tmp_path / "out"
-    manifest = prepare_corpus(PrepareConfig(input=write_jsonl(tmp_path / "c.jsonl", synthetic_docs(40)),
-                                            output=str(out), vocab_size=100, docs_per_shard=15))
+    manifest = prepare_corpus(
+        PrepareConfig(
+            input=write_jsonl(tmp_path / "c.jsonl", synthetic_docs(40)),
+            output=str(out),
+            vocab_size=100,
+            docs_per_shard=15,
+        )
+    )
     check_shards(str(out), manifest)
     shard = out / manifest["shards"][1]["path"]
     data = shard.read_bytes()
@@ -82,11 +91,13 @@ def test_prepare_reads_and_writes_s3(tmp_path, s3_bucket, ray_session):
     import boto3
 
     docs = synthetic_docs(30)
-    boto3.client("s3").put_object(Bucket=s3_bucket, Key="raw/corpus.jsonl",
-                                  Body="".join(json.dumps(d) + "\n" for d in docs).encode())
+    boto3.client("s3").put_object(
+        Bucket=s3_bucket, Key="raw/corpus.jsonl", Body="".join(json.dumps(d) + "\n" for d in docs).encode()
+    )
     out = f"s3://{s3_bucket}/prepared"
-    manifest = prepare_corpus(PrepareConfig(input=f"s3://{s3_bucket}/raw/corpus.jsonl", output=out,
-                                            vocab_size=100, docs_per_shard=10))
+    manifest = prepare_corpus(
+        PrepareConfig(input=f"s3://{s3_bucket}/raw/corpus.jsonl", output=out, vocab_size=100, docs_per_shard=10)
+    )
     assert manifest["num_docs"] == 30 and len(manifest["shards"]) == 3
     assert load_manifest(out)["shards"] == manifest["shards"]
     check_shards(out, manifest)

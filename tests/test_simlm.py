@@ -91,6 +91,7 @@ def small_batch(method: SimLMMethod, seed: int = 0, batch_size: int = 4, seq_len
 
 # -- masking ----------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def big_batch():
     return random_word_batch(200, 128, seed=11)
@@ -99,8 +100,9 @@ def big_batch():
 @pytest.mark.parametrize("enc_rate,dec_rate", [(0.3, 0.5), (0.4, 0.6), (0.3, 0.3)])
 def test_selection_rates_nesting_and_whole_words(big_batch, enc_rate, dec_rate):
     wb = big_batch
-    enc, dec = select_replacements(wb.input_ids, wb.attention_mask, tiny_masking_vocab(), enc_rate, dec_rate,
-                                   torch.Generator().manual_seed(0))
+    enc, dec = select_replacements(
+        wb.input_ids, wb.attention_mask, tiny_masking_vocab(), enc_rate, dec_rate, torch.Generator().manual_seed(0)
+    )
     words = [(b, s, e) for b, row in enumerate(wb.words) for s, e in row]
     assert len(words) > 8000
     for selected, rate in ((enc, enc_rate), (dec, dec_rate)):
@@ -128,8 +130,15 @@ def test_labels_are_the_originals_at_every_non_special_position(generator_dir):
     assert torch.equal(recovery_labels(wb.input_ids, wb.attention_mask, tiny_masking_vocab()), expected)
     assert (eligible & ~batch["dec_selected"]).any()  # labels go beyond the replaced positions
     assert torch.equal(batch["input_ids"], wb.input_ids)
-    assert set(batch) == {"input_ids", "attention_mask", "enc_selected", "dec_selected", "enc_labels",
-                          "dec_labels", "gen_seed"}
+    assert set(batch) == {
+        "input_ids",
+        "attention_mask",
+        "enc_selected",
+        "dec_selected",
+        "enc_labels",
+        "dec_labels",
+        "gen_seed",
+    }
     assert batch["gen_seed"].dim() == 0 and batch["gen_seed"].dtype == torch.long
 
 
@@ -148,6 +157,7 @@ def test_a_step_is_reproducible_from_its_generator(generator_dir):
 
 # -- generator sampling -----------------------------------------------------------------------
 
+
 def test_replacements_are_generator_samples_at_selected_positions_only(generator_dir):
     method = make_method(generator_dir)
     method.generator = RiggedGenerator(one_hot_logits(17))
@@ -159,8 +169,10 @@ def test_replacements_are_generator_samples_at_selected_positions_only(generator
         assert torch.equal(corrupted, ids.masked_fill(selected, 17))
     # The generator read each view with [MASK] at that view's selection (encoder rows first).
     seen = method.generator.seen_ids
-    assert torch.equal(seen, torch.cat([ids.masked_fill(batch["enc_selected"], MASK_ID),
-                                        ids.masked_fill(batch["dec_selected"], MASK_ID)]))
+    assert torch.equal(
+        seen,
+        torch.cat([ids.masked_fill(batch["enc_selected"], MASK_ID), ids.masked_fill(batch["dec_selected"], MASK_ID)]),
+    )
 
 
 @pytest.mark.parametrize("temperature", [1.0, 2.0, 0.25])
@@ -169,8 +181,15 @@ def test_samples_follow_the_tempered_softmax(temperature):
     logits[[10, 11, 12]] = torch.tensor([1.0, 0.0, -1.0])
     ids = torch.full((50, 200), 20)
     selected = torch.ones_like(ids, dtype=torch.bool)
-    out = sample_replacements(RiggedGenerator(logits), ids, torch.ones_like(ids), selected, MASK_ID,
-                              temperature, torch.Generator().manual_seed(0))
+    out = sample_replacements(
+        RiggedGenerator(logits),
+        ids,
+        torch.ones_like(ids),
+        selected,
+        MASK_ID,
+        temperature,
+        torch.Generator().manual_seed(0),
+    )
     freq = torch.bincount(out.flatten(), minlength=V).float() / out.numel()
     expected = torch.softmax(logits / temperature, -1)
     assert (freq - expected).abs().max() < 0.01, (freq[10:13], expected[10:13])
@@ -179,8 +198,15 @@ def test_samples_follow_the_tempered_softmax(temperature):
 def test_a_sample_may_equal_the_original():
     ids = torch.full((4, 10), 17)
     selected = torch.ones_like(ids, dtype=torch.bool)
-    out = sample_replacements(RiggedGenerator(one_hot_logits(17)), ids, torch.ones_like(ids), selected, MASK_ID,
-                              1.0, torch.Generator().manual_seed(0))
+    out = sample_replacements(
+        RiggedGenerator(one_hot_logits(17)),
+        ids,
+        torch.ones_like(ids),
+        selected,
+        MASK_ID,
+        1.0,
+        torch.Generator().manual_seed(0),
+    )
     assert torch.equal(out, ids)
 
 
@@ -191,8 +217,9 @@ def test_real_generator_samples_from_its_masked_softmax(generator_dir):
     ids = row.repeat(4000, 1)
     selected = torch.zeros_like(ids, dtype=torch.bool)
     selected[:, 3] = True
-    out = sample_replacements(method.generator, ids, torch.ones_like(ids), selected, MASK_ID, 1.0,
-                              torch.Generator().manual_seed(0))
+    out = sample_replacements(
+        method.generator, ids, torch.ones_like(ids), selected, MASK_ID, 1.0, torch.Generator().manual_seed(0)
+    )
     assert torch.equal(out[:, [0, 1, 2, *range(4, 16)]], ids[:, [0, 1, 2, *range(4, 16)]])
     with torch.no_grad():
         probs = torch.softmax(method.generator(input_ids=row.masked_fill(selected[:1], MASK_ID)).logits[0, 3], -1)
@@ -226,6 +253,7 @@ def test_generator_is_frozen_and_not_part_of_the_trained_module(generator_dir):
 
 
 # -- decoder wiring ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_decoder_starts_as_a_separate_copy_of_the_last_layers(n):
@@ -331,6 +359,7 @@ def test_padding_is_invisible_to_encoder_and_decoder():
 
 # -- loss -------------------------------------------------------------------------------------
 
+
 def test_loss_is_encoder_ce_plus_decoder_ce():
     model = make_model()
     enc_ids, dec_ids, mask, labels, _ = corrupted_pair(seed=3)
@@ -368,6 +397,7 @@ def test_method_loss_uses_the_sampled_views(generator_dir):
 
 # -- configuration errors -----------------------------------------------------------------------
 
+
 def test_missing_generator_is_a_clear_error(tmp_path):
     for path in ("", str(tmp_path / "nope")):
         with pytest.raises(FileNotFoundError, match="jobs/pretrain.py --method mlm"):
@@ -380,15 +410,22 @@ def test_generator_vocab_mismatch_is_a_clear_error(tmp_path):
         SimLMMethod(SimLMConfig(generator=str(tmp_path)), tiny_masking_vocab())
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(encoder_mask_rate=0.6), "need 0 < encoder_mask_rate"), (dict(decoder_mask_rate=1.0), "need 0 < encoder_mask_rate"),
-    (dict(encoder_mask_rate=0.0), "need 0 < encoder_mask_rate"), (dict(generator_temperature=0.0), "generator_temperature must be > 0")])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(encoder_mask_rate=0.6), "need 0 < encoder_mask_rate"),
+        (dict(decoder_mask_rate=1.0), "need 0 < encoder_mask_rate"),
+        (dict(encoder_mask_rate=0.0), "need 0 < encoder_mask_rate"),
+        (dict(generator_temperature=0.0), "generator_temperature must be > 0"),
+    ],
+)
 def test_bad_rates_are_rejected(generator_dir, overrides, message):
     with pytest.raises(ValueError, match=message):
         make_method(generator_dir, **overrides)
 
 
 # -- export, generator from an MLM export, continued pre-training -------------------------------
+
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
@@ -416,8 +453,12 @@ def test_mlm_export_serves_as_the_generator(exported):
     gen = exported.method.generator
     ids, mask = tokenized_batch(exported.tok)
     with torch.no_grad():
-        torch.testing.assert_close(gen(input_ids=ids, attention_mask=mask).logits,
-                                   exported.small.lm(input_ids=ids, attention_mask=mask).logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            gen(input_ids=ids, attention_mask=mask).logits,
+            exported.small.lm(input_ids=ids, attention_mask=mask).logits,
+            rtol=0,
+            atol=1e-5,
+        )
 
 
 def test_export_is_a_drop_in_bert_plus_a_decoder_file(exported):
@@ -435,8 +476,9 @@ def test_export_is_a_drop_in_bert_plus_a_decoder_file(exported):
 
 def test_decoder_reload_and_continued_pretraining(exported):
     paths = exported.paths
-    method = SimLMMethod(SimLMConfig(generator=exported.method.cfg.generator, decoder=paths["head_path"]),
-                         exported.vocab)
+    method = SimLMMethod(
+        SimLMConfig(generator=exported.method.cfg.generator, decoder=paths["head_path"]), exported.vocab
+    )
     resumed = method.build(AutoModelForMaskedLM.from_pretrained(paths["export_dir"]))
     saved = exported.model.decoder.state_dict()
     assert all(torch.equal(v, saved[k]) for k, v in resumed.decoder.state_dict().items())
@@ -458,8 +500,12 @@ def test_decoder_reload_and_continued_pretraining(exported):
 def test_mismatched_decoder_files_are_rejected(exported, tmp_path):
     export_dir = exported.paths["export_dir"]
     for n in (1, 3):
-        method = SimLMMethod(SimLMConfig(generator=exported.method.cfg.generator, n_decoder_layers=n,
-                                         decoder=exported.paths["head_path"]), exported.vocab)
+        method = SimLMMethod(
+            SimLMConfig(
+                generator=exported.method.cfg.generator, n_decoder_layers=n, decoder=exported.paths["head_path"]
+            ),
+            exported.vocab,
+        )
         with pytest.raises(ValueError, match="n_decoder_layers"):
             method.build(AutoModelForMaskedLM.from_pretrained(export_dir))
     # A Condenser head has the same layer keys and shapes: only the method tag tells it apart.

@@ -20,8 +20,18 @@ CLS, SEP, PAD = 2, 3, 0
 
 
 def spec(max_len=8, pack=True, epochs=1, run_dir="/nonexistent"):
-    return StreamSpec(corpus="", max_len=max_len, pack=pack, epochs=epochs, seed=0, shuffle_files=False,
-                      cls_id=CLS, sep_id=SEP, pad_id=PAD, run_dir=run_dir)
+    return StreamSpec(
+        corpus="",
+        max_len=max_len,
+        pack=pack,
+        epochs=epochs,
+        seed=0,
+        shuffle_files=False,
+        cls_id=CLS,
+        sep_id=SEP,
+        pad_id=PAD,
+        run_dir=run_dir,
+    )
 
 
 def docs_batch(lengths, first_row=0):
@@ -31,7 +41,7 @@ def docs_batch(lengths, first_row=0):
 
 
 def bodies(out):
-    return [list(ids[1:n - 1]) for ids, n in zip(out["input_ids"], out["length"])]
+    return [list(ids[1 : n - 1]) for ids, n in zip(out["input_ids"], out["length"])]
 
 
 def test_truncate_frames_one_document_per_sequence():
@@ -113,8 +123,10 @@ def test_read_position_merges_the_ranks_of_the_checkpoint_ray_will_restore(tmp_p
     assert position.consumed(0).to_list() == [[0, 3], [5, 7]]
     # Ray Train's own registry, when present, names what it will restore: it wins over the
     # pointer (a checkpoint can be reported but not yet registered when a worker dies).
-    storage.write_json(storage.join(run_dir, "checkpoint_manager_snapshot.json"),
-                       {"latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_000000005"}})
+    storage.write_json(
+        storage.join(run_dir, "checkpoint_manager_snapshot.json"),
+        {"latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_000000005"}},
+    )
     position, name = read_position(run_dir)
     assert name == "checkpoint_000000005" and position.consumed(0).to_list() == [[99, 100]]
     storage.write_json(storage.join(run_dir, "checkpoint_manager_snapshot.json"), {"latest_checkpoint_result": None})
@@ -128,14 +140,30 @@ def test_stream_leaves_out_consumed_rows_of_the_resumed_epoch_only(tmp_path, ray
     from pipeline.data.shards import PrepareConfig, load_manifest, prepare_corpus
 
     corpus = str(tmp_path / "corpus")
-    prepare_corpus(PrepareConfig(input=write_jsonl(tmp_path / "raw.jsonl", synthetic_docs(90)), output=corpus,
-                                 vocab_size=120, docs_per_shard=25))
+    prepare_corpus(
+        PrepareConfig(
+            input=write_jsonl(tmp_path / "raw.jsonl", synthetic_docs(90)),
+            output=corpus,
+            vocab_size=120,
+            docs_per_shard=25,
+        )
+    )
     manifest = load_manifest(corpus)
     position = DataPosition()
     consumed = list(range(0, 30)) + list(range(60, 70))  # shard 0 whole, shard 1 partly, an island
     position.add(0, consumed)
-    s = StreamSpec(corpus=corpus, max_len=16, pack=False, epochs=2, seed=1, shuffle_files=True,
-                   cls_id=CLS, sep_id=SEP, pad_id=PAD, run_dir=str(tmp_path / "run"))
+    s = StreamSpec(
+        corpus=corpus,
+        max_len=16,
+        pack=False,
+        epochs=2,
+        seed=1,
+        shuffle_files=True,
+        cls_id=CLS,
+        sep_id=SEP,
+        pad_id=PAD,
+        run_dir=str(tmp_path / "run"),
+    )
     rows = build_stream(s, position, manifest).take_all()
     by_epoch = {0: [], 1: []}
     for r in rows:
@@ -146,11 +174,11 @@ def test_stream_leaves_out_consumed_rows_of_the_resumed_epoch_only(tmp_path, ray
 
 # -- coCondenser span pairs ------------------------------------------------------------------
 
+
 def span_spec(span_length=10, min_span_length=3, short_span_prob=0.1, seed=0):
     from models.cocondenser import CoCondenserConfig
 
-    spans = CoCondenserConfig(span_length=span_length, min_span_length=min_span_length,
-                              short_span_prob=short_span_prob)
+    spans = CoCondenserConfig(span_length=span_length, min_span_length=min_span_length, short_span_prob=short_span_prob)
     base = spec(max_len=span_length + 2, pack=False)
     return StreamSpec(**{**base.__dict__, "seed": seed, "spans": spans})
 
@@ -167,13 +195,13 @@ def test_span_pairs_are_two_disjoint_slices_of_their_document():
     assert out["input_ids"].shape[1:] == (2, 12)
     for pair, lens in zip(out["input_ids"], out["length"]):
         assert lens[0] == lens[1]  # both spans of a pair have one length
-        a, b = pair[0][1:lens[0] - 1], pair[1][1:lens[1] - 1]
+        a, b = pair[0][1 : lens[0] - 1], pair[1][1 : lens[1] - 1]
         assert pair[0][0] == CLS and pair[0][lens[0] - 1] == SEP
         doc = by_row[(int(a[0]) // 100 - 1) + 1000]  # token values encode their document
         start_a, start_b = int(a[0]) % 100, int(b[0]) % 100
         assert start_a + len(a) <= start_b  # non-overlapping, in document order
-        assert a.tolist() == doc[start_a:start_a + len(a)].tolist()
-        assert b.tolist() == doc[start_b:start_b + len(b)].tolist()
+        assert a.tolist() == doc[start_a : start_a + len(a)].tolist()
+        assert b.tolist() == doc[start_b : start_b + len(b)].tolist()
         assert s.spans.min_span_length <= len(a) <= min(s.spans.span_length, len(doc) // 2)
 
 
@@ -197,11 +225,15 @@ def test_spans_are_redrawn_each_epoch_and_independent_of_batching():
     lengths = [60] * 200
     s = span_spec(span_length=10)
     whole = to_span_pairs(docs_batch(lengths), s, epoch=0)
-    halves = [to_span_pairs(docs_batch(lengths[:120]), s, epoch=0),
-              to_span_pairs(docs_batch(lengths[120:], first_row=120), s, epoch=0)]
+    halves = [
+        to_span_pairs(docs_batch(lengths[:120]), s, epoch=0),
+        to_span_pairs(docs_batch(lengths[120:], first_row=120), s, epoch=0),
+    ]
     # Same document, same epoch: the same spans whichever batch it lands in. docs_batch
     # numbers tokens by position in the batch, so compare offsets within the document.
-    offsets = lambda out: [(int(p[0][1]) % 100, int(p[1][1]) % 100, int(n[0])) for p, n in zip(out["input_ids"], out["length"])]
+    offsets = lambda out: [
+        (int(p[0][1]) % 100, int(p[1][1]) % 100, int(n[0])) for p, n in zip(out["input_ids"], out["length"])
+    ]
     assert offsets(whole) == offsets(halves[0]) + offsets(halves[1])
     other_epoch = to_span_pairs(docs_batch(lengths), s, epoch=1)
     changed = sum(a != b for a, b in zip(offsets(whole), offsets(other_epoch)))

@@ -14,8 +14,9 @@ from pipeline.training.train_config import TrainConfig
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_shipped_templates_get_every_auto_filled(stage):
-    cfg = deepspeed_config(TrainConfig(zero_stage=stage, micro_batch_size=8, grad_accum=4, precision="bf16",
-                                       grad_clip=0.5), world_size=3)
+    cfg = deepspeed_config(
+        TrainConfig(zero_stage=stage, micro_batch_size=8, grad_accum=4, precision="bf16", grad_clip=0.5), world_size=3
+    )
     assert "auto" not in json.dumps(cfg)
     assert cfg["zero_optimization"]["stage"] == stage
     assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == (8, 4)
@@ -33,8 +34,9 @@ def test_one_worker_skips_zero_partitioning_but_keeps_stage_3():
 
 def test_explicit_values_in_a_user_config_win(tmp_path):
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"gradient_clipping": 2.0, "bf16": {"enabled": False},
-                                "zero_optimization": {"stage": 1}}))
+    path.write_text(
+        json.dumps({"gradient_clipping": 2.0, "bf16": {"enabled": False}, "zero_optimization": {"stage": 1}})
+    )
     cfg = deepspeed_config(TrainConfig(deepspeed_config=str(path), zero_stage=3, precision="bf16"), world_size=1)
     assert cfg["gradient_clipping"] == 2.0 and cfg["bf16"]["enabled"] is False
     assert cfg["zero_optimization"]["stage"] == 1  # the file's stage, not train.zero_stage
@@ -70,7 +72,6 @@ def test_rerunning_into_another_methods_output_is_refused(tmp_path):
     cfg.corpus.output = str(tmp_path / "corpus")
     with pytest.raises(ValueError, match="holds a condenser run"):
         run_pretraining(cfg)
-
 
 
 def test_pair_fraction_counts_documents_long_enough_for_two_spans(tmp_path):

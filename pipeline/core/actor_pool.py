@@ -13,7 +13,12 @@ class ActorConfig:
     actors: int = field(default=2, metadata={"help": "actors in the pool (on a cluster: one per GPU)"})
     use_gpu: bool = field(default=False, metadata={"help": "one GPU per actor"})
     cpus_per_actor: float = field(default=1.0, metadata={"help": "CPUs per actor (also its torch threads)"})
-    max_retries: int = field(default=3, metadata={"help": "times a task (a shard, a block of queries) is retried on a fresh actor after its actor died"})
+    max_retries: int = field(
+        default=3,
+        metadata={
+            "help": "times a task (a shard, a block of queries) is retried on a fresh actor after its actor died"
+        },
+    )
 
 
 def run_actor_pool(make_actor, tasks: list, call, max_retries: int, n_actors: int) -> list:

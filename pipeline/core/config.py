@@ -142,9 +142,7 @@ def _convert(value: Any, tp: Any, key: str, source: str, cli: bool = False) -> A
         raise bad()
     if origin is Literal:
         for choice in args:
-            if (value == choice and type(value) is type(choice)) or (
-                isinstance(value, str) and value == str(choice)
-            ):
+            if (value == choice and type(value) is type(choice)) or (isinstance(value, str) and value == str(choice)):
                 return choice
         allowed = ", ".join(repr(a) for a in args)
         raise ConfigError(f"{where}: {value!r} is not one of {allowed}")
@@ -177,10 +175,7 @@ def _convert(value: Any, tp: Any, key: str, source: str, cli: bool = False) -> A
         if not isinstance(value, Mapping):
             raise bad()
         kt, vt = args or (Any, Any)
-        return {
-            _convert(k, kt, key, source): _convert(v, vt, f"{key}.{k}", source)
-            for k, v in value.items()
-        }
+        return {_convert(k, kt, key, source): _convert(v, vt, f"{key}.{k}", source) for k, v in value.items()}
     if _is_section(tp) and isinstance(value, Mapping):  # e.g. list[Dataclass] from YAML
         return _from_mapping(tp, value, source, key + ".")
     raise bad()
@@ -329,7 +324,9 @@ def _fmt(value: Any) -> str:
 def _help_parser(leaves: dict, sections: dict, description: str | None, prog: str | None):
     """argparse only renders help here; it never sees the real arguments."""
     parser = argparse.ArgumentParser(
-        prog=prog, description=description, epilog=_EPILOG,
+        prog=prog,
+        description=description,
+        epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s [--config FILE ...] [--section.option VALUE ...]",  # not 100 options
     )
@@ -349,8 +346,12 @@ def _help_parser(leaves: dict, sections: dict, description: str | None, prog: st
 
 
 def parse_config(
-    cls: type[T], argv: Sequence[str] | None = None, description: str | None = None, *,
-    prog: str | None = None, exit_on_error: bool | None = None,
+    cls: type[T],
+    argv: Sequence[str] | None = None,
+    description: str | None = None,
+    *,
+    prog: str | None = None,
+    exit_on_error: bool | None = None,
 ) -> T:
     """Resolve ``cls`` from defaults, ``--config`` YAML files and CLI overrides.
 

@@ -12,9 +12,15 @@ from pipeline.core.runtime import init_ray, print_summary
 C = TypeVar("C")
 
 
-def run_job(config_cls: type[C], run: Callable[[C], dict], description: str | None,
-            argv: Sequence[str] | None = None, *, translate_argv: Callable[[list[str]], list[str]] | None = None,
-            report: Callable[[dict], None] | None = None) -> dict:
+def run_job(
+    config_cls: type[C],
+    run: Callable[[C], dict],
+    description: str | None,
+    argv: Sequence[str] | None = None,
+    *,
+    translate_argv: Callable[[list[str]], list[str]] | None = None,
+    report: Callable[[dict], None] | None = None,
+) -> dict:
     """Run one job. ``argv`` None reads ``sys.argv`` and exits 2 on a bad option, as a CLI
     does; a list (tests, notebooks) raises the ``ConfigError`` instead. ``translate_argv``
     maps job-specific shorthands (``--from``) before parsing; ``report`` prints human-readable

@@ -55,8 +55,11 @@ def plot_cls_entropy(results: list[dict], uri: str) -> str:
             (line,) = ax.plot(x, [layer["mean"] for layer in res["layers"]], marker="o", label=res["label"])
             ax.axhline(res["uniform_entropy"], color=line.get_color(), linestyle="--", linewidth=0.8, alpha=0.6)
         ax.set_ylim(bottom=0)
-        ax.set(xlabel="layer", ylabel="CLS attention entropy (nats)",
-               title="CLS attention entropy (dashed: uniform attention)")
+        ax.set(
+            xlabel="layer",
+            ylabel="CLS attention entropy (nats)",
+            title="CLS attention entropy (dashed: uniform attention)",
+        )
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.legend()
     return uri

@@ -15,13 +15,27 @@ from pipeline.core.config import dump_yaml
 
 @dataclass
 class RayConfig:
-    address: str = field(default="", metadata={"help": "Ray cluster to join; empty = RAY_ADDRESS if set (ray job submit sets it), else a local Ray"})
-    num_cpus: int = field(default=0, metadata={"help": "logical CPUs of a local Ray; 0 = max(4, cores), so Ray Data's readers never starve the trainers"})
+    address: str = field(
+        default="",
+        metadata={"help": "Ray cluster to join; empty = RAY_ADDRESS if set (ray job submit sets it), else a local Ray"},
+    )
+    num_cpus: int = field(
+        default=0,
+        metadata={
+            "help": "logical CPUs of a local Ray; 0 = max(4, cores), so Ray Data's readers never starve the trainers"
+        },
+    )
 
 
 # Variables a local Ray must see before it starts, because its workers inherit them.
-_PASSED_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION",
-               "AWS_EC2_METADATA_DISABLED", "TORCH_EXTENSIONS_DIR")
+_PASSED_ENV = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+    "AWS_EC2_METADATA_DISABLED",
+    "TORCH_EXTENSIONS_DIR",
+)
 
 
 def init_ray(cfg: RayConfig) -> None:

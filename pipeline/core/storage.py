@@ -70,7 +70,7 @@ class Location:
 def resolve(uri: str | os.PathLike) -> Location:
     uri = str(uri)
     if is_s3(uri):
-        path = uri[len("s3://"):].rstrip("/")
+        path = uri[len("s3://") :].rstrip("/")
         if not path:
             raise StorageError(f"{uri}: an S3 URI needs a bucket")
         return Location(uri, _s3_filesystem(), path)
@@ -161,8 +161,10 @@ def open_output(uri: str) -> Iterator[BinaryIO]:
     if local:
         os.makedirs(os.path.dirname(loc.path), exist_ok=True)
     # Opened with open() rather than mkstemp, so the file gets the umask's permissions, not 0600.
-    tmp = os.path.join(os.path.dirname(loc.path) if local else tempfile.gettempdir(),
-                       f".{os.path.basename(loc.path)}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp = os.path.join(
+        os.path.dirname(loc.path) if local else tempfile.gettempdir(),
+        f".{os.path.basename(loc.path)}.tmp-{uuid.uuid4().hex[:8]}",
+    )
     try:
         with open(tmp, "xb") as raw:
             if loc.path.endswith(".gz"):
@@ -174,8 +176,7 @@ def open_output(uri: str) -> Iterator[BinaryIO]:
             os.replace(tmp, loc.path)
         else:
             try:
-                pafs.copy_files(tmp, loc.path, source_filesystem=pafs.LocalFileSystem(),
-                                destination_filesystem=loc.fs)
+                pafs.copy_files(tmp, loc.path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=loc.fs)
             except Exception as exc:
                 raise StorageError(f"cannot write {loc.describe()}: {exc}") from exc
     finally:
@@ -222,8 +223,9 @@ def upload_dir(local_dir: str | os.PathLike, uri: str) -> str:
             shutil.copytree(local_dir, loc.path, dirs_exist_ok=True)
         return loc.uri
     try:
-        pafs.copy_files(str(local_dir), loc.path, source_filesystem=pafs.LocalFileSystem(),
-                        destination_filesystem=loc.fs)
+        pafs.copy_files(
+            str(local_dir), loc.path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=loc.fs
+        )
     except Exception as exc:
         raise _wrap(loc, "upload to", exc) from exc
     return loc.uri
@@ -235,8 +237,9 @@ def download_dir(uri: str, local_dir: str | os.PathLike) -> str:
         return loc.path
     os.makedirs(local_dir, exist_ok=True)
     try:
-        pafs.copy_files(loc.path, str(local_dir), source_filesystem=loc.fs,
-                        destination_filesystem=pafs.LocalFileSystem())
+        pafs.copy_files(
+            loc.path, str(local_dir), source_filesystem=loc.fs, destination_filesystem=pafs.LocalFileSystem()
+        )
     except Exception as exc:
         raise _wrap(loc, "download", exc) from exc
     return str(local_dir)

@@ -36,8 +36,9 @@ def read_queries(uri: str) -> dict[str, str]:
     return queries
 
 
-def read_qrels(uri: str, doc_ids: set[str] | None = None,
-               query_ids: set[str] | None = None) -> dict[str, dict[str, int]]:
+def read_qrels(
+    uri: str, doc_ids: set[str] | None = None, query_ids: set[str] | None = None
+) -> dict[str, dict[str, int]]:
     """BEIR qrels TSV -> {query id: {doc id: score}} (every judgment, including score <= 0).
 
     With ``doc_ids`` / ``query_ids`` a judgment naming a document / query outside them is an error:
@@ -60,8 +61,12 @@ def read_qrels(uri: str, doc_ids: set[str] | None = None,
             header_checked = True
             if score is None:
                 if tuple(c.lower() for c in cols) != QRELS_HEADER:
-                    raise line_error(source, number, f"expected the header {' '.join(QRELS_HEADER)!r} "
-                                                f"or a judgment with an integer score, got {text!r}")
+                    raise line_error(
+                        source,
+                        number,
+                        f"expected the header {' '.join(QRELS_HEADER)!r} "
+                        f"or a judgment with an integer score, got {text!r}",
+                    )
                 continue
         if score is None:
             raise line_error(source, number, f"score must be an integer, got {score_text!r}")
@@ -72,8 +77,9 @@ def read_qrels(uri: str, doc_ids: set[str] | None = None,
         if doc_ids is not None and did not in doc_ids:
             raise line_error(source, number, f"unknown document id {did!r} (not in the corpus)")
         if (qid, did) in first_line:
-            raise line_error(source, number, f"duplicate judgment ({qid!r}, {did!r}) "
-                                        f"(first at line {first_line[qid, did]})")
+            raise line_error(
+                source, number, f"duplicate judgment ({qid!r}, {did!r}) (first at line {first_line[qid, did]})"
+            )
         first_line[qid, did] = number
         qrels.setdefault(qid, {})[did] = score
     return qrels

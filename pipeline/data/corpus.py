@@ -67,13 +67,14 @@ def corpus_files(uri: str) -> list[str]:
         files = [f for f in storage.list_files(uri) if _suffix(f)]
         if not files:
             raise InputError(
-                f"{uri}: directory holds no corpus files (expected {', '.join('*' + s for s in SUFFIXES)})",
-                source=uri)
+                f"{uri}: directory holds no corpus files (expected {', '.join('*' + s for s in SUFFIXES)})", source=uri
+            )
         return files
     source = storage.resolve(uri).uri
     if not _suffix(source):
         raise InputError(
-            f"{source}: unsupported corpus file type (expected one of {', '.join(SUFFIXES)})", source=source)
+            f"{source}: unsupported corpus file type (expected one of {', '.join(SUFFIXES)})", source=source
+        )
     return [source]
 
 
@@ -98,13 +99,17 @@ def _iter_documents(uri: str, on_empty: str, stats: CorpusStats) -> Iterator[Doc
             if first is not None:
                 raise InputError(
                     f"duplicate id {doc.doc_id!r} at {doc.source} line {doc.line} "
-                    f"(first at {first[0]} line {first[1]})", source=doc.source, line=doc.line)
+                    f"(first at {first[0]} line {first[1]})",
+                    source=doc.source,
+                    line=doc.line,
+                )
             seen[doc.doc_id] = (doc.source, doc.line)
             if not doc.text.strip():
                 where = f"{doc.source} line {doc.line}: empty text (id {doc.doc_id})"
                 if on_empty == "error":
-                    raise InputError(f"{where}; pass on_empty='skip' to skip such documents",
-                                      source=doc.source, line=doc.line)
+                    raise InputError(
+                        f"{where}; pass on_empty='skip' to skip such documents", source=doc.source, line=doc.line
+                    )
                 stats.skipped_empty += 1
                 if len(stats.skipped_examples) < MAX_SKIPPED_EXAMPLES:
                     stats.skipped_examples.append(where)
@@ -151,8 +156,11 @@ def _parse_jsonl(source: str) -> Iterator[Document]:
         if "_id" not in obj:
             raise line_error(source, number, "missing field '_id'")
         doc_id = obj["_id"]
-        if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int, float)) or (
-                isinstance(doc_id, float) and not math.isfinite(doc_id)):
+        if (
+            isinstance(doc_id, bool)
+            or not isinstance(doc_id, (str, int, float))
+            or (isinstance(doc_id, float) and not math.isfinite(doc_id))
+        ):
             raise line_error(source, number, f"field '_id' must be a string or a number, got {json_type(doc_id)}")
         doc_id = str(doc_id)
         if not doc_id:

@@ -63,9 +63,11 @@ class DataStats:
         return asdict(self)
 
 
-def build_training_examples(queries: dict[str, str], qrels: dict[str, dict[str, int]],
-                            negatives: dict[str, list[str]] | None = None,
-                            ) -> tuple[list[TrainExample], DataStats]:
+def build_training_examples(
+    queries: dict[str, str],
+    qrels: dict[str, dict[str, int]],
+    negatives: dict[str, list[str]] | None = None,
+) -> tuple[list[TrainExample], DataStats]:
     """One example per query (in ``queries`` order) with at least one positive.
 
     A query without a positive judgment is skipped; a negative that is a judged positive is dropped
@@ -73,14 +75,17 @@ def build_training_examples(queries: dict[str, str], qrels: dict[str, dict[str, 
     negatives is kept. These three are counted; negatives of queries not in ``queries`` are ignored.
     """
     stats = DataStats()
-    examples = [TrainExample(qid, text, pos, clean_negatives(qid, (negatives or {}).get(qid, []), set(pos), stats))
-                for qid, text, pos in _judged_queries(queries, qrels, stats)]
+    examples = [
+        TrainExample(qid, text, pos, clean_negatives(qid, (negatives or {}).get(qid, []), set(pos), stats))
+        for qid, text, pos in _judged_queries(queries, qrels, stats)
+    ]
     stats.examples = len(examples)
     return examples, stats
 
 
-def _judged_queries(queries: dict[str, str], qrels: dict[str, dict[str, int]],
-                    stats: DataStats) -> Iterator[tuple[str, str, list[str]]]:
+def _judged_queries(
+    queries: dict[str, str], qrels: dict[str, dict[str, int]], stats: DataStats
+) -> Iterator[tuple[str, str, list[str]]]:
     """(id, text, positives) of each query with a positive, in ``queries`` order; the others
     are counted as ``skipped_no_positive``."""
     for qid, text in queries.items():
@@ -91,8 +96,12 @@ def _judged_queries(queries: dict[str, str], qrels: dict[str, dict[str, int]],
             stats.count("skipped_no_positive", qid)
 
 
-def load_training_examples(queries: str, qrels: str, negatives: str = "", doc_ids: set[str] | None = None,
-                           ) -> tuple[list[TrainExample], DataStats]:
+def load_training_examples(
+    queries: str,
+    qrels: str,
+    negatives: str = "",
+    doc_ids: set[str] | None = None,
+) -> tuple[list[TrainExample], DataStats]:
     """Read and validate BEIR queries + qrels (+ a negatives jsonl) and join them, as above.
     With ``doc_ids``, qrels and negatives naming other documents are errors."""
     q = read_queries(queries)
@@ -111,9 +120,13 @@ class DistillDataStats(DataStats):
     skipped_no_scored_negative_examples: list[str] = field(default_factory=list)
 
 
-def build_distillation_examples(queries: dict[str, str], qrels: dict[str, dict[str, int]],
-                                teacher_run: dict[str, list[tuple[str, float, int]]], depth: int = 0,
-                                source: str = "") -> tuple[list[TrainExample], DistillDataStats]:
+def build_distillation_examples(
+    queries: dict[str, str],
+    qrels: dict[str, dict[str, int]],
+    teacher_run: dict[str, list[tuple[str, float, int]]],
+    depth: int = 0,
+    source: str = "",
+) -> tuple[list[TrainExample], DistillDataStats]:
     """One scored example per query (in ``queries`` order) with at least one positive.
 
     ``teacher_run`` is :func:`read_trec_run`'s, best first. Positives come from the qrels;
@@ -136,10 +149,12 @@ def build_distillation_examples(queries: dict[str, str], qrels: dict[str, dict[s
         missing = [d for d in pos if d not in scored]
         if missing:
             where = f" in {source}" if source else ""
-            raise ValueError(f"query {qid!r}: judged positive {missing[0]!r} has no teacher score{where} (the "
-                             "scoring stage scores every judged positive: is the run of these qrels?)")
+            raise ValueError(
+                f"query {qid!r}: judged positive {missing[0]!r} has no teacher score{where} (the "
+                "scoring stage scores every judged positive: is the run of these qrels?)"
+            )
         judged = set(pos)
-        negatives = [d for d, _, _ in ranked if d not in judged][:depth or None]
+        negatives = [d for d, _, _ in ranked if d not in judged][: depth or None]
         if not negatives:
             stats.count("skipped_no_scored_negative", qid)
             continue
@@ -148,8 +163,9 @@ def build_distillation_examples(queries: dict[str, str], qrels: dict[str, dict[s
     return examples, stats
 
 
-def load_distillation_examples(queries: str, qrels: str, teacher_scores: str, depth: int = 0,
-                               doc_ids: set[str] | None = None) -> tuple[list[TrainExample], DistillDataStats]:
+def load_distillation_examples(
+    queries: str, qrels: str, teacher_scores: str, depth: int = 0, doc_ids: set[str] | None = None
+) -> tuple[list[TrainExample], DistillDataStats]:
     """Read and validate BEIR queries + qrels and the teacher's TREC run, and join them as in
     :func:`build_distillation_examples`. With ``doc_ids``, ids outside the corpus are errors."""
     q = read_queries(queries)

@@ -38,7 +38,7 @@ from pipeline.data.stream import frame
 
 @dataclass(frozen=True)
 class GroupSpec:
-    corpus: str           # prepared corpus (tokenized with the retriever's tokenizer)
+    corpus: str  # prepared corpus (tokenized with the retriever's tokenizer)
     group_size: int
     query_max_len: int
     passage_max_len: int
@@ -60,7 +60,7 @@ def corpus_rows_by_id(corpus: str, manifest: dict | None = None) -> dict[str, in
 
 def frame_truncated(token_lists: list, max_len: int, spec: GroupSpec) -> tuple[np.ndarray, np.ndarray]:
     """``[CLS] ids [SEP]`` per token list, truncated to max_len and padded; and the lengths."""
-    chunks = [np.asarray(ids, dtype=np.int32)[:max_len - 2] for ids in token_lists]
+    chunks = [np.asarray(ids, dtype=np.int32)[: max_len - 2] for ids in token_lists]
     return frame(chunks, max_len, spec.cls_id, spec.sep_id, spec.pad_id)
 
 
@@ -68,8 +68,8 @@ def frame_truncated(token_lists: list, max_len: int, spec: GroupSpec) -> tuple[n
 class EpochGroups:
     """The driver's plan for one epoch, in the epoch's random order."""
 
-    example_rows: np.ndarray   # (E,) which example sits at each position
-    corpus_rows: np.ndarray    # (E, group_size) positive first
+    example_rows: np.ndarray  # (E,) which example sits at each position
+    corpus_rows: np.ndarray  # (E, group_size) positive first
     teacher_scores: np.ndarray | None = None  # (E, group_size) float32, aligned with corpus_rows
 
 
@@ -83,19 +83,28 @@ def examples_as_rows(examples: list[TrainExample], rows_by_id: dict[str, int], s
             pos = np.array([rows_by_id[i] for i in ex.positives], dtype=np.int64)
             neg = np.array([rows_by_id[i] for i in ex.negatives], dtype=np.int64)
         except KeyError as missing:
-            raise ValueError(f"query {ex.query_id!r}{where}: passage {missing.args[0]!r} is not in the corpus") from None
+            raise ValueError(
+                f"query {ex.query_id!r}{where}: passage {missing.args[0]!r} is not in the corpus"
+            ) from None
         scores = None
         if ex.scores is not None:
             scores = np.asarray(ex.scores, dtype=np.float32)
             if scores.shape != (len(pos) + len(neg),):
-                raise ValueError(f"query {ex.query_id!r}{where}: {scores.size} teacher scores for "
-                                 f"{len(pos) + len(neg)} passages")
+                raise ValueError(
+                    f"query {ex.query_id!r}{where}: {scores.size} teacher scores for {len(pos) + len(neg)} passages"
+                )
         out.append(TrainExample(ex.query_id, "", pos, neg, scores))
     return out
 
 
-def plan_epoch(examples: list[TrainExample], epoch: int, spec: GroupSpec, rows_by_id: dict[str, int] | None = None,
-               skip_rows: np.ndarray | None = None, num_rows: int = 0) -> EpochGroups:
+def plan_epoch(
+    examples: list[TrainExample],
+    epoch: int,
+    spec: GroupSpec,
+    rows_by_id: dict[str, int] | None = None,
+    skip_rows: np.ndarray | None = None,
+    num_rows: int = 0,
+) -> EpochGroups:
     """Every example's group for ``epoch`` (as corpus rows), in a seeded random order,
     leaving out the example rows in ``skip_rows`` (consumed before a resume).
 
@@ -122,8 +131,9 @@ def plan_epoch(examples: list[TrainExample], epoch: int, spec: GroupSpec, rows_b
         groups[position], sources = select_group_with_sources(example, epoch, spec.group_size, spec.seed, fallback)
         if teacher is not None:
             if (sources < 0).any():
-                raise ValueError(f"query {example.query_id!r} has no negatives: random fallback passages have no "
-                                 "teacher score")
+                raise ValueError(
+                    f"query {example.query_id!r} has no negatives: random fallback passages have no teacher score"
+                )
             teacher[position] = np.asarray(example.scores)[sources]
     return EpochGroups(order.astype(np.int64), groups, teacher)
 
@@ -133,8 +143,10 @@ def _carry_scores(examples: list[TrainExample]) -> bool:
     scored = sum(ex.scores is not None for ex in examples)
     if 0 < scored < len(examples):
         unscored = next(ex.query_id for ex in examples if ex.scores is None)
-        raise ValueError(f"{scored} of {len(examples)} examples carry teacher scores, but query {unscored!r} "
-                         "does not: all or none must")
+        raise ValueError(
+            f"{scored} of {len(examples)} examples carry teacher scores, but query {unscored!r} "
+            "does not: all or none must"
+        )
     return bool(scored)
 
 
@@ -174,18 +186,24 @@ def _assemble(group: dict, spec: GroupSpec, plan, query_ids, epoch: int) -> dict
     plan, query_ids = _resolved(plan), _resolved(query_ids)
     position = int(group["position"][0])
     if len(group["slot"]) != spec.group_size:
-        raise RuntimeError(f"group at position {position} has {len(group['slot'])} passages, "
-                           f"expected {spec.group_size}")
+        raise RuntimeError(
+            f"group at position {position} has {len(group['slot'])} passages, expected {spec.group_size}"
+        )
     in_slot_order = np.argsort(group["slot"])
     passages, lengths = frame_truncated([group["input_ids"][i] for i in in_slot_order], spec.passage_max_len, spec)
     example_row = int(plan["example_rows"][position])
     query, query_length = frame_truncated([query_ids[example_row]], spec.query_max_len, spec)
     source_rows = np.empty(1, dtype=object)
     source_rows[0] = np.array([example_row], dtype=np.int64)
-    out = {"q_input_ids": query, "q_length": query_length,
-           "d_input_ids": passages[None], "d_length": lengths[None],
-           "position": np.array([position], np.int64), "epoch": np.array([epoch], np.int32),
-           "source_rows": source_rows}
+    out = {
+        "q_input_ids": query,
+        "q_length": query_length,
+        "d_input_ids": passages[None],
+        "d_length": lengths[None],
+        "position": np.array([position], np.int64),
+        "epoch": np.array([epoch], np.int32),
+        "source_rows": source_rows,
+    }
     if plan.get("teacher_scores") is not None:
         out["d_teacher_scores"] = plan["teacher_scores"][position][None]  # planned in slot order
     return out
@@ -197,8 +215,11 @@ def passage_requests(plan: EpochGroups) -> dict[str, np.ndarray]:
     n = plan.corpus_rows.shape[1]
     flat = plan.corpus_rows.reshape(-1)
     order = np.argsort(flat, kind="stable")
-    return {"row": flat[order], "position": (np.arange(flat.size) // n)[order],
-            "slot": (np.arange(flat.size) % n)[order]}
+    return {
+        "row": flat[order],
+        "position": (np.arange(flat.size) // n)[order],
+        "slot": (np.arange(flat.size) % n)[order],
+    }
 
 
 def build_epoch(spec: GroupSpec, plan: EpochGroups, query_ids: list, epoch: int, manifest: dict | None = None):
@@ -208,8 +229,11 @@ def build_epoch(spec: GroupSpec, plan: EpochGroups, query_ids: list, epoch: int,
     requests = passage_requests(plan)
     needed = np.unique(requests["row"])
     loc = storage.resolve(spec.corpus)
-    shards = [s for s in manifest["shards"]  # a shard no group needs is not read at all
-              if np.any((needed >= s["first_row"]) & (needed < s["first_row"] + s["rows"]))]
+    shards = [
+        s
+        for s in manifest["shards"]  # a shard no group needs is not read at all
+        if np.any((needed >= s["first_row"]) & (needed < s["first_row"] + s["rows"]))
+    ]
     paths = [storage.resolve(storage.join(spec.corpus, s["path"])).path for s in shards]
     ds = ray.data.read_parquet(paths, filesystem=loc.fs, shuffle=None).select_columns(["row", "input_ids"])
     requests_ref, queries_ref = ray.put(requests), ray.put(query_ids)
@@ -219,8 +243,10 @@ def build_epoch(spec: GroupSpec, plan: EpochGroups, query_ids: list, epoch: int,
     # (a 4,434-query epoch: 22 s with 200, 15 s with 1, on 2 cores).
     partitions = max(1, min(32, len(plan.example_rows) // 10_000 + 1))
     return ds.groupby("position", num_partitions=partitions).map_groups(
-        _assemble, fn_kwargs={"spec": spec, "plan": plan_ref, "query_ids": queries_ref, "epoch": epoch},
-        batch_format="numpy")
+        _assemble,
+        fn_kwargs={"spec": spec, "plan": plan_ref, "query_ids": queries_ref, "epoch": epoch},
+        batch_format="numpy",
+    )
 
 
 class GroupStream:
@@ -232,14 +258,13 @@ class GroupStream:
     It holds ids only: examples as corpus rows, and the query token ids.
     """
 
-    def __init__(self, spec: GroupSpec, examples: list[TrainExample], query_ids: list, epochs: int,
-                 num_rows: int, run_dir: str):
+    def __init__(
+        self, spec: GroupSpec, examples: list[TrainExample], query_ids: list, epochs: int, num_rows: int, run_dir: str
+    ):
         self.spec, self.examples, self.query_ids = spec, examples, query_ids
         self.epochs, self.num_rows, self.run_dir = epochs, num_rows, run_dir
 
     def __call__(self):
-
-
 
         # This runs wherever Ray Train builds its datasets (not necessarily the driver):
         # the epochs are concatenated, and must stay in order.
@@ -256,8 +281,15 @@ class GroupStream:
                 parts.append(build_epoch(self.spec, plan, self.query_ids, epoch, manifest))
         if not parts:  # all consumed: an empty stream, so a resumed finished run just exports
             g, lq, ld = self.spec.group_size, self.spec.query_max_len, self.spec.passage_max_len
-            row = {"q_input_ids": np.zeros(lq, np.int32), "q_length": 0, "d_input_ids": np.zeros((g, ld), np.int32),
-                   "d_length": np.zeros(g, np.int32), "position": 0, "epoch": 0, "source_rows": np.zeros(0, np.int64)}
+            row = {
+                "q_input_ids": np.zeros(lq, np.int32),
+                "q_length": 0,
+                "d_input_ids": np.zeros((g, ld), np.int32),
+                "d_length": np.zeros(g, np.int32),
+                "position": 0,
+                "epoch": 0,
+                "source_rows": np.zeros(0, np.int64),
+            }
             if _carry_scores(self.examples):
                 row["d_teacher_scores"] = np.zeros(g, np.float32)
             return ray.data.from_items([row]).limit(0)

@@ -16,8 +16,9 @@ def query_seed(seed: int, query_id: str) -> int:
     return int.from_bytes(digest, "little")
 
 
-def select_group(example: TrainExample, epoch: int, group_size: int, seed: int = 0,
-                 fallback: list | None = None) -> list:
+def select_group(
+    example: TrainExample, epoch: int, group_size: int, seed: int = 0, fallback: list | None = None
+) -> list:
     """The ``group_size`` passage ids a query trains on in ``epoch``: positive first.
 
     As in Tevatron, the positive rotates through the query's positives, and the negatives
@@ -30,8 +31,9 @@ def select_group(example: TrainExample, epoch: int, group_size: int, seed: int =
     return select_group_with_sources(example, epoch, group_size, seed, fallback)[0]
 
 
-def select_group_with_sources(example: TrainExample, epoch: int, group_size: int, seed: int = 0,
-                              fallback: list | None = None) -> tuple[list, "np.ndarray"]:
+def select_group_with_sources(
+    example: TrainExample, epoch: int, group_size: int, seed: int = 0, fallback: list | None = None
+) -> tuple[list, "np.ndarray"]:
     """:func:`select_group`'s passages, and where each one came from: its index in
     ``[*example.positives, *example.negatives]``, or -1 for a passage drawn from
     ``fallback``. Per-passage data (teacher scores) follows the choice through it."""
@@ -56,6 +58,6 @@ def select_group_with_sources(example: TrainExample, epoch: int, group_size: int
     else:
         order = np.random.default_rng(key % 2**63).permutation(len(negatives))
         start = epoch * k % len(negatives)
-        chosen = np.concatenate([order, order])[start:start + k]
+        chosen = np.concatenate([order, order])[start : start + k]
     sources = np.concatenate([[positive_index], chosen + offset if offset is not None else np.full(k, -1)])
     return [positive] + [negatives[i] for i in chosen], sources.astype(np.int64)

@@ -166,8 +166,11 @@ def restorable_checkpoint(run_dir: str) -> str | None:
 
 def read_checkpoint_position(checkpoint_uri: str) -> DataPosition:
     """The merged position of every rank saved in one checkpoint folder."""
-    files = [f for f in storage.list_files(checkpoint_uri, ".json")
-             if f.replace("\\", "/").rsplit("/", 1)[-1].startswith("position_rank")]
+    files = [
+        f
+        for f in storage.list_files(checkpoint_uri, ".json")
+        if f.replace("\\", "/").rsplit("/", 1)[-1].startswith("position_rank")
+    ]
     if not files:
         raise StorageError(f"{checkpoint_uri}: checkpoint holds no position files")
     position = DataPosition()

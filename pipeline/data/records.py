@@ -55,8 +55,9 @@ def numbered_lines(source: str) -> Iterator[tuple[int, bytes]]:
         except StopIteration:
             return
         except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
-            raise InputError(f"{source} line {number + 1}: corrupt gzip data ({exc})",
-                              source=source, line=number + 1) from exc
+            raise InputError(
+                f"{source} line {number + 1}: corrupt gzip data ({exc})", source=source, line=number + 1
+            ) from exc
         number += 1
         if raw.endswith(b"\r"):
             raw = raw[:-1]
@@ -69,14 +70,24 @@ def decode_line(source: str, number: int, raw: bytes) -> str:
     except UnicodeDecodeError as exc:
         raise InputError(
             f"{source} line {number}: invalid UTF-8 at byte offset {exc.start} of the line "
-            f"(byte 0x{raw[exc.start]:02x}: {exc.reason})", source=source, line=number) from exc
+            f"(byte 0x{raw[exc.start]:02x}: {exc.reason})",
+            source=source,
+            line=number,
+        ) from exc
     if number == 1 and text.startswith("\ufeff"):
         text = text[1:]
     return text
 
 
-_JSON_TYPES = {type(None): "null", bool: "boolean", int: "number", float: "number", str: "string",
-               list: "array", dict: "object"}
+_JSON_TYPES = {
+    type(None): "null",
+    bool: "boolean",
+    int: "number",
+    float: "number",
+    str: "string",
+    list: "array",
+    dict: "object",
+}
 
 
 def json_type(value) -> str:
@@ -114,16 +125,20 @@ def json_lines(uri: str) -> Iterator[tuple[str, int, dict]]:
 
 def as_id(value: Any, what: str, source: str, number: int) -> str:
     """An id: a non-empty string or a finite number (BEIR files use both), as str."""
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)) or (
-            isinstance(value, float) and not math.isfinite(value)):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (str, int, float))
+        or (isinstance(value, float) and not math.isfinite(value))
+    ):
         raise line_error(source, number, f"{what} must be a string or a number, got {json_type(value)}")
     if not str(value):
         raise line_error(source, number, f"{what} is empty")
     return str(value)
 
 
-def get_field(obj: dict, key: str, kind: type | None, source: str, number: int, *,
-         default: Any = ..., ctx: str = "") -> Any:
+def get_field(
+    obj: dict, key: str, kind: type | None, source: str, number: int, *, default: Any = ..., ctx: str = ""
+) -> Any:
     """Field ``key`` of ``obj``, checked to be a ``kind`` (None: an id). ``ctx`` prefixes messages."""
     if key not in obj:
         if default is not ...:

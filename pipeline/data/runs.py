@@ -23,8 +23,9 @@ from pipeline.data.records import (
 )
 
 
-def read_negatives(uri: str, doc_ids: set[str] | None = None,
-                   query_ids: set[str] | None = None) -> dict[str, list[str]]:
+def read_negatives(
+    uri: str, doc_ids: set[str] | None = None, query_ids: set[str] | None = None
+) -> dict[str, list[str]]:
     """Negatives jsonl -> {query id: [doc id, ...]} in ranked order (``scores`` is not kept)."""
     negatives: dict[str, list[str]] = {}
     lines: dict[str, int] = {}
@@ -33,8 +34,10 @@ def read_negatives(uri: str, doc_ids: set[str] | None = None,
         if query_ids is not None and qid not in query_ids:
             raise line_error(source, number, f"unknown query id {qid!r} (not in the queries)")
         check_new(lines, qid, "query id", source, number)
-        ids = [as_id(d, f"negatives[{i}]", source, number)
-               for i, d in enumerate(get_field(obj, "negatives", list, source, number))]
+        ids = [
+            as_id(d, f"negatives[{i}]", source, number)
+            for i, d in enumerate(get_field(obj, "negatives", list, source, number))
+        ]
         if len(set(ids)) != len(ids):
             raise line_error(source, number, f"query {qid!r} lists a negative twice")
         unknown = [d for d in ids if doc_ids is not None and d not in doc_ids]
@@ -49,14 +52,24 @@ def write_negatives(rows: Iterable[tuple[str, list[str], list[float] | None]], u
     n = 0
     with storage.open_output(uri) as out:
         for qid, ids, scores in rows:
-            write_json_line(out, {"query_id": qid, "negatives": list(ids),
-                              **({"scores": [round(float(s), 4) for s in scores]} if scores is not None else {})})
+            write_json_line(
+                out,
+                {
+                    "query_id": qid,
+                    "negatives": list(ids),
+                    **({"scores": [round(float(s), 4) for s in scores]} if scores is not None else {}),
+                },
+            )
             n += 1
     return n
 
 
-def read_trec_run(uri: str, depth: int = 0, query_ids: set[str] | None = None, doc_ids: set[str] | None = None,
-                  ) -> dict[str, list[tuple[str, float, int]]]:
+def read_trec_run(
+    uri: str,
+    depth: int = 0,
+    query_ids: set[str] | None = None,
+    doc_ids: set[str] | None = None,
+) -> dict[str, list[tuple[str, float, int]]]:
     """TREC run (``qid Q0 docid rank score tag`` per line) -> per query its candidates as
     (doc id, score, line), best first (ties broken by the rank column); with ``depth`` > 0
     only the best ``depth``. Errors name the file and line: a malformed line, a score that is
@@ -73,7 +86,7 @@ def read_trec_run(uri: str, depth: int = 0, query_ids: set[str] | None = None, d
     def close() -> None:
         if current is not None:
             best = sorted(block.items(), key=lambda item: (-item[1][0], item[1][1]))
-            kept[current] = [(d, score, rank, line) for d, (score, rank, line) in best[:depth or None]]
+            kept[current] = [(d, score, rank, line) for d, (score, rank, line) in best[: depth or None]]
 
     source = storage.resolve(uri).uri
     for source, number, text in read_lines(uri):
@@ -84,8 +97,9 @@ def read_trec_run(uri: str, depth: int = 0, query_ids: set[str] | None = None, d
         try:
             rank, score = int(rank_text), float(score_text)
         except ValueError:
-            raise line_error(source, number, f"rank must be an integer and score a number, got {rank_text!r} "
-                                        f"and {score_text!r}") from None
+            raise line_error(
+                source, number, f"rank must be an integer and score a number, got {rank_text!r} and {score_text!r}"
+            ) from None
         if not math.isfinite(score):
             raise line_error(source, number, f"score must be finite, got {score_text!r}")
         if query_ids is not None and qid not in query_ids:
@@ -97,8 +111,9 @@ def read_trec_run(uri: str, depth: int = 0, query_ids: set[str] | None = None, d
             current = qid
             block = {d: (score_, rank_, line) for d, score_, rank_, line in kept.pop(qid, [])}
         if did in block:
-            raise line_error(source, number, f"document {did!r} listed twice for query {qid!r} "
-                                        f"(first at line {block[did][2]})")
+            raise line_error(
+                source, number, f"document {did!r} listed twice for query {qid!r} (first at line {block[did][2]})"
+            )
         block[did] = (score, rank, number)
     close()
     if not kept:

@@ -46,9 +46,17 @@ SHARD_SCHEMA = pa.schema([("row", pa.int64()), ("doc_id", pa.string()), ("input_
 
 @dataclass
 class PrepareConfig:
-    input: str = field(default=SAMPLE_CORPUS, metadata={"help": "BEIR corpus.jsonl, a .txt file (blank-line separated documents), or a folder of them; local or s3://"})
+    input: str = field(
+        default=SAMPLE_CORPUS,
+        metadata={
+            "help": "BEIR corpus.jsonl, a .txt file (blank-line separated documents), or a folder of them; local or s3://"
+        },
+    )
     output: str = field(default="runs/corpus", metadata={"help": "where the shards and manifest go; local or s3://"})
-    tokenizer: str = field(default="", metadata={"help": "local HF tokenizer directory; empty = train a WordPiece vocabulary on the corpus"})
+    tokenizer: str = field(
+        default="",
+        metadata={"help": "local HF tokenizer directory; empty = train a WordPiece vocabulary on the corpus"},
+    )
     vocab_size: int = field(default=8000, metadata={"help": "size of a trained vocabulary"})
     lowercase: bool = field(default=True, metadata={"help": "lowercase when training a vocabulary"})
     docs_per_shard: int = field(default=20000, metadata={"help": "documents per Parquet shard"})
@@ -106,18 +114,30 @@ def _tokenize_shard(item: dict, tokenizer_uri: str, output: str) -> dict:
     with storage.local_copy(tokenizer_uri) as local:
         tokenizer = load_tokenizer(local)
     table = storage.read_parquet(item["text_uri"])
-    encoded = tokenizer(table.column("text").to_pylist(), add_special_tokens=False,
-                        return_attention_mask=False, return_token_type_ids=False)["input_ids"]
+    encoded = tokenizer(
+        table.column("text").to_pylist(),
+        add_special_tokens=False,
+        return_attention_mask=False,
+        return_token_type_ids=False,
+    )["input_ids"]
     first = item["first_row"]
-    shard = pa.table({
-        "row": pa.array(range(first, first + len(encoded)), pa.int64()),
-        "doc_id": table.column("doc_id"),
-        "input_ids": pa.array(encoded, pa.list_(pa.int32())),
-    }, schema=SHARD_SCHEMA)
+    shard = pa.table(
+        {
+            "row": pa.array(range(first, first + len(encoded)), pa.int64()),
+            "doc_id": table.column("doc_id"),
+            "input_ids": pa.array(encoded, pa.list_(pa.int32())),
+        },
+        schema=SHARD_SCHEMA,
+    )
     path = f"shards/part-{item['index']:05d}.parquet"
     _write_table(storage.join(output, path), shard)
-    return {"index": item["index"], "path": path, "first_row": first, "rows": len(encoded),
-            "tokens": int(sum(len(e) for e in encoded))}
+    return {
+        "index": item["index"],
+        "path": path,
+        "first_row": first,
+        "rows": len(encoded),
+        "tokens": int(sum(len(e) for e in encoded)),
+    }
 
 
 def prepare_corpus(cfg: PrepareConfig) -> dict:
@@ -151,8 +171,9 @@ def prepare_corpus(cfg: PrepareConfig) -> dict:
     # them on free CPUs, with no actor pool to start or tear down.
     tokenize = ray.remote(_tokenize_shard).options(num_cpus=1, max_retries=3)
     shards = ray.get([tokenize.remote(item, tokenizer_uri, cfg.output) for item in items])
-    shards = sorted(({k: s[k] for k in ("path", "first_row", "rows", "tokens")} for s in shards),
-                    key=lambda s: s["first_row"])
+    shards = sorted(
+        ({k: s[k] for k in ("path", "first_row", "rows", "tokens")} for s in shards), key=lambda s: s["first_row"]
+    )
     storage.delete_dir(staging)
     manifest = {
         "format": FORMAT,
@@ -173,8 +194,13 @@ def prepare_corpus(cfg: PrepareConfig) -> dict:
 
 def load_manifest(corpus_uri: str) -> dict:
     """Read and check a prepared corpus' manifest (the corpus URI is its folder)."""
-    return storage.read_manifest(corpus_uri, FORMAT, ArtifactError, "prepare the corpus first (jobs/prepare_corpus.py)",
-                                 "preparation did not finish")
+    return storage.read_manifest(
+        corpus_uri,
+        FORMAT,
+        ArtifactError,
+        "prepare the corpus first (jobs/prepare_corpus.py)",
+        "preparation did not finish",
+    )
 
 
 def check_parquet_shard(uri: str, rows: int, columns: set[str], error: type[Exception], what: str = "shard"):
@@ -219,5 +245,9 @@ class PrepareJobConfig:
 def run_preparation(cfg: PrepareJobConfig) -> dict:
     """jobs/prepare_corpus.py: prepare the corpus and summarise its manifest."""
     manifest = prepare_corpus(cfg.corpus)
-    return {"job": "prepare_corpus", "output": cfg.corpus.output, "shards": len(manifest["shards"]),
-            **{k: manifest[k] for k in ("num_docs", "num_tokens", "vocab_size", "input_stats")}}
+    return {
+        "job": "prepare_corpus",
+        "output": cfg.corpus.output,
+        "shards": len(manifest["shards"]),
+        **{k: manifest[k] for k in ("num_docs", "num_tokens", "vocab_size", "input_stats")},
+    }

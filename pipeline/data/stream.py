@@ -29,7 +29,7 @@ from pipeline.data.shards import check_shards, load_manifest
 
 @dataclass(frozen=True)
 class StreamSpec:
-    corpus: str            # prepared corpus folder (local or s3://)
+    corpus: str  # prepared corpus folder (local or s3://)
     max_len: int
     pack: bool
     epochs: int
@@ -38,7 +38,7 @@ class StreamSpec:
     cls_id: int
     sep_id: int
     pad_id: int
-    run_dir: str           # where the trainer's checkpoints and the position pointer live
+    run_dir: str  # where the trainer's checkpoints and the position pointer live
     # coCondenser: a CoCondenserConfig (span_length, short_span_prob, min_span_length).
     # Set, the stream yields span pairs instead of sequences (see to_span_pairs).
     spans: Any = None
@@ -49,8 +49,10 @@ class StreamSpec:
 
 # -- examples ---------------------------------------------------------------------------
 
-def frame(chunks: list[np.ndarray], max_len: int, cls_id: int, sep_id: int,
-          pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+
+def frame(
+    chunks: list[np.ndarray], max_len: int, cls_id: int, sep_id: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray]:
     """[CLS] chunk [SEP] + padding, as an (N, max_len) int32 array, and the lengths.
 
     Each chunk must fit, i.e. hold at most ``max_len - 2`` tokens.
@@ -60,7 +62,7 @@ def frame(chunks: list[np.ndarray], max_len: int, cls_id: int, sep_id: int,
     for i, chunk in enumerate(chunks):
         n = len(chunk) + 2
         out[i, 0] = cls_id
-        out[i, 1:n - 1] = chunk
+        out[i, 1 : n - 1] = chunk
         out[i, n - 1] = sep_id
         lengths[i] = n
     return out, lengths
@@ -98,14 +100,18 @@ def to_sequences(batch: dict, spec: StreamSpec, epoch: int) -> dict:
             owners.append(np.full(len(ids), row, dtype=np.int64))
         tokens, owner = np.concatenate(pieces), np.concatenate(owners)
         for start in range(0, len(tokens), body):
-            chunks.append(tokens[start:start + body])
-            rows_here = np.unique(owner[start:start + body])
+            chunks.append(tokens[start : start + body])
+            rows_here = np.unique(owner[start : start + body])
             sources.append(rows_here[rows_here >= 0])
     input_ids, lengths = _frame(chunks, spec)
     source_rows = np.empty(len(sources), dtype=object)
     source_rows[:] = sources
-    return {"input_ids": input_ids, "length": lengths,
-            "epoch": np.full(len(chunks), epoch, dtype=np.int32), "source_rows": source_rows}
+    return {
+        "input_ids": input_ids,
+        "length": lengths,
+        "epoch": np.full(len(chunks), epoch, dtype=np.int32),
+        "source_rows": source_rows,
+    }
 
 
 def to_span_pairs(batch: dict, spec: StreamSpec, epoch: int) -> dict:
@@ -130,15 +136,18 @@ def to_span_pairs(batch: dict, spec: StreamSpec, epoch: int) -> dict:
         np.add.at(skipped, owner[~valid], 1)
         for pair, i in enumerate(keep):
             ids = np.asarray(docs[i], dtype=np.int32)
-            chunks += [ids[first[i]:first[i] + span_len[i]], ids[second[i]:second[i] + span_len[i]]]
+            chunks += [ids[first[i] : first[i] + span_len[i]], ids[second[i] : second[i] + span_len[i]]]
             sources.append(rows[owner == pair])
     input_ids, span_lengths = _frame(chunks, spec)
     source_rows = np.empty(len(sources), dtype=object)
     source_rows[:] = sources
-    return {"input_ids": input_ids.reshape(len(keep), 2, spec.max_len),
-            "length": span_lengths.reshape(len(keep), 2),
-            "epoch": np.full(len(keep), epoch, dtype=np.int32), "source_rows": source_rows,
-            "skipped_docs": skipped}
+    return {
+        "input_ids": input_ids.reshape(len(keep), 2, spec.max_len),
+        "length": span_lengths.reshape(len(keep), 2),
+        "epoch": np.full(len(keep), epoch, dtype=np.int32),
+        "source_rows": source_rows,
+        "skipped_docs": skipped,
+    }
 
 
 def drop_consumed(batch: dict, consumed: list[list[int]]) -> dict:
@@ -148,10 +157,10 @@ def drop_consumed(batch: dict, consumed: list[list[int]]) -> dict:
 
 # -- the dataset ------------------------------------------------------------------------
 
+
 def epoch_files(manifest: dict, spec: StreamSpec, epoch: int, consumed: IntervalSet) -> list[dict]:
     """The shards an epoch still has to read, in this epoch's order."""
-    shards = [s for s in manifest["shards"]
-              if not consumed.covers(s["first_row"], s["first_row"] + s["rows"])]
+    shards = [s for s in manifest["shards"] if not consumed.covers(s["first_row"], s["first_row"] + s["rows"])]
     if spec.shuffle_files:
         order = np.random.default_rng([spec.seed, epoch]).permutation(len(shards))
         shards = [shards[i] for i in order]
@@ -171,18 +180,24 @@ def build_stream(spec: StreamSpec, position: DataPosition, manifest: dict | None
         paths = [storage.resolve(storage.join(spec.corpus, s["path"])).path for s in shards]
         ds = ray.data.read_parquet(paths, filesystem=fs_loc.fs, shuffle=None).select_columns(["row", "input_ids"])
         if consumed.count():
-            ds = ds.map_batches(drop_consumed, fn_kwargs={"consumed": consumed.to_list()},
-                                batch_format="numpy", zero_copy_batch=True)
+            ds = ds.map_batches(
+                drop_consumed, fn_kwargs={"consumed": consumed.to_list()}, batch_format="numpy", zero_copy_batch=True
+            )
         if spec.spans is not None:
-            ds = ds.map_batches(to_span_pairs, fn_kwargs={"spec": spec, "epoch": epoch},
-                                batch_format="numpy", batch_size=None)
+            ds = ds.map_batches(
+                to_span_pairs, fn_kwargs={"spec": spec, "epoch": epoch}, batch_format="numpy", batch_size=None
+            )
         else:
             ds = ds.map_batches(to_sequences, fn_kwargs={"spec": spec, "epoch": epoch}, batch_format="numpy")
         parts.append(ds)
     if not parts:  # everything consumed: an empty stream, so a resumed finished run just exports
         shape = (2, spec.max_len) if spec.spans is not None else (spec.max_len,)
-        row = {"input_ids": np.zeros(shape, np.int32), "length": np.zeros(shape[:-1], np.int32),
-               "epoch": 0, "source_rows": np.zeros(0, np.int64)}
+        row = {
+            "input_ids": np.zeros(shape, np.int32),
+            "length": np.zeros(shape[:-1], np.int32),
+            "epoch": 0,
+            "source_rows": np.zeros(0, np.int64),
+        }
         if spec.spans is not None:
             row["skipped_docs"] = 0
         return ray.data.from_items([row]).limit(0)

@@ -22,8 +22,7 @@ def passage_lookup(corpus_uri: str, doc_ids: set[str] | None = None) -> Callable
     """docid -> (title, text) over a corpus read with :func:`pipeline.corpus.iter_documents`, which
     already joins a BEIR title into the text, so the title returned is "". Holds the texts of
     ``doc_ids`` (all documents when None) in memory: for a driver-side export, not for workers."""
-    texts = {d.doc_id: d.text for d in iter_documents(corpus_uri)
-             if doc_ids is None or d.doc_id in doc_ids}
+    texts = {d.doc_id: d.text for d in iter_documents(corpus_uri) if doc_ids is None or d.doc_id in doc_ids}
 
     def lookup(doc_id: str) -> tuple[str, str]:
         return "", texts[doc_id]
@@ -31,18 +30,24 @@ def passage_lookup(corpus_uri: str, doc_ids: set[str] | None = None) -> Callable
     return lookup
 
 
-def write_tevatron(examples: Iterable[TrainExample], corpus_lookup: Callable[[str], tuple[str, str]],
-                   uri: str) -> int:
+def write_tevatron(examples: Iterable[TrainExample], corpus_lookup: Callable[[str], tuple[str, str]], uri: str) -> int:
     """Write examples as Tevatron train jsonl (local or S3, ``.gz`` for gzip); returns the count."""
+
     def passages(ids: list[str]) -> list[dict]:
         return [{"docid": d, "title": t, "text": x} for d in ids for t, x in [corpus_lookup(d)]]
 
     n = 0
     with storage.open_output(uri) as out:
         for ex in examples:
-            write_json_line(out, {"query_id": ex.query_id, "query": ex.query,
-                              "positive_passages": passages(ex.positives),
-                              "negative_passages": passages(ex.negatives)})
+            write_json_line(
+                out,
+                {
+                    "query_id": ex.query_id,
+                    "query": ex.query,
+                    "positive_passages": passages(ex.positives),
+                    "negative_passages": passages(ex.negatives),
+                },
+            )
             n += 1
     return n
 
@@ -66,8 +71,12 @@ def read_tevatron(uri: str, stats: DataStats | None = None) -> Iterator[dict]:
             continue
         kept = set(clean_negatives(qid, [p["docid"] for p in neg], {p["docid"] for p in pos}, stats))
         stats.examples += 1
-        yield {"query_id": qid, "query": query, "positive_passages": pos,
-               "negative_passages": [p for p in neg if p["docid"] in kept]}
+        yield {
+            "query_id": qid,
+            "query": query,
+            "positive_passages": pos,
+            "negative_passages": [p for p in neg if p["docid"] in kept],
+        }
 
 
 def _passages(obj: dict, key: str, source: str, number: int) -> list[dict]:
@@ -76,17 +85,24 @@ def _passages(obj: dict, key: str, source: str, number: int) -> list[dict]:
         ctx = f"{key}[{i}]: "
         if not isinstance(p, dict):
             raise line_error(source, number, f"{ctx}expected an object, got {json_type(p)}")
-        out.append({"docid": get_field(p, "docid", None, source, number, ctx=ctx),
-                    "title": get_field(p, "title", str, source, number, default="", ctx=ctx),
-                    "text": get_field(p, "text", str, source, number, ctx=ctx)})
+        out.append(
+            {
+                "docid": get_field(p, "docid", None, source, number, ctx=ctx),
+                "title": get_field(p, "title", str, source, number, default="", ctx=ctx),
+                "text": get_field(p, "text", str, source, number, ctx=ctx),
+            }
+        )
     return out
 
 
 def tevatron_example(record: dict) -> TrainExample:
     """The id-only :class:`TrainExample` of a Tevatron record."""
-    return TrainExample(record["query_id"], record["query"],
-                        [p["docid"] for p in record["positive_passages"]],
-                        [p["docid"] for p in record["negative_passages"]])
+    return TrainExample(
+        record["query_id"],
+        record["query"],
+        [p["docid"] for p in record["positive_passages"]],
+        [p["docid"] for p in record["negative_passages"]],
+    )
 
 
 def extract_tevatron_corpus(uri: str, corpus_uri: str) -> int:
@@ -111,6 +127,7 @@ def extract_tevatron_corpus(uri: str, corpus_uri: str) -> int:
                         seen[p["docid"]] = (digest, number)
                         write_json_line(out, {"_id": p["docid"], "title": title, "text": text})
                     elif first[0] != digest:
-                        raise line_error(source, number, f"{key}: passage {p['docid']!r} has another text than on "
-                                                    f"line {first[1]}")
+                        raise line_error(
+                            source, number, f"{key}: passage {p['docid']!r} has another text than on line {first[1]}"
+                        )
     return len(seen)

@@ -14,17 +14,30 @@ from transformers import AutoTokenizer, BertTokenizerFast, PreTrainedTokenizerBa
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
-def train_wordpiece(texts: Iterable[str], out_dir: str, vocab_size: int = 8000,
-                    lowercase: bool = True, min_frequency: int = 2) -> BertTokenizerFast:
+def train_wordpiece(
+    texts: Iterable[str], out_dir: str, vocab_size: int = 8000, lowercase: bool = True, min_frequency: int = 2
+) -> BertTokenizerFast:
     """Train a BERT-style WordPiece tokenizer and save it as an HF tokenizer directory."""
     wordpiece = BertWordPieceTokenizer(lowercase=lowercase, strip_accents=lowercase)
-    wordpiece.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=min_frequency,
-                                  special_tokens=SPECIAL_TOKENS, wordpieces_prefix="##", show_progress=False)
+    wordpiece.train_from_iterator(
+        texts,
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=SPECIAL_TOKENS,
+        wordpieces_prefix="##",
+        show_progress=False,
+    )
     os.makedirs(out_dir, exist_ok=True)
     # Wrap the trained object itself: transformers 5 ignores a bare vocab_file here.
-    tokenizer = BertTokenizerFast(tokenizer_object=wordpiece._tokenizer, unk_token="[UNK]", sep_token="[SEP]",
-                                  pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]",
-                                  do_lower_case=lowercase)
+    tokenizer = BertTokenizerFast(
+        tokenizer_object=wordpiece._tokenizer,
+        unk_token="[UNK]",
+        sep_token="[SEP]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        mask_token="[MASK]",
+        do_lower_case=lowercase,
+    )
     tokenizer.save_pretrained(out_dir)
     return tokenizer
 
@@ -33,8 +46,11 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer {path!r}: not a local directory")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    missing = [name for name in ("cls_token_id", "sep_token_id", "pad_token_id", "mask_token_id")
-               if getattr(tokenizer, name) is None]
+    missing = [
+        name
+        for name in ("cls_token_id", "sep_token_id", "pad_token_id", "mask_token_id")
+        if getattr(tokenizer, name) is None
+    ]
     if missing:
         raise ValueError(f"tokenizer {path!r} lacks BERT special tokens: {', '.join(missing)}")
     return tokenizer

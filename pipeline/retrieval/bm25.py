@@ -40,25 +40,54 @@ if TYPE_CHECKING:
 
 @dataclass
 class Bm25Config:
-    corpus: str = field(metadata={"help": "BEIR corpus.jsonl (file or folder, local or s3://); indexed as title + text"})
+    corpus: str = field(
+        metadata={"help": "BEIR corpus.jsonl (file or folder, local or s3://); indexed as title + text"}
+    )
     queries: str = field(metadata={"help": "BEIR queries.jsonl to mine negatives for"})
     qrels: str = field(metadata={"help": "BEIR qrels TSV: judged positives (score > 0) are never negatives"})
-    output: str = field(default="runs/bm25/negatives.jsonl", metadata={"help": "negatives jsonl to write (local or s3://; .gz = gzip): {query_id, negatives, scores} per query"})
-    run: str = field(default="", metadata={"help": "TREC run of the top-depth BM25 results (for ir_measures); empty = <output without .jsonl[.gz]>.run.trec; 'none' = not written"})
+    output: str = field(
+        default="runs/bm25/negatives.jsonl",
+        metadata={
+            "help": "negatives jsonl to write (local or s3://; .gz = gzip): {query_id, negatives, scores} per query"
+        },
+    )
+    run: str = field(
+        default="",
+        metadata={
+            "help": "TREC run of the top-depth BM25 results (for ir_measures); empty = <output without .jsonl[.gz]>.run.trec; 'none' = not written"
+        },
+    )
     depth: int = field(default=200, metadata={"help": "BM25 results retrieved per query"})
     count: int = field(default=30, metadata={"help": "negatives kept per query"})
-    sample: Literal["top", "random"] = field(default="top", metadata={"help": "top = the best-ranked count; random = count drawn from the depth (seeded per query), kept in rank order"})
+    sample: Literal["top", "random"] = field(
+        default="top",
+        metadata={
+            "help": "top = the best-ranked count; random = count drawn from the depth (seeded per query), kept in rank order"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "seed of sample=random"})
     k1: float = field(default=0.9, metadata={"help": "BM25 k1"})
     b: float = field(default=0.4, metadata={"help": "BM25 b"})
-    method: Literal["lucene", "robertson", "atire", "bm25l", "bm25+"] = field(default="lucene", metadata={"help": "bm25s scoring variant"})
+    method: Literal["lucene", "robertson", "atire", "bm25l", "bm25+"] = field(
+        default="lucene", metadata={"help": "bm25s scoring variant"}
+    )
     lowercase: bool = field(default=True, metadata={"help": "lowercase before tokenizing"})
-    stopwords: str = field(default="en", metadata={"help": "bm25s stopword list (en, en_plus, de, fr, ...); none = keep every token"})
-    stemmer: str = field(default="", metadata={"help": "PyStemmer algorithm, e.g. english (needs `pip install PyStemmer`); empty = no stemming"})
+    stopwords: str = field(
+        default="en", metadata={"help": "bm25s stopword list (en, en_plus, de, fr, ...); none = keep every token"}
+    )
+    stemmer: str = field(
+        default="",
+        metadata={"help": "PyStemmer algorithm, e.g. english (needs `pip install PyStemmer`); empty = no stemming"},
+    )
     threads: int = field(default=0, metadata={"help": "retrieval threads; 0 = all cores"})
     batch_size: int = field(default=1024, metadata={"help": "queries retrieved per batch"})
     write_scores: bool = field(default=True, metadata={"help": "also write each negative's BM25 score"})
-    tevatron: str = field(default="", metadata={"help": "also write the training file in Tevatron format (query, positive and negative passages with their text) here; empty = not written"})
+    tevatron: str = field(
+        default="",
+        metadata={
+            "help": "also write the training file in Tevatron format (query, positive and negative passages with their text) here; empty = not written"
+        },
+    )
 
     def __post_init__(self):
         for name in ("depth", "count", "batch_size"):
@@ -101,14 +130,22 @@ def _stemmer(name: str):
     return Stemmer.Stemmer(name)
 
 
-def build_index(corpus: str, *, k1: float = 0.9, b: float = 0.4, method: str = "lucene",
-                lowercase: bool = True, stopwords: str = "en", stemmer: str = "") -> Bm25Index:
+def build_index(
+    corpus: str,
+    *,
+    k1: float = 0.9,
+    b: float = 0.4,
+    method: str = "lucene",
+    lowercase: bool = True,
+    stopwords: str = "en",
+    stemmer: str = "",
+) -> Bm25Index:
     """Index a corpus with bm25s, tokenizing the documents as they stream past."""
 
     start = time.perf_counter()
     tokenizer = bm25s.tokenization.Tokenizer(
-        lower=lowercase, stopwords=None if stopwords.lower() in ("", "none") else stopwords,
-        stemmer=_stemmer(stemmer))
+        lower=lowercase, stopwords=None if stopwords.lower() in ("", "none") else stopwords, stemmer=_stemmer(stemmer)
+    )
     stats = CorpusStats()
     doc_ids: list[str] = []
 
@@ -122,44 +159,49 @@ def build_index(corpus: str, *, k1: float = 0.9, b: float = 0.4, method: str = "
         raise InputError(f"{corpus}: no documents to index", source=corpus)
     retriever = bm25s.BM25(k1=k1, b=b, method=method)
     retriever.index(tokenizer.to_tokenized_tuple(token_ids), show_progress=False)
-    return Bm25Index(retriever, tokenizer, np.array(doc_ids, dtype=object), stats,
-                     time.perf_counter() - start)
+    return Bm25Index(retriever, tokenizer, np.array(doc_ids, dtype=object), stats, time.perf_counter() - start)
 
 
-def search(index: Bm25Index, queries: dict[str, str], depth: int, *, batch_size: int = 1024,
-           threads: int = 0) -> Iterator[tuple[str, list[str], list[float]]]:
+def search(
+    index: Bm25Index, queries: dict[str, str], depth: int, *, batch_size: int = 1024, threads: int = 0
+) -> Iterator[tuple[str, list[str], list[float]]]:
     """(query id, doc ids best first, scores) of the top ``depth`` of every query, in
     ``queries`` order; documents with score 0 (no query term in common) are left out."""
     k = min(depth, len(index.doc_ids))
     n_threads = (threads or os.cpu_count() or 1) if threads != 1 else 0  # bm25s: 0 = sequential
     qids = list(queries)
     for start in range(0, len(qids), batch_size):
-        batch = qids[start:start + batch_size]
+        batch = qids[start : start + batch_size]
         # update_vocab=False: a query word the corpus lacks matches nothing; an all-unknown
         # query becomes bm25s's empty token, which scores every document 0.
         tokens = list(index.tokenizer.streaming_tokenize([queries[q] for q in batch], update_vocab=False))
-        rows, scores = index.retriever.retrieve(tokens, k=k, n_threads=n_threads, show_progress=False,
-                                                backend_selection="numpy")
+        rows, scores = index.retriever.retrieve(
+            tokens, k=k, n_threads=n_threads, show_progress=False, backend_selection="numpy"
+        )
         for qid, r, s in zip(batch, rows, scores):
             hit = s > 0
             yield qid, index.doc_ids[r[hit]].tolist(), s[hit].astype(float).tolist()
 
 
-def bm25_run(index: Bm25Index, queries: dict[str, str], depth: int = 100, *, batch_size: int = 1024,
-             threads: int = 0) -> dict[str, dict[str, float]]:
+def bm25_run(
+    index: Bm25Index, queries: dict[str, str], depth: int = 100, *, batch_size: int = 1024, threads: int = 0
+) -> dict[str, dict[str, float]]:
     """{query id: {doc id: BM25 score}}, the run format ``ir_measures.calc_aggregate`` takes."""
-    return {qid: dict(zip(ids, scores))
-            for qid, ids, scores in search(index, queries, depth, batch_size=batch_size, threads=threads)}
+    return {
+        qid: dict(zip(ids, scores))
+        for qid, ids, scores in search(index, queries, depth, batch_size=batch_size, threads=threads)
+    }
 
 
-def _select(qid: str, ids: list[str], scores: list[float], judged_positive: set[str],
-            cfg: Bm25Config) -> tuple[list[str], list[float], int]:
+def _select(
+    qid: str, ids: list[str], scores: list[float], judged_positive: set[str], cfg: Bm25Config
+) -> tuple[list[str], list[float], int]:
     """The kept negatives (ranked) and their scores, and how many judged positives were dropped."""
     cand = [i for i, d in enumerate(ids) if d not in judged_positive]
     dropped = len(ids) - len(cand)
     if cfg.sample == "random" and len(cand) > cfg.count:
         cand = [cand[j] for j in sorted(random.Random(f"{cfg.seed}:{qid}").sample(range(len(cand)), cfg.count))]
-    cand = cand[:cfg.count]
+    cand = cand[: cfg.count]
     return [ids[i] for i in cand], [scores[i] for i in cand], dropped
 
 
@@ -171,8 +213,11 @@ def _write_tevatron(cfg: Bm25Config, queries: dict[str, str], qrels: dict) -> di
     examples, stats = build_training_examples(queries, qrels, negatives)
     needed = {d for ex in examples for d in ex.positives + ex.negatives}
     written = write_tevatron(examples, passage_lookup(cfg.corpus, needed), cfg.tevatron)
-    return {"path": cfg.tevatron, "examples": written, **{k: v for k, v in stats.as_dict().items()
-                                                          if not k.endswith("_examples")}}
+    return {
+        "path": cfg.tevatron,
+        "examples": written,
+        **{k: v for k, v in stats.as_dict().items() if not k.endswith("_examples")},
+    }
 
 
 def mine_negatives(cfg: Bm25Config) -> dict:
@@ -182,19 +227,28 @@ def mine_negatives(cfg: Bm25Config) -> dict:
         if not storage.exists(uri):
             raise StorageError(f"{uri}: no such file or directory")
     queries = read_queries(cfg.queries)
-    index = build_index(cfg.corpus, k1=cfg.k1, b=cfg.b, method=cfg.method, lowercase=cfg.lowercase,
-                        stopwords=cfg.stopwords, stemmer=cfg.stemmer)
+    index = build_index(
+        cfg.corpus,
+        k1=cfg.k1,
+        b=cfg.b,
+        method=cfg.method,
+        lowercase=cfg.lowercase,
+        stopwords=cfg.stopwords,
+        stemmer=cfg.stemmer,
+    )
     qrels = read_qrels(cfg.qrels, doc_ids=set(index.doc_ids), query_ids=set(queries))
     counts = {"negatives": 0, "positives_dropped": 0, "short": 0, "none": 0}
     run_uri = cfg.run_uri()
     retrieve_start = time.perf_counter()
 
     def rows(run_out) -> Iterator[tuple[str, list[str], list[float] | None]]:
-        for qid, ids, scores in search(index, queries, cfg.depth, batch_size=cfg.batch_size,
-                                       threads=cfg.threads):
+        for qid, ids, scores in search(index, queries, cfg.depth, batch_size=cfg.batch_size, threads=cfg.threads):
             if run_out is not None:  # TREC run: qid Q0 docid rank score tag
-                run_out.write("".join(f"{qid} Q0 {d} {r} {s:.4f} bm25\n" for r, (d, s) in
-                                      enumerate(zip(ids, scores), 1)).encode("utf-8"))
+                run_out.write(
+                    "".join(f"{qid} Q0 {d} {r} {s:.4f} bm25\n" for r, (d, s) in enumerate(zip(ids, scores), 1)).encode(
+                        "utf-8"
+                    )
+                )
             negs, neg_scores, dropped = _select(qid, ids, scores, set(positives(qrels.get(qid, {}))), cfg)
             counts["negatives"] += len(negs)
             counts["positives_dropped"] += dropped
@@ -210,13 +264,19 @@ def mine_negatives(cfg: Bm25Config) -> dict:
     n = len(queries)
     tevatron = _write_tevatron(cfg, queries, qrels) if cfg.tevatron else None
     return {
-        "job": "bm25_negatives", "output": cfg.output, "run": run_uri, "tevatron": tevatron,
-        "queries": n, "docs": len(index.doc_ids),
+        "job": "bm25_negatives",
+        "output": cfg.output,
+        "run": run_uri,
+        "tevatron": tevatron,
+        "queries": n,
+        "docs": len(index.doc_ids),
         "queries_without_positive": sum(1 for q in queries if not positives(qrels.get(q, {}))),
         "negatives_per_query": round(counts["negatives"] / max(n, 1), 3),
-        "queries_short": counts["short"], "queries_no_negatives": counts["none"],
+        "queries_short": counts["short"],
+        "queries_no_negatives": counts["none"],
         "positives_dropped": counts["positives_dropped"],
-        "vocab_size": len(index.retriever.vocab_dict), "index_bytes": index.nbytes,
+        "vocab_size": len(index.retriever.vocab_dict),
+        "index_bytes": index.nbytes,
         "index_seconds": round(index.seconds, 2),
         "retrieve_seconds": round(time.perf_counter() - retrieve_start, 2),
         "seconds": round(time.perf_counter() - start, 2),

@@ -41,12 +41,12 @@ def shard_path(index: int) -> str:
 def shard_schema(dim: int, dtype: str = "float32") -> pa.Schema:
     if dtype not in DTYPES:
         raise ArtifactError(f"embedding dtype {dtype!r} is not supported (use one of {sorted(DTYPES)})")
-    return pa.schema([("row", pa.int64()), ("doc_id", pa.string()),
-                      ("embedding", pa.list_(DTYPES[dtype], dim))])
+    return pa.schema([("row", pa.int64()), ("doc_id", pa.string()), ("embedding", pa.list_(DTYPES[dtype], dim))])
 
 
-def write_shard(folder_uri: str, index: int, rows: np.ndarray, doc_ids: list[str],
-                embeddings: np.ndarray, *, dtype: str = "float32") -> dict:
+def write_shard(
+    folder_uri: str, index: int, rows: np.ndarray, doc_ids: list[str], embeddings: np.ndarray, *, dtype: str = "float32"
+) -> dict:
     """Write shard ``index`` and return its manifest entry.
 
     The file goes through :func:`storage.open_output`, which only moves it under its final
@@ -57,13 +57,21 @@ def write_shard(folder_uri: str, index: int, rows: np.ndarray, doc_ids: list[str
     embeddings = np.asarray(embeddings)
     path = shard_path(index)
     if embeddings.ndim != 2 or not len(rows) == len(doc_ids) == embeddings.shape[0] or not embeddings.size:
-        raise ArtifactError(f"embedding shard {path}: {len(rows)} rows, {len(doc_ids)} doc ids and "
-                             f"embeddings of shape {embeddings.shape}; expected the same non-zero count")
+        raise ArtifactError(
+            f"embedding shard {path}: {len(rows)} rows, {len(doc_ids)} doc ids and "
+            f"embeddings of shape {embeddings.shape}; expected the same non-zero count"
+        )
     schema = shard_schema(embeddings.shape[1], dtype)
     # A flat values array wrapped as fixed-size lists: no per-row Python objects, no copy for float32.
     flat = np.ascontiguousarray(embeddings, dtype=np.float16 if dtype == "float16" else np.float32).reshape(-1)
-    table = pa.table([pa.array(rows), pa.array(doc_ids, pa.string()),
-                      pa.FixedSizeListArray.from_arrays(pa.array(flat), embeddings.shape[1])], schema=schema)
+    table = pa.table(
+        [
+            pa.array(rows),
+            pa.array(doc_ids, pa.string()),
+            pa.FixedSizeListArray.from_arrays(pa.array(flat), embeddings.shape[1]),
+        ],
+        schema=schema,
+    )
     with storage.open_output(storage.join(folder_uri, path)) as f:
         pq.write_table(table, f, row_group_size=8192)
     return {"index": int(index), "path": path, "rows": len(rows), "first_row": int(rows[0])}
@@ -78,28 +86,54 @@ def finished_shards(folder_uri: str) -> set[int]:
     return {int(m.group(1)) for m in map(_SHARD_NAME.match, names) if m}
 
 
-def write_manifest(folder_uri: str, dim: int, shards: list[dict], *, dtype: str = "float32",
-                   normalized: bool, similarity: str, model: str) -> dict:
+def write_manifest(
+    folder_uri: str,
+    dim: int,
+    shards: list[dict],
+    *,
+    dtype: str = "float32",
+    normalized: bool,
+    similarity: str,
+    model: str,
+) -> dict:
     """Write the manifest that marks the embeddings as complete; returns it."""
     shard_schema(dim, dtype)  # validates dtype
     if similarity not in SIMILARITIES:
         raise ArtifactError(f"similarity {similarity!r} is not one of {SIMILARITIES}")
-    shards = sorted(({"index": int(s["index"]), "path": s["path"], "rows": int(s["rows"]),
-                      "first_row": int(s["first_row"])} for s in shards), key=lambda s: s["index"])
+    shards = sorted(
+        (
+            {"index": int(s["index"]), "path": s["path"], "rows": int(s["rows"]), "first_row": int(s["first_row"])}
+            for s in shards
+        ),
+        key=lambda s: s["index"],
+    )
     indexes = [s["index"] for s in shards]
     if len(set(indexes)) != len(indexes):
         raise ArtifactError(f"{folder_uri}: duplicate shard indexes in {indexes}")
-    manifest = {"format": FORMAT, "dim": int(dim), "dtype": dtype, "normalized": bool(normalized),
-                "similarity": similarity, "model": model, "shards": shards,
-                "count": sum(s["rows"] for s in shards), "completed": True}
+    manifest = {
+        "format": FORMAT,
+        "dim": int(dim),
+        "dtype": dtype,
+        "normalized": bool(normalized),
+        "similarity": similarity,
+        "model": model,
+        "shards": shards,
+        "count": sum(s["rows"] for s in shards),
+        "completed": True,
+    }
     storage.write_json(storage.join(folder_uri, MANIFEST), manifest)
     return manifest
 
 
 def load_manifest(folder_uri: str) -> dict:
     """Read and check an embeddings folder's manifest."""
-    return storage.read_manifest(folder_uri, FORMAT, ArtifactError,
-                                 "encode the corpus first (or the encoding did not finish)", "encoding did not finish")
+    return storage.read_manifest(
+        folder_uri,
+        FORMAT,
+        ArtifactError,
+        "encode the corpus first (or the encoding did not finish)",
+        "encoding did not finish",
+    )
 
 
 def _width_error(uri: str, field: pa.Field, dim: int | None, dtype: str | None) -> str | None:
@@ -118,16 +152,21 @@ def check_embedding_shards(folder_uri: str, manifest: dict) -> None:
     shard fails here, by name, before any index is built from it."""
     for shard in manifest["shards"]:
         uri = storage.join(folder_uri, shard["path"])
-        schema = check_parquet_shard(uri, shard["rows"], {"row", "doc_id", "embedding"}, ArtifactError,
-                                     "embedding shard")
+        schema = check_parquet_shard(
+            uri, shard["rows"], {"row", "doc_id", "embedding"}, ArtifactError, "embedding shard"
+        )
         error = _width_error(uri, schema.field("embedding"), manifest["dim"], manifest.get("dtype", "float32"))
         if error:
             raise ArtifactError(error)
 
 
-def read_shard(uri: str, entry: dict | None = None, *, dim: int | None = None,
-               columns: tuple[str, ...] = ("row", "doc_id", "embedding")
-               ) -> tuple[np.ndarray, list[str], np.ndarray]:
+def read_shard(
+    uri: str,
+    entry: dict | None = None,
+    *,
+    dim: int | None = None,
+    columns: tuple[str, ...] = ("row", "doc_id", "embedding"),
+) -> tuple[np.ndarray, list[str], np.ndarray]:
     """``(rows int64, doc_ids, embeddings float32 (n, dim))`` of one shard.
 
     ``uri`` is the shard file, or the embeddings folder when ``entry`` (a manifest shard

@@ -47,13 +47,25 @@ from pipeline.retrieval.embeddings import (
 
 @dataclass
 class EncoderSettings:
-    model: str = field(default="runs/finetune/export", metadata={"help": "retriever export (settings from its retriever.json) or any local HF checkpoint; 'package:NAME' = an installed model package"})
-    pooling: str = field(default="", metadata={"help": "cls or mean; empty = the export's retriever.json (cls for a plain checkpoint)"})
-    normalize: str = field(default="", metadata={"help": "true = cosine (L2-normalised vectors), false = dot product; empty = the export's setting"})
+    model: str = field(
+        default="runs/finetune/export",
+        metadata={
+            "help": "retriever export (settings from its retriever.json) or any local HF checkpoint; 'package:NAME' = an installed model package"
+        },
+    )
+    pooling: str = field(
+        default="", metadata={"help": "cls or mean; empty = the export's retriever.json (cls for a plain checkpoint)"}
+    )
+    normalize: str = field(
+        default="",
+        metadata={"help": "true = cosine (L2-normalised vectors), false = dot product; empty = the export's setting"},
+    )
     max_len: int = field(default=128, metadata={"help": "passage tokens, [CLS] and [SEP] included"})
     query_max_len: int = field(default=32, metadata={"help": "query tokens, [CLS] and [SEP] included"})
     batch_size: int = field(default=256, metadata={"help": "passages per forward"})
-    precision: Literal["auto", "fp32", "fp16", "bf16"] = field(default="auto", metadata={"help": "auto = fp16 on GPU, fp32 on CPU"})
+    precision: Literal["auto", "fp32", "fp16", "bf16"] = field(
+        default="auto", metadata={"help": "auto = fp16 on GPU, fp32 on CPU"}
+    )
 
     def overrides(self) -> dict:
         out: dict = {}
@@ -69,8 +81,7 @@ class EncoderSettings:
 def _frame_batch(token_lists: list, max_len: int, cls_id: int, sep_id: int, pad_id: int):
     """``[CLS] ids [SEP]`` per list, truncated to max_len, padded only to the batch's longest."""
 
-
-    chunks = [np.asarray(t[:max_len - 2], dtype=np.int32) for t in token_lists]
+    chunks = [np.asarray(t[: max_len - 2], dtype=np.int32) for t in token_lists]
     width = max(len(c) for c in chunks) + 2
     ids, lengths = frame(chunks, width, cls_id, sep_id, pad_id)
     mask = np.arange(width)[None, :] < lengths[:, None]
@@ -81,7 +92,6 @@ class Encoder:
     """The model on one device, encoding token-id lists in length-sorted batches."""
 
     def __init__(self, settings: EncoderSettings, tokenizer_dir: str, device: str = "cpu"):
-
 
         self.settings, self.device = settings, device
         path = resolve_init(settings.model)
@@ -98,18 +108,21 @@ class Encoder:
 
     def encode_tokens(self, token_lists: list, max_len: int, tower: str = "passage") -> np.ndarray:
 
-
         tok = self.tokenizer
         encode = self.model.encode_passage if tower == "passage" else self.model.encode_query
         order = np.argsort([-len(t) for t in token_lists], kind="stable")
         out = np.zeros((len(token_lists), self.dim), dtype=np.float32)
-        autocast = (torch.autocast(device_type=self.device.split(":")[0], dtype=self.autocast_dtype)
-                    if self.autocast_dtype is not None else contextlib.nullcontext())
+        autocast = (
+            torch.autocast(device_type=self.device.split(":")[0], dtype=self.autocast_dtype)
+            if self.autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
         with torch.inference_mode(), autocast:
             for start in range(0, len(order), self.settings.batch_size):
-                idx = order[start:start + self.settings.batch_size]
-                ids, mask = _frame_batch([token_lists[i] for i in idx], max_len, tok.cls_token_id,
-                                         tok.sep_token_id, tok.pad_token_id)
+                idx = order[start : start + self.settings.batch_size]
+                ids, mask = _frame_batch(
+                    [token_lists[i] for i in idx], max_len, tok.cls_token_id, tok.sep_token_id, tok.pad_token_id
+                )
                 reps = encode(ids.to(self.device), mask.to(self.device))
                 out[idx] = reps.float().cpu().numpy()
         return out
@@ -149,17 +162,24 @@ class EncoderActor:
         table = storage.read_parquet(corpus_shard_uri, columns=["row", "doc_id", "input_ids"])
         tokens = table.column("input_ids").to_pylist()
         vectors = self.encoder.encode_tokens(tokens, self.encoder.settings.max_len)
-        entry = write_shard(output, index, table.column("row").to_numpy(), table.column("doc_id").to_pylist(),
-                            vectors)
+        entry = write_shard(output, index, table.column("row").to_numpy(), table.column("doc_id").to_pylist(), vectors)
         return {**entry, "seconds": time.perf_counter() - started, "pid": os.getpid()}
 
 
 @dataclass
 class EncodeConfig:
-    corpus: str = field(default=SAMPLE_CORPUS, metadata={"help": "BEIR corpus.jsonl (prepared here with the model's tokenizer) or a prepared corpus folder (manifest.json); local or s3://"})
+    corpus: str = field(
+        default=SAMPLE_CORPUS,
+        metadata={
+            "help": "BEIR corpus.jsonl (prepared here with the model's tokenizer) or a prepared corpus folder (manifest.json); local or s3://"
+        },
+    )
     output: str = field(default="runs/encode", metadata={"help": "embedding shards + manifest (local or s3://)"})
     prepared: str = field(default="", metadata={"help": "where a BEIR corpus is prepared; empty = <output>/corpus"})
-    docs_per_shard: int = field(default=20000, metadata={"help": "passages per shard when preparing a BEIR corpus (the unit of work and of resume)"})
+    docs_per_shard: int = field(
+        default=20000,
+        metadata={"help": "passages per shard when preparing a BEIR corpus (the unit of work and of resume)"},
+    )
     encoder: EncoderSettings = field(default_factory=EncoderSettings)
     pool: ActorConfig = field(default_factory=ActorConfig)
     ray: RayConfig = field(default_factory=RayConfig)
@@ -178,7 +198,6 @@ def prepared_corpus(corpus: str, model_dir: str, prepared: str, docs_per_shard: 
 def run_encoding(cfg: EncodeConfig) -> dict:
     """Encode every shard not yet written, on ``cfg.pool.actors`` actors; write the manifest."""
 
-
     started = time.perf_counter()
     cfg.output = storage.resolve(cfg.output).uri
     model_dir = resolve_init(cfg.encoder.model)
@@ -186,8 +205,12 @@ def run_encoding(cfg: EncodeConfig) -> dict:
         raise FileNotFoundError(f"--encoder.model {cfg.encoder.model}: no such checkpoint directory")
     towers = os.path.join(model_dir, "query")
     tokenizer_dir = towers if os.path.isdir(towers) else model_dir
-    corpus, manifest = prepared_corpus(storage.resolve(cfg.corpus).uri, tokenizer_dir,
-                                       cfg.prepared or storage.join(cfg.output, "corpus"), cfg.docs_per_shard)
+    corpus, manifest = prepared_corpus(
+        storage.resolve(cfg.corpus).uri,
+        tokenizer_dir,
+        cfg.prepared or storage.join(cfg.output, "corpus"),
+        cfg.docs_per_shard,
+    )
     check_shards(corpus, manifest)
     tokenizer_uri = storage.join(corpus, manifest["tokenizer"])
     probe = load_biencoder(model_dir, cfg.encoder.overrides())
@@ -197,23 +220,48 @@ def run_encoding(cfg: EncodeConfig) -> dict:
     shards = manifest["shards"]
     done = finished_shards(cfg.output)
     todo = [(i, storage.join(corpus, s["path"])) for i, s in enumerate(shards) if i not in done]
-    remote = ray.remote(EncoderActor).options(num_cpus=cfg.pool.cpus_per_actor,
-                                              num_gpus=1 if cfg.pool.use_gpu else 0, max_restarts=0)
+    remote = ray.remote(EncoderActor).options(
+        num_cpus=cfg.pool.cpus_per_actor, num_gpus=1 if cfg.pool.use_gpu else 0, max_restarts=0
+    )
 
     def make_actor():
         return remote.remote(cfg.encoder, tokenizer_uri, cfg.pool.cpus_per_actor, cfg.pool.use_gpu)
 
-    results = run_actor_pool(make_actor, todo, lambda actor, t: actor.encode_shard.remote(t[1], t[0], cfg.output),
-                             cfg.pool.max_retries, cfg.pool.actors)
-    entries = [{"index": i, "path": shard_path(i), "rows": s["rows"], "first_row": s["first_row"]}
-               for i, s in enumerate(shards)]
-    write_manifest(cfg.output, dim, entries, dtype="float32", normalized=similarity == "cos",
-                   similarity=similarity, model=model_dir)
+    results = run_actor_pool(
+        make_actor,
+        todo,
+        lambda actor, t: actor.encode_shard.remote(t[1], t[0], cfg.output),
+        cfg.pool.max_retries,
+        cfg.pool.actors,
+    )
+    entries = [
+        {"index": i, "path": shard_path(i), "rows": s["rows"], "first_row": s["first_row"]}
+        for i, s in enumerate(shards)
+    ]
+    write_manifest(
+        cfg.output,
+        dim,
+        entries,
+        dtype="float32",
+        normalized=similarity == "cos",
+        similarity=similarity,
+        model=model_dir,
+    )
     seconds = time.perf_counter() - started
     encode_seconds = sum(r["seconds"] for r in results)
-    return {"job": "encode", "output": cfg.output, "corpus": corpus, "passages": manifest["num_docs"],
-            "shards": len(shards), "shards_encoded": len(todo), "shards_skipped": len(done & set(range(len(shards)))),
-            "dim": dim, "similarity": similarity, "actors": cfg.pool.actors, "seconds": round(seconds, 2),
-            "passages_per_s": round(sum(r["rows"] for r in results) / max(seconds, 1e-9), 1),
-            "actor_seconds": round(encode_seconds, 2),
-            "shard_results": [{k: r[k] for k in ("index", "rows", "seconds", "pid")} for r in results]}
+    return {
+        "job": "encode",
+        "output": cfg.output,
+        "corpus": corpus,
+        "passages": manifest["num_docs"],
+        "shards": len(shards),
+        "shards_encoded": len(todo),
+        "shards_skipped": len(done & set(range(len(shards)))),
+        "dim": dim,
+        "similarity": similarity,
+        "actors": cfg.pool.actors,
+        "seconds": round(seconds, 2),
+        "passages_per_s": round(sum(r["rows"] for r in results) / max(seconds, 1e-9), 1),
+        "actor_seconds": round(encode_seconds, 2),
+        "shard_results": [{k: r[k] for k in ("index", "rows", "seconds", "pid")} for r in results],
+    }

@@ -31,11 +31,17 @@ _FAISS_CONTEXT = re.compile(r"^Error in .*? at \S+:\d+: (?:Error: '.*?' failed: 
 
 @dataclass
 class IndexConfig:
-    factory: str = field(default="Flat", metadata={"help": "FAISS index_factory string: Flat, IVF4096,Flat, IVF4096,PQ64, HNSW32, ..."})
+    factory: str = field(
+        default="Flat", metadata={"help": "FAISS index_factory string: Flat, IVF4096,Flat, IVF4096,PQ64, HNSW32, ..."}
+    )
     metric: str = field(default="ip", metadata={"help": "ip (inner product) or l2"})
-    train_sample: int = field(default=100_000, metadata={"help": "vectors sampled (seeded) to train indexes that need training"})
+    train_sample: int = field(
+        default=100_000, metadata={"help": "vectors sampled (seeded) to train indexes that need training"}
+    )
     nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
-    memory_limit_gb: float = field(default=0, metadata={"help": "memory one index shard may use; 0 = the machine's available memory"})
+    memory_limit_gb: float = field(
+        default=0, metadata={"help": "memory one index shard may use; 0 = the machine's available memory"}
+    )
     use_gpu: str = field(default="auto", metadata={"help": "auto (when FAISS sees a GPU), never or always"})
     seed: int = field(default=0, metadata={"help": "seed of the training sample"})
 
@@ -126,9 +132,11 @@ def _measured(factory: str, dim: int, metric: str, seed: int = 0) -> tuple[float
     try:
         index.train(train)
     except RuntimeError as exc:
-        raise ValueError(f"cannot estimate the memory of {factory!r} from a {n}-vector sample "
-                         f"({_reason(exc)}); use a factory the planner "
-                         "knows: [OPQ../PCA..,]Flat, PQ.., SQ.., HNSW.., IVF..,Flat|PQ..|SQ..") from exc
+        raise ValueError(
+            f"cannot estimate the memory of {factory!r} from a {n}-vector sample "
+            f"({_reason(exc)}); use a factory the planner "
+            "knows: [OPQ../PCA..,]Flat, PQ.., SQ.., HNSW.., IVF..,Flat|PQ..|SQ.."
+        ) from exc
     step, measured = 2048, []
     for i in range(2):
         index.add_with_ids(train[:step], np.arange(i * step, (i + 1) * step, dtype=np.int64))
@@ -143,8 +151,16 @@ def plan_memory(factory: str, dim: int, n_vectors_per_shard: list[int], metric: 
     briefly hold up to twice its inverted lists while they grow."""
     formula = _formula(factory.strip(), dim)
     per_vector, fixed = formula if formula else _measured(factory, dim, metric)
-    return [{"shard": i, "vectors": int(n), "dim": int(dim), "bytes": int(fixed + per_vector * n),
-             "estimate": "formula" if formula else "measured"} for i, n in enumerate(n_vectors_per_shard)]
+    return [
+        {
+            "shard": i,
+            "vectors": int(n),
+            "dim": int(dim),
+            "bytes": int(fixed + per_vector * n),
+            "estimate": "formula" if formula else "measured",
+        }
+        for i, n in enumerate(n_vectors_per_shard)
+    ]
 
 
 def memory_limit_bytes(limit_gb: float = 0) -> int:
@@ -165,9 +181,11 @@ def check_plan(plan: list[dict], limit_bytes: int) -> None:
         if row["bytes"] > limit_bytes:
             nlist = min(65536, max(16, 2 ** round(math.log2(4 * math.sqrt(max(row["vectors"], 1))))))
             m = next(m for m in (64, 48, 32, 16, 8, 4, 2, 1) if row["dim"] % m == 0)
-            raise ValueError(f"index shard {row['shard']} needs {_gib(row['bytes'])}, more than the "
-                             f"{_gib(limit_bytes)} limit: use more shards or a compressed factory "
-                             f"such as IVF{nlist},PQ{m}")
+            raise ValueError(
+                f"index shard {row['shard']} needs {_gib(row['bytes'])}, more than the "
+                f"{_gib(limit_bytes)} limit: use more shards or a compressed factory "
+                f"such as IVF{nlist},PQ{m}"
+            )
 
 
 def format_plan(plan: list[dict]) -> str:
@@ -181,6 +199,7 @@ def format_plan(plan: list[dict]) -> str:
 
 # --- building ----------------------------------------------------------------------------
 
+
 def resolve_gpu(use_gpu: str) -> bool:
     if use_gpu not in ("auto", "never", "always"):
         raise ValueError(f"use_gpu={use_gpu!r} is not one of auto, never, always")
@@ -188,8 +207,10 @@ def resolve_gpu(use_gpu: str) -> bool:
         return False
     available = hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
     if use_gpu == "always" and not available:
-        raise ValueError("use_gpu='always' but FAISS sees no GPU (faiss-cpu is installed, or no CUDA "
-                         "device is visible): install faiss-gpu-cu12, or use auto/never")
+        raise ValueError(
+            "use_gpu='always' but FAISS sees no GPU (faiss-cpu is installed, or no CUDA "
+            "device is visible): install faiss-gpu-cu12, or use auto/never"
+        )
     return available
 
 
@@ -229,8 +250,16 @@ def sample_vectors(vectors: np.ndarray, n: int, seed: int = 0) -> np.ndarray:
     return vectors[np.sort(np.random.default_rng(seed).choice(len(vectors), n, replace=False))]
 
 
-def build_index_shard(embeddings: np.ndarray, rows: np.ndarray, factory: str = "Flat", metric: str = "ip", *,
-                      train_vectors: np.ndarray | None = None, nprobe: int = 32, use_gpu: str = "auto"):
+def build_index_shard(
+    embeddings: np.ndarray,
+    rows: np.ndarray,
+    factory: str = "Flat",
+    metric: str = "ip",
+    *,
+    train_vectors: np.ndarray | None = None,
+    nprobe: int = 32,
+    use_gpu: str = "auto",
+):
     """A CPU FAISS index of ``embeddings`` whose ids are the corpus ``rows``.
 
     Training uses ``train_vectors`` (e.g. :func:`sample_vectors` over the whole corpus, so
@@ -264,6 +293,7 @@ def build_index_shard(embeddings: np.ndarray, rows: np.ndarray, factory: str = "
 
 # --- persistence -------------------------------------------------------------------------
 
+
 def index_shard_path(index: int) -> str:
     return f"shards/index-{index:05d}.faiss"
 
@@ -292,21 +322,34 @@ def load_index(uri: str):
             del reader
 
 
-def write_index_manifest(index_uri: str, *, factory: str, metric: str, dim: int, shards: list[dict],
-                         embeddings: str) -> dict:
-    manifest = {"format": FORMAT, "factory": factory, "metric": metric, "dim": int(dim),
-                "shards": sorted(({"index": int(s["index"]), "path": s["path"], "vectors": int(s["vectors"])}
-                                  for s in shards), key=lambda s: s["index"]),
-                "embeddings": embeddings, "completed": True}
+def write_index_manifest(
+    index_uri: str, *, factory: str, metric: str, dim: int, shards: list[dict], embeddings: str
+) -> dict:
+    manifest = {
+        "format": FORMAT,
+        "factory": factory,
+        "metric": metric,
+        "dim": int(dim),
+        "shards": sorted(
+            ({"index": int(s["index"]), "path": s["path"], "vectors": int(s["vectors"])} for s in shards),
+            key=lambda s: s["index"],
+        ),
+        "embeddings": embeddings,
+        "completed": True,
+    }
     storage.write_json(storage.join(index_uri, MANIFEST), manifest)
     return manifest
 
 
 def load_index_manifest(index_uri: str, *, check: bool = True) -> dict:
     """Read an index folder's manifest; with ``check``, every shard file must exist."""
-    manifest = storage.read_manifest(index_uri, FORMAT, ArtifactError,
-                                     "build the index first (or the build did not finish)",
-                                     "the index build did not finish")
+    manifest = storage.read_manifest(
+        index_uri,
+        FORMAT,
+        ArtifactError,
+        "build the index first (or the build did not finish)",
+        "the index build did not finish",
+    )
     for shard in manifest["shards"] if check else []:
         shard_uri = storage.join(index_uri, shard["path"])
         if not storage.exists(shard_uri):
@@ -320,6 +363,7 @@ def load_index_shards(index_uri: str, manifest: dict) -> list:
 
 # --- search ------------------------------------------------------------------------------
 
+
 def _check_k(k: int, total: int) -> None:
     if k < 1:
         raise ValueError(f"k={k} must be at least 1")
@@ -329,8 +373,11 @@ def _check_k(k: int, total: int) -> None:
 
 def _smallest(key: np.ndarray, k: int) -> np.ndarray:
     """Column indexes of each row's ``k`` smallest keys, ascending (argpartition: O(n), not a full sort)."""
-    top = (np.argpartition(key, k - 1, axis=1)[:, :k] if k < key.shape[1]
-           else np.broadcast_to(np.arange(key.shape[1]), key.shape))
+    top = (
+        np.argpartition(key, k - 1, axis=1)[:, :k]
+        if k < key.shape[1]
+        else np.broadcast_to(np.arange(key.shape[1]), key.shape)
+    )
     return np.take_along_axis(top, np.argsort(np.take_along_axis(key, top, 1), axis=1, kind="stable"), 1)
 
 
@@ -342,8 +389,9 @@ def search_shard(index, queries: np.ndarray, k: int, nprobe: int | None = None) 
     return scores.astype(np.float32, copy=False), rows.astype(np.int64, copy=False)
 
 
-def merge_topk(results: list[tuple[np.ndarray, np.ndarray]], k: int, metric: str = "ip",
-               total: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def merge_topk(
+    results: list[tuple[np.ndarray, np.ndarray]], k: int, metric: str = "ip", total: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Exact global top-k from per-shard top-k (each shard's top-k contains its share of the
     global one). Padding (row -1) sorts last; ``total`` (the corpus size) bounds ``k``."""
     _check_metric(metric)
@@ -359,8 +407,9 @@ def merge_topk(results: list[tuple[np.ndarray, np.ndarray]], k: int, metric: str
     return np.take_along_axis(scores, top, 1), np.take_along_axis(rows, top, 1)
 
 
-def search_shards(indexes: list, queries: np.ndarray, k: int, metric: str = "ip",
-                  nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def search_shards(
+    indexes: list, queries: np.ndarray, k: int, metric: str = "ip", nprobe: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Search every shard and merge: the global top-k over the whole corpus."""
     total = sum(index.ntotal for index in indexes)
     _check_k(k, total)
@@ -368,8 +417,9 @@ def search_shards(indexes: list, queries: np.ndarray, k: int, metric: str = "ip"
     return merge_topk(results, k, metric, total)
 
 
-def brute_force_topk(queries: np.ndarray, vectors: np.ndarray, k: int, metric: str = "ip",
-                     rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def brute_force_topk(
+    queries: np.ndarray, vectors: np.ndarray, k: int, metric: str = "ip", rows: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Exact numpy reference: scores (inner products, or squared L2 as FAISS reports them)
     and ``rows`` (positions when not given) of the top-k."""
     q, v = _f32(queries), _f32(vectors)

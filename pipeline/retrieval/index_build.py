@@ -24,7 +24,9 @@ from pipeline.retrieval.index import IndexConfig
 
 @dataclass
 class IndexJobConfig:
-    embeddings: str = field(default="runs/encode", metadata={"help": "embedding shards + manifest (jobs/encode.py output)"})
+    embeddings: str = field(
+        default="runs/encode", metadata={"help": "embedding shards + manifest (jobs/encode.py output)"}
+    )
     output: str = field(default="runs/index", metadata={"help": "index shards + manifest (local or s3://)"})
     embedding_shards_per_index: int = field(default=1, metadata={"help": "embedding shards per index shard"})
     cpus_per_task: float = field(default=1.0, metadata={"help": "CPUs per index-building task"})
@@ -49,8 +51,7 @@ def _train_sample(folder: str, manifest: dict, n: int, seed: int) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros((0, manifest["dim"]), np.float32)
 
 
-def _build_one(folder: str, entries: list[dict], shard_index: int, output: str, cfg: IndexConfig,
-               train_ref) -> dict:
+def _build_one(folder: str, entries: list[dict], shard_index: int, output: str, cfg: IndexConfig, train_ref) -> dict:
 
     train = ray.get(train_ref) if isinstance(train_ref, ray.ObjectRef) else train_ref
     rows, vectors = [], []
@@ -58,8 +59,15 @@ def _build_one(folder: str, entries: list[dict], shard_index: int, output: str, 
         r, _, v = emb.read_shard(folder, entry)
         rows.append(r)
         vectors.append(v)
-    index = faiss_index.build_index_shard(np.concatenate(vectors), np.concatenate(rows), cfg.factory, cfg.metric,
-                                          train_vectors=train, nprobe=cfg.nprobe, use_gpu=cfg.use_gpu)
+    index = faiss_index.build_index_shard(
+        np.concatenate(vectors),
+        np.concatenate(rows),
+        cfg.factory,
+        cfg.metric,
+        train_vectors=train,
+        nprobe=cfg.nprobe,
+        use_gpu=cfg.use_gpu,
+    )
     path = faiss_index.index_shard_path(shard_index)
     faiss_index.save_index(index, storage.join(output, path))
     return {"index": shard_index, "path": path, "vectors": int(index.ntotal)}
@@ -83,12 +91,25 @@ def run_indexing(cfg: IndexJobConfig) -> dict:
     train = _train_sample(folder, manifest, cfg.index.train_sample, cfg.index.seed) if not probe.is_trained else None
     train_ref = ray.put(train) if train is not None else None
     on_gpu = cfg.index.use_gpu == "always"
-    build = ray.remote(_build_one).options(num_cpus=1 if on_gpu else cfg.cpus_per_task, num_gpus=1 if on_gpu else 0,
-                                           max_retries=3)
-    shards = ray.get([build.remote(folder, [manifest["shards"][i] for i in g], j, output, cfg.index, train_ref)
-                      for j, g in enumerate(groups)])
-    faiss_index.write_index_manifest(output, factory=cfg.index.factory, metric=cfg.index.metric, dim=dim,
-                                     shards=shards, embeddings=folder)
-    return {"job": "index", "output": output, "factory": cfg.index.factory, "shards": len(shards),
-            "vectors": sum(s["vectors"] for s in shards), "dim": dim,
-            "planned_bytes": [p["bytes"] for p in plan], "seconds": round(time.perf_counter() - started, 2)}
+    build = ray.remote(_build_one).options(
+        num_cpus=1 if on_gpu else cfg.cpus_per_task, num_gpus=1 if on_gpu else 0, max_retries=3
+    )
+    shards = ray.get(
+        [
+            build.remote(folder, [manifest["shards"][i] for i in g], j, output, cfg.index, train_ref)
+            for j, g in enumerate(groups)
+        ]
+    )
+    faiss_index.write_index_manifest(
+        output, factory=cfg.index.factory, metric=cfg.index.metric, dim=dim, shards=shards, embeddings=folder
+    )
+    return {
+        "job": "index",
+        "output": output,
+        "factory": cfg.index.factory,
+        "shards": len(shards),
+        "vectors": sum(s["vectors"] for s in shards),
+        "dim": dim,
+        "planned_bytes": [p["bytes"] for p in plan],
+        "seconds": round(time.perf_counter() - started, 2),
+    }

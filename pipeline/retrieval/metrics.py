@@ -10,8 +10,9 @@ import ir_measures
 DEFAULT_MEASURES = ("RR@10", "R@100", "nDCG@10")
 
 
-def evaluate(qrels: dict[str, dict[str, int]], run: dict[str, dict[str, float]],
-             measures: Iterable[str] = DEFAULT_MEASURES) -> dict[str, float]:
+def evaluate(
+    qrels: dict[str, dict[str, int]], run: dict[str, dict[str, float]], measures: Iterable[str] = DEFAULT_MEASURES
+) -> dict[str, float]:
     """Aggregate metrics over the judged queries (a query missing from the run scores 0)."""
 
     parsed = [ir_measures.parse_measure(m) for m in measures]

@@ -36,15 +36,32 @@ from pipeline.retrieval.search import ShardedIndex
 
 @dataclass
 class MineConfig:
-    index: str = field(default="runs/index", metadata={"help": "sharded index (jobs/index.py output) of the corpus, encoded with --encoder.model"})
+    index: str = field(
+        default="runs/index",
+        metadata={"help": "sharded index (jobs/index.py output) of the corpus, encoded with --encoder.model"},
+    )
     queries: str = field(default=SAMPLE_TRAIN_QUERIES, metadata={"help": "BEIR queries.jsonl to mine for"})
-    qrels: str = field(default=SAMPLE_TRAIN_QRELS, metadata={"help": "their judgments: positives (score > 0) are never negatives"})
-    output: str = field(default="runs/mine", metadata={"help": "folder for negatives.jsonl, train.tevatron.jsonl and run.trec"})
+    qrels: str = field(
+        default=SAMPLE_TRAIN_QRELS, metadata={"help": "their judgments: positives (score > 0) are never negatives"}
+    )
+    output: str = field(
+        default="runs/mine", metadata={"help": "folder for negatives.jsonl, train.tevatron.jsonl and run.trec"}
+    )
     depth: int = field(default=200, metadata={"help": "passages retrieved per query"})
     count: int = field(default=30, metadata={"help": "negatives kept per query"})
-    sample: Literal["random", "top"] = field(default="random", metadata={"help": "random = a seeded draw from the candidates (kept in rank order); top = the best-ranked"})
-    skip_top: int = field(default=0, metadata={"help": "ignore the best-ranked N candidates (likely unjudged positives)"})
-    answers: str = field(default="", metadata={"help": "jsonl {query_id, answers: [str]}: drop candidates whose text contains an answer (needs --corpus)"})
+    sample: Literal["random", "top"] = field(
+        default="random",
+        metadata={"help": "random = a seeded draw from the candidates (kept in rank order); top = the best-ranked"},
+    )
+    skip_top: int = field(
+        default=0, metadata={"help": "ignore the best-ranked N candidates (likely unjudged positives)"}
+    )
+    answers: str = field(
+        default="",
+        metadata={
+            "help": "jsonl {query_id, answers: [str]}: drop candidates whose text contains an answer (needs --corpus)"
+        },
+    )
     corpus: str = field(default="", metadata={"help": "BEIR corpus.jsonl, for the answer filter"})
     seed: int = field(default=0, metadata={"help": "seed of sample=random"})
     nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
@@ -57,16 +74,18 @@ class MineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-def select_negatives(query_id: str, ranked_ids: list[str], ranked_scores: list[float], excluded: set[str],
-                     cfg: MineConfig) -> tuple[list[str], list[float]]:
+def select_negatives(
+    query_id: str, ranked_ids: list[str], ranked_scores: list[float], excluded: set[str], cfg: MineConfig
+) -> tuple[list[str], list[float]]:
     """The query's negatives from its ranking: exclusions removed, then the top or a seeded draw."""
 
-    candidates = [(d, s) for d, s in zip(ranked_ids[cfg.skip_top:], ranked_scores[cfg.skip_top:])
-                  if d not in excluded]
+    candidates = [
+        (d, s) for d, s in zip(ranked_ids[cfg.skip_top :], ranked_scores[cfg.skip_top :]) if d not in excluded
+    ]
     if cfg.sample == "random" and len(candidates) > cfg.count:
         rng = np.random.default_rng([query_seed(cfg.seed, query_id) % 2**63])
         candidates = [candidates[i] for i in np.sort(rng.choice(len(candidates), cfg.count, replace=False))]
-    candidates = candidates[:cfg.count]
+    candidates = candidates[: cfg.count]
     return [d for d, _ in candidates], [float(s) for _, s in candidates]
 
 
@@ -79,12 +98,13 @@ def _answer_hits(cfg: MineConfig, queries: dict, ranked: dict[str, list[str]]) -
     for source, number, obj in json_lines(cfg.answers):
         qid = str(obj.get("query_id", ""))
         if not qid or not isinstance(obj.get("answers"), list):
-            raise ValueError(f"{source} line {number}: expected {{\"query_id\": ..., \"answers\": [...]}}")
+            raise ValueError(f'{source} line {number}: expected {{"query_id": ..., "answers": [...]}}')
         answers[qid] = [a.lower() for a in obj["answers"] if isinstance(a, str) and a.strip()]
     wanted = {d for qid in answers for d in ranked.get(qid, [])}
     texts = {d.doc_id: d.text.lower() for d in iter_documents(cfg.corpus) if d.doc_id in wanted}
-    return {qid: {d for d in ranked.get(qid, []) if any(a in texts.get(d, "") for a in ans)}
-            for qid, ans in answers.items()}
+    return {
+        qid: {d for d in ranked.get(qid, []) if any(a in texts.get(d, "") for a in ans)} for qid, ans in answers.items()
+    }
 
 
 def run_mining(cfg: MineConfig) -> dict:
@@ -106,8 +126,10 @@ def run_mining(cfg: MineConfig) -> dict:
 
     counts = {"negatives": 0, "positives_dropped": 0, "answer_dropped": 0, "short": 0, "examples": 0}
     run: dict[str, dict[str, float]] = {}
-    with storage.open_output(storage.join(output, "negatives.jsonl")) as neg_out, \
-            storage.open_output(storage.join(output, "train.tevatron.jsonl")) as tev_out:
+    with (
+        storage.open_output(storage.join(output, "negatives.jsonl")) as neg_out,
+        storage.open_output(storage.join(output, "train.tevatron.jsonl")) as tev_out,
+    ):
         for qid, row_scores in zip(qids, scores):
             ids = ranked[qid]
             run[qid] = dict(zip(ids, map(float, row_scores)))
@@ -115,22 +137,39 @@ def run_mining(cfg: MineConfig) -> dict:
             excluded = judged | answer_hits.get(qid, set())
             counts["positives_dropped"] += sum(d in judged for d in ids)
             counts["answer_dropped"] += sum(d in answer_hits.get(qid, ()) and d not in judged for d in ids)
-            negs, neg_scores = select_negatives(qid, ids, row_scores[:len(ids)].tolist(), excluded, cfg)
+            negs, neg_scores = select_negatives(qid, ids, row_scores[: len(ids)].tolist(), excluded, cfg)
             counts["negatives"] += len(negs)
             counts["short"] += len(negs) < cfg.count
             neg_out.write((json.dumps({"query_id": qid, "negatives": negs, "scores": neg_scores}) + "\n").encode())
             if judged:
                 counts["examples"] += 1
-                tev_out.write((json.dumps({
-                    "query_id": qid, "query": queries[qid],
-                    "positive_passages": [{"docid": d, "title": "", "text": ""} for d in sorted(judged)],
-                    "negative_passages": [{"docid": d, "title": "", "text": ""} for d in negs]}) + "\n").encode())
+                tev_out.write(
+                    (
+                        json.dumps(
+                            {
+                                "query_id": qid,
+                                "query": queries[qid],
+                                "positive_passages": [{"docid": d, "title": "", "text": ""} for d in sorted(judged)],
+                                "negative_passages": [{"docid": d, "title": "", "text": ""} for d in negs],
+                            }
+                        )
+                        + "\n"
+                    ).encode()
+                )
     write_trec_run(run, storage.join(output, "run.trec"), tag="mined")
-    return {"job": "mine", "output": output, "negatives": storage.join(output, "negatives.jsonl"),
-            "tevatron": storage.join(output, "train.tevatron.jsonl"), "run": storage.join(output, "run.trec"),
-            "queries": len(qids), "examples": counts["examples"],
-            "negatives_per_query": round(counts["negatives"] / max(len(qids), 1), 3),
-            "queries_short": counts["short"], "positives_dropped": counts["positives_dropped"],
-            "answer_dropped": counts["answer_dropped"], "depth": cfg.depth,
-            "search_seconds": round(search_s, 2), "seconds": round(time.perf_counter() - started, 2)}
-
+    return {
+        "job": "mine",
+        "output": output,
+        "negatives": storage.join(output, "negatives.jsonl"),
+        "tevatron": storage.join(output, "train.tevatron.jsonl"),
+        "run": storage.join(output, "run.trec"),
+        "queries": len(qids),
+        "examples": counts["examples"],
+        "negatives_per_query": round(counts["negatives"] / max(len(qids), 1), 3),
+        "queries_short": counts["short"],
+        "positives_dropped": counts["positives_dropped"],
+        "answer_dropped": counts["answer_dropped"],
+        "depth": cfg.depth,
+        "search_seconds": round(search_s, 2),
+        "seconds": round(time.perf_counter() - started, 2),
+    }

@@ -35,20 +35,55 @@ from pipeline.retrieval.metrics import JOB_MEASURES, evaluate, metrics_table
 
 @dataclass
 class RerankScoreConfig:
-    model: str = field(default="runs/rerank/export", metadata={"help": "re-ranker export (lengths from its reranker.json) or any local one-label HF sequence classifier (local or s3://; 'package:NAME' = an installed model package)"})
-    run: str = field(default="runs/evaluate/run.trec", metadata={"help": "TREC run of first-stage candidates (qid Q0 docid rank score tag)"})
-    queries: str = field(default=SAMPLE_DEV_QUERIES, metadata={"help": "BEIR queries.jsonl: every query of the run must be in it"})
-    corpus: str = field(default=SAMPLE_CORPUS, metadata={"help": "BEIR corpus.jsonl holding every candidate (local or s3://)"})
-    qrels: str = field(default=SAMPLE_DEV_QRELS, metadata={"help": "BEIR qrels TSV: evaluate both runs with ir_measures; empty = no evaluation"})
-    include_positives: bool = field(default=False, metadata={"help": "also score the judged positives the run missed, for the run's queries (for a distillation teacher); metrics still rank the first-stage candidates only"})
+    model: str = field(
+        default="runs/rerank/export",
+        metadata={
+            "help": "re-ranker export (lengths from its reranker.json) or any local one-label HF sequence classifier (local or s3://; 'package:NAME' = an installed model package)"
+        },
+    )
+    run: str = field(
+        default="runs/evaluate/run.trec",
+        metadata={"help": "TREC run of first-stage candidates (qid Q0 docid rank score tag)"},
+    )
+    queries: str = field(
+        default=SAMPLE_DEV_QUERIES, metadata={"help": "BEIR queries.jsonl: every query of the run must be in it"}
+    )
+    corpus: str = field(
+        default=SAMPLE_CORPUS, metadata={"help": "BEIR corpus.jsonl holding every candidate (local or s3://)"}
+    )
+    qrels: str = field(
+        default=SAMPLE_DEV_QRELS,
+        metadata={"help": "BEIR qrels TSV: evaluate both runs with ir_measures; empty = no evaluation"},
+    )
+    include_positives: bool = field(
+        default=False,
+        metadata={
+            "help": "also score the judged positives the run missed, for the run's queries (for a distillation teacher); metrics still rank the first-stage candidates only"
+        },
+    )
     depth: int = field(default=100, metadata={"help": "best-scored candidates of the run re-ranked per query"})
-    output: str = field(default="runs/rerank_score", metadata={"help": "folder for run.trec (the re-ranker's scores) and summary.json (local or s3://)"})
-    query_max_len: int = field(default=0, metadata={"help": "query tokens; 0 = the export's reranker.json (32 for a plain checkpoint)"})
-    passage_max_len: int = field(default=0, metadata={"help": "passage tokens; 0 = the export's reranker.json (160 for a plain checkpoint)"})
-    max_len: int = field(default=0, metadata={"help": "pair tokens; 0 = the export's reranker.json (192 for a plain checkpoint)"})
-    batch_size: int = field(default=64, metadata={"help": "pairs per forward (length-sorted, each batch padded to its longest)"})
-    queries_per_task: int = field(default=64, metadata={"help": "queries per actor task (the unit of retry after an actor died)"})
-    precision: Literal["auto", "fp32", "fp16", "bf16"] = field(default="auto", metadata={"help": "auto = fp16 autocast on GPU, fp32 on CPU"})
+    output: str = field(
+        default="runs/rerank_score",
+        metadata={"help": "folder for run.trec (the re-ranker's scores) and summary.json (local or s3://)"},
+    )
+    query_max_len: int = field(
+        default=0, metadata={"help": "query tokens; 0 = the export's reranker.json (32 for a plain checkpoint)"}
+    )
+    passage_max_len: int = field(
+        default=0, metadata={"help": "passage tokens; 0 = the export's reranker.json (160 for a plain checkpoint)"}
+    )
+    max_len: int = field(
+        default=0, metadata={"help": "pair tokens; 0 = the export's reranker.json (192 for a plain checkpoint)"}
+    )
+    batch_size: int = field(
+        default=64, metadata={"help": "pairs per forward (length-sorted, each batch padded to its longest)"}
+    )
+    queries_per_task: int = field(
+        default=64, metadata={"help": "queries per actor task (the unit of retry after an actor died)"}
+    )
+    precision: Literal["auto", "fp32", "fp16", "bf16"] = field(
+        default="auto", metadata={"help": "auto = fp16 autocast on GPU, fp32 on CPU"}
+    )
     pool: ActorConfig = field(default_factory=ActorConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
@@ -64,8 +99,10 @@ def _texts_of(corpus: str, needed: dict[str, str]) -> dict[str, str]:
     texts = {d.doc_id: d.text for d in iter_documents(corpus) if d.doc_id in needed}
     missing = [d for d in needed if d not in texts]
     if missing:
-        raise ValueError(f"{needed[missing[0]]}: document {missing[0]!r} is not in the corpus {corpus}"
-                         + (f" ({len(missing)} such documents)" if len(missing) > 1 else ""))
+        raise ValueError(
+            f"{needed[missing[0]]}: document {missing[0]!r} is not in the corpus {corpus}"
+            + (f" ({len(missing)} such documents)" if len(missing) > 1 else "")
+        )
     return texts
 
 
@@ -73,8 +110,14 @@ class PairScorer:
     """A re-ranker on one device, scoring (query, passage) texts in length-sorted batches.
     Pairs are cut exactly as in training (:class:`models.reranker.PairLengths`)."""
 
-    def __init__(self, model_dir: str, lengths: PairLengths | None = None, batch_size: int = 64,
-                 precision: str = "auto", device: str = "cpu"):
+    def __init__(
+        self,
+        model_dir: str,
+        lengths: PairLengths | None = None,
+        batch_size: int = 64,
+        precision: str = "auto",
+        device: str = "cpu",
+    ):
 
         self.model = load_reranker(model_dir).to(device)
         self.lengths = lengths or self.model.lengths
@@ -91,8 +134,9 @@ class PairScorer:
         tok = self.tokenizer
         tokens = tok(texts, add_special_tokens=False, truncation=True, max_length=max_len - 2)["input_ids"]
         width = max((len(t) for t in tokens), default=0) + 2
-        ids, lengths = frame([np.asarray(t, dtype=np.int32) for t in tokens], width, tok.cls_token_id,
-                             tok.sep_token_id, tok.pad_token_id)
+        ids, lengths = frame(
+            [np.asarray(t, dtype=np.int32) for t in tokens], width, tok.cls_token_id, tok.sep_token_id, tok.pad_token_id
+        )
         return torch.from_numpy(ids).long(), torch.from_numpy(lengths).long()
 
     def score(self, query_texts: list[str], candidates: list[list[str]], texts: dict[str, str]) -> list[np.ndarray]:
@@ -107,8 +151,11 @@ class PairScorer:
         pair_len = torch.clamp(q_len[pair_q] + d_len[pair_d] - 1, max=self.lengths.max_len)
         order = torch.argsort(pair_len, descending=True, stable=True)
         scores = torch.zeros(len(pair_q), dtype=torch.float32)
-        autocast = (torch.autocast(device_type=self.device.split(":")[0], dtype=self.autocast_dtype)
-                    if self.autocast_dtype is not None else contextlib.nullcontext())
+        autocast = (
+            torch.autocast(device_type=self.device.split(":")[0], dtype=self.autocast_dtype)
+            if self.autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
         sep, pad = self.tokenizer.sep_token_id, self.tokenizer.pad_token_id
         with torch.inference_mode(), autocast:
             for idx in order.split(self.batch_size):
@@ -122,8 +169,9 @@ class PairScorer:
 class RerankerActor:
     """A Ray actor holding one :class:`PairScorer`; scores blocks of queries."""
 
-    def __init__(self, model_uri: str, lengths: PairLengths, batch_size: int, precision: str, cpus: float,
-                 use_gpu: bool):
+    def __init__(
+        self, model_uri: str, lengths: PairLengths, batch_size: int, precision: str, cpus: float, use_gpu: bool
+    ):
         torch.set_num_threads(max(1, int(cpus)))
         model_dir = storage.process_local_dir(model_uri)
         self.scorer = PairScorer(model_dir, lengths, batch_size, precision, "cuda" if use_gpu else "cpu")
@@ -141,8 +189,9 @@ def _model_uri(model: str) -> str:
 
     uri = model if storage.is_s3(model) else resolve_init(model)
     if not storage.exists(storage.join(uri, "config.json")):
-        raise FileNotFoundError(f"--model {model}: no checkpoint there (config.json missing); "
-                                "jobs/rerank.py trains one")
+        raise FileNotFoundError(
+            f"--model {model}: no checkpoint there (config.json missing); jobs/rerank.py trains one"
+        )
     return uri
 
 
@@ -161,7 +210,6 @@ def _pair_lengths(cfg: RerankScoreConfig, model_uri: str) -> PairLengths:
 
 def run_scoring(cfg: RerankScoreConfig) -> dict:
     """Score the run's top-``depth`` candidates on Ray actors, write the re-ranked run, evaluate."""
-
 
     started = time.perf_counter()
     output = storage.resolve(cfg.output).uri
@@ -192,35 +240,54 @@ def run_scoring(cfg: RerankScoreConfig) -> dict:
     del needed
 
     qids = [q for q in queries if candidates.get(q)]
-    blocks = [qids[i:i + cfg.queries_per_task] for i in range(0, len(qids), cfg.queries_per_task)]
-    remote = ray.remote(RerankerActor).options(num_cpus=cfg.pool.cpus_per_actor,
-                                               num_gpus=1 if cfg.pool.use_gpu else 0, max_restarts=0)
+    blocks = [qids[i : i + cfg.queries_per_task] for i in range(0, len(qids), cfg.queries_per_task)]
+    remote = ray.remote(RerankerActor).options(
+        num_cpus=cfg.pool.cpus_per_actor, num_gpus=1 if cfg.pool.use_gpu else 0, max_restarts=0
+    )
 
     def make_actor():
-        return remote.remote(model_uri, lengths, cfg.batch_size, cfg.precision, cfg.pool.cpus_per_actor,
-                             cfg.pool.use_gpu)
+        return remote.remote(
+            model_uri, lengths, cfg.batch_size, cfg.precision, cfg.pool.cpus_per_actor, cfg.pool.use_gpu
+        )
 
     def call(actor, block: list[str]):
         # Built when the block is handed out, so the driver never holds every payload at once.
         cands = [candidates[q] for q in block]
-        payload = {"query_texts": [queries[q] for q in block], "candidates": cands,
-                   "texts": {d: texts[d] for docs in cands for d in docs}}
+        payload = {
+            "query_texts": [queries[q] for q in block],
+            "candidates": cands,
+            "texts": {d: texts[d] for docs in cands for d in docs},
+        }
         return actor.score.remote(payload)
 
     score_start = time.perf_counter()
     results = run_actor_pool(make_actor, blocks, call, cfg.pool.max_retries, cfg.pool.actors)
     score_s = time.perf_counter() - score_start
-    reranked = {q: dict(zip(candidates[q], map(float, s)))
-                for block, result in zip(blocks, results) for q, s in zip(block, result["scores"])}
+    reranked = {
+        q: dict(zip(candidates[q], map(float, s)))
+        for block, result in zip(blocks, results)
+        for q, s in zip(block, result["scores"])
+    }
     out_run = storage.join(output, "run.trec")
     write_trec_run(reranked, out_run, tag="rerank")
     pairs = sum(len(c) for c in candidates.values())
 
-    summary = {"job": "rerank_score", "output": output, "run": out_run, "input_run": run_uri, "model": model_uri,
-               "queries": len(qids), "queries_without_candidates": len(queries) - len(qids), "pairs": pairs,
-               "positives_added": added, "depth": cfg.depth, "lengths": asdict(lengths), "actors": cfg.pool.actors,
-               "pairs_per_s": round(pairs / max(score_s, 1e-9), 1),
-               "actor_seconds": round(sum(r["seconds"] for r in results), 2)}
+    summary = {
+        "job": "rerank_score",
+        "output": output,
+        "run": out_run,
+        "input_run": run_uri,
+        "model": model_uri,
+        "queries": len(qids),
+        "queries_without_candidates": len(queries) - len(qids),
+        "pairs": pairs,
+        "positives_added": added,
+        "depth": cfg.depth,
+        "lengths": asdict(lengths),
+        "actors": cfg.pool.actors,
+        "pairs_per_s": round(pairs / max(score_s, 1e-9), 1),
+        "actor_seconds": round(sum(r["seconds"] for r in results), 2),
+    }
     if qrels:
         # Both runs over the same first-stage candidates: added positives would inflate recall.
         fair = {q: {d: reranked[q][d] for d, _, _ in ranked} for q, ranked in first_stage.items()}

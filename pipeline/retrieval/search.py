@@ -38,8 +38,10 @@ class ShardSearcher:
     def stats(self) -> dict:
         """What this shard holds, and the peak memory of its process (for sizing)."""
 
-        return {"vectors": int(self.index.ntotal),
-                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        return {
+            "vectors": int(self.index.ntotal),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
 
 
 class ShardedIndex:
@@ -69,7 +71,7 @@ class ShardedIndex:
         faiss_index._check_k(k, self.total)
         scores, rows = [], []
         for start in range(0, len(queries), block):
-            part = np.ascontiguousarray(queries[start:start + block], dtype=np.float32)
+            part = np.ascontiguousarray(queries[start : start + block], dtype=np.float32)
             results = ray.get([a.search.remote(part, k) for a in self.actors])
             s, r = faiss_index.merge_topk(results, k, self.metric, self.total)
             scores.append(s)

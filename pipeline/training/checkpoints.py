@@ -37,8 +37,7 @@ class TrainState:
     counters: dict[str, int] = field(default_factory=dict)  # this rank's share of task.counters since the start
 
 
-def save_checkpoint(engine, state: TrainState, position: DataPosition, rank: int, run_dir: str,
-                     metrics: dict) -> None:
+def save_checkpoint(engine, state: TrainState, position: DataPosition, rank: int, run_dir: str, metrics: dict) -> None:
 
     name = f"checkpoint_{state.step:09d}"
     with tempfile.TemporaryDirectory(prefix="raydense-ckpt-") as tmp:
@@ -50,8 +49,7 @@ def save_checkpoint(engine, state: TrainState, position: DataPosition, rank: int
         if rank == 0:
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
                 json.dump(asdict(state), f)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                         checkpoint_dir_name=name)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name)
     if rank == 0:
         write_pointer(run_dir, name, state.step)
 

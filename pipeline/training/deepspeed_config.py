@@ -10,6 +10,7 @@ from pipeline.training.train_config import TrainConfig
 
 TEMPLATES = "zero_templates"  # package data: zero0.json .. zero3.json
 
+
 def effective_zero_stage(train: TrainConfig, world_size: int) -> int:
     """ZeRO partitions optimiser state across workers; with one worker there is nothing to
     partition, and its gradient hooks cost ~4% of a step (bench/bench_pretrain.py), so a

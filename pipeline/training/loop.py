@@ -52,12 +52,15 @@ class TrainTask(Protocol):
     def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]: ...
     def backward(self, engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Forward and ``engine.backward`` for one micro-batch; returns (loss to log, extras)."""
+
     def consumed_rows(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]: ...
     def count_tokens(self, batch: dict[str, np.ndarray]) -> int: ...
+
     counter_names: tuple[str, ...]  # what counters() may return
 
     def counters(self, batch: dict[str, np.ndarray]) -> dict[str, int]:
         """Event counts to total over all workers for the summary (e.g. skipped documents)."""
+
     def export(self, model: torch.nn.Module, out_dir: str) -> dict[str, str]: ...
 
 
@@ -120,11 +123,13 @@ def train_worker(config: dict) -> None:
     torch.manual_seed(train.seed)  # identical initialisation on every rank
 
     model = task.build_model()
-    optimizer = torch.optim.AdamW(param_groups(model, train.weight_decay), lr=train.lr, eps=train.adam_eps,
-                                  fused=train.use_gpu or None)
+    optimizer = torch.optim.AdamW(
+        param_groups(model, train.weight_decay), lr=train.lr, eps=train.adam_eps, fused=train.use_gpu or None
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(train.max_steps, train.warmup_ratio))
     engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config["deepspeed"])
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config["deepspeed"]
+    )
     device = engine.device
 
     state, position, restored_from = restore_checkpoint(engine, rank)
@@ -133,9 +138,13 @@ def train_worker(config: dict) -> None:
         # The stream left out what checkpoint `stream_from` consumed; the model resumed from
         # `restored_from`. Both come from Ray Train's checkpoint registry, so they agree; if
         # they ever differ, the rows repeated or skipped are counted here, not hidden.
-        event = {"checkpoint": restored_from, "step": state.step, "stream_from": stream_from,
-                 "rows_repeated": position.difference_count(stream_position),
-                 "rows_skipped": stream_position.difference_count(position)}
+        event = {
+            "checkpoint": restored_from,
+            "step": state.step,
+            "stream_from": stream_from,
+            "rows_repeated": position.difference_count(stream_position),
+            "rows_skipped": stream_position.difference_count(position),
+        }
         state.resumes.append(event)
         if rank == 0:
             log({"event": "resumed", **event})
@@ -147,8 +156,12 @@ def train_worker(config: dict) -> None:
     last_saved = state.step
     extra: dict[str, torch.Tensor] = {}
 
-    batches = shard.iter_batches(batch_size=train.micro_batch_size, batch_format="numpy",
-                                 prefetch_batches=train.prefetch_batches, drop_last=False)
+    batches = shard.iter_batches(
+        batch_size=train.micro_batch_size,
+        batch_format="numpy",
+        prefetch_batches=train.prefetch_batches,
+        drop_last=False,
+    )
     if config.get("replay_batches"):
         # Benchmark mode: hold the first N batches in memory and cycle them, so the same
         # loop can be timed without any ingest (bench/bench_pretrain.py).
@@ -178,11 +191,15 @@ def train_worker(config: dict) -> None:
         state.step += 1
         if state.step % train.log_every == 0 or state.step == train.max_steps:
             elapsed = time.perf_counter() - window_start
-            entry = {"step": state.step, "loss": float(torch.stack(window_loss).float().mean()),
-                     "lr": scheduler.get_last_lr()[0], "tokens_per_s": window_tokens / max(elapsed, 1e-9),
-                     "epoch": int(epochs.max()) if len(epochs) else 0,
-                     "elapsed_s": time.perf_counter() - started,
-                     **{k: float(v) for k, v in extra.items()}}
+            entry = {
+                "step": state.step,
+                "loss": float(torch.stack(window_loss).float().mean()),
+                "lr": scheduler.get_last_lr()[0],
+                "tokens_per_s": window_tokens / max(elapsed, 1e-9),
+                "epoch": int(epochs.max()) if len(epochs) else 0,
+                "elapsed_s": time.perf_counter() - started,
+                **{k: float(v) for k, v in extra.items()},
+            }
             state.history.append(entry)
             if rank == 0:
                 log(entry)
@@ -194,9 +211,11 @@ def train_worker(config: dict) -> None:
 
     elapsed = time.perf_counter() - started
     counter_names = sorted(getattr(task, "counter_names", ()))  # the same on every rank
-    totals = torch.tensor([(state.tokens - start_tokens) / max(elapsed, 1e-9)]
-                          + [float(state.counters.get(k, 0)) for k in counter_names],
-                          dtype=torch.float64, device=device)
+    totals = torch.tensor(
+        [(state.tokens - start_tokens) / max(elapsed, 1e-9)] + [float(state.counters.get(k, 0)) for k in counter_names],
+        dtype=torch.float64,
+        device=device,
+    )
     torch.distributed.all_reduce(totals)  # one collective, at the end only
     local_rate = totals[:1]
     counter_totals = {k: int(v) for k, v in zip(counter_names, totals[1:].tolist())}
@@ -206,10 +225,17 @@ def train_worker(config: dict) -> None:
     if rank == 0:
         storage.write_json(storage.join(train.output, "history.json"), state.history)
     final_loss = state.history[-1]["loss"] if state.history else float("nan")
-    summary = {"steps": state.step, "final_loss": final_loss, "tokens_per_s": float(local_rate.item()),
-               "tokens_per_s_per_worker": float(local_rate.item()) / world, "restarts": state.restarts,
-               "resumes": state.resumes, "steps_this_attempt": state.step - start_step,
-               "counters": counter_totals, **export}
+    summary = {
+        "steps": state.step,
+        "final_loss": final_loss,
+        "tokens_per_s": float(local_rate.item()),
+        "tokens_per_s_per_worker": float(local_rate.item()) / world,
+        "restarts": state.restarts,
+        "resumes": state.resumes,
+        "steps_this_attempt": state.step - start_step,
+        "counters": counter_totals,
+        **export,
+    }
     if state.step > last_saved:
         save_checkpoint(engine, state, position, rank, run_dir, summary)
     else:
@@ -225,8 +251,11 @@ def _export(task: TrainTask, engine, rank: int, destination: str) -> dict[str, s
 
     import deepspeed
 
-    gather = (deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
-              if engine.zero_optimization_stage() == 3 else contextlib.nullcontext())
+    gather = (
+        deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+        if engine.zero_optimization_stage() == 3
+        else contextlib.nullcontext()
+    )
     with gather:
         if rank != 0:
             return {}
@@ -236,8 +265,10 @@ def _export(task: TrainTask, engine, rank: int, destination: str) -> dict[str, s
         with tempfile.TemporaryDirectory(prefix="raydense-export-") as tmp:
             paths = task.export(module, tmp)
             storage.upload_dir(tmp, destination)
-            uploaded = {k: storage.join(destination, os.path.relpath(v, tmp)) if v.startswith(tmp) else v
-                        for k, v in paths.items()}
+            uploaded = {
+                k: storage.join(destination, os.path.relpath(v, tmp)) if v.startswith(tmp) else v
+                for k, v in paths.items()
+            }
     return uploaded | {"export_dir": destination}
 
 
@@ -254,6 +285,7 @@ def _flush_trace(trace: list, run_dir: str, rank: int, state: TrainState) -> lis
 
 # -- the driver side ---------------------------------------------------------------------
 
+
 @dataclass
 class FitResult:
     metrics: dict[str, Any]
@@ -261,10 +293,15 @@ class FitResult:
     run_dir: str
 
 
-def fit(train: TrainConfig, task: TrainTask, dataset_factory: Callable,
-        run_dir: str, name: str = "checkpoints", replay_batches: int = 0) -> FitResult:
+def fit(
+    train: TrainConfig,
+    task: TrainTask,
+    dataset_factory: Callable,
+    run_dir: str,
+    name: str = "checkpoints",
+    replay_batches: int = 0,
+) -> FitResult:
     """Run the loop on a Ray Train TorchTrainer. Re-running with the same output resumes."""
-
 
     # Epochs are concatenated into one stream; keep them in order.
     DataContext.get_current().execution_options.preserve_order = True
@@ -272,13 +309,19 @@ def fit(train: TrainConfig, task: TrainTask, dataset_factory: Callable,
     resources = {"CPU": train.cpus_per_worker}
     trainer = TorchTrainer(
         train_worker,
-        train_loop_config={"train": train, "task": task, "run_dir": run_dir,
-                           "deepspeed": deepspeed_config(train, train.num_workers),
-                           "replay_batches": replay_batches},
-        scaling_config=ray.train.ScalingConfig(num_workers=train.num_workers, use_gpu=train.use_gpu,
-                                               resources_per_worker=resources),
+        train_loop_config={
+            "train": train,
+            "task": task,
+            "run_dir": run_dir,
+            "deepspeed": deepspeed_config(train, train.num_workers),
+            "replay_batches": replay_batches,
+        },
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=train.num_workers, use_gpu=train.use_gpu, resources_per_worker=resources
+        ),
         run_config=ray.train.RunConfig(
-            name=name, storage_path=loc.path if storage.is_s3(train.output) else loc.uri,
+            name=name,
+            storage_path=loc.path if storage.is_s3(train.output) else loc.uri,
             storage_filesystem=loc.fs if storage.is_s3(train.output) else None,
             failure_config=ray.train.FailureConfig(max_failures=train.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=train.keep_checkpoints),

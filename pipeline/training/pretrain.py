@@ -37,21 +37,32 @@ from pipeline.data.tokenizer import load_tokenizer
 from pipeline.training.loop import consumed_source_rows, fit
 from pipeline.training.train_config import TrainConfig, epochs_needed
 
-METHODS: dict[str, type[PretrainingMethod]] = {"condenser": CondenserMethod, "cocondenser": CoCondenserMethod, "simlm": SimLMMethod,
-           "mlm": MLMMethod}
+METHODS: dict[str, type[PretrainingMethod]] = {
+    "condenser": CondenserMethod,
+    "cocondenser": CoCondenserMethod,
+    "simlm": SimLMMethod,
+    "mlm": MLMMethod,
+}
 HEAD_FILE = "condenser_head.safetensors"
 
 
 @dataclass
 class StreamConfig:
     max_len: int = field(default=128, metadata={"help": "tokens per sequence, [CLS] and [SEP] included"})
-    pack: bool = field(default=True, metadata={"help": "pack consecutive documents into full sequences; false = one truncated document per sequence"})
+    pack: bool = field(
+        default=True,
+        metadata={
+            "help": "pack consecutive documents into full sequences; false = one truncated document per sequence"
+        },
+    )
     shuffle_files: bool = field(default=True, metadata={"help": "shuffle the shard order each epoch (seeded)"})
 
 
 @dataclass
 class PretrainConfig:
-    method: Literal["condenser", "cocondenser", "simlm", "mlm"] = field(default="condenser", metadata={"help": "pre-training method"})
+    method: Literal["condenser", "cocondenser", "simlm", "mlm"] = field(
+        default="condenser", metadata={"help": "pre-training method"}
+    )
     corpus: PrepareConfig = field(default_factory=PrepareConfig)
     data: StreamConfig = field(default_factory=StreamConfig)
     model: BackboneConfig = field(default_factory=BackboneConfig)
@@ -60,9 +71,11 @@ class PretrainConfig:
     simlm: SimLMConfig = field(default_factory=SimLMConfig)
     mlm: MLMConfig = field(default_factory=MLMConfig)
     # The embedded default: a tiny model from scratch on the bundled corpus in ~2 minutes on CPU.
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        output="", micro_batch_size=16, max_steps=200, lr=5e-4,
-        checkpoint_every=100, cpus_per_worker=2))
+    train: TrainConfig = field(
+        default_factory=lambda: TrainConfig(
+            output="", micro_batch_size=16, max_steps=200, lr=5e-4, checkpoint_every=100, cpus_per_worker=2
+        )
+    )
     ray: RayConfig = field(default_factory=RayConfig)
 
 
@@ -119,7 +132,6 @@ def _pair_fraction(corpus: str, manifest: dict, spans: CoCondenserConfig) -> flo
     """The share of documents long enough for a span pair, from the first shard's lengths,
     so that enough epochs are streamed for max_steps when many documents are skipped."""
 
-
     first_shard = shard_uris(corpus, manifest)[0]
     table = storage.read_parquet(first_shard, columns=["input_ids"])
     lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
@@ -127,8 +139,10 @@ def _pair_fraction(corpus: str, manifest: dict, spans: CoCondenserConfig) -> flo
         return 1.0
     fraction = float((lengths >= 2 * spans.min_span_length).mean())
     if fraction == 0:
-        raise ValueError(f"no document of {first_shard} holds two spans of "
-                         f"{spans.min_span_length}+ tokens: lower --cocondenser.min_span_length")
+        raise ValueError(
+            f"no document of {first_shard} holds two spans of "
+            f"{spans.min_span_length}+ tokens: lower --cocondenser.min_span_length"
+        )
     return fraction
 
 
@@ -139,8 +153,10 @@ def _check_same_method(cfg: PretrainConfig) -> None:
     if storage.exists(previous):
         method = (yaml.safe_load(storage.read_bytes(previous)) or {}).get("method")
         if method and method != cfg.method:
-            raise ValueError(f"{cfg.train.output} holds a {method} run, and re-running into it resumes its "
-                             f"checkpoints: give --method {cfg.method} its own --train.output")
+            raise ValueError(
+                f"{cfg.train.output} holds a {method} run, and re-running into it resumes its "
+                f"checkpoints: give --method {cfg.method} its own --train.output"
+            )
 
 
 def _resolve_warm_start_head(cfg: PretrainConfig) -> None:
@@ -149,8 +165,10 @@ def _resolve_warm_start_head(cfg: PretrainConfig) -> None:
         beside = os.path.join(cfg.model.init, HEAD_FILE) if cfg.model.init else ""
         cfg.cocondenser.head = beside if beside and os.path.isfile(beside) else ""
         if not cfg.cocondenser.head:
-            sys.stderr.write("cocondenser: no Condenser head beside --model.init; the head starts from random "
-                             "(the paper warm-starts from a trained Condenser: pass its export as --model.init)\n")
+            sys.stderr.write(
+                "cocondenser: no Condenser head beside --model.init; the head starts from random "
+                "(the paper warm-starts from a trained Condenser: pass its export as --model.init)\n"
+            )
     elif cfg.cocondenser.head:
         cfg.cocondenser.head = os.path.abspath(cfg.cocondenser.head)
         if not os.path.isfile(cfg.cocondenser.head):
@@ -160,9 +178,11 @@ def _resolve_warm_start_head(cfg: PretrainConfig) -> None:
 def _check_simlm_paths(cfg: PretrainConfig) -> None:
     """Fail on the driver, in seconds, rather than on every worker after Ray starts them."""
     if not cfg.simlm.generator:
-        raise ValueError("--method simlm needs --simlm.generator: a local HF masked-LM checkpoint with the "
-                         "corpus's vocabulary. Train a small one with `python jobs/pretrain.py --method mlm` "
-                         "(e.g. --model.num_layers 2) and pass its export_dir")
+        raise ValueError(
+            "--method simlm needs --simlm.generator: a local HF masked-LM checkpoint with the "
+            "corpus's vocabulary. Train a small one with `python jobs/pretrain.py --method mlm` "
+            "(e.g. --model.num_layers 2) and pass its export_dir"
+        )
     for name in ("generator", "decoder"):
         path = getattr(cfg.simlm, name)
         if path:
@@ -204,27 +224,42 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
     if spans:
         per_epoch = max(1, int(per_epoch * _pair_fraction(cfg.corpus.output, manifest, spans)))
     spec = StreamSpec(
-        corpus=cfg.corpus.output, max_len=max_len, pack=pack,
+        corpus=cfg.corpus.output,
+        max_len=max_len,
+        pack=pack,
         epochs=epochs_needed(cfg.train, per_epoch),
-        seed=cfg.train.seed, shuffle_files=cfg.data.shuffle_files, cls_id=tokenizer.cls_token_id,
-        sep_id=tokenizer.sep_token_id, pad_id=tokenizer.pad_token_id, run_dir=run_dir, spans=spans)
+        seed=cfg.train.seed,
+        shuffle_files=cfg.data.shuffle_files,
+        cls_id=tokenizer.cls_token_id,
+        sep_id=tokenizer.sep_token_id,
+        pad_id=tokenizer.pad_token_id,
+        run_dir=run_dir,
+        spans=spans,
+    )
     task = PretrainTask(cfg.method, method_cfg, cfg.model, tokenizer_uri, manifest["vocab_size"])
     write_run_files(cfg, cfg.train.output)
 
     result = fit(cfg.train, task, TrainingStream(spec), run_dir, replay_batches=replay_batches)
     summary = {
-        "job": "pretrain", "method": cfg.method,
-        "export_dir": result.metrics.get("export_dir"), "head_path": result.metrics.get("head_path"),
-        "steps": result.metrics.get("steps"), "final_loss": result.metrics.get("final_loss"),
+        "job": "pretrain",
+        "method": cfg.method,
+        "export_dir": result.metrics.get("export_dir"),
+        "head_path": result.metrics.get("head_path"),
+        "steps": result.metrics.get("steps"),
+        "final_loss": result.metrics.get("final_loss"),
         "tokens_per_s": result.metrics.get("tokens_per_s"),
         "tokens_per_s_per_worker": result.metrics.get("tokens_per_s_per_worker"),
-        "restarts": result.metrics.get("restarts"), "resumes": result.metrics.get("resumes"),
-        "steps_this_attempt": result.metrics.get("steps_this_attempt"), "checkpoint": result.checkpoint,
-        "corpus_docs": manifest["num_docs"], "epochs_streamed": spec.epochs,
+        "restarts": result.metrics.get("restarts"),
+        "resumes": result.metrics.get("resumes"),
+        "steps_this_attempt": result.metrics.get("steps_this_attempt"),
+        "checkpoint": result.checkpoint,
+        "corpus_docs": manifest["num_docs"],
+        "epochs_streamed": spec.epochs,
         **(result.metrics.get("counters") or {}),
     }
     history = storage.read_json(storage.join(cfg.train.output, "history.json"))
-    summary["loss_curve"] = plot_loss_curve(history, storage.join(cfg.train.output, "loss_curve.png"),
-                                            title=f"{cfg.method} pre-training")
+    summary["loss_curve"] = plot_loss_curve(
+        history, storage.join(cfg.train.output, "loss_curve.png"), title=f"{cfg.method} pre-training"
+    )
     storage.write_json(storage.join(cfg.train.output, "summary.json"), summary)
     return summary

@@ -52,27 +52,43 @@ MINED_NEGATIVES = "runs/mine/negatives.jsonl"  # what jobs/mine.py writes by def
 
 @dataclass
 class RerankEvalConfig:
-    run: str = field(default="", metadata={"help": "TREC run of first-stage candidates for the eval queries, re-ranked after training; empty = no evaluation"})
+    run: str = field(
+        default="",
+        metadata={
+            "help": "TREC run of first-stage candidates for the eval queries, re-ranked after training; empty = no evaluation"
+        },
+    )
     queries: str = field(default=SAMPLE_DEV_QUERIES, metadata={"help": "BEIR queries.jsonl of that run"})
     qrels: str = field(default=SAMPLE_DEV_QRELS, metadata={"help": "BEIR qrels TSV of those queries"})
-    corpus: str = field(default="", metadata={"help": "BEIR corpus.jsonl of the candidates; empty = the training corpus"})
+    corpus: str = field(
+        default="", metadata={"help": "BEIR corpus.jsonl of the candidates; empty = the training corpus"}
+    )
     depth: int = field(default=100, metadata={"help": "candidates re-ranked per query"})
 
 
 @dataclass
 class RerankConfig:
     # Passages up to 160 tokens so that a 32-token query and its passage fill max_len 192.
-    data: FinetuneDataConfig = field(default_factory=lambda: FinetuneDataConfig(
-        negatives=MINED_NEGATIVES, passage_max_len=160))
+    data: FinetuneDataConfig = field(
+        default_factory=lambda: FinetuneDataConfig(negatives=MINED_NEGATIVES, passage_max_len=160)
+    )
     corpus: FinetuneCorpusConfig = field(default_factory=FinetuneCorpusConfig)
     model: EncoderInit = field(default_factory=EncoderInit)
     reranker: RerankerConfig = field(default_factory=RerankerConfig)
     eval: RerankEvalConfig = field(default_factory=RerankEvalConfig)
     pool: ActorConfig = field(default_factory=ActorConfig)
     # micro_batch_size counts queries: each brings group_size pairs.
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        output="runs/rerank", micro_batch_size=8, max_steps=0, epochs=1, lr=1e-4,
-        checkpoint_every=100, cpus_per_worker=2))
+    train: TrainConfig = field(
+        default_factory=lambda: TrainConfig(
+            output="runs/rerank",
+            micro_batch_size=8,
+            max_steps=0,
+            epochs=1,
+            lr=1e-4,
+            checkpoint_every=100,
+            cpus_per_worker=2,
+        )
+    )
     ray: RayConfig = field(default_factory=RayConfig)
 
     def lengths(self) -> PairLengths:
@@ -84,8 +100,9 @@ class RerankTask:
 
     counter_names: tuple[str, ...] = ()
 
-    def __init__(self, init: str, reranker: RerankerConfig, lengths: PairLengths, tokenizer_uri: str,
-                 sep_id: int, pad_id: int):
+    def __init__(
+        self, init: str, reranker: RerankerConfig, lengths: PairLengths, tokenizer_uri: str, sep_id: int, pad_id: int
+    ):
         self.init, self.reranker, self.lengths, self.tokenizer_uri = init, reranker, lengths, tokenizer_uri
         self.sep_id, self.pad_id = sep_id, pad_id
         self._tokenizer_dir: str | None = None
@@ -95,14 +112,21 @@ class RerankTask:
         return build_reranker(self.init, self.lengths)
 
     def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]:
-        q_ids = torch.from_numpy(np.ascontiguousarray(batch["q_input_ids"])).long()   # (b, Lq)
-        d_ids = torch.from_numpy(np.ascontiguousarray(batch["d_input_ids"])).long()   # (b, n, Ld)
+        q_ids = torch.from_numpy(np.ascontiguousarray(batch["q_input_ids"])).long()  # (b, Lq)
+        d_ids = torch.from_numpy(np.ascontiguousarray(batch["d_input_ids"])).long()  # (b, n, Ld)
         b, n = d_ids.shape[:2]
         q_len = torch.from_numpy(np.asarray(batch["q_length"])).long().reshape(-1)
         d_len = torch.from_numpy(np.asarray(batch["d_length"])).long().reshape(-1)
         # Row i * n + j is query i with its j-th passage: groups contiguous, positive first.
-        return pair_inputs(q_ids.repeat_interleave(n, 0), q_len.repeat_interleave(n), d_ids.reshape(b * n, -1),
-                           d_len, self.lengths.max_len, self.sep_id, self.pad_id)
+        return pair_inputs(
+            q_ids.repeat_interleave(n, 0),
+            q_len.repeat_interleave(n),
+            d_ids.reshape(b * n, -1),
+            d_len,
+            self.lengths.max_len,
+            self.sep_id,
+            self.pad_id,
+        )
 
     def backward(self, engine, batch):
         return listwise_backward(engine, batch, self.reranker.group_size)
@@ -127,10 +151,11 @@ class RerankTask:
 def _check_training_config(cfg: RerankConfig) -> None:
     """Fail before any corpus preparation on settings that cannot train."""
 
-
     cfg.lengths().check()
     if cfg.reranker.group_size < 2:
-        raise ValueError(f"--reranker.group_size must be >= 2 (a positive and a negative), got {cfg.reranker.group_size}")
+        raise ValueError(
+            f"--reranker.group_size must be >= 2 (a positive and a negative), got {cfg.reranker.group_size}"
+        )
     init = resolve_init(cfg.model.init) if cfg.model.init else ""
     if init and os.path.isdir(init):  # a missing init gets prepare_group_training's error and hint
         check_max_len(AutoConfig.from_pretrained(init), cfg.reranker.max_len, f"--model.init {init}")
@@ -142,11 +167,15 @@ def _check_training_config(cfg: RerankConfig) -> None:
     if cfg.data.tevatron or cfg.data.negatives == "bm25":
         return
     if not cfg.data.negatives:
-        raise ValueError("the re-ranker trains on hard negatives: --data.negatives FILE (the round-2 top-k "
-                         "that jobs/mine.py writes) or --data.negatives bm25")
+        raise ValueError(
+            "the re-ranker trains on hard negatives: --data.negatives FILE (the round-2 top-k "
+            "that jobs/mine.py writes) or --data.negatives bm25"
+        )
     if not storage.exists(cfg.data.negatives):
-        raise FileNotFoundError(f"--data.negatives {cfg.data.negatives}: no such file. It is what jobs/mine.py "
-                                "writes (negatives.jsonl); run that first, or use --data.negatives bm25")
+        raise FileNotFoundError(
+            f"--data.negatives {cfg.data.negatives}: no such file. It is what jobs/mine.py "
+            "writes (negatives.jsonl); run that first, or use --data.negatives bm25"
+        )
 
 
 def run_reranker_training(cfg: RerankConfig) -> dict:
@@ -160,22 +189,40 @@ def run_reranker_training(cfg: RerankConfig) -> dict:
     result = fit(cfg.train, task, prepared.stream, storage.join(cfg.train.output, "checkpoints"))
     metrics = result.metrics
     summary = {
-        "job": "rerank", "export_dir": metrics.get("export_dir"), "steps": metrics.get("steps"),
-        "final_loss": metrics.get("final_loss"), "tokens_per_s": metrics.get("tokens_per_s"),
-        "tokens_per_s_per_worker": metrics.get("tokens_per_s_per_worker"), "restarts": metrics.get("restarts"),
-        "resumes": metrics.get("resumes"), "steps_this_attempt": metrics.get("steps_this_attempt"),
-        "checkpoint": result.checkpoint, "examples": len(prepared.examples), "epochs": prepared.epochs,
-        "group_size": cfg.reranker.group_size, "corpus_docs": prepared.manifest["num_docs"],
-        "data_stats": prepared.stats.as_dict(), "bm25": prepared.bm25,
+        "job": "rerank",
+        "export_dir": metrics.get("export_dir"),
+        "steps": metrics.get("steps"),
+        "final_loss": metrics.get("final_loss"),
+        "tokens_per_s": metrics.get("tokens_per_s"),
+        "tokens_per_s_per_worker": metrics.get("tokens_per_s_per_worker"),
+        "restarts": metrics.get("restarts"),
+        "resumes": metrics.get("resumes"),
+        "steps_this_attempt": metrics.get("steps_this_attempt"),
+        "checkpoint": result.checkpoint,
+        "examples": len(prepared.examples),
+        "epochs": prepared.epochs,
+        "group_size": cfg.reranker.group_size,
+        "corpus_docs": prepared.manifest["num_docs"],
+        "data_stats": prepared.stats.as_dict(),
+        "bm25": prepared.bm25,
     }
     history = storage.read_json(storage.join(cfg.train.output, "history.json"))
-    summary["loss_curve"] = plot_loss_curve(history, storage.join(cfg.train.output, "loss_curve.png"),
-                                            title="re-ranker training")
+    summary["loss_curve"] = plot_loss_curve(
+        history, storage.join(cfg.train.output, "loss_curve.png"), title="re-ranker training"
+    )
     if cfg.eval.run and summary["export_dir"]:
-        summary["eval"] = run_scoring(RerankScoreConfig(
-            model=summary["export_dir"], run=cfg.eval.run, queries=cfg.eval.queries, qrels=cfg.eval.qrels,
-            corpus=cfg.eval.corpus or cfg.corpus.input, depth=cfg.eval.depth,
-            output=storage.join(cfg.train.output, "eval"), pool=cfg.pool))
+        summary["eval"] = run_scoring(
+            RerankScoreConfig(
+                model=summary["export_dir"],
+                run=cfg.eval.run,
+                queries=cfg.eval.queries,
+                qrels=cfg.eval.qrels,
+                corpus=cfg.eval.corpus or cfg.corpus.input,
+                depth=cfg.eval.depth,
+                output=storage.join(cfg.train.output, "eval"),
+                pool=cfg.pool,
+            )
+        )
     storage.write_json(storage.join(cfg.train.output, "summary.json"), summary)
     return summary
 

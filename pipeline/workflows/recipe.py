@@ -70,8 +70,19 @@ from pipeline.training.rerank import (
 from pipeline.training.train_config import TrainConfig
 from pipeline.workflows.manifest import RunManifest
 
-STAGES = ("pretrain", "bm25", "zeroshot", "round1", "mine1", "round2", "mine2", "reranker", "rerank", "teacher",
-          "distill")
+STAGES = (
+    "pretrain",
+    "bm25",
+    "zeroshot",
+    "round1",
+    "mine1",
+    "round2",
+    "mine2",
+    "reranker",
+    "rerank",
+    "teacher",
+    "distill",
+)
 RERANK_STAGES = ("mine2", "reranker", "rerank", "teacher", "distill")
 MANIFEST = "pipeline.json"
 
@@ -90,12 +101,22 @@ class RecipeData:
 
 @dataclass
 class RecipeModel:
-    init: str = field(default="runs/pretrain-condenser/export", metadata={"help": "initial encoder (local HF checkpoint or package:NAME); with the pretrain stage, what it starts from is --pretrain.* and this is ignored"})
+    init: str = field(
+        default="runs/pretrain-condenser/export",
+        metadata={
+            "help": "initial encoder (local HF checkpoint or package:NAME); with the pretrain stage, what it starts from is --pretrain.* and this is ignored"
+        },
+    )
 
 
 @dataclass
 class PretrainStage:
-    enabled: bool = field(default=True, metadata={"help": "run the pre-training stage (its settings: --pretrain.job.*); false = start from --model.init"})
+    enabled: bool = field(
+        default=True,
+        metadata={
+            "help": "run the pre-training stage (its settings: --pretrain.job.*); false = start from --model.init"
+        },
+    )
     job: PretrainConfig = field(default_factory=PretrainConfig)
 
 
@@ -103,15 +124,20 @@ class PretrainStage:
 class RetrieverStage:
     retriever: BiEncoderConfig = field(default_factory=lambda: BiEncoderConfig(pooling="mean"))
     # The embedded recipe: 100 steps of 16 queries, enough to move the tiny model.
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        micro_batch_size=16, max_steps=100, lr=5e-4, checkpoint_every=50, cpus_per_worker=2))
+    train: TrainConfig = field(
+        default_factory=lambda: TrainConfig(
+            micro_batch_size=16, max_steps=100, lr=5e-4, checkpoint_every=50, cpus_per_worker=2
+        )
+    )
 
 
 @dataclass
 class MineStage:
     depth: int = field(default=200, metadata={"help": "candidates retrieved per training query"})
     count: int = field(default=30, metadata={"help": "negatives kept per query"})
-    skip_top: int = field(default=0, metadata={"help": "ignore the best-ranked N candidates (likely unjudged positives)"})
+    skip_top: int = field(
+        default=0, metadata={"help": "ignore the best-ranked N candidates (likely unjudged positives)"}
+    )
     bm25_depth: int = field(default=200, metadata={"help": "round 1: BM25 candidates per query"})
     bm25_count: int = field(default=30, metadata={"help": "round 1: BM25 negatives kept per query"})
 
@@ -119,38 +145,66 @@ class MineStage:
 @dataclass
 class EvalStage:
     k: int = field(default=1000, metadata={"help": "passages retrieved per dev query (capped at the corpus size)"})
-    index: str = field(default="Flat", metadata={"help": "FAISS factory of the evaluation / mining index (Flat = exact)"})
+    index: str = field(
+        default="Flat", metadata={"help": "FAISS factory of the evaluation / mining index (Flat = exact)"}
+    )
     nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
-    precision: Literal["auto", "fp32", "fp16", "bf16"] = field(default="auto", metadata={"help": "encoding precision: auto (fp16 on GPU, fp32 on CPU), fp32, fp16 or bf16 (bf16 autocast also speeds up CPUs with AMX)"})
+    precision: Literal["auto", "fp32", "fp16", "bf16"] = field(
+        default="auto",
+        metadata={
+            "help": "encoding precision: auto (fp16 on GPU, fp32 on CPU), fp32, fp16 or bf16 (bf16 autocast also speeds up CPUs with AMX)"
+        },
+    )
     pool: ActorConfig = field(default_factory=ActorConfig)
 
 
 @dataclass
 class RerankerStage:
     enabled: bool = field(default=True, metadata={"help": "run mine2, reranker, rerank, teacher and distill"})
-    init: str = field(default="", metadata={"help": "cross-encoder initial checkpoint; empty = the retrievers' initial encoder"})
+    init: str = field(
+        default="", metadata={"help": "cross-encoder initial checkpoint; empty = the retrievers' initial encoder"}
+    )
     group_size: int = field(default=8, metadata={"help": "passages per query: 1 positive + n-1 round-2 negatives"})
     max_len: int = field(default=192, metadata={"help": "query + passage tokens"})
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        micro_batch_size=8, max_steps=100, lr=1e-4, checkpoint_every=50, cpus_per_worker=2))
+    train: TrainConfig = field(
+        default_factory=lambda: TrainConfig(
+            micro_batch_size=8, max_steps=100, lr=1e-4, checkpoint_every=50, cpus_per_worker=2
+        )
+    )
     dev_depth: int = field(default=100, metadata={"help": "round-2 dev candidates re-ranked per query"})
-    teacher_depth: int = field(default=32, metadata={"help": "round-2 training candidates the teacher scores per query"})
-    teacher_queries: int = field(default=0, metadata={"help": "training queries the teacher scores (a seeded sample; distillation trains on these); 0 = all"})
+    teacher_depth: int = field(
+        default=32, metadata={"help": "round-2 training candidates the teacher scores per query"}
+    )
+    teacher_queries: int = field(
+        default=0,
+        metadata={
+            "help": "training queries the teacher scores (a seeded sample; distillation trains on these); 0 = all"
+        },
+    )
     pool: ActorConfig = field(default_factory=ActorConfig)
 
 
 @dataclass
 class DistillStage:
     loss: DistillationConfig = field(default_factory=DistillationConfig)
-    init: str = field(default="", metadata={"help": "student's initial checkpoint; empty = the pre-trained encoder (as rounds 1 and 2)"})
+    init: str = field(
+        default="",
+        metadata={"help": "student's initial checkpoint; empty = the pre-trained encoder (as rounds 1 and 2)"},
+    )
     retriever: BiEncoderConfig = field(default_factory=lambda: BiEncoderConfig(pooling="mean"))
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        micro_batch_size=16, max_steps=100, lr=5e-4, checkpoint_every=50, cpus_per_worker=2))
+    train: TrainConfig = field(
+        default_factory=lambda: TrainConfig(
+            micro_batch_size=16, max_steps=100, lr=5e-4, checkpoint_every=50, cpus_per_worker=2
+        )
+    )
 
 
 @dataclass
 class PipelineConfig:
-    output: str = field(default="runs/pipeline", metadata={"help": "run folder (local or s3://): every stage's outputs, pipeline.json, results.md"})
+    output: str = field(
+        default="runs/pipeline",
+        metadata={"help": "run folder (local or s3://): every stage's outputs, pipeline.json, results.md"},
+    )
     data: RecipeData = field(default_factory=RecipeData)
     model: RecipeModel = field(default_factory=RecipeModel)
     pretrain: PretrainStage = field(default_factory=PretrainStage)
@@ -161,7 +215,9 @@ class PipelineConfig:
     distill: DistillStage = field(default_factory=DistillStage)
     eval: EvalStage = field(default_factory=EvalStage)
     only: str = field(default="", metadata={"help": "run just this stage again (its inputs must be recorded)"})
-    start_from: str = field(default="", metadata={"help": "forget this stage and every later one, then run from it (CLI: --from)"})
+    start_from: str = field(
+        default="", metadata={"help": "forget this stage and every later one, then run from it (CLI: --from)"}
+    )
     stop_after: str = field(default="", metadata={"help": "stop once this stage is recorded"})
     ray: RayConfig = field(default_factory=RayConfig)
 
@@ -172,8 +228,11 @@ class PipelineConfig:
 def plan_stages(cfg: PipelineConfig, manifest: RunManifest) -> tuple[list[str], set[str]]:
     """The stages this invocation runs, in order, and those of them to redo from scratch
     (--only, --from) rather than resume; applies --from to the manifest."""
-    enabled = [s for s in STAGES if (s != "pretrain" or cfg.pretrain.enabled)
-               and (s not in RERANK_STAGES or cfg.reranker.enabled)]
+    enabled = [
+        s
+        for s in STAGES
+        if (s != "pretrain" or cfg.pretrain.enabled) and (s not in RERANK_STAGES or cfg.reranker.enabled)
+    ]
     for flag, name in (("--only", cfg.only), ("--from", cfg.start_from), ("--stop_after", cfg.stop_after)):
         if name and name not in enabled:
             raise ValueError(f"{flag} {name}: not a stage of this recipe (stages: {', '.join(enabled)})")
@@ -183,7 +242,7 @@ def plan_stages(cfg: PipelineConfig, manifest: RunManifest) -> tuple[list[str], 
         return [cfg.only], {cfg.only}
     redo: set[str] = set()
     if cfg.start_from:
-        redo = set(enabled[enabled.index(cfg.start_from):])
+        redo = set(enabled[enabled.index(cfg.start_from) :])
         manifest.forget(redo)
     todo = [s for s in enabled if not manifest.done(s)]
     if cfg.stop_after:
@@ -192,6 +251,7 @@ def plan_stages(cfg: PipelineConfig, manifest: RunManifest) -> tuple[list[str], 
 
 
 # -- stages ------------------------------------------------------------------------------
+
 
 @dataclass
 class StageContext:
@@ -216,15 +276,30 @@ class StageContext:
         return storage.join(self.cfg.output, "corpus", hashlib.sha1(init.encode()).hexdigest()[:10])
 
 
-def evaluate_dev(data: RecipeData, settings: EvalStage, model: str, folder: str, k: int, pooling: str = "",
-                 normalize: bool = False) -> dict:
+def evaluate_dev(
+    data: RecipeData, settings: EvalStage, model: str, folder: str, k: int, pooling: str = "", normalize: bool = False
+) -> dict:
     """Dev metrics of a retriever through the distributed path: encode on actors, index, search."""
 
-    return run_evaluation(EvaluateJobConfig(
-        model=model, corpus=data.corpus, queries=data.dev_queries, qrels=data.dev_qrels,
-        pooling=pooling, normalize=normalize, index=settings.index, k=k, output=folder,
-        actors=settings.pool.actors, max_len=data.passage_max_len, query_max_len=data.query_max_len,
-        nprobe=settings.nprobe, docs_per_shard=data.docs_per_shard, precision=settings.precision))
+    return run_evaluation(
+        EvaluateJobConfig(
+            model=model,
+            corpus=data.corpus,
+            queries=data.dev_queries,
+            qrels=data.dev_qrels,
+            pooling=pooling,
+            normalize=normalize,
+            index=settings.index,
+            k=k,
+            output=folder,
+            actors=settings.pool.actors,
+            max_len=data.passage_max_len,
+            query_max_len=data.query_max_len,
+            nprobe=settings.nprobe,
+            docs_per_shard=data.docs_per_shard,
+            precision=settings.precision,
+        )
+    )
 
 
 def _evaluate(ctx: StageContext, model: str, folder: str, pooling: str = "", normalize: bool = False) -> dict:
@@ -267,42 +342,81 @@ def stage_bm25(ctx: StageContext) -> dict:
 
 def stage_zeroshot(ctx: StageContext) -> dict:
     retriever = ctx.cfg.round1.retriever
-    summary = _evaluate(ctx, ctx.encoder_init(), ctx.folder("zeroshot"), pooling=retriever.pooling,
-                        normalize=retriever.similarity == "cos")
+    summary = _evaluate(
+        ctx,
+        ctx.encoder_init(),
+        ctx.folder("zeroshot"),
+        pooling=retriever.pooling,
+        normalize=retriever.similarity == "cos",
+    )
     return {"outputs": {"run": summary["run"]}, "metrics": summary["metrics"], "summary": summary}
 
 
-def finetune_config(data: RecipeData, settings: RetrieverStage, *, init: str, negatives: str, output: str,
-                    prepared_corpus: str, ray: RayConfig, queries: str = "", qrels: str = "",
-                    bm25_depth: int = 200, bm25_count: int = 30):
+def finetune_config(
+    data: RecipeData,
+    settings: RetrieverStage,
+    *,
+    init: str,
+    negatives: str,
+    output: str,
+    prepared_corpus: str,
+    ray: RayConfig,
+    queries: str = "",
+    qrels: str = "",
+    bm25_depth: int = 200,
+    bm25_count: int = 30,
+):
     """The fine-tuning job of one retriever stage (``queries`` / ``qrels``: a subset of the
     training queries instead of ``data``'s)."""
 
     train = copy.deepcopy(settings.train)
     train.output = output
     return FinetuneConfig(
-        data=FinetuneDataConfig(queries=queries or data.train_queries, qrels=qrels or data.train_qrels,
-                                negatives=negatives, bm25_depth=bm25_depth, bm25_count=bm25_count,
-                                query_max_len=data.query_max_len, passage_max_len=data.passage_max_len),
+        data=FinetuneDataConfig(
+            queries=queries or data.train_queries,
+            qrels=qrels or data.train_qrels,
+            negatives=negatives,
+            bm25_depth=bm25_depth,
+            bm25_count=bm25_count,
+            query_max_len=data.query_max_len,
+            passage_max_len=data.passage_max_len,
+        ),
         corpus=FinetuneCorpusConfig(input=data.corpus, output=prepared_corpus, docs_per_shard=data.docs_per_shard),
-        model=EncoderInit(init=init), retriever=copy.deepcopy(settings.retriever),
+        model=EncoderInit(init=init),
+        retriever=copy.deepcopy(settings.retriever),
         eval=EvalConfig(queries="", qrels=""),  # evaluated by the caller, through the distributed path
-        train=train, ray=ray)
+        train=train,
+        ray=ray,
+    )
 
 
 def _finetune_config(ctx: StageContext, stage: str, settings: RetrieverStage, init: str, negatives: str):
-    return finetune_config(ctx.cfg.data, settings, init=init, negatives=negatives, output=ctx.folder(stage),
-                           prepared_corpus=ctx.prepared_corpus(init), ray=ctx.cfg.ray,
-                           bm25_depth=ctx.cfg.mine.bm25_depth, bm25_count=ctx.cfg.mine.bm25_count)
+    return finetune_config(
+        ctx.cfg.data,
+        settings,
+        init=init,
+        negatives=negatives,
+        output=ctx.folder(stage),
+        prepared_corpus=ctx.prepared_corpus(init),
+        ray=ctx.cfg.ray,
+        bm25_depth=ctx.cfg.mine.bm25_depth,
+        bm25_count=ctx.cfg.mine.bm25_count,
+    )
 
 
 def _retriever_stage(ctx: StageContext, stage: str, settings: RetrieverStage, negatives: str) -> dict:
 
     summary = run_finetuning(_finetune_config(ctx, stage, settings, ctx.encoder_init(), negatives))
     evaluation = _evaluate(ctx, summary["export_dir"], storage.join(ctx.folder(stage), "eval"))
-    return {"outputs": {"export": summary["export_dir"], "run": evaluation["run"],
-                        "index": storage.join(ctx.folder(stage), "eval", "index")},
-            "metrics": evaluation["metrics"], "summary": {"train": summary, "eval": evaluation}}
+    return {
+        "outputs": {
+            "export": summary["export_dir"],
+            "run": evaluation["run"],
+            "index": storage.join(ctx.folder(stage), "eval", "index"),
+        },
+        "metrics": evaluation["metrics"],
+        "summary": {"train": summary, "eval": evaluation},
+    }
 
 
 def stage_round1(ctx: StageContext) -> dict:
@@ -312,14 +426,27 @@ def stage_round1(ctx: StageContext) -> dict:
 def _mine(ctx: StageContext, stage: str, retriever_stage: str) -> dict:
 
     cfg = ctx.cfg
-    summary = run_mining(MineConfig(
-        index=ctx.output(retriever_stage, "index"), queries=cfg.data.train_queries, qrels=cfg.data.train_qrels,
-        output=ctx.folder(stage), depth=cfg.mine.depth, count=cfg.mine.count, skip_top=cfg.mine.skip_top,
-        nprobe=cfg.eval.nprobe,
-        encoder=EncoderSettings(model=ctx.output(retriever_stage, "export"), max_len=cfg.data.passage_max_len,
-                                query_max_len=cfg.data.query_max_len)))
-    return {"outputs": {"negatives": summary["negatives"], "run": summary["run"], "tevatron": summary["tevatron"]},
-            "summary": summary}
+    summary = run_mining(
+        MineConfig(
+            index=ctx.output(retriever_stage, "index"),
+            queries=cfg.data.train_queries,
+            qrels=cfg.data.train_qrels,
+            output=ctx.folder(stage),
+            depth=cfg.mine.depth,
+            count=cfg.mine.count,
+            skip_top=cfg.mine.skip_top,
+            nprobe=cfg.eval.nprobe,
+            encoder=EncoderSettings(
+                model=ctx.output(retriever_stage, "export"),
+                max_len=cfg.data.passage_max_len,
+                query_max_len=cfg.data.query_max_len,
+            ),
+        )
+    )
+    return {
+        "outputs": {"negatives": summary["negatives"], "run": summary["run"], "tevatron": summary["tevatron"]},
+        "summary": summary,
+    }
 
 
 def stage_mine1(ctx: StageContext) -> dict:
@@ -341,23 +468,46 @@ def stage_reranker(ctx: StageContext) -> dict:
     train = copy.deepcopy(stage.train)
     train.output = ctx.folder("reranker")
     query_len = cfg.data.query_max_len
-    summary = run_reranker_training(RerankConfig(
-        data=FinetuneDataConfig(queries=cfg.data.train_queries, qrels=cfg.data.train_qrels,
-                                negatives=ctx.output("mine2", "negatives"), query_max_len=query_len,
-                                passage_max_len=min(cfg.data.passage_max_len, stage.max_len - query_len)),
-        corpus=FinetuneCorpusConfig(input=cfg.data.corpus, output=ctx.prepared_corpus(init),
-                                    docs_per_shard=cfg.data.docs_per_shard),
-        model=EncoderInit(init=init), reranker=RerankerConfig(group_size=stage.group_size, max_len=stage.max_len),
-        eval=RerankEvalConfig(run=""), pool=stage.pool, train=train, ray=cfg.ray))
+    summary = run_reranker_training(
+        RerankConfig(
+            data=FinetuneDataConfig(
+                queries=cfg.data.train_queries,
+                qrels=cfg.data.train_qrels,
+                negatives=ctx.output("mine2", "negatives"),
+                query_max_len=query_len,
+                passage_max_len=min(cfg.data.passage_max_len, stage.max_len - query_len),
+            ),
+            corpus=FinetuneCorpusConfig(
+                input=cfg.data.corpus, output=ctx.prepared_corpus(init), docs_per_shard=cfg.data.docs_per_shard
+            ),
+            model=EncoderInit(init=init),
+            reranker=RerankerConfig(group_size=stage.group_size, max_len=stage.max_len),
+            eval=RerankEvalConfig(run=""),
+            pool=stage.pool,
+            train=train,
+            ray=cfg.ray,
+        )
+    )
     return {"outputs": {"export": summary["export_dir"]}, "summary": summary}
 
 
-def _score(ctx: StageContext, stage: str, run: str, queries: str, qrels: str, depth: int,
-           include_positives: bool) -> dict:
+def _score(
+    ctx: StageContext, stage: str, run: str, queries: str, qrels: str, depth: int, include_positives: bool
+) -> dict:
 
-    return run_scoring(RerankScoreConfig(
-        model=ctx.output("reranker", "export"), run=run, queries=queries, corpus=ctx.cfg.data.corpus, qrels=qrels,
-        include_positives=include_positives, depth=depth, output=ctx.folder(stage), pool=ctx.cfg.reranker.pool))
+    return run_scoring(
+        RerankScoreConfig(
+            model=ctx.output("reranker", "export"),
+            run=run,
+            queries=queries,
+            corpus=ctx.cfg.data.corpus,
+            qrels=qrels,
+            include_positives=include_positives,
+            depth=depth,
+            output=ctx.folder(stage),
+            pool=ctx.cfg.reranker.pool,
+        )
+    )
 
 
 def stage_rerank(ctx: StageContext) -> dict:
@@ -367,8 +517,15 @@ def stage_rerank(ctx: StageContext) -> dict:
 
     cfg = ctx.cfg
     first_stage_uri = ctx.output("round2", "run")
-    summary = _score(ctx, "rerank", first_stage_uri, cfg.data.dev_queries, cfg.data.dev_qrels,
-                     cfg.reranker.dev_depth, include_positives=False)
+    summary = _score(
+        ctx,
+        "rerank",
+        first_stage_uri,
+        cfg.data.dev_queries,
+        cfg.data.dev_qrels,
+        cfg.reranker.dev_depth,
+        include_positives=False,
+    )
     reranked = read_trec_run(summary["run"])
     merged: dict[str, dict[str, float]] = {}
     for qid, ranked in read_trec_run(first_stage_uri).items():
@@ -379,8 +536,11 @@ def stage_rerank(ctx: StageContext) -> dict:
     merged_uri = storage.join(ctx.folder("rerank"), "merged.run.trec")
     write_trec_run(merged, merged_uri, tag="rerank")
     values = evaluate(read_qrels(cfg.data.dev_qrels, query_ids=set(merged)), merged, JOB_MEASURES.values())
-    return {"outputs": {"run": merged_uri, "reranked_top": summary["run"]},
-            "metrics": {name: values[m] for name, m in JOB_MEASURES.items()}, "summary": summary}
+    return {
+        "outputs": {"run": merged_uri, "reranked_top": summary["run"]},
+        "metrics": {name: values[m] for name, m in JOB_MEASURES.items()},
+        "summary": summary,
+    }
 
 
 def _sample_run(run_uri: str, n_queries: int, seed: int, out_uri: str) -> str:
@@ -391,17 +551,29 @@ def _sample_run(run_uri: str, n_queries: int, seed: int, out_uri: str) -> str:
     lines = storage.read_bytes(run_uri).decode("utf-8").splitlines()
     qids = sorted({line.split()[0] for line in lines if line.strip()})
     keep = set(np.random.default_rng(seed).permutation(qids)[:n_queries].tolist())
-    storage.write_bytes(out_uri, "".join(line + "\n" for line in lines
-                                         if line.strip() and line.split()[0] in keep).encode("utf-8"))
+    storage.write_bytes(
+        out_uri, "".join(line + "\n" for line in lines if line.strip() and line.split()[0] in keep).encode("utf-8")
+    )
     return out_uri
 
 
 def stage_teacher(ctx: StageContext) -> dict:
     cfg = ctx.cfg
-    candidates = _sample_run(ctx.output("mine2", "run"), cfg.reranker.teacher_queries, cfg.distill.train.seed,
-                             storage.join(ctx.folder("teacher"), "candidates.trec"))
-    summary = _score(ctx, "teacher", candidates, cfg.data.train_queries, cfg.data.train_qrels,
-                     cfg.reranker.teacher_depth, include_positives=True)
+    candidates = _sample_run(
+        ctx.output("mine2", "run"),
+        cfg.reranker.teacher_queries,
+        cfg.distill.train.seed,
+        storage.join(ctx.folder("teacher"), "candidates.trec"),
+    )
+    summary = _score(
+        ctx,
+        "teacher",
+        candidates,
+        cfg.data.train_queries,
+        cfg.data.train_qrels,
+        cfg.reranker.teacher_depth,
+        include_positives=True,
+    )
     return {"outputs": {"scores": summary["run"]}, "summary": summary}
 
 
@@ -411,28 +583,51 @@ def stage_distill(ctx: StageContext) -> dict:
     init = stage.init or ctx.encoder_init()
     train = copy.deepcopy(stage.train)
     train.output = ctx.folder("distill")
-    summary = run_distillation(DistillConfig(
-        data=DistillDataConfig(queries=cfg.data.train_queries, qrels=cfg.data.train_qrels,
-                               query_max_len=cfg.data.query_max_len, passage_max_len=cfg.data.passage_max_len,
-                               teacher_scores=ctx.output("teacher", "scores"), teacher_depth=0),
-        corpus=FinetuneCorpusConfig(input=cfg.data.corpus, output=ctx.prepared_corpus(init),
-                                    docs_per_shard=cfg.data.docs_per_shard),
-        model=EncoderInit(init=init), retriever=copy.deepcopy(stage.retriever), distill=copy.deepcopy(stage.loss),
-        eval=EvalConfig(queries="", qrels=""), train=train, ray=cfg.ray))
+    summary = run_distillation(
+        DistillConfig(
+            data=DistillDataConfig(
+                queries=cfg.data.train_queries,
+                qrels=cfg.data.train_qrels,
+                query_max_len=cfg.data.query_max_len,
+                passage_max_len=cfg.data.passage_max_len,
+                teacher_scores=ctx.output("teacher", "scores"),
+                teacher_depth=0,
+            ),
+            corpus=FinetuneCorpusConfig(
+                input=cfg.data.corpus, output=ctx.prepared_corpus(init), docs_per_shard=cfg.data.docs_per_shard
+            ),
+            model=EncoderInit(init=init),
+            retriever=copy.deepcopy(stage.retriever),
+            distill=copy.deepcopy(stage.loss),
+            eval=EvalConfig(queries="", qrels=""),
+            train=train,
+            ray=cfg.ray,
+        )
+    )
     evaluation = _evaluate(ctx, summary["export_dir"], storage.join(ctx.folder("distill"), "eval"))
-    return {"outputs": {"export": summary["export_dir"], "run": evaluation["run"]},
-            "metrics": evaluation["metrics"], "summary": {"train": summary, "eval": evaluation}}
+    return {
+        "outputs": {"export": summary["export_dir"], "run": evaluation["run"]},
+        "metrics": evaluation["metrics"],
+        "summary": {"train": summary, "eval": evaluation},
+    }
 
 
 STAGE_FUNCTIONS: dict[str, Callable[[StageContext], dict]] = {
-    "pretrain": stage_pretrain, "bm25": stage_bm25, "zeroshot": stage_zeroshot, "round1": stage_round1,
-    "mine1": stage_mine1, "round2": stage_round2, "mine2": stage_mine2, "reranker": stage_reranker,
-    "rerank": stage_rerank, "teacher": stage_teacher, "distill": stage_distill,
+    "pretrain": stage_pretrain,
+    "bm25": stage_bm25,
+    "zeroshot": stage_zeroshot,
+    "round1": stage_round1,
+    "mine1": stage_mine1,
+    "round2": stage_round2,
+    "mine2": stage_mine2,
+    "reranker": stage_reranker,
+    "rerank": stage_rerank,
+    "teacher": stage_teacher,
+    "distill": stage_distill,
 }
 
 
-def run_pipeline(cfg: PipelineConfig, stage_functions: dict[str, Callable[[StageContext], dict]] | None = None
-                 ) -> dict:
+def run_pipeline(cfg: PipelineConfig, stage_functions: dict[str, Callable[[StageContext], dict]] | None = None) -> dict:
     """Run the stages this invocation needs; returns the summary of the whole run."""
     functions = {**STAGE_FUNCTIONS, **(stage_functions or {})}
     cfg.output = storage.resolve(cfg.output).uri
@@ -448,29 +643,45 @@ def run_pipeline(cfg: PipelineConfig, stage_functions: dict[str, Callable[[Stage
         started = time.time()
         print(f"[pipeline] stage {stage}: running", flush=True)
         record = functions[stage](ctx)
-        record = {"status": "done", "seconds": round(time.time() - started, 1),
-                  "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "outputs": record.get("outputs", {}),
-                  "metrics": record.get("metrics", {}), "summary": record.get("summary", {})}
+        record = {
+            "status": "done",
+            "seconds": round(time.time() - started, 1),
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "outputs": record.get("outputs", {}),
+            "metrics": record.get("metrics", {}),
+            "summary": record.get("summary", {}),
+        }
         manifest.save(stage, record)
         ran.append(stage)
         print(f"[pipeline] stage {stage}: done in {record['seconds']} s", flush=True)
     results = write_results(cfg.output, manifest)
-    return {"job": "pipeline", "output": cfg.output, "ran": ran,
-            "skipped": [s for s in STAGES if manifest.done(s) and s not in ran], "results": results,
-            "stages": {s: {k: r[k] for k in ("seconds", "metrics", "outputs")}
-                       for s, r in manifest.data["stages"].items()}}
+    return {
+        "job": "pipeline",
+        "output": cfg.output,
+        "ran": ran,
+        "skipped": [s for s in STAGES if manifest.done(s) and s not in ran],
+        "results": results,
+        "stages": {s: {k: r[k] for k in ("seconds", "metrics", "outputs")} for s, r in manifest.data["stages"].items()},
+    }
 
 
-RESULT_ROWS = (("bm25", "BM25"), ("zeroshot", "zero-shot"), ("round1", "round 1 (BM25 negatives)"),
-               ("round2", "round 2 (mined negatives)"), ("rerank", "re-ranker (round-2 top-k)"),
-               ("distill", "distillation"))
+RESULT_ROWS = (
+    ("bm25", "BM25"),
+    ("zeroshot", "zero-shot"),
+    ("round1", "round 1 (BM25 negatives)"),
+    ("round2", "round 2 (mined negatives)"),
+    ("rerank", "re-ranker (round-2 top-k)"),
+    ("distill", "distillation"),
+)
 RESULT_METRICS = ("MRR@10", "R@10", "R@100", "R@1000", "nDCG@10")
 
 
 def write_results(output: str, manifest: RunManifest) -> str:
     """``results.md``: a row per evaluated stage, and every stage's wall time."""
-    lines = ["| stage | " + " | ".join(RESULT_METRICS) + " | wall time (s) |",
-             "|---|" + "---:|" * (len(RESULT_METRICS) + 1)]
+    lines = [
+        "| stage | " + " | ".join(RESULT_METRICS) + " | wall time (s) |",
+        "|---|" + "---:|" * (len(RESULT_METRICS) + 1),
+    ]
     stages = manifest.data["stages"]
     for stage, label in RESULT_ROWS:
         if stage in stages and stages[stage].get("metrics"):
@@ -489,5 +700,6 @@ def write_results(output: str, manifest: RunManifest) -> str:
 
 def cli_args(argv: list[str]) -> list[str]:
     """``--from STAGE`` is the issue's spelling; ``from`` cannot be a dataclass field."""
-    return ["--start_from" if a == "--from" else "--start_from=" + a[7:] if a.startswith("--from=") else a
-            for a in argv]
+    return [
+        "--start_from" if a == "--from" else "--start_from=" + a[7:] if a.startswith("--from=") else a for a in argv
+    ]
