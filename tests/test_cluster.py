@@ -11,8 +11,10 @@ from __future__ import annotations
 import copy
 import glob
 import json
+import os
 import pickle
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -478,3 +480,41 @@ def test_s3_settings_come_from_the_environment_and_keys_never_travel(monkeypatch
         assert value.encode() not in blob
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3")
     assert b"127.0.0.1:9" in pickle.dumps(storage.resolve("s3://bucket/prefix").fs)
+
+
+def test_deepspeed_templates_load_from_a_non_editable_install(tmp_path):
+    """The templates are package data: an install into site-packages (not this checkout)
+    finds them through importlib.resources."""
+    target = tmp_path / "site"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=tmp_path,
+    )
+    probe = (
+        "import json, pipeline.training.deepspeed_config as d; "
+        "from pipeline.training.train_config import TrainConfig; "
+        "print(d.__file__); print(json.dumps(d.deepspeed_config(TrainConfig(zero_stage=2), 2)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(target)},
+    ).stdout.splitlines()
+    assert out[0].startswith(str(target))
+    assert json.loads(out[1])["zero_optimization"]["stage"] == 2
