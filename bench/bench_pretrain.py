@@ -130,7 +130,7 @@ def start_s3() -> tuple[object, str]:
 
 def pretrain_config(corpus_uri: str, output: str, steps: int):
     from models.backbone import BackboneConfig
-    from pipeline.data.shards import PrepareConfig
+    from pipeline.data.prepare import PrepareConfig
     from pipeline.training.pretrain import PretrainConfig, StreamConfig
     from pipeline.training.train_config import TrainConfig
 
@@ -462,7 +462,7 @@ def main(argv=None) -> dict:
         say(f"moto S3 server at {endpoint}; temp folder {tmp}")
         from pipeline.core import storage
         from pipeline.core.runtime import RayConfig, init_ray
-        from pipeline.data.shards import PrepareConfig, prepare_corpus
+        from pipeline.data.prepare import PrepareConfig, prepare_corpus
 
         if ray.is_initialized():
             raise RuntimeError("Ray is already initialised in this process: the S3 variables would not reach it")

@@ -5,7 +5,7 @@ Ray Data to tokenize shards in parallel. Prints a JSON summary as its last line.
 """
 
 from pipeline.core.entry import run_job
-from pipeline.data.shards import PrepareJobConfig, run_preparation
+from pipeline.data.prepare import PrepareJobConfig, run_preparation
 
 
 def main(argv=None) -> dict:

@@ -13,7 +13,7 @@ from models.backbone import BackboneConfig, build_mlm, load_module_state
 from models.cocondenser import CoCondenserConfig
 from models.condenser import Condenser
 from pipeline.core import storage
-from pipeline.data.shards import PrepareConfig, prepare_corpus
+from pipeline.data.prepare import PrepareConfig, prepare_corpus
 from pipeline.data.tokenizer import load_tokenizer
 from pipeline.training.pretrain import PretrainConfig, run_pretraining
 from pipeline.training.train_config import TrainConfig

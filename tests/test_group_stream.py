@@ -15,7 +15,7 @@ from pipeline.data.group_stream import (
     frame_truncated,
     plan_epoch,
 )
-from pipeline.data.shards import PrepareConfig, prepare_corpus
+from pipeline.data.prepare import PrepareConfig, prepare_corpus
 
 pytestmark = pytest.mark.ray
 

@@ -14,7 +14,7 @@ from conftest import synthetic_docs, write_jsonl
 from models.backbone import BackboneConfig
 from pipeline.core import storage
 from pipeline.data.position import DataPosition, restorable_checkpoint
-from pipeline.data.shards import PrepareConfig
+from pipeline.data.prepare import PrepareConfig
 from pipeline.training.pretrain import PretrainConfig, StreamConfig, run_pretraining
 from pipeline.training.train_config import TrainConfig
 

@@ -10,12 +10,8 @@ from conftest import synthetic_docs, write_jsonl
 
 from pipeline.core import storage
 from pipeline.core.errors import ArtifactError, InputError, StorageError
-from pipeline.data.shards import (
-    PrepareConfig,
-    check_shards,
-    load_manifest,
-    prepare_corpus,
-)
+from pipeline.data.prepare import PrepareConfig, prepare_corpus
+from pipeline.data.shards import check_shards, load_manifest
 from pipeline.data.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.ray

@@ -137,7 +137,8 @@ def test_read_position_merges_the_ranks_of_the_checkpoint_ray_will_restore(tmp_p
 def test_stream_leaves_out_consumed_rows_of_the_resumed_epoch_only(tmp_path, ray_session):
     from conftest import synthetic_docs, write_jsonl
 
-    from pipeline.data.shards import PrepareConfig, load_manifest, prepare_corpus
+    from pipeline.data.prepare import PrepareConfig, prepare_corpus
+    from pipeline.data.shards import load_manifest
 
     corpus = str(tmp_path / "corpus")
     prepare_corpus(
@@ -244,7 +245,8 @@ def test_spans_are_redrawn_each_epoch_and_independent_of_batching():
 
 
 def test_spans_of_short_documents_are_capped_at_half_the_document():
-    from models.cocondenser import CoCondenserConfig, draw_span_pairs
+    from models.cocondenser import CoCondenserConfig
+    from models.span_pairs import draw_span_pairs
 
     cfg = CoCondenserConfig(span_length=80, min_span_length=8, short_span_prob=0.0)
     lengths = np.array([15, 16, 17, 100, 160, 400])

@@ -26,14 +26,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import ray
-from ray.data import DataContext
 
 from pipeline.core import storage
 from pipeline.data.examples import TrainExample
 from pipeline.data.groups import select_group_with_sources
 from pipeline.data.position import read_position
 from pipeline.data.shards import check_shards, load_manifest
-from pipeline.data.stream import frame
+from pipeline.data.stream import configure_data_context, frame
 
 
 @dataclass(frozen=True)
@@ -265,10 +264,7 @@ class GroupStream:
         self.epochs, self.num_rows, self.run_dir = epochs, num_rows, run_dir
 
     def __call__(self):
-
-        # This runs wherever Ray Train builds its datasets (not necessarily the driver):
-        # the epochs are concatenated, and must stay in order.
-        DataContext.get_current().execution_options.preserve_order = True
+        configure_data_context()
         manifest = load_manifest(self.spec.corpus)
         check_shards(self.spec.corpus, manifest)
         position, _ = read_position(self.run_dir)

@@ -28,13 +28,8 @@ from pipeline.core.actor_pool import ActorConfig, run_actor_pool
 from pipeline.core.model_ref import resolve_init
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS
-from pipeline.data.shards import (
-    MANIFEST,
-    PrepareConfig,
-    check_shards,
-    load_manifest,
-    prepare_corpus,
-)
+from pipeline.data.prepare import PrepareConfig, prepare_corpus
+from pipeline.data.shards import MANIFEST, check_shards, load_manifest
 from pipeline.data.stream import frame
 from pipeline.data.tokenizer import load_tokenizer
 from pipeline.retrieval.embeddings import (

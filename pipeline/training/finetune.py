@@ -30,7 +30,7 @@ from pipeline.data.group_stream import (
     corpus_rows_by_id,
     examples_as_rows,
 )
-from pipeline.data.shards import PrepareConfig, prepare_corpus
+from pipeline.data.prepare import PrepareConfig, prepare_corpus
 from pipeline.data.tevatron import (
     extract_tevatron_corpus,
     read_tevatron,

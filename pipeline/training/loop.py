@@ -35,11 +35,11 @@ import numpy as np
 import ray.train
 import ray.train.torch
 import torch
-from ray.data import DataContext
 from ray.train.torch import TorchTrainer
 
 from pipeline.core import storage
 from pipeline.data.position import read_position
+from pipeline.data.stream import configure_data_context
 from pipeline.training.checkpoints import TrainState, restore_checkpoint, save_checkpoint
 from pipeline.training.deepspeed_config import deepspeed_config
 from pipeline.training.train_config import TrainConfig
@@ -302,9 +302,7 @@ def fit(
     replay_batches: int = 0,
 ) -> FitResult:
     """Run the loop on a Ray Train TorchTrainer. Re-running with the same output resumes."""
-
-    # Epochs are concatenated into one stream; keep them in order.
-    DataContext.get_current().execution_options.preserve_order = True
+    configure_data_context()
     loc = storage.resolve(train.output)
     resources = {"CPU": train.cpus_per_worker}
     trainer = TorchTrainer(

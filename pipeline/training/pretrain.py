@@ -22,12 +22,8 @@ from models.simlm import SimLMConfig, SimLMMethod
 from pipeline.core import storage
 from pipeline.core.plots import plot_loss_curve
 from pipeline.core.runtime import RayConfig, write_run_files
-from pipeline.data.shards import (
-    PrepareConfig,
-    load_manifest,
-    prepare_corpus,
-    shard_uris,
-)
+from pipeline.data.prepare import PrepareConfig, prepare_corpus
+from pipeline.data.shards import load_manifest, shard_uris
 from pipeline.data.stream import (
     StreamSpec,
     TrainingStream,

@@ -1,0 +1,195 @@
+"""Corpus preparation: raw BEIR jsonl / text -> the tokenized shards of pipeline.data.shards.
+
+Preparation has two phases. The driver streams the raw input once, validating it
+(errors name file and line) and cutting it into text shards in a staging folder next
+to the output, so every node can read them. Ray tasks then tokenize the shards in
+parallel, one task per shard, and write the final shards; the manifest is written
+only when every shard is done, so a crashed preparation is never mistaken for a
+finished one.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import ray
+
+from pipeline.core import storage
+from pipeline.core.errors import StorageError
+from pipeline.core.runtime import RayConfig
+from pipeline.core.sample import SAMPLE_CORPUS
+from pipeline.data.corpus import CorpusStats, iter_documents
+from pipeline.data.shards import FORMAT, MANIFEST, SHARD_SCHEMA
+from pipeline.data.tokenizer import load_tokenizer, train_wordpiece
+
+
+@dataclass
+class PrepareConfig:
+    input: str = field(
+        default=SAMPLE_CORPUS,
+        metadata={
+            "help": "BEIR corpus.jsonl, a .txt file (blank-line separated documents), or a folder of them; local or s3://"
+        },
+    )
+    output: str = field(default="runs/corpus", metadata={"help": "where the shards and manifest go; local or s3://"})
+    tokenizer: str = field(
+        default="",
+        metadata={"help": "local HF tokenizer directory; empty = train a WordPiece vocabulary on the corpus"},
+    )
+    vocab_size: int = field(default=8000, metadata={"help": "size of a trained vocabulary"})
+    lowercase: bool = field(default=True, metadata={"help": "lowercase when training a vocabulary"})
+    docs_per_shard: int = field(default=20000, metadata={"help": "documents per Parquet shard"})
+    on_empty: str = field(default="skip", metadata={"help": "empty documents: skip (counted in the manifest) or error"})
+    overwrite: bool = field(default=False, metadata={"help": "redo the preparation even if a finished manifest exists"})
+
+
+def _settings(cfg: PrepareConfig) -> dict[str, Any]:
+    return {k: v for k, v in asdict(cfg).items() if k not in ("output", "overwrite")}
+
+
+def _write_table(uri: str, table: pa.Table) -> None:
+    loc = storage.resolve(uri)
+    try:
+        if isinstance(loc.fs, pafs.LocalFileSystem):
+            os.makedirs(os.path.dirname(loc.path), exist_ok=True)
+        pq.write_table(table, loc.path, filesystem=loc.fs, row_group_size=4096)
+    except Exception as exc:
+        raise StorageError(f"cannot write {loc.describe()}: {exc}") from exc
+
+
+def _stage_text(cfg: PrepareConfig, staging: str, stats: CorpusStats) -> list[dict]:
+    """Validate the input and cut it into text shards; returns one item per shard."""
+    items, rows, ids, texts = [], 0, [], []
+
+    def flush():
+        nonlocal ids, texts
+        if not ids:
+            return
+        index = len(items)
+        uri = storage.join(staging, f"text-{index:05d}.parquet")
+        _write_table(uri, pa.table({"doc_id": ids, "text": texts}))
+        items.append({"index": index, "text_uri": uri, "first_row": rows - len(ids), "rows": len(ids)})
+        ids, texts = [], []
+
+    for doc in iter_documents(cfg.input, on_empty=cfg.on_empty, stats=stats):
+        ids.append(doc.doc_id)
+        texts.append(doc.text)
+        rows += 1
+        if len(ids) >= cfg.docs_per_shard:
+            flush()
+    flush()
+    if not items:
+        raise ValueError(f"{cfg.input}: no documents to prepare ({stats.skipped_empty} empty ones skipped)")
+    return items
+
+
+def _staged_texts(items: list[dict]) -> Iterator[str]:
+    for item in items:
+        yield from storage.read_parquet(item["text_uri"], ["text"]).column("text").to_pylist()
+
+
+def _tokenize_shard(item: dict, tokenizer_uri: str, output: str) -> dict:
+    """A Ray task: tokenizes one staged text shard into one final shard."""
+    with storage.local_copy(tokenizer_uri) as local:
+        tokenizer = load_tokenizer(local)
+    table = storage.read_parquet(item["text_uri"])
+    encoded = tokenizer(
+        table.column("text").to_pylist(),
+        add_special_tokens=False,
+        return_attention_mask=False,
+        return_token_type_ids=False,
+    )["input_ids"]
+    first = item["first_row"]
+    shard = pa.table(
+        {
+            "row": pa.array(range(first, first + len(encoded)), pa.int64()),
+            "doc_id": table.column("doc_id"),
+            "input_ids": pa.array(encoded, pa.list_(pa.int32())),
+        },
+        schema=SHARD_SCHEMA,
+    )
+    path = f"shards/part-{item['index']:05d}.parquet"
+    _write_table(storage.join(output, path), shard)
+    return {
+        "index": item["index"],
+        "path": path,
+        "first_row": first,
+        "rows": len(encoded),
+        "tokens": int(sum(len(e) for e in encoded)),
+    }
+
+
+def prepare_corpus(cfg: PrepareConfig) -> dict:
+    """Prepare ``cfg.input`` into ``cfg.output``; returns the manifest.
+
+    A finished manifest with the same settings is reused unless ``overwrite`` is set.
+    """
+
+    manifest_uri = storage.join(cfg.output, MANIFEST)
+    storage.check_reachable(manifest_uri)
+    if not cfg.overwrite and storage.exists(manifest_uri):
+        manifest = storage.read_json(manifest_uri)
+        if manifest.get("completed") and manifest.get("settings") == _settings(cfg):
+            return manifest
+    started = time.time()
+    staging = storage.join(cfg.output, "_staging")
+    storage.delete_dir(staging)
+    stats = CorpusStats()
+    items = _stage_text(cfg, staging, stats)
+
+    tokenizer_uri = storage.join(cfg.output, "tokenizer")
+    with tempfile.TemporaryDirectory() as tmp:
+        if cfg.tokenizer:
+            tokenizer = load_tokenizer(cfg.tokenizer)
+            tokenizer.save_pretrained(tmp)
+        else:
+            tokenizer = train_wordpiece(_staged_texts(items), tmp, cfg.vocab_size, cfg.lowercase)
+        storage.upload_dir(tmp, tokenizer_uri)
+
+    # Plain tasks, one per shard (a shard is already a big unit of work): Ray schedules
+    # them on free CPUs, with no actor pool to start or tear down.
+    tokenize = ray.remote(_tokenize_shard).options(num_cpus=1, max_retries=3)
+    shards = ray.get([tokenize.remote(item, tokenizer_uri, cfg.output) for item in items])
+    shards = sorted(
+        ({k: s[k] for k in ("path", "first_row", "rows", "tokens")} for s in shards), key=lambda s: s["first_row"]
+    )
+    storage.delete_dir(staging)
+    manifest = {
+        "format": FORMAT,
+        "completed": True,
+        "source": cfg.input,
+        "num_docs": sum(s["rows"] for s in shards),
+        "num_tokens": sum(s["tokens"] for s in shards),
+        "shards": shards,
+        "tokenizer": "tokenizer",
+        "vocab_size": len(tokenizer),
+        "settings": _settings(cfg),
+        "input_stats": stats.as_dict(),
+        "seconds": round(time.time() - started, 2),
+    }
+    storage.write_json(manifest_uri, manifest)
+    return manifest
+
+
+@dataclass
+class PrepareJobConfig:
+    corpus: PrepareConfig = field(default_factory=PrepareConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+def run_preparation(cfg: PrepareJobConfig) -> dict:
+    """jobs/prepare_corpus.py: prepare the corpus and summarise its manifest."""
+    manifest = prepare_corpus(cfg.corpus)
+    return {
+        "job": "prepare_corpus",
+        "output": cfg.corpus.output,
+        "shards": len(manifest["shards"]),
+        **{k: manifest[k] for k in ("num_docs", "num_tokens", "vocab_size", "input_stats")},
+    }
