@@ -1,0 +1,238 @@
+"""Training throughput and model FLOP utilisation (MFU) of each pre-training method on one GPU.
+
+    python bench/bench_methods_gpu.py                 # BERT-base and MiniLM sizes, bf16 autocast
+    python bench/bench_methods_gpu.py --tiny --device cpu   # a smoke run of the same code
+
+Each method (plain MLM, Condenser, coCondenser with and without the gradient cache, SimLM)
+trains its own module through the method interface of ``models/method.py`` (``make_batch``
+then ``backward``) with torch's AdamW, on random token ids of full-length sequences (the
+models are randomly initialised: throughput does not depend on the weights). No Ray and no
+DeepSpeed: this measures the methods' own cost on the device, which is what the Ray Train
+runs multiply by their workers.
+
+Reported per method and size: the device's step time and tokens/s (input tokens of the
+encoder; coCondenser's spans count as sequences of the same length), the CPU time of the
+method's masking of one batch (timed apart: in a run it overlaps the device), the FLOPs of one step as counted by
+``torch.utils.flop_counter.FlopCounterMode`` (the generator's forward included for SimLM),
+and MFU against two ceilings: the datasheet's dense bf16 rate and a bf16 matrix product
+measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import BertConfig, BertForMaskedLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models.backbone import BackboneConfig, build_mlm
+from models.cocondenser import CoCondenserConfig, CoCondenserMethod
+from models.condenser import CondenserConfig, CondenserMethod
+from models.masking import MaskingVocab
+from models.mlm import MLMConfig, MLMMethod
+from models.simlm import SimLMConfig, SimLMMethod
+
+SIZES = {  # hidden, layers, heads, intermediate
+    "bert-base": (768, 12, 12, 3072),
+    "minilm": (384, 6, 12, 1536),
+    "tiny": (64, 4, 2, 128),
+}
+DATASHEET_BF16 = {"H100": 989e12, "H200": 989e12}  # dense, SXM parts
+
+
+class Engine:
+    """What the methods' ``backward`` needs of a DeepSpeed engine, on a plain module."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def zero_optimization_stage(self):
+        return 0
+
+    def fp16_enabled(self):
+        return False
+
+
+def vocab(size: int = 30522) -> MaskingVocab:
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    words = size - len(tokens)
+    tokens += [f"w{i}" for i in range(words * 4 // 5)]
+    tokens += [f"##p{i}" for i in range(size - len(tokens))]
+    return MaskingVocab(tokens, special_ids=[0, 1, 2, 3, 4], mask_token_id=4)
+
+
+def batch_ids(
+    batch: int, length: int, vocab_size: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(5, vocab_size, (batch, length), generator=generator)
+    ids[:, 0], ids[:, -1] = 2, 3
+    return ids, torch.ones_like(ids)
+
+
+def small_generator(vocab_size: int, folder: str) -> str:
+    """A randomly initialised small MLM (a third of BERT-base's width) as SimLM's frozen generator."""
+    cfg = BertConfig(
+        vocab_size=vocab_size, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024
+    )
+    BertForMaskedLM(cfg).save_pretrained(folder)
+    return folder
+
+
+def methods(generator_dir: str, batch: int):
+    yield "mlm", MLMMethod, MLMConfig()
+    yield "condenser", CondenserMethod, CondenserConfig()
+    yield "cocondenser", CoCondenserMethod, CoCondenserConfig(head="", chunk_size=0)
+    yield "cocondenser-gradcache", CoCondenserMethod, CoCondenserConfig(head="", chunk_size=batch // 4)
+    yield "simlm", SimLMMethod, SimLMConfig(generator=generator_dir)
+
+
+def matmul_ceiling(device: str) -> float:
+    if device != "cuda":
+        return float("nan")
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start, n = time.perf_counter(), 20
+    for _ in range(n):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * 8192**3 * n / (time.perf_counter() - start)
+
+
+def bench_one(name, cls, cfg, size: str, batch: int, length: int, steps: int, device: str, masking: MaskingVocab):
+    hidden, layers, heads, inter = SIZES[size]
+    torch.manual_seed(0)
+    mlm = build_mlm(
+        BackboneConfig(
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            intermediate_size=inter,
+            max_position=512,
+            dropout=0.1,
+        ),
+        masking.vocab_size,
+    )
+    method = cls(cfg, masking)
+    model = method.build(mlm).to(device).train()
+    engine = Engine(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=device == "cuda")
+    rng = torch.Generator().manual_seed(0)
+    autocast = torch.autocast(device_type=device, dtype=torch.bfloat16)
+
+    def make_batch():
+        ids, mask = batch_ids(batch, length, masking.vocab_size, rng)
+        return method.make_batch(ids, mask, rng)
+
+    def step(cpu_batch):
+        tensors = {k: v.to(device, non_blocking=True) for k, v in cpu_batch.items()}
+        with autocast:
+            loss, _ = method.backward(engine, tensors)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(3):
+        step(make_batch())
+    with FlopCounterMode(display=False) as counter:
+        step(make_batch())
+    flops = counter.get_total_flops()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    # The batches' masking runs on the CPU (in a run, on the worker while the device trains):
+    # timed apart, so the device time and the MFU are the model's alone.
+    start = time.perf_counter()
+    batches = [make_batch() for _ in range(steps)]
+    make_batch_s = (time.perf_counter() - start) / steps
+    start = time.perf_counter()
+    for cpu_batch in batches:
+        loss = step(cpu_batch)
+    float(loss)  # waits for the device
+    seconds = (time.perf_counter() - start) / steps
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {
+        "method": name,
+        "size": size,
+        "batch": batch,
+        "length": length,
+        "params_m": round(trained / 1e6, 1),
+        "step_ms": round(seconds * 1e3, 2),
+        "make_batch_ms": round(make_batch_s * 1e3, 2),
+        "tokens_per_s": round(batch * length / seconds),
+        "step_tflops": round(flops / 1e12, 3),
+        "achieved_tflop_s": round(flops / seconds / 1e12, 1),
+        "peak_gib": round(peak, 2),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--sizes", default="bert-base,minilm")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--tiny", action="store_true", help="tiny model, batch 8, 2 steps (smoke run)")
+    parser.add_argument("--json", default="", help="also write the rows here")
+    args = parser.parse_args()
+    if args.tiny:
+        args.sizes, args.batch, args.length, args.steps = "tiny", 8, 32, 2
+    torch.backends.cuda.matmul.allow_tf32 = True
+    masking = vocab(30522 if not args.tiny else 200)
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    datasheet = next((v for k, v in DATASHEET_BF16.items() if k in device_name), float("nan"))
+    ceiling = matmul_ceiling(args.device)
+    print(
+        f"device: {device_name}; bf16 matmul ceiling measured {ceiling / 1e12:.0f} TFLOP/s, "
+        f"datasheet {datasheet / 1e12:.0f}",
+        flush=True,
+    )
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        generator_dir = small_generator(masking.vocab_size, os.path.join(tmp, "generator"))
+        for size in args.sizes.split(","):
+            for name, cls, cfg in methods(generator_dir, args.batch):
+                row = bench_one(name, cls, cfg, size, args.batch, args.length, args.steps, args.device, masking)
+                row["mfu_datasheet"] = round(row["achieved_tflop_s"] * 1e12 / datasheet, 3)
+                row["mfu_measured_matmul"] = round(row["achieved_tflop_s"] * 1e12 / ceiling, 3)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print(
+        "\n| size | method | trained params (M) | device step (ms) | CPU masking (ms) | tokens/s | TFLOP/step "
+        "| TFLOP/s | MFU (datasheet) | MFU (measured matmul) | peak GiB |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['size']} | {r['method']} | {r['params_m']} | {r['step_ms']} | {r['make_batch_ms']} | "
+            f"{r['tokens_per_s']:,} | "
+            f"{r['step_tflops']} | {r['achieved_tflop_s']} | {r['mfu_datasheet']} | {r['mfu_measured_matmul']} | "
+            f"{r['peak_gib']} |"
+        )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"device": device_name, "matmul_tflop_s": ceiling / 1e12, "rows": rows}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()
