@@ -39,27 +39,13 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from models.method import PlainEngine  # noqa: E402
+
 SPAN_TOKENS = 80
 CHUNK = 8
 SIZES = (16, 64, 256)
 PASSAGE_TOKENS = 128
 PASSAGES = 32
-
-
-class PlainEngine:
-    """What CoCondenserMethod.backward needs of a DeepSpeed engine, for one process."""
-
-    def __init__(self, module):
-        self.module = module
-
-    def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def backward(self, loss):
-        loss.backward()
-
-    def zero_optimization_stage(self):
-        return 0
 
 
 def minilm_path() -> str:

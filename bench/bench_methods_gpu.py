@@ -38,6 +38,7 @@ from models.backbone import BackboneConfig, build_mlm
 from models.cocondenser import CoCondenserConfig, CoCondenserMethod
 from models.condenser import CondenserConfig, CondenserMethod
 from models.masking import MaskingVocab
+from models.method import PlainEngine
 from models.mlm import MLMConfig, MLMMethod
 from models.simlm import SimLMConfig, SimLMMethod
 
@@ -47,25 +48,6 @@ SIZES = {  # hidden, layers, heads, intermediate
     "tiny": (64, 4, 2, 128),
 }
 DATASHEET_BF16 = {"H100": 989e12, "H200": 989e12}  # dense, SXM parts
-
-
-class Engine:
-    """What the methods' ``backward`` needs of a DeepSpeed engine, on a plain module."""
-
-    def __init__(self, module):
-        self.module = module
-
-    def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def backward(self, loss):
-        loss.backward()
-
-    def zero_optimization_stage(self):
-        return 0
-
-    def fp16_enabled(self):
-        return False
 
 
 def vocab(size: int = 30522) -> MaskingVocab:
@@ -132,7 +114,7 @@ def bench_one(name, cls, cfg, size: str, batch: int, length: int, steps: int, de
     )
     method = cls(cfg, masking)
     model = method.build(mlm).to(device).train()
-    engine = Engine(model)
+    engine = PlainEngine(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=device == "cuda")
     rng = torch.Generator().manual_seed(0)
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16)

@@ -42,6 +42,26 @@ class PretrainingMethod(Protocol):
         """Write the backbone as a drop-in HF checkpoint (plus the method's own parts); returns paths."""
 
 
+class PlainEngine:
+    """The surface of a DeepSpeed engine that the methods' ``backward`` uses, over a plain
+    module in one process (benchmarks, notebooks): forward, ``backward``, no ZeRO, no fp16."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def zero_optimization_stage(self) -> int:
+        return 0
+
+    def fp16_enabled(self) -> bool:
+        return False
+
+
 def plain_backward(
     method: PretrainingMethod, engine, batch: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

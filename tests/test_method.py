@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from models.method import PretrainingMethod
+from models.method import PlainEngine, PretrainingMethod
 from models.mlm import MLMConfig, MLMMethod
 from pipeline.training.pretrain import METHODS
 from tests.helpers import random_word_batch, tiny_masking_vocab, tiny_mlm, tiny_vocab
@@ -12,19 +12,16 @@ from tests.helpers import random_word_batch, tiny_masking_vocab, tiny_mlm, tiny_
 MEMBERS = ("build", "make_batch", "loss", "backward", "export")
 
 
-class RecordingEngine:
-    """Stands in for a DeepSpeed engine: runs the module, records what backward received."""
+class RecordingEngine(PlainEngine):
+    """A plain engine that records what backward received."""
 
     def __init__(self, module):
-        self.module = module
+        super().__init__(module)
         self.backward_calls = []
-
-    def __call__(self, **batch):
-        return self.module(**batch)
 
     def backward(self, loss):
         self.backward_calls.append(loss)
-        loss.backward()
+        super().backward(loss)
 
 
 def test_every_registered_method_implements_the_interface():
