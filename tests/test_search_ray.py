@@ -11,6 +11,7 @@ from conftest import synthetic_docs, write_jsonl
 from test_finetune_ray import tiny_bert  # noqa: F401  (fixture)
 
 from pipeline.core.actor_pool import ActorConfig, run_actor_pool
+from pipeline.core.errors import ArtifactError
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval.encode import (
     EncodeConfig,
@@ -166,12 +167,12 @@ def test_a_factory_faiss_rejects_and_a_wrong_dimension_shard_are_clear_errors(en
     rows, ids, vectors = emb.read_shard(broken, emb.load_manifest(broken)["shards"][1])
     os.remove(os.path.join(broken, emb.shard_path(1)))
     emb.write_shard(broken, 1, rows, ids, np.zeros((len(rows), 5), np.float32))
-    with pytest.raises(ValueError, match="part-00001.parquet.*width 5"):
+    with pytest.raises(ArtifactError, match="part-00001.parquet.*width 5"):
         run_indexing(IndexJobConfig(embeddings=broken, output=str(tmp_path / "i2")))
     os.remove(os.path.join(broken, emb.shard_path(1)))
     emb.write_shard(broken, 1, rows, ids, vectors)  # mended; now another shard goes missing
     os.remove(os.path.join(broken, emb.shard_path(3)))
-    with pytest.raises(ValueError, match="part-00003.parquet is missing"):
+    with pytest.raises(ArtifactError, match="part-00003.parquet is missing"):
         run_indexing(IndexJobConfig(embeddings=broken, output=str(tmp_path / "i3")))
 
 

@@ -39,7 +39,6 @@ _PASSED_ENV = (
 
 
 def init_ray(cfg: RayConfig) -> None:
-
     if ray.is_initialized():
         return
     address = cfg.address or os.environ.get("RAY_ADDRESS", "")

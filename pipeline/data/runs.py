@@ -122,7 +122,6 @@ def read_trec_run(
 
 
 def write_trec_run(run: dict[str, dict[str, float]], uri: str, tag: str = "raydense") -> None:
-
     with storage.open_output(uri) as out:
         for qid, docs in run.items():
             ranked = sorted(docs.items(), key=lambda kv: -kv[1])

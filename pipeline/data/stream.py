@@ -168,7 +168,6 @@ def epoch_files(manifest: dict, spec: StreamSpec, epoch: int, consumed: Interval
 
 
 def build_stream(spec: StreamSpec, position: DataPosition, manifest: dict | None = None):
-
     manifest = manifest or load_manifest(spec.corpus)
     fs_loc = storage.resolve(spec.corpus)
     parts = []

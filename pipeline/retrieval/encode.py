@@ -87,7 +87,6 @@ class Encoder:
     """The model on one device, encoding token-id lists in length-sorted batches."""
 
     def __init__(self, settings: EncoderSettings, tokenizer_dir: str, device: str = "cpu"):
-
         self.settings, self.device = settings, device
         path = resolve_init(settings.model)
         self.model = load_biencoder(path, settings.overrides()).to(device).eval()
@@ -102,7 +101,6 @@ class Encoder:
         return self.model.cfg.similarity == "cos"
 
     def encode_tokens(self, token_lists: list, max_len: int, tower: str = "passage") -> np.ndarray:
-
         tok = self.tokenizer
         encode = self.model.encode_passage if tower == "passage" else self.model.encode_query
         order = np.argsort([-len(t) for t in token_lists], kind="stable")
@@ -143,7 +141,6 @@ class EncoderActor:
     """A Ray actor holding one :class:`Encoder`; encodes whole corpus shards."""
 
     def __init__(self, settings: EncoderSettings, tokenizer_uri: str, cpus: float, use_gpu: bool):
-
         torch.set_num_threads(max(1, int(cpus)))
         self._tokenizer = storage.process_local_dir(tokenizer_uri)
         self.encoder = Encoder(settings, self._tokenizer, "cuda" if use_gpu else "cpu")
@@ -152,7 +149,6 @@ class EncoderActor:
         return os.getpid()
 
     def encode_shard(self, corpus_shard_uri: str, index: int, output: str) -> dict:
-
         started = time.perf_counter()
         table = storage.read_parquet(corpus_shard_uri, columns=["row", "doc_id", "input_ids"])
         tokens = table.column("input_ids").to_pylist()

@@ -192,7 +192,6 @@ class EvaluateJobConfig:
 
 
 def run_evaluation(cfg: EvaluateJobConfig) -> dict:
-
     started = time.perf_counter()
     output = storage.resolve(cfg.output).uri
     queries = read_queries(storage.resolve(cfg.queries).uri)  # duplicate ids fail here, before any work

@@ -52,7 +52,6 @@ def _train_sample(folder: str, manifest: dict, n: int, seed: int) -> np.ndarray:
 
 
 def _build_one(folder: str, entries: list[dict], shard_index: int, output: str, cfg: IndexConfig, train_ref) -> dict:
-
     train = ray.get(train_ref) if isinstance(train_ref, ray.ObjectRef) else train_ref
     rows, vectors = [], []
     for entry in entries:
@@ -74,7 +73,6 @@ def _build_one(folder: str, entries: list[dict], shard_index: int, output: str, 
 
 
 def run_indexing(cfg: IndexJobConfig) -> dict:
-
     started = time.perf_counter()
     folder, output = storage.resolve(cfg.embeddings).uri, storage.resolve(cfg.output).uri
     manifest = emb.load_manifest(folder)

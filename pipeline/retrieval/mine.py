@@ -108,7 +108,6 @@ def _answer_hits(cfg: MineConfig, queries: dict, ranked: dict[str, list[str]]) -
 
 
 def run_mining(cfg: MineConfig) -> dict:
-
     started = time.perf_counter()
     output = storage.resolve(cfg.output).uri
     with ShardedIndex(cfg.index, nprobe=cfg.nprobe) as index:

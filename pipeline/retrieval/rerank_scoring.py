@@ -118,7 +118,6 @@ class PairScorer:
         precision: str = "auto",
         device: str = "cpu",
     ):
-
         self.model = load_reranker(model_dir).to(device)
         self.lengths = lengths or self.model.lengths
         self.lengths.check()
@@ -130,7 +129,6 @@ class PairScorer:
         self.autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
 
     def _framed(self, texts: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-
         tok = self.tokenizer
         tokens = tok(texts, add_special_tokens=False, truncation=True, max_length=max_len - 2)["input_ids"]
         width = max((len(t) for t in tokens), default=0) + 2
@@ -186,7 +184,6 @@ class RerankerActor:
 
 
 def _model_uri(model: str) -> str:
-
     uri = model if storage.is_s3(model) else resolve_init(model)
     if not storage.exists(storage.join(uri, "config.json")):
         raise FileNotFoundError(

@@ -27,7 +27,6 @@ class ShardSearcher:
     """A Ray actor serving one index shard."""
 
     def __init__(self, index_uri: str, entry: dict, nprobe: int, threads: int):
-
         faiss.omp_set_num_threads(max(1, threads))
         self.index = faiss_index.load_index(storage.join(index_uri, entry["path"]))
         self.nprobe = nprobe
@@ -48,7 +47,6 @@ class ShardedIndex:
     """The driver's handle on a persisted sharded index: one searcher actor per shard."""
 
     def __init__(self, index_uri: str, nprobe: int = 32, cpus_per_actor: float = 0.0, threads: int = 1):
-
         self.uri = storage.resolve(index_uri).uri
         self.manifest = faiss_index.load_index_manifest(self.uri)
         self.metric = self.manifest["metric"]
@@ -81,7 +79,6 @@ class ShardedIndex:
         return np.concatenate(scores), np.concatenate(rows)
 
     def stats(self) -> list[dict]:
-
         return ray.get([a.stats.remote() for a in self.actors])
 
     def doc_ids(self) -> dict[int, str]:
@@ -94,6 +91,5 @@ class ShardedIndex:
         return out
 
     def close(self) -> None:
-
         for actor in self.actors:
             ray.kill(actor)

@@ -38,7 +38,6 @@ class TrainState:
 
 
 def save_checkpoint(engine, state: TrainState, position: DataPosition, rank: int, run_dir: str, metrics: dict) -> None:
-
     name = f"checkpoint_{state.step:09d}"
     with tempfile.TemporaryDirectory(prefix="raydense-ckpt-") as tmp:
         engine.save_checkpoint(tmp, tag=CHECKPOINT_TAG)
@@ -55,7 +54,6 @@ def save_checkpoint(engine, state: TrainState, position: DataPosition, rank: int
 
 
 def restore_checkpoint(engine, rank: int) -> tuple[TrainState, DataPosition, str | None]:
-
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return TrainState(), DataPosition(), None

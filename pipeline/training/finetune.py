@@ -135,7 +135,6 @@ class FinetuneTask:
         return self._tokenizer_dir
 
     def build_model(self) -> torch.nn.Module:
-
         encoder = AutoModel.from_pretrained(self.init, use_safetensors=has_safetensors(self.init))
         pooler = getattr(encoder, "pooler", None)
         if pooler is not None:  # unused by CLS/mean pooling: frozen, so no worker waits on its gradient
@@ -243,7 +242,6 @@ def load_examples(cfg: FinetuneConfig, doc_ids: set[str]) -> tuple[list, DataSta
 
 
 def _check_vocab(init: str, vocab_size: int) -> None:
-
     model_vocab = AutoConfig.from_pretrained(init).vocab_size
     if model_vocab < vocab_size:
         raise ValueError(

@@ -108,7 +108,6 @@ class RerankTask:
         self._tokenizer_dir: str | None = None
 
     def build_model(self) -> torch.nn.Module:
-
         return build_reranker(self.init, self.lengths)
 
     def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]:

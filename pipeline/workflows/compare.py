@@ -167,7 +167,6 @@ class Comparison:
 
     @functools.cached_property
     def init(self) -> str:
-
         return resolve_init(self.cfg.init)
 
     def encoder(self, method: str) -> str:
@@ -224,7 +223,6 @@ class Comparison:
         )
 
     def pretrain(self, method: str) -> dict:
-
         cfg = self.cfg
         job = copy.deepcopy(cfg.pretrain.job)
         job.method = method
@@ -246,7 +244,6 @@ class Comparison:
         }
 
     def finetune(self, method: str, n: int) -> dict:
-
         cfg, subset = self.cfg, f"queries/{size_label(n)}"
         folder = self.folder("finetune", method, size_label(n))
         started = time.time()
@@ -419,7 +416,6 @@ def result_rows(cfg: ComparisonConfig, manifest: RunManifest) -> list[dict]:
 
 
 def write_results(cfg: ComparisonConfig, manifest: RunManifest) -> dict:
-
     rows = result_rows(cfg, manifest)
     lines = [
         "| method | training queries | "

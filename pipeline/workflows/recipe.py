@@ -319,7 +319,6 @@ def eval_k(manifest: RunManifest, corpus: str, k: int) -> int:
 
 
 def stage_pretrain(ctx: StageContext) -> dict:
-
     job = copy.deepcopy(ctx.cfg.pretrain.job)
     job.train.output = ctx.folder("pretrain")
     if not job.corpus.output or job.corpus.output == type(job.corpus)().output:
@@ -329,7 +328,6 @@ def stage_pretrain(ctx: StageContext) -> dict:
 
 
 def stage_bm25(ctx: StageContext) -> dict:
-
     cfg = ctx.cfg
     index = build_index(cfg.data.corpus)
     queries = read_queries(cfg.data.dev_queries)
@@ -405,7 +403,6 @@ def _finetune_config(ctx: StageContext, stage: str, settings: RetrieverStage, in
 
 
 def _retriever_stage(ctx: StageContext, stage: str, settings: RetrieverStage, negatives: str) -> dict:
-
     summary = run_finetuning(_finetune_config(ctx, stage, settings, ctx.encoder_init(), negatives))
     evaluation = _evaluate(ctx, summary["export_dir"], storage.join(ctx.folder(stage), "eval"))
     return {
@@ -424,7 +421,6 @@ def stage_round1(ctx: StageContext) -> dict:
 
 
 def _mine(ctx: StageContext, stage: str, retriever_stage: str) -> dict:
-
     cfg = ctx.cfg
     summary = run_mining(
         MineConfig(
@@ -462,7 +458,6 @@ def stage_mine2(ctx: StageContext) -> dict:
 
 
 def stage_reranker(ctx: StageContext) -> dict:
-
     cfg, stage = ctx.cfg, ctx.cfg.reranker
     init = stage.init or ctx.encoder_init()
     train = copy.deepcopy(stage.train)
@@ -494,7 +489,6 @@ def stage_reranker(ctx: StageContext) -> dict:
 def _score(
     ctx: StageContext, stage: str, run: str, queries: str, qrels: str, depth: int, include_positives: bool
 ) -> dict:
-
     return run_scoring(
         RerankScoreConfig(
             model=ctx.output("reranker", "export"),
@@ -578,7 +572,6 @@ def stage_teacher(ctx: StageContext) -> dict:
 
 
 def stage_distill(ctx: StageContext) -> dict:
-
     cfg, stage = ctx.cfg, ctx.cfg.distill
     init = stage.init or ctx.encoder_init()
     train = copy.deepcopy(stage.train)
