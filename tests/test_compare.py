@@ -7,6 +7,7 @@ file, and that the plots are written."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -14,6 +15,7 @@ import pytest
 import yaml
 
 from pipeline.training.train_config import TrainConfig
+from pipeline.workflows import compare
 from pipeline.workflows.compare import METHODS, ComparisonConfig, run_comparison
 from tests.helpers import ir_measures_of_run, retrieval_collection, save_tiny_bert
 
@@ -43,17 +45,26 @@ def _config(tmp_path, data: dict, init: str) -> ComparisonConfig:
     return cfg
 
 
+# The Ray test runs the methods whose pre-training has no Ray test of its own (MLM, and SimLM
+# with the MLM run as its frozen generator, loaded on the workers); Condenser and coCondenser
+# run on Ray Train in test_pretrain_ray.py and test_cocondenser_ray.py, and every method's
+# wiring is checked below with the stages stubbed.
+RAY_METHODS = ["none", "mlm", "simlm"]
+
+
 @pytest.mark.ray
 def test_comparison_end_to_end_then_rerun(tmp_path, ray_session):
     data = retrieval_collection(tmp_path / "data", N_DOCS, N_TRAIN, N_DEV)
     init = save_tiny_bert(str(tmp_path / "init"), data["texts"])
-    summary = run_comparison(_config(tmp_path, data, init))
+    cfg = _config(tmp_path, data, init)
+    cfg.pretrain.methods = RAY_METHODS
+    summary = run_comparison(cfg)
     out = tmp_path / "compare"
     units = json.load(open(out / "comparison.json"))["stages"]
 
     # A row per method and training-set size, each equal to ir_measures on its run file.
     rows = summary["rows"]
-    assert [(r["method"], r["train_queries"]) for r in rows] == [(m, N_TRAIN) for m in METHODS]
+    assert [(r["method"], r["train_queries"]) for r in rows] == [(m, N_TRAIN) for m in RAY_METHODS]
     for row in rows:
         unit = units[f"finetune/{row['method']}/{row['train_size']}"]
         expected = ir_measures_of_run(unit["outputs"]["run"], data["dev_qrels"])
@@ -63,41 +74,79 @@ def test_comparison_end_to_end_then_rerun(tmp_path, ray_session):
     for path in ("comparison.png", "analysis/before/cls_entropy.png", "analysis/after/cls_entropy.png"):
         assert open(out / path, "rb").read(8) == b"\x89PNG\r\n\x1a\n", path
 
-    # Pre-training wiring: coCondenser starts from the Condenser run with its head, SimLM's
-    # generator is the MLM run, and the other methods start from the initial checkpoint.
-    pretrain = {m: yaml.safe_load(open(out / "pretrain" / m / "config.yaml")) for m in METHODS if m != "none"}
-    condenser_export = units["pretrain/condenser"]["outputs"]["export"]
-    assert pretrain["cocondenser"]["model"]["init"] == condenser_export
-    assert pretrain["cocondenser"]["cocondenser"]["head"] == os.path.join(
-        condenser_export, "condenser_head.safetensors"
-    )
-    assert pretrain["simlm"]["simlm"]["generator"] == units["pretrain/mlm"]["outputs"]["export"]
-    for method in ("mlm", "condenser", "simlm"):
-        assert pretrain[method]["model"]["init"] == init and pretrain[method]["method"] == method
-
-    # Fine-tuning: the same settings for every method; only the encoder and the query set differ.
-    configs = {m: yaml.safe_load(open(out / "finetune" / m / "all" / "config.yaml")) for m in METHODS}
+    # SimLM's generator is the MLM run; each retriever starts from its method's export.
+    simlm = yaml.safe_load(open(out / "pretrain" / "simlm" / "config.yaml"))
+    assert simlm["simlm"]["generator"] == units["pretrain/mlm"]["outputs"]["export"]
+    configs = {m: yaml.safe_load(open(out / "finetune" / m / "all" / "config.yaml")) for m in RAY_METHODS}
     assert configs["none"]["model"]["init"] == init
-    for method in METHODS[1:]:
+    for method in RAY_METHODS[1:]:
         assert configs[method]["model"]["init"] == units[f"pretrain/{method}"]["outputs"]["export"]
-    for section in ("retriever", "data", "corpus"):
-        assert all(c[section] == configs["none"][section] for c in configs.values()), section
-    trains = [{k: v for k, v in c["train"].items() if k != "output"} for c in configs.values()]
-    assert all(t == trains[0] for t in trains)
-    assert configs["none"]["data"]["negatives"] == units["negatives"]["outputs"]["negatives"]
-
-    # The entropy analysis covers the initial checkpoint, every pre-trained encoder, and
-    # every retriever fine-tuned on all the queries.
-    before = json.load(open(out / "analysis" / "before" / "entropy.json"))
-    after = json.load(open(out / "analysis" / "after" / "entropy.json"))
-    assert [c["label"] for c in before["checkpoints"]] == ["initial", "mlm", "condenser", "cocondenser", "simlm"]
-    assert [c["path"] for c in after["checkpoints"]] == [
-        units[f"finetune/{m}/all"]["outputs"]["export"] for m in METHODS
-    ]
 
     # A rerun finds every unit recorded and does nothing.
-    again = run_comparison(_config(tmp_path, data, init))
+    again_cfg = _config(tmp_path, data, init)
+    again_cfg.pretrain.methods = RAY_METHODS
+    again = run_comparison(again_cfg)
     assert again["ran"] == [] and again["rows"] == rows
+
+
+def test_every_method_is_wired_as_the_papers_say(tmp_path, monkeypatch):
+    """The whole comparison with its stages stubbed: what each pre-training and fine-tuning
+    run is handed. coCondenser starts from the Condenser run with its head, SimLM's generator
+    is the MLM run, the other methods start from the initial checkpoint, and every retriever
+    is fine-tuned with the same settings; only the encoder differs."""
+    data = retrieval_collection(tmp_path / "data", N_DOCS, N_TRAIN, N_DEV)
+    init = save_tiny_bert(str(tmp_path / "init"), data["texts"])
+    pretrained, finetuned, analysed = {}, {}, []
+
+    def fake_pretraining(job):
+        pretrained[job.method] = copy.deepcopy(job)
+        return {"export_dir": f"{job.train.output}/export", "tokens_per_s": 1.0, "final_loss": 1.0}
+
+    def fake_finetuning(job):
+        finetuned[job.model.init] = copy.deepcopy(job)
+        return {"export_dir": f"{job.train.output}/export", "tokens_per_s": 1.0}
+
+    def fake_evaluation(data_cfg, settings, model, folder, k, *args, **kwargs):
+        return {"run": f"{folder}/run.trec", "metrics": {"MRR@10": 0.5, "R@100": 0.5, "nDCG@10": 0.5}}
+
+    def fake_analysis(cfg):
+        analysed.append(cfg)
+        return {"files": {"plot": f"{cfg.output}/cls_entropy.png"}, "entropy": []}
+
+    monkeypatch.setattr(compare, "run_pretraining", fake_pretraining)
+    monkeypatch.setattr(compare, "run_finetuning", fake_finetuning)
+    monkeypatch.setattr(compare, "evaluate_dev", fake_evaluation)
+    monkeypatch.setattr(compare, "run_analysis", fake_analysis)
+    monkeypatch.setattr(compare, "plot_method_comparison", lambda rows, metrics, uri: uri)
+    summary = run_comparison(_config(tmp_path, data, init))
+    out = tmp_path / "compare"
+    units = json.load(open(out / "comparison.json"))["stages"]
+    assert [r["method"] for r in summary["rows"]] == list(METHODS)
+
+    exports = {m: units[f"pretrain/{m}"]["outputs"]["export"] for m in METHODS if m != "none"}
+    assert pretrained["cocondenser"].model.init == exports["condenser"]
+    assert pretrained["cocondenser"].cocondenser.head == "auto"  # the head saved beside that export
+    assert pretrained["simlm"].simlm.generator == exports["mlm"]
+    for method in ("mlm", "condenser", "simlm"):
+        assert pretrained[method].model.init == init and pretrained[method].method == method
+    assert len({id(job.corpus) for job in pretrained.values()}) == len(pretrained)  # deep copies
+    assert {job.corpus.output for job in pretrained.values()} == {str(out / "pretrain" / "corpus")}
+
+    # Fine-tuning: the same settings for every method; only the encoder differs.
+    assert set(finetuned) == {init, *exports.values()}
+    jobs = list(finetuned.values())
+    for section in ("retriever", "data", "corpus"):
+        assert all(getattr(j, section) == getattr(jobs[0], section) for j in jobs), section
+    trains = [{k: v for k, v in vars(j.train).items() if k != "output"} for j in jobs]
+    assert all(t == trains[0] for t in trains)
+    assert jobs[0].data.negatives == units["negatives"]["outputs"]["negatives"]
+
+    # The entropy analysis: the initial checkpoint and every pre-trained encoder, then every
+    # retriever fine-tuned on all the queries.
+    before, after = analysed
+    assert before.labels == ["initial", "mlm", "condenser", "cocondenser", "simlm"]
+    assert before.checkpoints == [init] + [exports[m] for m in ("mlm", "condenser", "cocondenser", "simlm")]
+    assert after.checkpoints == [units[f"finetune/{m}/all"]["outputs"]["export"] for m in METHODS]
 
 
 @pytest.mark.parametrize(

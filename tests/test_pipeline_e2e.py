@@ -109,21 +109,21 @@ def test_recipe_end_to_end_then_rerun_and_only(tmp_path, ray_session):
 
     # include_positives adds the judged positives the first stage missed to what is scored
     # (the teacher's use), but the re-ranked metrics still rank the first-stage candidates.
-    scored = {}
-    for include in (False, True):
-        scored[include] = run_scoring(
-            RerankScoreConfig(
-                model=records["reranker"]["outputs"]["export"],
-                run=records["round2"]["outputs"]["run"],
-                queries=data["dev_queries"],
-                corpus=data["corpus"],
-                qrels=data["dev_qrels"],
-                depth=3,
-                include_positives=include,
-                output=str(tmp_path / f"score-{include}"),
-                pool=ActorConfig(actors=1),
-            )
+    # The rerank stage scored round 2's dev top 10 without them: score it again with them.
+    scored = {False: json.load(open(tmp_path / "run" / "rerank" / "summary.json"))}
+    scored[True] = run_scoring(
+        RerankScoreConfig(
+            model=records["reranker"]["outputs"]["export"],
+            run=records["round2"]["outputs"]["run"],
+            queries=data["dev_queries"],
+            corpus=data["corpus"],
+            qrels=data["dev_qrels"],
+            depth=cfg.reranker.dev_depth,
+            include_positives=True,
+            output=str(tmp_path / "score-with-positives"),
+            pool=ActorConfig(actors=1),
         )
+    )
     assert scored[True]["positives_added"] > 0 and scored[False]["positives_added"] == 0
     assert scored[True]["pairs"] == scored[False]["pairs"] + scored[True]["positives_added"]
     assert scored[True]["metrics"] == pytest.approx(scored[False]["metrics"], abs=1e-9)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import ray
 from ray.data import DataContext
+from ray.data.context import ShuffleStrategy
 
 from models.span_pairs import draw_span_pairs
 from pipeline.core import storage
@@ -212,6 +213,7 @@ def configure_data_context() -> None:
     # The shards and their row counts are in our manifest. Parquet datasource V2 starts 32
     # footer-reading actors to list the files: 12 of a tiny run's 30 s of ingest on 2 cores.
     ctx.use_datasource_v2 = False
+    ctx.shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
 
 
 class TrainingStream:
