@@ -58,6 +58,9 @@ def ray_session(s3_endpoint):
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # Ray Data's Parquet reader lists files with 32 footer-reading actors by default: on 2
+    # cores, starting them costs more than the tests' few shards (the workers inherit this).
+    os.environ.setdefault("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", "2")
     # 4 logical CPUs on a 2-core machine: two 1-CPU trainers leave room for Ray Data's
     # read tasks, which otherwise starve and deadlock the run.
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
