@@ -21,7 +21,10 @@ from transformers import AutoConfig, AutoModelForMaskedLM, BertConfig, BertForMa
 @dataclass
 class BackboneConfig:
     init: str = field(
-        default="", metadata={"help": "local HF checkpoint to start from; empty = random init from the sizes below"}
+        default="",
+        metadata={
+            "help": "HF checkpoint to start from (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME); empty = random init from the sizes below"
+        },
     )
     hidden_size: int = field(default=128, metadata={"help": "random init only"})
     num_layers: int = field(default=4, metadata={"help": "random init only"})

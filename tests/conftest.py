@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import uuid
 
 import pytest
+
+# Models fetched from storage go to a node-local cache: the tests' own, not the user's
+# (set before Ray starts, so its workers share it as workers of one node do).
+os.environ.setdefault("RAYDENSE_CACHE", tempfile.mkdtemp(prefix="raydense-cache-"))
 
 # Fake credentials, for the loopback server only.
 S3_ENV = {
@@ -63,7 +68,9 @@ def ray_session(s3_endpoint):
     os.environ.setdefault("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", "2")
     # 4 logical CPUs on a 2-core machine: two 1-CPU trainers leave room for Ray Data's
     # read tasks, which otherwise starve and deadlock the run.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
+    # "local": a new instance even while another Ray runs on this machine (a test's own
+    # cluster); a bare init would join that one.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
     yield ray
     ray.shutdown()
 

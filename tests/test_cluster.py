@@ -3,7 +3,8 @@ run configs, the sizing table and S3 settings from the environment.
 
 Everything here is checked offline with the validators and schedulers of the installed
 Ray, botocore and DeepSpeed, so a config that those would reject on a real cluster fails
-here first. The submitted-job run (and its credential scan) is in test_job_submit.py.
+here first. A submitted job on a two-node cluster (and its credential scan) is in
+test_two_node.py.
 """
 
 from __future__ import annotations
@@ -132,9 +133,9 @@ def test_aws_head_runs_the_spot_fallback_scorer_from_the_mounted_checkout():
     assert re.search(rf"PYTHONPATH={re.escape(mount)}/cluster\b", start)
     assert (CLUSTER / "spot_fallback.py").is_file()
     assert start.index("RAY_enable_autoscaler_v2=0") < start.index("ray start --head")
-    # Dependencies with the gpu extra, torch pinned as in the README's install.
+    # Dependencies with the gpu extra, every version as CI tested them.
     setup = " ".join(config["setup_commands"])
-    assert f"{mount}[gpu]" in setup and "torch==2.13.0" in setup
+    assert f"{mount}[gpu]" in setup and f"-c {mount}/constraints.txt" in setup
 
 
 @pytest.fixture
@@ -349,9 +350,31 @@ def test_dockerfile_builds_on_the_matching_ray_image():
     dockerfile = (CLUSTER / "Dockerfile").read_text()
     (base,) = re.findall(r"^FROM\s+(\S+)", dockerfile, re.M)
     assert base == f"rayproject/ray:{image_tag()}"
-    assert "optional-dependencies']['gpu']" in dockerfile and "pip install --no-cache-dir --no-deps -e ." in dockerfile
+    assert "optional-dependencies']['gpu']" in dockerfile
+    assert "pip install --no-cache-dir -c constraints.txt -r" in dockerfile
+    assert "pip install --no-cache-dir --no-deps -c constraints.txt -e ." in dockerfile
     ignored = (CLUSTER / "Dockerfile.dockerignore").read_text().split()
     assert {"runs", ".git", ".venv"} <= set(ignored)
+
+
+def test_one_constraints_file_pins_what_ci_tested():
+    """.ci/run, the image and aws.yaml install with constraints.txt; it pins every core
+    dependency, and the pins are what this environment runs (CI installs with it)."""
+    from importlib.metadata import version
+
+    tomllib = pytest.importorskip("tomllib")
+    pins = dict(
+        line.split("==", 1)
+        for line in (REPO / "constraints.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    pins = {re.sub(r"[-_.]+", "-", name).lower(): v for name, v in pins.items()}
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    for requirement in project["dependencies"] + project["optional-dependencies"]["cpu"]:
+        name = re.sub(r"[-_.]+", "-", re.split(r"[<>=\[ ;]", requirement, maxsplit=1)[0]).lower()
+        assert name in pins, f"{name} is not pinned in constraints.txt"
+        assert version(name).split("+")[0] == pins[name], f"{name}: installed {version(name)}, pinned {pins[name]}"
+    assert "-c constraints.txt" in (REPO / ".ci" / "run").read_text()
 
 
 def test_default_and_test_installs_never_pull_cuda():

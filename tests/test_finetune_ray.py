@@ -12,7 +12,7 @@ from conftest import synthetic_docs
 from test_pretrain_ray import read_traces
 
 from models.biencoder import load_biencoder
-from pipeline.core import storage
+from pipeline.core import model_ref, storage
 from pipeline.data.beir import positives, read_qrels
 from pipeline.data.runs import read_negatives
 from pipeline.training.finetune import FinetuneConfig, run_finetuning
@@ -89,10 +89,10 @@ def test_two_workers_with_gradient_cache_from_s3_with_bm25_negatives(tiny_bert, 
     assert summary["bm25"]["queries"] == N_QUERIES
 
     assert summary["export_dir"] == f"{out}/export"
-    with storage.local_copy(summary["export_dir"]) as local:
-        model = load_biencoder(local)
-        assert (model.cfg.pooling, model.cfg.group_size, model.cfg.chunk_size) == ("cls", 3, 5)
-        assert os.path.exists(os.path.join(local, "tokenizer.json"))
+    local = model_ref.materialize(summary["export_dir"])  # the export, in this node's cache
+    model = load_biencoder(local)
+    assert (model.cfg.pooling, model.cfg.group_size, model.cfg.chunk_size) == ("cls", 3, 5)
+    assert os.path.exists(os.path.join(local, "tokenizer.json"))
     history = storage.read_json(f"{out}/history.json")
     assert len(history) == 6 and all(0.0 <= h["accuracy"] <= 1.0 for h in history)
     assert set(summary["eval"]["metrics"]) == {"RR@10", "R@100", "nDCG@10"}

@@ -12,7 +12,7 @@ import pytest
 from conftest import synthetic_docs, write_jsonl
 
 from models.backbone import BackboneConfig
-from pipeline.core import storage
+from pipeline.core import model_ref, storage
 from pipeline.data.position import DataPosition, restorable_checkpoint
 from pipeline.data.prepare import PrepareConfig
 from pipeline.training.pretrain import PretrainConfig, StreamConfig, run_pretraining
@@ -78,9 +78,9 @@ def test_two_workers_stream_disjoint_documents_from_s3_with_zero2(tmp_path, s3_b
     assert sorted(rank0 + rank1) == list(range(240))  # every document exactly once
 
     assert summary["export_dir"] == f"s3://{s3_bucket}/run/export"
-    with storage.local_copy(summary["export_dir"]) as local:
-        assert isinstance(AutoModel.from_pretrained(local), BertModel)
-        assert os.path.exists(os.path.join(local, "condenser_head.safetensors"))
+    local = model_ref.materialize(summary["export_dir"])  # the export, in this node's cache
+    assert isinstance(AutoModel.from_pretrained(local), BertModel)
+    assert os.path.exists(os.path.join(local, "condenser_head.safetensors"))
     assert summary["checkpoint"].startswith(f"{s3_bucket}/run/checkpoints/checkpoint_")
 
 

@@ -129,6 +129,37 @@ def test_a_task_whose_actor_died_is_retried_on_a_fresh_actor(tmp_path, ray_sessi
     assert sorted(os.listdir(tmp_path)) == ["died-0", "died-3", "died-6"]
 
 
+class _CannotStart:
+    """An actor whose constructor fails, as one given a model it cannot load would."""
+
+    def __init__(self, model: str):
+        raise ValueError(f"--encoder.model {model}: no such checkpoint")
+
+    def work(self, task: int) -> int:
+        return task
+
+
+def test_an_actor_that_cannot_start_fails_the_run_at_once(ray_session):
+    import sys
+
+    import ray
+    from ray import cloudpickle
+    from ray.exceptions import RayActorError
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    remote = ray.remote(_CannotStart).options(num_cpus=0.5, max_restarts=0)
+    started = []
+
+    def make_actor():
+        started.append(1)
+        return remote.remote("s3://bucket/missing")
+
+    with pytest.raises(RayActorError, match="s3://bucket/missing: no such checkpoint") as raised:
+        run_actor_pool(make_actor, list(range(6)), lambda actor, t: actor.work.remote(t), max_retries=5, n_actors=2)
+    assert raised.value.actor_init_failed
+    assert len(started) == 2  # the first two actors; none started to retry a task on
+
+
 @pytest.mark.parametrize("factory", ["Flat", "IVF4,Flat"])
 def test_sharded_search_equals_brute_force(encoded, collection, factory):
     cfg, _ = encoded

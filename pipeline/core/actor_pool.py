@@ -26,7 +26,9 @@ def run_actor_pool(make_actor, tasks: list, call, max_retries: int, n_actors: in
 
     A task whose actor died (``RayActorError``: a killed process, a preempted node) goes
     back in the queue for a fresh actor, up to ``max_retries`` times per task; other
-    errors (bad input) propagate. Returns the results in task order.
+    errors (bad input) propagate. An actor whose constructor failed (a bad model
+    reference, an import error) would fail again: that error ends the run at once.
+    Returns the results in task order.
     """
 
     pending, results, retries = list(range(len(tasks))), [None] * len(tasks), [0] * len(tasks)
@@ -48,7 +50,9 @@ def run_actor_pool(make_actor, tasks: list, call, max_retries: int, n_actors: in
             try:
                 results[i] = ray.get(done[0])
                 idle.append(actor)
-            except RayActorError:
+            except RayActorError as exc:
+                if exc.actor_init_failed:
+                    raise
                 retries[i] += 1
                 if retries[i] > max_retries:
                     raise

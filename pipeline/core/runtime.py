@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -11,6 +12,7 @@ import ray
 
 from pipeline.core import storage
 from pipeline.core.config import dump_yaml
+from pipeline.core.errors import ConfigError
 
 
 @dataclass
@@ -48,6 +50,35 @@ def init_ray(cfg: RayConfig) -> None:
     num_cpus = cfg.num_cpus or max(4, os.cpu_count() or 1)
     env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
     ray.init(num_cpus=num_cpus, runtime_env={"env_vars": env} if env else None)
+
+
+def cluster_nodes() -> int:
+    """Alive nodes of the Ray cluster this process joined; 1 before Ray starts (a job then
+    starts a local one)."""
+    if not ray.is_initialized():
+        return 1
+    return sum(1 for node in ray.nodes() if node.get("Alive"))
+
+
+def check_outputs_shared(cfg, nodes: int | None = None) -> None:
+    """On a cluster of several nodes, every ``output`` of a config (top level or one level
+    down, e.g. ``train.output``, ``corpus.output``) must be object storage: a local folder
+    written by one node is invisible to the others, and a later stage would read nothing."""
+    nodes = cluster_nodes() if nodes is None else nodes
+    if nodes < 2:
+        return
+    sections = [("", cfg)] + [
+        (f"{f.name}.", getattr(cfg, f.name))
+        for f in dataclasses.fields(cfg)
+        if dataclasses.is_dataclass(getattr(cfg, f.name))
+    ]
+    for prefix, section in sections:
+        value = getattr(section, "output", "")
+        if isinstance(value, str) and value and not storage.is_s3(value):
+            raise ConfigError(
+                f"--{prefix}output {value}: a local path, but this Ray cluster has {nodes} nodes that share no "
+                "disk; use object storage (s3://bucket/prefix) so every node reads what another wrote"
+            )
 
 
 def write_run_files(cfg, output: str) -> None:

@@ -10,7 +10,6 @@ to the filesystem object, so they never end up pickled into Ray tasks or checkpo
 
 from __future__ import annotations
 
-import atexit
 import gzip
 import json
 import os
@@ -245,28 +244,6 @@ def download_dir(uri: str, local_dir: str | os.PathLike) -> str:
     return str(local_dir)
 
 
-class local_copy:
-    """Context manager: a local directory holding the contents of ``uri``.
-
-    Local URIs are used in place; S3 prefixes are downloaded to a temporary directory
-    that is removed on exit.
-    """
-
-    def __init__(self, uri: str):
-        self.uri = uri
-        self._tmp: str | None = None
-
-    def __enter__(self) -> str:
-        if not is_s3(self.uri):
-            return resolve(self.uri).path
-        self._tmp = tempfile.mkdtemp(prefix="raydense-")
-        return download_dir(self.uri, self._tmp)
-
-    def __exit__(self, *exc) -> None:
-        if self._tmp:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-
-
 def read_manifest(folder_uri: str, fmt: str, error: type[Exception], missing: str, unfinished: str) -> dict:
     """A folder's ``manifest.json``, checked: present (else ``missing``), of format ``fmt``,
     and marked completed (else ``unfinished``); failures raise ``error`` naming the file."""
@@ -280,16 +257,6 @@ def read_manifest(folder_uri: str, fmt: str, error: type[Exception], missing: st
     if not manifest.get("completed"):
         raise error(f"{uri}: {unfinished}; run it again")
     return manifest
-
-
-def process_local_dir(uri: str) -> str:
-    """Like :class:`local_copy`, held until the process exits (e.g. a tokenizer a training
-    worker needs from start to final export)."""
-
-    copy = local_copy(uri)
-    path = copy.__enter__()
-    atexit.register(copy.__exit__, None, None, None)
-    return path
 
 
 def iter_lines(uri: str, chunk_size: int = 1 << 20) -> Iterator[bytes]:

@@ -21,7 +21,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
 
-from pipeline.core import storage
+from pipeline.core import model_ref, storage
 from pipeline.core.errors import StorageError
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS
@@ -41,7 +41,9 @@ class PrepareConfig:
     output: str = field(default="runs/corpus", metadata={"help": "where the shards and manifest go; local or s3://"})
     tokenizer: str = field(
         default="",
-        metadata={"help": "local HF tokenizer directory; empty = train a WordPiece vocabulary on the corpus"},
+        metadata={
+            "help": "HF tokenizer: a model reference (directory, s3://..., Hub id, package:NAME); empty = train a WordPiece vocabulary on the corpus"
+        },
     )
     vocab_size: int = field(default=8000, metadata={"help": "size of a trained vocabulary"})
     lowercase: bool = field(default=True, metadata={"help": "lowercase when training a vocabulary"})
@@ -97,8 +99,7 @@ def _staged_texts(items: list[dict]) -> Iterator[str]:
 
 def _tokenize_shard(item: dict, tokenizer_uri: str, output: str) -> dict:
     """A Ray task: tokenizes one staged text shard into one final shard."""
-    with storage.local_copy(tokenizer_uri) as local:
-        tokenizer = load_tokenizer(local)
+    tokenizer = load_tokenizer(model_ref.materialize(tokenizer_uri, "tokenizer"))
     table = storage.read_parquet(item["text_uri"])
     encoded = tokenizer(
         table.column("text").to_pylist(),
@@ -147,7 +148,7 @@ def prepare_corpus(cfg: PrepareConfig) -> dict:
     tokenizer_uri = storage.join(cfg.output, "tokenizer")
     with tempfile.TemporaryDirectory() as tmp:
         if cfg.tokenizer:
-            tokenizer = load_tokenizer(cfg.tokenizer)
+            tokenizer = load_tokenizer(model_ref.materialize(cfg.tokenizer, "--corpus.tokenizer"))
             tokenizer.save_pretrained(tmp)
         else:
             tokenizer = train_wordpiece(_staged_texts(items), tmp, cfg.vocab_size, cfg.lowercase)

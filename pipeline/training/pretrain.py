@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
@@ -19,7 +20,8 @@ from models.masking import MaskingVocab
 from models.method import PretrainingMethod
 from models.mlm import MLMConfig, MLMMethod
 from models.simlm import SimLMConfig, SimLMMethod
-from pipeline.core import storage
+from pipeline.core import model_ref, storage
+from pipeline.core.errors import ConfigError
 from pipeline.core.plots import plot_loss_curve
 from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
@@ -85,13 +87,16 @@ class PretrainTask:
 
     def _tokenizer_local(self) -> str:
         if self._tokenizer_dir is None:  # needed until the final export
-            self._tokenizer_dir = storage.process_local_dir(self.tokenizer_uri)
+            self._tokenizer_dir = model_ref.materialize(self.tokenizer_uri, "tokenizer")
         return self._tokenizer_dir
 
     def build_model(self) -> torch.nn.Module:
         vocab = MaskingVocab.from_tokenizer(load_tokenizer(self._tokenizer_local()))
-        self.method = METHODS[self.method_name](self.method_cfg, vocab)
-        return self.method.build(build_mlm(self.backbone, self.vocab_size))
+        self.method = METHODS[self.method_name](_materialized(self.method_cfg), vocab)
+        backbone = self.backbone
+        if backbone.init:
+            backbone = dataclasses.replace(backbone, init=model_ref.materialize(backbone.init, "--model.init"))
+        return self.method.build(build_mlm(backbone, self.vocab_size))
 
     @property
     def counter_names(self) -> tuple[str, ...]:
@@ -122,6 +127,18 @@ class PretrainTask:
 
     def export(self, model: torch.nn.Module, out_dir: str) -> dict[str, str]:
         return self.method.export(model, out_dir, self._tokenizer_local())
+
+
+def _materialized(method_cfg):
+    """The method's settings with its model references (SimLM's generator and decoder,
+    coCondenser's head) as local paths on this node."""
+    changes = {}
+    for name, is_dir in (("generator", True), ("decoder", False), ("head", False)):
+        value = getattr(method_cfg, name, "")
+        if value and value != "auto":
+            fetch = model_ref.materialize if is_dir else model_ref.materialize_file
+            changes[name] = fetch(value, f"--{name}")
+    return dataclasses.replace(method_cfg, **changes) if changes else method_cfg
 
 
 def _pair_fraction(corpus: str, manifest: dict, spans: CoCondenserConfig) -> float:
@@ -158,33 +175,40 @@ def _check_same_method(cfg: PretrainConfig) -> None:
 def _resolve_warm_start_head(cfg: PretrainConfig) -> None:
     """coCondenser starts from a trained Condenser, head included (paper §3.3)."""
     if cfg.cocondenser.head == "auto":
-        beside = os.path.join(cfg.model.init, HEAD_FILE) if cfg.model.init else ""
-        cfg.cocondenser.head = beside if beside and os.path.isfile(beside) else ""
+        beside = cfg.model.init and model_ref.has_file(cfg.model.init, HEAD_FILE)
+        cfg.cocondenser.head = model_ref.join(cfg.model.init, HEAD_FILE) if beside else ""
         if not cfg.cocondenser.head:
             sys.stderr.write(
                 "cocondenser: no Condenser head beside --model.init; the head starts from random "
                 "(the paper warm-starts from a trained Condenser: pass its export as --model.init)\n"
             )
     elif cfg.cocondenser.head:
-        cfg.cocondenser.head = os.path.abspath(cfg.cocondenser.head)
-        if not os.path.isfile(cfg.cocondenser.head):
-            raise FileNotFoundError(f"--cocondenser.head {cfg.cocondenser.head}: no such file")
+        cfg.cocondenser.head = model_ref.check_file(cfg.cocondenser.head, "--cocondenser.head")
 
 
 def _check_simlm_paths(cfg: PretrainConfig) -> None:
     """Fail on the driver, in seconds, rather than on every worker after Ray starts them."""
     if not cfg.simlm.generator:
-        raise ValueError(
-            "--method simlm needs --simlm.generator: a local HF masked-LM checkpoint with the "
+        raise ConfigError(
+            "--method simlm needs --simlm.generator: an HF masked-LM checkpoint with the "
             "corpus's vocabulary. Train a small one with `python jobs/pretrain.py --method mlm` "
             "(e.g. --model.num_layers 2) and pass its export_dir"
         )
-    for name in ("generator", "decoder"):
-        path = getattr(cfg.simlm, name)
-        if path:
-            setattr(cfg.simlm, name, os.path.abspath(path))
-            if not os.path.exists(path):
-                raise FileNotFoundError(f"--simlm.{name} {path}: no such file or directory")
+    cfg.simlm.generator = model_ref.check(cfg.simlm.generator, "--simlm.generator")
+    if cfg.simlm.decoder:
+        cfg.simlm.decoder = model_ref.check_file(cfg.simlm.decoder, "--simlm.decoder")
+
+
+def _check_backbone(init: str, vocab_size: int) -> None:
+    """What the workers' :func:`build_mlm` would find, found on the driver in seconds."""
+    config = model_ref.read_config(init, "--model.init")
+    if config.get("model_type") != "bert":
+        raise ConfigError(f"--model.init {init}: model_type {config.get('model_type')!r}, expected a BERT checkpoint")
+    if config.get("vocab_size") != vocab_size:
+        raise ConfigError(
+            f"--model.init {init} has vocab_size {config.get('vocab_size')} but the corpus was tokenized with a "
+            f"vocabulary of {vocab_size}: prepare the corpus with this checkpoint's tokenizer (--corpus.tokenizer)"
+        )
 
 
 def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
@@ -195,7 +219,7 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
     cfg.corpus.output = storage.resolve(cfg.corpus.output).uri
     cfg.train.output = storage.resolve(cfg.train.output or f"runs/pretrain-{cfg.method}").uri
     if cfg.model.init:
-        cfg.model.init = os.path.abspath(cfg.model.init)
+        cfg.model.init = model_ref.check(cfg.model.init, "--model.init")
     if cfg.corpus.input and not storage.is_s3(cfg.corpus.input):
         cfg.corpus.input = os.path.abspath(cfg.corpus.input)
     storage.check_reachable(cfg.corpus.output)
@@ -208,8 +232,9 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
 
     manifest = prepare_corpus(cfg.corpus) if cfg.corpus.input else load_manifest(cfg.corpus.output)
     tokenizer_uri = storage.join(cfg.corpus.output, manifest["tokenizer"])
-    with storage.local_copy(tokenizer_uri) as tok_dir:
-        tokenizer = load_tokenizer(tok_dir)
+    tokenizer = load_tokenizer(model_ref.materialize(tokenizer_uri, "tokenizer"))
+    if cfg.model.init:
+        _check_backbone(cfg.model.init, manifest["vocab_size"])
     run_dir = storage.join(cfg.train.output, "checkpoints")
     method_cfg = getattr(cfg, cfg.method)
     spans = method_cfg if METHODS[cfg.method].example_format == "span_pairs" else None

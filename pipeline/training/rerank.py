@@ -16,12 +16,11 @@ the corpus. The re-ranked run is written atomically; with qrels, it is evaluated
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 import torch
-from transformers import AutoConfig
 
 from models.reranker import (
     PairLengths,
@@ -31,9 +30,8 @@ from models.reranker import (
     listwise_backward,
     pair_inputs,
 )
-from pipeline.core import storage
+from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig
-from pipeline.core.model_ref import resolve_init
 from pipeline.core.plots import plot_loss_curve
 from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.core.sample import SAMPLE_DEV_QRELS, SAMPLE_DEV_QUERIES
@@ -108,7 +106,7 @@ class RerankTask:
         self._tokenizer_dir: str | None = None
 
     def build_model(self) -> torch.nn.Module:
-        return build_reranker(self.init, self.lengths)
+        return build_reranker(model_ref.materialize(self.init, "--model.init"), self.lengths)
 
     def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]:
         q_ids = torch.from_numpy(np.ascontiguousarray(batch["q_input_ids"])).long()  # (b, Lq)
@@ -143,7 +141,7 @@ class RerankTask:
 
     def export(self, model: torch.nn.Module, out_dir: str) -> dict[str, str]:
         if self._tokenizer_dir is None:
-            self._tokenizer_dir = storage.process_local_dir(self.tokenizer_uri)
+            self._tokenizer_dir = model_ref.materialize(self.tokenizer_uri, "tokenizer")
         return model.save(out_dir, self._tokenizer_dir)
 
 
@@ -155,9 +153,10 @@ def _check_training_config(cfg: RerankConfig) -> None:
         raise ValueError(
             f"--reranker.group_size must be >= 2 (a positive and a negative), got {cfg.reranker.group_size}"
         )
-    init = resolve_init(cfg.model.init) if cfg.model.init else ""
-    if init and os.path.isdir(init):  # a missing init gets prepare_group_training's error and hint
-        check_max_len(AutoConfig.from_pretrained(init), cfg.reranker.max_len, f"--model.init {init}")
+    if cfg.model.init:
+        cfg.model.init = model_ref.check(cfg.model.init, "--model.init")
+        config = SimpleNamespace(**model_ref.read_config(cfg.model.init, "--model.init"))
+        check_max_len(config, cfg.reranker.max_len, f"--model.init {cfg.model.init}")
     if cfg.eval.run:  # found wanting after training would waste the run
         if cfg.eval.depth < 1:
             raise ValueError(f"--eval.depth must be >= 1, got {cfg.eval.depth}")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModel
 
-from pipeline.core import storage
+from pipeline.core import model_ref, storage
 from pipeline.core.plots import plot_cls_entropy
 from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.data.corpus import iter_documents
@@ -164,21 +164,17 @@ def measure(model, tokenizer, texts: list[str], max_len: int = 128, batch_size: 
 
 def run_analysis(cfg: AnalyzeConfig) -> dict:
     """Measure every checkpoint on the same passages; write entropy.json and cls_entropy.png."""
-    for uri in cfg.checkpoints:  # all of them before any model is loaded: fail in seconds
-        if not storage.exists(uri):
-            raise FileNotFoundError(f"checkpoint {uri!r}: no such directory or S3 prefix")
+    # All of them before any model is loaded: fail in seconds.
+    cfg.checkpoints = [model_ref.check(uri, "checkpoint") for uri in cfg.checkpoints]
     texts = load_passages(cfg.passages, cfg.num_passages, cfg.seed)
     if not texts:
         raise ValueError(f"{cfg.passages}: no passages")
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     results = []
     for uri, label in zip(cfg.checkpoints, cfg.display_labels):
-        with storage.local_copy(uri) as path:
-            model, tokenizer = load_checkpoint(path, device)
-            results.append(
-                {"label": label, "path": uri, **measure(model, tokenizer, texts, cfg.max_len, cfg.batch_size)}
-            )
-            del model  # free it before the next one loads
+        model, tokenizer = load_checkpoint(model_ref.materialize(uri, "checkpoint"), device)
+        results.append({"label": label, "path": uri, **measure(model, tokenizer, texts, cfg.max_len, cfg.batch_size)})
+        del model  # free it before the next one loads
     files = {"json": storage.join(cfg.output, "entropy.json"), "plot": storage.join(cfg.output, "cls_entropy.png")}
     storage.write_json(
         files["json"], {"passages": cfg.passages, "seed": cfg.seed, "max_len": cfg.max_len, "checkpoints": results}

