@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.core import storage
+
 # BERT's special tokens, at the ids a BERT vocabulary puts them.
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = 0, 1, 2, 3, 4
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -279,3 +281,21 @@ def _trec_qrels(tsv: str) -> str:
             q, d, s = line.split()
             o.write(f"{q} 0 {d} {s}\n")
     return out
+
+
+def read_trace_entries(run_dir: str) -> dict[str, list[tuple[int, int, list[int]]]]:
+    """``rank<r>-attempt<a>`` -> its (micro_step, epoch, rows) entries, over every flushed part."""
+    entries: dict[str, list] = {}
+    for uri in sorted(storage.list_files(storage.join(run_dir, "trace"), ".json")):
+        name = uri.rsplit("/", 1)[-1].split("-upto")[0]
+        entries.setdefault(name, []).extend(tuple(e) for e in storage.read_json(uri))
+    return entries
+
+
+def read_traces(run_dir: str) -> dict[str, dict[int, list[int]]]:
+    """``rank<r>-attempt<a>`` -> {epoch: rows it trained on}."""
+    traces = {}
+    for name, entries in read_trace_entries(run_dir).items():
+        for _, epoch, rows in entries:
+            traces.setdefault(name, {}).setdefault(epoch, []).extend(rows)
+    return traces

@@ -166,7 +166,7 @@ def test_passage_sample(corpus):
 
 def test_clear_errors(checkpoints, tmp_path):
     missing = str(tmp_path / "no-such-checkpoint")
-    with pytest.raises(FileNotFoundError, match="no-such-checkpoint"):
+    with pytest.raises(ConfigError, match="no-such-checkpoint: no such directory"):
         main(["--checkpoints", f"{checkpoints[0]},{missing}", "--output", str(tmp_path / "out")])
     with pytest.raises(ConfigError, match="1 labels for 2 checkpoints"):
         main(["--checkpoints", ",".join(checkpoints), "--labels", "one"])

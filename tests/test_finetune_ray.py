@@ -15,7 +15,7 @@ from models.biencoder import load_biencoder
 from pipeline.core import model_ref, storage
 from pipeline.data.beir import positives, read_qrels
 from pipeline.data.runs import read_negatives
-from pipeline.training.finetune import FinetuneConfig, run_finetuning
+from pipeline.training.finetune import FinetuneConfig, prepare_group_training, run_finetuning
 from pipeline.training.train_config import TrainConfig
 from tests.helpers import save_tiny_bert
 
@@ -100,6 +100,8 @@ def test_two_workers_with_gradient_cache_from_s3_with_bm25_negatives(tiny_bert, 
 
 
 def test_tevatron_training_file_with_its_own_passages(tiny_bert, tmp_path, ray_session):
+    """What a Tevatron file changes is the driver's data preparation (the training loop is
+    the one the test above runs): its passages become the corpus and its groups the examples."""
     from pipeline.data.examples import TrainExample
     from pipeline.data.tevatron import write_tevatron
 
@@ -127,8 +129,9 @@ def test_tevatron_training_file_with_its_own_passages(tiny_bert, tmp_path, ray_s
         log_every=1,
         checkpoint_every=100,
     )
-    summary = run_finetuning(cfg)
-    assert summary["steps"] == 4 and summary["examples"] == 16
+    prepared = prepare_group_training(cfg, cfg.retriever.group_size)
+    assert cfg.train.max_steps == 4 and len(prepared.examples) == 16  # 16 groups, 4 a step
     # Only the passages the file names: 16 positives and their negatives ids[1:21].
-    assert summary["corpus_docs"] == 21
-    assert "eval" not in summary
+    assert prepared.manifest["num_docs"] == 21
+    assert [e.positives for e in prepared.examples] == [[ids[i]] for i in range(16)]
+    assert [e.negatives for e in prepared.examples] == [ids[i + 1 : i + 6] for i in range(16)]

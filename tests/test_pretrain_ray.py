@@ -1,4 +1,5 @@
-"""Pre-training on Ray Train + DeepSpeed: streaming from S3, worker failure, re-run resume."""
+"""Pre-training on Ray Train + DeepSpeed: worker failure, re-run resume. (Two ZeRO-2 workers
+streaming one epoch from S3, every document once, run in the two-node recipe test.)"""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ import pytest
 from conftest import synthetic_docs, write_jsonl
 
 from models.backbone import BackboneConfig
-from pipeline.core import model_ref, storage
 from pipeline.data.position import DataPosition, restorable_checkpoint
 from pipeline.data.prepare import PrepareConfig
 from pipeline.training.pretrain import PretrainConfig, StreamConfig, run_pretraining
 from pipeline.training.train_config import TrainConfig
+from tests.helpers import read_trace_entries
 
 pytestmark = pytest.mark.ray
 
@@ -30,58 +31,6 @@ def tiny_config(corpus_input: str, corpus_out: str, train_out: str, **train) -> 
         output=train_out, num_workers=2, zero_stage=2, lr=1e-3, log_every=2, data_trace=True, **train
     )
     return cfg
-
-
-def read_trace_entries(run_dir: str) -> dict[str, list[tuple[int, int, list[int]]]]:
-    """``rank<r>-attempt<a>`` -> its (micro_step, epoch, rows) entries, over every flushed part."""
-    entries: dict[str, list] = {}
-    for uri in sorted(storage.list_files(storage.join(run_dir, "trace"), ".json")):
-        name = uri.rsplit("/", 1)[-1].split("-upto")[0]
-        entries.setdefault(name, []).extend(tuple(e) for e in storage.read_json(uri))
-    return entries
-
-
-def read_traces(run_dir: str) -> dict[str, dict[int, list[int]]]:
-    """``rank<r>-attempt<a>`` -> {epoch: rows it trained on}."""
-    traces = {}
-    for name, entries in read_trace_entries(run_dir).items():
-        for _, epoch, rows in entries:
-            traces.setdefault(name, {}).setdefault(epoch, []).extend(rows)
-    return traces
-
-
-def test_two_workers_stream_disjoint_documents_from_s3_with_zero2(tmp_path, s3_bucket, ray_session):
-    import boto3
-    from transformers import AutoModel, BertModel
-
-    docs = synthetic_docs(240, seed=3)
-    boto3.client("s3").put_object(
-        Bucket=s3_bucket, Key="raw/corpus.jsonl", Body="".join(json.dumps(d) + "\n" for d in docs).encode()
-    )
-    cfg = tiny_config(
-        f"s3://{s3_bucket}/raw/corpus.jsonl",
-        f"s3://{s3_bucket}/corpus",
-        f"s3://{s3_bucket}/run",
-        micro_batch_size=10,
-        max_steps=1000,
-        epochs=1,
-        checkpoint_every=5,
-    )
-    summary = run_pretraining(cfg)
-
-    assert summary["steps"] == 12  # 240 docs / (2 workers x 10): the one epoch streamed ends the run
-    traces = read_traces(f"s3://{s3_bucket}/run/checkpoints")
-    assert sorted(traces) == ["rank0-attempt0", "rank1-attempt0"]
-    rank0, rank1 = traces["rank0-attempt0"][0], traces["rank1-attempt0"][0]
-    assert len(rank0) == len(rank1) == 120
-    assert not set(rank0) & set(rank1)
-    assert sorted(rank0 + rank1) == list(range(240))  # every document exactly once
-
-    assert summary["export_dir"] == f"s3://{s3_bucket}/run/export"
-    local = model_ref.materialize(summary["export_dir"])  # the export, in this node's cache
-    assert isinstance(AutoModel.from_pretrained(local), BertModel)
-    assert os.path.exists(os.path.join(local, "condenser_head.safetensors"))
-    assert summary["checkpoint"].startswith(f"{s3_bucket}/run/checkpoints/checkpoint_")
 
 
 def _train_worker_pids() -> list[int]:

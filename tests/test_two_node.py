@@ -49,6 +49,7 @@ from tests.ray_cluster import (
     submit_job,
     wait_for_nodes,
 )
+from tests.test_pretrain_ray import read_traces
 
 pytestmark = pytest.mark.ray
 
@@ -64,6 +65,17 @@ def view(paths):
     return {"node": ray.get_runtime_context().get_node_id(), "seen": [p for p in paths if os.path.exists(p)]}
 paths = json.loads(os.environ["PROBE_PATHS"])
 print("PROBE " + json.dumps({"driver_node": ray.get_runtime_context().get_node_id(), **ray.get(view.remote(paths))}))
+"""
+
+
+# Jobs a user gets wrong on a cluster: each must be refused by its driver before any work.
+REFUSALS = """
+import json, subprocess, sys, time
+for args in json.loads(sys.argv[1]):
+    started = time.time()
+    done = subprocess.run([sys.executable, "jobs/finetune.py", *args], capture_output=True, text=True)
+    report = {"args": args, "rc": done.returncode, "seconds": time.time() - started, "stderr": done.stderr[-3000:]}
+    print("REFUSAL " + json.dumps(report))
 """
 
 
@@ -85,9 +97,23 @@ def _config(data: dict, init: str, output: str) -> PipelineConfig:
             num_workers=workers,
         )
 
-    job = cfg.pretrain.job  # a Condenser continued from the stored model, on two workers
+    # A Condenser continued from the stored model: one epoch (which ends the run) streamed
+    # from S3 to two ZeRO-2 workers, one document per sequence, each logging its rows.
+    job = cfg.pretrain.job
     job.model.init, job.corpus.input, job.corpus.tokenizer = init, data["corpus"], init
-    job.data.max_len, job.train = 32, steps(8, workers=2)
+    job.data.max_len, job.data.pack = 32, False
+    job.train = TrainConfig(
+        micro_batch_size=10,
+        max_steps=1000,
+        epochs=1,
+        zero_stage=2,
+        lr=1e-3,
+        checkpoint_every=100,
+        cpus_per_worker=1,
+        log_every=1,
+        num_workers=2,
+        data_trace=True,
+    )
     for stage in (cfg.round1, cfg.round2, cfg.distill):
         stage.retriever.group_size, stage.train = 4, steps(8)
     cfg.reranker.group_size, cfg.reranker.max_len, cfg.reranker.train = 4, 44, steps(4)
@@ -175,10 +201,20 @@ def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp
     for label in ("BM25", "zero-shot", "round 1", "round 2", "re-ranker", "distillation"):
         assert f"| {label}" in results
 
-    # Every hand-off is on S3: rounds 1 and 2 start from the pre-training export, round 2 on
-    # round 1's mined negatives, none of them judged positive.
+    # Pre-training: the one epoch streamed ends the run (120 passages / (2 workers x 10)),
+    # the two workers trained on disjoint halves, every passage exactly once.
+    pretrain = records["pretrain"]["summary"]
+    assert pretrain["steps"] == 6
+    traces = read_traces(f"{out}/pretrain/checkpoints")
+    assert sorted(traces) == ["rank0-attempt0", "rank1-attempt0"]
+    rank0, rank1 = traces["rank0-attempt0"][0], traces["rank1-attempt0"][0]
+    assert len(rank0) == len(rank1) == N_DOCS // 2 and sorted(rank0 + rank1) == list(range(N_DOCS))
     export = records["pretrain"]["outputs"]["export"]
     assert export == f"{out}/pretrain/export"
+    assert model_ref.has_file(export, "condenser_head.safetensors")
+
+    # Every hand-off is on S3: rounds 1 and 2 start from the pre-training export, round 2 on
+    # round 1's mined negatives, none of them judged positive.
     round2 = storage.read_json(f"{out}/round2/summary.json")
     assert round2["export_dir"].startswith(out)
     round2_cfg = yaml.safe_load(storage.read_bytes(f"{out}/round2/config.yaml"))
@@ -239,6 +275,23 @@ def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp
     canary.parent.mkdir()
     canary.write_bytes(b"\x00\x80" + FAKE_CREDENTIALS["AWS_SESSION_TOKEN"].encode() + b"\xff")
     assert files_containing([canary.parent], FAKE_CREDENTIALS) == {str(canary): ["AWS_SESSION_TOKEN"]}
+
+    # On this cluster, a local output is refused before any work starts, and a missing model
+    # fails on the driver in seconds, naming the reference (not after workers restart).
+    missing = f"s3://{s3_bucket}/no/such/export"
+    cases = [
+        ["--train.output", "runs/local-run", "--model.init", init],
+        ["--train.output", f"s3://{s3_bucket}/refused", "--model.init", missing],
+    ]
+    done = submit_job(head, ["python", "-c", REFUSALS, json.dumps(cases)])
+    reports = [json.loads(line[8:]) for line in done.stdout.splitlines() if line.startswith("REFUSAL ")]
+    assert len(reports) == 2, done.stdout[-4000:] + done.stderr[-2000:]
+    local_output, missing_init = reports
+    assert local_output["rc"] != 0 and "--train.output runs/local-run: a local path" in local_output["stderr"]
+    assert "this Ray cluster has 2 nodes" in local_output["stderr"]
+    assert missing_init["rc"] != 0 and f"--model.init {missing}: nothing stored there" in missing_init["stderr"]
+    assert max(r["seconds"] for r in reports) < 60, reports
+    assert not storage.exists(f"s3://{s3_bucket}/refused")  # nothing written
 
     # From here on, this process's own Ray reads the same S3 run. include_positives adds the
     # judged positives the first stage missed to what is scored (the teacher's use), but

@@ -87,7 +87,8 @@ def check(reference: str, what: str = "model", nodes: int | None = None) -> str:
     ref = parse(reference, what)
     if ref.kind == "local":
         if not os.path.isdir(ref.location):
-            hint = "" if "/" not in ref.text.strip("/") else " (nor a Hub id: a Hub id is 'name' or 'org/name')"
+            relative = not ref.text.startswith(("/", ".", "~"))  # might have been meant as a Hub id
+            hint = " (nor a Hub id: a Hub id is 'name' or 'org/name')" if relative else ""
             raise ConfigError(f"{what} {ref.text}: no such directory{hint}")
         nodes = cluster_nodes() if nodes is None else nodes
         if nodes > 1:
