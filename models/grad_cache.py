@@ -24,22 +24,28 @@ import torch
 
 @dataclass
 class RngState:
+    """The CPU RNG and, when this process uses CUDA, its current device's RNG: dropout
+    draws from the device the model runs on. Ray Train shows every worker all of a node's
+    GPUs; saving or forking the RNG of each would create a CUDA context on all of them."""
+
     cpu: torch.Tensor
-    cuda: list[torch.Tensor] | None
+    cuda: torch.Tensor | None = None
+    device: int | None = None
 
     @classmethod
     def capture(cls) -> "RngState":
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        return cls(torch.get_rng_state(), cuda)
+        if not torch.cuda.is_initialized():  # nothing ran on a GPU: no CUDA RNG was drawn from
+            return cls(torch.get_rng_state())
+        device = torch.cuda.current_device()
+        return cls(torch.get_rng_state(), torch.cuda.get_rng_state(device), device)
 
     @contextlib.contextmanager
     def restored(self):
         """Run a block with this RNG state, leaving the caller's RNG as it was."""
-        devices = list(range(torch.cuda.device_count())) if self.cuda is not None else []
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=[] if self.device is None else [self.device]):
             torch.set_rng_state(self.cpu)
             if self.cuda is not None:
-                torch.cuda.set_rng_state_all(self.cuda)
+                torch.cuda.set_rng_state(self.cuda, self.device)
             yield
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -136,6 +137,31 @@ def _worker(rank: int, world: int, port: int, full: torch.Tensor, out: dict):
         out[rank] = {"gathered": gathered.detach().clone(), "loss": loss.item(), "grad": local.grad.clone()}
     finally:
         dist.destroy_process_group()
+
+
+def test_rng_state_touches_only_the_current_cuda_device(monkeypatch):
+    """A worker that sees 8 GPUs saves and forks the RNG of the one it runs on (device 3
+    here); the CUDA calls are recorded, not run (this machine has no GPU)."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: calls.append(("get", device)) or torch.ones(4))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: calls.append(("set", device)))
+    for name in ("get_rng_state_all", "set_rng_state_all"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, name=name: pytest.fail(f"{name}: every device touched"))
+    forked = []
+
+    @contextlib.contextmanager
+    def fork_rng(devices):
+        forked.append(list(devices))
+        yield
+
+    monkeypatch.setattr(torch.random, "fork_rng", fork_rng)
+    state = RngState.capture()
+    with state.restored():
+        pass
+    assert state.device == 3 and calls == [("get", 3), ("set", 3)] and forked == [[3]]
 
 
 def test_two_workers_place_chunks_by_global_rank_and_reproduce_the_full_batch_gradient():

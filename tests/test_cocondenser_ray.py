@@ -7,7 +7,6 @@ import os
 import pytest
 import torch
 from conftest import synthetic_docs, write_jsonl
-from test_pretrain_ray import read_traces
 
 from models.backbone import BackboneConfig, build_mlm, load_module_state
 from models.cocondenser import CoCondenserConfig
@@ -17,6 +16,7 @@ from pipeline.data.prepare import PrepareConfig, prepare_corpus
 from pipeline.data.tokenizer import load_tokenizer
 from pipeline.training.pretrain import PretrainConfig, run_pretraining
 from pipeline.training.train_config import TrainConfig
+from tests.helpers import read_traces
 
 pytestmark = pytest.mark.ray
 

@@ -9,7 +9,6 @@ import os
 
 import pytest
 from conftest import synthetic_docs
-from test_pretrain_ray import read_traces
 
 from models.biencoder import load_biencoder
 from pipeline.core import model_ref, storage
@@ -17,7 +16,7 @@ from pipeline.data.beir import positives, read_qrels
 from pipeline.data.runs import read_negatives
 from pipeline.training.finetune import FinetuneConfig, prepare_group_training, run_finetuning
 from pipeline.training.train_config import TrainConfig
-from tests.helpers import save_tiny_bert
+from tests.helpers import read_traces, save_tiny_bert
 
 pytestmark = pytest.mark.ray
 

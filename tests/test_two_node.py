@@ -35,7 +35,7 @@ from pipeline.data.runs import read_trec_run
 from pipeline.retrieval.rerank_scoring import PairScorer, RerankScoreConfig, run_scoring
 from pipeline.training.train_config import TrainConfig
 from pipeline.workflows.recipe import STAGES, PipelineConfig, run_pipeline
-from tests.helpers import ir_measures_of_run, retrieval_collection, save_tiny_bert
+from tests.helpers import ir_measures_of_run, read_traces, retrieval_collection, save_tiny_bert
 from tests.ray_cluster import (
     FAKE_CREDENTIALS,
     REPO,
@@ -49,7 +49,6 @@ from tests.ray_cluster import (
     submit_job,
     wait_for_nodes,
 )
-from tests.test_pretrain_ray import read_traces
 
 pytestmark = pytest.mark.ray
 
