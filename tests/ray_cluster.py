@@ -7,6 +7,7 @@ started (never ``ray stop``, which would kill every Ray process of the user).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -140,13 +141,15 @@ def start_isolated_worker(
         )
     )
     log = open(os.path.join(ray_dir, "worker-node.log"), "w")
-    return subprocess.Popen(
+    process = subprocess.Popen(
         ["unshare", "-m", "sh", "-c", "\n".join(lines)],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    process.staging_dir = stage  # empty on this side of the mount namespace: removed by cleanup()
+    return process
 
 
 def installed_source() -> list[str]:
@@ -251,5 +254,7 @@ def job_summaries(stdout: str, job: str) -> list[dict]:
 def cleanup(head: Head, *workers: subprocess.Popen) -> None:
     for worker in workers:
         stop(worker)
+        with contextlib.suppress(OSError):  # rmdir, never rmtree: it must be empty on this side
+            os.rmdir(getattr(worker, "staging_dir", ""))
     stop(head.process)
     shutil.rmtree(head.temp_dir, ignore_errors=True)
