@@ -25,6 +25,7 @@ from models.cocondenser import (
 from models.condenser import Condenser
 from models.masking import whole_word_mask
 from models.mlm_losses import sequence_mlm_losses
+from pipeline.training.deepspeed_config import skip_inference_comm_op
 from tests.helpers import random_word_batch, tiny_masking_vocab, tiny_mlm, tiny_vocab
 
 WORLD = 2
@@ -78,6 +79,7 @@ def _worker(rank: int, port: int, out: dict):
         LOCAL_WORLD_SIZE=str(WORLD),
     )
     torch.set_num_threads(1)
+    skip_inference_comm_op()
     deepspeed.init_distributed(dist_backend="gloo")
     n = 2 * PAIRS_PER_WORKER
     local = {k: v[rank * n : (rank + 1) * n] for k, v in global_batch().items()}

@@ -25,6 +25,7 @@ from models.biencoder import (
     own_group_scores,
 )
 from models.distillation import distillation_backward, distillation_loss
+from pipeline.training.deepspeed_config import skip_inference_comm_op
 from tests.helpers import random_word_batch, tiny_mlm, tiny_vocab
 
 WORLD, N_QUERIES, GROUP = 2, 3, 4  # per worker: 3 queries, 12 passages
@@ -88,6 +89,7 @@ def _worker(rank: int, port: int, out: dict):
         LOCAL_WORLD_SIZE=str(WORLD),
     )
     torch.set_num_threads(1)
+    skip_inference_comm_op()
     deepspeed.init_distributed(dist_backend="gloo")
     for loss_name, stage, precision, chunk, shared in CASES:
         model = build(shared)

@@ -11,6 +11,19 @@ from pipeline.training.train_config import TrainConfig
 TEMPLATES = "zero_templates"  # package data: zero0.json .. zero3.json
 
 
+def skip_inference_comm_op() -> None:
+    """Keep DeepSpeed from JIT-compiling its shared-memory all-reduce when its CPU backend
+    starts (``deepspeed_shm_comm``: about 40 s of C++ compilation on a 2-core machine with a
+    fresh extension cache, and a compiler on every CPU node). DeepSpeed uses that op only for
+    its inference all-reduce; training reduces through torch.distributed, which is all a
+    raydense worker calls. Marked incompatible, the op is not built and the backend runs
+    without it. Call before ``deepspeed.init_distributed`` / ``deepspeed.initialize``."""
+    import deepspeed.ops
+
+    # DeepSpeed probes its ops once per process and keeps the answer in this dict.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def effective_zero_stage(train: TrainConfig, world_size: int) -> int:
     """ZeRO partitions optimiser state across workers; with one worker there is nothing to
     partition, and its gradient hooks cost ~4% of a step (bench/bench_pretrain.py), so a

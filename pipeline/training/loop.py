@@ -41,7 +41,7 @@ from pipeline.core import storage
 from pipeline.data.position import read_position
 from pipeline.data.stream import configure_data_context
 from pipeline.training.checkpoints import TrainState, restore_checkpoint, save_checkpoint
-from pipeline.training.deepspeed_config import deepspeed_config
+from pipeline.training.deepspeed_config import deepspeed_config, skip_inference_comm_op
 from pipeline.training.train_config import TrainConfig
 
 
@@ -127,6 +127,7 @@ def train_worker(config: dict) -> None:
         param_groups(model, train.weight_decay), lr=train.lr, eps=train.adam_eps, fused=train.use_gpu or None
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(train.max_steps, train.warmup_ratio))
+    skip_inference_comm_op()
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config["deepspeed"]
     )
