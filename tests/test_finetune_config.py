@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.core.config import parse_config
 from pipeline.core.errors import ConfigError
-from pipeline.training.finetune import FinetuneConfig, run_finetuning
+from pipeline.training.finetune import FinetuneConfig, evaluation_job, run_finetuning
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,3 +44,27 @@ def test_help_lists_every_section():
         "--model.init",
     ):
         assert option in out
+
+
+def test_evaluation_is_off_by_default_and_asked_for_goes_through_the_distributed_path():
+    """No --eval.queries, no evaluation; with them, the trainer hands jobs/evaluate.py's
+    path the prepared training corpus, its own lengths and the eval pool whole."""
+    cfg = FinetuneConfig()
+    assert cfg.eval.queries == "" and cfg.eval.qrels == ""
+    cfg = parse_config(
+        FinetuneConfig,
+        [
+            "--train.output", "s3://b/run",
+            "--corpus.output", "s3://b/run/corpus",
+            "--eval.queries", "s3://b/dev.jsonl",
+            "--eval.qrels", "s3://b/dev.tsv",
+            "--eval.pool.use_gpu", "true",
+            "--eval.pool.actors", "4",
+            "--eval.index", "IVF64,Flat",
+            "--data.passage_max_len", "96",
+        ],
+    )  # fmt: skip
+    job = evaluation_job(cfg, "s3://b/run/export")
+    assert (job.model, job.corpus, job.output) == ("s3://b/run/export", "s3://b/run/corpus", "s3://b/run/eval")
+    assert (job.queries, job.qrels, job.index, job.max_len) == ("s3://b/dev.jsonl", "s3://b/dev.tsv", "IVF64,Flat", 96)
+    assert job.pool == cfg.eval.pool and job.pool.use_gpu and job.pool.actors == 4

@@ -1,7 +1,7 @@
 """Peer parity: jobs/evaluate.py with the real MiniLM equals sentence-transformers + ir_measures.
 
 A small real collection cut from the bundled Bible sample: the first 60 dev queries, every
-verse they judge, and 1,000 other verses. sentence-transformers encodes with its own
+verse they judge, and 400 other verses. sentence-transformers encodes with its own
 pipeline (its tokenizer call, its mean pooling module, its normalisation); ir_measures
 scores both runs.
 """
@@ -32,7 +32,7 @@ def small_real(tmp_path_factory):
     judged = {line.split("\t")[1] for line in qrels}
     docs = [json.loads(line) for line in (SAMPLE / "corpus.jsonl").read_text().splitlines()]
     others = [d for d in docs if d["_id"] not in judged]
-    picked = np.random.default_rng(0).choice(len(others), 1000, replace=False)
+    picked = np.random.default_rng(0).choice(len(others), 400, replace=False)
     corpus = [d for d in docs if d["_id"] in judged] + [others[i] for i in sorted(picked)]
     (root / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in corpus))
     (root / "queries.jsonl").write_text("".join(json.dumps(q) + "\n" for q in queries))

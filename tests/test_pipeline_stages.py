@@ -11,6 +11,7 @@ import os
 
 import pytest
 
+from pipeline.core.actor_pool import ActorConfig
 from pipeline.workflows.manifest import RunManifest
 from pipeline.workflows.recipe import (
     MANIFEST,
@@ -167,3 +168,56 @@ def test_shipped_recipes_load_and_the_embedded_one_is_the_default():
             continue
         cfg = parse_config(PipelineConfig, ["--config", os.path.join(recipes, name)])
         assert cfg.data.corpus and cfg.round1.train.max_steps + cfg.round1.train.epochs > 0, name
+
+
+def test_the_eval_and_reranker_pools_reach_every_stage_whole(tmp_path, monkeypatch):
+    """A recipe whose pools set GPUs: every evaluation (zero-shot, rounds 1 and 2,
+    distillation), both minings and both scorings receive the pool as configured, not
+    just its actor count (the stages' jobs stubbed; what they are handed is recorded)."""
+    from pipeline.workflows import recipe
+
+    cfg = cfg_for(tmp_path)
+    cfg.eval.pool = ActorConfig(actors=3, use_gpu=True, gpus_per_actor=0.5, cpus_per_actor=4)
+    cfg.eval.precision = "bf16"
+    cfg.reranker.pool = ActorConfig(actors=2, use_gpu=True, cpus_per_actor=2)
+    handed: list[tuple[str, object]] = []
+
+    def evaluation(job):
+        handed.append(("evaluate", job))
+        return {"run": f"{job.output}/run.trec", "metrics": {"MRR@10": 0.1}}
+
+    def mining(job):
+        handed.append(("mine", job))
+        return {k: f"{job.output}/{k}" for k in ("negatives", "run", "tevatron")}
+
+    def scoring(job):
+        handed.append(("score", job))
+        return {"run": f"{job.output}/run.trec", "metrics": {"MRR@10": 0.1}}
+
+    def training(job):
+        return {"export_dir": f"{job.train.output}/export"}
+
+    for name, fake in [
+        ("run_evaluation", evaluation),
+        ("run_mining", mining),
+        ("run_scoring", scoring),
+        ("run_finetuning", training),
+        ("run_distillation", training),
+        ("_sample_run", lambda run, *args: run),
+    ]:
+        monkeypatch.setattr(recipe, name, fake)
+    ctx = recipe.StageContext(cfg, RunManifest(cfg.output, MANIFEST))
+    ctx.manifest.data["corpus_docs"] = 5000
+    ctx.manifest.save("pretrain", {"outputs": {"export": "s3://b/pretrain/export"}})
+    ctx.manifest.save("reranker", {"outputs": {"export": "s3://b/reranker/export"}})
+    for stage in ("zeroshot", "round1", "mine1", "round2", "mine2", "teacher", "distill"):
+        ctx.manifest.save(stage, getattr(recipe, f"stage_{stage}")(ctx))
+    recipe._score(ctx, "rerank", "s3://b/round2/run.trec", "q", "r", 10, include_positives=False)
+
+    kinds = [kind for kind, _ in handed]
+    assert kinds == ["evaluate", "evaluate", "mine", "evaluate", "mine", "score", "evaluate", "score"]
+    for kind, job in handed:
+        expected = cfg.reranker.pool if kind == "score" else cfg.eval.pool
+        assert job.pool == expected, kind
+    assert all(job.precision == "bf16" for kind, job in handed if kind == "evaluate")
+    assert all(job.encoder.precision == "bf16" for kind, job in handed if kind == "mine")

@@ -227,6 +227,7 @@ def test_mined_negatives_exclude_positives_and_are_reproducible(encoded, collect
             count=6,
             seed=3,
             encoder=cfg.encoder,
+            pool=ActorConfig(actors=1),
         )
         summary = run_mining(mine)
         runs.append(read_negatives(summary["negatives"]))
@@ -263,6 +264,8 @@ def test_evaluate_job_matches_ir_measures_on_a_brute_force_run(encoded, collecti
             str(tmp_path / "eval"),
             "--docs_per_shard",
             "25",
+            "--pool.actors",
+            "1",
         ]
     )
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -8,9 +8,10 @@ on the tests' loopback S3, the initial model too. ``ray job submit --working-dir
 the code.
 
 The recipe is shrunk (a tiny random BERT, 120 passages, 40 training and 12 dev queries,
-two steps per trainer) but every stage runs for real: pre-training, BM25, zero-shot,
-round 1, mining, round 2, mining, re-ranker, re-ranking, teacher scores, distillation.
-The test then checks what each stage handed the next, on S3.
+two steps per trainer) but every stage runs for real: pre-training (SimLM, whose frozen
+generator is one more stored model the workers fetch), BM25, zero-shot, round 1, mining,
+round 2, mining, re-ranker, re-ranking, teacher scores, distillation. The test then checks
+what each stage handed the next, on S3.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pipeline.data.runs import read_trec_run
 from pipeline.retrieval.rerank_scoring import PairScorer, RerankScoreConfig, run_scoring
 from pipeline.training.train_config import TrainConfig
 from pipeline.workflows.recipe import STAGES, PipelineConfig, run_pipeline
-from tests.helpers import ir_measures_of_run, read_traces, retrieval_collection, save_tiny_bert
+from tests.helpers import ir_measures_of_run, read_traces, retrieval_collection, save_tiny_bert, tiny_generator
 from tests.ray_cluster import (
     FAKE_CREDENTIALS,
     REPO,
@@ -78,7 +79,7 @@ for args in json.loads(sys.argv[1]):
 """
 
 
-def _config(data: dict, init: str, output: str) -> PipelineConfig:
+def _config(data: dict, init: str, output: str, generator: str) -> PipelineConfig:
     cfg = PipelineConfig(output=output)
     cfg.model.init = init
     for key in ("corpus", "train_queries", "train_qrels", "dev_queries", "dev_qrels"):
@@ -96,10 +97,12 @@ def _config(data: dict, init: str, output: str) -> PipelineConfig:
             num_workers=workers,
         )
 
-    # A Condenser continued from the stored model: one epoch (which ends the run) streamed
-    # from S3 to two ZeRO-2 workers, one document per sequence, each logging its rows.
+    # SimLM continued from the stored model, its generator stored too: one epoch (which ends
+    # the run) streamed from S3 to two ZeRO-2 workers, one document per sequence, each
+    # logging its rows.
     job = cfg.pretrain.job
     job.model.init, job.corpus.input, job.corpus.tokenizer = init, data["corpus"], init
+    job.method, job.simlm.generator, job.simlm.n_decoder_layers = "simlm", generator, 1
     job.data.max_len, job.data.pack = 32, False
     job.train = TrainConfig(
         micro_batch_size=10,
@@ -157,9 +160,12 @@ def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp
     head, worker_ray_dir = two_node_cluster
     local = retrieval_collection(tmp_path / "data", N_DOCS, N_TRAIN, N_DEV)
     init = storage.upload_dir(save_tiny_bert(str(tmp_path / "init"), local["texts"]), f"s3://{s3_bucket}/init")
+    generator = storage.upload_dir(
+        tiny_generator(tmp_path / "generator", str(tmp_path / "init")), f"s3://{s3_bucket}/generator"
+    )
     data = _upload_collection(local, s3_bucket)
     out = f"s3://{s3_bucket}/run"
-    cfg = _config(data, init, out)
+    cfg = _config(data, init, out, generator)
     recipe = tmp_path / "recipe.yaml"  # read by the driver, on the head
     recipe.write_text(dump_yaml(cfg, redact_secrets=False))
 
@@ -184,9 +190,13 @@ def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp
     summary = job_summaries(done.stdout, "pipeline")[-1]
     assert summary["ran"] == list(STAGES)
 
+    # The searchers reserved their shards' memory and a CPU share, so none is on the 0-CPU head.
+    records = storage.read_json(f"{out}/pipeline.json")["stages"]
+    for searchers in (records["zeroshot"]["summary"]["searchers"], records["round2"]["summary"]["eval"]["searchers"]):
+        assert searchers and all(s["node"] == probe["node"] and s["reserved"]["memory"] > 0 for s in searchers)
+
     # pipeline.json on S3 records every stage; each retriever-stage row is what ir_measures
     # computes from that stage's run file, read back from S3.
-    records = storage.read_json(f"{out}/pipeline.json")["stages"]
     assert set(records) == set(STAGES)
     for stage in ("bm25", "zeroshot", "round1", "round2", "rerank", "distill"):
         run_uri = records[stage]["outputs"]["run"]
@@ -210,7 +220,8 @@ def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp
     assert len(rank0) == len(rank1) == N_DOCS // 2 and sorted(rank0 + rank1) == list(range(N_DOCS))
     export = records["pretrain"]["outputs"]["export"]
     assert export == f"{out}/pretrain/export"
-    assert model_ref.has_file(export, "condenser_head.safetensors")
+    assert model_ref.has_file(export, "simlm_decoder.safetensors")
+    assert yaml.safe_load(storage.read_bytes(f"{out}/pretrain/config.yaml"))["simlm"]["generator"] == generator
 
     # Every hand-off is on S3: rounds 1 and 2 start from the pre-training export, round 2 on
     # round 1's mined negatives, none of them judged positive.
@@ -319,9 +330,9 @@ def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp
         assert extra <= set(positives(read_qrels(local["dev_qrels"]).get(qid, {})))
 
     # A rerun does nothing; --only reruns one stage and leaves the others' records alone.
-    again = run_pipeline(_config(data, init, out))
+    again = run_pipeline(_config(data, init, out, generator))
     assert again["ran"] == [] and again["skipped"] == list(STAGES)
-    only = _config(data, init, out)
+    only = _config(data, init, out, generator)
     only.only = "rerank"
     redone = run_pipeline(only)
     assert redone["ran"] == ["rerank"]

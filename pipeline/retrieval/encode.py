@@ -8,11 +8,16 @@ shard exists, so the result holds every passage exactly once.
 
 Inside an actor, a shard's passages are sorted by length and encoded in batches padded
 only to their own longest passage; on GPU under fp16 or bf16 autocast.
+
+Queries are encoded on actors too, in blocks (:func:`encode_queries`, or the same pool
+right after the corpus with ``run_encoding(cfg, query_texts)``): never in the driver,
+which at MS MARCO scale would encode half a million queries on the head's CPUs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -24,7 +29,7 @@ import torch
 
 from models.biencoder import load_biencoder
 from pipeline.core import model_ref, storage
-from pipeline.core.actor_pool import ActorConfig, run_actor_pool
+from pipeline.core.actor_pool import ActorConfig, actor_device, run_actor_pool
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
@@ -85,10 +90,12 @@ def _frame_batch(token_lists: list, max_len: int, cls_id: int, sep_id: int, pad_
 class Encoder:
     """The model on one device, encoding token-id lists in length-sorted batches."""
 
-    def __init__(self, settings: EncoderSettings, tokenizer_dir: str, device: str = "cpu"):
+    def __init__(self, settings: EncoderSettings, tokenizer_dir: str, device: str = "cpu", model=None):
         self.settings, self.device = settings, device
-        path = model_ref.materialize(settings.model, "--encoder.model")
-        self.model = load_biencoder(path, settings.overrides()).to(device).eval()
+        if model is None:
+            path = model_ref.materialize(settings.model, "--encoder.model")
+            model = load_biencoder(path, settings.overrides()).to(device).eval()
+        self.model = model
         self.tokenizer = load_tokenizer(tokenizer_dir)
         precision = settings.precision
         if precision == "auto":
@@ -128,24 +135,42 @@ class Encoder:
         return int(self.model.query_encoder.config.hidden_size)
 
 
+def model_tokenizer_dir(model_dir: str) -> str:
+    """The tokenizer that reads query text: the query tower's when the export has two."""
+    towers = os.path.join(model_dir, "query")
+    return towers if os.path.isdir(towers) else model_dir
+
+
 def local_encoder(settings: EncoderSettings, device: str = "cpu") -> Encoder:
-    """An :class:`Encoder` in this process (e.g. for queries), with the model's own tokenizer."""
+    """An :class:`Encoder` in this process (tests, benchmarks), with the model's own tokenizer."""
 
     model_dir = model_ref.materialize(settings.model, "--encoder.model")
-    towers = os.path.join(model_dir, "query")
-    return Encoder(settings, towers if os.path.isdir(towers) else model_dir, device)
+    return Encoder(settings, model_tokenizer_dir(model_dir), device)
 
 
 class EncoderActor:
-    """A Ray actor holding one :class:`Encoder`; encodes whole corpus shards."""
+    """A Ray actor holding one :class:`Encoder`: encodes corpus shards (token ids with the
+    corpus's tokenizer, ``tokenizer_uri``) and blocks of query text (the model's own
+    tokenizer; an empty ``tokenizer_uri`` for a pool that encodes only queries)."""
 
-    def __init__(self, settings: EncoderSettings, tokenizer_uri: str, cpus: float, use_gpu: bool):
-        torch.set_num_threads(max(1, int(cpus)))
-        self._tokenizer = model_ref.materialize(tokenizer_uri, "tokenizer")
-        self.encoder = Encoder(settings, self._tokenizer, "cuda" if use_gpu else "cpu")
+    def __init__(self, settings: EncoderSettings, tokenizer_uri: str, pool: ActorConfig):
+        torch.set_num_threads(max(1, int(pool.cpus_per_actor)))
+        device = actor_device(pool)
+        model_dir = model_ref.materialize(settings.model, "--encoder.model")
+        tokenizer_dir = model_ref.materialize(tokenizer_uri, "tokenizer") if tokenizer_uri else ""
+        self.encoder = Encoder(settings, tokenizer_dir or model_tokenizer_dir(model_dir), device)
+        self.query_encoder = self.encoder
+        if tokenizer_dir and model_tokenizer_dir(model_dir) != model_dir:
+            # Two towers: passages come pre-tokenized, query text needs the query tokenizer.
+            self.query_encoder = Encoder(settings, model_tokenizer_dir(model_dir), device, self.encoder.model)
 
     def pid(self) -> int:
         return os.getpid()
+
+    def encode_queries(self, texts: list[str]) -> dict:
+        started = time.perf_counter()
+        vectors = self.query_encoder.encode_texts(texts, self.encoder.settings.query_max_len, tower="query")
+        return {"vectors": vectors, "rows": len(texts), "seconds": time.perf_counter() - started, "pid": os.getpid()}
 
     def encode_shard(self, corpus_shard_uri: str, index: int, output: str) -> dict:
         started = time.perf_counter()
@@ -185,8 +210,17 @@ def prepared_corpus(corpus: str, model_dir: str, prepared: str, docs_per_shard: 
     return prepared, prepare_corpus(cfg)
 
 
-def run_encoding(cfg: EncodeConfig) -> dict:
-    """Encode every shard not yet written, on ``cfg.pool.actors`` actors; write the manifest."""
+QUERY_BLOCK = 4096  # queries per actor call: a few MB of text and vectors each way
+
+
+def query_blocks(texts) -> range:
+    return range(0, len(texts), QUERY_BLOCK)
+
+
+def run_encoding(cfg: EncodeConfig, query_texts: list[str] | None = None) -> dict:
+    """Encode every shard not yet written, on ``cfg.pool.actors`` actors; write the manifest.
+    With ``query_texts``, the same actors then encode them: ``summary["query_vectors"]``,
+    (n, dim) float32 in the given order (not stored)."""
 
     started = time.perf_counter()
     cfg.output = storage.resolve(cfg.output).uri
@@ -209,21 +243,22 @@ def run_encoding(cfg: EncodeConfig) -> dict:
 
     shards = manifest["shards"]
     done = finished_shards(cfg.output)
-    todo = [(i, storage.join(corpus, s["path"])) for i, s in enumerate(shards) if i not in done]
-    remote = ray.remote(EncoderActor).options(
-        num_cpus=cfg.pool.cpus_per_actor, num_gpus=1 if cfg.pool.use_gpu else 0, max_restarts=0
-    )
+    todo = [("shard", i, storage.join(corpus, s["path"])) for i, s in enumerate(shards) if i not in done]
+    # The queries go to the same actors once the shards are handed out: no second model load.
+    todo += [("queries", start, query_texts[start : start + QUERY_BLOCK]) for start in query_blocks(query_texts or [])]
+    remote = ray.remote(EncoderActor).options(**cfg.pool.remote_options(), max_restarts=0)
 
-    def make_actor():
-        return remote.remote(cfg.encoder, tokenizer_uri, cfg.pool.cpus_per_actor, cfg.pool.use_gpu)
+    def call(actor, task):
+        kind, key, payload = task
+        if kind == "queries":
+            return actor.encode_queries.remote(payload)
+        return actor.encode_shard.remote(payload, key, cfg.output)
 
     results = run_actor_pool(
-        make_actor,
-        todo,
-        lambda actor, t: actor.encode_shard.remote(t[1], t[0], cfg.output),
-        cfg.pool.max_retries,
-        cfg.pool.actors,
+        lambda: remote.remote(cfg.encoder, tokenizer_uri, cfg.pool), todo, call, cfg.pool.max_retries, cfg.pool.actors
     )
+    query_results = [r for t, r in zip(todo, results) if t[0] == "queries"]
+    results = [r for t, r in zip(todo, results) if t[0] == "shard"]
     entries = [
         {"index": i, "path": shard_path(i), "rows": s["rows"], "first_row": s["first_row"]}
         for i, s in enumerate(shards)
@@ -254,4 +289,26 @@ def run_encoding(cfg: EncodeConfig) -> dict:
         "passages_per_s": round(sum(r["rows"] for r in results) / max(seconds, 1e-9), 1),
         "actor_seconds": round(encode_seconds, 2),
         "shard_results": [{k: r[k] for k in ("index", "rows", "seconds", "pid")} for r in results],
+        **({"query_vectors": _stack(query_results, dim)} if query_texts is not None else {}),
     }
+
+
+def _stack(results: list[dict], dim: int) -> np.ndarray:
+    return np.concatenate([r["vectors"] for r in results]) if results else np.zeros((0, dim), np.float32)
+
+
+def encode_queries(settings: EncoderSettings, texts: list[str], pool: ActorConfig) -> np.ndarray:
+    """(n, dim) float32 query vectors, in order, encoded in blocks on a pool of actors."""
+
+    settings = dataclasses.replace(settings, model=model_ref.check(settings.model, "--encoder.model"))
+    remote = ray.remote(EncoderActor).options(**pool.remote_options(), max_restarts=0)
+    blocks = [texts[start : start + QUERY_BLOCK] for start in query_blocks(texts)]
+    results = run_actor_pool(
+        lambda: remote.remote(settings, "", pool),
+        blocks,
+        lambda actor, block: actor.encode_queries.remote(block),
+        pool.max_retries,
+        pool.actors,
+    )
+    dim = results[0]["vectors"].shape[1] if results else 0
+    return _stack(results, dim)

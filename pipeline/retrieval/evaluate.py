@@ -1,152 +1,42 @@
-"""Exact (brute-force) dense retrieval and its metrics, in one process.
-
-This is the small-collection path, used until the sharded encoding and FAISS indexing of
-the pipeline land: it encodes every passage in memory. Metrics are always computed by
-``ir_measures``, never by hand, so they match published tooling exactly.
+"""Evaluation of a retriever through the distributed path: the corpus and the queries
+encoded on a pool of actors, a FAISS index built in shards, searched by actors that reserve
+what they hold; metrics by ``ir_measures``, never by hand, so they match published tooling.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Literal
 
-import torch
-
-from models.biencoder import load_biencoder
 from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS, SAMPLE_DEV_QRELS, SAMPLE_DEV_QUERIES
 from pipeline.data.beir import read_qrels, read_queries
-from pipeline.data.corpus import iter_documents
 from pipeline.data.runs import write_trec_run
-from pipeline.data.tokenizer import load_tokenizer
-from pipeline.retrieval.encode import (
-    EncodeConfig,
-    EncoderSettings,
-    local_encoder,
-    run_encoding,
-)
+from pipeline.retrieval.encode import EncodeConfig, EncoderSettings, run_encoding
 from pipeline.retrieval.index import IndexConfig
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
 from pipeline.retrieval.metrics import JOB_MEASURES, evaluate, metrics_table
 from pipeline.retrieval.search import ShardedIndex
 
 
-@torch.no_grad()
-def encode_texts(
-    encode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    tokenizer,
-    texts: list[str],
-    max_len: int,
-    batch_size: int = 128,
-    device: str = "cpu",
-) -> torch.Tensor:
-    """(N, H) float32 representations; ``encode`` is e.g. ``BiEncoder.encode_passage``."""
-    out = []
-    # Sorting by length keeps padding (and time) small; the order is restored at the end.
-    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
-        enc = tokenizer([texts[i] for i in idx], padding=True, truncation=True, max_length=max_len, return_tensors="pt")
-        out.append(encode(enc["input_ids"].to(device), enc["attention_mask"].to(device)).float().cpu())
-    reps = torch.cat(out) if out else torch.zeros(0, 0)
-    restored = torch.empty_like(reps)
-    restored[torch.tensor(order, dtype=torch.long)] = reps
-    return restored
-
-
-def exact_search(
-    queries: torch.Tensor,
-    passages: torch.Tensor,
-    k: int,
-    block: int = 1024,
-    similarity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-``k`` (scores, passage indices) per query by exhaustive scoring, in query blocks."""
-    similarity = similarity or (lambda q, p: q @ p.T)
-    k = min(k, passages.shape[0])
-    scores, indices = [], []
-    for start in range(0, queries.shape[0], block):
-        s, i = similarity(queries[start : start + block], passages).topk(k, dim=1)
-        scores.append(s)
-        indices.append(i)
-    return torch.cat(scores), torch.cat(indices)
-
-
-def to_run(
-    query_ids: list[str], doc_ids: list[str], scores: torch.Tensor, indices: torch.Tensor
-) -> dict[str, dict[str, float]]:
-    """The ``{qid: {docid: score}}`` run that ``ir_measures`` reads."""
-    return {
-        qid: {doc_ids[j]: float(s) for s, j in zip(row_s.tolist(), row_i.tolist())}
-        for qid, row_s, row_i in zip(query_ids, scores, indices)
-    }
-
-
 @dataclass
 class EvalConfig:
+    """A trainer's evaluation of its export, when asked: the same path as jobs/evaluate.py."""
+
     queries: str = field(
-        default=SAMPLE_DEV_QUERIES,
-        metadata={"help": "BEIR queries.jsonl to evaluate on after training; empty = no evaluation"},
+        default="",
+        metadata={
+            "help": f"BEIR queries.jsonl to evaluate on after training (e.g. {SAMPLE_DEV_QUERIES}); empty = none"
+        },
     )
-    qrels: str = field(default=SAMPLE_DEV_QRELS, metadata={"help": "BEIR qrels TSV of those queries"})
+    qrels: str = field(default="", metadata={"help": "BEIR qrels TSV of those queries"})
     corpus: str = field(default="", metadata={"help": "BEIR corpus.jsonl to search; empty = the training corpus"})
-    k: int = field(default=100, metadata={"help": "passages retrieved per query (exact search)"})
-    batch_size: int = field(default=128, metadata={"help": "sequences per encoding batch"})
-
-
-def dense_run(
-    model,
-    tokenizer,
-    queries: dict[str, str],
-    doc_ids: list[str],
-    texts: list[str],
-    k: int,
-    query_max_len: int = 32,
-    passage_max_len: int = 128,
-    batch_size: int = 128,
-) -> tuple[dict, dict]:
-    """Encode, search exactly, and return the ``ir_measures`` run and timings.
-    ``model`` is a :class:`models.biencoder.BiEncoder`."""
-    start = time.perf_counter()
-    passages = encode_texts(model.encode_passage, tokenizer, texts, passage_max_len, batch_size)
-    encode_s = time.perf_counter() - start
-    qids = list(queries)
-    q = encode_texts(model.encode_query, tokenizer, [queries[i] for i in qids], query_max_len, batch_size)
-    scores, indices = exact_search(q, passages, k, similarity=model.compute_similarity)
-    info = {"passages_per_s": len(texts) / max(encode_s, 1e-9), "seconds": time.perf_counter() - start}
-    return to_run(qids, doc_ids, scores, indices), info
-
-
-def evaluate_retriever(
-    model_dir: str, cfg: EvalConfig, corpus: str, query_max_len: int = 32, passage_max_len: int = 128, run_uri: str = ""
-) -> dict:
-    """Exact-search evaluation of a retriever export (settings from its ``retriever.json``)
-    on one process: the small-collection path, with the corpus text in memory."""
-
-    docs = list(iter_documents(cfg.corpus or corpus))
-    doc_ids, texts = [d.doc_id for d in docs], [d.text for d in docs]
-    del docs
-    queries = read_queries(cfg.queries)
-    qrels = read_qrels(cfg.qrels, doc_ids=set(doc_ids), query_ids=set(queries))
-    model = load_biencoder(model_dir)
-    towers = os.path.join(model_dir, "query")
-    tokenizer = load_tokenizer(towers if os.path.isdir(towers) else model_dir)
-    run, info = dense_run(
-        model, tokenizer, queries, doc_ids, texts, cfg.k, query_max_len, passage_max_len, cfg.batch_size
-    )
-    if run_uri:
-        write_trec_run(run, run_uri)
-    return {
-        "metrics": evaluate(qrels, run),
-        "queries": len(queries),
-        "docs": len(doc_ids),
-        "run": run_uri or None,
-        **{k: round(v, 2) for k, v in info.items()},
-    }
+    k: int = field(default=100, metadata={"help": "passages retrieved per query"})
+    index: str = field(default="Flat", metadata={"help": "FAISS factory string of the index (Flat = exact)"})
+    pool: ActorConfig = field(default_factory=ActorConfig)
 
 
 # -- the evaluation job: encode on actors, index, search the shards, ir_measures ---------------
@@ -177,7 +67,7 @@ class EvaluateJobConfig:
     output: str = field(
         default="runs/evaluate", metadata={"help": "embeddings, index, run.trec and metrics.json go here"}
     )
-    actors: int = field(default=2, metadata={"help": "encoder actors"})
+    pool: ActorConfig = field(default_factory=ActorConfig)
     max_len: int = field(default=128, metadata={"help": "passage tokens"})
     query_max_len: int = field(default=32, metadata={"help": "query tokens"})
     nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
@@ -203,14 +93,17 @@ def run_evaluation(cfg: EvaluateJobConfig) -> dict:
         query_max_len=cfg.query_max_len,
         precision=cfg.precision,
     )
+    qids = list(queries)
+    # The encoder actors encode the queries too, after the corpus: nothing runs a model here.
     encoded = run_encoding(
         EncodeConfig(
             corpus=cfg.corpus,
             output=storage.join(output, "embeddings"),
             docs_per_shard=cfg.docs_per_shard,
             encoder=settings,
-            pool=ActorConfig(actors=cfg.actors),
-        )
+            pool=cfg.pool,
+        ),
+        [queries[q] for q in qids],
     )
     if cfg.k > encoded["passages"]:
         raise ValueError(f"--k {cfg.k} is larger than the corpus ({encoded['passages']} passages)")
@@ -221,15 +114,13 @@ def run_evaluation(cfg: EvaluateJobConfig) -> dict:
             index=IndexConfig(factory=cfg.index, nprobe=cfg.nprobe),
         )
     )
-    with ShardedIndex(indexed["output"], nprobe=cfg.nprobe) as index:
+    with ShardedIndex(indexed["output"], nprobe=cfg.nprobe, pool=cfg.pool) as index:
         doc_by_row = index.doc_ids()
         qrels = read_qrels(storage.resolve(cfg.qrels).uri, doc_ids=set(doc_by_row.values()), query_ids=set(queries))
-        qids = list(queries)
-        encoder = local_encoder(settings)
-        vectors = encoder.encode_texts([queries[q] for q in qids], cfg.query_max_len, tower="query")
         search_start = time.perf_counter()
-        scores, rows = index.search(vectors, cfg.k)
+        scores, rows = index.search(encoded.pop("query_vectors"), cfg.k)
         search_s = time.perf_counter() - search_start
+        searchers = index.stats()
     run = {
         q: {doc_by_row[int(r)]: float(s) for s, r in zip(srow, rrow) if r >= 0}
         for q, srow, rrow in zip(qids, scores, rows)
@@ -249,6 +140,8 @@ def run_evaluation(cfg: EvaluateJobConfig) -> dict:
         "similarity": encoded["similarity"],
         "encode_passages_per_s": encoded["passages_per_s"],
         "search_seconds": round(search_s, 2),
+        # Where each index shard was served from, what it reserved and its peak memory.
+        "searchers": searchers,
         "seconds": round(time.perf_counter() - started, 2),
     }
     storage.write_json(storage.join(output, "metrics.json"), summary)

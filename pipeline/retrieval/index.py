@@ -222,6 +222,29 @@ def to_gpu(index):
         raise ValueError(f"FAISS cannot move {type(index).__name__} to the GPU: {exc}") from exc
 
 
+def searcher_to_gpu(index):
+    """(index, gpu resources) with the index on this process's first visible GPU, for
+    searching: Flat, IVF-Flat, IVF-SQ and IVF-PQ all move (PQ lookup tables in fp16, which
+    lets codes of up to 96 bytes fit in shared memory). (index, None) when FAISS has no GPU
+    build and no CUDA device is visible (Ray's GPU resources declared on a CPU machine);
+    an error when a CUDA device is there but FAISS cannot use it."""
+    if hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0:
+        resources = faiss.StandardGpuResources()
+        options = faiss.GpuClonerOptions()
+        options.useFloat16LookupTables = True
+        try:
+            return faiss.index_cpu_to_gpu(resources, 0, index, options), resources
+        except RuntimeError as exc:
+            raise ValueError(f"FAISS cannot move {type(index).__name__} to the GPU: {_reason(exc)}") from exc
+    import torch  # only to tell a CPU-only machine from a GPU node without faiss-gpu
+
+    if torch.cuda.is_available():
+        raise RuntimeError(
+            "this searcher reserved a GPU but FAISS has no GPU support: install faiss-gpu-cu12 on the GPU nodes"
+        )
+    return index, None
+
+
 def _on_gpu(index) -> bool:
     if not hasattr(faiss, "GpuIndex"):
         return False

@@ -23,6 +23,7 @@ from typing import Literal
 import numpy as np
 
 from pipeline.core import storage
+from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
 from pipeline.data.beir import positives, read_qrels, read_queries
@@ -30,7 +31,7 @@ from pipeline.data.corpus import iter_documents
 from pipeline.data.groups import query_seed
 from pipeline.data.records import json_lines
 from pipeline.data.runs import write_trec_run
-from pipeline.retrieval.encode import EncoderSettings, local_encoder
+from pipeline.retrieval.encode import EncoderSettings, encode_queries
 from pipeline.retrieval.search import ShardedIndex
 
 
@@ -66,6 +67,7 @@ class MineConfig:
     seed: int = field(default=0, metadata={"help": "seed of sample=random"})
     nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
     encoder: EncoderSettings = field(default_factory=EncoderSettings)
+    pool: ActorConfig = field(default_factory=ActorConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self):
@@ -110,13 +112,13 @@ def _answer_hits(cfg: MineConfig, queries: dict, ranked: dict[str, list[str]]) -
 def run_mining(cfg: MineConfig) -> dict:
     started = time.perf_counter()
     output = storage.resolve(cfg.output).uri
-    with ShardedIndex(cfg.index, nprobe=cfg.nprobe) as index:
+    queries = read_queries(cfg.queries)
+    qids = list(queries)
+    # Encoded on the pool before the searchers start: the two never hold the GPUs at once.
+    vectors = encode_queries(cfg.encoder, [queries[q] for q in qids], cfg.pool)
+    with ShardedIndex(cfg.index, nprobe=cfg.nprobe, pool=cfg.pool) as index:
         doc_by_row = index.doc_ids()
-        queries = read_queries(cfg.queries)
         qrels = read_qrels(cfg.qrels, doc_ids=set(doc_by_row.values()), query_ids=set(queries))
-        encoder = local_encoder(cfg.encoder)
-        qids = list(queries)
-        vectors = encoder.encode_texts([queries[q] for q in qids], cfg.encoder.query_max_len, tower="query")
         search_start = time.perf_counter()
         scores, rows = index.search(vectors, min(cfg.depth, index.total))
         search_s = time.perf_counter() - search_start

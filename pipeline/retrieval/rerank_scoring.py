@@ -22,7 +22,7 @@ from models.reranker import (
     pair_inputs,
 )
 from pipeline.core import model_ref, storage
-from pipeline.core.actor_pool import ActorConfig, run_actor_pool
+from pipeline.core.actor_pool import ActorConfig, actor_device, run_actor_pool
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS, SAMPLE_DEV_QRELS, SAMPLE_DEV_QUERIES
 from pipeline.data.beir import positives, read_qrels, read_queries
@@ -167,12 +167,10 @@ class PairScorer:
 class RerankerActor:
     """A Ray actor holding one :class:`PairScorer`; scores blocks of queries."""
 
-    def __init__(
-        self, model_uri: str, lengths: PairLengths, batch_size: int, precision: str, cpus: float, use_gpu: bool
-    ):
-        torch.set_num_threads(max(1, int(cpus)))
+    def __init__(self, model_uri: str, lengths: PairLengths, batch_size: int, precision: str, pool: ActorConfig):
+        torch.set_num_threads(max(1, int(pool.cpus_per_actor)))
         model_dir = model_ref.materialize(model_uri, "--model")
-        self.scorer = PairScorer(model_dir, lengths, batch_size, precision, "cuda" if use_gpu else "cpu")
+        self.scorer = PairScorer(model_dir, lengths, batch_size, precision, actor_device(pool))
 
     def pid(self) -> int:
         return os.getpid()
@@ -236,14 +234,10 @@ def run_scoring(cfg: RerankScoreConfig) -> dict:
 
     qids = [q for q in queries if candidates.get(q)]
     blocks = [qids[i : i + cfg.queries_per_task] for i in range(0, len(qids), cfg.queries_per_task)]
-    remote = ray.remote(RerankerActor).options(
-        num_cpus=cfg.pool.cpus_per_actor, num_gpus=1 if cfg.pool.use_gpu else 0, max_restarts=0
-    )
+    remote = ray.remote(RerankerActor).options(**cfg.pool.remote_options(), max_restarts=0)
 
     def make_actor():
-        return remote.remote(
-            model_uri, lengths, cfg.batch_size, cfg.precision, cfg.pool.cpus_per_actor, cfg.pool.use_gpu
-        )
+        return remote.remote(model_uri, lengths, cfg.batch_size, cfg.precision, cfg.pool)
 
     def call(actor, block: list[str]):
         # Built when the block is handed out, so the driver never holds every payload at once.

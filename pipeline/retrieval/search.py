@@ -12,6 +12,7 @@ block of query vectors; the driver merges the per-shard top-k into the exact glo
 
 from __future__ import annotations
 
+import math
 import resource
 
 import faiss
@@ -19,43 +20,79 @@ import numpy as np
 import ray
 
 from pipeline.core import storage
+from pipeline.core.actor_pool import ActorConfig
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval import index as faiss_index
 
+SEARCHER_CPUS = 0.01  # see searcher_options
+PROCESS_BYTES = 512 * 2**20  # a searcher's own footprint besides its index (Python, FAISS, Ray)
+
 
 class ShardSearcher:
-    """A Ray actor serving one index shard."""
+    """A Ray actor serving one index shard, from host memory or from its GPU."""
 
-    def __init__(self, index_uri: str, entry: dict, nprobe: int, threads: int):
+    def __init__(self, index_uri: str, entry: dict, nprobe: int, threads: int, use_gpu: bool):
         faiss.omp_set_num_threads(max(1, threads))
         self.index = faiss_index.load_index(storage.join(index_uri, entry["path"]))
+        self._gpu = None  # FAISS's GPU resources live as long as the index on the GPU
+        if use_gpu:
+            self.index, self._gpu = faiss_index.searcher_to_gpu(self.index)
         self.nprobe = nprobe
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         return faiss_index.search_shard(self.index, queries, min(k, self.index.ntotal), self.nprobe)
 
     def stats(self) -> dict:
-        """What this shard holds, and the peak memory of its process (for sizing)."""
+        """What this shard holds, where, what Ray reserved for it, and the peak memory of
+        its process (for sizing)."""
 
         return {
             "vectors": int(self.index.ntotal),
+            "on_gpu": self._gpu is not None,
+            "reserved": ray.get_runtime_context().get_assigned_resources(),
+            "node": ray.get_runtime_context().get_node_id(),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
 
 
-class ShardedIndex:
-    """The driver's handle on a persisted sharded index: one searcher actor per shard."""
+def searcher_options(manifest: dict, pool: ActorConfig | None) -> list[dict]:
+    """What each shard's searcher reserves from Ray.
 
-    def __init__(self, index_uri: str, nprobe: int = 32, cpus_per_actor: float = 0.0, threads: int = 1):
+    - Memory: the index planner's estimate of the shard, plus the process. Ray then places
+      searchers only where their shards fit, never piling a 25 GiB index on the head.
+    - CPU: a token share. Any CPU keeps a searcher off a node that advertises none (the
+      head, on our clusters); a whole CPU each would leave shards unscheduled, and every
+      search hanging, whenever shards outnumber free CPUs.
+    - GPU, with ``pool.use_gpu``: ``pool.gpus_per_actor``, shared out when the cluster has
+      fewer GPUs than shards (every shard must be up for a search to finish).
+    """
+    shards = manifest["shards"]
+    plan = faiss_index.plan_memory(
+        manifest["factory"], manifest["dim"], [s["vectors"] for s in shards], manifest["metric"]
+    )
+    gpus = 0.0
+    if pool is not None and pool.use_gpu:
+        gpus = pool.gpus_per_actor
+        available = ray.cluster_resources().get("GPU", 0)
+        if available:  # none yet: an autoscaler adds GPU nodes for the request as it stands
+            gpus = min(gpus, math.floor(available / len(shards) * 1e4) / 1e4)
+    return [{"num_cpus": SEARCHER_CPUS, "num_gpus": gpus, "memory": row["bytes"] + PROCESS_BYTES} for row in plan]
+
+
+class ShardedIndex:
+    """The driver's handle on a persisted sharded index: one searcher actor per shard,
+    each reserving what it holds (:func:`searcher_options`)."""
+
+    def __init__(self, index_uri: str, nprobe: int = 32, pool: ActorConfig | None = None, threads: int = 1):
         self.uri = storage.resolve(index_uri).uri
         self.manifest = faiss_index.load_index_manifest(self.uri)
         self.metric = self.manifest["metric"]
         self.total = sum(s["vectors"] for s in self.manifest["shards"])
-        # No CPU reservation by default: every shard's actor must be up for a search to
-        # finish, and reserving a CPU each would leave a shard unscheduled (a hang) whenever
-        # shards outnumber free CPUs. Memory, not CPU, is what a shard holds.
-        remote = ray.remote(ShardSearcher).options(num_cpus=cpus_per_actor)
-        self.actors = [remote.remote(self.uri, s, nprobe, threads) for s in self.manifest["shards"]]
+        self.options = searcher_options(self.manifest, pool)
+        self.actors = [
+            ray.remote(ShardSearcher).options(**options).remote(self.uri, s, nprobe, threads, options["num_gpus"] > 0)
+            for s, options in zip(self.manifest["shards"], self.options)
+        ]
 
     def __enter__(self) -> "ShardedIndex":
         return self

@@ -37,7 +37,7 @@ from pipeline.data.tevatron import (
 )
 from pipeline.data.tokenizer import load_tokenizer
 from pipeline.retrieval.bm25 import Bm25Config, mine_negatives
-from pipeline.retrieval.evaluate import EvalConfig, evaluate_retriever
+from pipeline.retrieval.evaluate import EvalConfig, EvaluateJobConfig, run_evaluation
 from pipeline.training.loop import consumed_source_rows, fit
 from pipeline.training.train_config import TrainConfig
 
@@ -325,9 +325,27 @@ def run_finetuning(cfg: FinetuneConfig) -> dict:
     return finish_retriever_run(cfg, prepared, result, "finetune", "retriever fine-tuning", bm25=prepared.bm25)
 
 
+def evaluation_job(cfg, export_dir: str) -> EvaluateJobConfig:
+    """``--eval``'s evaluation of a trained retriever: jobs/evaluate.py's distributed path."""
+    return EvaluateJobConfig(
+        model=export_dir,
+        # The training corpus is already prepared with the export's tokenizer.
+        corpus=cfg.eval.corpus or cfg.corpus.output,
+        queries=cfg.eval.queries,
+        qrels=cfg.eval.qrels,
+        index=cfg.eval.index,
+        k=cfg.eval.k,
+        output=storage.join(cfg.train.output, "eval"),
+        pool=cfg.eval.pool,
+        max_len=cfg.data.passage_max_len,
+        query_max_len=cfg.data.query_max_len,
+        docs_per_shard=cfg.corpus.docs_per_shard,
+    )
+
+
 def finish_retriever_run(cfg, prepared: GroupTraining, result, job: str, title: str, **extra) -> dict:
     """The summary of a trained retriever (fine-tuned or distilled), its loss curve and, with
-    ``--eval.queries``, its exact-search evaluation; written as ``summary.json``."""
+    ``--eval.queries``, its evaluation (encoder actors, FAISS, searchers); written as ``summary.json``."""
     metrics = result.metrics
     summary = {
         "job": job,
@@ -349,13 +367,6 @@ def finish_retriever_run(cfg, prepared: GroupTraining, result, job: str, title: 
     history = storage.read_json(storage.join(cfg.train.output, "history.json"))
     summary["loss_curve"] = plot_loss_curve(history, storage.join(cfg.train.output, "loss_curve.png"), title=title)
     if cfg.eval.queries and summary["export_dir"]:
-        summary["eval"] = evaluate_retriever(
-            model_ref.materialize(summary["export_dir"], "export"),
-            cfg.eval,
-            cfg.corpus.input,
-            cfg.data.query_max_len,
-            cfg.data.passage_max_len,
-            run_uri=storage.join(cfg.train.output, "eval.run.trec"),
-        )
+        summary["eval"] = run_evaluation(evaluation_job(cfg, summary["export_dir"]))
     storage.write_json(storage.join(cfg.train.output, "summary.json"), summary)
     return summary

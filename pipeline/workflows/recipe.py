@@ -291,7 +291,7 @@ def evaluate_dev(
             index=settings.index,
             k=k,
             output=folder,
-            actors=settings.pool.actors,
+            pool=settings.pool,
             max_len=data.passage_max_len,
             query_max_len=data.query_max_len,
             nprobe=settings.nprobe,
@@ -435,7 +435,9 @@ def _mine(ctx: StageContext, stage: str, retriever_stage: str) -> dict:
                 model=ctx.output(retriever_stage, "export"),
                 max_len=cfg.data.passage_max_len,
                 query_max_len=cfg.data.query_max_len,
+                precision=cfg.eval.precision,
             ),
+            pool=cfg.eval.pool,
         )
     )
     return {
