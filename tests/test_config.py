@@ -325,3 +325,42 @@ def test_list_of_dataclasses_from_yaml(yaml_file):
     assert cfg.mix == [Shard("a", 2.0), Shard("b", 1.0)]
     with pytest.raises(ConfigError, match=r"key 'mix\[0\]\.wieght' .*mean 'mix\[0\]\.weight'"):
         parse("--config", yaml_file("mix:\n  - {path: a, wieght: 2}\n"))
+
+
+@dataclass
+class _NoRayJob:
+    size: int = 1
+
+
+@pytest.mark.parametrize(
+    "raised, shown",
+    [
+        (ConfigError("--model.init runs/x: no such directory"), "error: --model.init runs/x: no such directory"),
+        # Raised on an actor: Ray wraps it; the job still prints the user's error alone.
+        ("actor", "error: queries.jsonl line 3: duplicate query id 'q1'"),
+    ],
+)
+def test_a_user_error_prints_one_line_and_exits_2(raised, shown, monkeypatch, capsys):
+    from ray.exceptions import RayTaskError
+
+    from pipeline.core.entry import run_job
+    from pipeline.core.errors import InputError
+
+    if raised == "actor":
+        raised = RayTaskError("encode", "Traceback ...", InputError("queries.jsonl line 3: duplicate query id 'q1'"))
+
+    def run(cfg):
+        raise raised
+
+    monkeypatch.setattr(sys, "argv", ["job"])
+    monkeypatch.delenv("RAYDENSE_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        run_job(_NoRayJob, run, "a job")
+    assert exited.value.code == 2 and capsys.readouterr().err.strip() == shown
+    # RAYDENSE_DEBUG=1 shows the traceback; a crash (not our error) always does.
+    monkeypatch.setenv("RAYDENSE_DEBUG", "1")
+    with pytest.raises(type(raised)):
+        run_job(_NoRayJob, run, "a job")
+    monkeypatch.delenv("RAYDENSE_DEBUG")
+    with pytest.raises(ZeroDivisionError):
+        run_job(_NoRayJob, lambda cfg: 1 / 0, "a job")

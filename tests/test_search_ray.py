@@ -209,34 +209,37 @@ def test_a_factory_faiss_rejects_and_a_wrong_dimension_shard_are_clear_errors(en
 
 def test_mined_negatives_exclude_positives_and_are_reproducible(encoded, collection, tmp_path):
     from pipeline.data.beir import read_qrels
-    from pipeline.data.runs import read_negatives
+    from pipeline.data.runs import read_negatives, read_trec_run
     from pipeline.data.tevatron import read_tevatron
-    from pipeline.retrieval.mine import MineConfig, run_mining
+    from pipeline.retrieval.mine import MineConfig, run_mining, select_negatives
 
     cfg, _ = encoded
     index_dir = str(tmp_path / "index")
     run_indexing(IndexJobConfig(embeddings=cfg.output, output=index_dir))
-    runs = []
-    for name in ("a", "b"):
-        mine = MineConfig(
-            index=index_dir,
-            queries=collection["queries"],
-            qrels=collection["qrels"],
-            output=str(tmp_path / name),
-            depth=40,
-            count=6,
-            seed=3,
-            encoder=cfg.encoder,
-            pool=ActorConfig(actors=1),
-        )
-        summary = run_mining(mine)
-        runs.append(read_negatives(summary["negatives"]))
-    assert runs[0] == runs[1]  # same seed, same negatives
+    mine = MineConfig(
+        index=index_dir,
+        queries=collection["queries"],
+        qrels=collection["qrels"],
+        output=str(tmp_path / "mined"),
+        depth=40,
+        count=6,
+        seed=3,
+        encoder=cfg.encoder,
+        pool=ActorConfig(actors=1),
+    )
+    summary = run_mining(mine)
+    mined = read_negatives(summary["negatives"])
     qrels = read_qrels(collection["qrels"])
-    for qid, negatives in runs[0].items():
+    for qid, negatives in mined.items():
         assert len(negatives) == 6 and not set(negatives) & set(qrels[qid])
+    # The draw is a function of the seed and the query's ranking (the run written beside
+    # the negatives): drawn again from that run, the same negatives.
+    for qid, ranked in read_trec_run(summary["run"]).items():
+        ids, scores = [d for d, _, _ in ranked], [s for _, s, _ in ranked]
+        again, _ = select_negatives(qid, ids, scores, set(qrels[qid]), mine)
+        assert again == mined[qid]
     records = list(read_tevatron(summary["tevatron"]))
-    assert len(records) == 20 and [p["docid"] for p in records[0]["negative_passages"]] == runs[0]["q0"]
+    assert len(records) == 20 and [p["docid"] for p in records[0]["negative_passages"]] == mined["q0"]
 
 
 def test_evaluate_job_matches_ir_measures_on_a_brute_force_run(encoded, collection, tiny_bert, tmp_path, capsys):  # noqa: F811

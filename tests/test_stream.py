@@ -254,3 +254,28 @@ def test_spans_of_short_documents_are_capped_at_half_the_document():
     assert valid.tolist() == [False, True, True, True, True, True]
     assert span_len[1:].tolist() == [8, 8, 50, 80, 80]
     assert ((second + span_len)[1:] <= lengths[1:]).all() and ((first + span_len) <= second)[1:].all()
+
+
+def test_training_batches_shuffle_rows_reproducibly_and_keep_every_row_once(ray_session):
+    """A corpus stored grouped by topic (20 topics of 30 consecutive rows): the worker's
+    local shuffle buffer leaves no micro-batch to one topic, yields every row exactly once,
+    and is a function of its seed."""
+    import ray
+
+    from pipeline.training.loop import training_batches
+    from pipeline.training.train_config import TrainConfig
+
+    rows = np.arange(600)
+    ds = ray.data.from_numpy(rows).repartition(10)  # blocks of 60 rows: two topics each
+
+    def order(seed, buffer):
+        train = TrainConfig(micro_batch_size=8, shuffle_buffer=buffer, prefetch_batches=1)
+        return [b["data"].tolist() for b in training_batches(ds.iterator(), train, seed)]
+
+    in_order, shuffled, again, other = order(0, 0), order(3, 128), order(3, 128), order(4, 128)
+    assert sum(in_order, []) == rows.tolist()  # shuffle_buffer 0: stream order
+    assert sorted(sum(shuffled, [])) == rows.tolist() and shuffled == again and shuffled != other
+    topics_per_batch = [len({r // 30 for r in batch}) for batch in shuffled]
+    assert sum(t == 1 for t in topics_per_batch) == 0, topics_per_batch
+    # In stream order, 60 of the 75 batches hold one topic.
+    assert sum(len({r // 30 for r in batch}) == 1 for batch in in_order) == 60

@@ -3,10 +3,12 @@ print the JSON summary as the last stdout line."""
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable, Sequence, TypeVar
 
 from pipeline.core.config import parse_config
+from pipeline.core.errors import RaydenseError
 from pipeline.core.runtime import check_outputs_shared, init_ray, print_summary
 
 C = TypeVar("C")
@@ -30,11 +32,38 @@ def run_job(
     if translate_argv is not None:
         args = translate_argv(args)
     cfg = parse_config(config_cls, args, description=description, exit_on_error=argv is None)
-    if getattr(cfg, "ray", None) is not None:
-        init_ray(cfg.ray)
-        check_outputs_shared(cfg)
-    summary = run(cfg)
+    try:
+        if getattr(cfg, "ray", None) is not None:
+            init_ray(cfg.ray)
+            check_outputs_shared(cfg)
+        summary = run(cfg)
+    except Exception as exc:
+        error = user_error(exc)
+        if argv is not None or error is None or os.environ.get("RAYDENSE_DEBUG") == "1":
+            raise
+        # The user's mistake, named by our own error: one line, no traceback, exit 2 (as a
+        # bad option). A crash keeps its traceback.
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
     if report is not None:
         report(summary)
     print_summary(summary)
     return summary
+
+
+def user_error(exc: BaseException) -> RaydenseError | None:
+    """The :class:`RaydenseError` behind ``exc``: itself, its cause, or what a Ray task or
+    actor raised (Ray wraps it, keeping it as ``cause``)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, BaseException):
+            # Ray's wrapper may also subclass the cause's type, but its text is the remote
+            # traceback: print the cause's own message.
+            exc = cause
+            continue
+        if isinstance(exc, RaydenseError):
+            return exc
+        exc = exc.__cause__
+    return None

@@ -103,6 +103,21 @@ def step_seed(seed: int, rank: int, micro_step: int) -> int:
 # -- the worker loop ---------------------------------------------------------------------
 
 
+def training_batches(shard, train: TrainConfig, shuffle_seed: int):
+    """A worker's micro-batches from its stream shard (a Ray ``DataIterator``), rows shuffled
+    within ``train.shuffle_buffer``: shards are read in order, and a corpus stored grouped
+    by topic (MS MARCO keeps a query's candidates together) would otherwise fill
+    coCondenser's batches with same-topic false negatives."""
+    return shard.iter_batches(
+        batch_size=train.micro_batch_size,
+        batch_format="numpy",
+        prefetch_batches=train.prefetch_batches,
+        drop_last=False,
+        local_shuffle_buffer_size=train.shuffle_buffer or None,
+        local_shuffle_seed=shuffle_seed if train.shuffle_buffer else None,
+    )
+
+
 def log(msg: dict | str) -> None:
     # Worker logs go to stderr: a job's stdout is reserved for its JSON summary. Written
     # directly, because Ray Train patches `print` on workers and would emit each line twice.
@@ -157,12 +172,13 @@ def train_worker(config: dict) -> None:
     last_saved = state.step
     extra: dict[str, torch.Tensor] = {}
 
-    batches = shard.iter_batches(
-        batch_size=train.micro_batch_size,
-        batch_format="numpy",
-        prefetch_batches=train.prefetch_batches,
-        drop_last=False,
-    )
+    # A function of the checkpoint (the micro-step this attempt starts from): a resumed
+    # attempt reshuffles differently, reproducibly; which rows it trains on is the data
+    # position's business, whatever their order.
+    shuffle_seed = step_seed(train.seed, rank, state.micro_step) % 2**32
+    if rank == 0:
+        log({"event": "stream", "shuffle_buffer": train.shuffle_buffer, "shuffle_seed": shuffle_seed})
+    batches = training_batches(shard, train, shuffle_seed)
     if config.get("replay_batches"):
         # Benchmark mode: hold the first N batches in memory and cycle them, so the same
         # loop can be timed without any ingest (bench/bench_pretrain.py).

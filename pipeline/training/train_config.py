@@ -49,6 +49,12 @@ class TrainConfig:
     keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept in storage"})
     max_failures: int = field(default=3, metadata={"help": "worker-group restarts Ray Train may do before giving up"})
     prefetch_batches: int = field(default=4, metadata={"help": "batches Ray Data prepares ahead of each worker"})
+    shuffle_buffer: int = field(
+        default=1024,
+        metadata={
+            "help": "rows each worker shuffles its stream within (Ray Data's local shuffle buffer), so that a corpus stored grouped by topic never fills a batch with one topic; 0 = stream order"
+        },
+    )
     data_trace: bool = field(
         default=False, metadata={"help": "write the corpus rows each worker consumed, per epoch (audit)"}
     )
