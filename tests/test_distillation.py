@@ -14,6 +14,7 @@ from test_finetune_deepspeed import relative_error
 from models.biencoder import contrastive_backward
 from models.distillation import distillation_backward, distillation_loss
 from pipeline.core.errors import InputError
+from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import TrainExample, build_distillation_examples
 from pipeline.data.group_stream import (
     GroupSpec,
@@ -114,7 +115,7 @@ def test_teacher_scores_arrive_aligned_with_the_groups_passages():
     """Plan an epoch, join fake corpus rows to it as the Ray Data stages do, and check that
     every group's score at slot j is the teacher's score of the passage at slot j."""
     n_docs, group = 40, 4
-    rows_by_id = {f"d{i}": i for i in range(n_docs)}
+    corpus_ids = CorpusIds.from_strings(f"d{i}" for i in range(n_docs))
     rng = np.random.default_rng(1)
     teacher = {}  # (query, doc) -> score
     examples = []
@@ -127,12 +128,12 @@ def test_teacher_scores_arrive_aligned_with_the_groups_passages():
     spec = GroupSpec(
         corpus="unused", group_size=group, query_max_len=6, passage_max_len=8, seed=3, cls_id=2, sep_id=3, pad_id=0
     )
-    plan = plan_epoch(examples, epoch=2, spec=spec, rows_by_id=rows_by_id, skip_rows=np.array([5]))
+    plan = plan_epoch(examples, epoch=2, spec=spec, corpus_ids=corpus_ids, skip_rows=np.array([5]))
     assert plan.teacher_scores.shape == (11, group) and plan.teacher_scores.dtype == np.float32
     # The plan's groups are select_group's choice: scores ride along without changing it.
     for position, row in enumerate(plan.example_rows):
         expected = select_group(examples[row], 2, group, seed=3)
-        assert plan.corpus_rows[position].tolist() == [rows_by_id[d] for d in expected]
+        assert plan.corpus_rows[position].tolist() == corpus_ids.rows(expected).tolist()
 
     # Each passage's tokens name its corpus row, so the assembled group can be decoded.
     corpus_batch = {"row": np.arange(n_docs), "input_ids": [np.array([100 + r] * (1 + r % 3)) for r in range(n_docs)]}
@@ -149,12 +150,12 @@ def test_teacher_scores_arrive_aligned_with_the_groups_passages():
 
     unscored = TrainExample("qx", "", ["d1"], ["d2"])
     with pytest.raises(ValueError, match="all or none"):
-        plan_epoch(examples + [unscored], 0, spec, rows_by_id)
+        plan_epoch(examples + [unscored], 0, spec, corpus_ids)
     no_negatives = TrainExample("qy", "", ["d1"], [], [1.0])
     with pytest.raises(ValueError, match="'qy' has no negatives"):
-        plan_epoch([no_negatives], 0, spec, rows_by_id)
+        plan_epoch([no_negatives], 0, spec, corpus_ids)
     with pytest.raises(ValueError, match="2 teacher scores for 3 passages"):
-        plan_epoch([TrainExample("qz", "", ["d1"], ["d2", "d3"], [1.0, 2.0])], 0, spec, rows_by_id)
+        plan_epoch([TrainExample("qz", "", ["d1"], ["d2", "d3"], [1.0, 2.0])], 0, spec, corpus_ids)
 
 
 # -- examples from the teacher's run --------------------------------------------------------------

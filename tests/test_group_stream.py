@@ -7,11 +7,11 @@ import pytest
 from conftest import synthetic_docs, write_jsonl
 
 from pipeline.core import storage
+from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import TrainExample
 from pipeline.data.group_stream import (
     GroupSpec,
     build_epoch,
-    corpus_rows_by_id,
     frame_truncated,
     plan_epoch,
 )
@@ -47,9 +47,9 @@ def test_every_group_holds_exactly_its_planned_passages_in_the_planned_order(cor
     spec = GroupSpec(
         corpus=uri, group_size=4, query_max_len=12, passage_max_len=16, seed=3, cls_id=2, sep_id=3, pad_id=0
     )
-    rows_by_id = corpus_rows_by_id(uri, manifest)
-    id_by_row = {row: doc for doc, row in rows_by_id.items()}
-    plan = plan_epoch(examples, epoch=1, spec=spec, rows_by_id=rows_by_id, skip_rows=np.array([4, 9]))
+    corpus_ids = CorpusIds.read(uri, manifest["shards"])
+    id_by_row = dict(enumerate(corpus_ids.ids(np.arange(len(corpus_ids)))))
+    plan = plan_epoch(examples, epoch=1, spec=spec, corpus_ids=corpus_ids, skip_rows=np.array([4, 9]))
     assert sorted(plan.example_rows.tolist()) == [r for r in range(30) if r not in (4, 9)]
 
     out = build_epoch(spec, plan, query_ids, epoch=1, manifest=manifest).take_all()
@@ -78,4 +78,4 @@ def test_a_passage_missing_from_the_corpus_is_a_clear_error(corpus):
     spec = GroupSpec(corpus=uri, group_size=2, query_max_len=8, passage_max_len=8, seed=0, cls_id=2, sep_id=3, pad_id=0)
     examples = [TrainExample("qx", "", positives=["nope"], negatives=["d1"])]
     with pytest.raises(ValueError, match="passage 'nope' is not in the corpus"):
-        plan_epoch(examples, 0, spec, corpus_rows_by_id(uri, manifest))
+        plan_epoch(examples, 0, spec, CorpusIds.read(uri, manifest["shards"]))

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from pipeline.data.records import (
     check_new,
     get_field,
@@ -37,7 +39,7 @@ def read_queries(uri: str) -> dict[str, str]:
 
 
 def read_qrels(
-    uri: str, doc_ids: set[str] | None = None, query_ids: set[str] | None = None
+    uri: str, doc_ids: Container[str] | None = None, query_ids: set[str] | None = None
 ) -> dict[str, dict[str, int]]:
     """BEIR qrels TSV -> {query id: {doc id: score}} (every judgment, including score <= 0).
 

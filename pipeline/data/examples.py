@@ -8,6 +8,7 @@ Ray Data, so that no worker has to hold the whole corpus.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
@@ -100,7 +101,7 @@ def load_training_examples(
     queries: str,
     qrels: str,
     negatives: str = "",
-    doc_ids: set[str] | None = None,
+    doc_ids: Container[str] | None = None,
 ) -> tuple[list[TrainExample], DataStats]:
     """Read and validate BEIR queries + qrels (+ a negatives jsonl) and join them, as above.
     With ``doc_ids``, qrels and negatives naming other documents are errors."""
@@ -164,7 +165,7 @@ def build_distillation_examples(
 
 
 def load_distillation_examples(
-    queries: str, qrels: str, teacher_scores: str, depth: int = 0, doc_ids: set[str] | None = None
+    queries: str, qrels: str, teacher_scores: str, depth: int = 0, doc_ids: Container[str] | None = None
 ) -> tuple[list[TrainExample], DistillDataStats]:
     """Read and validate BEIR queries + qrels and the teacher's TREC run, and join them as in
     :func:`build_distillation_examples`. With ``doc_ids``, ids outside the corpus are errors."""

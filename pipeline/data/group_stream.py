@@ -28,6 +28,7 @@ import numpy as np
 import ray
 
 from pipeline.core import storage
+from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import TrainExample
 from pipeline.data.groups import select_group_with_sources
 from pipeline.data.position import read_position
@@ -47,16 +48,6 @@ class GroupSpec:
     pad_id: int
 
 
-def corpus_rows_by_id(corpus: str, manifest: dict | None = None) -> dict[str, int]:
-    """doc_id -> corpus row, reading only the ``doc_id`` and ``row`` columns of each shard."""
-    manifest = manifest or load_manifest(corpus)
-    index: dict[str, int] = {}
-    for shard in manifest["shards"]:
-        table = storage.read_parquet(storage.join(corpus, shard["path"]), columns=["row", "doc_id"])
-        index.update(zip(table.column("doc_id").to_pylist(), table.column("row").to_pylist()))
-    return index
-
-
 def frame_truncated(token_lists: list, max_len: int, spec: GroupSpec) -> tuple[np.ndarray, np.ndarray]:
     """``[CLS] ids [SEP]`` per token list, truncated to max_len and padded; and the lengths."""
     chunks = [np.asarray(ids, dtype=np.int32)[: max_len - 2] for ids in token_lists]
@@ -72,15 +63,14 @@ class EpochGroups:
     teacher_scores: np.ndarray | None = None  # (E, group_size) float32, aligned with corpus_rows
 
 
-def examples_as_rows(examples: list[TrainExample], rows_by_id: dict[str, int], source: str = "") -> list[TrainExample]:
+def examples_as_rows(examples: list[TrainExample], corpus_ids: CorpusIds, source: str = "") -> list[TrainExample]:
     """The examples with passage ids replaced by corpus rows (int64 arrays), so that epoch
     plans need no id index: a corpus of millions of ids is looked up once, here."""
     out = []
     where = f" ({source})" if source else ""
     for ex in examples:
         try:
-            pos = np.array([rows_by_id[i] for i in ex.positives], dtype=np.int64)
-            neg = np.array([rows_by_id[i] for i in ex.negatives], dtype=np.int64)
+            pos, neg = corpus_ids.rows(list(ex.positives)), corpus_ids.rows(list(ex.negatives))
         except KeyError as missing:
             raise ValueError(
                 f"query {ex.query_id!r}{where}: passage {missing.args[0]!r} is not in the corpus"
@@ -100,20 +90,20 @@ def plan_epoch(
     examples: list[TrainExample],
     epoch: int,
     spec: GroupSpec,
-    rows_by_id: dict[str, int] | None = None,
+    corpus_ids: CorpusIds | None = None,
     skip_rows: np.ndarray | None = None,
     num_rows: int = 0,
 ) -> EpochGroups:
     """Every example's group for ``epoch`` (as corpus rows), in a seeded random order,
     leaving out the example rows in ``skip_rows`` (consumed before a resume).
 
-    Examples hold passage ids looked up in ``rows_by_id``, or (``rows_by_id=None``)
+    Examples hold passage ids looked up in ``corpus_ids``, or (``corpus_ids=None``)
     corpus rows already (:func:`examples_as_rows`), with ``num_rows`` the corpus size.
     When the examples carry teacher scores, so does the plan, aligned with its groups.
     """
-    if rows_by_id is not None:
-        examples = examples_as_rows(examples, rows_by_id, spec.corpus)
-        num_rows = len(rows_by_id)
+    if corpus_ids is not None:
+        examples = examples_as_rows(examples, corpus_ids, spec.corpus)
+        num_rows = len(corpus_ids)
     rng = np.random.default_rng([spec.seed, epoch])
     order = rng.permutation(len(examples))
     if skip_rows is not None and len(skip_rows):

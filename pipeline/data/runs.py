@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Container
 from typing import Iterable
 
 from pipeline.core import storage
@@ -24,7 +25,7 @@ from pipeline.data.records import (
 
 
 def read_negatives(
-    uri: str, doc_ids: set[str] | None = None, query_ids: set[str] | None = None
+    uri: str, doc_ids: Container[str] | None = None, query_ids: set[str] | None = None
 ) -> dict[str, list[str]]:
     """Negatives jsonl -> {query id: [doc id, ...]} in ranked order (``scores`` is not kept)."""
     negatives: dict[str, list[str]] = {}
@@ -68,7 +69,7 @@ def read_trec_run(
     uri: str,
     depth: int = 0,
     query_ids: set[str] | None = None,
-    doc_ids: set[str] | None = None,
+    doc_ids: Container[str] | None = None,
 ) -> dict[str, list[tuple[str, float, int]]]:
     """TREC run (``qid Q0 docid rank score tag`` per line) -> per query its candidates as
     (doc id, score, line), best first (ties broken by the rank column); with ``depth`` > 0

@@ -115,14 +115,14 @@ def run_evaluation(cfg: EvaluateJobConfig) -> dict:
         )
     )
     with ShardedIndex(indexed["output"], nprobe=cfg.nprobe, pool=cfg.pool) as index:
-        doc_by_row = index.doc_ids()
-        qrels = read_qrels(storage.resolve(cfg.qrels).uri, doc_ids=set(doc_by_row.values()), query_ids=set(queries))
+        corpus_ids = index.doc_ids()
+        qrels = read_qrels(storage.resolve(cfg.qrels).uri, doc_ids=corpus_ids, query_ids=set(queries))
         search_start = time.perf_counter()
         scores, rows = index.search(encoded.pop("query_vectors"), cfg.k)
         search_s = time.perf_counter() - search_start
         searchers = index.stats()
     run = {
-        q: {doc_by_row[int(r)]: float(s) for s, r in zip(srow, rrow) if r >= 0}
+        q: dict(zip(corpus_ids.ids(rrow[rrow >= 0]), map(float, srow[rrow >= 0])))
         for q, srow, rrow in zip(qids, scores, rows)
     }
     write_trec_run(run, storage.join(output, "run.trec"), tag="raydense")

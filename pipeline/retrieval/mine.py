@@ -117,12 +117,12 @@ def run_mining(cfg: MineConfig) -> dict:
     # Encoded on the pool before the searchers start: the two never hold the GPUs at once.
     vectors = encode_queries(cfg.encoder, [queries[q] for q in qids], cfg.pool)
     with ShardedIndex(cfg.index, nprobe=cfg.nprobe, pool=cfg.pool) as index:
-        doc_by_row = index.doc_ids()
-        qrels = read_qrels(cfg.qrels, doc_ids=set(doc_by_row.values()), query_ids=set(queries))
+        corpus_ids = index.doc_ids()
+        qrels = read_qrels(cfg.qrels, doc_ids=corpus_ids, query_ids=set(queries))
         search_start = time.perf_counter()
         scores, rows = index.search(vectors, min(cfg.depth, index.total))
         search_s = time.perf_counter() - search_start
-    ranked = {q: [doc_by_row[int(r)] for r in row if r >= 0] for q, row in zip(qids, rows)}
+    ranked = {q: corpus_ids.ids(row[row >= 0]) for q, row in zip(qids, rows)}
     answer_hits = _answer_hits(cfg, queries, ranked) if cfg.answers else {}
 
     counts = {"negatives": 0, "positives_dropped": 0, "answer_dropped": 0, "short": 0, "examples": 0}

@@ -21,6 +21,7 @@ import ray
 
 from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
+from pipeline.data.corpus_ids import CorpusIds
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval import index as faiss_index
 
@@ -118,14 +119,10 @@ class ShardedIndex:
     def stats(self) -> list[dict]:
         return ray.get([a.stats.remote() for a in self.actors])
 
-    def doc_ids(self) -> dict[int, str]:
-        """corpus row -> doc id, from the embedding shards' id columns (no vectors read)."""
+    def doc_ids(self) -> CorpusIds:
+        """The corpus's doc ids by row, from the embedding shards' id columns (no vectors read)."""
         folder = self.manifest["embeddings"]
-        out: dict[int, str] = {}
-        for entry in emb.load_manifest(folder)["shards"]:
-            table = storage.read_parquet(storage.join(folder, entry["path"]), columns=["row", "doc_id"])
-            out.update(zip(table.column("row").to_pylist(), table.column("doc_id").to_pylist()))
-        return out
+        return CorpusIds.read(folder, emb.load_manifest(folder)["shards"])
 
     def close(self) -> None:
         for actor in self.actors:

@@ -21,6 +21,7 @@ from models.biencoder import BiEncoderConfig
 from models.distillation import DistillationConfig, distillation_backward
 from pipeline.core import storage
 from pipeline.core.runtime import RayConfig, write_run_files
+from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import DistillDataStats, load_distillation_examples
 from pipeline.retrieval.evaluate import EvalConfig
 from pipeline.training.finetune import (
@@ -96,7 +97,7 @@ class DistillTask(FinetuneTask):
         )
 
 
-def load_scored_examples(cfg: DistillConfig, doc_ids: set[str]) -> tuple[list, DistillDataStats, None]:
+def load_scored_examples(cfg: DistillConfig, doc_ids: CorpusIds) -> tuple[list, DistillDataStats, None]:
     """``prepare_group_training``'s loader: the examples with their teacher scores."""
     examples, stats = load_distillation_examples(
         cfg.data.queries, cfg.data.qrels, cfg.data.teacher_scores, cfg.data.teacher_depth, doc_ids

@@ -22,11 +22,11 @@ from pipeline.core.errors import ConfigError
 from pipeline.core.plots import plot_loss_curve
 from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
+from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import DataStats, load_training_examples
 from pipeline.data.group_stream import (
     GroupSpec,
     GroupStream,
-    corpus_rows_by_id,
     examples_as_rows,
 )
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
@@ -228,7 +228,7 @@ def _bm25_negatives(cfg: FinetuneConfig) -> tuple[str, dict | None]:
     return uri, summary
 
 
-def load_examples(cfg: FinetuneConfig, doc_ids: set[str]) -> tuple[list, DataStats, dict | None]:
+def load_examples(cfg: FinetuneConfig, doc_ids: CorpusIds) -> tuple[list, DataStats, dict | None]:
     """The training examples (by passage id) and what validation skipped or dropped."""
     if cfg.data.tevatron:
         stats = DataStats()
@@ -278,13 +278,13 @@ def prepare_group_training(cfg, group_size: int, load=None) -> GroupTraining:
     tokenizer_uri = storage.join(cfg.corpus.output, manifest["tokenizer"])
     tokenizer = load_tokenizer(model_ref.materialize(tokenizer_uri, "tokenizer"))
 
-    rows_by_id = corpus_rows_by_id(cfg.corpus.output, manifest)
-    examples, stats, bm25_summary = (load or load_examples)(cfg, set(rows_by_id))
+    corpus_ids = CorpusIds.read(cfg.corpus.output, manifest["shards"])
+    examples, stats, bm25_summary = (load or load_examples)(cfg, corpus_ids)
     if not examples:
         raise ValueError("no training example: every query lacks a positive (see data_stats)")
     source = getattr(cfg.data, "tevatron", "") or cfg.data.queries
-    example_rows = examples_as_rows(examples, rows_by_id, source)
-    del rows_by_id
+    example_rows = examples_as_rows(examples, corpus_ids, source)
+    del corpus_ids
     query_ids = [
         np.asarray(ids, dtype=np.int32)
         for ids in tokenizer(
