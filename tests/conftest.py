@@ -1,4 +1,5 @@
-"""Shared fixtures: an S3 server on loopback (moto) and a Ray instance per test module.
+"""Shared fixtures: an S3 server on loopback (moto), and local Ray instances: one per
+module that runs Ray Train, one shared by the tests that do not.
 
 The S3 variables go into os.environ *before* Ray starts, because Ray's workers and
 the Ray Train controller inherit the driver's environment.
@@ -54,11 +55,7 @@ def s3_bucket(s3_endpoint):
     return name
 
 
-@pytest.fixture(scope="module")
-def ray_session(s3_endpoint):
-    """A fresh local Ray per test module. One Ray for the whole session hung in CI: after
-    ~8 minutes and many Ray Train runs, the driver's next remote-function export to the
-    GCS never returned (not reproduced with any smaller set of modules)."""
+def _local_ray():
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -71,8 +68,32 @@ def ray_session(s3_endpoint):
     # "local": a new instance even while another Ray runs on this machine (a test's own
     # cluster); a bare init would join that one.
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
+    return ray
+
+
+@pytest.fixture(scope="module")
+def ray_session(s3_endpoint):
+    """A fresh local Ray per test module, for the modules that start Ray Train runs. One Ray
+    for the whole session hung in CI: after ~8 minutes and many Ray Train runs, the driver's
+    next remote-function export to the GCS never returned (not reproduced with any smaller
+    set of modules)."""
+    ray = _local_ray()
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def shared_ray(s3_endpoint):
+    """One local Ray for the tests that start only tasks, actors and Ray Data (no Ray Train
+    run): starting a Ray per module cost 5-10 s each. Those tests run last (see
+    ``pytest_collection_modifyitems``), so this Ray never overlaps a module's own."""
+    ray = _local_ray()
+    yield ray
+    ray.shutdown()
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=lambda item: "shared_ray" in item.fixturenames)  # stable: the order is kept otherwise
 
 
 def write_jsonl(path, docs) -> str:

@@ -54,7 +54,7 @@ RAY_METHODS = ["none"]
 
 
 @pytest.mark.ray
-def test_comparison_end_to_end_then_rerun(tmp_path, ray_session, monkeypatch):
+def test_comparison_end_to_end_then_rerun(tmp_path, shared_ray, monkeypatch):
     data = retrieval_collection(tmp_path / "data", N_DOCS, N_TRAIN, N_DEV)
     init = save_tiny_bert(str(tmp_path / "init"), data["texts"])
     cfg = _config(tmp_path, data, init)

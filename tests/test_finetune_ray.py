@@ -96,7 +96,7 @@ def test_two_workers_with_gradient_cache_from_s3_with_bm25_negatives(tiny_bert, 
     assert "eval" not in summary  # evaluates only when asked (--eval.queries)
 
 
-def test_tevatron_training_file_with_its_own_passages(tiny_bert, tmp_path, ray_session):
+def test_tevatron_training_file_with_its_own_passages(tiny_bert, tmp_path, shared_ray):
     """What a Tevatron file changes is the driver's data preparation (the training loop is
     the one the test above runs): its passages become the corpus and its groups the examples."""
     from pipeline.data.examples import TrainExample

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory, ray_session):
+def corpus(tmp_path_factory, shared_ray):
     root = tmp_path_factory.mktemp("groups")
     docs = synthetic_docs(90, seed=7)
     cfg = PrepareConfig(

@@ -109,7 +109,7 @@ def _offline_hub_cache(root, tiny_model: str, repo: str, commit: str) -> str:
 
 @pytest.mark.ray
 def test_a_hub_id_resolves_from_an_offline_cache_on_a_worker_and_the_driver(
-    tmp_path, tiny_model, monkeypatch, ray_session
+    tmp_path, tiny_model, monkeypatch, shared_ray
 ):
     commit = "0123456789abcdef0123456789abcdef01234567"
     hf_home = _offline_hub_cache(tmp_path / "hf", tiny_model, "raydense-test/tiny-bert", commit)
@@ -122,11 +122,11 @@ def test_a_hub_id_resolves_from_an_offline_cache_on_a_worker_and_the_driver(
     assert model_ref.read_config("raydense-test/tiny-bert")["model_type"] == "bert"
     assert model_ref.materialize("raydense-test/tiny-bert") == snapshot
 
-    @ray_session.remote(runtime_env={"env_vars": env})
+    @shared_ray.remote(runtime_env={"env_vars": env})
     def on_a_worker(reference: str) -> tuple[str, int]:
         return model_ref.materialize(reference), os.getpid()
 
-    path, pid = ray_session.get(on_a_worker.remote("raydense-test/tiny-bert"))
+    path, pid = shared_ray.get(on_a_worker.remote("raydense-test/tiny-bert"))
     assert path == snapshot and pid != os.getpid()
     with pytest.raises(ConfigError, match="raydense-test/absent.*HF_HUB_OFFLINE is set"):
         model_ref.check("raydense-test/absent", "--model.init")

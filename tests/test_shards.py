@@ -17,7 +17,7 @@ from pipeline.data.tokenizer import load_tokenizer
 pytestmark = pytest.mark.ray
 
 
-def test_prepare_writes_contiguous_shards_matching_the_tokenizer(tmp_path, ray_session):
+def test_prepare_writes_contiguous_shards_matching_the_tokenizer(tmp_path, shared_ray):
     docs = synthetic_docs(70) + [
         {"_id": "titled", "title": "Exodus", "text": "the lamb"},
         {"_id": "blank", "text": "   "},
@@ -46,7 +46,7 @@ def test_prepare_writes_contiguous_shards_matching_the_tokenizer(tmp_path, ray_s
     assert not storage.exists(str(tmp_path / "out" / "_staging"))
 
 
-def test_bad_input_fails_before_any_manifest_is_written(tmp_path, ray_session):
+def test_bad_input_fails_before_any_manifest_is_written(tmp_path, shared_ray):
     raw = tmp_path / "bad.jsonl"
     raw.write_text('{"_id": "a", "text": "fine"}\n{"_id": "b", "text": "broken"\n')
     with pytest.raises(InputError, match=r"bad\.jsonl line 2: malformed JSON"):
@@ -54,7 +54,7 @@ def test_bad_input_fails_before_any_manifest_is_written(tmp_path, ray_session):
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
-def test_corrupt_and_missing_shards_are_named(tmp_path, ray_session):
+def test_corrupt_and_missing_shards_are_named(tmp_path, shared_ray):
     out = tmp_path / "out"
     manifest = prepare_corpus(
         PrepareConfig(
@@ -83,7 +83,7 @@ def test_unfinished_or_foreign_manifest_is_refused(tmp_path):
         load_manifest(str(tmp_path / "elsewhere"))
 
 
-def test_prepare_reads_and_writes_s3(tmp_path, s3_bucket, ray_session):
+def test_prepare_reads_and_writes_s3(tmp_path, s3_bucket, shared_ray):
     import boto3
 
     docs = synthetic_docs(30)

@@ -134,7 +134,7 @@ def test_read_position_merges_the_ranks_of_the_checkpoint_ray_will_restore(tmp_p
 
 
 @pytest.mark.ray
-def test_stream_leaves_out_consumed_rows_of_the_resumed_epoch_only(tmp_path, ray_session):
+def test_stream_leaves_out_consumed_rows_of_the_resumed_epoch_only(tmp_path, shared_ray):
     from conftest import synthetic_docs, write_jsonl
 
     from pipeline.data.prepare import PrepareConfig, prepare_corpus
@@ -256,7 +256,7 @@ def test_spans_of_short_documents_are_capped_at_half_the_document():
     assert ((second + span_len)[1:] <= lengths[1:]).all() and ((first + span_len) <= second)[1:].all()
 
 
-def test_training_batches_shuffle_rows_reproducibly_and_keep_every_row_once(ray_session):
+def test_training_batches_shuffle_rows_reproducibly_and_keep_every_row_once(shared_ray):
     """A corpus stored grouped by topic (20 topics of 30 consecutive rows): the worker's
     local shuffle buffer leaves no micro-batch to one topic, yields every row exactly once,
     and is a function of its seed."""
