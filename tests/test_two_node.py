@@ -313,6 +313,12 @@ def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp
     assert teacher_summary["pairs"] == sum(len(scored) for scored in teacher.values())
     fair = {q: {d: s for d, s, _ in scored if d in first_stage[q]} for q, scored in teacher.items()}
     judged = read_qrels(local["train_qrels"])
-    measures = {name: ir_measures.parse_measure(m) for name, m in JOB_MEASURES.items()}
-    expected = ir_measures.calc_aggregate(list(measures.values()), judged, fair)
-    assert teacher_summary["metrics"] == pytest.approx({n: expected[m] for n, m in measures.items()}, abs=1e-9)
+    # Recall only: the file's rounded scores can tie where the job's did not, which moves
+    # RR and nDCG, but 8 candidates sit inside every recall cut-off in any order. An added
+    # positive would lift recall to 1 for its query.
+    recall = {name: ir_measures.parse_measure(m) for name, m in JOB_MEASURES.items() if name.startswith("R@")}
+    expected = ir_measures.calc_aggregate(list(recall.values()), judged, fair)
+    assert {n: teacher_summary["metrics"][n] for n in recall} == pytest.approx(
+        {n: expected[m] for n, m in recall.items()}, abs=1e-9
+    )
+    assert all(expected[m] < 1 for m in recall.values())  # positives were missed: the check can fail
