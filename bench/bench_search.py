@@ -29,8 +29,8 @@ if str(REPO_ROOT) not in sys.path:
 
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval.index import brute_force_topk, plan_memory
-from pipeline.retrieval.index_build import IndexJobConfig
-from pipeline.retrieval.search import ShardedIndex, run_indexing
+from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
+from pipeline.retrieval.search import ShardedIndex
 
 NAVE = REPO_ROOT.parent / "shared" / "data" / "nave"
 GIB = 1024**3

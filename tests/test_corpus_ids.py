@@ -41,6 +41,17 @@ def test_lookups_equal_a_dict_in_both_directions(tmp_path):
     assert "é" in CorpusIds.from_strings(["é", "e"])  # ids are UTF-8, not ASCII
 
 
+def test_an_index_shards_part_keeps_corpus_rows_and_pads_with_empty_ids(tmp_path):
+    """A searcher reads only its index shard's embedding shards, which start past row 0."""
+    ids = [f"p{i}" for i in range(100, 130)]
+    part = CorpusIds.read(str(tmp_path), _shards(tmp_path, ids, 12, first_row=40))
+    assert part.first_row == 40 and part.rows(["p100", "p129"]).tolist() == [40, 69]
+    assert part.ids(np.array([41, 69])) == ["p101", "p129"]
+    found = part.id_bytes(np.array([[45, -1], [40, 69]]))
+    assert found.tolist() == [[b"p105", b""], [b"p100", b"p129"]]
+    assert part.holds(np.array([b"p100", b"p99", b"p129", b""])).tolist() == [True, False, True, False]
+
+
 def test_duplicate_ids_and_rows_out_of_order_name_the_problem(tmp_path):
     with pytest.raises(InputError, match=r"document id 'b' is in rows \[1, 3\]"):
         CorpusIds.from_strings(["a", "b", "c", "b"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.retrieval.metrics import evaluate
+from pipeline.retrieval.metrics import StreamedMetrics, evaluate
 
 
 def test_metrics_equal_a_hand_computation_and_count_unretrieved_queries():
@@ -15,3 +15,23 @@ def test_metrics_equal_a_hand_computation_and_count_unretrieved_queries():
     assert metrics["RR@10"] == pytest.approx((1 + 1 / 3 + 0) / 3)
     assert metrics["R@2"] == pytest.approx((1 + 0 + 0) / 3)
     assert metrics["R@10"] == pytest.approx((1 + 0.5 + 0) / 3)
+
+
+def test_streamed_metrics_equal_ir_measures_on_the_whole_run():
+    """Blocks of queries as the searchers answer them: the same means as ir_measures over the
+    whole run, with a query judged but never retrieved and one judged only non-relevant."""
+    qrels = {"q1": {"d1": 1}, "q2": {"d3": 1, "d9": 2}, "q3": {"d2": 1}, "q4": {"d5": 0}, "q5": {"d4": 1}}
+    run = {
+        "q1": {"d1": 3.0, "d2": 2.0, "d3": 1.0},
+        "q2": {"d2": 5.0, "d9": 4.0, "d3": 3.0},
+        "q4": {"d5": 1.0},
+        "q5": {"d1": 2.0, "d4": 1.0},
+        "q6": {"d1": 1.0},  # not judged: ignored by both
+    }
+    measures = ["RR@10", "R@2", "nDCG@10", "R@100"]
+    streamed = StreamedMetrics(qrels, measures)
+    for block in ({"q1": run["q1"]}, {"q2": run["q2"], "q4": run["q4"]}, {"q5": run["q5"], "q6": run["q6"]}):
+        streamed.add(block)
+    whole = evaluate(qrels, run, measures)
+    assert streamed.result() == pytest.approx(whole, abs=1e-12)
+    assert whole["RR@10"] == pytest.approx((1 + 1 / 2 + 0 + 0 + 1 / 2) / 5)

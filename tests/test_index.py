@@ -128,12 +128,13 @@ def test_save_load_round_trip(where, tmp_path, request):
     shards = []
     for i, index in enumerate(indexes):
         ix.save_index(index, storage.join(folder, ix.index_shard_path(i)))
-        shards.append({"index": i, "path": ix.index_shard_path(i), "vectors": index.ntotal})
+        shards.append({"index": i, "path": ix.index_shard_path(i), "vectors": index.ntotal, "embedding_shards": [i]})
     ix.write_index_manifest(
         folder, factory="IVF16,Flat", metric="ip", dim=DIM, shards=shards, embeddings="s3://bucket/embeddings"
     )
     manifest = ix.load_index_manifest(folder)
     assert [s["vectors"] for s in manifest["shards"]] == [1500, 1500]
+    assert [s["embedding_shards"] for s in manifest["shards"]] == [[0], [1]]
     after = ix.search_shards(ix.load_index_shards(folder, manifest), q, 10, "ip", nprobe=4)
     np.testing.assert_array_equal(before[1], after[1])
     np.testing.assert_array_equal(before[0], after[0])
@@ -151,7 +152,7 @@ def test_missing_index_shard_is_named(tmp_path):
         metric="ip",
         dim=DIM,
         embeddings="emb",
-        shards=[{"index": i, "path": ix.index_shard_path(i), "vectors": 100} for i in (0, 1)],
+        shards=[{"index": i, "path": ix.index_shard_path(i), "vectors": 100, "embedding_shards": [i]} for i in (0, 1)],
     )
     with pytest.raises(ix.ArtifactError, match=r"index shard .*index-00001\.faiss is missing"):
         ix.load_index_manifest(folder)

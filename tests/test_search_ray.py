@@ -11,7 +11,7 @@ from conftest import synthetic_docs, write_jsonl
 from test_finetune_ray import tiny_bert  # noqa: F401  (fixture)
 
 from pipeline.core.actor_pool import ActorConfig, run_actor_pool
-from pipeline.core.errors import ArtifactError
+from pipeline.core.errors import ArtifactError, InputError
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval.encode import (
     EncodeConfig,
@@ -21,7 +21,7 @@ from pipeline.retrieval.encode import (
 )
 from pipeline.retrieval.index import IndexConfig, brute_force_topk
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
-from pipeline.retrieval.search import ShardedIndex
+from pipeline.retrieval.search import ShardedIndex, ranked_ids
 
 pytestmark = pytest.mark.ray
 
@@ -177,8 +177,16 @@ def test_sharded_search_equals_brute_force(encoded, collection, factory):
     queries = np.random.default_rng(0).standard_normal((12, vectors.shape[1])).astype(np.float32)
     index = ShardedIndex(out, nprobe=4)  # nprobe = nlist: IVF is exact too
     scores, found = index.search(queries, 10)
-    index.close()
+    # Streamed in blocks of 5, with the ids each searcher reads for its own rows (index shards
+    # 1 and 2 start at corpus rows 40 and 80): the same hits, as the corpus's ids.
+    blocks = list(index.search_blocks(queries, 10, block=5))
     ref_scores, ref_rows = brute_force_topk(queries, vectors, 10, rows=rows)
+    doc_ids = [d["_id"] for d in collection["docs"]]
+    assert [b[0] for b in blocks] == [0, 5, 10]
+    assert np.array_equal(np.concatenate([b[2] for b in blocks]), found)
+    assert [ranked_ids(r) for b in blocks for r in b[3]] == [[doc_ids[r] for r in row] for row in found]
+    assert index.holds(["not-a-doc", doc_ids[0], doc_ids[-1], doc_ids[45]]) == {doc_ids[0], doc_ids[-1], doc_ids[45]}
+    index.close()
     assert np.allclose(scores, ref_scores, atol=1e-4)
     assert (found == ref_rows).mean() > 0.99  # ties aside, the same passages
     with ShardedIndex(out) as index, pytest.raises(ValueError, match="larger than the corpus"):
@@ -240,6 +248,14 @@ def test_mined_negatives_exclude_positives_and_are_reproducible(encoded, collect
         assert again == mined[qid]
     records = list(read_tevatron(summary["tevatron"]))
     assert len(records) == 20 and [p["docid"] for p in records[0]["negative_passages"]] == mined["q0"]
+    # The driver holds no corpus ids: a judgment of an unknown passage is found by the
+    # searchers, and still reported at its line.
+    lines = open(collection["qrels"]).read().splitlines()
+    bad = tmp_path / "qrels-bad.tsv"
+    bad.write_text("\n".join(lines[:3] + ["q1\tghost\t1"] + lines[3:]) + "\n")
+    mine.qrels, mine.output = str(bad), str(tmp_path / "mined-bad")
+    with pytest.raises(InputError, match=r"qrels-bad\.tsv line 4: unknown document id 'ghost'"):
+        run_mining(mine)
 
 
 def test_evaluate_job_matches_ir_measures_on_a_brute_force_run(encoded, collection, tiny_bert, tmp_path, capsys):  # noqa: F811
@@ -304,3 +320,50 @@ def test_evaluate_job_matches_ir_measures_on_a_brute_force_run(encoded, collecti
                 str(tmp_path / "eval2"),
             ]
         )
+
+
+def _synthetic_corpus_index(folder, n: int, dim: int) -> str:
+    """An embeddings folder of ``n`` random passages in 2 shards and its Flat index."""
+    vectors = np.random.default_rng(n).standard_normal((n, dim)).astype(np.float32)
+    entries = [
+        emb.write_shard(f"{folder}/emb", i, rows, [f"doc-{r:07d}" for r in rows], vectors[rows])
+        for i, rows in enumerate(np.array_split(np.arange(n), 2))
+    ]
+    emb.write_manifest(f"{folder}/emb", dim, entries, normalized=False, similarity="dot", model="synthetic")
+    run_indexing(IndexJobConfig(embeddings=f"{folder}/emb", output=f"{folder}/index"))
+    return f"{folder}/index"
+
+
+def test_mining_drivers_memory_does_not_grow_with_the_corpus(encoded, collection, tmp_path):
+    """The driver's Python-heap peak during a mining run (tracemalloc: numpy arrays included)
+    over 10k and over 100k passages, same queries: the corpus's ids stay on the searchers
+    and results stream, so 90k more passages may add at most 1 MB. Holding the ids here as
+    CorpusIds would add ~2.5 MB, as a dict ~12 MB."""
+    import tracemalloc
+
+    from pipeline.retrieval.mine import MineConfig, run_mining
+
+    cfg, summary = encoded
+    qrels = tmp_path / "qrels.tsv"
+    qrels.write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\tdoc-{i:07d}\t1\n" for i in range(20)))
+    peaks = {}
+    for n in (10_000, 100_000):
+        index = _synthetic_corpus_index(tmp_path / f"c{n}", n, summary["dim"])
+        mine = MineConfig(
+            index=index,
+            queries=collection["queries"],
+            qrels=str(qrels),
+            output=str(tmp_path / f"mined{n}"),
+            depth=100,
+            count=10,
+            encoder=cfg.encoder,
+            pool=ActorConfig(actors=1),
+        )
+        tracemalloc.start()
+        try:
+            result = run_mining(mine)
+            peaks[n] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert result["negatives_per_query"] == 10 and result["examples"] == 20
+    assert peaks[100_000] - peaks[10_000] < 2**20, peaks

@@ -26,6 +26,7 @@ class CorpusIds:
         if ids.dtype.kind != "S":
             raise TypeError(f"ids must be a numpy bytes array, got {ids.dtype}")
         self.by_row, self.source = ids, source
+        self.first_row = 0  # corpus row of by_row[0]: not 0 for one index shard's ids
         self._order = np.argsort(ids, kind="stable")
         self._sorted = ids[self._order]
         repeated = np.flatnonzero(self._sorted[1:] == self._sorted[:-1])
@@ -40,9 +41,13 @@ class CorpusIds:
     @classmethod
     def read(cls, folder: str, shards: Sequence[dict]) -> "CorpusIds":
         """The ids of a prepared corpus or an embeddings folder, from each shard's ``row``
-        and ``doc_id`` columns (the rows must run 0..N-1 in shard order)."""
-        parts, next_row = [], 0
-        for shard in sorted(shards, key=lambda s: s["first_row"]):
+        and ``doc_id`` columns (the rows must run on without a gap in shard order, from the
+        first shard's ``first_row``: 0 for a whole corpus, later for an index shard's part).
+        ``first_row`` is then the corpus row of ``by_row[0]``."""
+        shards = sorted(shards, key=lambda s: s["first_row"])
+        first_row = int(shards[0]["first_row"]) if shards else 0
+        parts, next_row = [], first_row
+        for shard in shards:
             uri = storage.join(folder, shard["path"])
             table = storage.read_parquet(uri, columns=["row", "doc_id"])
             rows = table.column("row").to_numpy()
@@ -53,7 +58,9 @@ class CorpusIds:
             next_row += len(rows)
             parts.append(_as_bytes(table.column("doc_id").cast("binary").to_numpy(zero_copy_only=False)))
         ids = np.concatenate(parts) if parts else np.zeros(0, "S1")
-        return cls(ids, storage.resolve(folder).describe())
+        corpus_ids = cls(ids, storage.resolve(folder).describe())
+        corpus_ids.first_row = first_row
+        return corpus_ids
 
     def __len__(self) -> int:
         return len(self.by_row)
@@ -70,7 +77,7 @@ class CorpusIds:
         if not len(self._sorted):
             return np.full(len(keys), -1, np.int64)
         at = np.minimum(np.searchsorted(self._sorted, keys), len(self._sorted) - 1)
-        return np.where(self._sorted[at] == keys, self._order[at], -1).astype(np.int64)
+        return np.where(self._sorted[at] == keys, self._order[at] + self.first_row, -1).astype(np.int64)
 
     def rows(self, doc_ids: Sequence[str]) -> np.ndarray:
         """Corpus rows of ``doc_ids`` (int64); a ``KeyError`` names the first unknown id."""
@@ -82,7 +89,20 @@ class CorpusIds:
 
     def ids(self, rows: np.ndarray) -> list[str]:
         """Doc ids of corpus ``rows``."""
-        return [i.decode() for i in self.by_row[np.asarray(rows, dtype=np.int64)]]
+        return [i.decode() for i in self.by_row[np.asarray(rows, dtype=np.int64) - self.first_row]]
+
+    def id_bytes(self, rows: np.ndarray) -> np.ndarray:
+        """Doc ids of corpus ``rows`` as bytes, shaped as ``rows``; b"" where a row is -1
+        (FAISS's padding)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if not len(self.by_row):
+            return np.zeros(rows.shape, "S1")
+        picked = self.by_row[np.clip(rows - self.first_row, 0, len(self.by_row) - 1)]
+        return np.where(rows < 0, b"", picked)
+
+    def holds(self, doc_ids: np.ndarray) -> np.ndarray:
+        """Which of ``doc_ids`` (a bytes array) are in the corpus: a bool mask."""
+        return self._find(np.asarray(doc_ids, dtype=bytes)) >= 0
 
     @property
     def nbytes(self) -> int:

@@ -126,4 +126,11 @@ def write_trec_run(run: dict[str, dict[str, float]], uri: str, tag: str = "rayde
     with storage.open_output(uri) as out:
         for qid, docs in run.items():
             ranked = sorted(docs.items(), key=lambda kv: -kv[1])
-            out.write("".join(f"{qid} Q0 {d} {r} {s:.6f} {tag}\n" for r, (d, s) in enumerate(ranked, 1)).encode())
+            write_trec_lines(out, qid, [d for d, _ in ranked], [s for _, s in ranked], tag)
+
+
+def write_trec_lines(out, qid: str, ranked_ids: list[str], scores, tag: str = "raydense") -> None:
+    """One query's ranking, best first, as TREC run lines on an open output (a streamed run)."""
+    out.write(
+        "".join(f"{qid} Q0 {d} {r} {s:.6f} {tag}\n" for r, (d, s) in enumerate(zip(ranked_ids, scores), 1)).encode()
+    )

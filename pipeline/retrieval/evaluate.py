@@ -13,13 +13,13 @@ from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS, SAMPLE_DEV_QRELS, SAMPLE_DEV_QUERIES
-from pipeline.data.beir import read_qrels, read_queries
-from pipeline.data.runs import write_trec_run
+from pipeline.data.beir import read_queries
+from pipeline.data.runs import write_trec_lines
 from pipeline.retrieval.encode import EncodeConfig, EncoderSettings, run_encoding
 from pipeline.retrieval.index import IndexConfig
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
-from pipeline.retrieval.metrics import JOB_MEASURES, evaluate, metrics_table
-from pipeline.retrieval.search import ShardedIndex
+from pipeline.retrieval.metrics import JOB_MEASURES, StreamedMetrics, metrics_table
+from pipeline.retrieval.search import ShardedIndex, ranked_ids, read_qrels_of_corpus
 
 
 @dataclass
@@ -114,19 +114,25 @@ def run_evaluation(cfg: EvaluateJobConfig) -> dict:
             index=IndexConfig(factory=cfg.index, nprobe=cfg.nprobe),
         )
     )
-    with ShardedIndex(indexed["output"], nprobe=cfg.nprobe, pool=cfg.pool) as index:
-        corpus_ids = index.doc_ids()
-        qrels = read_qrels(storage.resolve(cfg.qrels).uri, doc_ids=corpus_ids, query_ids=set(queries))
+    run_uri = storage.join(output, "run.trec")
+    # The run is written and scored a block of queries at a time, as the searchers answer.
+    with (
+        ShardedIndex(indexed["output"], nprobe=cfg.nprobe, pool=cfg.pool) as index,
+        storage.open_output(run_uri) as out,
+    ):
+        qrels = read_qrels_of_corpus(storage.resolve(cfg.qrels).uri, index, set(queries))
+        scored = StreamedMetrics(qrels, JOB_MEASURES.values())
         search_start = time.perf_counter()
-        scores, rows = index.search(encoded.pop("query_vectors"), cfg.k)
+        for start, scores, _, ids in index.search_blocks(encoded.pop("query_vectors"), cfg.k):
+            block = {}
+            for qid, row_scores, row_ids in zip(qids[start:], scores, ids):
+                ranked = ranked_ids(row_ids)
+                write_trec_lines(out, qid, ranked, row_scores[: len(ranked)].tolist(), tag="raydense")
+                block[qid] = dict(zip(ranked, map(float, row_scores)))
+            scored.add(block)
         search_s = time.perf_counter() - search_start
         searchers = index.stats()
-    run = {
-        q: dict(zip(corpus_ids.ids(rrow[rrow >= 0]), map(float, srow[rrow >= 0])))
-        for q, srow, rrow in zip(qids, scores, rows)
-    }
-    write_trec_run(run, storage.join(output, "run.trec"), tag="raydense")
-    values = evaluate(qrels, run, JOB_MEASURES.values())
+    values = scored.result()
     metrics = {name: values[measure] for name, measure in JOB_MEASURES.items()}
     summary = {
         "job": "evaluate",
@@ -136,7 +142,7 @@ def run_evaluation(cfg: EvaluateJobConfig) -> dict:
         "passages": encoded["passages"],
         "index": cfg.index,
         "k": cfg.k,
-        "run": storage.join(output, "run.trec"),
+        "run": run_uri,
         "similarity": encoded["similarity"],
         "encode_passages_per_s": encoded["passages_per_s"],
         "search_seconds": round(search_s, 2),

@@ -354,7 +354,15 @@ def write_index_manifest(
         "metric": metric,
         "dim": int(dim),
         "shards": sorted(
-            ({"index": int(s["index"]), "path": s["path"], "vectors": int(s["vectors"])} for s in shards),
+            (
+                {
+                    "index": int(s["index"]),
+                    "path": s["path"],
+                    "vectors": int(s["vectors"]),
+                    "embedding_shards": [int(i) for i in s["embedding_shards"]],
+                }
+                for s in shards
+            ),
             key=lambda s: s["index"],
         ),
         "embeddings": embeddings,
@@ -413,13 +421,15 @@ def search_shard(index, queries: np.ndarray, k: int, nprobe: int | None = None) 
 
 
 def merge_topk(
-    results: list[tuple[np.ndarray, np.ndarray]], k: int, metric: str = "ip", total: int | None = None
-) -> tuple[np.ndarray, np.ndarray]:
+    results: list[tuple[np.ndarray, ...]], k: int, metric: str = "ip", total: int | None = None
+) -> tuple[np.ndarray, ...]:
     """Exact global top-k from per-shard top-k (each shard's top-k contains its share of the
-    global one). Padding (row -1) sorts last; ``total`` (the corpus size) bounds ``k``."""
+    global one). Each result is ``(scores, rows, *columns)``: any further per-hit arrays (the
+    hits' doc ids, say) are merged along. Padding (row -1) sorts last; ``total`` (the corpus
+    size) bounds ``k``."""
     _check_metric(metric)
-    scores = np.concatenate([s for s, _ in results], axis=1)
-    rows = np.concatenate([r for _, r in results], axis=1)
+    merged = [np.concatenate([r[i] for r in results], axis=1) for i in range(len(results[0]))]
+    scores, rows = merged[0], merged[1]
     if total is not None:
         _check_k(k, total)
     elif not 1 <= k <= rows.shape[1]:
@@ -427,7 +437,7 @@ def merge_topk(
     # One ascending key for both metrics; padding gets +inf so it never displaces a real hit.
     key = np.where(rows < 0, np.inf, -scores if metric == "ip" else scores)
     top = _smallest(key, min(k, key.shape[1]))
-    return np.take_along_axis(scores, top, 1), np.take_along_axis(rows, top, 1)
+    return tuple(np.take_along_axis(column, top, 1) for column in merged)
 
 
 def search_shards(

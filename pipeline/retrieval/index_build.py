@@ -69,7 +69,9 @@ def _build_one(folder: str, entries: list[dict], shard_index: int, output: str, 
     )
     path = faiss_index.index_shard_path(shard_index)
     faiss_index.save_index(index, storage.join(output, path))
-    return {"index": shard_index, "path": path, "vectors": int(index.ntotal)}
+    # The searcher of this shard reads its doc ids from these: search results leave it as ids.
+    embedding_shards = [int(entry["index"]) for entry in entries]
+    return {"index": shard_index, "path": path, "vectors": int(index.ntotal), "embedding_shards": embedding_shards}
 
 
 def run_indexing(cfg: IndexJobConfig) -> dict:

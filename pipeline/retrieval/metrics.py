@@ -20,6 +20,29 @@ def evaluate(
     return {str(m): float(values[m]) for m in parsed}
 
 
+class StreamedMetrics:
+    """Mean metrics over judged queries from a run seen a block of queries at a time, so a
+    job never holds its whole run: per-query values from ``ir_measures.iter_calc``, summed.
+    Equal to :func:`evaluate` on the whole run (a judged query never seen scores 0)."""
+
+    def __init__(self, qrels: dict[str, dict[str, int]], measures: Iterable[str] = DEFAULT_MEASURES):
+        self.qrels = qrels
+        self.measures = [ir_measures.parse_measure(m) for m in measures]
+        self.sums = {m: 0.0 for m in self.measures}
+
+    def add(self, run_block: dict[str, dict[str, float]]) -> None:
+        judged = {q: self.qrels[q] for q in run_block if q in self.qrels}
+        if not judged:
+            return
+        for value in ir_measures.iter_calc(self.measures, judged, {q: run_block[q] for q in judged}):
+            self.sums[value.measure] += float(value.value)
+
+    def result(self) -> dict[str, float]:
+        # ir_measures averages over every query of the qrels, judged relevant or not.
+        n = len(self.qrels)
+        return {str(m): self.sums[m] / n if n else 0.0 for m in self.measures}
+
+
 JOB_MEASURES = {"MRR@10": "RR@10", "R@10": "R@10", "R@100": "R@100", "R@1000": "R@1000", "nDCG@10": "nDCG@10"}
 
 

@@ -11,6 +11,11 @@ Outputs, under ``output``:
 - ``train.tevatron.jsonl``: the round's training file in Tevatron format, passages by id (text
   empty: the trainer joins the text from the corpus at training time);
 - ``run.trec``: the full top-depth run, for ``ir_measures``.
+
+All three are written a block of queries at a time as the searchers answer, with the
+results already as doc ids: the driver holds the queries, their vectors and one block of
+results, never the corpus's ids nor the whole run. The answer filter is the exception: it
+holds every candidate id (and their texts) before the first line is written.
 """
 
 from __future__ import annotations
@@ -26,13 +31,13 @@ from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
-from pipeline.data.beir import positives, read_qrels, read_queries
+from pipeline.data.beir import positives, read_queries
 from pipeline.data.corpus import iter_documents
 from pipeline.data.groups import query_seed
 from pipeline.data.records import json_lines
-from pipeline.data.runs import write_trec_run
+from pipeline.data.runs import write_trec_lines
 from pipeline.retrieval.encode import EncoderSettings, encode_queries
-from pipeline.retrieval.search import ShardedIndex
+from pipeline.retrieval.search import ShardedIndex, ranked_ids, read_qrels_of_corpus
 
 
 @dataclass
@@ -109,6 +114,16 @@ def _answer_hits(cfg: MineConfig, queries: dict, ranked: dict[str, list[str]]) -
     }
 
 
+def _tevatron_example(qid: str, query: str, positive_ids: list[str], negative_ids: list[str]) -> dict:
+    """A training line by ids: the text is left empty, joined from the corpus at training time."""
+    return {
+        "query_id": qid,
+        "query": query,
+        "positive_passages": [{"docid": d, "title": "", "text": ""} for d in positive_ids],
+        "negative_passages": [{"docid": d, "title": "", "text": ""} for d in negative_ids],
+    }
+
+
 def run_mining(cfg: MineConfig) -> dict:
     started = time.perf_counter()
     output = storage.resolve(cfg.output).uri
@@ -116,48 +131,42 @@ def run_mining(cfg: MineConfig) -> dict:
     qids = list(queries)
     # Encoded on the pool before the searchers start: the two never hold the GPUs at once.
     vectors = encode_queries(cfg.encoder, [queries[q] for q in qids], cfg.pool)
-    with ShardedIndex(cfg.index, nprobe=cfg.nprobe, pool=cfg.pool) as index:
-        corpus_ids = index.doc_ids()
-        qrels = read_qrels(cfg.qrels, doc_ids=corpus_ids, query_ids=set(queries))
-        search_start = time.perf_counter()
-        scores, rows = index.search(vectors, min(cfg.depth, index.total))
-        search_s = time.perf_counter() - search_start
-    ranked = {q: corpus_ids.ids(row[row >= 0]) for q, row in zip(qids, rows)}
-    answer_hits = _answer_hits(cfg, queries, ranked) if cfg.answers else {}
-
     counts = {"negatives": 0, "positives_dropped": 0, "answer_dropped": 0, "short": 0, "examples": 0}
-    run: dict[str, dict[str, float]] = {}
     with (
+        ShardedIndex(cfg.index, nprobe=cfg.nprobe, pool=cfg.pool) as index,
         storage.open_output(storage.join(output, "negatives.jsonl")) as neg_out,
         storage.open_output(storage.join(output, "train.tevatron.jsonl")) as tev_out,
+        storage.open_output(storage.join(output, "run.trec")) as run_out,
     ):
-        for qid, row_scores in zip(qids, scores):
-            ids = ranked[qid]
-            run[qid] = dict(zip(ids, map(float, row_scores)))
-            judged = set(positives(qrels.get(qid, {})))
-            excluded = judged | answer_hits.get(qid, set())
-            counts["positives_dropped"] += sum(d in judged for d in ids)
-            counts["answer_dropped"] += sum(d in answer_hits.get(qid, ()) and d not in judged for d in ids)
-            negs, neg_scores = select_negatives(qid, ids, row_scores[: len(ids)].tolist(), excluded, cfg)
-            counts["negatives"] += len(negs)
-            counts["short"] += len(negs) < cfg.count
-            neg_out.write((json.dumps({"query_id": qid, "negatives": negs, "scores": neg_scores}) + "\n").encode())
-            if judged:
-                counts["examples"] += 1
-                tev_out.write(
-                    (
-                        json.dumps(
-                            {
-                                "query_id": qid,
-                                "query": queries[qid],
-                                "positive_passages": [{"docid": d, "title": "", "text": ""} for d in sorted(judged)],
-                                "negative_passages": [{"docid": d, "title": "", "text": ""} for d in negs],
-                            }
-                        )
-                        + "\n"
-                    ).encode()
-                )
-    write_trec_run(run, storage.join(output, "run.trec"), tag="mined")
+        qrels = read_qrels_of_corpus(cfg.qrels, index, set(queries))
+        search_start = time.perf_counter()
+        blocks = index.search_blocks(vectors, min(cfg.depth, index.total))
+        answer_hits: dict[str, set[str]] = {}
+        if cfg.answers:  # the filter reads the candidates' texts in one pass over the corpus first
+            blocks = list(blocks)
+            ranked = {
+                q: ranked_ids(ids) for start, _, _, block_ids in blocks for q, ids in zip(qids[start:], block_ids)
+            }
+            answer_hits = _answer_hits(cfg, queries, ranked)
+            del ranked
+        for start, scores, _, block_ids in blocks:
+            for qid, row_scores, row_ids in zip(qids[start:], scores, block_ids):
+                ids = ranked_ids(row_ids)
+                write_trec_lines(run_out, qid, ids, row_scores[: len(ids)].tolist(), tag="mined")
+                judged = set(positives(qrels.get(qid, {})))
+                hits = answer_hits.get(qid, set())
+                counts["positives_dropped"] += sum(d in judged for d in ids)
+                counts["answer_dropped"] += sum(d in hits and d not in judged for d in ids)
+                negs, neg_scores = select_negatives(qid, ids, row_scores[: len(ids)].tolist(), judged | hits, cfg)
+                counts["negatives"] += len(negs)
+                counts["short"] += len(negs) < cfg.count
+                neg_out.write((json.dumps({"query_id": qid, "negatives": negs, "scores": neg_scores}) + "\n").encode())
+                if judged:
+                    counts["examples"] += 1
+                    tev_out.write(
+                        (json.dumps(_tevatron_example(qid, queries[qid], sorted(judged), negs)) + "\n").encode()
+                    )
+        search_s = time.perf_counter() - search_start
     return {
         "job": "mine",
         "output": output,
@@ -171,6 +180,6 @@ def run_mining(cfg: MineConfig) -> dict:
         "positives_dropped": counts["positives_dropped"],
         "answer_dropped": counts["answer_dropped"],
         "depth": cfg.depth,
-        "search_seconds": round(search_s, 2),
+        "search_seconds": round(search_s, 2),  # search, selection and writing, streamed together
         "seconds": round(time.perf_counter() - started, 2),
     }

@@ -5,15 +5,19 @@ at a time); a memory plan is printed and checked before anything is built; each 
 shard is built by its own Ray task, trained on one seeded sample of the whole corpus so
 every shard shares the same quantiser statistics, and persisted with a manifest.
 
-Searching: each :class:`ShardSearcher` actor loads one index shard and answers top-k for a
-block of query vectors; the driver merges the per-shard top-k into the exact global top-k
-(``pipeline.index.merge_topk``). With exact (Flat) shards the result is the brute-force one.
+Searching: each :class:`ShardSearcher` actor loads one index shard, and the doc ids of its
+rows, and answers top-k for a block of query vectors as (scores, rows, ids); the driver
+merges the per-shard top-k into the exact global top-k (``pipeline.index.merge_topk``). With
+exact (Flat) shards the result is the brute-force one. The driver never holds the corpus's
+ids: a query block's results arrive as ids, and "is this id in the corpus" (a qrels check)
+is asked of the searchers.
 """
 
 from __future__ import annotations
 
 import math
 import resource
+from typing import Iterator
 
 import faiss
 import numpy as np
@@ -21,6 +25,8 @@ import ray
 
 from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
+from pipeline.core.errors import ArtifactError
+from pipeline.data.beir import read_qrels
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval import index as faiss_index
@@ -32,16 +38,23 @@ PROCESS_BYTES = 512 * 2**20  # a searcher's own footprint besides its index (Pyt
 class ShardSearcher:
     """A Ray actor serving one index shard, from host memory or from its GPU."""
 
-    def __init__(self, index_uri: str, entry: dict, nprobe: int, threads: int, use_gpu: bool):
+    def __init__(self, index_uri: str, embeddings: str, entry: dict, nprobe: int, threads: int, use_gpu: bool):
         faiss.omp_set_num_threads(max(1, threads))
         self.index = faiss_index.load_index(storage.join(index_uri, entry["path"]))
+        shards = emb.load_manifest(embeddings)["shards"]
+        self.ids = CorpusIds.read(embeddings, [shards[i] for i in entry["embedding_shards"]])
         self._gpu = None  # FAISS's GPU resources live as long as the index on the GPU
         if use_gpu:
             self.index, self._gpu = faiss_index.searcher_to_gpu(self.index)
         self.nprobe = nprobe
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        return faiss_index.search_shard(self.index, queries, min(k, self.index.ntotal), self.nprobe)
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(scores, corpus rows, doc ids as bytes; b"" for padding), each (queries, k)."""
+        scores, rows = faiss_index.search_shard(self.index, queries, min(k, self.index.ntotal), self.nprobe)
+        return scores, rows, self.ids.id_bytes(rows)
+
+    def holds(self, doc_ids: np.ndarray) -> np.ndarray:
+        return self.ids.holds(doc_ids)
 
     def stats(self) -> dict:
         """What this shard holds, where, what Ray reserved for it, and the peak memory of
@@ -49,6 +62,7 @@ class ShardSearcher:
 
         return {
             "vectors": int(self.index.ntotal),
+            "id_bytes": int(self.ids.nbytes),
             "on_gpu": self._gpu is not None,
             "reserved": ray.get_runtime_context().get_assigned_resources(),
             "node": ray.get_runtime_context().get_node_id(),
@@ -89,9 +103,18 @@ class ShardedIndex:
         self.manifest = faiss_index.load_index_manifest(self.uri)
         self.metric = self.manifest["metric"]
         self.total = sum(s["vectors"] for s in self.manifest["shards"])
+        stale = [s["path"] for s in self.manifest["shards"] if "embedding_shards" not in s]
+        if stale:
+            raise ArtifactError(
+                f"{storage.join(self.uri, stale[0])}: built before index shards recorded their embedding shards; "
+                "rebuild the index (jobs/index.py)"
+            )
         self.options = searcher_options(self.manifest, pool)
+        searcher = ray.remote(ShardSearcher)
         self.actors = [
-            ray.remote(ShardSearcher).options(**options).remote(self.uri, s, nprobe, threads, options["num_gpus"] > 0)
+            searcher.options(**options).remote(
+                self.uri, self.manifest["embeddings"], s, nprobe, threads, options["num_gpus"] > 0
+            )
             for s, options in zip(self.manifest["shards"], self.options)
         ]
 
@@ -101,29 +124,56 @@ class ShardedIndex:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def search(self, queries: np.ndarray, k: int, block: int = 4096) -> tuple[np.ndarray, np.ndarray]:
-        """Exact merge of every shard's top-k: (scores (q, k), corpus rows (q, k))."""
+    def search_blocks(
+        self, queries: np.ndarray, k: int, block: int = 4096
+    ) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+        """Per block of queries, as it is answered: (first query, scores (b, k), corpus rows
+        (b, k), doc ids (b, k) as bytes), the exact merge of every shard's top-k. Padding
+        (fewer than k hits, e.g. IVF with few lists probed) is row -1 and id b""."""
 
         faiss_index._check_k(k, self.total)
-        scores, rows = [], []
         for start in range(0, len(queries), block):
             part = np.ascontiguousarray(queries[start : start + block], dtype=np.float32)
             results = ray.get([a.search.remote(part, k) for a in self.actors])
-            s, r = faiss_index.merge_topk(results, k, self.metric, self.total)
-            scores.append(s)
-            rows.append(r)
-        if not scores:
+            scores, rows, ids = faiss_index.merge_topk(results, k, self.metric, self.total)
+            yield start, scores, rows, ids
+
+    def search(self, queries: np.ndarray, k: int, block: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+        """Exact merge of every shard's top-k: (scores (q, k), corpus rows (q, k)), all
+        queries at once (for tests and benchmarks; jobs stream :meth:`search_blocks`)."""
+
+        blocks = [(scores, rows) for _, scores, rows, _ in self.search_blocks(queries, k, block)]
+        if not blocks:
             return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
-        return np.concatenate(scores), np.concatenate(rows)
+        return np.concatenate([s for s, _ in blocks]), np.concatenate([r for _, r in blocks])
+
+    def holds(self, doc_ids: list[str]) -> set[str]:
+        """Which of ``doc_ids`` the corpus holds, asked of the searchers (each knows its shard's)."""
+
+        keys = np.array([d.encode() for d in doc_ids], dtype=bytes) if doc_ids else np.zeros(0, "S1")
+        found = np.zeros(len(keys), bool)
+        for mask in ray.get([a.holds.remote(keys) for a in self.actors]):
+            found |= mask
+        return {d for d, hit in zip(doc_ids, found) if hit}
 
     def stats(self) -> list[dict]:
         return ray.get([a.stats.remote() for a in self.actors])
 
-    def doc_ids(self) -> CorpusIds:
-        """The corpus's doc ids by row, from the embedding shards' id columns (no vectors read)."""
-        folder = self.manifest["embeddings"]
-        return CorpusIds.read(folder, emb.load_manifest(folder)["shards"])
-
     def close(self) -> None:
         for actor in self.actors:
             ray.kill(actor)
+
+
+def read_qrels_of_corpus(uri: str, index: ShardedIndex, query_ids: set[str]) -> dict[str, dict[str, int]]:
+    """``read_qrels`` with its unknown-document check answered by the searchers: the file is
+    read once for its ids, which the searchers look up, then again with that answer, so an
+    unknown id is reported at its line as always, without the corpus's ids on the driver."""
+
+    judged = read_qrels(uri, query_ids=query_ids)
+    doc_ids = sorted({d for docs in judged.values() for d in docs})
+    return read_qrels(uri, doc_ids=index.holds(doc_ids), query_ids=query_ids)
+
+
+def ranked_ids(ids: np.ndarray) -> list[str]:
+    """One query's result ids (a row of :meth:`ShardedIndex.search_blocks`), padding dropped."""
+    return [d.decode() for d in ids if d]

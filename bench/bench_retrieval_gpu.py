@@ -1,0 +1,203 @@
+"""The retrieval path on a GPU node: the encoder pool and the searchers, each against the
+same work on the node's CPU, measured side by side in one run.
+
+  encode   passages/s of jobs/encode.py's pool (one actor) on the GPU (fp16, bf16, fp32) and
+           on CPU cores (fp32), same random-weight model (MiniLM-sized 384-d and BERT-base-sized
+           768-d; throughput does not depend on the weights) and the same Nave verses
+  search   queries/s of ShardedIndex's searchers on one shard: a CPU searcher (every core as
+           FAISS threads) against a GPU searcher (pool.use_gpu: the shard moved with
+           faiss.index_cpu_to_gpu), same index file, same queries; and how many of the CPU's
+           top-k the GPU returns
+
+Usage: python bench/bench_retrieval_gpu.py [--parts encode,search] [--json out.json]
+       [--corpus nave/corpus.jsonl] [--vectors 2000000] [--queries 20000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench_search import NAVE, _steady_passages_per_s, clustered, write_vectors  # noqa: E402
+
+from pipeline.core.actor_pool import ActorConfig  # noqa: E402
+from pipeline.data.tokenizer import train_wordpiece  # noqa: E402
+from pipeline.retrieval.encode import EncodeConfig, EncoderSettings, prepared_corpus, run_encoding  # noqa: E402
+from pipeline.retrieval.index import IndexConfig  # noqa: E402
+from pipeline.retrieval.index_build import IndexJobConfig, run_indexing  # noqa: E402
+from pipeline.retrieval.search import ShardedIndex  # noqa: E402
+
+SIZES = {
+    "minilm": {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12, "intermediate_size": 1536},
+    "bert-base": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072},
+}
+
+
+def random_bert(folder: str, texts: list[str], size: str) -> str:
+    from transformers import BertConfig, BertModel
+
+    tokenizer = train_wordpiece(texts, folder, vocab_size=30522)
+    config = BertConfig(vocab_size=len(tokenizer), max_position_embeddings=512, **SIZES[size])
+    BertModel(config).save_pretrained(folder)
+    return folder
+
+
+def bench_encode(corpus: Path, cpu_passages: int, cpus: int) -> list[dict]:
+    lines = corpus.read_text().splitlines()
+    texts = [json.loads(line)["text"] for line in lines]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        full = Path(tmp) / "corpus.jsonl"
+        full.write_text("\n".join(lines) + "\n")
+        small = Path(tmp) / "small.jsonl"
+        small.write_text("\n".join(lines[:cpu_passages]) + "\n")
+        for size in SIZES:
+            model = random_bert(f"{tmp}/{size}", texts, size)
+            runs = [("gpu", "fp16", full), ("gpu", "bf16", full), ("gpu", "fp32", full), ("cpu", "fp32", small)]
+            for device, precision, source in runs:
+                out = f"{tmp}/emb-{size}-{device}-{precision}"
+                prepared = f"{tmp}/prepared-{size}-{source.stem}"
+                docs_per_shard = max(1, sum(1 for _ in source.open()) // 8)
+                prepared_corpus(str(source), model, prepared, docs_per_shard)  # tokenized once, outside timing
+                gpu = device == "gpu"
+                summary = run_encoding(
+                    EncodeConfig(
+                        corpus=prepared,
+                        output=out,
+                        encoder=EncoderSettings(model=model, pooling="cls", batch_size=256, precision=precision),
+                        pool=ActorConfig(actors=1, use_gpu=gpu, cpus_per_actor=4 if gpu else cpus),
+                    )
+                )
+                row = {
+                    "model": size,
+                    "device": device,
+                    "precision": precision,
+                    "cpu_threads": 4 if gpu else cpus,
+                    "passages": summary["passages"],
+                    "passages_per_s": round(_steady_passages_per_s(summary), 1),
+                    "wall_passages_per_s": summary["passages_per_s"],
+                }
+                rows.append(row)
+                print(json.dumps({"encode": row}), flush=True)
+    return rows
+
+
+def bench_search(n: int, dim: int, n_queries: int, k: int, factories: list[str], cpus: int) -> list[dict]:
+    vectors, queries = clustered(n, dim, 0), clustered(n_queries, dim, 1)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        write_vectors(f"{tmp}/emb", vectors, 1)
+        del vectors
+        for factory in factories:
+            started = time.perf_counter()
+            run_indexing(
+                IndexJobConfig(
+                    embeddings=f"{tmp}/emb",
+                    output=f"{tmp}/index-{factory}",
+                    cpus_per_task=cpus,
+                    index=IndexConfig(factory=factory, use_gpu="never", train_sample=200_000),
+                )
+            )
+            build_s = time.perf_counter() - started
+            row: dict = {"factory": factory, "vectors": n, "dim": dim, "queries": n_queries, "k": k}
+            results = {}
+            for device, pool in (("cpu", None), ("gpu", ActorConfig(actors=1, use_gpu=True))):
+                with ShardedIndex(f"{tmp}/index-{factory}", nprobe=32, pool=pool, threads=cpus) as index:
+                    index.search(queries[:100], k)  # warm: actor up, shard loaded (and moved)
+                    started = time.perf_counter()
+                    _, found = index.search(queries, k)
+                    seconds = time.perf_counter() - started
+                    stats = index.stats()[0]
+                row[f"{device}_queries_per_s"] = round(n_queries / seconds, 1)
+                row[f"{device}_on_gpu"] = stats["on_gpu"]
+                row[f"{device}_peak_rss_gib"] = round(stats["peak_rss_bytes"] / 2**30, 2)
+                results[device] = found
+            row["gpu_vs_cpu"] = round(row["gpu_queries_per_s"] / row["cpu_queries_per_s"], 1)
+            row["same_topk"] = round(
+                float(np.mean([len(set(a) & set(b)) / k for a, b in zip(results["cpu"], results["gpu"])])), 4
+            )
+            row["build_s"] = round(build_s, 1)
+            rows.append(row)
+            print(json.dumps({"search": row}), flush=True)
+    return rows
+
+
+def bench_faiss(n: int, dim: int, n_queries: int, k: int, factories: list[str], cpus: int) -> list[dict]:
+    """The searchers' own calls (build, move to the GPU, search) in this process, no Ray:
+    the device figures alone, when Ray itself is in question."""
+    import faiss
+
+    from pipeline.retrieval.index import build_index_shard, sample_vectors, search_shard, searcher_to_gpu
+
+    vectors, queries = clustered(n, dim, 0), clustered(n_queries, dim, 1)
+    faiss.omp_set_num_threads(cpus)
+    rows = []
+    for factory in factories:
+        started = time.perf_counter()
+        index = build_index_shard(
+            vectors, np.arange(n), factory, train_vectors=sample_vectors(vectors, 200_000), use_gpu="never"
+        )
+        row: dict = {"factory": factory, "vectors": n, "queries": n_queries, "k": k, "build_s": 0.0}
+        row["build_s"] = round(time.perf_counter() - started, 1)
+        found = {}
+        gpu_index, resources = searcher_to_gpu(index)
+        for device, searched in (("cpu", index), ("gpu", gpu_index)):
+            search_shard(searched, queries[:100], k, 32)
+            started = time.perf_counter()
+            _, found[device] = search_shard(searched, queries, k, 32)
+            row[f"{device}_queries_per_s"] = round(n_queries / (time.perf_counter() - started), 1)
+        row["gpu_vs_cpu"] = round(row["gpu_queries_per_s"] / row["cpu_queries_per_s"], 1)
+        row["same_topk"] = round(
+            float(np.mean([len(set(a) & set(b)) / k for a, b in zip(found["cpu"], found["gpu"])])), 4
+        )
+        del gpu_index, resources
+        rows.append(row)
+        print(json.dumps({"faiss": row}), flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="encode,search")
+    parser.add_argument("--json", default="")
+    parser.add_argument("--corpus", default=str(NAVE / "corpus.jsonl"))
+    parser.add_argument("--cpu-passages", type=int, default=2000)
+    parser.add_argument("--vectors", type=int, default=2_000_000)
+    parser.add_argument("--queries", type=int, default=20_000)
+    parser.add_argument("--factories", default="Flat,IVF4096,SQ8,IVF4096,PQ48")
+    args = parser.parse_args()
+    import ray
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("bench_retrieval_gpu.py needs a CUDA device")
+    cpus = os.cpu_count() or 1
+    ray.init(num_cpus=cpus, num_gpus=torch.cuda.device_count(), log_to_driver="search" in args.parts)
+    results: dict = {"device": torch.cuda.get_device_name(0), "cpu_cores": cpus}
+    parts = args.parts.split(",")
+    if "encode" in parts:
+        results["encode"] = bench_encode(Path(args.corpus), args.cpu_passages, cpus)
+    if "search" in parts:
+        # "IVF4096,SQ8" holds a comma: the list is split on the factories' known starts.
+        factories = [f for f in args.factories.replace(",IVF", ";IVF").replace(",Flat", ";Flat").split(";") if f]
+        results["search"] = bench_search(args.vectors, 384, args.queries, 100, factories, cpus)
+    if "faiss" in parts:
+        factories = [f for f in args.factories.replace(",IVF", ";IVF").replace(",Flat", ";Flat").split(";") if f]
+        results["faiss"] = bench_faiss(args.vectors, 384, args.queries, 100, factories, cpus)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
