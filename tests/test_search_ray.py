@@ -12,6 +12,7 @@ from test_finetune_ray import tiny_bert  # noqa: F401  (fixture)
 
 from pipeline.core.actor_pool import ActorConfig, run_actor_pool
 from pipeline.core.errors import ArtifactError, InputError
+from pipeline.data.beir import read_qrels
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval.encode import (
     EncodeConfig,
@@ -21,7 +22,7 @@ from pipeline.retrieval.encode import (
 )
 from pipeline.retrieval.index import IndexConfig, brute_force_topk
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
-from pipeline.retrieval.search import ShardedIndex, ranked_ids
+from pipeline.retrieval.search import ShardedIndex, ranked_ids, read_qrels_of_corpus
 
 pytestmark = pytest.mark.ray
 
@@ -186,6 +187,15 @@ def test_sharded_search_equals_brute_force(encoded, collection, factory):
     assert np.array_equal(np.concatenate([b[2] for b in blocks]), found)
     assert [ranked_ids(r) for b in blocks for r in b[3]] == [[doc_ids[r] for r in row] for row in found]
     assert index.holds(["not-a-doc", doc_ids[0], doc_ids[-1], doc_ids[45]]) == {doc_ids[0], doc_ids[-1], doc_ids[45]}
+    # Qrels are checked against the corpus by the searchers, and an unknown passage is
+    # still reported at its line.
+    lines = open(collection["qrels"]).read().splitlines()
+    bad = collection["root"] / f"qrels-bad-{factory.replace(',', '_')}.tsv"
+    bad.write_text("\n".join(lines[:3] + ["q1\tghost\t1"] + lines[3:]) + "\n")
+    query_ids = {f"q{i}" for i in range(20)}
+    assert read_qrels_of_corpus(collection["qrels"], index, query_ids) == read_qrels(collection["qrels"])
+    with pytest.raises(InputError, match=r"qrels-bad-\S+\.tsv line 4: unknown document id 'ghost'"):
+        read_qrels_of_corpus(str(bad), index, query_ids)
     index.close()
     assert np.allclose(scores, ref_scores, atol=1e-4)
     assert (found == ref_rows).mean() > 0.99  # ties aside, the same passages
@@ -248,14 +258,6 @@ def test_mined_negatives_exclude_positives_and_are_reproducible(encoded, collect
         assert again == mined[qid]
     records = list(read_tevatron(summary["tevatron"]))
     assert len(records) == 20 and [p["docid"] for p in records[0]["negative_passages"]] == mined["q0"]
-    # The driver holds no corpus ids: a judgment of an unknown passage is found by the
-    # searchers, and still reported at its line.
-    lines = open(collection["qrels"]).read().splitlines()
-    bad = tmp_path / "qrels-bad.tsv"
-    bad.write_text("\n".join(lines[:3] + ["q1\tghost\t1"] + lines[3:]) + "\n")
-    mine.qrels, mine.output = str(bad), str(tmp_path / "mined-bad")
-    with pytest.raises(InputError, match=r"qrels-bad\.tsv line 4: unknown document id 'ghost'"):
-        run_mining(mine)
 
 
 def test_evaluate_job_matches_ir_measures_on_a_brute_force_run(encoded, collection, tiny_bert, tmp_path, capsys):  # noqa: F811
@@ -334,16 +336,20 @@ def _synthetic_corpus_index(folder, n: int, dim: int) -> str:
     return f"{folder}/index"
 
 
-def test_mining_drivers_memory_does_not_grow_with_the_corpus(encoded, collection, tmp_path):
+def test_mining_drivers_memory_does_not_grow_with_the_corpus(encoded, collection, tmp_path, monkeypatch):
     """The driver's Python-heap peak during a mining run (tracemalloc: numpy arrays included)
     over 10k and over 100k passages, same queries: the corpus's ids stay on the searchers
     and results stream, so 90k more passages may add at most 1 MB. Holding the ids here as
     CorpusIds would add ~2.5 MB, as a dict ~12 MB."""
     import tracemalloc
 
+    from pipeline.retrieval import mine as mining
     from pipeline.retrieval.mine import MineConfig, run_mining
 
     cfg, summary = encoded
+    # The query encoder is not what is measured (its pool is tested above): fixed vectors.
+    vectors = np.random.default_rng(5).standard_normal((20, summary["dim"])).astype(np.float32)
+    monkeypatch.setattr(mining, "encode_queries", lambda settings, texts, pool: vectors[: len(texts)])
     qrels = tmp_path / "qrels.tsv"
     qrels.write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\tdoc-{i:07d}\t1\n" for i in range(20)))
     peaks = {}
