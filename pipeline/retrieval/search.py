@@ -33,6 +33,7 @@ from pipeline.retrieval import index as faiss_index
 
 SEARCHER_CPUS = 0.01  # see searcher_options
 PROCESS_BYTES = 512 * 2**20  # a searcher's own footprint besides its index (Python, FAISS, Ray)
+QUERY_HITS = 4096  # queries x shards whose top-k the driver merges at once (see search_blocks)
 
 
 class ShardSearcher:
@@ -125,12 +126,17 @@ class ShardedIndex:
         self.close()
 
     def search_blocks(
-        self, queries: np.ndarray, k: int, block: int = 4096
+        self, queries: np.ndarray, k: int, block: int | None = None
     ) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
         """Per block of queries, as it is answered: (first query, scores (b, k), corpus rows
         (b, k), doc ids (b, k) as bytes), the exact merge of every shard's top-k. Padding
-        (fewer than k hits, e.g. IVF with few lists probed) is row -1 and id b""."""
+        (fewer than k hits, e.g. IVF with few lists probed) is row -1 and id b"".
 
+        The driver holds every shard's top-k of a block at once, so by default a block is
+        ``QUERY_HITS // shards`` queries: the same memory whatever the number of shards
+        (which grows with the corpus)."""
+
+        block = block or max(64, QUERY_HITS // len(self.actors))
         faiss_index._check_k(k, self.total)
         for start in range(0, len(queries), block):
             part = np.ascontiguousarray(queries[start : start + block], dtype=np.float32)
@@ -138,7 +144,7 @@ class ShardedIndex:
             scores, rows, ids = faiss_index.merge_topk(results, k, self.metric, self.total)
             yield start, scores, rows, ids
 
-    def search(self, queries: np.ndarray, k: int, block: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+    def search(self, queries: np.ndarray, k: int, block: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Exact merge of every shard's top-k: (scores (q, k), corpus rows (q, k)), all
         queries at once (for tests and benchmarks; jobs stream :meth:`search_blocks`)."""
 
