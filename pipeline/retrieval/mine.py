@@ -20,7 +20,6 @@ holds every candidate id (and their texts) before the first line is written.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -34,7 +33,7 @@ from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
 from pipeline.data.beir import positives, read_queries
 from pipeline.data.corpus import iter_documents
 from pipeline.data.groups import query_seed
-from pipeline.data.records import json_lines
+from pipeline.data.records import json_lines, write_json_line
 from pipeline.data.runs import write_trec_lines
 from pipeline.retrieval.encode import EncoderSettings, encode_queries
 from pipeline.retrieval.search import ShardedIndex, ranked_ids, read_qrels_of_corpus
@@ -160,12 +159,10 @@ def run_mining(cfg: MineConfig) -> dict:
                 negs, neg_scores = select_negatives(qid, ids, row_scores[: len(ids)].tolist(), judged | hits, cfg)
                 counts["negatives"] += len(negs)
                 counts["short"] += len(negs) < cfg.count
-                neg_out.write((json.dumps({"query_id": qid, "negatives": negs, "scores": neg_scores}) + "\n").encode())
+                write_json_line(neg_out, {"query_id": qid, "negatives": negs, "scores": neg_scores})
                 if judged:
                     counts["examples"] += 1
-                    tev_out.write(
-                        (json.dumps(_tevatron_example(qid, queries[qid], sorted(judged), negs)) + "\n").encode()
-                    )
+                    write_json_line(tev_out, _tevatron_example(qid, queries[qid], sorted(judged), negs))
         search_s = time.perf_counter() - search_start
     return {
         "job": "mine",
