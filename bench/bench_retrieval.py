@@ -23,25 +23,31 @@ if str(REPO_ROOT) not in sys.path:
 
 from pipeline.data.beir import read_qrels, read_queries
 from pipeline.data.corpus import iter_documents
-from pipeline.retrieval.evaluate import dense_run
+from pipeline.retrieval.encode import EncoderSettings, local_encoder
+from pipeline.retrieval.index import brute_force_topk
 from pipeline.retrieval.metrics import evaluate
 
 DEPTH = 100
 
 
 def dense(name: str, path: str, overrides: dict, queries: dict, doc_ids: list, texts: list) -> tuple[dict, dict]:
-    from models.biencoder import load_biencoder
-    from pipeline.data.tokenizer import load_tokenizer
-
-    model = load_biencoder(path, overrides)
-    towers = Path(path) / "query"
-    tokenizer = load_tokenizer(str(towers if towers.is_dir() else path))
-    run, info = dense_run(model, tokenizer, queries, doc_ids, texts, DEPTH)
+    """Encode in this process, search exactly (numpy), return the run and the encoding speed."""
+    settings = EncoderSettings(model=path, pooling=overrides.get("pooling", ""))
+    if "similarity" in overrides:
+        settings.normalize = "true" if overrides["similarity"] == "cos" else "false"
+    encoder = local_encoder(settings)
+    start = time.perf_counter()
+    passages = encoder.encode_texts(texts, settings.max_len, tower="passage")
+    passages_per_s = len(texts) / (time.perf_counter() - start)
+    qids = list(queries)
+    vectors = encoder.encode_texts([queries[q] for q in qids], settings.query_max_len, tower="query")
+    scores, rows = brute_force_topk(vectors, passages, DEPTH)
+    run = {q: {doc_ids[r]: float(s) for r, s in zip(rr, ss)} for q, rr, ss in zip(qids, rows, scores)}
     return run, {
         "system": name,
-        "passages_per_s": info["passages_per_s"],
-        "pooling": model.cfg.pooling,
-        "similarity": model.cfg.similarity,
+        "passages_per_s": passages_per_s,
+        "pooling": encoder.model.cfg.pooling,
+        "similarity": encoder.model.cfg.similarity,
     }
 
 
@@ -59,10 +65,16 @@ def main() -> None:
     qrels = read_qrels(f"{args.data}/qrels.dev.tsv", doc_ids=set(doc_ids), query_ids=set(queries))
 
     results = []
+    import tempfile
+
+    import ray
+
     from pipeline.retrieval.bm25 import bm25_run, build_index
 
+    ray.init(num_cpus=2)
     start = time.perf_counter()
-    run = bm25_run(build_index(corpus), queries, depth=DEPTH)
+    with tempfile.TemporaryDirectory() as staging, build_index(corpus, staging) as index:
+        run = bm25_run(index, queries, depth=DEPTH)
     results.append({"system": "bm25", "seconds": time.perf_counter() - start, **evaluate(qrels, run)})
     print(json.dumps(results[-1]), flush=True)
 

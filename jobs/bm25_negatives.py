@@ -3,7 +3,8 @@
 Example: python jobs/bm25_negatives.py --corpus data/nave/corpus.jsonl
 --queries data/nave/queries.train.jsonl --qrels data/nave/qrels.train.tsv
 --output runs/bm25/negatives.jsonl. Writes the negatives jsonl and a TREC run of the BM25
-results next to it; runs in this process (no Ray). Prints a JSON summary as its last line.
+results next to it. The index runs on Ray actors, one per --docs_per_shard documents (a local
+Ray unless --ray.address or RAY_ADDRESS names a cluster). Prints a JSON summary as its last line.
 """
 
 from pipeline.core.entry import run_job

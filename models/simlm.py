@@ -42,7 +42,7 @@ class SimLMConfig:
     generator: str = field(
         default="",
         metadata={
-            "help": "HF masked-LM checkpoint (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME; same vocabulary) that samples the replacements; kept frozen. Train a small one with `python jobs/pretrain.py --method mlm` and pass its export_dir"
+            "help": "HF masked-LM checkpoint (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME; same vocabulary) that samples the replacements; kept frozen. Empty = the job trains a 2-layer MLM on the same corpus first (<train.output>/generator), or reuses the one a previous run trained there"
         },
     )
     encoder_mask_rate: float = field(default=0.3, metadata={"help": "fraction of words replaced in the encoder input"})

@@ -67,6 +67,10 @@ def _local_ray():
     # read tasks, which otherwise starve and deadlock the run.
     # "local": a new instance even while another Ray runs on this machine (a test's own
     # cluster); a bare init would join that one.
+    if ray.is_initialized():
+        # A connection left by an earlier module (a test's own cluster, a Ray a library call
+        # auto-started): this fixture's Ray must be a fresh local one.
+        ray.shutdown()
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
     return ray
 

@@ -1,11 +1,12 @@
 import json
+from dataclasses import replace
 
 import pytest
 
 from pipeline.core import storage
 from pipeline.core.config import parse_config
 from pipeline.core.errors import ConfigError, InputError
-from pipeline.retrieval.bm25 import Bm25Config, bm25_run, build_index, mine_negatives
+from pipeline.retrieval.bm25 import Bm25Config, _select, bm25_run, build_index, mine_negatives
 from tests.conftest import synthetic_docs, write_jsonl
 
 # "zebra" and "stripes" occur in a handful of documents; d0 would rank first for q1.
@@ -26,7 +27,7 @@ QRELS = "query-id\tcorpus-id\tscore\nq1\td0\t1\nq1\td4\t0\nq2\td5\t1\n"
 
 
 @pytest.fixture
-def beir(tmp_path):
+def beir(tmp_path, shared_ray):
     write_jsonl(tmp_path / "corpus.jsonl", DOCS)
     write_jsonl(tmp_path / "queries.jsonl", QUERIES)
     (tmp_path / "qrels.tsv").write_text(QRELS)
@@ -45,38 +46,77 @@ def config(beir, **overrides) -> Bm25Config:
     )
 
 
-def read_jsonl(path) -> list[dict]:
-    return [json.loads(line) for line in storage.read_bytes(str(path)).decode().splitlines()]
+def index_of(beir, **settings):
+    return build_index(str(beir / "corpus.jsonl"), str(beir / "bm25-staging"), **settings)
 
 
-def test_rare_word_top_hit(beir):
-    run = bm25_run(build_index(str(beir / "corpus.jsonl")), {"q": "tell me about the quokka"}, depth=5)
-    assert list(run["q"]) == ["d5"]  # the only document sharing a non-stopword with the query
+@pytest.fixture(scope="module")
+def corpus_index(tmp_path_factory, shared_ray):
+    """One index (the default settings, one shard) for the tests that only read rankings."""
+    folder = tmp_path_factory.mktemp("bm25-index")
+    write_jsonl(folder / "corpus.jsonl", DOCS)
+    with index_of(folder) as index:
+        yield index
 
 
-def test_bm25_run_equals_direct_bm25s(beir):
+def direct_bm25s(k1: float, b: float) -> dict[str, dict[str, float]]:
+    """The run of one bm25s index over the whole corpus, as bm25s's own docs build it."""
     import bm25s
 
     texts = [f"{d['title']}\n{d['text']}" if d.get("title") else d["text"] for d in DOCS]
-    direct = bm25s.BM25(k1=1.2, b=0.75)
+    direct = bm25s.BM25(k1=k1, b=b)
     direct.index(bm25s.tokenize(texts, stopwords="en", show_progress=False), show_progress=False)
     queries = {q["_id"]: q["text"] for q in QUERIES}
     rows, scores = direct.retrieve(
         bm25s.tokenize(list(queries.values()), stopwords="en", show_progress=False), k=len(DOCS), show_progress=False
     )
-    expected = {
+    return {
         qid: {DOCS[r]["_id"]: float(s) for r, s in zip(rs, ss) if s > 0} for qid, rs, ss in zip(queries, rows, scores)
     }
-    index = build_index(str(beir / "corpus.jsonl"), k1=1.2, b=0.75)
-    got = bm25_run(index, queries, depth=len(DOCS), batch_size=2, threads=1)
-    assert got == expected
-    assert list(got["q1"].values()) == sorted(expected["q1"].values(), reverse=True)  # ranked
+
+
+def assert_same_run(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    for qid in expected:
+        assert got[qid].keys() == expected[qid].keys()
+        assert got[qid] == pytest.approx(expected[qid], rel=1e-5)
+        assert list(got[qid].values()) == sorted(got[qid].values(), reverse=True)  # ranked
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in storage.read_bytes(str(path)).decode().splitlines()]
+
+
+def test_rare_word_top_hit(corpus_index):
+    run = bm25_run(corpus_index, {"q": "tell me about the quokka"}, depth=5)
+    assert list(run["q"]) == ["d5"]  # the only document sharing a non-stopword with the query
+
+
+def test_bm25_run_equals_one_bm25s_index(corpus_index):
+    queries = {q["_id"]: q["text"] for q in QUERIES}
+    got = bm25_run(corpus_index, queries, depth=len(DOCS))
+    assert_same_run(got, direct_bm25s(k1=0.9, b=0.4))
     assert got["q3"] == {}  # only stopwords: nothing retrieved
 
 
-def test_negatives_exclude_judged_positives(beir):
-    cfg = config(beir, count=3, threads=1)
-    full = bm25_run(build_index(cfg.corpus), {"q1": "zebra stripes"}, depth=cfg.depth)["q1"]
+def test_sharded_bm25_scores_with_the_whole_corpus_statistics(beir):
+    """3 shards of 12 documents (the quokka in one of them): each shard scores with the
+    corpus's document count, mean length and document frequencies, so scores and ranking
+    are those of one bm25s index over the whole corpus, merged across shards."""
+    queries = {q["_id"]: q["text"] for q in QUERIES}
+    with index_of(beir, k1=1.2, b=0.75, docs_per_shard=12) as index:
+        assert len(index.actors) == 3 and index.total == len(DOCS)
+        got = bm25_run(index, queries, depth=len(DOCS), batch_size=2)
+        assert index.holds(["d3", "nope", "f7"]) == {"d3", "f7"}
+    assert not (beir / "bm25-staging").exists()  # the text shards are gone once loaded
+    assert_same_run(got, direct_bm25s(k1=1.2, b=0.75))
+
+
+def test_negatives_exclude_judged_positives(beir, corpus_index):
+    from pipeline.data.tevatron import read_tevatron
+
+    cfg = config(beir, count=3, threads=1, tevatron=str(beir / "out" / "train.tevatron.jsonl"))
+    full = bm25_run(corpus_index, {"q1": "zebra stripes"}, depth=cfg.depth)["q1"]
     ranking = list(full)
     assert ranking[0] == "d0" and "d4" in ranking[:4]
     summary = mine_negatives(cfg)
@@ -87,17 +127,31 @@ def test_negatives_exclude_judged_positives(beir):
     assert negatives["q2"]["negatives"] == [] and negatives["q3"]["negatives"] == []
     assert summary["positives_dropped"] == 2 and summary["queries_no_negatives"] == 2
     run = storage.read_bytes(cfg.run_uri()).decode().splitlines()
-    assert run[0].split() == ["q1", "Q0", "d0", "1", f"{full['d0']:.4f}", "bm25"]
+    assert run[0].split()[:4] == ["q1", "Q0", "d0", "1"] and run[0].split()[5] == "bm25"
+    assert float(run[0].split()[4]) == pytest.approx(full["d0"], abs=1e-5)
+
+    # The Tevatron file carries the same negatives, with the passages' text.
+    records = {r["query_id"]: r for r in read_tevatron(cfg.tevatron)}
+    assert set(records) == {"q1", "q2"}  # q3 has no judged positive
+    assert summary["tevatron"]["examples"] == 2 and summary["tevatron"]["skipped_no_positive"] == 1
+    q1 = records["q1"]
+    assert [p["docid"] for p in q1["positive_passages"]] == ["d0"]
+    assert [p["docid"] for p in q1["negative_passages"]] == negatives["q1"]["negatives"]
+    texts = {d["_id"]: (f"{d['title']}\n{d['text']}" if d.get("title") else d["text"]) for d in DOCS}
+    for p in q1["positive_passages"] + q1["negative_passages"]:
+        assert p["text"] == texts[p["docid"]]
 
 
-def test_random_sample_is_seeded_subset_in_rank_order(beir):
+def test_random_sample_is_seeded_subset_in_rank_order(beir, corpus_index):
     cfg = config(beir, count=2, sample="random", seed=3, run="none")
-    ranking = [d for d in bm25_run(build_index(cfg.corpus), {"q1": "zebra stripes"})["q1"] if d != "d0"]
+    full = bm25_run(corpus_index, {"q1": "zebra stripes"})["q1"]
+    ranking = [d for d in full if d != "d0"]
     mine_negatives(cfg)
     first = read_jsonl(cfg.output)[0]["negatives"]
     assert set(first) < set(ranking) and first == sorted(first, key=ranking.index)
-    mine_negatives(cfg)
-    assert read_jsonl(cfg.output)[0]["negatives"] == first
+    # The draw is seeded by (seed, query id): the same from the same ranking, whatever else ran.
+    assert _select("q1", list(full), list(full.values()), {"d0"}, cfg)[0] == first
+    assert _select("q1", list(full), list(full.values()), {"d0"}, replace(cfg, seed=4))[0] != first
     assert not storage.exists(str(beir / "out" / "neg.run.trec"))
 
 
@@ -150,20 +204,3 @@ def test_job_reads_s3_writes_local(beir, s3_bucket, capsys):
     assert last["negatives_per_query"] == pytest.approx(4 / 3, abs=1e-3)
     run = list(ir_measures.read_trec_run(last["run"]))
     assert {r.query_id for r in run} == {"q1", "q2"} and ("q1", "d0") in {(r.query_id, r.doc_id) for r in run}
-
-
-def test_tevatron_output_carries_the_mined_negatives_with_their_text(beir):
-    from pipeline.data.tevatron import read_tevatron
-
-    cfg = config(beir, count=3, threads=1, tevatron=str(beir / "out" / "train.tevatron.jsonl"))
-    summary = mine_negatives(cfg)
-    negatives = {r["query_id"]: r["negatives"] for r in read_jsonl(cfg.output)}
-    records = {r["query_id"]: r for r in read_tevatron(cfg.tevatron)}
-    assert set(records) == {"q1", "q2"}  # q3 has no judged positive
-    assert summary["tevatron"]["examples"] == 2 and summary["tevatron"]["skipped_no_positive"] == 1
-    q1 = records["q1"]
-    assert [p["docid"] for p in q1["positive_passages"]] == ["d0"]
-    assert [p["docid"] for p in q1["negative_passages"]] == negatives["q1"]
-    texts = {d["_id"]: (f"{d['title']}\n{d['text']}" if d.get("title") else d["text"]) for d in DOCS}
-    for p in q1["positive_passages"] + q1["negative_passages"]:
-        assert p["text"] == texts[p["docid"]]

@@ -12,6 +12,7 @@ import os
 import pytest
 
 from pipeline.core.actor_pool import ActorConfig
+from pipeline.core.errors import ConfigError
 from pipeline.workflows.manifest import RunManifest
 from pipeline.workflows.recipe import (
     MANIFEST,
@@ -73,6 +74,11 @@ def test_full_run_records_every_stage_and_a_rerun_does_nothing(tmp_path):
     assert all(manifest.done(s) for s in STAGES)
     results = open(tmp_path / "run" / "results.md").read()
     assert "| round 2 (mined negatives) | 0.1000 |" in results and "| distill |" in results
+    # The same table as a picture: a panel per metric, a bar per evaluated stage.
+    from PIL import Image
+
+    with Image.open(tmp_path / "run" / "metrics.png") as png:
+        assert png.format == "PNG" and png.size[0] > png.size[1] > 100
 
     calls.clear()
     summary = run_pipeline(cfg_for(tmp_path), fake_stages(calls))
@@ -124,7 +130,7 @@ def test_from_forgets_that_stage_and_every_later_one(tmp_path):
 
 
 def test_only_without_the_inputs_it_needs_names_the_missing_stage(tmp_path):
-    with pytest.raises(RuntimeError, match="stage 'round1' has not run yet"):
+    with pytest.raises(ConfigError, match="stage 'round1' has not run yet"):
         run_pipeline(cfg_for(tmp_path, only="mine1"), fake_stages([]))
 
 

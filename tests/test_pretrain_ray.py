@@ -71,6 +71,7 @@ def test_killed_worker_resumes_from_checkpoint_without_losing_documents(tmp_path
         checkpoint_every=3,
         keep_checkpoints=100,
         max_failures=2,
+        tracker=["tensorboard"],
     )
     assert cfg.train.data_trace and cfg.train.grad_accum == 1  # one micro-step per step below
     result: dict = {}
@@ -130,8 +131,52 @@ def test_killed_worker_resumes_from_checkpoint_without_losing_documents(tmp_path
         assert restored.consumed(epoch).count() == len(before_checkpoint.get(epoch, []))
         assert restored.consumed(epoch).contains(before_checkpoint.get(epoch, [])).all()
 
+    # Live metrics: every log step reached Ray Train (the result holds them, the killed
+    # attempt's up to its checkpoint included) and history.json; TensorBoard's own reader
+    # finds the same losses (the last value written for a step, as TensorBoard shows it).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    history = json.load(open(os.path.join(out, "history.json")))
+    assert result["logged_steps"] == [e["step"] for e in history] == list(range(2, 13, 2))
+    assert all(e["samples_per_s"] > 0 and e["tokens_per_s"] > 0 for e in history)
+    events = EventAccumulator(os.path.join(out, "tensorboard"))
+    events.Reload()
+    logged = {e.step: e.value for e in events.Scalars("train/loss")}
+    assert logged == pytest.approx({e["step"]: e["loss"] for e in history}, rel=1e-6)
+    assert "config/text_summary" in events.Tags()["tensors"]  # the run config, as text
+
     # Re-running the finished job with a larger budget continues from its last checkpoint.
     cfg.train.max_steps, cfg.train.epochs = 14, 0
     again = run_pretraining(cfg)
     assert again["steps"] == 14 and again["steps_this_attempt"] == 2
     assert again["resumes"][-1]["checkpoint"] == "checkpoint_000000012"
+
+
+def test_simlm_without_a_generator_trains_one_first_then_reuses_it(tmp_path, ray_session, capfd):
+    """`--method simlm` with no --simlm.generator (as on the embedded default): a 2-layer MLM
+    is trained on the same corpus into <output>/generator, SimLM trains with it, the export
+    loads with AutoModel, and the next run reuses that generator."""
+    from transformers import AutoConfig, AutoModel
+
+    from pipeline.training.pretrain import _auto_generator
+
+    out = str(tmp_path / "run")
+    cfg = tiny_config(
+        write_jsonl(tmp_path / "raw.jsonl", synthetic_docs(24, seed=3)),
+        str(tmp_path / "corpus"),
+        out,
+        micro_batch_size=4,
+        max_steps=3,
+        checkpoint_every=100,
+    )
+    cfg.method, cfg.train.num_workers, cfg.simlm.n_decoder_layers = "simlm", 1, 1
+    cfg.train.data_trace = False
+    summary = run_pretraining(cfg)
+    err = capfd.readouterr().err
+    assert "training a 2-layer MLM generator on the same corpus first" in err
+    generator = os.path.join(out, "generator", "export")
+    assert cfg.simlm.generator == generator and AutoConfig.from_pretrained(generator).num_hidden_layers == 2
+    assert summary["steps"] == 3 and AutoModel.from_pretrained(summary["export_dir"]).config.num_hidden_layers == 4
+    cfg.simlm.generator = ""
+    assert _auto_generator(cfg) == generator
+    assert "reusing the generator trained before" in capfd.readouterr().err

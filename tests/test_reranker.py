@@ -21,6 +21,7 @@ from models.reranker import (
     listwise_loss,
     load_reranker,
 )
+from pipeline.core.errors import StorageError
 from pipeline.data.stream import frame
 from pipeline.data.tokenizer import load_tokenizer
 from pipeline.retrieval.rerank_scoring import RerankScoreConfig, run_scoring
@@ -193,7 +194,7 @@ def test_training_settings_that_cannot_work_fail_before_any_work(tiny_checkpoint
     cases = [
         (
             {"data__negatives": str(tmp_path / "missing.jsonl")},
-            FileNotFoundError,
+            StorageError,
             "run that first, or use --data.negatives bm25",
         ),
         ({"data__negatives": ""}, ValueError, "trains on hard negatives"),
@@ -238,12 +239,65 @@ def beir_fixture(folder) -> dict[str, str]:
     }
 
 
-def test_a_run_naming_a_document_outside_the_corpus_is_an_error(tiny_reranker, tmp_path):
+def test_scoring_streams_blocks_through_the_pool_and_the_passage_servers(tiny_reranker, tmp_path, shared_ray):
+    """Blocks of 2 queries through 2 actors, texts from 3 passage servers: every query's
+    candidates (and, for a teacher, its missed positive) get the scores a PairScorer gives
+    in this process, and the streamed metrics equal ir_measures over the whole runs."""
+    from pipeline.data.beir import read_queries
+    from pipeline.data.runs import read_trec_run
+    from pipeline.retrieval.metrics import JOB_MEASURES, evaluate
+    from pipeline.retrieval.rerank_scoring import PairScorer
+
     model, tokenizer = tiny_reranker
     model.save(str(tmp_path / "export"), tokenizer.name_or_path)
     data = beir_fixture(tmp_path)
+    cfg = RerankScoreConfig(
+        model=str(tmp_path / "export"),
+        run=data["run"],
+        queries=data["queries"],
+        corpus=data["corpus"],
+        qrels=data["qrels"],
+        depth=4,
+        include_positives=True,
+        queries_per_task=2,
+        docs_per_server=N_DOCS // 3 + 1,
+        output=str(tmp_path / "out"),
+    )
+    cfg.pool.actors = 2
+    summary = run_scoring(cfg)
+    assert summary["passage_servers"] == 3 and summary["queries"] == N_QUERIES
+    first_stage = read_trec_run(data["run"], depth=4)
+    scored = read_trec_run(summary["run"])
+    texts = {d["_id"]: d["text"] for d in synthetic_docs(N_DOCS, seed=9)}
+    queries = read_queries(data["queries"])
+    scorer = PairScorer(str(tmp_path / "export"))
+    added = 0
+    for qid, ranked in first_stage.items():
+        expected = [d for d, _, _ in ranked] + (
+            [f"d{qid[1:]}"] if f"d{qid[1:]}" not in {d for d, _, _ in ranked} else []
+        )
+        added += len(expected) - len(ranked)
+        direct = dict(zip(expected, scorer.score([queries[qid]], [expected], texts)[0].tolist()))
+        assert {d: s for d, s, _ in scored[qid]} == pytest.approx(direct, abs=1e-4)
+        assert [s for _, s, _ in scored[qid]] == pytest.approx(sorted(direct.values(), reverse=True), abs=1e-5)
+    assert summary["positives_added"] == added > 0
+    qrels = {f"q{i}": {f"d{i}": 1} for i in range(N_QUERIES)}
+    for key, run in (
+        ("first_stage_metrics", {q: {d: s for d, s, _ in r} for q, r in first_stage.items()}),
+        ("metrics", {q: {d: s for d, s, _ in scored[q] if d in {c for c, _, _ in r}} for q, r in first_stage.items()}),
+    ):
+        values = evaluate(qrels, run, JOB_MEASURES.values())
+        assert summary[key] == pytest.approx({n: values[m] for n, m in JOB_MEASURES.items()})
+    assert not (tmp_path / "out" / "text-shards").exists()
+
+
+def test_a_run_naming_a_document_outside_the_corpus_is_an_error(tiny_reranker, tmp_path, shared_ray):
+    model, tokenizer = tiny_reranker
+    model.save(str(tmp_path / "export"), tokenizer.name_or_path)
+    data = beir_fixture(tmp_path)
+    last = f"q{N_QUERIES - 1}"
     with open(data["run"], "a") as f:
-        f.write("q0 Q0 nowhere 99 0.1 x\n")
+        f.write(f"{last} Q0 nowhere 99 0.1 x\n")
     cfg = RerankScoreConfig(
         model=str(tmp_path / "export"),
         run=data["run"],
@@ -255,6 +309,10 @@ def test_a_run_naming_a_document_outside_the_corpus_is_an_error(tiny_reranker, t
     )
     lines = len(open(data["run"]).readlines())
     with pytest.raises(ValueError, match=rf"run.trec line {lines}: document 'nowhere' is not in the corpus"):
+        run_scoring(cfg)
+    with open(data["run"], "a") as f:
+        f.write("q0 Q0 d1 1 0.1 x\n")  # q0 again, after the other queries
+    with pytest.raises(ValueError, match=rf"run.trec line {lines + 1}: query 'q0' again, after other queries"):
         run_scoring(cfg)
     with pytest.raises(ValueError, match="depth must be >= 1"):
         RerankScoreConfig(depth=0)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable, Iterator
 
 import ray
-import torch
 from ray.exceptions import RayActorError
 
 
@@ -55,6 +55,8 @@ def actor_device(pool: ActorConfig) -> str:
     fails here, naming the GPU, rather than encoding on the CPU while the GPU idles."""
     if not pool.use_gpu:
         return "cpu"
+    import torch  # worker-only: the drivers and searchers that import the pool's config never need it
+
     if not torch.cuda.is_available():
         gpus = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
         raise RuntimeError(
@@ -64,44 +66,90 @@ def actor_device(pool: ActorConfig) -> str:
     return "cuda"
 
 
-def run_actor_pool(make_actor, tasks: list, call, max_retries: int, n_actors: int) -> list:
-    """Run ``call(actor, task) -> ObjectRef`` for every task on ``n_actors`` actors.
+def run_actor_pool(make_actor, tasks: list, call, max_retries: int, n_actors: int, on_done=None) -> list:
+    """Every result of :func:`stream_actor_pool`, in task order."""
+    return list(stream_actor_pool(make_actor, tasks, call, max_retries, n_actors, on_done))
+
+
+def stream_actor_pool(make_actor, tasks: Iterable, call, max_retries: int, n_actors: int, on_done=None) -> Iterator:
+    """Run ``call(actor, task) -> ObjectRef`` for every task on ``n_actors`` actors and yield
+    the results in task order, as they are ready.
+
+    Tasks are drawn from the iterable only as actors free up, and at most ``4 * n_actors``
+    tasks (results included) are held past the oldest unfinished one: a job streaming its
+    input through the pool holds a window of it, never all of it.
 
     A task whose actor died (``RayActorError``: a killed process, a preempted node) goes
     back in the queue for a fresh actor, up to ``max_retries`` times per task; other
     errors (bad input) propagate. An actor whose constructor failed (a bad model
     reference, an import error) would fail again: that error ends the run at once.
-    Returns the results in task order.
+    ``on_done(task, result)`` is called as each task finishes, in the order they finish
+    (progress counters).
     """
 
-    pending, results, retries = list(range(len(tasks))), [None] * len(tasks), [0] * len(tasks)
-    created = []
+    source = iter(tasks)
+    window = 4 * max(1, n_actors)
+    held: dict[int, object] = {}  # task index -> task, until its result is yielded
+    results: dict[int, object] = {}
+    retry: list[int] = []
+    retries: dict[int, int] = {}
+    next_task = next_result = 0
+    exhausted = False
+    created: list = []
+    running: dict = {}
 
     def fresh():
         created.append(make_actor())
         return created[-1]
 
-    idle = [fresh() for _ in range(min(n_actors, len(tasks)))]
-    running: dict = {}
+    def draw() -> int | None:
+        nonlocal next_task, exhausted
+        if retry:
+            return retry.pop(0)
+        if exhausted or next_task - next_result >= window:
+            return None
+        try:
+            held[next_task] = next(source)
+        except StopIteration:
+            exhausted = True
+            return None
+        next_task += 1
+        return next_task - 1
+
+    idle: list = []  # started actors with nothing to do
     try:
-        while pending or running:
-            while pending and idle:
-                actor, i = idle.pop(), pending.pop(0)
-                running[call(actor, tasks[i])] = (i, actor)
+        while True:
+            while idle or len(created) < n_actors:
+                i = draw()
+                if i is None:
+                    break
+                # Actors start as tasks arrive: never more of them than tasks.
+                actor = idle.pop() if idle else fresh()
+                running[call(actor, held[i])] = (i, actor)
+            while next_result in results:
+                held.pop(next_result)
+                yield results.pop(next_result)
+                next_result += 1
+            if not running:
+                if exhausted and not retry:
+                    return
+                continue
             done, _ = ray.wait(list(running), num_returns=1)
             i, actor = running.pop(done[0])
             try:
                 results[i] = ray.get(done[0])
                 idle.append(actor)
+                if on_done is not None:
+                    on_done(held[i], results[i])
             except RayActorError as exc:
                 if exc.actor_init_failed:
                     raise
-                retries[i] += 1
+                retries[i] = retries.get(i, 0) + 1
                 if retries[i] > max_retries:
                     raise
-                pending.insert(0, i)
+                retry.append(i)
+                created.remove(actor)
                 idle.append(fresh())  # the dead actor is gone: replace it
     finally:
         for actor in created:  # free their CPUs/GPUs for the next stage
             ray.kill(actor)
-    return results

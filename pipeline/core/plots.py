@@ -47,6 +47,25 @@ def _draw_loss_curve(ax, history: list[dict], title: str) -> None:
     ax.legend()
 
 
+def plot_metrics(rows: dict[str, dict[str, float]], metrics: tuple[str, ...], uri: str, title: str) -> str:
+    """One panel per metric, a bar per row (a stage of a recipe, or one evaluation), its value
+    written on it: the tables of ``results.md`` / ``metrics.json`` at a glance."""
+    labels = list(rows)
+    metrics = tuple(m for m in metrics if any(m in values for values in rows.values())) or metrics[:1]
+    fig = Figure(figsize=(max(4.0, 1.1 * len(labels)) * len(metrics) / 2 + 1, 3.6))
+    axes = fig.subplots(1, len(metrics), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        values = [rows[label].get(metric, 0.0) for label in labels]
+        bars = ax.bar(range(len(labels)), values, color=[f"C{i}" for i in range(len(labels))])
+        ax.bar_label(bars, fmt="%.3f", fontsize=7)
+        ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
+        ax.set_ylim(0, 1.2 * max(values, default=0) or 1.0)
+        ax.set_title(metric)
+    fig.suptitle(title)
+    save_png(fig, uri, dpi=100)
+    return uri
+
+
 def plot_cls_entropy(results: list[dict], uri: str) -> str:
     """One line per checkpoint (layer 1..L vs mean entropy), dashed: its uniform-attention level."""
     with png_figure(uri, (6, 3.8), dpi=110) as ax:

@@ -13,6 +13,7 @@ import ray
 from pipeline.core import storage
 from pipeline.core.config import dump_yaml
 from pipeline.core.errors import ConfigError
+from pipeline.core.progress import quiet_library_bars
 
 
 @dataclass
@@ -37,10 +38,21 @@ _PASSED_ENV = (
     "AWS_REGION",
     "AWS_EC2_METADATA_DISABLED",
     "TORCH_EXTENSIONS_DIR",
+    "HF_HUB_DISABLE_PROGRESS_BARS",
+    # the trackers' settings (pipeline/training/tracking.py). Their credentials (WANDB_API_KEY)
+    # are never listed: a runtime environment's variables may be shown or logged by Ray, and
+    # workers of a local Ray inherit them anyway; on a cluster they belong in the nodes' or
+    # the job's environment.
+    "WANDB_MODE",
+    "WANDB_PROJECT",
+    "WANDB_DIR",
+    "MLFLOW_TRACKING_URI",
+    "MLFLOW_EXPERIMENT_NAME",
 )
 
 
 def init_ray(cfg: RayConfig) -> None:
+    quiet_library_bars()
     if ray.is_initialized():
         return
     address = cfg.address or os.environ.get("RAY_ADDRESS", "")

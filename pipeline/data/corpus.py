@@ -18,12 +18,14 @@ Every input line either becomes part of a document, is counted as skipped, is a 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import posixpath
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import numpy as np
 import pyarrow.fs as pafs
 
 from pipeline.core import storage
@@ -83,7 +85,8 @@ def iter_documents(uri: str, *, on_empty: str = "skip", stats: CorpusStats | Non
 
     ``on_empty``: what to do with a document whose text is empty or whitespace only:
     ``"skip"`` (count it in ``stats.skipped_empty``) or ``"error"`` (raise InputError).
-    Duplicate ids anywhere in the input are an error.
+    Duplicate ids anywhere in the input are an error, raised once the stream has ended (the
+    check keeps 8 bytes a document, not the ids: see ``_IdHashes``).
     """
     if on_empty not in ON_EMPTY:
         raise ValueError(f"on_empty must be one of {ON_EMPTY}, got {on_empty!r}")
@@ -91,19 +94,12 @@ def iter_documents(uri: str, *, on_empty: str = "skip", stats: CorpusStats | Non
 
 
 def _iter_documents(uri: str, on_empty: str, stats: CorpusStats) -> Iterator[Document]:
-    seen: dict[str, tuple[str, int]] = {}
-    for source in corpus_files(uri):
+    files = corpus_files(uri)
+    seen = _IdHashes()
+    for source in files:
         parse = _parse_jsonl if _suffix(source).startswith(".jsonl") else _parse_txt
         for doc in parse(source):
-            first = seen.get(doc.doc_id)
-            if first is not None:
-                raise InputError(
-                    f"duplicate id {doc.doc_id!r} at {doc.source} line {doc.line} "
-                    f"(first at {first[0]} line {first[1]})",
-                    source=doc.source,
-                    line=doc.line,
-                )
-            seen[doc.doc_id] = (doc.source, doc.line)
+            seen.add(doc.doc_id)
             if not doc.text.strip():
                 where = f"{doc.source} line {doc.line}: empty text (id {doc.doc_id})"
                 if on_empty == "error":
@@ -116,6 +112,54 @@ def _iter_documents(uri: str, on_empty: str, stats: CorpusStats) -> Iterator[Doc
                 continue
             stats.documents += 1
             yield doc
+    repeated = seen.repeated()
+    if repeated:
+        _raise_duplicate(files, repeated)
+
+
+class _IdHashes:
+    """The ids seen so far as 8-byte hashes in numpy (8 bytes a document, where a set of the
+    ids costs ~170): the duplicate check of a corpus of tens of millions of documents must not
+    hold its ids on the driver. Checked once the stream ends; a repeated hash is then
+    confirmed, and located, by a second pass over the files (a collision alone is no error)."""
+
+    CHUNK = 1 << 16
+
+    def __init__(self):
+        self.chunks: list[np.ndarray] = []
+        self.pending: list[int] = []
+
+    def add(self, doc_id: str) -> None:
+        self.pending.append(_id_hash(doc_id))
+        if len(self.pending) == self.CHUNK:
+            self.chunks.append(np.array(self.pending, dtype=np.uint64))
+            self.pending = []
+
+    def repeated(self) -> set[int]:
+        hashes = np.sort(np.concatenate(self.chunks + [np.array(self.pending, dtype=np.uint64)]))
+        return set(hashes[1:][hashes[1:] == hashes[:-1]].tolist())
+
+
+def _id_hash(doc_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(doc_id.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def _raise_duplicate(files: list[str], repeated: set[int]) -> None:
+    """Raise for the first id that occurs twice among those whose hash is ``repeated``."""
+    first: dict[str, tuple[str, int]] = {}
+    for source in files:
+        parse = _parse_jsonl if _suffix(source).startswith(".jsonl") else _parse_txt
+        for doc in parse(source):
+            if _id_hash(doc.doc_id) not in repeated:
+                continue
+            if doc.doc_id in first:
+                where = first[doc.doc_id]
+                raise InputError(
+                    f"duplicate id {doc.doc_id!r} at {doc.source} line {doc.line} (first at {where[0]} line {where[1]})",
+                    source=doc.source,
+                    line=doc.line,
+                )
+            first[doc.doc_id] = (doc.source, doc.line)
 
 
 # ---------------------------------------------------------------- reading lines

@@ -72,7 +72,7 @@ class CorpusIds:
         at = int(np.searchsorted(self._sorted, key))
         return at < len(self._sorted) and self._sorted[at] == key
 
-    def _find(self, keys: np.ndarray) -> np.ndarray:
+    def find(self, keys: np.ndarray) -> np.ndarray:
         """Row of each key, -1 where the corpus has no such id."""
         if not len(self._sorted):
             return np.full(len(keys), -1, np.int64)
@@ -81,7 +81,7 @@ class CorpusIds:
 
     def rows(self, doc_ids: Sequence[str]) -> np.ndarray:
         """Corpus rows of ``doc_ids`` (int64); a ``KeyError`` names the first unknown id."""
-        rows = self._find(_as_bytes([d.encode() for d in doc_ids]))
+        rows = self.find(id_keys(doc_ids))
         missing = np.flatnonzero(rows < 0)
         if len(missing):
             raise KeyError(doc_ids[missing[0]])
@@ -102,11 +102,16 @@ class CorpusIds:
 
     def holds(self, doc_ids: np.ndarray) -> np.ndarray:
         """Which of ``doc_ids`` (a bytes array) are in the corpus: a bool mask."""
-        return self._find(np.asarray(doc_ids, dtype=bytes)) >= 0
+        return self.find(np.asarray(doc_ids, dtype=bytes)) >= 0
 
     @property
     def nbytes(self) -> int:
         return self.by_row.nbytes + self._sorted.nbytes + self._order.nbytes
+
+
+def id_keys(doc_ids: Sequence[str]) -> np.ndarray:
+    """Doc ids as the bytes array that :meth:`CorpusIds.find` and :meth:`CorpusIds.holds` take."""
+    return _as_bytes([d.encode() for d in doc_ids])
 
 
 def _as_bytes(values) -> np.ndarray:

@@ -28,6 +28,7 @@ import numpy as np
 import ray
 
 from pipeline.core import storage
+from pipeline.core.errors import InputError
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import TrainExample
 from pipeline.data.groups import select_group_with_sources
@@ -72,14 +73,14 @@ def examples_as_rows(examples: list[TrainExample], corpus_ids: CorpusIds, source
         try:
             pos, neg = corpus_ids.rows(list(ex.positives)), corpus_ids.rows(list(ex.negatives))
         except KeyError as missing:
-            raise ValueError(
+            raise InputError(
                 f"query {ex.query_id!r}{where}: passage {missing.args[0]!r} is not in the corpus"
             ) from None
         scores = None
         if ex.scores is not None:
             scores = np.asarray(ex.scores, dtype=np.float32)
             if scores.shape != (len(pos) + len(neg),):
-                raise ValueError(
+                raise InputError(
                     f"query {ex.query_id!r}{where}: {scores.size} teacher scores for {len(pos) + len(neg)} passages"
                 )
         out.append(TrainExample(ex.query_id, "", pos, neg, scores))
@@ -120,7 +121,7 @@ def plan_epoch(
         groups[position], sources = select_group_with_sources(example, epoch, spec.group_size, spec.seed, fallback)
         if teacher is not None:
             if (sources < 0).any():
-                raise ValueError(
+                raise InputError(
                     f"query {example.query_id!r} has no negatives: random fallback passages have no teacher score"
                 )
             teacher[position] = np.asarray(example.scores)[sources]
@@ -132,7 +133,7 @@ def _carry_scores(examples: list[TrainExample]) -> bool:
     scored = sum(ex.scores is not None for ex in examples)
     if 0 < scored < len(examples):
         unscored = next(ex.query_id for ex in examples if ex.scores is None)
-        raise ValueError(
+        raise InputError(
             f"{scored} of {len(examples)} examples carry teacher scores, but query {unscored!r} "
             "does not: all or none must"
         )

@@ -1,8 +1,8 @@
 """Corpus preparation: raw BEIR jsonl / text -> the tokenized shards of pipeline.data.shards.
 
 Preparation has two phases. The driver streams the raw input once, validating it
-(errors name file and line) and cutting it into text shards in a staging folder next
-to the output, so every node can read them. Ray tasks then tokenize the shards in
+(errors name file and line) and cutting it into text shards (:mod:`pipeline.data.text_shards`)
+in a staging folder next to the output, so every node can read them. Ray tasks then tokenize the shards in
 parallel, one task per shard, and write the final shards; the manifest is written
 only when every shard is done, so a crashed preparation is never mistaken for a
 finished one.
@@ -14,7 +14,7 @@ import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -23,10 +23,12 @@ import ray
 
 from pipeline.core import model_ref, storage
 from pipeline.core.errors import StorageError
+from pipeline.core.progress import get_counted
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS
-from pipeline.data.corpus import CorpusStats, iter_documents
+from pipeline.data.corpus import CorpusStats
 from pipeline.data.shards import FORMAT, MANIFEST, SHARD_SCHEMA
+from pipeline.data.text_shards import iter_texts, read_text_shard, write_text_shards
 from pipeline.data.tokenizer import load_tokenizer, train_wordpiece
 
 
@@ -66,41 +68,10 @@ def _write_table(uri: str, table: pa.Table) -> None:
         raise StorageError(f"cannot write {loc.describe()}: {exc}") from exc
 
 
-def _stage_text(cfg: PrepareConfig, staging: str, stats: CorpusStats) -> list[dict]:
-    """Validate the input and cut it into text shards; returns one item per shard."""
-    items, rows, ids, texts = [], 0, [], []
-
-    def flush():
-        nonlocal ids, texts
-        if not ids:
-            return
-        index = len(items)
-        uri = storage.join(staging, f"text-{index:05d}.parquet")
-        _write_table(uri, pa.table({"doc_id": ids, "text": texts}))
-        items.append({"index": index, "text_uri": uri, "first_row": rows - len(ids), "rows": len(ids)})
-        ids, texts = [], []
-
-    for doc in iter_documents(cfg.input, on_empty=cfg.on_empty, stats=stats):
-        ids.append(doc.doc_id)
-        texts.append(doc.text)
-        rows += 1
-        if len(ids) >= cfg.docs_per_shard:
-            flush()
-    flush()
-    if not items:
-        raise ValueError(f"{cfg.input}: no documents to prepare ({stats.skipped_empty} empty ones skipped)")
-    return items
-
-
-def _staged_texts(items: list[dict]) -> Iterator[str]:
-    for item in items:
-        yield from storage.read_parquet(item["text_uri"], ["text"]).column("text").to_pylist()
-
-
 def _tokenize_shard(item: dict, tokenizer_uri: str, output: str) -> dict:
     """A Ray task: tokenizes one staged text shard into one final shard."""
     tokenizer = load_tokenizer(model_ref.materialize(tokenizer_uri, "tokenizer"))
-    table = storage.read_parquet(item["text_uri"])
+    table = read_text_shard(item)
     encoded = tokenizer(
         table.column("text").to_pylist(),
         add_special_tokens=False,
@@ -143,7 +114,7 @@ def prepare_corpus(cfg: PrepareConfig) -> dict:
     staging = storage.join(cfg.output, "_staging")
     storage.delete_dir(staging)
     stats = CorpusStats()
-    items = _stage_text(cfg, staging, stats)
+    items = write_text_shards(cfg.input, staging, cfg.docs_per_shard, on_empty=cfg.on_empty, stats=stats)
 
     tokenizer_uri = storage.join(cfg.output, "tokenizer")
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,13 +122,18 @@ def prepare_corpus(cfg: PrepareConfig) -> dict:
             tokenizer = load_tokenizer(model_ref.materialize(cfg.tokenizer, "--corpus.tokenizer"))
             tokenizer.save_pretrained(tmp)
         else:
-            tokenizer = train_wordpiece(_staged_texts(items), tmp, cfg.vocab_size, cfg.lowercase)
+            tokenizer = train_wordpiece(iter_texts(items), tmp, cfg.vocab_size, cfg.lowercase)
         storage.upload_dir(tmp, tokenizer_uri)
 
     # Plain tasks, one per shard (a shard is already a big unit of work): Ray schedules
     # them on free CPUs, with no actor pool to start or tear down.
     tokenize = ray.remote(_tokenize_shard).options(num_cpus=1, max_retries=3)
-    shards = ray.get([tokenize.remote(item, tokenizer_uri, cfg.output) for item in items])
+    shards = get_counted(
+        [tokenize.remote(item, tokenizer_uri, cfg.output) for item in items],
+        "prepare",
+        "documents",
+        [item["rows"] for item in items],
+    )
     shards = sorted(
         ({k: s[k] for k in ("path", "first_row", "rows", "tokens")} for s in shards), key=lambda s: s["first_row"]
     )

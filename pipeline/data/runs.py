@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Container
+from collections.abc import Container, Iterator
 from typing import Iterable
 
 from pipeline.core import storage
@@ -65,31 +65,8 @@ def write_negatives(rows: Iterable[tuple[str, list[str], list[float] | None]], u
     return n
 
 
-def read_trec_run(
-    uri: str,
-    depth: int = 0,
-    query_ids: set[str] | None = None,
-    doc_ids: Container[str] | None = None,
-) -> dict[str, list[tuple[str, float, int]]]:
-    """TREC run (``qid Q0 docid rank score tag`` per line) -> per query its candidates as
-    (doc id, score, line), best first (ties broken by the rank column); with ``depth`` > 0
-    only the best ``depth``. Errors name the file and line: a malformed line, a score that is
-    not a finite number, a document listed twice for a query, and with ``query_ids`` /
-    ``doc_ids`` an id outside them. A run without a line is an error too.
-
-    Memory: a query's lines are held until the run moves to another query, then cut to
-    ``depth``. A query whose lines come in several blocks is merged; with a depth, a document
-    repeated across blocks is then caught only if its first mention was kept.
-    """
-    kept: dict[str, list[tuple[str, float, int, int]]] = {}  # (doc, score, rank, line)
-    current, block = None, {}
-
-    def close() -> None:
-        if current is not None:
-            best = sorted(block.items(), key=lambda item: (-item[1][0], item[1][1]))
-            kept[current] = [(d, score, rank, line) for d, (score, rank, line) in best[: depth or None]]
-
-    source = storage.resolve(uri).uri
+def _trec_lines(uri: str, query_ids: set[str] | None, doc_ids: Container[str] | None):
+    """Validated TREC run lines: (source, line, qid, doc id, rank, score)."""
     for source, number, text in read_lines(uri):
         cols = text.split()
         if len(cols) != 6:
@@ -107,8 +84,48 @@ def read_trec_run(
             raise line_error(source, number, f"unknown query id {qid!r} (not in the queries)")
         if doc_ids is not None and did not in doc_ids:
             raise line_error(source, number, f"unknown document id {did!r} (not in the corpus)")
+        yield source, number, qid, did, rank, score
+
+
+def _best(block: dict[str, tuple[float, int, int]], depth: int) -> list[tuple[str, float, int, int]]:
+    best = sorted(block.items(), key=lambda item: (-item[1][0], item[1][1]))  # score, then the rank column
+    return [(d, score, rank, line) for d, (score, rank, line) in best[: depth or None]]
+
+
+def count_run_queries(uri: str) -> int:
+    """How many query blocks a run has (its queries, when each query's lines are together):
+    a quick pass that sizes a progress counter."""
+    count, current = 0, None
+    for _, _, text in read_lines(uri):
+        qid = text.split(maxsplit=1)[0] if text.strip() else current
         if qid != current:
-            close()
+            count, current = count + 1, qid
+    return count
+
+
+def read_trec_run(
+    uri: str,
+    depth: int = 0,
+    query_ids: set[str] | None = None,
+    doc_ids: Container[str] | None = None,
+) -> dict[str, list[tuple[str, float, int]]]:
+    """TREC run (``qid Q0 docid rank score tag`` per line) -> per query its candidates as
+    (doc id, score, line), best first (ties broken by the rank column); with ``depth`` > 0
+    only the best ``depth``. Errors name the file and line: a malformed line, a score that is
+    not a finite number, a document listed twice for a query, and with ``query_ids`` /
+    ``doc_ids`` an id outside them. A run without a line is an error too.
+
+    Memory: the whole run (cut to ``depth``). A query whose lines come in several blocks is
+    merged; with a depth, a document repeated across blocks is then caught only if its first
+    mention was kept. Jobs over large runs stream :func:`iter_trec_run` instead.
+    """
+    kept: dict[str, list[tuple[str, float, int, int]]] = {}  # (doc, score, rank, line)
+    current, block = None, {}
+    source = storage.resolve(uri).uri
+    for source, number, qid, did, rank, score in _trec_lines(uri, query_ids, doc_ids):
+        if qid != current:
+            if current is not None:
+                kept[current] = _best(block, depth)
             current = qid
             block = {d: (score_, rank_, line) for d, score_, rank_, line in kept.pop(qid, [])}
         if did in block:
@@ -116,10 +133,43 @@ def read_trec_run(
                 source, number, f"document {did!r} listed twice for query {qid!r} (first at line {block[did][2]})"
             )
         block[did] = (score, rank, number)
-    close()
+    if current is not None:
+        kept[current] = _best(block, depth)
     if not kept:
         raise InputError(f"{source}: the run holds no candidates", source=source)
     return {q: [(d, score, line) for d, score, _, line in ranked] for q, ranked in kept.items()}
+
+
+def iter_trec_run(
+    uri: str, depth: int = 0, query_ids: set[str] | None = None
+) -> Iterator[tuple[str, list[tuple[str, float, int]]]]:
+    """:func:`read_trec_run` a query at a time: (query id, its best ``depth`` candidates as
+    (doc id, score, line)), in the run's order. Holds one query's lines (and the ids of the
+    queries seen): the run must list each query's lines together, as every TREC tool and
+    raydense's own jobs write them; a query whose lines resume later is an error at that line."""
+    started: dict[str, int] = {}  # query id -> line of its first candidate
+    current, block = None, {}
+    source = storage.resolve(uri).uri
+    for source, number, qid, did, rank, score in _trec_lines(uri, query_ids, None):
+        if qid != current:
+            if current is not None:
+                yield current, [(d, score_, line) for d, score_, _, line in _best(block, depth)]
+            if qid in started:
+                raise line_error(
+                    source,
+                    number,
+                    f"query {qid!r} again, after other queries (its lines began at line {started[qid]}): "
+                    "a run must list each query's lines together (sort it by query id: sort -s -k1,1)",
+                )
+            current, block, started[qid] = qid, {}, number
+        if did in block:
+            raise line_error(
+                source, number, f"document {did!r} listed twice for query {qid!r} (first at line {block[did][2]})"
+            )
+        block[did] = (score, rank, number)
+    if current is None:
+        raise InputError(f"{source}: the run holds no candidates", source=source)
+    yield current, [(d, score_, line) for d, score_, _, line in _best(block, depth)]
 
 
 def write_trec_run(run: dict[str, dict[str, float]], uri: str, tag: str = "raydense") -> None:

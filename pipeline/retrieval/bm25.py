@@ -1,41 +1,55 @@
-"""BM25 with ``bm25s``: the round-1 hard negatives of retriever fine-tuning, and a BM25 run to
-evaluate with ``ir_measures``.
+"""BM25 with ``bm25s`` on Ray: the round-1 hard negatives of retriever fine-tuning, and a
+BM25 run to evaluate with ``ir_measures``.
 
-Negatives: index the corpus (title + text, as :func:`pipeline.corpus.iter_documents` joins them),
-retrieve the top ``depth`` documents of every query, drop every judged positive (qrels score > 0)
-by id and every document with a zero score (not retrieved at all, only padding when a query
-matches fewer than ``depth`` documents), then keep ``count``: the best ranked (``sample="top"``)
-or a random ``count`` of them (``sample="random"``, seeded per query by ``seed`` and the query
-id, so a query's sample does not depend on the others; kept in rank order). Judged non-relevant
-documents (score <= 0) stay: they are negatives by judgment.
+Index: the corpus (title + text, as :func:`pipeline.data.corpus.iter_documents` joins them)
+is cut into text shards in the run's storage; one :class:`Bm25Shard` actor per shard
+tokenizes it and reports its terms' document frequencies, a Ray task sums them, and each
+actor builds its bm25s index with the corpus's document count, mean length and document
+frequencies. A shard's scores are then those of one index over the whole corpus, and the
+merge of every shard's top-k (:func:`pipeline.retrieval.index.merge_topk`) is the exact
+global top-k.
 
-Memory: the driver holds bm25s's index (a sparse doc x term score matrix, ``index_bytes`` in the
-summary) and the vocabulary. Tokenization streams over the corpus: each document's text is
-dropped once its token ids are taken, and the token id lists are dropped once bm25s has built
-the matrix. Retrieval runs in batches of queries, written out as it goes.
+Negatives: retrieve the top ``depth`` documents of every query, drop every judged positive
+(qrels score > 0) by id and every document with a zero score (not retrieved at all, only
+padding when a query matches fewer than ``depth`` documents), then keep ``count``: the best
+ranked (``sample="top"``) or a random ``count`` of them (``sample="random"``, seeded per query
+by ``seed`` and the query id, so a query's sample does not depend on the others; kept in
+rank order). Judged non-relevant documents (score <= 0) stay: they are negatives by judgment.
+
+Memory: the driver streams the corpus once into the text shards (a row group at a time) and
+then holds no document id, text or posting: the shard actors do, each reserving an estimate
+of its peak from Ray. Results arrive a block of queries at a time, as ids, and are written
+out before the next block is asked for.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import resource
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Literal
+from typing import Iterator, Literal
 
 import bm25s
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import ray
 
 from pipeline.core import storage
-from pipeline.core.errors import InputError, StorageError
-from pipeline.data.beir import positives, read_qrels, read_queries
-from pipeline.data.corpus import CorpusStats, iter_documents
+from pipeline.core.errors import StorageError
+from pipeline.core.progress import get_counted, progress
+from pipeline.core.runtime import RayConfig
+from pipeline.data.beir import positives, read_queries
+from pipeline.data.corpus import CorpusStats
+from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import build_training_examples
-from pipeline.data.runs import read_negatives, write_negatives
+from pipeline.data.runs import read_negatives, write_negatives, write_trec_lines
 from pipeline.data.tevatron import passage_lookup, write_tevatron
-
-if TYPE_CHECKING:
-    import bm25s
+from pipeline.data.text_shards import read_text_shard, write_text_shards
+from pipeline.retrieval.index import merge_topk
+from pipeline.retrieval.search import QUERY_HITS, held_by, ranked_ids, read_qrels_of_corpus
 
 
 @dataclass
@@ -79,8 +93,13 @@ class Bm25Config:
         default="",
         metadata={"help": "PyStemmer algorithm, e.g. english (needs `pip install PyStemmer`); empty = no stemming"},
     )
-    threads: int = field(default=0, metadata={"help": "retrieval threads; 0 = all cores"})
-    batch_size: int = field(default=1024, metadata={"help": "queries retrieved per batch"})
+    threads: int = field(
+        default=0, metadata={"help": "retrieval threads of each shard actor; 0 = all cores of its node"}
+    )
+    batch_size: int = field(
+        default=0, metadata={"help": "queries per block sent to the shard actors; 0 = 4,096 over the number of shards"}
+    )
+    docs_per_shard: int = field(default=1_000_000, metadata={"help": "documents per BM25 shard (one Ray actor each)"})
     write_scores: bool = field(default=True, metadata={"help": "also write each negative's BM25 score"})
     tevatron: str = field(
         default="",
@@ -88,15 +107,17 @@ class Bm25Config:
             "help": "also write the training file in Tevatron format (query, positive and negative passages with their text) here; empty = not written"
         },
     )
+    ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self):
-        for name in ("depth", "count", "batch_size"):
+        for name in ("depth", "count", "docs_per_shard"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.count > self.depth:
             raise ValueError(f"count ({self.count}) must not exceed depth ({self.depth})")
-        if self.threads < 0:
-            raise ValueError(f"threads must be >= 0, got {self.threads}")
+        for name in ("threads", "batch_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     def run_uri(self) -> str | None:
         if self.run.lower() == "none":
@@ -107,17 +128,212 @@ class Bm25Config:
         return base + ".run.trec"
 
 
-@dataclass
-class Bm25Index:
-    retriever: bm25s.BM25
-    tokenizer: bm25s.tokenization.Tokenizer
-    doc_ids: np.ndarray  # matrix row -> document id
-    corpus_stats: CorpusStats
-    seconds: float
+SHARD_CPUS = 0.01  # a token share, as searchers take (see pipeline.retrieval.search.searcher_options)
+PROCESS_BYTES = 512 * 2**20
+# A shard actor's memory per UTF-8 byte of its texts, while it tokenizes and builds (token id
+# lists, bm25s's build arrays); measured on the Nave corpus (docs/retrieval.md), with margin.
+BYTES_PER_TEXT_BYTE = 12
+
+
+class _CorpusStatsBM25(bm25s.BM25):
+    """bm25s scoring one shard of a corpus with the whole corpus's statistics (document count,
+    mean length, each term's document frequency), so a shard's scores are those of one index
+    over the whole corpus and the merged top-k is exact. bm25s invites overriding this one
+    method; the scoring functions are its own."""
+
+    def __init__(self, corpus_df: np.ndarray, corpus_docs: int, corpus_avgdl: float, **kwargs):
+        super().__init__(**kwargs)
+        self.corpus_df, self.corpus_docs, self.corpus_avgdl = corpus_df, corpus_docs, corpus_avgdl
+
+    def build_index_from_ids(self, unique_token_ids, corpus_token_ids, show_progress=True, leave_progress=False):
+        from bm25s import scoring
+
+        shard_df = scoring._calculate_doc_freqs(corpus_token_ids, unique_token_ids, show_progress=False)
+        corpus_df = {t: int(self.corpus_df[t]) for t in shard_df}
+        idf_fn = scoring._select_idf_scorer(self.idf_method)
+        self.nonoccurrence_array = None
+        if self.method in self.methods_requiring_nonoccurrence:
+            self.nonoccurrence_array = scoring._build_nonoccurrence_array(
+                doc_frequencies=corpus_df,
+                n_docs=self.corpus_docs,
+                compute_idf_fn=idf_fn,
+                calculate_tfc_fn=scoring._select_tfc_scorer(self.method),
+                l_d=self.corpus_avgdl,
+                l_avg=self.corpus_avgdl,
+                k1=self.k1,
+                b=self.b,
+                delta=self.delta,
+                dtype=self.dtype,
+            )
+        idf = scoring._build_idf_array(corpus_df, n_docs=self.corpus_docs, compute_idf_fn=idf_fn, dtype=self.dtype)
+        values, doc_rows, term_cols = scoring._build_scores_and_indices_for_matrix(
+            corpus_token_ids=corpus_token_ids,
+            idf_array=idf,
+            avg_doc_len=self.corpus_avgdl,
+            doc_frequencies=shard_df,  # sizes the arrays: this shard's postings
+            k1=self.k1,
+            b=self.b,
+            delta=self.delta,
+            nonoccurrence_array=self.nonoccurrence_array,
+            method=self.method,
+            dtype=self.dtype,
+            int_dtype=self.int_dtype,
+            show_progress=False,
+        )
+        data, indices, indptr = self._np_csc(
+            data=values, rows=doc_rows, cols=term_cols, shape=(len(corpus_token_ids), len(shard_df))
+        )
+        return {
+            "data": data.astype(self.dtype),
+            "indices": indices,
+            "indptr": indptr,
+            "num_docs": len(corpus_token_ids),
+        }
+
+
+def _tokenizer(scoring: dict) -> bm25s.tokenization.Tokenizer:
+    stopwords = scoring["stopwords"]
+    return bm25s.tokenization.Tokenizer(
+        lower=scoring["lowercase"],
+        stopwords=None if stopwords.lower() in ("", "none") else stopwords,
+        stemmer=_stemmer(scoring["stemmer"]),
+    )
+
+
+class Bm25Shard:
+    """A Ray actor: one text shard's BM25 index. It tokenizes its shard, reports its terms'
+    document frequencies, then builds its index with the whole corpus's statistics and
+    answers top-k for blocks of query texts, as corpus rows and doc ids."""
+
+    def __init__(self, item: dict, scoring: dict):
+        table = read_text_shard(item)
+        self.ids = CorpusIds(table.column("doc_id").cast("binary").to_numpy(zero_copy_only=False).astype(bytes))
+        self.ids.first_row = item["first_row"]
+        self.scoring = scoring
+        self.tokenizer = _tokenizer(scoring)
+        self.token_ids = list(self.tokenizer.streaming_tokenize(table.column("text").to_pylist()))
+        self.retriever: bm25s.BM25 | None = None
+
+    def _terms(self) -> np.ndarray:
+        """This shard's vocabulary by token id (bm25s numbers its tokens from 0)."""
+        vocab = self.tokenizer.get_vocab_dict()
+        terms = np.empty(len(vocab), dtype=object)
+        terms[np.fromiter(vocab.values(), np.int64, len(vocab))] = list(vocab)
+        return terms
+
+    def term_stats(self) -> tuple[pa.Table, int, int]:
+        """(term, df) of this shard, its documents and its tokens (bm25s's document lengths)."""
+        terms = self._terms()
+        present = np.concatenate([np.unique(np.asarray(t, np.int64)) for t in self.token_ids])
+        df = np.bincount(present, minlength=len(terms))
+        tokens = int(sum(len(t) for t in self.token_ids))
+        return pa.table({"term": pa.array(terms, pa.string()), "df": df}), len(self.token_ids), tokens
+
+    def build(self, corpus_terms: pa.Table, corpus_docs: int, corpus_avgdl: float) -> dict:
+        terms = self._terms()
+        at = pc.index_in(pa.array(terms, pa.string()), value_set=corpus_terms.column("term")).to_numpy()
+        corpus_df = corpus_terms.column("df").to_numpy()[at.astype(np.int64)]
+        s = self.scoring
+        self.retriever = _CorpusStatsBM25(
+            corpus_df, corpus_docs, corpus_avgdl, k1=s["k1"], b=s["b"], method=s["method"]
+        )
+        self.retriever.index(self.tokenizer.to_tokenized_tuple(self.token_ids), show_progress=False)
+        self.token_ids = None  # the index holds what scoring needs
+        return {
+            "docs": len(self.ids),
+            "index_bytes": int(sum(self.retriever.scores[k].nbytes for k in ("data", "indices", "indptr"))),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
+
+    def search(self, queries: list[str], k: int, threads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(scores, corpus rows, doc ids as bytes), each (queries, min(k, docs)); a document
+        with score 0 (no query term in common) is padding: row -1, id b""."""
+        k = min(k, len(self.ids))
+        # update_vocab=False: a query word this shard lacks matches nothing here; an
+        # all-unknown query becomes bm25s's empty token, which scores every document 0.
+        tokens = list(self.tokenizer.streaming_tokenize(queries, update_vocab=False))
+        n_threads = (threads or os.cpu_count() or 1) if threads != 1 else 0  # bm25s: 0 = sequential
+        rows, scores = self.retriever.retrieve(
+            tokens, k=k, n_threads=n_threads, show_progress=False, backend_selection="numpy"
+        )
+        rows = np.where(scores > 0, rows.astype(np.int64) + self.ids.first_row, -1)
+        return scores.astype(np.float32), rows, self.ids.id_bytes(rows)
+
+    def holds(self, doc_ids: np.ndarray) -> np.ndarray:
+        return self.ids.holds(doc_ids)
+
+
+def _merge_term_stats(*shards: pa.Table) -> pa.Table:
+    """A Ray task: the corpus's document frequency of every term (the sum over shards), so
+    neither the driver nor any one shard actor holds every shard's vocabulary at once."""
+    merged = pa.concat_tables(shards).group_by("term").aggregate([("df", "sum")])
+    return merged.rename_columns(["term", "df"])
+
+
+class ShardedBm25:
+    """The driver's handle on a BM25 index over a corpus: the corpus cut into text shards in
+    ``staging`` (run storage: every node reads it), one :class:`Bm25Shard` actor per shard,
+    scored with global statistics, so the merged top-k equals one index over the corpus.
+    The driver holds no document id or text: results arrive per query block as ids."""
+
+    def __init__(self, corpus: str, staging: str, scoring: dict, docs_per_shard: int = 1_000_000):
+        started = time.perf_counter()
+        self.corpus_stats = CorpusStats()
+        items = write_text_shards(corpus, staging, docs_per_shard, stats=self.corpus_stats)
+        actor = ray.remote(Bm25Shard)
+        self.actors = [
+            actor.options(num_cpus=SHARD_CPUS, memory=PROCESS_BYTES + BYTES_PER_TEXT_BYTE * item["text_bytes"]).remote(
+                item, scoring
+            )
+            for item in items
+        ]
+        # Small: each shard's own vocabulary, once. Counted in documents as shards finish
+        # tokenizing, the long part of building.
+        parts = get_counted(
+            [a.term_stats.remote() for a in self.actors], "bm25 index", "documents", [i["rows"] for i in items]
+        )
+        self.total = sum(docs for _, docs, _ in parts)
+        avgdl = sum(tokens for _, _, tokens in parts) / self.total
+        corpus_terms = ray.remote(_merge_term_stats).remote(*[table for table, _, _ in parts])
+        del parts
+        self.shards = ray.get([a.build.remote(corpus_terms, self.total, avgdl) for a in self.actors])
+        self.vocab_size = ray.get(ray.remote(lambda t: t.num_rows).remote(corpus_terms))
+        storage.delete_dir(staging)  # every actor has read its shard
+        self.seconds = time.perf_counter() - started
+
+    def __enter__(self) -> "ShardedBm25":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def nbytes(self) -> int:
-        return sum(self.retriever.scores[k].nbytes for k in ("data", "indices", "indptr"))
+        return sum(s["index_bytes"] for s in self.shards)
+
+    def search_blocks(
+        self, texts: list[str], depth: int, *, block: int | None = None, threads: int = 1
+    ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """Per block of queries: (first query, scores (b, k), doc ids (b, k) as bytes), the
+        exact merge of every shard's top-k; b"" pads a query matching fewer than ``depth``
+        documents. A block is 4,096 queries over the shard count, as in dense search."""
+        block = block or max(64, QUERY_HITS // len(self.actors))
+        k = min(depth, self.total)
+        with progress(len(texts), "bm25", "queries") as bar:
+            for start in range(0, len(texts), block):
+                part = texts[start : start + block]
+                results = ray.get([a.search.remote(ray.put(part), k, threads) for a in self.actors])
+                scores, _, ids = merge_topk(results, k, "ip", self.total)
+                yield start, scores, ids
+                bar.update(len(part))
+
+    def holds(self, doc_ids: list[str]) -> set[str]:
+        """Which of ``doc_ids`` the corpus holds, asked of the shards."""
+        return held_by(self.actors, doc_ids)
+
+    def close(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
 
 
 def _stemmer(name: str):
@@ -132,6 +348,7 @@ def _stemmer(name: str):
 
 def build_index(
     corpus: str,
+    staging: str,
     *,
     k1: float = 0.9,
     b: float = 0.4,
@@ -139,54 +356,32 @@ def build_index(
     lowercase: bool = True,
     stopwords: str = "en",
     stemmer: str = "",
-) -> Bm25Index:
-    """Index a corpus with bm25s, tokenizing the documents as they stream past."""
-
-    start = time.perf_counter()
-    tokenizer = bm25s.tokenization.Tokenizer(
-        lower=lowercase, stopwords=None if stopwords.lower() in ("", "none") else stopwords, stemmer=_stemmer(stemmer)
-    )
-    stats = CorpusStats()
-    doc_ids: list[str] = []
-
-    def texts() -> Iterator[str]:
-        for doc in iter_documents(corpus, stats=stats):
-            doc_ids.append(doc.doc_id)
-            yield doc.text
-
-    token_ids = list(tokenizer.streaming_tokenize(texts()))
-    if not token_ids:
-        raise InputError(f"{corpus}: no documents to index", source=corpus)
-    retriever = bm25s.BM25(k1=k1, b=b, method=method)
-    retriever.index(tokenizer.to_tokenized_tuple(token_ids), show_progress=False)
-    return Bm25Index(retriever, tokenizer, np.array(doc_ids, dtype=object), stats, time.perf_counter() - start)
+    docs_per_shard: int = 1_000_000,
+) -> ShardedBm25:
+    """BM25 over ``corpus`` on Ray actors, its text shards staged under ``staging`` (a folder
+    in the run's storage, deleted once the shards are loaded). Close it (or use ``with``)."""
+    scoring = {"k1": k1, "b": b, "method": method, "lowercase": lowercase, "stopwords": stopwords, "stemmer": stemmer}
+    _stemmer(stemmer)  # a missing PyStemmer fails here, not in every actor
+    return ShardedBm25(corpus, staging, scoring, docs_per_shard)
 
 
 def search(
-    index: Bm25Index, queries: dict[str, str], depth: int, *, batch_size: int = 1024, threads: int = 0
+    index: ShardedBm25, queries: dict[str, str], depth: int, *, batch_size: int | None = None, threads: int = 1
 ) -> Iterator[tuple[str, list[str], list[float]]]:
     """(query id, doc ids best first, scores) of the top ``depth`` of every query, in
     ``queries`` order; documents with score 0 (no query term in common) are left out."""
-    k = min(depth, len(index.doc_ids))
-    n_threads = (threads or os.cpu_count() or 1) if threads != 1 else 0  # bm25s: 0 = sequential
     qids = list(queries)
-    for start in range(0, len(qids), batch_size):
-        batch = qids[start : start + batch_size]
-        # update_vocab=False: a query word the corpus lacks matches nothing; an all-unknown
-        # query becomes bm25s's empty token, which scores every document 0.
-        tokens = list(index.tokenizer.streaming_tokenize([queries[q] for q in batch], update_vocab=False))
-        rows, scores = index.retriever.retrieve(
-            tokens, k=k, n_threads=n_threads, show_progress=False, backend_selection="numpy"
-        )
-        for qid, r, s in zip(batch, rows, scores):
-            hit = s > 0
-            yield qid, index.doc_ids[r[hit]].tolist(), s[hit].astype(float).tolist()
+    for start, scores, ids in index.search_blocks([queries[q] for q in qids], depth, block=batch_size, threads=threads):
+        for qid, row_scores, row_ids in zip(qids[start:], scores, ids):
+            ranked = ranked_ids(row_ids)
+            yield qid, ranked, row_scores[: len(ranked)].astype(float).tolist()
 
 
 def bm25_run(
-    index: Bm25Index, queries: dict[str, str], depth: int = 100, *, batch_size: int = 1024, threads: int = 0
+    index: ShardedBm25, queries: dict[str, str], depth: int = 100, *, batch_size: int | None = None, threads: int = 1
 ) -> dict[str, dict[str, float]]:
-    """{query id: {doc id: BM25 score}}, the run format ``ir_measures.calc_aggregate`` takes."""
+    """{query id: {doc id: BM25 score}}, the run format ``ir_measures.calc_aggregate`` takes
+    (for a bounded set of queries: dev sets, tests)."""
     return {
         qid: dict(zip(ids, scores))
         for qid, ids, scores in search(index, queries, depth, batch_size=batch_size, threads=threads)
@@ -220,6 +415,10 @@ def _write_tevatron(cfg: Bm25Config, queries: dict[str, str], qrels: dict) -> di
     }
 
 
+def _staging(cfg: Bm25Config) -> str:
+    return cfg.output.removesuffix(".gz").removesuffix(".jsonl") + ".text-shards"
+
+
 def mine_negatives(cfg: Bm25Config) -> dict:
     """Write the negatives jsonl (and the run); returns the job summary."""
     start = time.perf_counter()
@@ -227,40 +426,41 @@ def mine_negatives(cfg: Bm25Config) -> dict:
         if not storage.exists(uri):
             raise StorageError(f"{uri}: no such file or directory")
     queries = read_queries(cfg.queries)
+    counts = {"negatives": 0, "positives_dropped": 0, "short": 0, "none": 0}
+    run_uri = cfg.run_uri()
     index = build_index(
         cfg.corpus,
+        _staging(cfg),
         k1=cfg.k1,
         b=cfg.b,
         method=cfg.method,
         lowercase=cfg.lowercase,
         stopwords=cfg.stopwords,
         stemmer=cfg.stemmer,
+        docs_per_shard=cfg.docs_per_shard,
     )
-    qrels = read_qrels(cfg.qrels, doc_ids=set(index.doc_ids), query_ids=set(queries))
-    counts = {"negatives": 0, "positives_dropped": 0, "short": 0, "none": 0}
-    run_uri = cfg.run_uri()
-    retrieve_start = time.perf_counter()
+    with index:
+        qrels = read_qrels_of_corpus(cfg.qrels, index, set(queries))
+        retrieve_start = time.perf_counter()
 
-    def rows(run_out) -> Iterator[tuple[str, list[str], list[float] | None]]:
-        for qid, ids, scores in search(index, queries, cfg.depth, batch_size=cfg.batch_size, threads=cfg.threads):
-            if run_out is not None:  # TREC run: qid Q0 docid rank score tag
-                run_out.write(
-                    "".join(f"{qid} Q0 {d} {r} {s:.4f} bm25\n" for r, (d, s) in enumerate(zip(ids, scores), 1)).encode(
-                        "utf-8"
-                    )
-                )
-            negs, neg_scores, dropped = _select(qid, ids, scores, set(positives(qrels.get(qid, {}))), cfg)
-            counts["negatives"] += len(negs)
-            counts["positives_dropped"] += dropped
-            counts["short"] += len(negs) < cfg.count
-            counts["none"] += not negs
-            yield qid, negs, neg_scores if cfg.write_scores else None
+        def rows(run_out) -> Iterator[tuple[str, list[str], list[float] | None]]:
+            hits = search(index, queries, cfg.depth, batch_size=cfg.batch_size or None, threads=cfg.threads)
+            for qid, ids, scores in hits:
+                if run_out is not None:
+                    write_trec_lines(run_out, qid, ids, scores, tag="bm25")
+                negs, neg_scores, dropped = _select(qid, ids, scores, set(positives(qrels.get(qid, {}))), cfg)
+                counts["negatives"] += len(negs)
+                counts["positives_dropped"] += dropped
+                counts["short"] += len(negs) < cfg.count
+                counts["none"] += not negs
+                yield qid, negs, neg_scores if cfg.write_scores else None
 
-    if run_uri is None:
-        write_negatives(rows(None), cfg.output)
-    else:
-        with storage.open_output(run_uri) as run_out:
-            write_negatives(rows(run_out), cfg.output)
+        if run_uri is None:
+            write_negatives(rows(None), cfg.output)
+        else:
+            with storage.open_output(run_uri) as run_out:
+                write_negatives(rows(run_out), cfg.output)
+        retrieve_s = time.perf_counter() - retrieve_start
     n = len(queries)
     tevatron = _write_tevatron(cfg, queries, qrels) if cfg.tevatron else None
     return {
@@ -269,16 +469,18 @@ def mine_negatives(cfg: Bm25Config) -> dict:
         "run": run_uri,
         "tevatron": tevatron,
         "queries": n,
-        "docs": len(index.doc_ids),
+        "docs": index.total,
+        "shards": len(index.shards),
         "queries_without_positive": sum(1 for q in queries if not positives(qrels.get(q, {}))),
         "negatives_per_query": round(counts["negatives"] / max(n, 1), 3),
         "queries_short": counts["short"],
         "queries_no_negatives": counts["none"],
         "positives_dropped": counts["positives_dropped"],
-        "vocab_size": len(index.retriever.vocab_dict),
+        "vocab_size": index.vocab_size,
         "index_bytes": index.nbytes,
+        "shard_peak_rss_bytes": max(s["peak_rss_bytes"] for s in index.shards),
         "index_seconds": round(index.seconds, 2),
-        "retrieve_seconds": round(time.perf_counter() - retrieve_start, 2),
+        "retrieve_seconds": round(retrieve_s, 2),
         "seconds": round(time.perf_counter() - start, 2),
         "corpus": index.corpus_stats.as_dict(),
     }

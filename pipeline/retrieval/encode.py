@@ -30,6 +30,7 @@ import torch
 from models.biencoder import load_biencoder
 from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig, actor_device, run_actor_pool
+from pipeline.core.progress import progress
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
@@ -254,9 +255,26 @@ def run_encoding(cfg: EncodeConfig, query_texts: list[str] | None = None) -> dic
             return actor.encode_queries.remote(payload)
         return actor.encode_shard.remote(payload, key, cfg.output)
 
-    results = run_actor_pool(
-        lambda: remote.remote(cfg.encoder, tokenizer_uri, cfg.pool), todo, call, cfg.pool.max_retries, cfg.pool.actors
-    )
+    to_encode = sum(shards[key]["rows"] for kind, key, _ in todo if kind == "shard")
+    with (
+        progress(to_encode, "encode", "passages") as passages,
+        progress(len(query_texts or []), "encode", "queries") as queries,
+    ):
+
+        def count(task, result) -> None:
+            if task[0] == "shard":
+                passages.update(result["rows"])
+            else:
+                queries.update(len(task[2]))
+
+        results = run_actor_pool(
+            lambda: remote.remote(cfg.encoder, tokenizer_uri, cfg.pool),
+            todo,
+            call,
+            cfg.pool.max_retries,
+            cfg.pool.actors,
+            count,
+        )
     query_results = [r for t, r in zip(todo, results) if t[0] == "queries"]
     results = [r for t, r in zip(todo, results) if t[0] == "shard"]
     entries = [
@@ -303,12 +321,14 @@ def encode_queries(settings: EncoderSettings, texts: list[str], pool: ActorConfi
     settings = dataclasses.replace(settings, model=model_ref.check(settings.model, "--encoder.model"))
     remote = ray.remote(EncoderActor).options(**pool.remote_options(), max_restarts=0)
     blocks = [texts[start : start + QUERY_BLOCK] for start in query_blocks(texts)]
-    results = run_actor_pool(
-        lambda: remote.remote(settings, "", pool),
-        blocks,
-        lambda actor, block: actor.encode_queries.remote(block),
-        pool.max_retries,
-        pool.actors,
-    )
+    with progress(len(texts), "encode", "queries") as bar:
+        results = run_actor_pool(
+            lambda: remote.remote(settings, "", pool),
+            blocks,
+            lambda actor, block: actor.encode_queries.remote(block),
+            pool.max_retries,
+            pool.actors,
+            lambda block, _: bar.update(len(block)),
+        )
     dim = results[0]["vectors"].shape[1] if results else 0
     return _stack(results, dim)

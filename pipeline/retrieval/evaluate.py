@@ -11,6 +11,8 @@ from typing import Literal
 
 from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
+from pipeline.core.errors import ConfigError
+from pipeline.core.plots import plot_metrics
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS, SAMPLE_DEV_QRELS, SAMPLE_DEV_QUERIES
 from pipeline.data.beir import read_queries
@@ -106,7 +108,7 @@ def run_evaluation(cfg: EvaluateJobConfig) -> dict:
         [queries[q] for q in qids],
     )
     if cfg.k > encoded["passages"]:
-        raise ValueError(f"--k {cfg.k} is larger than the corpus ({encoded['passages']} passages)")
+        raise ConfigError(f"--k {cfg.k} is larger than the corpus ({encoded['passages']} passages)")
     indexed = run_indexing(
         IndexJobConfig(
             embeddings=encoded["output"],
@@ -150,6 +152,9 @@ def run_evaluation(cfg: EvaluateJobConfig) -> dict:
         "searchers": searchers,
         "seconds": round(time.perf_counter() - started, 2),
     }
+    summary["metrics_png"] = plot_metrics(
+        {"evaluate": metrics}, tuple(metrics), storage.join(output, "metrics.png"), f"{len(qrels)} judged queries"
+    )
     storage.write_json(storage.join(output, "metrics.json"), summary)
     return summary
 

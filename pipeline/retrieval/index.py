@@ -22,7 +22,7 @@ import numpy as np
 import psutil
 
 from pipeline.core import storage
-from pipeline.core.errors import ArtifactError
+from pipeline.core.errors import ArtifactError, ConfigError
 
 MANIFEST = "manifest.json"
 FORMAT = "raydense-index-v1"
@@ -53,7 +53,7 @@ def _reason(exc: Exception) -> str:
 
 def _check_metric(metric: str) -> None:
     if metric not in ("ip", "l2"):
-        raise ValueError(f"metric {metric!r} is not one of ['ip', 'l2']")
+        raise ConfigError(f"metric {metric!r} is not one of ['ip', 'l2']")
 
 
 def _metric(metric: str) -> int:
@@ -69,7 +69,7 @@ def _new_index(factory: str, dim: int, metric: str):
     try:
         index = faiss.index_factory(int(dim), factory, _metric(metric))
     except RuntimeError as exc:
-        raise ValueError(f"FAISS rejects the index factory {factory!r} for dim {dim}: {_reason(exc)}") from exc
+        raise ConfigError(f"FAISS rejects the index factory {factory!r} for dim {dim}: {_reason(exc)}") from exc
     # IVF indexes store ids in their lists; the others need a map (IndexIDMap, not IDMap2:
     # we never reconstruct by id, so its reverse hash map would be RAM for nothing).
     if faiss.try_extract_index_ivf(index) is None and not isinstance(index, (faiss.IndexIDMap, faiss.IndexIDMap2)):
@@ -132,7 +132,7 @@ def _measured(factory: str, dim: int, metric: str, seed: int = 0) -> tuple[float
     try:
         index.train(train)
     except RuntimeError as exc:
-        raise ValueError(
+        raise ConfigError(
             f"cannot estimate the memory of {factory!r} from a {n}-vector sample "
             f"({_reason(exc)}); use a factory the planner "
             "knows: [OPQ../PCA..,]Flat, PQ.., SQ.., HNSW.., IVF..,Flat|PQ..|SQ.."
@@ -181,7 +181,7 @@ def check_plan(plan: list[dict], limit_bytes: int) -> None:
         if row["bytes"] > limit_bytes:
             nlist = min(65536, max(16, 2 ** round(math.log2(4 * math.sqrt(max(row["vectors"], 1))))))
             m = next(m for m in (64, 48, 32, 16, 8, 4, 2, 1) if row["dim"] % m == 0)
-            raise ValueError(
+            raise ConfigError(
                 f"index shard {row['shard']} needs {_gib(row['bytes'])}, more than the "
                 f"{_gib(limit_bytes)} limit: use more shards or a compressed factory "
                 f"such as IVF{nlist},PQ{m}"
@@ -202,12 +202,12 @@ def format_plan(plan: list[dict]) -> str:
 
 def resolve_gpu(use_gpu: str) -> bool:
     if use_gpu not in ("auto", "never", "always"):
-        raise ValueError(f"use_gpu={use_gpu!r} is not one of auto, never, always")
+        raise ConfigError(f"use_gpu={use_gpu!r} is not one of auto, never, always")
     if use_gpu == "never":
         return False
     available = hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
     if use_gpu == "always" and not available:
-        raise ValueError(
+        raise ConfigError(
             "use_gpu='always' but FAISS sees no GPU (faiss-cpu is installed, or no CUDA "
             "device is visible): install faiss-gpu-cu12, or use auto/never"
         )
@@ -239,7 +239,7 @@ def searcher_to_gpu(index):
     import torch  # only to tell a CPU-only machine from a GPU node without faiss-gpu
 
     if torch.cuda.is_available():
-        raise RuntimeError(
+        raise ConfigError(
             "this searcher reserved a GPU but FAISS has no GPU support: install faiss-gpu-cu12 on the GPU nodes"
         )
     return index, None
@@ -306,7 +306,7 @@ def build_index_shard(
         try:
             index.train(train)
         except RuntimeError as exc:
-            raise ValueError(f"cannot train {factory!r} on {len(train)} vectors: {_reason(exc)}") from exc
+            raise ConfigError(f"cannot train {factory!r} on {len(train)} vectors: {_reason(exc)}") from exc
     index.add_with_ids(x, ids)
     if gpu:
         index = faiss.index_gpu_to_cpu(index)
@@ -397,9 +397,9 @@ def load_index_shards(index_uri: str, manifest: dict) -> list:
 
 def _check_k(k: int, total: int) -> None:
     if k < 1:
-        raise ValueError(f"k={k} must be at least 1")
+        raise ConfigError(f"k={k} must be at least 1")
     if k > total:
-        raise ValueError(f"k={k} is larger than the corpus ({total} passages)")
+        raise ConfigError(f"k={k} is larger than the corpus ({total} passages)")
 
 
 def _smallest(key: np.ndarray, k: int) -> np.ndarray:

@@ -16,6 +16,7 @@ import numpy as np
 import ray
 
 from pipeline.core import storage
+from pipeline.core.progress import get_counted
 from pipeline.core.runtime import RayConfig
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval import index as faiss_index
@@ -94,11 +95,14 @@ def run_indexing(cfg: IndexJobConfig) -> dict:
     build = ray.remote(_build_one).options(
         num_cpus=1 if on_gpu else cfg.cpus_per_task, num_gpus=1 if on_gpu else 0, max_retries=3
     )
-    shards = ray.get(
+    shards = get_counted(
         [
             build.remote(folder, [manifest["shards"][i] for i in g], j, output, cfg.index, train_ref)
             for j, g in enumerate(groups)
-        ]
+        ],
+        "index",
+        "vectors",
+        sizes,
     )
     faiss_index.write_index_manifest(
         output, factory=cfg.index.factory, metric=cfg.index.metric, dim=dim, shards=shards, embeddings=folder

@@ -28,6 +28,7 @@ import numpy as np
 
 from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
+from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
 from pipeline.data.beir import positives, read_queries
@@ -99,12 +100,12 @@ def _answer_hits(cfg: MineConfig, queries: dict, ranked: dict[str, list[str]]) -
     """Per query, the candidates whose text contains one of its answers (case-insensitive)."""
 
     if not cfg.corpus:
-        raise ValueError("--answers needs --corpus (the passage texts to search for the answers)")
+        raise ConfigError("--answers needs --corpus (the passage texts to search for the answers)")
     answers = {}
     for source, number, obj in json_lines(cfg.answers):
         qid = str(obj.get("query_id", ""))
         if not qid or not isinstance(obj.get("answers"), list):
-            raise ValueError(f'{source} line {number}: expected {{"query_id": ..., "answers": [...]}}')
+            raise InputError(f'{source} line {number}: expected {{"query_id": ..., "answers": [...]}}')
         answers[qid] = [a.lower() for a in obj["answers"] if isinstance(a, str) and a.strip()]
     wanted = {d for qid in answers for d in ranked.get(qid, [])}
     texts = {d.doc_id: d.text.lower() for d in iter_documents(cfg.corpus) if d.doc_id in wanted}

@@ -1,5 +1,13 @@
 """Re-ranker scoring on Ray actors: a first-stage run's top candidates re-scored by a
-cross-encoder, written as a TREC run and evaluated against the first stage."""
+cross-encoder, written as a TREC run and evaluated against the first stage.
+
+Streamed end to end, so the driver's memory does not grow with the run or the corpus: the
+first-stage run is read a query at a time (:func:`pipeline.data.runs.iter_trec_run`) and
+cut into blocks of ``queries_per_task`` queries that carry ids only; each re-ranker actor
+fetches its block's passage texts from the passage servers
+(:mod:`pipeline.retrieval.passages`) and returns scores; the driver writes each block's
+lines and adds its metrics (:class:`pipeline.retrieval.metrics.StreamedMetrics`) as results
+arrive, in order. At most a window of blocks is in flight."""
 
 from __future__ import annotations
 
@@ -22,15 +30,17 @@ from models.reranker import (
     pair_inputs,
 )
 from pipeline.core import model_ref, storage
-from pipeline.core.actor_pool import ActorConfig, actor_device, run_actor_pool
+from pipeline.core.actor_pool import ActorConfig, actor_device, stream_actor_pool
+from pipeline.core.errors import InputError
+from pipeline.core.progress import progress
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS, SAMPLE_DEV_QRELS, SAMPLE_DEV_QUERIES
 from pipeline.data.beir import positives, read_qrels, read_queries
-from pipeline.data.corpus import iter_documents
-from pipeline.data.runs import read_trec_run, write_trec_run
+from pipeline.data.runs import count_run_queries, iter_trec_run, write_trec_lines
 from pipeline.data.stream import frame
 from pipeline.data.tokenizer import load_tokenizer
-from pipeline.retrieval.metrics import JOB_MEASURES, evaluate, metrics_table
+from pipeline.retrieval.metrics import JOB_MEASURES, StreamedMetrics, metrics_table
+from pipeline.retrieval.passages import PassageStore, fetch_texts
 
 
 @dataclass
@@ -81,6 +91,9 @@ class RerankScoreConfig:
     queries_per_task: int = field(
         default=64, metadata={"help": "queries per actor task (the unit of retry after an actor died)"}
     )
+    docs_per_server: int = field(
+        default=2_000_000, metadata={"help": "corpus documents per passage server (a Ray actor holding their texts)"}
+    )
     precision: Literal["auto", "fp32", "fp16", "bf16"] = field(
         default="auto", metadata={"help": "auto = fp16 autocast on GPU, fp32 on CPU"}
     )
@@ -88,22 +101,9 @@ class RerankScoreConfig:
     ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self):
-        for name in ("depth", "batch_size", "queries_per_task"):
+        for name in ("depth", "batch_size", "queries_per_task", "docs_per_server"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-
-def _texts_of(corpus: str, needed: dict[str, str]) -> dict[str, str]:
-    """The texts of the ``needed`` documents (doc id -> where it was named, for the error)."""
-
-    texts = {d.doc_id: d.text for d in iter_documents(corpus) if d.doc_id in needed}
-    missing = [d for d in needed if d not in texts]
-    if missing:
-        raise ValueError(
-            f"{needed[missing[0]]}: document {missing[0]!r} is not in the corpus {corpus}"
-            + (f" ({len(missing)} such documents)" if len(missing) > 1 else "")
-        )
-    return texts
 
 
 class PairScorer:
@@ -165,19 +165,31 @@ class PairScorer:
 
 
 class RerankerActor:
-    """A Ray actor holding one :class:`PairScorer`; scores blocks of queries."""
+    """A Ray actor holding one :class:`PairScorer`; scores blocks of queries, joining their
+    candidates' ids to texts through the passage servers."""
 
-    def __init__(self, model_uri: str, lengths: PairLengths, batch_size: int, precision: str, pool: ActorConfig):
+    def __init__(
+        self, model_uri: str, lengths: PairLengths, batch_size: int, precision: str, pool: ActorConfig, servers: list
+    ):
         torch.set_num_threads(max(1, int(pool.cpus_per_actor)))
         model_dir = model_ref.materialize(model_uri, "--model")
         self.scorer = PairScorer(model_dir, lengths, batch_size, precision, actor_device(pool))
+        self.servers = servers
 
     def pid(self) -> int:
         return os.getpid()
 
     def score(self, block: dict) -> dict:
         started = time.perf_counter()
-        scores = self.scorer.score(block["query_texts"], block["candidates"], block["texts"])
+        doc_ids = list(dict.fromkeys(d for docs in block["candidates"] for d in docs))
+        found = fetch_texts(self.servers, doc_ids)
+        missing = [d for d, text in zip(doc_ids, found) if text is None]
+        if missing:
+            raise InputError(
+                f"{block['named'][missing[0]]}: document {missing[0]!r} is not in the corpus"
+                + (f" ({len(missing)} such documents in this block)" if len(missing) > 1 else "")
+            )
+        scores = self.scorer.score(block["query_texts"], block["candidates"], dict(zip(doc_ids, found)))
         return {"scores": scores, "seconds": time.perf_counter() - started, "pid": os.getpid()}
 
 
@@ -201,6 +213,40 @@ def _pair_lengths(cfg: RerankScoreConfig, model_uri: str) -> PairLengths:
     return lengths
 
 
+def _blocks(cfg: RerankScoreConfig, run_uri: str, qrels_uri: str, queries: dict, qrels: dict, counts: dict):
+    """The first-stage run in blocks of ``queries_per_task`` queries, by id: each query's
+    best ``depth`` candidates (and, with ``include_positives``, its judged positives the run
+    missed), their first-stage scores, and where each id was named (for a missing
+    document's error)."""
+
+    def empty() -> dict:
+        return {"query_ids": [], "query_texts": [], "candidates": [], "first_stage": [], "named": {}}
+
+    block = empty()
+    for qid, ranked in iter_trec_run(run_uri, cfg.depth, query_ids=set(queries)):
+        candidates = [d for d, _, _ in ranked]
+        named = {d: f"{run_uri} line {line}" for d, _, line in ranked}
+        if cfg.include_positives:
+            # Only the run's queries: a query the first stage did not retrieve for (e.g. left
+            # out of a sampled teacher run) would get its positives and nothing to compare.
+            missed = [d for d in positives(qrels.get(qid, {})) if d not in named]
+            counts["positives_added"] += len(missed)
+            candidates += missed
+            named.update((d, f"{qrels_uri}: positive of query {qid!r}") for d in missed)
+        counts["queries"] += 1
+        counts["pairs"] += len(candidates)
+        block["query_ids"].append(qid)
+        block["query_texts"].append(queries[qid])
+        block["candidates"].append(candidates)
+        block["first_stage"].append([score for _, score, _ in ranked])
+        block["named"].update(named)
+        if len(block["query_ids"]) == cfg.queries_per_task:
+            yield block
+            block = empty()
+    if block["query_ids"]:
+        yield block
+
+
 def run_scoring(cfg: RerankScoreConfig) -> dict:
     """Score the run's top-``depth`` candidates on Ray actors, write the re-ranked run, evaluate."""
 
@@ -210,56 +256,61 @@ def run_scoring(cfg: RerankScoreConfig) -> dict:
     lengths = _pair_lengths(cfg, model_uri)
     run_uri, qrels_uri = storage.resolve(cfg.run).uri, storage.resolve(cfg.qrels).uri if cfg.qrels else ""
     queries = read_queries(storage.resolve(cfg.queries).uri)
-    first_stage = read_trec_run(run_uri, cfg.depth, query_ids=set(queries))
     qrels = read_qrels(qrels_uri, query_ids=set(queries)) if qrels_uri else {}
-
-    candidates = {q: [d for d, _, _ in ranked] for q, ranked in first_stage.items()}
-    needed: dict[str, str] = {}  # doc id -> where the run names it, for a missing document's error
-    for ranked in first_stage.values():
-        for d, _, line in ranked:
-            needed.setdefault(d, f"{run_uri} line {line}")
-    added = 0
-    if cfg.include_positives:
-        # Only the run's queries: a query the first stage did not retrieve for (e.g. left
-        # out of a sampled teacher run) would get its positives and nothing to compare.
-        for qid in first_stage:
-            missed = [d for d in positives(qrels.get(qid, {})) if d not in set(candidates.get(qid, []))]
-            if missed:
-                candidates.setdefault(qid, []).extend(missed)
-                added += len(missed)
-                for d in missed:
-                    needed.setdefault(d, f"{qrels_uri}: positive of query {qid!r}")
-    texts = _texts_of(storage.resolve(cfg.corpus).uri, needed)
-    del needed
-
-    qids = [q for q in queries if candidates.get(q)]
-    blocks = [qids[i : i + cfg.queries_per_task] for i in range(0, len(qids), cfg.queries_per_task)]
-    remote = ray.remote(RerankerActor).options(**cfg.pool.remote_options(), max_restarts=0)
-
-    def make_actor():
-        return remote.remote(model_uri, lengths, cfg.batch_size, cfg.precision, cfg.pool)
-
-    def call(actor, block: list[str]):
-        # Built when the block is handed out, so the driver never holds every payload at once.
-        cands = [candidates[q] for q in block]
-        payload = {
-            "query_texts": [queries[q] for q in block],
-            "candidates": cands,
-            "texts": {d: texts[d] for docs in cands for d in docs},
-        }
-        return actor.score.remote(payload)
-
-    score_start = time.perf_counter()
-    results = run_actor_pool(make_actor, blocks, call, cfg.pool.max_retries, cfg.pool.actors)
-    score_s = time.perf_counter() - score_start
-    reranked = {
-        q: dict(zip(candidates[q], map(float, s)))
-        for block, result in zip(blocks, results)
-        for q, s in zip(block, result["scores"])
-    }
+    # Both runs are evaluated over the first-stage candidates only: added positives would
+    # inflate the re-ranked run's recall.
+    reranked_metrics = StreamedMetrics(qrels, JOB_MEASURES.values())
+    first_stage_metrics = StreamedMetrics(qrels, JOB_MEASURES.values())
+    counts = {"queries": 0, "pairs": 0, "positives_added": 0}
     out_run = storage.join(output, "run.trec")
-    write_trec_run(reranked, out_run, tag="rerank")
-    pairs = sum(len(c) for c in candidates.values())
+    remote = ray.remote(RerankerActor).options(**cfg.pool.remote_options(), max_restarts=0)
+    actor_seconds = 0.0
+    with (
+        PassageStore(
+            storage.resolve(cfg.corpus).uri, storage.join(output, "text-shards"), cfg.docs_per_server
+        ) as passages,
+        storage.open_output(out_run) as out,
+    ):
+
+        def make_actor():
+            return remote.remote(model_uri, lengths, cfg.batch_size, cfg.precision, cfg.pool, passages.servers)
+
+        score_start = time.perf_counter()
+        blocks = _blocks(cfg, run_uri, qrels_uri, queries, qrels, counts)
+        # The pool yields results in block order; a block is kept here (ids and first-stage
+        # scores, for the run lines and metrics) until its result arrives.
+        pending: list[dict] = []
+
+        def remember(source):
+            for block in source:
+                pending.append(block)
+                yield block
+
+        results = stream_actor_pool(
+            make_actor,
+            remember(blocks),
+            lambda actor, block: actor.score.remote(block),
+            cfg.pool.max_retries,
+            cfg.pool.actors,
+        )
+        bar = progress(count_run_queries(run_uri), "rerank", "queries")
+        for result in results:
+            block = pending.pop(0)
+            bar.update(len(block["query_ids"]))
+            actor_seconds += result["seconds"]
+            reranked, first_stage = {}, {}
+            for qid, cands, scores, first in zip(
+                block["query_ids"], block["candidates"], result["scores"], block["first_stage"]
+            ):
+                order = np.argsort(-scores, kind="stable")
+                write_trec_lines(out, qid, [cands[i] for i in order], scores[order].tolist(), tag="rerank")
+                reranked[qid] = dict(zip(cands[: len(first)], map(float, scores[: len(first)])))
+                first_stage[qid] = dict(zip(cands, first))
+            if qrels:
+                reranked_metrics.add(reranked)
+                first_stage_metrics.add(first_stage)
+        bar.close()
+        score_s = time.perf_counter() - score_start
 
     summary = {
         "job": "rerank_score",
@@ -267,22 +318,20 @@ def run_scoring(cfg: RerankScoreConfig) -> dict:
         "run": out_run,
         "input_run": run_uri,
         "model": model_uri,
-        "queries": len(qids),
-        "queries_without_candidates": len(queries) - len(qids),
-        "pairs": pairs,
-        "positives_added": added,
+        "queries": counts["queries"],
+        "queries_without_candidates": len(queries) - counts["queries"],
+        "pairs": counts["pairs"],
+        "positives_added": counts["positives_added"],
         "depth": cfg.depth,
         "lengths": asdict(lengths),
         "actors": cfg.pool.actors,
-        "pairs_per_s": round(pairs / max(score_s, 1e-9), 1),
-        "actor_seconds": round(sum(r["seconds"] for r in results), 2),
+        "passage_servers": len(passages.servers),
+        "pairs_per_s": round(counts["pairs"] / max(score_s, 1e-9), 1),
+        "actor_seconds": round(actor_seconds, 2),
     }
     if qrels:
-        # Both runs over the same first-stage candidates: added positives would inflate recall.
-        fair = {q: {d: reranked[q][d] for d, _, _ in ranked} for q, ranked in first_stage.items()}
-        before = {q: {d: s for d, s, _ in ranked} for q, ranked in first_stage.items()}
-        for key, run in (("metrics", fair), ("first_stage_metrics", before)):
-            values = evaluate(qrels, run, JOB_MEASURES.values())
+        for key, metrics in (("metrics", reranked_metrics), ("first_stage_metrics", first_stage_metrics)):
+            values = metrics.result()
             summary[key] = {name: values[measure] for name, measure in JOB_MEASURES.items()}
         summary["judged_queries"] = len(qrels)
     summary["seconds"] = round(time.perf_counter() - started, 2)

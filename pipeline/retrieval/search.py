@@ -26,8 +26,9 @@ import ray
 from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.errors import ArtifactError
+from pipeline.core.progress import progress
 from pipeline.data.beir import read_qrels
-from pipeline.data.corpus_ids import CorpusIds
+from pipeline.data.corpus_ids import CorpusIds, id_keys
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval import index as faiss_index
 
@@ -138,11 +139,13 @@ class ShardedIndex:
 
         block = block or max(64, QUERY_HITS // len(self.actors))
         faiss_index._check_k(k, self.total)
-        for start in range(0, len(queries), block):
-            part = np.ascontiguousarray(queries[start : start + block], dtype=np.float32)
-            results = ray.get([a.search.remote(part, k) for a in self.actors])
-            scores, rows, ids = faiss_index.merge_topk(results, k, self.metric, self.total)
-            yield start, scores, rows, ids
+        with progress(len(queries), "search", "queries") as bar:
+            for start in range(0, len(queries), block):
+                part = np.ascontiguousarray(queries[start : start + block], dtype=np.float32)
+                results = ray.get([a.search.remote(part, k) for a in self.actors])
+                scores, rows, ids = faiss_index.merge_topk(results, k, self.metric, self.total)
+                yield start, scores, rows, ids
+                bar.update(len(part))
 
     def search(self, queries: np.ndarray, k: int, block: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Exact merge of every shard's top-k: (scores (q, k), corpus rows (q, k)), all
@@ -155,12 +158,7 @@ class ShardedIndex:
 
     def holds(self, doc_ids: list[str]) -> set[str]:
         """Which of ``doc_ids`` the corpus holds, asked of the searchers (each knows its shard's)."""
-
-        keys = np.array([d.encode() for d in doc_ids], dtype=bytes) if doc_ids else np.zeros(0, "S1")
-        found = np.zeros(len(keys), bool)
-        for mask in ray.get([a.holds.remote(keys) for a in self.actors]):
-            found |= mask
-        return {d for d, hit in zip(doc_ids, found) if hit}
+        return held_by(self.actors, doc_ids)
 
     def stats(self) -> list[dict]:
         return ray.get([a.stats.remote() for a in self.actors])
@@ -170,8 +168,18 @@ class ShardedIndex:
             ray.kill(actor)
 
 
-def read_qrels_of_corpus(uri: str, index: ShardedIndex, query_ids: set[str]) -> dict[str, dict[str, int]]:
-    """``read_qrels`` with its unknown-document check answered by the searchers: the file is
+def held_by(actors: list, doc_ids: list[str]) -> set[str]:
+    """Which of ``doc_ids`` some shard actor holds (each answers ``holds(keys)`` for its own)."""
+    keys = id_keys(doc_ids)
+    found = np.zeros(len(keys), bool)
+    for mask in ray.get([a.holds.remote(keys) for a in actors]):
+        found |= mask
+    return {d for d, hit in zip(doc_ids, found) if hit}
+
+
+def read_qrels_of_corpus(uri: str, index, query_ids: set[str]) -> dict[str, dict[str, int]]:
+    """``read_qrels`` with its unknown-document check answered by the shard actors of ``index``
+    (a :class:`ShardedIndex` or a BM25 index, anything with ``holds``): the file is
     read once for its ids, which the searchers look up, then again with that answer, so an
     unknown id is reported at its line as always, without the corpus's ids on the driver."""
 

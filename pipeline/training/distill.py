@@ -20,6 +20,8 @@ import torch
 from models.biencoder import BiEncoderConfig
 from models.distillation import DistillationConfig, distillation_backward
 from pipeline.core import storage
+from pipeline.core.config import to_dict
+from pipeline.core.errors import ConfigError
 from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import DistillDataStats, load_distillation_examples
@@ -108,13 +110,13 @@ def load_scored_examples(cfg: DistillConfig, doc_ids: CorpusIds) -> tuple[list, 
 def run_distillation(cfg: DistillConfig) -> dict:
     """Prepare the corpus, read the teacher's scores, train, export, evaluate."""
     if not cfg.data.teacher_scores:
-        raise ValueError(
+        raise ConfigError(
             "--data.teacher_scores is required: the TREC run of the re-ranker's scores that the scoring stage writes"
         )
     if cfg.data.teacher_depth < 0:
-        raise ValueError(f"--data.teacher_depth must be >= 0 (0 = all candidates), got {cfg.data.teacher_depth}")
+        raise ConfigError(f"--data.teacher_depth must be >= 0 (0 = all candidates), got {cfg.data.teacher_depth}")
     if cfg.distill.alpha < 0 or cfg.distill.teacher_temperature <= 0:
-        raise ValueError(
+        raise ConfigError(
             f"--distill.alpha must be >= 0 and --distill.teacher_temperature > 0, got "
             f"{cfg.distill.alpha} and {cfg.distill.teacher_temperature}"
         )
@@ -122,7 +124,7 @@ def run_distillation(cfg: DistillConfig) -> dict:
     prepared = prepare_group_training(cfg, cfg.retriever.group_size, load=load_scored_examples)
     write_run_files(cfg, cfg.train.output)
     task = DistillTask(cfg.model.init, cfg.retriever, prepared.tokenizer_uri, cfg.distill)
-    result = fit(cfg.train, task, prepared.stream, storage.join(cfg.train.output, "checkpoints"))
+    result = fit(cfg.train, task, prepared.stream, storage.join(cfg.train.output, "checkpoints"), hparams=to_dict(cfg))
     return finish_retriever_run(
         cfg,
         prepared,

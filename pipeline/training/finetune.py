@@ -18,7 +18,8 @@ from transformers import AutoModel
 from models.backbone import has_safetensors
 from models.biencoder import BiEncoder, BiEncoderConfig, contrastive_backward
 from pipeline.core import model_ref, storage
-from pipeline.core.errors import ConfigError
+from pipeline.core.config import to_dict
+from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.plots import plot_loss_curve
 from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
@@ -206,7 +207,7 @@ def _resolve_paths(cfg: FinetuneConfig) -> None:
         if not storage.exists(cfg.corpus.input):
             extract_tevatron_corpus(cfg.data.tevatron, cfg.corpus.input)
     if not cfg.corpus.input:
-        raise ValueError("--corpus.input is required (the BEIR corpus.jsonl the training data refers to)")
+        raise ConfigError("--corpus.input is required (the BEIR corpus.jsonl the training data refers to)")
 
 
 def _bm25_negatives(cfg: FinetuneConfig) -> tuple[str, dict | None]:
@@ -244,7 +245,7 @@ def load_examples(cfg: FinetuneConfig, doc_ids: CorpusIds) -> tuple[list, DataSt
 def _check_vocab(init: str, vocab_size: int) -> None:
     model_vocab = model_ref.read_config(init, "--model.init")["vocab_size"]
     if model_vocab < vocab_size:
-        raise ValueError(
+        raise ConfigError(
             f"{init} has a vocabulary of {model_vocab} but the corpus was tokenized with {vocab_size}: "
             "prepare it with this model's tokenizer (--corpus.tokenizer, default: --model.init)"
         )
@@ -270,7 +271,7 @@ def prepare_group_training(cfg, group_size: int, load=None) -> GroupTraining:
     :class:`FinetuneConfig`. Sets ``cfg.train.max_steps`` when it is derived from epochs.
     ``load(cfg, doc_ids)`` replaces :func:`load_examples`."""
     if cfg.train.epochs < 1 and cfg.train.max_steps < 1:
-        raise ValueError("set --train.epochs or --train.max_steps")
+        raise ConfigError("set --train.epochs or --train.max_steps")
     _resolve_paths(cfg)
     storage.check_reachable(cfg.train.output)
     manifest = prepare_corpus(cfg.corpus)
@@ -281,7 +282,7 @@ def prepare_group_training(cfg, group_size: int, load=None) -> GroupTraining:
     corpus_ids = CorpusIds.read(cfg.corpus.output, manifest["shards"])
     examples, stats, bm25_summary = (load or load_examples)(cfg, corpus_ids)
     if not examples:
-        raise ValueError("no training example: every query lacks a positive (see data_stats)")
+        raise InputError("no training example: every query lacks a positive (see data_stats)")
     source = getattr(cfg.data, "tevatron", "") or cfg.data.queries
     example_rows = examples_as_rows(examples, corpus_ids, source)
     del corpus_ids
@@ -321,7 +322,7 @@ def run_finetuning(cfg: FinetuneConfig) -> dict:
     prepared = prepare_group_training(cfg, cfg.retriever.group_size)
     write_run_files(cfg, cfg.train.output)
     task = FinetuneTask(cfg.model.init, cfg.retriever, prepared.tokenizer_uri)
-    result = fit(cfg.train, task, prepared.stream, storage.join(cfg.train.output, "checkpoints"))
+    result = fit(cfg.train, task, prepared.stream, storage.join(cfg.train.output, "checkpoints"), hparams=to_dict(cfg))
     return finish_retriever_run(cfg, prepared, result, "finetune", "retriever fine-tuning", bm25=prepared.bm25)
 
 

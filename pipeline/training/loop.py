@@ -38,10 +38,12 @@ import torch
 from ray.train.torch import TorchTrainer
 
 from pipeline.core import storage
+from pipeline.core.config import to_dict
 from pipeline.data.position import read_position
 from pipeline.data.stream import configure_data_context
 from pipeline.training.checkpoints import TrainState, restore_checkpoint, save_checkpoint
 from pipeline.training.deepspeed_config import deepspeed_config, skip_inference_comm_op
+from pipeline.training.tracking import RunLog
 from pipeline.training.train_config import TrainConfig
 
 
@@ -125,7 +127,7 @@ def log(msg: dict | str) -> None:
     sys.stderr.flush()
 
 
-def train_worker(config: dict) -> None:
+def train_worker(config: dict) -> dict:
     """Ray Train's train_loop_per_worker. ``config`` holds picklable settings only."""
     import deepspeed
 
@@ -167,7 +169,12 @@ def train_worker(config: dict) -> None:
 
     trace: list[list] = []  # [micro_step, epoch, rows] per micro-batch, with train.data_trace
     shard = ray.train.get_dataset_shard("train")
-    window_loss, window_tokens, window_start = [], 0, time.perf_counter()
+    run_log = (
+        RunLog(train.output, train.tracker, config.get("hparams") or to_dict(train), state.history)
+        if rank == 0
+        else None
+    )
+    window_loss, window_tokens, window_samples, window_start = [], 0, 0, time.perf_counter()
     started, start_tokens, start_step = time.perf_counter(), state.tokens, state.step
     last_saved = state.step
     extra: dict[str, torch.Tensor] = {}
@@ -202,6 +209,7 @@ def train_worker(config: dict) -> None:
         tokens = task.count_tokens(batch)
         state.tokens += tokens
         window_tokens += tokens
+        window_samples += len(next(iter(batch.values())))
         window_loss.append(loss.detach())
         if not boundary:
             continue
@@ -213,14 +221,18 @@ def train_worker(config: dict) -> None:
                 "loss": float(torch.stack(window_loss).float().mean()),
                 "lr": scheduler.get_last_lr()[0],
                 "tokens_per_s": window_tokens / max(elapsed, 1e-9),
+                "samples_per_s": window_samples / max(elapsed, 1e-9),
                 "epoch": int(epochs.max()) if len(epochs) else 0,
                 "elapsed_s": time.perf_counter() - started,
+                **_mixed_precision_state(engine, train.precision),
                 **{k: float(v) for k, v in extra.items()},
             }
             state.history.append(entry)
-            if rank == 0:
+            ray.train.report(entry)  # every rank: Ray keeps rank 0's, for its dashboard and result
+            if run_log is not None:
                 log(entry)
-            window_loss, window_tokens, window_start = [], 0, time.perf_counter()
+                run_log.log(entry)
+            window_loss, window_tokens, window_samples, window_start = [], 0, 0, time.perf_counter()
         if state.step % train.checkpoint_every == 0 and state.step < train.max_steps:
             trace = _flush_trace(trace, run_dir, rank, state)
             save_checkpoint(engine, state, position, rank, run_dir, {"step": state.step})
@@ -239,8 +251,8 @@ def train_worker(config: dict) -> None:
     _flush_trace(trace, run_dir, rank, state)
 
     export = _export(task, engine, rank, storage.join(train.output, "export"))
-    if rank == 0:
-        storage.write_json(storage.join(train.output, "history.json"), state.history)
+    if run_log is not None:
+        run_log.close()
     final_loss = state.history[-1]["loss"] if state.history else float("nan")
     summary = {
         "steps": state.step,
@@ -257,6 +269,25 @@ def train_worker(config: dict) -> None:
         save_checkpoint(engine, state, position, rank, run_dir, summary)
     else:
         ray.train.report(summary)
+    # Ray Train V2 keeps only checkpoints' metrics in its Result; rank 0's return value is
+    # the run's every log entry (every report), resumed attempts included.
+    return {"history": state.history}
+
+
+def _mixed_precision_state(engine, precision: str) -> dict[str, float]:
+    """The global gradient norm of the last step (bf16, fp16) and fp16's loss scale: what
+    tells a diverging low-precision run from a healthy one."""
+    if precision == "fp32":
+        return {}
+    out = {}
+    norm = engine.get_global_grad_norm()
+    if norm is not None:
+        out["grad_norm"] = float(norm)
+    if precision == "fp16":
+        scale = getattr(engine.optimizer, "cur_scale", None) or getattr(engine.optimizer, "loss_scale", None)
+        if scale is not None:
+            out["loss_scale"] = float(scale)
+    return out
 
 
 def _export(task: TrainTask, engine, rank: int, destination: str) -> dict[str, str]:
@@ -308,6 +339,7 @@ class FitResult:
     metrics: dict[str, Any]
     checkpoint: str | None
     run_dir: str
+    history: list[dict]  # every log entry, as each was reported to Ray Train
 
 
 def fit(
@@ -317,8 +349,10 @@ def fit(
     run_dir: str,
     name: str = "checkpoints",
     replay_batches: int = 0,
+    hparams: dict | None = None,
 ) -> FitResult:
-    """Run the loop on a Ray Train TorchTrainer. Re-running with the same output resumes."""
+    """Run the loop on a Ray Train TorchTrainer. Re-running with the same output resumes.
+    ``hparams``: the job's whole config, logged (redacted) by the trackers; default ``train``."""
     configure_data_context()
     loc = storage.resolve(train.output)
     resources = {"CPU": train.cpus_per_worker}
@@ -330,6 +364,7 @@ def fit(
             "run_dir": run_dir,
             "deepspeed": deepspeed_config(train, train.num_workers),
             "replay_batches": replay_batches,
+            "hparams": hparams,
         },
         scaling_config=ray.train.ScalingConfig(
             num_workers=train.num_workers, use_gpu=train.use_gpu, resources_per_worker=resources
@@ -345,4 +380,5 @@ def fit(
     )
     result = trainer.fit()
     checkpoint = result.checkpoint.path if result.checkpoint else None
-    return FitResult(dict(result.metrics or {}), checkpoint, run_dir)
+    history = (result.return_value or {}).get("history", [])
+    return FitResult(dict(result.metrics or {}), checkpoint, run_dir, history)

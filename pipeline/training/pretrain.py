@@ -21,7 +21,8 @@ from models.method import PretrainingMethod
 from models.mlm import MLMConfig, MLMMethod
 from models.simlm import SimLMConfig, SimLMMethod
 from pipeline.core import model_ref, storage
-from pipeline.core.errors import ConfigError
+from pipeline.core.config import to_dict
+from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.plots import plot_loss_curve
 from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
@@ -152,7 +153,7 @@ def _pair_fraction(corpus: str, manifest: dict, spans: CoCondenserConfig) -> flo
         return 1.0
     fraction = float((lengths >= 2 * spans.min_span_length).mean())
     if fraction == 0:
-        raise ValueError(
+        raise InputError(
             f"no document of {first_shard} holds two spans of "
             f"{spans.min_span_length}+ tokens: lower --cocondenser.min_span_length"
         )
@@ -166,7 +167,7 @@ def _check_same_method(cfg: PretrainConfig) -> None:
     if storage.exists(previous):
         method = (yaml.safe_load(storage.read_bytes(previous)) or {}).get("method")
         if method and method != cfg.method:
-            raise ValueError(
+            raise ConfigError(
                 f"{cfg.train.output} holds a {method} run, and re-running into it resumes its "
                 f"checkpoints: give --method {cfg.method} its own --train.output"
             )
@@ -186,14 +187,35 @@ def _resolve_warm_start_head(cfg: PretrainConfig) -> None:
         cfg.cocondenser.head = model_ref.check_file(cfg.cocondenser.head, "--cocondenser.head")
 
 
+GENERATOR_LAYERS = 2  # SimLM's generator is a small MLM (paper: a shallow pre-trained one)
+
+
+def _auto_generator(cfg: PretrainConfig) -> str:
+    """SimLM without ``--simlm.generator``: a 2-layer MLM trained on the same corpus (same
+    vocabulary, same budget) under ``<train.output>/generator``, or the one a previous run
+    finished there. Says which on stderr."""
+    output = storage.join(cfg.train.output, "generator")
+    export = storage.join(output, "export")
+    if model_ref.has_file(export, "config.json"):  # exports are uploaded last: present means finished
+        sys.stderr.write(f"simlm: no --simlm.generator given; reusing the generator trained before at {export}\n")
+        return export
+    sys.stderr.write(
+        f"simlm: no --simlm.generator given; training a {GENERATOR_LAYERS}-layer MLM generator on the same "
+        f"corpus first ({cfg.train.max_steps} steps, into {output})\n"
+    )
+    generator = dataclasses.replace(
+        cfg,
+        method="mlm",
+        model=dataclasses.replace(cfg.model, init="", num_layers=GENERATOR_LAYERS),
+        train=dataclasses.replace(cfg.train, output=output, tracker=[]),
+    )
+    summary = run_pretraining(generator)
+    sys.stderr.write(f"simlm: generator trained (final loss {summary['final_loss']:.3f}): {summary['export_dir']}\n")
+    return summary["export_dir"]
+
+
 def _check_simlm_paths(cfg: PretrainConfig) -> None:
     """Fail on the driver, in seconds, rather than on every worker after Ray starts them."""
-    if not cfg.simlm.generator:
-        raise ConfigError(
-            "--method simlm needs --simlm.generator: an HF masked-LM checkpoint with the "
-            "corpus's vocabulary. Train a small one with `python jobs/pretrain.py --method mlm` "
-            "(e.g. --model.num_layers 2) and pass its export_dir"
-        )
     cfg.simlm.generator = model_ref.check(cfg.simlm.generator, "--simlm.generator")
     if cfg.simlm.decoder:
         cfg.simlm.decoder = model_ref.check_file(cfg.simlm.decoder, "--simlm.decoder")
@@ -228,6 +250,8 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
     if cfg.method == "cocondenser":
         _resolve_warm_start_head(cfg)
     if cfg.method == "simlm":
+        if not cfg.simlm.generator:
+            cfg.simlm.generator = _auto_generator(cfg)
         _check_simlm_paths(cfg)
 
     manifest = prepare_corpus(cfg.corpus) if cfg.corpus.input else load_manifest(cfg.corpus.output)
@@ -260,7 +284,7 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
     task = PretrainTask(cfg.method, method_cfg, cfg.model, tokenizer_uri, manifest["vocab_size"])
     write_run_files(cfg, cfg.train.output)
 
-    result = fit(cfg.train, task, TrainingStream(spec), run_dir, replay_batches=replay_batches)
+    result = fit(cfg.train, task, TrainingStream(spec), run_dir, replay_batches=replay_batches, hparams=to_dict(cfg))
     summary = {
         "job": "pretrain",
         "method": cfg.method,
@@ -278,9 +302,9 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
         "epochs_streamed": spec.epochs,
         **(result.metrics.get("counters") or {}),
     }
-    history = storage.read_json(storage.join(cfg.train.output, "history.json"))
+    summary["logged_steps"] = [entry["step"] for entry in result.history]
     summary["loss_curve"] = plot_loss_curve(
-        history, storage.join(cfg.train.output, "loss_curve.png"), title=f"{cfg.method} pre-training"
+        result.history, storage.join(cfg.train.output, "loss_curve.png"), title=f"{cfg.method} pre-training"
     )
     storage.write_json(storage.join(cfg.train.output, "summary.json"), summary)
     return summary

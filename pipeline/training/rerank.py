@@ -32,6 +32,8 @@ from models.reranker import (
 )
 from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig
+from pipeline.core.config import to_dict
+from pipeline.core.errors import ConfigError, StorageError
 from pipeline.core.plots import plot_loss_curve
 from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.core.sample import SAMPLE_DEV_QRELS, SAMPLE_DEV_QUERIES
@@ -150,7 +152,7 @@ def _check_training_config(cfg: RerankConfig) -> None:
 
     cfg.lengths().check()
     if cfg.reranker.group_size < 2:
-        raise ValueError(
+        raise ConfigError(
             f"--reranker.group_size must be >= 2 (a positive and a negative), got {cfg.reranker.group_size}"
         )
     if cfg.model.init:
@@ -159,18 +161,18 @@ def _check_training_config(cfg: RerankConfig) -> None:
         check_max_len(config, cfg.reranker.max_len, f"--model.init {cfg.model.init}")
     if cfg.eval.run:  # found wanting after training would waste the run
         if cfg.eval.depth < 1:
-            raise ValueError(f"--eval.depth must be >= 1, got {cfg.eval.depth}")
+            raise ConfigError(f"--eval.depth must be >= 1, got {cfg.eval.depth}")
         if not storage.exists(cfg.eval.run):
-            raise FileNotFoundError(f"--eval.run {cfg.eval.run}: no such file (a TREC run of first-stage candidates)")
+            raise StorageError(f"--eval.run {cfg.eval.run}: no such file (a TREC run of first-stage candidates)")
     if cfg.data.tevatron or cfg.data.negatives == "bm25":
         return
     if not cfg.data.negatives:
-        raise ValueError(
+        raise ConfigError(
             "the re-ranker trains on hard negatives: --data.negatives FILE (the round-2 top-k "
             "that jobs/mine.py writes) or --data.negatives bm25"
         )
     if not storage.exists(cfg.data.negatives):
-        raise FileNotFoundError(
+        raise StorageError(
             f"--data.negatives {cfg.data.negatives}: no such file. It is what jobs/mine.py "
             "writes (negatives.jsonl); run that first, or use --data.negatives bm25"
         )
@@ -184,7 +186,7 @@ def run_reranker_training(cfg: RerankConfig) -> dict:
     write_run_files(cfg, cfg.train.output)
     spec = prepared.stream.spec
     task = RerankTask(cfg.model.init, cfg.reranker, cfg.lengths(), prepared.tokenizer_uri, spec.sep_id, spec.pad_id)
-    result = fit(cfg.train, task, prepared.stream, storage.join(cfg.train.output, "checkpoints"))
+    result = fit(cfg.train, task, prepared.stream, storage.join(cfg.train.output, "checkpoints"), hparams=to_dict(cfg))
     metrics = result.metrics
     summary = {
         "job": "rerank",

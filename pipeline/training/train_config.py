@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+
 
 @dataclass
 class TrainConfig:
@@ -58,6 +60,19 @@ class TrainConfig:
     data_trace: bool = field(
         default=False, metadata={"help": "write the corpus rows each worker consumed, per epoch (audit)"}
     )
+    tracker: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "experiment trackers rank 0 writes to, several allowed: tensorboard (event files in the run folder), wandb, mlflow (credentials from their own environment variables)"
+        },
+    )
+
+    def __post_init__(self):
+        unknown = [t for t in self.tracker if t not in TRACKERS]
+        if unknown:
+            raise ValueError(f"tracker {unknown[0]!r} is not one of {', '.join(TRACKERS)}")
+        if self.log_every < 1:
+            raise ValueError(f"log_every must be >= 1, got {self.log_every}")
 
 
 def epochs_needed(train: TrainConfig, sequences_per_epoch: int) -> int:

@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModel
 
 from pipeline.core import model_ref, storage
+from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.plots import plot_cls_entropy
 from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.data.corpus import iter_documents
@@ -65,14 +66,14 @@ class AnalyzeConfig:
 
     def __post_init__(self):
         if not self.checkpoints:
-            raise ValueError("give at least one checkpoint (--checkpoints DIR[,DIR...])")
+            raise ConfigError("give at least one checkpoint (--checkpoints DIR[,DIR...])")
         if self.labels and len(self.labels) != len(self.checkpoints):
-            raise ValueError(
+            raise ConfigError(
                 f"{len(self.labels)} labels for {len(self.checkpoints)} checkpoints: "
                 "give one label per checkpoint, or none"
             )
         if len(set(self.display_labels)) != len(self.checkpoints):
-            raise ValueError(f"labels must be distinct, got {self.display_labels}: set --labels")
+            raise ConfigError(f"labels must be distinct, got {self.display_labels}: set --labels")
         for name in ("num_passages", "max_len", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -102,9 +103,9 @@ def load_checkpoint(path: str, device: str = "cpu"):
     not return attention weights), float32, eval mode."""
 
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"checkpoint {path!r} is not a Hugging Face checkpoint (no config.json)")
+        raise ConfigError(f"checkpoint {path!r} is not a Hugging Face checkpoint (no config.json)")
     if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
-        raise ValueError(
+        raise ConfigError(
             f"checkpoint {path!r} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); export "
             "it with its tokenizer, e.g. models.backbone.export_backbone(..., tokenizer_dir=...)"
         )
@@ -129,7 +130,7 @@ def measure(model, tokenizer, texts: list[str], max_len: int = 128, batch_size: 
     """Per-layer statistics of :func:`cls_entropy` over ``texts`` (the numbers in entropy.json)."""
     limit = getattr(model.config, "max_position_embeddings", max_len)
     if max_len > limit:
-        raise ValueError(f"max_len {max_len} exceeds the model's {limit} positions")
+        raise ConfigError(f"max_len {max_len} exceeds the model's {limit} positions")
     device = next(model.parameters()).device
     entropies, lengths = [], []
     for start in range(0, len(texts), batch_size):
@@ -168,7 +169,7 @@ def run_analysis(cfg: AnalyzeConfig) -> dict:
     cfg.checkpoints = [model_ref.check(uri, "checkpoint") for uri in cfg.checkpoints]
     texts = load_passages(cfg.passages, cfg.num_passages, cfg.seed)
     if not texts:
-        raise ValueError(f"{cfg.passages}: no passages")
+        raise InputError(f"{cfg.passages}: no passages")
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     results = []
     for uri, label in zip(cfg.checkpoints, cfg.display_labels):

@@ -33,6 +33,7 @@ from typing import Callable
 import numpy as np
 
 from pipeline.core import model_ref, storage
+from pipeline.core.errors import ConfigError
 from pipeline.core.plots import plot_method_comparison
 from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.data.beir import QRELS_HEADER, positives, read_qrels, read_queries
@@ -130,17 +131,19 @@ class ComparisonConfig:
         methods = self.pretrain.methods
         unknown = [m for m in methods if m not in METHODS]
         if unknown or not methods:
-            raise ValueError(f"--pretrain.methods: unknown {unknown or 'empty list'}; choose from {', '.join(METHODS)}")
+            raise ConfigError(
+                f"--pretrain.methods: unknown {unknown or 'empty list'}; choose from {', '.join(METHODS)}"
+            )
         if len(set(methods)) != len(methods):
-            raise ValueError(f"--pretrain.methods lists a method twice: {methods}")
+            raise ConfigError(f"--pretrain.methods lists a method twice: {methods}")
         if "simlm" in methods and "mlm" not in methods and not self.pretrain.job.simlm.generator:
-            raise ValueError(
+            raise ConfigError(
                 "simlm's generator is the mlm run: add mlm to --pretrain.methods, or give "
                 "--pretrain.job.simlm.generator"
             )
         sizes = self.finetune.train_sizes
         if not sizes or any(n < 0 for n in sizes) or len(set(sizes)) != len(sizes):
-            raise ValueError(f"--finetune.train_sizes must be distinct counts >= 0 (0 = all), got {sizes}")
+            raise ConfigError(f"--finetune.train_sizes must be distinct counts >= 0 (0 = all), got {sizes}")
 
     @property
     def ordered_methods(self) -> list[str]:
@@ -324,7 +327,7 @@ def sample_training_queries(queries: str, qrels: str, negatives: str, n: int, se
 
     texts, judged, eligible = _judged_training_queries(queries, qrels)
     if n > len(eligible):
-        raise ValueError(
+        raise ConfigError(
             f"--finetune.train_sizes asks for {n} training queries, but {queries} has only "
             f"{len(eligible)} with a judged positive"
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pipeline.core import storage
+from pipeline.core.errors import ConfigError
 
 
 class RunManifest:
@@ -18,7 +19,7 @@ class RunManifest:
 
     def record(self, stage: str) -> dict:
         if stage not in self.data["stages"]:
-            raise RuntimeError(
+            raise ConfigError(
                 f"stage {stage!r} has not run yet (its outputs are needed): run the pipeline "
                 f"without --only, or with --from {stage}"
             )

@@ -35,6 +35,8 @@ from models.distillation import DistillationConfig
 from models.reranker import RerankerConfig
 from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig
+from pipeline.core.errors import ConfigError
+from pipeline.core.plots import plot_metrics
 from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.core.sample import (
     SAMPLE_CORPUS,
@@ -45,6 +47,7 @@ from pipeline.core.sample import (
 )
 from pipeline.data.beir import read_qrels, read_queries
 from pipeline.data.corpus import iter_documents
+from pipeline.data.records import read_lines
 from pipeline.data.runs import read_trec_run, write_trec_run
 from pipeline.retrieval.bm25 import bm25_run, build_index
 from pipeline.retrieval.encode import EncoderSettings
@@ -234,9 +237,9 @@ def plan_stages(cfg: PipelineConfig, manifest: RunManifest) -> tuple[list[str], 
     ]
     for flag, name in (("--only", cfg.only), ("--from", cfg.start_from), ("--stop_after", cfg.stop_after)):
         if name and name not in enabled:
-            raise ValueError(f"{flag} {name}: not a stage of this recipe (stages: {', '.join(enabled)})")
+            raise ConfigError(f"{flag} {name}: not a stage of this recipe (stages: {', '.join(enabled)})")
     if cfg.only and cfg.start_from:
-        raise ValueError("--only and --from exclude each other")
+        raise ConfigError("--only and --from exclude each other")
     if cfg.only:
         return [cfg.only], {cfg.only}
     redo: set[str] = set()
@@ -328,9 +331,9 @@ def stage_pretrain(ctx: StageContext) -> dict:
 
 def stage_bm25(ctx: StageContext) -> dict:
     cfg = ctx.cfg
-    index = build_index(cfg.data.corpus)
     queries = read_queries(cfg.data.dev_queries)
-    run = bm25_run(index, queries, depth=_eval_k(ctx))
+    with build_index(cfg.data.corpus, storage.join(ctx.folder("bm25"), "text-shards")) as index:
+        run = bm25_run(index, queries, depth=_eval_k(ctx))
     run_uri = storage.join(ctx.folder("bm25"), "run.trec")
     write_trec_run(run, run_uri, tag="bm25")
     values = evaluate(read_qrels(cfg.data.dev_qrels, query_ids=set(queries)), run, JOB_MEASURES.values())
@@ -539,16 +542,17 @@ def stage_rerank(ctx: StageContext) -> dict:
 
 
 def _sample_run(run_uri: str, n_queries: int, seed: int, out_uri: str) -> str:
-    """The run cut to a seeded sample of its queries (all of them when ``n_queries`` is 0)."""
+    """The run cut to a seeded sample of its queries (all of them when ``n_queries`` is 0),
+    in two streamed passes: the query ids, then the kept lines."""
 
     if n_queries <= 0:
         return run_uri
-    lines = storage.read_bytes(run_uri).decode("utf-8").splitlines()
-    qids = sorted({line.split()[0] for line in lines if line.strip()})
+    qids = sorted({text.split()[0] for _, _, text in read_lines(run_uri) if text.strip()})
     keep = set(np.random.default_rng(seed).permutation(qids)[:n_queries].tolist())
-    storage.write_bytes(
-        out_uri, "".join(line + "\n" for line in lines if line.strip() and line.split()[0] in keep).encode("utf-8")
-    )
+    with storage.open_output(out_uri) as out:
+        for _, _, text in read_lines(run_uri):
+            if text.strip() and text.split()[0] in keep:
+                out.write((text + "\n").encode("utf-8"))
     return out_uri
 
 
@@ -689,6 +693,9 @@ def write_results(output: str, manifest: RunManifest) -> str:
             lines.append(f"| {stage} | {stages[stage]['seconds']:.0f} | {outputs} |")
     uri = storage.join(output, "results.md")
     storage.write_bytes(uri, ("\n".join(lines) + "\n").encode())
+    evaluated = {label: stages[s]["metrics"] for s, label in RESULT_ROWS if s in stages and stages[s].get("metrics")}
+    if evaluated:
+        plot_metrics(evaluated, RESULT_METRICS, storage.join(output, "metrics.png"), "dev metrics per stage")
     return uri
 
 

@@ -1,0 +1,107 @@
+"""A raw corpus cut into Parquet text shards (``doc_id``, ``text``) in the run's storage.
+
+Ray tasks and actors on any node read a part of the corpus from them: preparation's
+tokenizer tasks, BM25's shard actors and the passage servers of re-ranker scoring. The
+driver streams the raw input once (validated by :func:`pipeline.data.corpus.iter_documents`,
+errors name file and line) and writes each shard a row group at a time, so its memory is
+one row group's texts whatever the shard size.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from pipeline.core import storage
+from pipeline.core.errors import InputError, StorageError
+from pipeline.core.progress import progress
+from pipeline.data.corpus import CorpusStats, iter_documents
+
+SCHEMA = pa.schema([("doc_id", pa.string()), ("text", pa.string())])
+ROW_GROUP = 4096
+
+
+class _ShardWriter:
+    def __init__(self, uri: str):
+        self.uri, self.loc = uri, storage.resolve(uri)
+        try:
+            if isinstance(self.loc.fs, pafs.LocalFileSystem):
+                os.makedirs(os.path.dirname(self.loc.path), exist_ok=True)
+            self.writer = pq.ParquetWriter(self.loc.path, SCHEMA, filesystem=self.loc.fs)
+        except Exception as exc:
+            raise StorageError(f"cannot write {self.loc.describe()}: {exc}") from exc
+        self.rows = self.text_bytes = 0
+
+    def write(self, ids: list[str], texts: list[str]) -> None:
+        self.writer.write_table(pa.table({"doc_id": ids, "text": texts}, schema=SCHEMA))
+        self.rows += len(ids)
+        self.text_bytes += sum(len(t.encode("utf-8")) for t in texts)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def write_text_shards(
+    corpus: str, folder: str, docs_per_shard: int, *, on_empty: str = "skip", stats: CorpusStats | None = None
+) -> list[dict]:
+    """Cut ``corpus`` into ``folder/text-NNNNN.parquet``; one item per shard: ``index``,
+    ``text_uri``, ``first_row`` (corpus row of its first document), ``rows`` and
+    ``text_bytes`` (UTF-8 bytes of its texts, for sizing what reads it)."""
+    if docs_per_shard < 1:
+        raise ValueError(f"docs_per_shard must be >= 1, got {docs_per_shard}")
+    stats = stats if stats is not None else CorpusStats()
+    items: list[dict] = []
+    writer: _ShardWriter | None = None
+    ids: list[str] = []
+    texts: list[str] = []
+    rows = 0
+
+    def close_shard() -> None:
+        nonlocal writer
+        if writer is not None:
+            writer.close()
+            items.append(
+                {
+                    "index": len(items),
+                    "text_uri": writer.uri,
+                    "first_row": rows - writer.rows,
+                    "rows": writer.rows,
+                    "text_bytes": writer.text_bytes,
+                }
+            )
+            writer = None
+
+    bar = progress(None, "stage text", "documents")
+    for doc in iter_documents(corpus, on_empty=on_empty, stats=stats):
+        bar.update()
+        if writer is None:
+            writer = _ShardWriter(storage.join(folder, f"text-{len(items):05d}.parquet"))
+        ids.append(doc.doc_id)
+        texts.append(doc.text)
+        rows += 1
+        if len(ids) == ROW_GROUP or writer.rows + len(ids) == docs_per_shard:
+            writer.write(ids, texts)
+            ids, texts = [], []
+            if writer.rows == docs_per_shard:
+                close_shard()
+    if ids:
+        writer.write(ids, texts)
+    close_shard()
+    bar.close()
+    if not items:
+        raise InputError(f"{corpus}: no documents ({stats.skipped_empty} empty ones skipped)", source=corpus)
+    return items
+
+
+def iter_texts(items: list[dict]) -> Iterator[str]:
+    """Every shard's texts, in corpus order."""
+    for item in items:
+        yield from storage.read_parquet(item["text_uri"], ["text"]).column("text").to_pylist()
+
+
+def read_text_shard(item: dict) -> pa.Table:
+    return storage.read_parquet(item["text_uri"])
