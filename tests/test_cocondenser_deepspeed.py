@@ -26,6 +26,7 @@ from models.condenser import Condenser
 from models.masking import whole_word_mask
 from models.mlm_losses import sequence_mlm_losses
 from pipeline.training.deepspeed_config import skip_inference_comm_op
+from pipeline.training.loop import _mixed_precision_state
 from tests.helpers import random_word_batch, tiny_masking_vocab, tiny_mlm, tiny_vocab
 
 WORLD = 2
@@ -100,6 +101,7 @@ def _worker(rank: int, port: int, out: dict):
             "grads": grads if rank == 0 else None,
             "loss": float(loss),
             "contrastive": float(extras["contrastive_loss"]),
+            "logged": _mixed_precision_state(engine, precision),  # what the loop logs (grad_norm in bf16)
         }
         del engine, optimizer
     torch.distributed.destroy_process_group()
@@ -143,6 +145,11 @@ def test_two_deepspeed_workers_match_the_full_batch_gradient(distributed_results
     assert sum(r["loss"] for r in ranks) / WORLD == pytest.approx(ref_loss, rel=tolerance)
     for r in ranks:
         assert r["contrastive"] == pytest.approx(ref_contrastive, rel=tolerance)
+    if precision == "bf16":  # the loop logs the step's global gradient norm: the full batch's
+        norm = float(torch.cat([g.flatten() for g in ref_grads.values()]).norm())
+        assert [r["logged"]["grad_norm"] for r in ranks] == pytest.approx([norm] * WORLD, rel=tolerance)
+    else:
+        assert all(r["logged"] == {} for r in ranks)
 
 
 def test_the_bf16_bound_fits_bf16_rounding_and_catches_a_missing_gather():

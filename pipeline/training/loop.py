@@ -334,6 +334,9 @@ def _flush_trace(trace: list, run_dir: str, rank: int, state: TrainState) -> lis
 # -- the driver side ---------------------------------------------------------------------
 
 
+REPORT_POLL_S = 0.5
+
+
 @dataclass
 class FitResult:
     metrics: dict[str, Any]
@@ -354,6 +357,11 @@ def fit(
     """Run the loop on a Ray Train TorchTrainer. Re-running with the same output resumes.
     ``hparams``: the job's whole config, logged (redacted) by the trackers; default ``train``."""
     configure_data_context()
+    # Each ray.train.report (every log step) waits until Ray Train's controller has taken the
+    # previous one, and the controller polls every 2 s by default: log windows shorter than
+    # that would throttle training (measured: 1.3 s a step at log_every 1). Ray passes the
+    # driver's value on to the controller; a value the user set wins.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(REPORT_POLL_S))
     loc = storage.resolve(train.output)
     resources = {"CPU": train.cpus_per_worker}
     trainer = TorchTrainer(
