@@ -221,13 +221,13 @@ class Bm25Shard:
         terms[np.fromiter(vocab.values(), np.int64, len(vocab))] = list(vocab)
         return terms
 
-    def term_stats(self) -> tuple[pa.Table, int, int]:
-        """(term, df) of this shard, its documents and its tokens (bm25s's document lengths)."""
+    def term_stats(self) -> tuple[pa.Table, tuple[int, int]]:
+        """(term, df) of this shard, and (its documents, its tokens: bm25s's document lengths)."""
         terms = self._terms()
         present = np.concatenate([np.unique(np.asarray(t, np.int64)) for t in self.token_ids])
         df = np.bincount(present, minlength=len(terms))
         tokens = int(sum(len(t) for t in self.token_ids))
-        return pa.table({"term": pa.array(terms, pa.string()), "df": df}), len(self.token_ids), tokens
+        return pa.table({"term": pa.array(terms, pa.string()), "df": df}), (len(self.token_ids), tokens)
 
     def build(self, corpus_terms: pa.Table, corpus_docs: int, corpus_avgdl: float) -> dict:
         terms = self._terms()
@@ -263,11 +263,12 @@ class Bm25Shard:
         return self.ids.holds(doc_ids)
 
 
-def _merge_term_stats(*shards: pa.Table) -> pa.Table:
-    """A Ray task: the corpus's document frequency of every term (the sum over shards), so
-    neither the driver nor any one shard actor holds every shard's vocabulary at once."""
+def _merge_term_stats(*shards: pa.Table) -> tuple[pa.Table, int]:
+    """A Ray task: the corpus's document frequency of every term (the sum over shards), and
+    the vocabulary's size, so neither the driver nor any one shard actor holds every shard's
+    vocabulary at once."""
     merged = pa.concat_tables(shards).group_by("term").aggregate([("df", "sum")])
-    return merged.rename_columns(["term", "df"])
+    return merged.rename_columns(["term", "df"]), merged.num_rows
 
 
 class ShardedBm25:
@@ -287,17 +288,15 @@ class ShardedBm25:
             )
             for item in items
         ]
-        # Small: each shard's own vocabulary, once. Counted in documents as shards finish
-        # tokenizing, the long part of building.
-        parts = get_counted(
-            [a.term_stats.remote() for a in self.actors], "bm25 index", "documents", [i["rows"] for i in items]
-        )
-        self.total = sum(docs for _, docs, _ in parts)
-        avgdl = sum(tokens for _, _, tokens in parts) / self.total
-        corpus_terms = ray.remote(_merge_term_stats).remote(*[table for table, _, _ in parts])
-        del parts
+        # Each shard's terms stay in the object store, summed by a task: the driver gets only
+        # the counts, as shards finish tokenizing (the long part of building).
+        tables, counts = zip(*[a.term_stats.options(num_returns=2).remote() for a in self.actors])
+        counts = get_counted(list(counts), "bm25 index", "documents", [i["rows"] for i in items])
+        self.total = sum(docs for docs, _ in counts)
+        avgdl = sum(tokens for _, tokens in counts) / self.total
+        corpus_terms, vocab_size = ray.remote(_merge_term_stats).options(num_returns=2).remote(*tables)
         self.shards = ray.get([a.build.remote(corpus_terms, self.total, avgdl) for a in self.actors])
-        self.vocab_size = ray.get(ray.remote(lambda t: t.num_rows).remote(corpus_terms))
+        self.vocab_size = ray.get(vocab_size)
         storage.delete_dir(staging)  # every actor has read its shard
         self.seconds = time.perf_counter() - started
 
@@ -322,7 +321,8 @@ class ShardedBm25:
         with progress(len(texts), "bm25", "queries") as bar:
             for start in range(0, len(texts), block):
                 part = texts[start : start + block]
-                results = ray.get([a.search.remote(ray.put(part), k, threads) for a in self.actors])
+                part_ref = ray.put(part)  # once, shared by every shard
+                results = ray.get([a.search.remote(part_ref, k, threads) for a in self.actors])
                 scores, _, ids = merge_topk(results, k, "ip", self.total)
                 yield start, scores, ids
                 bar.update(len(part))
