@@ -68,12 +68,12 @@ def actor_device(pool: ActorConfig) -> str:
 
 def run_actor_pool(make_actor, tasks: list, call, max_retries: int, n_actors: int, on_done=None) -> list:
     """Every result of :func:`stream_actor_pool`, in task order."""
-    return list(stream_actor_pool(make_actor, tasks, call, max_retries, n_actors, on_done))
+    return [result for _, result in stream_actor_pool(make_actor, tasks, call, max_retries, n_actors, on_done)]
 
 
 def stream_actor_pool(make_actor, tasks: Iterable, call, max_retries: int, n_actors: int, on_done=None) -> Iterator:
     """Run ``call(actor, task) -> ObjectRef`` for every task on ``n_actors`` actors and yield
-    the results in task order, as they are ready.
+    ``(task, result)`` in task order, as they are ready.
 
     Tasks are drawn from the iterable only as actors free up, and at most ``4 * n_actors``
     tasks (results included) are held past the oldest unfinished one: a job streaming its
@@ -127,8 +127,7 @@ def stream_actor_pool(make_actor, tasks: Iterable, call, max_retries: int, n_act
                 actor = idle.pop() if idle else fresh()
                 running[call(actor, held[i])] = (i, actor)
             while next_result in results:
-                held.pop(next_result)
-                yield results.pop(next_result)
+                yield held.pop(next_result), results.pop(next_result)
                 next_result += 1
             if not running:
                 if exhausted and not retry:

@@ -276,40 +276,29 @@ def run_scoring(cfg: RerankScoreConfig) -> dict:
             return remote.remote(model_uri, lengths, cfg.batch_size, cfg.precision, cfg.pool, passages.servers)
 
         score_start = time.perf_counter()
-        blocks = _blocks(cfg, run_uri, qrels_uri, queries, qrels, counts)
-        # The pool yields results in block order; a block is kept here (ids and first-stage
-        # scores, for the run lines and metrics) until its result arrives.
-        pending: list[dict] = []
-
-        def remember(source):
-            for block in source:
-                pending.append(block)
-                yield block
-
         results = stream_actor_pool(
             make_actor,
-            remember(blocks),
+            _blocks(cfg, run_uri, qrels_uri, queries, qrels, counts),
             lambda actor, block: actor.score.remote(block),
             cfg.pool.max_retries,
             cfg.pool.actors,
         )
-        bar = progress(count_run_queries(run_uri), "rerank", "queries")
-        for result in results:
-            block = pending.pop(0)
-            bar.update(len(block["query_ids"]))
-            actor_seconds += result["seconds"]
-            reranked, first_stage = {}, {}
-            for qid, cands, scores, first in zip(
-                block["query_ids"], block["candidates"], result["scores"], block["first_stage"]
-            ):
-                order = np.argsort(-scores, kind="stable")
-                write_trec_lines(out, qid, [cands[i] for i in order], scores[order].tolist(), tag="rerank")
-                reranked[qid] = dict(zip(cands[: len(first)], map(float, scores[: len(first)])))
-                first_stage[qid] = dict(zip(cands, first))
-            if qrels:
-                reranked_metrics.add(reranked)
-                first_stage_metrics.add(first_stage)
-        bar.close()
+        with progress(count_run_queries(run_uri), "rerank", "queries") as bar:
+            # In block order: each block (ids, first-stage scores) with its scores.
+            for block, result in results:
+                bar.update(len(block["query_ids"]))
+                actor_seconds += result["seconds"]
+                reranked, first_stage = {}, {}
+                for qid, cands, scores, first in zip(
+                    block["query_ids"], block["candidates"], result["scores"], block["first_stage"]
+                ):
+                    order = np.argsort(-scores, kind="stable")
+                    write_trec_lines(out, qid, [cands[i] for i in order], scores[order].tolist(), tag="rerank")
+                    reranked[qid] = dict(zip(cands[: len(first)], map(float, scores[: len(first)])))
+                    first_stage[qid] = dict(zip(cands, first))
+                if qrels:
+                    reranked_metrics.add(reranked)
+                    first_stage_metrics.add(first_stage)
         score_s = time.perf_counter() - score_start
 
     summary = {
