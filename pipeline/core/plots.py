@@ -84,6 +84,26 @@ def plot_cls_entropy(results: list[dict], uri: str) -> str:
     return uri
 
 
+def plot_cls_cosine(results: list[dict], uri: str) -> str:
+    """One step histogram per checkpoint: the cosines of its passages' [CLS] vector pairs."""
+    with png_figure(uri, (6, 3.8), dpi=110) as ax:
+        for res in results:
+            hist = res["cls_cosine"]["histogram"]
+            total = max(1, sum(hist["counts"]))
+            ax.stairs(
+                [c / total for c in hist["counts"]],
+                hist["edges"],
+                label=f"{res['label']} (mean {res['cls_cosine']['mean']:.3f})",
+            )
+        ax.set(
+            xlabel="cosine of two passages' [CLS] vectors",
+            ylabel="share of pairs",
+            title="[CLS] pairwise cosine (near 1: collinear)",
+        )
+        ax.legend(fontsize=8)
+    return uri
+
+
 def plot_method_comparison(rows: list[dict], metrics: tuple[str, ...], uri: str) -> str:
     """One panel per metric: a group of bars per pre-training method, a bar per training-set size."""
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -95,7 +115,15 @@ def plot_method_comparison(rows: list[dict], metrics: tuple[str, ...], uri: str)
         for j, (size, n_queries) in enumerate(sizes):
             values = {r["method"]: r["metrics"][metric] for r in rows if r["train_size"] == size}
             xs = [i + (j - (len(sizes) - 1) / 2) * width for i, m in enumerate(methods) if m in values]
-            ax.bar(xs, [values[m] for m in methods if m in values], width, label=f"{n_queries} queries")
+            spread = {r["method"]: r.get("spread", {}).get(metric, 0.0) for r in rows if r["train_size"] == size}
+            ax.bar(
+                xs,
+                [values[m] for m in methods if m in values],
+                width,
+                yerr=[spread[m] for m in methods if m in values],
+                capsize=2,
+                label=f"{n_queries} queries",
+            )
         ax.set_xticks(range(len(methods)), methods, rotation=20)
         ax.set_title(metric)
         ax.set_ylim(bottom=0)

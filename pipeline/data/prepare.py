@@ -27,6 +27,7 @@ from pipeline.core.progress import get_counted
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.data.corpus import CorpusStats
+from pipeline.data.passages import JoinConfig
 from pipeline.data.shards import FORMAT, MANIFEST, SHARD_SCHEMA
 from pipeline.data.text_shards import iter_texts, read_text_shard, write_text_shards
 from pipeline.data.tokenizer import load_tokenizer, train_wordpiece
@@ -49,6 +50,7 @@ class PrepareConfig:
     )
     vocab_size: int = field(default=8000, metadata={"help": "size of a trained vocabulary"})
     lowercase: bool = field(default=True, metadata={"help": "lowercase when training a vocabulary"})
+    join: JoinConfig = field(default_factory=JoinConfig)
     docs_per_shard: int = field(default=20000, metadata={"help": "documents per Parquet shard"})
     on_empty: str = field(default="skip", metadata={"help": "empty documents: skip (counted in the manifest) or error"})
     overwrite: bool = field(default=False, metadata={"help": "redo the preparation even if a finished manifest exists"})
@@ -114,7 +116,7 @@ def prepare_corpus(cfg: PrepareConfig) -> dict:
     staging = storage.join(cfg.output, "_staging")
     storage.delete_dir(staging)
     stats = CorpusStats()
-    items = write_text_shards(cfg.input, staging, cfg.docs_per_shard, on_empty=cfg.on_empty, stats=stats)
+    items = write_text_shards(cfg.input, staging, cfg.docs_per_shard, on_empty=cfg.on_empty, stats=stats, join=cfg.join)
 
     tokenizer_uri = storage.join(cfg.output, "tokenizer")
     with tempfile.TemporaryDirectory() as tmp:

@@ -20,6 +20,7 @@ from pipeline.core import storage
 from pipeline.core.errors import InputError, StorageError
 from pipeline.core.progress import progress
 from pipeline.data.corpus import CorpusStats, iter_documents
+from pipeline.data.passages import JoinConfig, join_consecutive
 
 SCHEMA = pa.schema([("doc_id", pa.string()), ("text", pa.string())])
 ROW_GROUP = 4096
@@ -46,9 +47,16 @@ class _ShardWriter:
 
 
 def write_text_shards(
-    corpus: str, folder: str, docs_per_shard: int, *, on_empty: str = "skip", stats: CorpusStats | None = None
+    corpus: str,
+    folder: str,
+    docs_per_shard: int,
+    *,
+    on_empty: str = "skip",
+    stats: CorpusStats | None = None,
+    join: JoinConfig | None = None,
 ) -> list[dict]:
-    """Cut ``corpus`` into ``folder/text-NNNNN.parquet``; one item per shard: ``index``,
+    """Cut ``corpus`` into ``folder/text-NNNNN.parquet`` (its records joined into passages
+    where ``join`` says so); one item per shard: ``index``,
     ``text_uri``, ``first_row`` (corpus row of its first document), ``rows`` and
     ``text_bytes`` (UTF-8 bytes of its texts, for sizing what reads it)."""
     if docs_per_shard < 1:
@@ -76,7 +84,8 @@ def write_text_shards(
             writer = None
 
     bar = progress(None, "stage text", "documents")
-    for doc in iter_documents(corpus, on_empty=on_empty, stats=stats):
+    documents = iter_documents(corpus, on_empty=on_empty, stats=stats)
+    for doc in join_consecutive(documents, join or JoinConfig()):
         bar.update()
         if writer is None:
             writer = _ShardWriter(storage.join(folder, f"text-{len(items):05d}.parquet"))

