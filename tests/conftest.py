@@ -86,23 +86,13 @@ def ray_session(s3_endpoint):
     ray.shutdown()
 
 
-@pytest.fixture
-def shared_ray(s3_endpoint, _shared_ray_shutdown):
-    """A local Ray for the tests that start only tasks, actors and Ray Data (no Ray Train
-    run): starting a Ray per module cost 5-10 s each. The first such test starts it and the
-    next ones reuse it; those tests run last in each pytest process (see
-    ``pytest_collection_modifyitems``), but under pytest-xdist a module's own Ray may come
-    in between and replace it, so each test checks that one is running."""
-    import ray
-
-    yield ray if ray.is_initialized() else _local_ray()
-
-
 @pytest.fixture(scope="session")
-def _shared_ray_shutdown():
-    yield
-    import ray
-
+def shared_ray(s3_endpoint):
+    """One local Ray for the tests that start only tasks, actors and Ray Data (no Ray Train
+    run): starting a Ray per module cost 5-10 s each. Those tests run last (see
+    ``pytest_collection_modifyitems``), so this Ray never overlaps a module's own."""
+    ray = _local_ray()
+    yield ray
     ray.shutdown()
 
 
