@@ -97,28 +97,24 @@ def test_comparison_end_to_end_then_rerun(tmp_path, shared_ray, monkeypatch):
     assert again["ran"] == [] and again["rows"] == rows
 
 
-def test_every_method_is_wired_as_the_papers_say(tmp_path, monkeypatch):
-    """The whole comparison with its stages stubbed: what each pre-training and fine-tuning
-    run is handed. coCondenser starts from the Condenser run with its head, SimLM's generator
-    is the MLM run, the other methods start from the initial checkpoint, and every retriever
-    is fine-tuned with the same settings; only the encoder differs."""
-    data = retrieval_collection(tmp_path / "data", N_DOCS, N_TRAIN, N_DEV)
-    init = save_tiny_bert(str(tmp_path / "init"), data["texts"])
-    pretrained, finetuned, analysed = {}, {}, []
+def _stub_stages(monkeypatch) -> dict[str, list]:
+    """Replace the comparison's pre-training, fine-tuning, evaluation, analysis and plot with
+    stubs that record (a deep copy of) what each is handed, in call order."""
+    calls = {"pretrain": [], "finetune": [], "analysis": []}
 
     def fake_pretraining(job):
-        pretrained[job.method] = copy.deepcopy(job)
+        calls["pretrain"].append(copy.deepcopy(job))
         return {"export_dir": f"{job.train.output}/export", "tokens_per_s": 1.0, "final_loss": 1.0}
 
     def fake_finetuning(job):
-        finetuned[job.train.output] = copy.deepcopy(job)
+        calls["finetune"].append(copy.deepcopy(job))
         return {"export_dir": f"{job.train.output}/export", "tokens_per_s": 1.0}
 
     def fake_evaluation(data_cfg, settings, model, folder, k, *args, **kwargs):
         return {"run": f"{folder}/run.trec", "metrics": {"MRR@10": 0.5, "R@100": 0.5, "nDCG@10": 0.5}}
 
     def fake_analysis(cfg):
-        analysed.append(cfg)
+        calls["analysis"].append(cfg)
         plots = {"plot": f"{cfg.output}/cls_entropy.png", "cosine_plot": f"{cfg.output}/cls_cosine.png"}
         return {"files": plots, "entropy": [], "cls_cosine": {}}
 
@@ -127,9 +123,23 @@ def test_every_method_is_wired_as_the_papers_say(tmp_path, monkeypatch):
     monkeypatch.setattr(compare, "evaluate_dev", fake_evaluation)
     monkeypatch.setattr(compare, "run_analysis", fake_analysis)
     monkeypatch.setattr(compare, "plot_method_comparison", lambda rows, metrics, uri: uri)
+    return calls
+
+
+def test_every_method_is_wired_as_the_papers_say(tmp_path, monkeypatch):
+    """The whole comparison with its stages stubbed: what each pre-training and fine-tuning
+    run is handed. coCondenser starts from the Condenser run with its head, SimLM's generator
+    is the MLM run, the other methods start from the initial checkpoint, and every retriever
+    is fine-tuned with the same settings; only the encoder differs."""
+    data = retrieval_collection(tmp_path / "data", N_DOCS, N_TRAIN, N_DEV)
+    init = save_tiny_bert(str(tmp_path / "init"), data["texts"])
+    calls = _stub_stages(monkeypatch)
     cfg = _config(tmp_path, data, init)
     cfg.finetune.train_sizes, cfg.finetune.seeds = [5, 0], [0, 1]
     summary = run_comparison(cfg)
+    pretrained = {job.method: job for job in calls["pretrain"]}
+    finetuned = {job.train.output: job for job in calls["finetune"]}
+    analysed = calls["analysis"]
     out = tmp_path / "compare"
     units = json.load(open(out / "comparison.json"))["stages"]
     assert [(r["method"], r["train_size"], r["seeds"]) for r in summary["rows"]] == [
@@ -176,23 +186,7 @@ def test_scratch_bert_is_pretrained_first_and_every_method_starts_from_it(tmp_pa
     trained too, its records joined into passages) is every method's starting point, and
     the ``none`` row's retriever."""
     data = retrieval_collection(tmp_path / "data", N_DOCS, N_TRAIN, N_DEV)
-    pretrained, finetuned = [], []
-
-    def fake_pretraining(job):
-        pretrained.append(copy.deepcopy(job))
-        return {"export_dir": f"{job.train.output}/export", "tokens_per_s": 1.0, "final_loss": 1.0}
-
-    def fake_finetuning(job):
-        finetuned.append(copy.deepcopy(job))
-        return {"export_dir": f"{job.train.output}/export", "tokens_per_s": 1.0}
-
-    def fake_evaluation(data_cfg, settings, model, folder, k, *args, **kwargs):
-        return {"run": f"{folder}/run.trec", "metrics": {"MRR@10": 0.5, "R@100": 0.5, "nDCG@10": 0.5}}
-
-    monkeypatch.setattr(compare, "run_pretraining", fake_pretraining)
-    monkeypatch.setattr(compare, "run_finetuning", fake_finetuning)
-    monkeypatch.setattr(compare, "evaluate_dev", fake_evaluation)
-    monkeypatch.setattr(compare, "plot_method_comparison", lambda rows, metrics, uri: uri)
+    calls = _stub_stages(monkeypatch)
     cfg = _config(tmp_path, data, "")
     cfg.analysis.enabled = False
     cfg.pretrain.methods = ["none", "condenser"]
@@ -200,6 +194,7 @@ def test_scratch_bert_is_pretrained_first_and_every_method_starts_from_it(tmp_pa
     cfg.scratch.job.corpus.join.group_by = r"^(d)\d$"
     run_comparison(cfg)
     out = tmp_path / "compare"
+    pretrained, finetuned = calls["pretrain"], calls["finetune"]
     bert, condenser = pretrained
     assert (bert.method, bert.model.init, bert.corpus.tokenizer) == ("mlm", "", "")
     assert bert.corpus.input == condenser.corpus.input == cfg.pretrain.corpus

@@ -8,7 +8,7 @@ import pytest
 from pipeline.core.errors import InputError
 from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.data.corpus import CorpusStats, Document, corpus_files, iter_documents
-from pipeline.data.passages import JoinConfig, join_consecutive
+from pipeline.data.join import JoinConfig, join_consecutive
 
 REPO = Path(__file__).resolve().parents[1]
 

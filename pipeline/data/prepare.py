@@ -27,7 +27,7 @@ from pipeline.core.progress import get_counted
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.data.corpus import CorpusStats
-from pipeline.data.passages import JoinConfig
+from pipeline.data.join import JoinConfig
 from pipeline.data.shards import FORMAT, MANIFEST, SHARD_SCHEMA
 from pipeline.data.text_shards import iter_texts, read_text_shard, write_text_shards
 from pipeline.data.tokenizer import load_tokenizer, train_wordpiece

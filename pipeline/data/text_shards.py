@@ -20,7 +20,7 @@ from pipeline.core import storage
 from pipeline.core.errors import InputError, StorageError
 from pipeline.core.progress import progress
 from pipeline.data.corpus import CorpusStats, iter_documents
-from pipeline.data.passages import JoinConfig, join_consecutive
+from pipeline.data.join import JoinConfig, join_consecutive
 
 SCHEMA = pa.schema([("doc_id", pa.string()), ("text", pa.string())])
 ROW_GROUP = 4096

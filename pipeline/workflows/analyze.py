@@ -115,14 +115,9 @@ def load_checkpoint(path: str, device: str = "cpu"):
     return model, tokenizer
 
 
-@torch.no_grad()
-def cls_entropy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Entropy of the [CLS] query's attention over real keys: (batch, layers, heads), float64."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True)
-    return attention_entropy(out.attentions, attention_mask)
-
-
-def attention_entropy(attentions: tuple[torch.Tensor, ...], attention_mask: torch.Tensor) -> torch.Tensor:
+def cls_entropy(attentions: tuple[torch.Tensor, ...], attention_mask: torch.Tensor) -> torch.Tensor:
+    """Entropy of the [CLS] query's attention over real keys, from a forward pass's
+    ``attentions`` (one per layer): (batch, layers, heads), float64."""
     rows = torch.stack([att[:, :, 0, :] for att in attentions], dim=1).double()  # (B, L, H, T)
     real = attention_mask.bool()[:, None, None, :]
     # Padding keys get ~0 weight anyway; leaving them out makes that exact. xlogy(0, 0) = 0.
@@ -145,7 +140,7 @@ def measure(model, tokenizer, texts: list[str], max_len: int = 128, batch_size: 
             raise ValueError("the tokenizer does not put [CLS] first")
         mask = enc["attention_mask"].to(device)
         out = model(input_ids=enc["input_ids"].to(device), attention_mask=mask, output_attentions=True)
-        entropies.append(attention_entropy(out.attentions, mask).cpu())
+        entropies.append(cls_entropy(out.attentions, mask).cpu())
         cls_vectors.append(out.last_hidden_state[:, 0].double().cpu())
         lengths.append(enc["attention_mask"].sum(1))
     ent, length = torch.cat(entropies), torch.cat(lengths).double()  # (P, L, H), (P,)

@@ -287,7 +287,7 @@ class Comparison:
             negatives,
             n,
             seed,
-            self.folder("queries", size_label(n), f"seed{seed}"),
+            self.folder(queries_unit(n, seed)),
         )
 
     def pretrain_bert(self) -> dict:
@@ -326,7 +326,7 @@ class Comparison:
 
     def finetune(self, method: str, n: int, seed: int) -> dict:
         cfg, subset = self.cfg, queries_unit(n, seed)
-        folder = self.folder("finetune", method, size_label(n), f"seed{seed}")
+        folder = self.folder(finetune_unit(method, n, seed))
         started = time.time()
         job = finetune_config(
             cfg.data,
@@ -505,10 +505,10 @@ def result_runs(cfg: ComparisonConfig, manifest: RunManifest) -> list[dict]:
     return runs
 
 
-def result_rows(cfg: ComparisonConfig, manifest: RunManifest) -> list[dict]:
-    """One row per (method, training-set size) with a recorded fine-tuning: the mean of each
-    metric over its seeds and their spread (sample standard deviation; 0 with one seed)."""
-    units, runs = manifest.data["stages"], result_runs(cfg, manifest)
+def result_rows(cfg: ComparisonConfig, manifest: RunManifest, runs: list[dict]) -> list[dict]:
+    """One row per (method, training-set size) among ``runs`` (:func:`result_runs`): the mean
+    of each metric over its seeds and their spread (sample standard deviation; 0 with one seed)."""
+    units = manifest.data["stages"]
     rows = []
     for n in cfg.finetune.train_sizes:
         for method in cfg.ordered_methods:
@@ -552,7 +552,8 @@ def _cell(row: dict, metric: str) -> str:
 
 
 def write_results(cfg: ComparisonConfig, manifest: RunManifest) -> dict:
-    rows = result_rows(cfg, manifest)
+    runs = result_runs(cfg, manifest)
+    rows = result_rows(cfg, manifest, runs)
     lines = [
         "| method | training queries | seeds | "
         + " | ".join(RESULT_METRICS)
@@ -571,7 +572,10 @@ def write_results(cfg: ComparisonConfig, manifest: RunManifest) -> dict:
         size: {m: ordering([r for r in rows if r["train_size"] == size], m) for m in RESULT_METRICS}
         for size in dict.fromkeys(r["train_size"] for r in rows)
     }
-    lines += ["", "Mean ± sample standard deviation over seeds. Orderings (`>`: the gap exceeds both spreads):"]
+    lines += [
+        "",
+        "Mean ± sample standard deviation over seeds. Orderings (`>`: the gap exceeds the sum of the two spreads):",
+    ]
     lines += [
         f"- {size} queries, {m}: {text}" for size, by_metric in orderings.items() for m, text in by_metric.items()
     ]
@@ -588,7 +592,7 @@ def write_results(cfg: ComparisonConfig, manifest: RunManifest) -> dict:
             "dev_queries": cfg.data.dev_queries,
             "rows": rows,
             "orderings": orderings,
-            "runs": result_runs(cfg, manifest),
+            "runs": runs,
             "analysis": manifest.data["stages"].get("analysis", {}).get("outputs", {}),
         },
     )
