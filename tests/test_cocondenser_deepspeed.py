@@ -25,7 +25,7 @@ from models.cocondenser import (
 from models.condenser import Condenser
 from models.masking import whole_word_mask
 from models.mlm_losses import sequence_mlm_losses
-from pipeline.training.deepspeed_config import skip_inference_comm_op
+from pipeline.training.deepspeed_config import import_deepspeed, skip_inference_comm_op
 from pipeline.training.loop import _mixed_precision_state
 from tests.helpers import random_word_batch, tiny_masking_vocab, tiny_mlm, tiny_vocab
 
@@ -68,7 +68,7 @@ def ds_config(stage: int, precision: str) -> dict:
 
 
 def _worker(rank: int, port: int, out: dict):
-    import deepspeed
+    deepspeed = import_deepspeed()
     from deepspeed.utils import safe_get_full_grad
 
     os.environ.update(

@@ -25,7 +25,7 @@ from models.biencoder import (
     own_group_scores,
 )
 from models.distillation import distillation_backward, distillation_loss
-from pipeline.training.deepspeed_config import skip_inference_comm_op
+from pipeline.training.deepspeed_config import import_deepspeed, skip_inference_comm_op
 from tests.helpers import random_word_batch, tiny_mlm, tiny_vocab
 
 WORLD, N_QUERIES, GROUP = 2, 3, 4  # per worker: 3 queries, 12 passages
@@ -77,7 +77,7 @@ def local_batch(rank: int) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, port: int, out: dict):
-    import deepspeed
+    deepspeed = import_deepspeed()
     from deepspeed.utils import safe_get_full_grad
 
     os.environ.update(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,6 +12,32 @@ import torch
 from pipeline.training.deepspeed_config import deepspeed_config
 from pipeline.training.loop import linear_schedule, param_groups, step_seed
 from pipeline.training.train_config import TrainConfig
+
+
+IMPORT_PROBE = """
+import json, sys
+from pipeline.training.deepspeed_config import import_deepspeed
+deepspeed = import_deepspeed()
+from deepspeed.autotuning import autotuner
+report = {"imported": "deepspeed" in sys.modules, "mlflow_loaded": "mlflow" in sys.modules,
+          "autotuner_has_mlflow": autotuner.has_mlflow}
+import mlflow  # still importable afterwards: the mlflow tracker imports it itself
+report["mlflow_after"] = mlflow.__name__
+print(json.dumps(report))
+"""
+
+
+def test_deepspeed_is_imported_without_mlflow_which_stays_importable():
+    # A fresh interpreter: this one may have imported either module already.
+    done = subprocess.run([sys.executable, "-c", IMPORT_PROBE], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report == {
+        "imported": True,
+        "mlflow_loaded": False,
+        "autotuner_has_mlflow": False,
+        "mlflow_after": "mlflow",
+    }
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

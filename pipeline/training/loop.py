@@ -42,7 +42,7 @@ from pipeline.core.config import to_dict
 from pipeline.data.position import read_position
 from pipeline.data.stream import configure_data_context
 from pipeline.training.checkpoints import TrainState, restore_checkpoint, save_checkpoint
-from pipeline.training.deepspeed_config import deepspeed_config, skip_inference_comm_op
+from pipeline.training.deepspeed_config import deepspeed_config, import_deepspeed, skip_inference_comm_op
 from pipeline.training.tracking import RunLog
 from pipeline.training.train_config import TrainConfig
 
@@ -129,9 +129,8 @@ def log(msg: dict | str) -> None:
 
 def train_worker(config: dict) -> dict:
     """Ray Train's train_loop_per_worker. ``config`` holds picklable settings only."""
-    import deepspeed
-
     train: TrainConfig = config["train"]
+    deepspeed = import_deepspeed(keep_mlflow="mlflow" in train.tracker)
     task: TrainTask = config["task"]
     run_dir: str = config["run_dir"]
     ctx = ray.train.get_context()
