@@ -13,7 +13,6 @@ from pipeline.training.deepspeed_config import deepspeed_config
 from pipeline.training.loop import linear_schedule, param_groups, step_seed
 from pipeline.training.train_config import TrainConfig
 
-
 IMPORT_PROBE = """
 import json, sys
 from pipeline.training.deepspeed_config import import_deepspeed
