@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -103,8 +104,12 @@ def test_make_batch_equals_the_tokenizers_pair_encoding(tiny_checkpoint):
     lengths = PairLengths(query_max_len=12, passage_max_len=20, max_len=24)
     groups = [[docs[0], long_passage, "tenth day"], [docs[2], long_passage, docs[3]]]
     batch = stream_batch(tokenizer, queries, groups, lengths)
+    for array in batch.values():
+        array.setflags(write=False)  # as Ray Data hands batches out of the object store
     task = RerankTask("unused", None, lengths, "unused", tokenizer.sep_token_id, tokenizer.pad_token_id)
-    pairs = task.make_batch(batch, torch.Generator())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns on tensors that share read-only memory
+        pairs = task.make_batch(batch, torch.Generator())
 
     lens = [hf_pair(tokenizer, q, d, lengths)["input_ids"].shape[1] for q, g in zip(queries, groups) for d in g]
     n_queries = [len(tokenizer(q, add_special_tokens=False)["input_ids"]) for q in queries]

@@ -85,7 +85,7 @@ class DistillTask(FinetuneTask):
 
     def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]:
         tensors = super().make_batch(batch, generator)
-        tensors["d_teacher_scores"] = torch.from_numpy(np.asarray(batch["d_teacher_scores"], dtype=np.float32))
+        tensors["d_teacher_scores"] = torch.tensor(np.asarray(batch["d_teacher_scores"]), dtype=torch.float32)
         return tensors
 
     def backward(self, engine, batch):

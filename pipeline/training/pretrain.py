@@ -106,9 +106,9 @@ class PretrainTask:
 
     def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]:
         # Span pairs arrive as (b, 2, L): flattened to (2b, L), partners stay adjacent.
-        input_ids = torch.from_numpy(np.ascontiguousarray(batch["input_ids"])).long()
+        input_ids = torch.tensor(np.ascontiguousarray(batch["input_ids"]), dtype=torch.long)
         input_ids = input_ids.reshape(-1, input_ids.shape[-1])
-        lengths = torch.from_numpy(np.asarray(batch["length"])).long().reshape(-1)
+        lengths = torch.tensor(np.asarray(batch["length"]), dtype=torch.long).reshape(-1)
         attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()
         return self.method.make_batch(input_ids, attention_mask, generator)
 

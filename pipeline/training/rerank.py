@@ -111,11 +111,11 @@ class RerankTask:
         return build_reranker(model_ref.materialize(self.init, "--model.init"), self.lengths)
 
     def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]:
-        q_ids = torch.from_numpy(np.ascontiguousarray(batch["q_input_ids"])).long()  # (b, Lq)
-        d_ids = torch.from_numpy(np.ascontiguousarray(batch["d_input_ids"])).long()  # (b, n, Ld)
+        q_ids = torch.tensor(np.ascontiguousarray(batch["q_input_ids"]), dtype=torch.long)  # (b, Lq)
+        d_ids = torch.tensor(np.ascontiguousarray(batch["d_input_ids"]), dtype=torch.long)  # (b, n, Ld)
         b, n = d_ids.shape[:2]
-        q_len = torch.from_numpy(np.asarray(batch["q_length"])).long().reshape(-1)
-        d_len = torch.from_numpy(np.asarray(batch["d_length"])).long().reshape(-1)
+        q_len = torch.tensor(np.asarray(batch["q_length"]), dtype=torch.long).reshape(-1)
+        d_len = torch.tensor(np.asarray(batch["d_length"]), dtype=torch.long).reshape(-1)
         # Row i * n + j is query i with its j-th passage: groups contiguous, positive first.
         return pair_inputs(
             q_ids.repeat_interleave(n, 0),
