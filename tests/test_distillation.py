@@ -4,6 +4,7 @@ group stream and the example loading, and one run on Ray Train from a hand-writt
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -11,8 +12,8 @@ import torch
 from test_biencoder import _full_batch, biencoder
 from test_finetune_deepspeed import relative_error
 
-from models.biencoder import contrastive_backward
-from models.distillation import distillation_backward, distillation_loss
+from models.biencoder import BiEncoderConfig, contrastive_backward
+from models.distillation import DistillationConfig, distillation_backward, distillation_loss
 from pipeline.core.errors import InputError
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import TrainExample, build_distillation_examples
@@ -25,6 +26,7 @@ from pipeline.data.group_stream import (
 )
 from pipeline.data.groups import select_group
 from pipeline.data.runs import read_trec_run
+from pipeline.training.distill import DistillTask
 from tests.helpers import PlainEngine
 
 
@@ -147,6 +149,18 @@ def test_teacher_scores_arrive_aligned_with_the_groups_passages():
         doc_rows = out["d_input_ids"][0][:, 1] - 100  # [CLS] then the row's token
         assert out["d_teacher_scores"].shape == (1, group)
         assert out["d_teacher_scores"][0].tolist() == pytest.approx([teacher[query_id, f"d{r}"] for r in doc_rows])
+
+        # The trainer's tensors of that group: read-only arrays (as the object store hands them
+        # out) are copied without PyTorch's warning, and the masks follow the lengths.
+        for array in out.values():
+            array.setflags(write=False)
+        task = DistillTask("unused", BiEncoderConfig(group_size=group), "unused", DistillationConfig())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            tensors = task.make_batch(out, torch.Generator())
+        assert tensors["d_teacher_scores"].numpy().tolist() == out["d_teacher_scores"].astype(np.float32).tolist()
+        assert tensors["d_attention_mask"].sum(1).tolist() == out["d_length"].reshape(-1).tolist()
+        assert tensors["q_attention_mask"].sum(1).tolist() == out["q_length"].reshape(-1).tolist()
 
     unscored = TrainExample("qx", "", ["d1"], ["d2"])
     with pytest.raises(ValueError, match="all or none"):
