@@ -205,6 +205,46 @@ def test_scratch_bert_is_pretrained_first_and_every_method_starts_from_it(tmp_pa
     assert json.load(open(out / "results.json"))["init"] == "scratch"
 
 
+def test_a_changed_setting_reruns_its_units_and_theirs_not_the_rest(tmp_path, monkeypatch, capsys):
+    """A rerun with a longer fine-tuning re-does every fine-tuning and the analysis that reads
+    them, from empty folders, and keeps the pre-trainings; a longer Condenser run re-does
+    Condenser, coCondenser (warm-started from it) and what reads them, not MLM or SimLM."""
+    data = retrieval_collection(tmp_path / "data", N_DOCS, N_TRAIN, N_DEV)
+    init = save_tiny_bert(str(tmp_path / "init"), data["texts"])
+    calls = _stub_stages(monkeypatch)
+    cfg = _config(tmp_path, data, init)
+    run_comparison(cfg)
+    out = tmp_path / "compare"
+    stale = out / finetune_unit("mlm", 0, 0) / "checkpoints" / "old-step"
+    stale.mkdir(parents=True)
+
+    for c in calls.values():
+        c.clear()
+    longer = copy.deepcopy(cfg)
+    longer.finetune.stage.train.max_steps += 10
+    longer.finetune.stage.train.log_every += 1  # how it logs is not what it computes
+    summary = run_comparison(longer)
+    assert calls["pretrain"] == [] and len(calls["finetune"]) == len(METHODS)
+    assert summary["ran"] == [finetune_unit(m, 0, 0) for m in METHODS] + ["analysis"]
+    assert not stale.exists()  # no resuming from the old setting's checkpoints
+    max_steps = longer.finetune.stage.train.max_steps
+    assert f"stage.train.max_steps: {max_steps - 10} -> {max_steps}" in capsys.readouterr().out
+
+    for c in calls.values():
+        c.clear()
+    longer.pretrain.job.condenser.n_head_layers += 1
+    summary = run_comparison(longer)
+    assert [job.method for job in calls["pretrain"]] == ["condenser", "cocondenser"]
+    assert summary["ran"] == [
+        "pretrain/condenser",
+        "pretrain/cocondenser",
+        finetune_unit("condenser", 0, 0),
+        finetune_unit("cocondenser", 0, 0),
+        "analysis",
+    ]
+    assert run_comparison(longer)["ran"] == []
+
+
 @pytest.mark.parametrize(
     "methods, sizes, message",
     [

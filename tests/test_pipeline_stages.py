@@ -129,6 +129,54 @@ def test_from_forgets_that_stage_and_every_later_one(tmp_path):
     assert calls == [(s, []) for s in STAGES[STAGES.index("mine2") :]]
 
 
+def test_a_changed_setting_redoes_that_stage_and_what_reads_it_from_scratch(tmp_path, capsys):
+    calls = []
+    run_pipeline(cfg_for(tmp_path), fake_stages(calls))
+    kept = RunManifest(str(tmp_path / "run"), MANIFEST).data["stages"]
+
+    # The reranker's learning rate: the reranker, and the stages that read it (the dev
+    # re-ranking, the teacher, and the distillation trained on the teacher's scores).
+    calls.clear()
+    cfg = cfg_for(tmp_path)
+    cfg.reranker.train.lr = 3e-4
+    run_pipeline(cfg, fake_stages(calls))
+    assert calls == [(s, []) for s in ("reranker", "rerank", "teacher", "distill")]  # fresh folders
+    printed = capsys.readouterr().out
+    assert "stage reranker: its settings changed (train.lr: 0.0001 -> 0.0003)" in printed
+    after = RunManifest(str(tmp_path / "run"), MANIFEST).data["stages"]
+    assert after["round2"] == kept["round2"] and after["reranker"] != kept["reranker"]
+
+    # Where or how a stage runs is not what it computes: a resume elsewhere changes nothing.
+    calls.clear()
+    cfg.reranker.train.cpus_per_worker, cfg.reranker.pool.actors, cfg.eval.pool.actors = 8, 4, 4
+    cfg.round1.train.checkpoint_every = 7
+    run_pipeline(cfg, fake_stages(calls))
+    assert calls == []
+
+    # The dev re-ranking depth touches that stage alone; the retrieval data every stage but
+    # pre-training, which reads its own corpus settings.
+    cfg.reranker.dev_depth = 50
+    run_pipeline(cfg, fake_stages(calls))
+    assert [c[0] for c in calls] == ["rerank"]
+    calls.clear()
+    cfg.data.passage_max_len = 64
+    run_pipeline(cfg, fake_stages(calls))
+    assert [c[0] for c in calls] == list(STAGES[1:])
+
+
+def test_records_from_before_settings_are_kept(tmp_path):
+    run_pipeline(cfg_for(tmp_path), fake_stages([]))
+    manifest = RunManifest(str(tmp_path / "run"), MANIFEST)
+    for record in manifest.data["stages"].values():
+        del record["settings"]
+    manifest.save("distill", manifest.data["stages"]["distill"])
+    calls = []
+    cfg = cfg_for(tmp_path)
+    cfg.round1.train.lr = 1.0
+    run_pipeline(cfg, fake_stages(calls))
+    assert calls == []
+
+
 def test_only_without_the_inputs_it_needs_names_the_missing_stage(tmp_path):
     with pytest.raises(ConfigError, match="stage 'round1' has not run yet"):
         run_pipeline(cfg_for(tmp_path, only="mine1"), fake_stages([]))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.training.deepspeed_config import deepspeed_config
-from pipeline.training.loop import linear_schedule, param_groups, step_seed
+from pipeline.training.loop import _timed, linear_schedule, param_groups, step_seed
 from pipeline.training.train_config import TrainConfig
 
 IMPORT_PROBE = """
@@ -82,6 +82,25 @@ def test_no_weight_decay_on_biases_and_layernorm():
     assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
     assert [p.shape for p in decay["params"]] == [torch.Size([4, 4])]
     assert len(no_decay["params"]) == 3  # linear bias, LayerNorm weight and bias
+
+
+def test_input_wait_counts_the_time_next_blocks_not_the_consumers():
+    """The loop's ``input_wait_frac``: a slow source shows, a slow step does not."""
+    import time
+
+    def slow_source():
+        for item in range(3):
+            time.sleep(0.1)
+            yield item
+
+    waited, seen = [0.0], []
+    started = time.perf_counter()
+    for item in _timed(slow_source(), waited):
+        time.sleep(0.2)  # the training step
+        seen.append(item)
+    elapsed = time.perf_counter() - started
+    assert seen == [0, 1, 2]
+    assert 0.3 <= waited[0] <= elapsed - 3 * 0.2
 
 
 def test_step_seeds_differ_across_ranks_and_steps():

@@ -120,6 +120,19 @@ def training_batches(shard, train: TrainConfig, shuffle_seed: int):
     )
 
 
+def _timed(batches, waited: list[float]):
+    """``batches``, adding the time each ``next`` blocks to ``waited[0]``."""
+    iterator = iter(batches)
+    while True:
+        started = time.perf_counter()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        waited[0] += time.perf_counter() - started
+        yield batch
+
+
 def log(msg: dict | str) -> None:
     # Worker logs go to stderr: a job's stdout is reserved for its JSON summary. Written
     # directly, because Ray Train patches `print` on workers and would emit each line twice.
@@ -189,7 +202,8 @@ def train_worker(config: dict) -> dict:
         # Benchmark mode: hold the first N batches in memory and cycle them, so the same
         # loop can be timed without any ingest (bench/bench_pretrain.py).
         batches = itertools.cycle(list(itertools.islice(batches, config["replay_batches"])))
-    for batch in batches:
+    input_wait = [0.0]  # seconds this window spent waiting for the next batch
+    for batch in _timed(batches, input_wait):
         if state.step >= train.max_steps:
             break
         generator = torch.Generator().manual_seed(step_seed(train.seed, rank, state.micro_step))
@@ -221,6 +235,8 @@ def train_worker(config: dict) -> dict:
                 "lr": scheduler.get_last_lr()[0],
                 "tokens_per_s": window_tokens / max(elapsed, 1e-9),
                 "samples_per_s": window_samples / max(elapsed, 1e-9),
+                # near 1: the step waits on ingest (Ray Data), not on compute
+                "input_wait_frac": min(1.0, input_wait[0] / max(elapsed, 1e-9)),
                 "epoch": int(epochs.max()) if len(epochs) else 0,
                 "elapsed_s": time.perf_counter() - started,
                 **_mixed_precision_state(engine, train.precision),
@@ -232,6 +248,7 @@ def train_worker(config: dict) -> dict:
                 log(entry)
                 run_log.log(entry)
             window_loss, window_tokens, window_samples, window_start = [], 0, 0, time.perf_counter()
+            input_wait[0] = 0.0
         if state.step % train.checkpoint_every == 0 and state.step < train.max_steps:
             trace = _flush_trace(trace, run_dir, rank, state)
             save_checkpoint(engine, state, position, rank, run_dir, {"step": state.step})

@@ -35,6 +35,7 @@ from typing import Callable
 import numpy as np
 
 from pipeline.core import model_ref, storage
+from pipeline.core.config import to_dict
 from pipeline.core.errors import ConfigError
 from pipeline.core.plots import plot_method_comparison
 from pipeline.core.runtime import RayConfig, write_run_files
@@ -45,7 +46,7 @@ from pipeline.training.finetune import run_finetuning
 from pipeline.training.pretrain import PretrainConfig, run_pretraining
 from pipeline.training.train_config import TrainConfig
 from pipeline.workflows.analyze import AnalyzeConfig, run_analysis
-from pipeline.workflows.manifest import RunManifest
+from pipeline.workflows.manifest import RunManifest, unit_settings
 from pipeline.workflows.recipe import (
     EvalStage,
     RecipeData,
@@ -237,23 +238,76 @@ class Comparison:
     def encoder(self, method: str) -> str:
         return self.init if method == "none" else self.output(f"pretrain/{method}", "export")
 
-    def units(self) -> list[tuple[str, Callable[[], dict]]]:
-        """Every unit in the order dependencies allow: (name, function returning its record)."""
-        cfg = self.cfg
-        units = [("pretrain/bert", self.pretrain_bert)] if cfg.scratch.enabled else []
-        units += [("negatives", self.mine_bm25_negatives)]
+    def units(self) -> list[tuple[str, dict, Callable[[], dict]]]:
+        """Every unit in the order dependencies allow: (name, its settings, function returning
+        its record). A unit's settings name the config it runs with and the units it reads."""
+        cfg, data = self.cfg, self.cfg.data
+        settings: dict[str, dict] = {}
+        units: list[tuple[str, dict, Callable[[], dict]]] = []
+
+        def add(name: str, work: Callable[[], dict], after: tuple[str, ...] = (), **sections) -> None:
+            settings[name] = unit_settings({a: settings[a] for a in after}, **sections)
+            units.append((name, settings[name], work))
+
+        corpus = dict(corpus=self.pretraining_corpus, docs_per_shard=data.docs_per_shard)
+        start: tuple[str, ...] = ()
+        if cfg.scratch.enabled:
+            add("pretrain/bert", self.pretrain_bert, scratch=cfg.scratch.job, **corpus)
+            start = ("pretrain/bert",)
+        init = {} if cfg.scratch.enabled else {"init": cfg.init}
+        add(
+            "negatives",
+            self.mine_bm25_negatives,
+            data=data,
+            bm25_depth=cfg.finetune.bm25_depth,
+            bm25_count=cfg.finetune.bm25_count,
+        )
         samples = {queries_unit(n, s): (n, s) for n in cfg.finetune.train_sizes for s in cfg.finetune.seeds}
-        units += [(name, lambda n=n, s=s: self.sample_queries(n, s)) for name, (n, s) in samples.items()]
-        units += [(f"pretrain/{m}", lambda m=m: self.pretrain(m)) for m in cfg.ordered_methods if m != "none"]
-        units += [
-            (finetune_unit(m, n, s), lambda m=m, n=n, s=s: self.finetune(m, n, s))
-            for n in cfg.finetune.train_sizes
-            for s in cfg.finetune.seeds
-            for m in cfg.ordered_methods
-        ]
+        for name, (n, s) in samples.items():
+            add(name, lambda n=n, s=s: self.sample_queries(n, s), ("negatives",), n=n, seed=s)
+        for m in cfg.ordered_methods:
+            if m == "none":
+                continue
+            upstream = {"cocondenser": "pretrain/condenser", "simlm": "pretrain/mlm"}.get(m)
+            after = start + ((upstream,) if upstream in settings else ())
+            # each method reads its own section: another method's settings are not its own
+            job = {k: v for k, v in to_dict(cfg.pretrain.job).items() if k == m or k not in METHODS}
+            add(f"pretrain/{m}", lambda m=m: self.pretrain(m), after, job=job, method=m, **init, **corpus)
+        for n in cfg.finetune.train_sizes:
+            for s in cfg.finetune.seeds:
+                for m in cfg.ordered_methods:
+                    encoder = start if m == "none" else (f"pretrain/{m}",)
+                    add(
+                        finetune_unit(m, n, s),
+                        lambda m=m, n=n, s=s: self.finetune(m, n, s),
+                        encoder + (queries_unit(n, s),),
+                        stage=cfg.finetune.stage,
+                        data=data,
+                        eval=cfg.eval,
+                        **init,
+                    )
         if cfg.analysis.enabled:
-            units.append(("analysis", self.analyze))
+            largest = max(cfg.finetune.train_sizes, key=lambda n: (n == 0, n))
+            read = [u for u in settings if u.startswith("pretrain/")]
+            read += [finetune_unit(m, largest, cfg.finetune.seeds[0]) for m in cfg.ordered_methods]
+            add("analysis", self.analyze, tuple(read), analysis=cfg.analysis, data=data, **init)
         return units
+
+    def unit_folders(self, name: str) -> list[str]:
+        """What a unit writes, deleted before it runs again with other settings (so it does not
+        resume from the old settings' checkpoints)."""
+        if name == "pretrain/bert":
+            # its tokenizer is every prepared corpus's: they go with it
+            return [
+                self.folder(*p)
+                for p in (
+                    ("pretrain", "bert"),
+                    ("pretrain", "bert-corpus"),
+                    ("pretrain", "corpus"),
+                    ("finetune", "corpus"),
+                )
+            ]
+        return [self.folder(name)]
 
     def mine_bm25_negatives(self) -> dict:
         """BM25 negatives of all training queries, once: every fine-tuning draws on the same file."""
@@ -449,9 +503,15 @@ def run_comparison(cfg: ComparisonConfig) -> dict:
     comparison = Comparison(cfg, RunManifest(cfg.output, MANIFEST))
     write_run_files(cfg, cfg.output)
     ran = []
-    for name, work in comparison.units():
+    for name, settings, work in comparison.units():
         if comparison.manifest.done(name):
-            continue
+            changed = comparison.manifest.changes(name, settings)
+            if not changed:
+                continue
+            print(f"[compare] {name}: its settings changed ({'; '.join(changed)}): running it again", flush=True)
+            for folder in comparison.unit_folders(name):
+                storage.delete_dir(folder)
+            comparison.manifest.forget([name])
         started = time.time()
         print(f"[compare] {name}: running", flush=True)
         record = work()
@@ -464,6 +524,7 @@ def run_comparison(cfg: ComparisonConfig) -> dict:
                 "outputs": record.get("outputs", {}),
                 "metrics": record.get("metrics", {}),
                 "summary": record.get("summary", {}),
+                "settings": settings,
             },
         )
         ran.append(name)

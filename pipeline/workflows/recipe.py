@@ -17,7 +17,9 @@ Stages, in order (``STAGES``); each reads the outputs of earlier ones from the m
 The manifest (``<output>/pipeline.json``) records each finished stage: its outputs, metrics
 and wall time, written atomically after the stage. A rerun skips recorded stages and resumes
 an interrupted one from its own checkpoints (trainers) or finished shards (encoding). A
-stage run again by ``--only`` or ``--from`` starts from an empty folder.
+stage run again by ``--only`` or ``--from`` starts from an empty folder. Each record keeps
+the settings the stage ran with (``stage_settings``); a rerun whose config changes them runs
+that stage again from an empty folder, and every stage that reads it.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ from pipeline.training.rerank import (
     run_reranker_training,
 )
 from pipeline.training.train_config import TrainConfig
-from pipeline.workflows.manifest import RunManifest
+from pipeline.workflows.manifest import RunManifest, unit_settings
 
 STAGES = (
     "pretrain",
@@ -227,9 +229,49 @@ class PipelineConfig:
 # -- the run manifest --------------------------------------------------------------------
 
 
+def stage_settings(cfg: PipelineConfig) -> dict[str, dict]:
+    """Each stage's settings: the config values it computes with, and the stages it reads."""
+    data, ev, mine, reranker = cfg.data, cfg.eval, cfg.mine, cfg.reranker
+    start = ("pretrain",) if cfg.pretrain.enabled else ()
+    init = {} if cfg.pretrain.enabled else {"init": cfg.model.init}
+    evaluated = dict(data=data, eval=ev)
+    inputs: dict[str, tuple[tuple[str, ...], dict]] = {
+        "pretrain": ((), dict(job=cfg.pretrain.job)),
+        "bm25": ((), dict(data=data, k=ev.k)),
+        "zeroshot": (start, dict(retriever=cfg.round1.retriever, **evaluated, **init)),
+        "round1": (start, dict(stage=cfg.round1, bm25=[mine.bm25_depth, mine.bm25_count], **evaluated, **init)),
+        "mine1": (("round1",), dict(mine=mine, **evaluated)),
+        "round2": (start + ("mine1",), dict(stage=cfg.round2, **evaluated, **init)),
+        "mine2": (("round2",), dict(mine=mine, **evaluated)),
+        "reranker": (
+            start + ("mine2",),
+            dict(
+                data=data,
+                reranker=[reranker.init, reranker.group_size, reranker.max_len],
+                train=reranker.train,
+                **init,
+            ),
+        ),
+        "rerank": (("reranker", "round2"), dict(dev_depth=reranker.dev_depth, **evaluated)),
+        "teacher": (
+            ("reranker", "mine2"),
+            dict(
+                data=data, depth=reranker.teacher_depth, queries=reranker.teacher_queries, seed=cfg.distill.train.seed
+            ),
+        ),
+        "distill": (start + ("teacher",), dict(stage=cfg.distill, **evaluated, **init)),
+    }
+    settings: dict[str, dict] = {}
+    for stage in STAGES:  # upstream first
+        after, sections = inputs[stage]
+        settings[stage] = unit_settings({a: settings[a] for a in after}, **sections)
+    return settings
+
+
 def plan_stages(cfg: PipelineConfig, manifest: RunManifest) -> tuple[list[str], set[str]]:
     """The stages this invocation runs, in order, and those of them to redo from scratch
-    (--only, --from) rather than resume; applies --from to the manifest."""
+    (--only, --from, or recorded with other settings) rather than resume; applies --from and
+    the changed settings to the manifest."""
     enabled = [
         s
         for s in STAGES
@@ -246,6 +288,15 @@ def plan_stages(cfg: PipelineConfig, manifest: RunManifest) -> tuple[list[str], 
     if cfg.start_from:
         redo = set(enabled[enabled.index(cfg.start_from) :])
         manifest.forget(redo)
+    settings = stage_settings(cfg)
+    for stage in enabled:
+        changed = manifest.done(stage) and manifest.changes(stage, settings[stage])
+        if changed:
+            print(
+                f"[pipeline] stage {stage}: its settings changed ({'; '.join(changed)}): running it again", flush=True
+            )
+            manifest.forget([stage])
+            redo.add(stage)
     todo = [s for s in enabled if not manifest.done(s)]
     if cfg.stop_after:
         todo = [s for s in todo if enabled.index(s) <= enabled.index(cfg.stop_after)]
@@ -632,6 +683,7 @@ def run_pipeline(cfg: PipelineConfig, stage_functions: dict[str, Callable[[Stage
     storage.check_reachable(cfg.output)
     manifest = RunManifest(cfg.output, MANIFEST)
     todo, redo = plan_stages(cfg, manifest)
+    settings = stage_settings(cfg)
     write_run_files(cfg, cfg.output)
     ctx = StageContext(cfg, manifest)
     ran = []
@@ -648,6 +700,7 @@ def run_pipeline(cfg: PipelineConfig, stage_functions: dict[str, Callable[[Stage
             "outputs": record.get("outputs", {}),
             "metrics": record.get("metrics", {}),
             "summary": record.get("summary", {}),
+            "settings": settings[stage],
         }
         manifest.save(stage, record)
         ran.append(stage)
