@@ -73,6 +73,9 @@ def _write_table(uri: str, table: pa.Table) -> None:
 def _tokenize_shard(item: dict, tokenizer_uri: str, output: str) -> dict:
     """A Ray task: tokenizes one staged text shard into one final shard."""
     tokenizer = load_tokenizer(model_ref.materialize(tokenizer_uri, "tokenizer"))
+    # Documents are stored whole and cut to length by the readers: without this, HF warns
+    # that a long one "will result in indexing errors", which it will not.
+    tokenizer.model_max_length = 2**62
     table = read_text_shard(item)
     encoded = tokenizer(
         table.column("text").to_pylist(),
