@@ -268,7 +268,7 @@ def stage_settings(cfg: PipelineConfig) -> dict[str, dict]:
     return settings
 
 
-def plan_stages(cfg: PipelineConfig, manifest: RunManifest) -> tuple[list[str], set[str]]:
+def plan_stages(cfg: PipelineConfig, manifest: RunManifest, settings: dict[str, dict]) -> tuple[list[str], set[str]]:
     """The stages this invocation runs, in order, and those of them to redo from scratch
     (--only, --from, or recorded with other settings) rather than resume; applies --from and
     the changed settings to the manifest."""
@@ -288,7 +288,6 @@ def plan_stages(cfg: PipelineConfig, manifest: RunManifest) -> tuple[list[str], 
     if cfg.start_from:
         redo = set(enabled[enabled.index(cfg.start_from) :])
         manifest.forget(redo)
-    settings = stage_settings(cfg)
     for stage in enabled:
         changed = manifest.done(stage) and manifest.changes(stage, settings[stage])
         if changed:
@@ -682,8 +681,8 @@ def run_pipeline(cfg: PipelineConfig, stage_functions: dict[str, Callable[[Stage
     cfg.output = storage.resolve(cfg.output).uri
     storage.check_reachable(cfg.output)
     manifest = RunManifest(cfg.output, MANIFEST)
-    todo, redo = plan_stages(cfg, manifest)
     settings = stage_settings(cfg)
+    todo, redo = plan_stages(cfg, manifest, settings)
     write_run_files(cfg, cfg.output)
     ctx = StageContext(cfg, manifest)
     ran = []
