@@ -164,6 +164,48 @@ def test_a_changed_setting_redoes_that_stage_and_what_reads_it_from_scratch(tmp_
     assert [c[0] for c in calls] == list(STAGES[1:])
 
 
+def test_a_stage_killed_midway_resumes_with_its_settings_and_restarts_with_others(tmp_path, capsys):
+    calls = []
+    with pytest.raises(Killed):
+        run_pipeline(cfg_for(tmp_path), fake_stages(calls, kill_at=("round2", "middle")))
+    cfg = cfg_for(tmp_path)
+    cfg.round2.train.lr = 3e-4
+    calls.clear()
+    run_pipeline(cfg, fake_stages(calls))
+    # Its half-done folder belonged to the old learning rate: not resumed, started afresh.
+    assert calls[0] == ("round2", [])
+    assert "stage round2: its settings changed (stage.train.lr: 0.0005 -> 0.0003)" in capsys.readouterr().out
+    assert json.load(open(tmp_path / "run" / "round2" / "progress.json")) == [0, 1, 2, 3]
+
+
+def test_a_run_killed_while_discarding_stale_stages_finishes_discarding_them(tmp_path, monkeypatch):
+    from pipeline.core import storage
+
+    run_pipeline(cfg_for(tmp_path), fake_stages([]))
+    cfg = cfg_for(tmp_path)
+    cfg.reranker.train.lr = 3e-4
+    deleted = []
+    delete_dir = storage.delete_dir
+
+    def dies_after_one(uri):
+        if deleted:
+            raise Killed(uri)
+        deleted.append(uri)
+        delete_dir(uri)
+
+    monkeypatch.setattr(storage, "delete_dir", dies_after_one)
+    with pytest.raises(Killed):
+        run_pipeline(cfg, fake_stages([]))
+    monkeypatch.undo()
+    # One folder is gone while every record is still there: the next run, even with the old
+    # settings back, must not trust those records, nor resume the folders still standing.
+    assert deleted == [str(tmp_path / "run" / "distill")]
+    assert all(RunManifest(str(tmp_path / "run"), MANIFEST).done(s) for s in STAGES)
+    calls = []
+    run_pipeline(cfg_for(tmp_path), fake_stages(calls))
+    assert calls == [(s, []) for s in ("reranker", "rerank", "teacher", "distill")]
+
+
 def test_records_from_before_settings_are_kept(tmp_path):
     run_pipeline(cfg_for(tmp_path), fake_stages([]))
     manifest = RunManifest(str(tmp_path / "run"), MANIFEST)

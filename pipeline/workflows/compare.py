@@ -504,31 +504,10 @@ def run_comparison(cfg: ComparisonConfig) -> dict:
     write_run_files(cfg, cfg.output)
     ran = []
     for name, settings, work in comparison.units():
-        if comparison.manifest.done(name):
-            changed = comparison.manifest.changes(name, settings)
-            if not changed:
-                continue
-            print(f"[compare] {name}: its settings changed ({'; '.join(changed)}): running it again", flush=True)
-            for folder in comparison.unit_folders(name):
-                storage.delete_dir(folder)
-            comparison.manifest.forget([name])
-        started = time.time()
-        print(f"[compare] {name}: running", flush=True)
-        record = work()
-        comparison.manifest.save(
-            name,
-            {
-                "status": "done",
-                "seconds": round(time.time() - started, 1),
-                "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "outputs": record.get("outputs", {}),
-                "metrics": record.get("metrics", {}),
-                "summary": record.get("summary", {}),
-                "settings": settings,
-            },
-        )
-        ran.append(name)
-        print(f"[compare] {name}: done in {comparison.manifest.record(name)['seconds']} s", flush=True)
+        comparison.manifest.discard_stale({name: settings}, comparison.unit_folders, "[compare]")
+        if not comparison.manifest.done(name):
+            comparison.manifest.run(name, settings, work, "[compare]")
+            ran.append(name)
     files = write_results(cfg, comparison.manifest)
     return {
         "job": "compare",

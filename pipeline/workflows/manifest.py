@@ -5,12 +5,18 @@ that shape its outputs, and the fingerprints of the stages it read. A rerun with
 settings does that stage again, and, through the fingerprints, every stage downstream of it,
 rather than mix results of two configurations in one table. Records written before settings
 were kept have none and are reused as they are.
+
+A stage's settings are written down when it starts, too: a stage killed midway resumes from
+its checkpoints on a rerun with the same settings, and starts from an empty folder on a
+rerun with others.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from pipeline.core import storage
@@ -61,12 +67,14 @@ def fingerprint(settings: dict[str, Any]) -> str:
 
 
 class RunManifest:
-    """``pipeline.json``: one record per finished stage. Rewritten whole after each stage
-    (an atomic write), so a kill leaves the previous complete version."""
+    """``pipeline.json``: one record per finished stage (``stages``), the settings of each
+    stage started and not finished (``started``). Rewritten whole after each change (an
+    atomic write), so a kill leaves the previous complete version."""
 
     def __init__(self, output: str, name: str):
         self.uri = storage.join(output, name)
         self.data = storage.read_json(self.uri) if storage.exists(self.uri) else {"stages": {}}
+        self.data.setdefault("started", {})
 
     def done(self, stage: str) -> bool:
         return stage in self.data["stages"]
@@ -80,10 +88,13 @@ class RunManifest:
         return self.data["stages"][stage]
 
     def changes(self, stage: str, settings: dict[str, Any]) -> list[str]:
-        """How ``settings`` differ from those the recorded ``stage`` ran with, one
-        ``key: recorded -> now`` line per key; empty when they agree or the record predates
-        settings."""
-        recorded = self.record(stage).get("settings")
+        """How ``settings`` differ from those ``stage`` finished or was started with, one
+        ``key: recorded -> now`` line per key; empty when they agree, when the stage never
+        started, or when its record predates settings."""
+        if self.done(stage):
+            recorded = self.record(stage).get("settings")
+        else:
+            recorded = self.data["started"].get(stage)
         if recorded is None:
             return []
         keys = sorted(set(recorded) | set(settings))
@@ -96,9 +107,63 @@ class RunManifest:
 
     def save(self, stage: str, record: dict) -> None:
         self.data["stages"][stage] = record
-        storage.write_json(self.uri, self.data)
+        self.data["started"].pop(stage, None)
+        self._write()
 
-    def forget(self, stages) -> None:
-        for stage in stages:
+    def discard_stale(
+        self,
+        settings: dict[str, dict],
+        folders: Callable[[str], Iterable[str]],
+        label: str,
+        redo: Iterable[str] = (),
+    ) -> set[str]:
+        """Before a run: delete the folders, then the record, of each stage in ``redo`` and of
+        each stage in ``settings`` that finished or started with other settings; returns them.
+
+        The stages to discard are written down first, so a kill midway is finished by the next
+        run: no stage loses its record while its folder still holds checkpoints of the old
+        settings (it would resume from them), and none keeps a record whose outputs are gone.
+        """
+        discard = set(self.data.get("discarding", [])) | set(redo)
+        for stage, now in settings.items():
+            changed = self.changes(stage, now)
+            if changed:
+                print(f"{label} {stage}: its settings changed ({'; '.join(changed)}): running it again", flush=True)
+                discard.add(stage)
+        if not discard:
+            return discard
+        self.data["discarding"] = sorted(discard)
+        self._write()
+        for stage in sorted(discard):
+            for folder in folders(stage):
+                storage.delete_dir(folder)
+        for stage in discard:
             self.data["stages"].pop(stage, None)
+            self.data["started"].pop(stage, None)
+        del self.data["discarding"]
+        self._write()
+        return discard
+
+    def run(self, stage: str, settings: dict[str, Any], work: Callable[[], dict], label: str) -> dict:
+        """Run one stage's ``work`` and record what it returned (outputs, metrics, summary)
+        with its settings and wall time."""
+        self.data["started"][stage] = settings
+        self._write()
+        started = time.time()
+        print(f"{label} {stage}: running", flush=True)
+        result = work()
+        record = {
+            "status": "done",
+            "seconds": round(time.time() - started, 1),
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "outputs": result.get("outputs", {}),
+            "metrics": result.get("metrics", {}),
+            "summary": result.get("summary", {}),
+            "settings": settings,
+        }
+        self.save(stage, record)
+        print(f"{label} {stage}: done in {record['seconds']} s", flush=True)
+        return record
+
+    def _write(self) -> None:
         storage.write_json(self.uri, self.data)

@@ -25,8 +25,8 @@ that stage again from an empty folder, and every stage that reads it.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
@@ -268,10 +268,9 @@ def stage_settings(cfg: PipelineConfig) -> dict[str, dict]:
     return settings
 
 
-def plan_stages(cfg: PipelineConfig, manifest: RunManifest, settings: dict[str, dict]) -> tuple[list[str], set[str]]:
-    """The stages this invocation runs, in order, and those of them to redo from scratch
-    (--only, --from, or recorded with other settings) rather than resume; applies --from and
-    the changed settings to the manifest."""
+def plan_stages(cfg: PipelineConfig, manifest: RunManifest, settings: dict[str, dict]) -> list[str]:
+    """The stages this invocation runs, in order. Those to redo from scratch (--only, --from,
+    or recorded or started with other settings) lose their folders and records first."""
     enabled = [
         s
         for s in STAGES
@@ -282,24 +281,16 @@ def plan_stages(cfg: PipelineConfig, manifest: RunManifest, settings: dict[str, 
             raise ConfigError(f"{flag} {name}: not a stage of this recipe (stages: {', '.join(enabled)})")
     if cfg.only and cfg.start_from:
         raise ConfigError("--only and --from exclude each other")
+    folders = lambda stage: [StageContext(cfg, manifest).folder(stage)]
     if cfg.only:
-        return [cfg.only], {cfg.only}
-    redo: set[str] = set()
-    if cfg.start_from:
-        redo = set(enabled[enabled.index(cfg.start_from) :])
-        manifest.forget(redo)
-    for stage in enabled:
-        changed = manifest.done(stage) and manifest.changes(stage, settings[stage])
-        if changed:
-            print(
-                f"[pipeline] stage {stage}: its settings changed ({'; '.join(changed)}): running it again", flush=True
-            )
-            manifest.forget([stage])
-            redo.add(stage)
+        manifest.discard_stale({cfg.only: settings[cfg.only]}, folders, "[pipeline] stage", redo=[cfg.only])
+        return [cfg.only]
+    redo = enabled[enabled.index(cfg.start_from) :] if cfg.start_from else []
+    manifest.discard_stale({s: settings[s] for s in enabled}, folders, "[pipeline] stage", redo=redo)
     todo = [s for s in enabled if not manifest.done(s)]
     if cfg.stop_after:
         todo = [s for s in todo if enabled.index(s) <= enabled.index(cfg.stop_after)]
-    return todo, redo & set(todo)
+    return todo
 
 
 # -- stages ------------------------------------------------------------------------------
@@ -682,28 +673,13 @@ def run_pipeline(cfg: PipelineConfig, stage_functions: dict[str, Callable[[Stage
     storage.check_reachable(cfg.output)
     manifest = RunManifest(cfg.output, MANIFEST)
     settings = stage_settings(cfg)
-    todo, redo = plan_stages(cfg, manifest, settings)
+    todo = plan_stages(cfg, manifest, settings)
     write_run_files(cfg, cfg.output)
     ctx = StageContext(cfg, manifest)
     ran = []
     for stage in todo:
-        if stage in redo:  # asked to redo it: no resuming from an older attempt's checkpoints
-            storage.delete_dir(ctx.folder(stage))
-        started = time.time()
-        print(f"[pipeline] stage {stage}: running", flush=True)
-        record = functions[stage](ctx)
-        record = {
-            "status": "done",
-            "seconds": round(time.time() - started, 1),
-            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "outputs": record.get("outputs", {}),
-            "metrics": record.get("metrics", {}),
-            "summary": record.get("summary", {}),
-            "settings": settings[stage],
-        }
-        manifest.save(stage, record)
+        manifest.run(stage, settings[stage], functools.partial(functions[stage], ctx), "[pipeline] stage")
         ran.append(stage)
-        print(f"[pipeline] stage {stage}: done in {record['seconds']} s", flush=True)
     results = write_results(cfg.output, manifest)
     return {
         "job": "pipeline",
