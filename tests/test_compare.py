@@ -10,12 +10,22 @@ from __future__ import annotations
 import copy
 import json
 import os
+import tempfile
 
 import pytest
 
 from pipeline.training.train_config import TrainConfig
 from pipeline.workflows import compare
-from pipeline.workflows.compare import METHODS, ComparisonConfig, ComparisonScratch, finetune_unit, run_comparison
+from pipeline.workflows.compare import (
+    MANIFEST,
+    METHODS,
+    Comparison,
+    ComparisonConfig,
+    ComparisonScratch,
+    finetune_unit,
+    run_comparison,
+)
+from pipeline.workflows.manifest import RunManifest
 from tests.helpers import ir_measures_of_run, retrieval_collection, save_tiny_bert
 
 N_DOCS, N_TRAIN, N_DEV = 80, 30, 10
@@ -391,3 +401,26 @@ def test_shipped_comparison_config_loads():
     cfg = parse_config(ComparisonConfig, ["--config", scratch])
     assert cfg.scratch.enabled and not cfg.init and len(cfg.finetune.seeds) >= 3
     assert cfg.pretrain.job.corpus.join.group_by == cfg.scratch.job.corpus.join.group_by == r"^(.+)\.\d+$"
+
+
+def test_the_long_fine_tuning_config_shares_the_studys_pre_training():
+    """compare-nave-scratch-1000.yaml changes only the fine-tuning: its pre-training units
+    carry the same settings as the 300-step study's, so records of one serve the other."""
+    from pipeline.core.config import parse_config
+
+    recipes = os.path.join(os.path.dirname(__file__), "..", "jobs", "recipes")
+
+    def unit_settings_of(name, tmp):
+        cfg = parse_config(ComparisonConfig, ["--config", os.path.join(recipes, name), "--output", tmp])
+        return cfg, {unit: settings for unit, settings, _ in Comparison(cfg, RunManifest(tmp, MANIFEST)).units()}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        short_cfg, short = unit_settings_of("compare-nave-scratch.yaml", tmp)
+        long_cfg, long = unit_settings_of("compare-nave-scratch-1000.yaml", tmp)
+    assert (short_cfg.finetune.stage.train.max_steps, long_cfg.finetune.stage.train.max_steps) == (300, 1000)
+    assert long_cfg.finetune.train_sizes == [0] and long_cfg.finetune.seeds == short_cfg.finetune.seeds
+    shared = [u for u in long if not u.startswith(("finetune/", "analysis"))]
+    assert "pretrain/bert" in shared and "pretrain/simlm" in shared and "queries/all" in shared
+    assert all(long[u] == short[u] for u in shared)
+    finetunes = [u for u in long if u.startswith("finetune/")]
+    assert len(finetunes) == 15 and all(long[u] != short[u] for u in finetunes)
