@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import tempfile
 
 import pytest
 
@@ -403,20 +402,20 @@ def test_shipped_comparison_config_loads():
     assert cfg.pretrain.job.corpus.join.group_by == cfg.scratch.job.corpus.join.group_by == r"^(.+)\.\d+$"
 
 
-def test_the_long_fine_tuning_config_shares_the_studys_pre_training():
+def test_the_long_fine_tuning_config_shares_the_studys_pre_training(tmp_path):
     """compare-nave-scratch-1000.yaml changes only the fine-tuning: its pre-training units
     carry the same settings as the 300-step study's, so records of one serve the other."""
     from pipeline.core.config import parse_config
 
     recipes = os.path.join(os.path.dirname(__file__), "..", "jobs", "recipes")
 
-    def unit_settings_of(name, tmp):
-        cfg = parse_config(ComparisonConfig, ["--config", os.path.join(recipes, name), "--output", tmp])
-        return cfg, {unit: settings for unit, settings, _ in Comparison(cfg, RunManifest(tmp, MANIFEST)).units()}
+    def unit_settings_of(name):
+        cfg = parse_config(ComparisonConfig, ["--config", os.path.join(recipes, name), "--output", str(tmp_path)])
+        manifest = RunManifest(str(tmp_path), MANIFEST)
+        return cfg, {unit: settings for unit, settings, _ in Comparison(cfg, manifest).units()}
 
-    with tempfile.TemporaryDirectory() as tmp:
-        short_cfg, short = unit_settings_of("compare-nave-scratch.yaml", tmp)
-        long_cfg, long = unit_settings_of("compare-nave-scratch-1000.yaml", tmp)
+    short_cfg, short = unit_settings_of("compare-nave-scratch.yaml")
+    long_cfg, long = unit_settings_of("compare-nave-scratch-1000.yaml")
     assert (short_cfg.finetune.stage.train.max_steps, long_cfg.finetune.stage.train.max_steps) == (300, 1000)
     assert long_cfg.finetune.train_sizes == [0] and long_cfg.finetune.seeds == short_cfg.finetune.seeds
     shared = [u for u in long if not u.startswith(("finetune/", "analysis"))]

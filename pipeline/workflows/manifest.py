@@ -116,9 +116,9 @@ class RunManifest:
         folders: Callable[[str], Iterable[str]],
         label: str,
         redo: Iterable[str] = (),
-    ) -> set[str]:
+    ) -> None:
         """Before a run: delete the folders, then the record, of each stage in ``redo`` and of
-        each stage in ``settings`` that finished or started with other settings; returns them.
+        each stage in ``settings`` that finished or started with other settings.
 
         The stages to discard are written down first, so a kill midway is finished by the next
         run: no stage loses its record while its folder still holds checkpoints of the old
@@ -131,7 +131,7 @@ class RunManifest:
                 print(f"{label} {stage}: its settings changed ({'; '.join(changed)}): running it again", flush=True)
                 discard.add(stage)
         if not discard:
-            return discard
+            return
         self.data["discarding"] = sorted(discard)
         self._write()
         for stage in sorted(discard):
@@ -142,7 +142,6 @@ class RunManifest:
             self.data["started"].pop(stage, None)
         del self.data["discarding"]
         self._write()
-        return discard
 
     def run(self, stage: str, settings: dict[str, Any], work: Callable[[], dict], label: str) -> dict:
         """Run one stage's ``work`` and record what it returned (outputs, metrics, summary)

@@ -281,7 +281,8 @@ def plan_stages(cfg: PipelineConfig, manifest: RunManifest, settings: dict[str, 
             raise ConfigError(f"{flag} {name}: not a stage of this recipe (stages: {', '.join(enabled)})")
     if cfg.only and cfg.start_from:
         raise ConfigError("--only and --from exclude each other")
-    folders = lambda stage: [StageContext(cfg, manifest).folder(stage)]
+    folder = StageContext(cfg, manifest).folder
+    folders = lambda stage: [folder(stage)]
     if cfg.only:
         manifest.discard_stale({cfg.only: settings[cfg.only]}, folders, "[pipeline] stage", redo=[cfg.only])
         return [cfg.only]
