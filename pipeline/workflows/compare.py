@@ -502,9 +502,12 @@ def run_comparison(cfg: ComparisonConfig) -> dict:
     storage.check_reachable(cfg.output)
     comparison = Comparison(cfg, RunManifest(cfg.output, MANIFEST))
     write_run_files(cfg, cfg.output)
+    units = comparison.units()
+    comparison.manifest.discard_stale(
+        {name: settings for name, settings, _ in units}, comparison.unit_folders, "[compare]"
+    )
     ran = []
-    for name, settings, work in comparison.units():
-        comparison.manifest.discard_stale({name: settings}, comparison.unit_folders, "[compare]")
+    for name, settings, work in units:
         if not comparison.manifest.done(name):
             comparison.manifest.run(name, settings, work, "[compare]")
             ran.append(name)
