@@ -1,7 +1,7 @@
 """Run the whole retriever recipe from one config, stage by stage, resumable.
 
 Stages: pretrain (optional), bm25, zeroshot, round1, mine1, round2, mine2, reranker,
-rerank, teacher, distill. Finished stages are recorded in <output>/pipeline.json and
+rerank, teacher, distill. Finished stages are recorded in <output>/recipe.json and
 skipped on a rerun; --only STAGE reruns one stage, --from STAGE restarts from a stage.
 With no arguments it runs the embedded recipe: a tiny Condenser pre-trained on the bundled
 Bible sample, then every stage on its queries. Prints a JSON summary as its last line, and
@@ -9,11 +9,11 @@ writes <output>/results.md.
 """
 
 from pipeline.core.entry import run_job
-from pipeline.workflows.recipe import PipelineConfig, cli_args, run_pipeline
+from pipeline.workflows.recipe import RecipeConfig, cli_args, run_recipe
 
 
 def main(argv=None) -> dict:
-    return run_job(PipelineConfig, run_pipeline, __doc__, argv, translate_argv=cli_args)
+    return run_job(RecipeConfig, run_recipe, __doc__, argv, translate_argv=cli_args)
 
 
 if __name__ == "__main__":

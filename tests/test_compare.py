@@ -15,7 +15,7 @@ import pytest
 
 from pipeline.core.config import parse_config
 from pipeline.training.train_config import TrainConfig
-from pipeline.workflows import compare
+from pipeline.workflows import compare, stages
 from pipeline.workflows.compare import (
     MANIFEST,
     METHODS,
@@ -26,6 +26,7 @@ from pipeline.workflows.compare import (
     run_comparison,
 )
 from pipeline.workflows.manifest import RunManifest
+from pipeline.workflows.units import settings_of
 from tests.helpers import ir_measures_of_run, retrieval_collection, save_tiny_bert
 
 N_DOCS, N_TRAIN, N_DEV = 80, 30, 10
@@ -73,7 +74,7 @@ def test_comparison_end_to_end_then_rerun(tmp_path, shared_ray, monkeypatch):
     # Fine-tuning on Ray Train is the recipe's (tests/test_two_node.py); here the retriever
     # is its initial checkpoint, and what the comparison hands the trainer is recorded.
     finetuned = []
-    monkeypatch.setattr(compare, "run_finetuning", lambda job: finetuned.append(job) or {"export_dir": job.model.init})
+    monkeypatch.setattr(stages, "run_finetuning", lambda job: finetuned.append(job) or {"export_dir": job.model.init})
     summary = run_comparison(cfg)
     out = tmp_path / "compare"
     units = json.load(open(out / "comparison.json"))["stages"]
@@ -129,8 +130,8 @@ def _stub_stages(monkeypatch) -> dict[str, list]:
         return {"files": plots, "entropy": [], "cls_cosine": {}}
 
     monkeypatch.setattr(compare, "run_pretraining", fake_pretraining)
-    monkeypatch.setattr(compare, "run_finetuning", fake_finetuning)
-    monkeypatch.setattr(compare, "evaluate_dev", fake_evaluation)
+    monkeypatch.setattr(stages, "run_finetuning", fake_finetuning)
+    monkeypatch.setattr(stages, "evaluate_dev", fake_evaluation)
     monkeypatch.setattr(compare, "run_analysis", fake_analysis)
     monkeypatch.setattr(compare, "plot_method_comparison", lambda rows, metrics, uri: uri)
     return calls
@@ -409,7 +410,7 @@ def test_the_long_fine_tuning_config_shares_the_studys_pre_training(tmp_path):
     def unit_settings_of(name):
         cfg = parse_config(ComparisonConfig, ["--config", os.path.join(recipes, name), "--output", str(tmp_path)])
         manifest = RunManifest(str(tmp_path), MANIFEST)
-        return cfg, {unit: settings for unit, settings, _ in Comparison(cfg, manifest).units()}
+        return cfg, settings_of(Comparison(cfg, manifest).units())
 
     short_cfg, short = unit_settings_of("compare-nave-scratch.yaml")
     long_cfg, long = unit_settings_of("compare-nave-scratch-1000.yaml")

@@ -37,7 +37,7 @@ from pipeline.data.runs import read_trec_run
 from pipeline.retrieval.metrics import JOB_MEASURES
 from pipeline.retrieval.rerank_scoring import PairScorer
 from pipeline.training.train_config import TrainConfig
-from pipeline.workflows.recipe import STAGES, PipelineConfig
+from pipeline.workflows.recipe import STAGES, RecipeConfig
 from tests.helpers import ir_measures_of_run, read_traces, retrieval_collection, save_tiny_bert
 from tests.ray_cluster import (
     FAKE_CREDENTIALS,
@@ -81,8 +81,8 @@ for args in json.loads(sys.argv[1]):
 """
 
 
-def _config(data: dict, init: str, output: str) -> PipelineConfig:
-    cfg = PipelineConfig(output=output)
+def _config(data: dict, init: str, output: str) -> RecipeConfig:
+    cfg = RecipeConfig(output=output)
     cfg.model.init = init
     for key in ("corpus", "train_queries", "train_qrels", "dev_queries", "dev_qrels"):
         setattr(cfg.data, key, data[key])
@@ -190,11 +190,11 @@ def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp
     assert summary["ran"] == list(STAGES)
 
     # The searchers reserved their shards' memory and a CPU share, so none is on the 0-CPU head.
-    records = storage.read_json(f"{out}/pipeline.json")["stages"]
+    records = storage.read_json(f"{out}/recipe.json")["stages"]
     for searchers in (records["zeroshot"]["summary"]["searchers"], records["round2"]["summary"]["eval"]["searchers"]):
         assert searchers and all(s["node"] == probe["node"] and s["reserved"]["memory"] > 0 for s in searchers)
 
-    # pipeline.json on S3 records every stage; each retriever-stage row is what ir_measures
+    # recipe.json on S3 records every stage; each retriever-stage row is what ir_measures
     # computes from that stage's run file, read back from S3.
     assert set(records) == set(STAGES)
     for stage in ("bm25", "zeroshot", "round1", "round2", "rerank", "distill"):

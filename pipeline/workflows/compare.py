@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -42,19 +41,20 @@ from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.data.beir import QRELS_HEADER, positives, read_qrels, read_queries
 from pipeline.data.runs import read_negatives
 from pipeline.retrieval.bm25 import Bm25Config, mine_negatives
-from pipeline.training.finetune import run_finetuning
 from pipeline.training.pretrain import PretrainConfig, run_pretraining
 from pipeline.training.train_config import TrainConfig
 from pipeline.workflows.analyze import AnalyzeConfig, run_analysis
-from pipeline.workflows.manifest import RunManifest, unit_settings
-from pipeline.workflows.recipe import (
+from pipeline.workflows.manifest import RunManifest
+from pipeline.workflows.stages import (
     EvalStage,
-    RecipeData,
+    RetrievalData,
     RetrieverStage,
     eval_k,
-    evaluate_dev,
     finetune_config,
+    pretrained_record,
+    train_and_evaluate,
 )
+from pipeline.workflows.units import Unit, run_units
 
 METHODS = ("none", "mlm", "condenser", "cocondenser", "simlm")
 MANIFEST = "comparison.json"
@@ -158,7 +158,7 @@ class ComparisonConfig:
         },
     )
     scratch: ComparisonScratch = field(default_factory=ComparisonScratch)
-    data: RecipeData = field(default_factory=RecipeData)
+    data: RetrievalData = field(default_factory=RetrievalData)
     pretrain: ComparisonPretrain = field(default_factory=ComparisonPretrain)
     finetune: ComparisonFinetune = field(default_factory=ComparisonFinetune)
     eval: EvalStage = field(default_factory=lambda: EvalStage(k=100))
@@ -238,16 +238,14 @@ class Comparison:
     def encoder(self, method: str) -> str:
         return self.init if method == "none" else self.output(f"pretrain/{method}", "export")
 
-    def units(self) -> list[tuple[str, dict, Callable[[], dict]]]:
-        """Every unit in the order dependencies allow: (name, its settings, function returning
-        its record). A unit's settings name the config it runs with and the units it reads."""
+    def units(self) -> list[Unit]:
+        """Every unit in the order dependencies allow. A unit's settings name the config it
+        runs with; its ``after`` the units it reads."""
         cfg, data = self.cfg, self.cfg.data
-        settings: dict[str, dict] = {}
-        units: list[tuple[str, dict, Callable[[], dict]]] = []
+        units: list[Unit] = []
 
         def add(name: str, work: Callable[[], dict], after: tuple[str, ...] = (), **sections) -> None:
-            settings[name] = unit_settings({a: settings[a] for a in after}, **sections)
-            units.append((name, settings[name], work))
+            units.append(Unit(name, work, after, sections, self.unit_folders(name)))
 
         corpus = dict(corpus=self.pretraining_corpus, docs_per_shard=data.docs_per_shard)
         start: tuple[str, ...] = ()
@@ -269,7 +267,7 @@ class Comparison:
             if m == "none":
                 continue
             upstream = {"cocondenser": "pretrain/condenser", "simlm": "pretrain/mlm"}.get(m)
-            after = start + ((upstream,) if upstream in settings else ())
+            after = start + ((upstream,) if upstream else ())
             # each method reads its own section: another method's settings are not its own
             job = {k: v for k, v in to_dict(cfg.pretrain.job).items() if k == m or k not in METHODS}
             add(f"pretrain/{m}", lambda m=m: self.pretrain(m), after, job=job, method=m, **init, **corpus)
@@ -288,17 +286,17 @@ class Comparison:
                     )
         if cfg.analysis.enabled:
             largest = max(cfg.finetune.train_sizes, key=lambda n: (n == 0, n))
-            read = [u for u in settings if u.startswith("pretrain/")]
-            read += [finetune_unit(m, largest, cfg.finetune.seeds[0]) for m in cfg.ordered_methods]
-            add("analysis", self.analyze, tuple(read), analysis=cfg.analysis, data=data, **init)
+            read = tuple(u.name for u in units if u.name.startswith("pretrain/"))
+            read += tuple(finetune_unit(m, largest, cfg.finetune.seeds[0]) for m in cfg.ordered_methods)
+            add("analysis", self.analyze, read, analysis=cfg.analysis, data=data, **init)
         return units
 
-    def unit_folders(self, name: str) -> list[str]:
+    def unit_folders(self, name: str) -> tuple[str, ...]:
         """What a unit writes, deleted before it runs again with other settings (so it does not
         resume from the old settings' checkpoints)."""
         if name == "pretrain/bert":
             # its tokenizer is every prepared corpus's: they go with it
-            return [
+            return tuple(
                 self.folder(*p)
                 for p in (
                     ("pretrain", "bert"),
@@ -306,8 +304,8 @@ class Comparison:
                     ("pretrain", "corpus"),
                     ("finetune", "corpus"),
                 )
-            ]
-        return [self.folder(name)]
+            )
+        return (self.folder(name),)
 
     def mine_bm25_negatives(self) -> dict:
         """BM25 negatives of all training queries, once: every fine-tuning draws on the same file."""
@@ -352,15 +350,7 @@ class Comparison:
         job.corpus.input, job.corpus.docs_per_shard = self.pretraining_corpus, self.cfg.data.docs_per_shard
         job.corpus.output = self.folder("pretrain", "bert-corpus")
         job.train.output = self.folder("pretrain", "bert")
-        return self._pretrained(run_pretraining(job))
-
-    @staticmethod
-    def _pretrained(summary: dict) -> dict:
-        return {
-            "outputs": {"export": summary["export_dir"]},
-            "metrics": {"tokens_per_s": summary["tokens_per_s"], "final_loss": summary["final_loss"]},
-            "summary": summary,
-        }
+        return pretrained_record(run_pretraining(job))
 
     def pretrain(self, method: str) -> dict:
         cfg = self.cfg
@@ -376,18 +366,16 @@ class Comparison:
             job.cocondenser.head = "auto"
         if method == "simlm" and "mlm" in cfg.pretrain.methods:
             job.simlm.generator = self.output("pretrain/mlm", "export")
-        return self._pretrained(run_pretraining(job))
+        return pretrained_record(run_pretraining(job))
 
     def finetune(self, method: str, n: int, seed: int) -> dict:
         cfg, subset = self.cfg, queries_unit(n, seed)
-        folder = self.folder(finetune_unit(method, n, seed))
-        started = time.time()
         job = finetune_config(
             cfg.data,
             cfg.finetune.stage,
             init=self.encoder(method),
             negatives=self.output(subset, "negatives"),
-            output=folder,
+            output=self.folder(finetune_unit(method, n, seed)),
             prepared_corpus=self.folder("finetune", "corpus"),
             ray=cfg.ray,
             queries=self.output(subset, "queries"),
@@ -395,19 +383,7 @@ class Comparison:
         )
         job.corpus.tokenizer = self.init  # every method keeps its tokenizer: one prepared corpus for all
         job.train.seed = cfg.finetune.stage.train.seed + seed
-        summary = run_finetuning(job)
-        train_s = time.time() - started
-        k = eval_k(self.manifest, cfg.data.corpus, cfg.eval.k)
-        evaluation = evaluate_dev(cfg.data, cfg.eval, summary["export_dir"], storage.join(folder, "eval"), k)
-        return {
-            "outputs": {"export": summary["export_dir"], "run": evaluation["run"]},
-            "metrics": {
-                **evaluation["metrics"],
-                "train_seconds": round(train_s, 1),
-                "tokens_per_s": summary.get("tokens_per_s"),
-            },
-            "summary": {"train": summary, "eval": evaluation},
-        }
+        return train_and_evaluate(job, cfg.data, cfg.eval, eval_k(self.manifest, cfg.data.corpus, cfg.eval.k))
 
     def analyze(self) -> dict:
         """CLS attention entropy (Condenser paper, Figure 2): the initial checkpoint and each
@@ -502,15 +478,7 @@ def run_comparison(cfg: ComparisonConfig) -> dict:
     storage.check_reachable(cfg.output)
     comparison = Comparison(cfg, RunManifest(cfg.output, MANIFEST))
     write_run_files(cfg, cfg.output)
-    units = comparison.units()
-    comparison.manifest.discard_stale(
-        {name: settings for name, settings, _ in units}, comparison.unit_folders, "[compare]"
-    )
-    ran = []
-    for name, settings, work in units:
-        if not comparison.manifest.done(name):
-            comparison.manifest.run(name, settings, work, "[compare]")
-            ran.append(name)
+    ran = run_units(comparison.manifest, comparison.units(), "[compare]")
     files = write_results(cfg, comparison.manifest)
     return {
         "job": "compare",

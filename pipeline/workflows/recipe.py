@@ -14,7 +14,8 @@ Stages, in order (``STAGES``); each reads the outputs of earlier ones from the m
 - ``teacher``    score the training queries' round-2 candidates: the distillation targets;
 - ``distill``    train a retriever on KL(teacher || student) + alpha * CE, evaluate.
 
-The manifest (``<output>/pipeline.json``) records each finished stage: its outputs, metrics
+The stages are one table (``RECIPE``) of units for the stage engine (``units.run_units``).
+The manifest (``<output>/recipe.json``) records each finished stage: its outputs, metrics
 and wall time, written atomically after the stage. A rerun skips recorded stages and resumes
 an interrupted one from its own checkpoints (trainers) or finished shards (encoding). A
 stage run again by ``--only`` or ``--from`` starts from an empty folder. Each record keeps
@@ -27,8 +28,8 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Literal
 
 import numpy as np
 
@@ -40,67 +41,36 @@ from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.errors import ConfigError
 from pipeline.core.plots import plot_metrics
 from pipeline.core.runtime import RayConfig, write_run_files
-from pipeline.core.sample import (
-    SAMPLE_CORPUS,
-    SAMPLE_DEV_QRELS,
-    SAMPLE_DEV_QUERIES,
-    SAMPLE_TRAIN_QRELS,
-    SAMPLE_TRAIN_QUERIES,
-)
 from pipeline.data.beir import read_qrels, read_queries
-from pipeline.data.corpus import iter_documents
 from pipeline.data.records import read_lines
 from pipeline.data.runs import read_trec_run, write_trec_run
 from pipeline.retrieval.bm25 import bm25_run, build_index
 from pipeline.retrieval.encode import EncoderSettings
-from pipeline.retrieval.evaluate import EvalConfig, EvaluateJobConfig, run_evaluation
+from pipeline.retrieval.evaluate import EvalConfig
 from pipeline.retrieval.metrics import JOB_MEASURES, evaluate
 from pipeline.retrieval.mine import MineConfig, run_mining
 from pipeline.retrieval.rerank_scoring import RerankScoreConfig, run_scoring
 from pipeline.training.distill import DistillConfig, DistillDataConfig, run_distillation
-from pipeline.training.finetune import (
-    EncoderInit,
-    FinetuneConfig,
-    FinetuneCorpusConfig,
-    FinetuneDataConfig,
-    run_finetuning,
-)
+from pipeline.training.finetune import EncoderInit, FinetuneCorpusConfig, FinetuneDataConfig
 from pipeline.training.pretrain import PretrainConfig, run_pretraining
-from pipeline.training.rerank import (
-    RerankConfig,
-    RerankEvalConfig,
-    run_reranker_training,
-)
+from pipeline.training.rerank import RerankConfig, RerankEvalConfig, run_reranker_training
 from pipeline.training.train_config import TrainConfig
-from pipeline.workflows.manifest import RunManifest, unit_settings
-
-STAGES = (
-    "pretrain",
-    "bm25",
-    "zeroshot",
-    "round1",
-    "mine1",
-    "round2",
-    "mine2",
-    "reranker",
-    "rerank",
-    "teacher",
-    "distill",
+from pipeline.workflows.manifest import RunManifest
+from pipeline.workflows.stages import (
+    EvalStage,
+    RetrievalData,
+    RetrieverStage,
+    eval_k,
+    evaluate_dev,
+    finetune_config,
+    pretrained_record,
+    train_and_evaluate,
 )
+from pipeline.workflows.units import Unit, run_units
+
 RERANK_STAGES = ("mine2", "reranker", "rerank", "teacher", "distill")
-MANIFEST = "pipeline.json"
-
-
-@dataclass
-class RecipeData:
-    corpus: str = field(default=SAMPLE_CORPUS, metadata={"help": "BEIR corpus.jsonl (local or s3://)"})
-    train_queries: str = field(default=SAMPLE_TRAIN_QUERIES, metadata={"help": "training queries (BEIR jsonl)"})
-    train_qrels: str = field(default=SAMPLE_TRAIN_QRELS, metadata={"help": "their qrels (TSV with a header)"})
-    dev_queries: str = field(default=SAMPLE_DEV_QUERIES, metadata={"help": "evaluation queries"})
-    dev_qrels: str = field(default=SAMPLE_DEV_QRELS, metadata={"help": "their qrels"})
-    query_max_len: int = field(default=32, metadata={"help": "query tokens, [CLS] and [SEP] included"})
-    passage_max_len: int = field(default=128, metadata={"help": "passage tokens, [CLS] and [SEP] included"})
-    docs_per_shard: int = field(default=20000, metadata={"help": "passages per corpus / embedding shard"})
+MANIFEST = "recipe.json"
+FORMER_MANIFEST = "pipeline.json"  # run folders written before the recipe was named so
 
 
 @dataclass
@@ -125,17 +95,6 @@ class PretrainStage:
 
 
 @dataclass
-class RetrieverStage:
-    retriever: BiEncoderConfig = field(default_factory=lambda: BiEncoderConfig(pooling="mean"))
-    # The embedded recipe: 100 steps of 16 queries, enough to move the tiny model.
-    train: TrainConfig = field(
-        default_factory=lambda: TrainConfig(
-            micro_batch_size=16, max_steps=100, lr=5e-4, checkpoint_every=50, cpus_per_worker=2
-        )
-    )
-
-
-@dataclass
 class MineStage:
     depth: int = field(default=200, metadata={"help": "candidates retrieved per training query"})
     count: int = field(default=30, metadata={"help": "negatives kept per query"})
@@ -144,22 +103,6 @@ class MineStage:
     )
     bm25_depth: int = field(default=200, metadata={"help": "round 1: BM25 candidates per query"})
     bm25_count: int = field(default=30, metadata={"help": "round 1: BM25 negatives kept per query"})
-
-
-@dataclass
-class EvalStage:
-    k: int = field(default=1000, metadata={"help": "passages retrieved per dev query (capped at the corpus size)"})
-    index: str = field(
-        default="Flat", metadata={"help": "FAISS factory of the evaluation / mining index (Flat = exact)"}
-    )
-    nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
-    precision: Literal["auto", "fp32", "fp16", "bf16"] = field(
-        default="auto",
-        metadata={
-            "help": "encoding precision: auto (fp16 on GPU, fp32 on CPU), fp32, fp16 or bf16 (bf16 autocast also speeds up CPUs with AMX)"
-        },
-    )
-    pool: ActorConfig = field(default_factory=ActorConfig)
 
 
 @dataclass
@@ -204,12 +147,12 @@ class DistillStage:
 
 
 @dataclass
-class PipelineConfig:
+class RecipeConfig:
     output: str = field(
-        default="runs/pipeline",
-        metadata={"help": "run folder (local or s3://): every stage's outputs, pipeline.json, results.md"},
+        default="runs/recipe",
+        metadata={"help": "run folder (local or s3://): every stage's outputs, recipe.json, results.md"},
     )
-    data: RecipeData = field(default_factory=RecipeData)
+    data: RetrievalData = field(default_factory=RetrievalData)
     model: RecipeModel = field(default_factory=RecipeModel)
     pretrain: PretrainStage = field(default_factory=PretrainStage)
     round1: RetrieverStage = field(default_factory=RetrieverStage)
@@ -226,80 +169,12 @@ class PipelineConfig:
     ray: RayConfig = field(default_factory=RayConfig)
 
 
-# -- the run manifest --------------------------------------------------------------------
-
-
-def stage_settings(cfg: PipelineConfig) -> dict[str, dict]:
-    """Each stage's settings: the config values it computes with, and the stages it reads."""
-    data, ev, mine, reranker = cfg.data, cfg.eval, cfg.mine, cfg.reranker
-    start = ("pretrain",) if cfg.pretrain.enabled else ()
-    init = {} if cfg.pretrain.enabled else {"init": cfg.model.init}
-    evaluated = dict(data=data, eval=ev)
-    inputs: dict[str, tuple[tuple[str, ...], dict]] = {
-        "pretrain": ((), dict(job=cfg.pretrain.job)),
-        "bm25": ((), dict(data=data, k=ev.k)),
-        "zeroshot": (start, dict(retriever=cfg.round1.retriever, **evaluated, **init)),
-        "round1": (start, dict(stage=cfg.round1, bm25=[mine.bm25_depth, mine.bm25_count], **evaluated, **init)),
-        "mine1": (("round1",), dict(mine=mine, **evaluated)),
-        "round2": (start + ("mine1",), dict(stage=cfg.round2, **evaluated, **init)),
-        "mine2": (("round2",), dict(mine=mine, **evaluated)),
-        "reranker": (
-            start + ("mine2",),
-            dict(
-                data=data,
-                reranker=[reranker.init, reranker.group_size, reranker.max_len],
-                train=reranker.train,
-                **init,
-            ),
-        ),
-        "rerank": (("reranker", "round2"), dict(dev_depth=reranker.dev_depth, **evaluated)),
-        "teacher": (
-            ("reranker", "mine2"),
-            dict(
-                data=data, depth=reranker.teacher_depth, queries=reranker.teacher_queries, seed=cfg.distill.train.seed
-            ),
-        ),
-        "distill": (start + ("teacher",), dict(stage=cfg.distill, **evaluated, **init)),
-    }
-    settings: dict[str, dict] = {}
-    for stage in STAGES:  # upstream first
-        after, sections = inputs[stage]
-        settings[stage] = unit_settings({a: settings[a] for a in after}, **sections)
-    return settings
-
-
-def plan_stages(cfg: PipelineConfig, manifest: RunManifest, settings: dict[str, dict]) -> list[str]:
-    """The stages this invocation runs, in order. Those to redo from scratch (--only, --from,
-    or recorded or started with other settings) lose their folders and records first."""
-    enabled = [
-        s
-        for s in STAGES
-        if (s != "pretrain" or cfg.pretrain.enabled) and (s not in RERANK_STAGES or cfg.reranker.enabled)
-    ]
-    for flag, name in (("--only", cfg.only), ("--from", cfg.start_from), ("--stop_after", cfg.stop_after)):
-        if name and name not in enabled:
-            raise ConfigError(f"{flag} {name}: not a stage of this recipe (stages: {', '.join(enabled)})")
-    if cfg.only and cfg.start_from:
-        raise ConfigError("--only and --from exclude each other")
-    folder = StageContext(cfg, manifest).folder
-    folders = lambda stage: [folder(stage)]
-    if cfg.only:
-        manifest.discard_stale({cfg.only: settings[cfg.only]}, folders, "[pipeline] stage", redo=[cfg.only])
-        return [cfg.only]
-    redo = enabled[enabled.index(cfg.start_from) :] if cfg.start_from else []
-    manifest.discard_stale({s: settings[s] for s in enabled}, folders, "[pipeline] stage", redo=redo)
-    todo = [s for s in enabled if not manifest.done(s)]
-    if cfg.stop_after:
-        todo = [s for s in todo if enabled.index(s) <= enabled.index(cfg.stop_after)]
-    return todo
-
-
 # -- stages ------------------------------------------------------------------------------
 
 
 @dataclass
 class StageContext:
-    cfg: PipelineConfig
+    cfg: RecipeConfig
     manifest: RunManifest
 
     def folder(self, stage: str) -> str:
@@ -319,47 +194,11 @@ class StageContext:
         """One prepared corpus per tokenizer, shared by the stages that use it."""
         return storage.join(self.cfg.output, "corpus", hashlib.sha1(init.encode()).hexdigest()[:10])
 
+    def eval_k(self) -> int:
+        return eval_k(self.manifest, self.cfg.data.corpus, self.cfg.eval.k)
 
-def evaluate_dev(
-    data: RecipeData, settings: EvalStage, model: str, folder: str, k: int, pooling: str = "", normalize: bool = False
-) -> dict:
-    """Dev metrics of a retriever through the distributed path: encode on actors, index, search."""
-
-    return run_evaluation(
-        EvaluateJobConfig(
-            model=model,
-            corpus=data.corpus,
-            queries=data.dev_queries,
-            qrels=data.dev_qrels,
-            pooling=pooling,
-            normalize=normalize,
-            index=settings.index,
-            k=k,
-            output=folder,
-            pool=settings.pool,
-            max_len=data.passage_max_len,
-            query_max_len=data.query_max_len,
-            nprobe=settings.nprobe,
-            docs_per_shard=data.docs_per_shard,
-            precision=settings.precision,
-        )
-    )
-
-
-def _evaluate(ctx: StageContext, model: str, folder: str, pooling: str = "", normalize: bool = False) -> dict:
-    return evaluate_dev(ctx.cfg.data, ctx.cfg.eval, model, folder, _eval_k(ctx), pooling, normalize)
-
-
-def _eval_k(ctx: StageContext) -> int:
-    return eval_k(ctx.manifest, ctx.cfg.data.corpus, ctx.cfg.eval.k)
-
-
-def eval_k(manifest: RunManifest, corpus: str, k: int) -> int:
-    """``k`` capped at the corpus size, which is counted once per run and kept in the manifest."""
-
-    if "corpus_docs" not in manifest.data:
-        manifest.data["corpus_docs"] = sum(1 for _ in iter_documents(corpus))
-    return min(k, manifest.data["corpus_docs"])
+    def evaluate(self, model: str, folder: str, pooling: str = "", normalize: bool = False) -> dict:
+        return evaluate_dev(self.cfg.data, self.cfg.eval, model, folder, self.eval_k(), pooling, normalize)
 
 
 def stage_pretrain(ctx: StageContext) -> dict:
@@ -367,15 +206,14 @@ def stage_pretrain(ctx: StageContext) -> dict:
     job.train.output = ctx.folder("pretrain")
     if not job.corpus.output or job.corpus.output == type(job.corpus)().output:
         job.corpus.output = storage.join(ctx.folder("pretrain"), "corpus")
-    summary = run_pretraining(job)
-    return {"outputs": {"export": summary["export_dir"]}, "summary": summary}
+    return pretrained_record(run_pretraining(job))
 
 
 def stage_bm25(ctx: StageContext) -> dict:
     cfg = ctx.cfg
     queries = read_queries(cfg.data.dev_queries)
     with build_index(cfg.data.corpus, storage.join(ctx.folder("bm25"), "text-shards")) as index:
-        run = bm25_run(index, queries, depth=_eval_k(ctx))
+        run = bm25_run(index, queries, depth=ctx.eval_k())
     run_uri = storage.join(ctx.folder("bm25"), "run.trec")
     write_trec_run(run, run_uri, tag="bm25")
     values = evaluate(read_qrels(cfg.data.dev_qrels, query_ids=set(queries)), run, JOB_MEASURES.values())
@@ -384,52 +222,13 @@ def stage_bm25(ctx: StageContext) -> dict:
 
 def stage_zeroshot(ctx: StageContext) -> dict:
     retriever = ctx.cfg.round1.retriever
-    summary = _evaluate(
-        ctx,
+    summary = ctx.evaluate(
         ctx.encoder_init(),
         ctx.folder("zeroshot"),
         pooling=retriever.pooling,
         normalize=retriever.similarity == "cos",
     )
     return {"outputs": {"run": summary["run"]}, "metrics": summary["metrics"], "summary": summary}
-
-
-def finetune_config(
-    data: RecipeData,
-    settings: RetrieverStage,
-    *,
-    init: str,
-    negatives: str,
-    output: str,
-    prepared_corpus: str,
-    ray: RayConfig,
-    queries: str = "",
-    qrels: str = "",
-    bm25_depth: int = 200,
-    bm25_count: int = 30,
-):
-    """The fine-tuning job of one retriever stage (``queries`` / ``qrels``: a subset of the
-    training queries instead of ``data``'s)."""
-
-    train = copy.deepcopy(settings.train)
-    train.output = output
-    return FinetuneConfig(
-        data=FinetuneDataConfig(
-            queries=queries or data.train_queries,
-            qrels=qrels or data.train_qrels,
-            negatives=negatives,
-            bm25_depth=bm25_depth,
-            bm25_count=bm25_count,
-            query_max_len=data.query_max_len,
-            passage_max_len=data.passage_max_len,
-        ),
-        corpus=FinetuneCorpusConfig(input=data.corpus, output=prepared_corpus, docs_per_shard=data.docs_per_shard),
-        model=EncoderInit(init=init),
-        retriever=copy.deepcopy(settings.retriever),
-        eval=EvalConfig(queries="", qrels=""),  # evaluated by the caller, through the distributed path
-        train=train,
-        ray=ray,
-    )
 
 
 def _finetune_config(ctx: StageContext, stage: str, settings: RetrieverStage, init: str, negatives: str):
@@ -447,17 +246,8 @@ def _finetune_config(ctx: StageContext, stage: str, settings: RetrieverStage, in
 
 
 def _retriever_stage(ctx: StageContext, stage: str, settings: RetrieverStage, negatives: str) -> dict:
-    summary = run_finetuning(_finetune_config(ctx, stage, settings, ctx.encoder_init(), negatives))
-    evaluation = _evaluate(ctx, summary["export_dir"], storage.join(ctx.folder(stage), "eval"))
-    return {
-        "outputs": {
-            "export": summary["export_dir"],
-            "run": evaluation["run"],
-            "index": storage.join(ctx.folder(stage), "eval", "index"),
-        },
-        "metrics": evaluation["metrics"],
-        "summary": {"train": summary, "eval": evaluation},
-    }
+    job = _finetune_config(ctx, stage, settings, ctx.encoder_init(), negatives)
+    return train_and_evaluate(job, ctx.cfg.data, ctx.cfg.eval, ctx.eval_k())
 
 
 def stage_round1(ctx: StageContext) -> dict:
@@ -644,7 +434,7 @@ def stage_distill(ctx: StageContext) -> dict:
             ray=cfg.ray,
         )
     )
-    evaluation = _evaluate(ctx, summary["export_dir"], storage.join(ctx.folder("distill"), "eval"))
+    evaluation = ctx.evaluate(summary["export_dir"], storage.join(ctx.folder("distill"), "eval"))
     return {
         "outputs": {"export": summary["export_dir"], "run": evaluation["run"]},
         "metrics": evaluation["metrics"],
@@ -652,38 +442,129 @@ def stage_distill(ctx: StageContext) -> dict:
     }
 
 
-STAGE_FUNCTIONS: dict[str, Callable[[StageContext], dict]] = {
-    "pretrain": stage_pretrain,
-    "bm25": stage_bm25,
-    "zeroshot": stage_zeroshot,
-    "round1": stage_round1,
-    "mine1": stage_mine1,
-    "round2": stage_round2,
-    "mine2": stage_mine2,
-    "reranker": stage_reranker,
-    "rerank": stage_rerank,
-    "teacher": stage_teacher,
-    "distill": stage_distill,
-}
+# -- the recipe as one table --------------------------------------------------------------
 
 
-def run_pipeline(cfg: PipelineConfig, stage_functions: dict[str, Callable[[StageContext], dict]] | None = None) -> dict:
+@dataclass(frozen=True)
+class RecipeStage:
+    name: str
+    run: Callable[[StageContext], dict]
+    after: tuple[str, ...]  # the stages it reads ("pretrain" only where that stage is on)
+    sections: Callable[[RecipeConfig], dict]  # the config values it computes with
+    result: str = ""  # its row in results.md, for an evaluated stage
+
+
+def _init(cfg: RecipeConfig) -> dict:
+    return {} if cfg.pretrain.enabled else {"init": cfg.model.init}
+
+
+def _evaluated(cfg: RecipeConfig) -> dict:
+    return dict(data=cfg.data, eval=cfg.eval, **_init(cfg))
+
+
+RECIPE = (
+    RecipeStage("pretrain", stage_pretrain, (), lambda c: dict(job=c.pretrain.job)),
+    RecipeStage("bm25", stage_bm25, (), lambda c: dict(data=c.data, k=c.eval.k), "BM25"),
+    RecipeStage(
+        "zeroshot",
+        stage_zeroshot,
+        ("pretrain",),
+        lambda c: dict(retriever=c.round1.retriever, **_evaluated(c)),
+        "zero-shot",
+    ),
+    RecipeStage(
+        "round1",
+        stage_round1,
+        ("pretrain",),
+        lambda c: dict(stage=c.round1, bm25=[c.mine.bm25_depth, c.mine.bm25_count], **_evaluated(c)),
+        "round 1 (BM25 negatives)",
+    ),
+    RecipeStage("mine1", stage_mine1, ("round1",), lambda c: dict(mine=c.mine, data=c.data, eval=c.eval)),
+    RecipeStage(
+        "round2",
+        stage_round2,
+        ("pretrain", "mine1"),
+        lambda c: dict(stage=c.round2, **_evaluated(c)),
+        "round 2 (mined negatives)",
+    ),
+    RecipeStage("mine2", stage_mine2, ("round2",), lambda c: dict(mine=c.mine, data=c.data, eval=c.eval)),
+    RecipeStage(
+        "reranker",
+        stage_reranker,
+        ("pretrain", "mine2"),
+        lambda c: dict(
+            data=c.data,
+            reranker=[c.reranker.init, c.reranker.group_size, c.reranker.max_len],
+            train=c.reranker.train,
+            **_init(c),
+        ),
+    ),
+    RecipeStage(
+        "rerank",
+        stage_rerank,
+        ("reranker", "round2"),
+        lambda c: dict(dev_depth=c.reranker.dev_depth, data=c.data, eval=c.eval),
+        "re-ranker (round-2 top-k)",
+    ),
+    RecipeStage(
+        "teacher",
+        stage_teacher,
+        ("reranker", "mine2"),
+        lambda c: dict(
+            data=c.data, depth=c.reranker.teacher_depth, queries=c.reranker.teacher_queries, seed=c.distill.train.seed
+        ),
+    ),
+    RecipeStage(
+        "distill",
+        stage_distill,
+        ("pretrain", "teacher"),
+        lambda c: dict(stage=c.distill, **_evaluated(c)),
+        "distillation",
+    ),
+)
+STAGES = tuple(stage.name for stage in RECIPE)
+
+
+def enabled_stages(cfg: RecipeConfig) -> list[str]:
+    return [
+        s
+        for s in STAGES
+        if (s != "pretrain" or cfg.pretrain.enabled) and (s not in RERANK_STAGES or cfg.reranker.enabled)
+    ]
+
+
+def recipe_units(
+    cfg: RecipeConfig, manifest: RunManifest, functions: dict[str, Callable[[StageContext], dict]] | None = None
+) -> list[Unit]:
+    """The enabled stages as units of the stage engine (``functions`` replaces stages' work by name)."""
+    ctx = StageContext(cfg, manifest)
+    run = {**{s.name: s.run for s in RECIPE}, **(functions or {})}
+    enabled = enabled_stages(cfg)
+    return [
+        Unit(s.name, functools.partial(run[s.name], ctx), s.after, s.sections(cfg), (ctx.folder(s.name),))
+        for s in RECIPE
+        if s.name in enabled
+    ]
+
+
+def run_recipe(cfg: RecipeConfig, stage_functions: dict[str, Callable[[StageContext], dict]] | None = None) -> dict:
     """Run the stages this invocation needs; returns the summary of the whole run."""
-    functions = {**STAGE_FUNCTIONS, **(stage_functions or {})}
     cfg.output = storage.resolve(cfg.output).uri
     storage.check_reachable(cfg.output)
-    manifest = RunManifest(cfg.output, MANIFEST)
-    settings = stage_settings(cfg)
-    todo = plan_stages(cfg, manifest, settings)
+    enabled = enabled_stages(cfg)
+    for flag, name in (("--only", cfg.only), ("--from", cfg.start_from), ("--stop_after", cfg.stop_after)):
+        if name and name not in enabled:
+            raise ConfigError(f"{flag} {name}: not a stage of this recipe (stages: {', '.join(enabled)})")
+    if cfg.only and cfg.start_from:
+        raise ConfigError("--only and --from exclude each other")
+    manifest = RunManifest(cfg.output, MANIFEST, former_name=FORMER_MANIFEST)
+    units = recipe_units(cfg, manifest, stage_functions)
     write_run_files(cfg, cfg.output)
-    ctx = StageContext(cfg, manifest)
-    ran = []
-    for stage in todo:
-        manifest.run(stage, settings[stage], functools.partial(functions[stage], ctx), "[pipeline] stage")
-        ran.append(stage)
+    redo = enabled[enabled.index(cfg.start_from) :] if cfg.start_from else []
+    ran = run_units(manifest, units, "[recipe] stage", redo=redo, only=cfg.only, stop_after=cfg.stop_after)
     results = write_results(cfg.output, manifest)
     return {
-        "job": "pipeline",
+        "job": "recipe",
         "output": cfg.output,
         "ran": ran,
         "skipped": [s for s in STAGES if manifest.done(s) and s not in ran],
@@ -692,14 +573,7 @@ def run_pipeline(cfg: PipelineConfig, stage_functions: dict[str, Callable[[Stage
     }
 
 
-RESULT_ROWS = (
-    ("bm25", "BM25"),
-    ("zeroshot", "zero-shot"),
-    ("round1", "round 1 (BM25 negatives)"),
-    ("round2", "round 2 (mined negatives)"),
-    ("rerank", "re-ranker (round-2 top-k)"),
-    ("distill", "distillation"),
-)
+RESULT_ROWS = tuple((s.name, s.result) for s in RECIPE if s.result)
 RESULT_METRICS = ("MRR@10", "R@10", "R@100", "R@1000", "nDCG@10")
 
 

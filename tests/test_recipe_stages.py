@@ -1,4 +1,4 @@
-"""The pipeline's stage bookkeeping: skip, resume, --only, --from, with stand-in stages.
+"""The recipe's stage bookkeeping: skip, resume, --only, --from, with stand-in stages.
 
 The stand-ins do what a real stage does to its folder (write progress, read it back on a
 resume), so these tests pin the manifest logic without paying for training.
@@ -19,9 +19,9 @@ from pipeline.workflows.manifest import RunManifest
 from pipeline.workflows.recipe import (
     MANIFEST,
     STAGES,
-    PipelineConfig,
+    RecipeConfig,
     cli_args,
-    run_pipeline,
+    run_recipe,
 )
 
 
@@ -60,8 +60,8 @@ def fake_stages(calls: list, kill_at: tuple[str, str] | None = None):
     return {s: make(s) for s in STAGES}
 
 
-def cfg_for(tmp_path, **kw) -> PipelineConfig:
-    cfg = PipelineConfig(output=str(tmp_path / "run"))
+def cfg_for(tmp_path, **kw) -> RecipeConfig:
+    cfg = RecipeConfig(output=str(tmp_path / "run"))
     for key, value in kw.items():
         setattr(cfg, key, value)
     return cfg
@@ -69,7 +69,7 @@ def cfg_for(tmp_path, **kw) -> PipelineConfig:
 
 def test_full_run_records_every_stage_and_a_rerun_does_nothing(tmp_path):
     calls = []
-    summary = run_pipeline(cfg_for(tmp_path), fake_stages(calls))
+    summary = run_recipe(cfg_for(tmp_path), fake_stages(calls))
     assert [c[0] for c in calls] == list(STAGES)
     assert summary["ran"] == list(STAGES)
     manifest = RunManifest(str(tmp_path / "run"), MANIFEST)
@@ -83,19 +83,19 @@ def test_full_run_records_every_stage_and_a_rerun_does_nothing(tmp_path):
         assert png.format == "PNG" and png.size[0] > png.size[1] > 100
 
     calls.clear()
-    summary = run_pipeline(cfg_for(tmp_path), fake_stages(calls))
+    summary = run_recipe(cfg_for(tmp_path), fake_stages(calls))
     assert calls == [] and summary["ran"] == [] and summary["skipped"] == list(STAGES)
 
 
 def test_killed_between_stages_the_rerun_starts_at_the_next_stage(tmp_path):
     calls = []
     with pytest.raises(Killed):
-        run_pipeline(cfg_for(tmp_path), fake_stages(calls, kill_at=("mine1", "start")))
+        run_recipe(cfg_for(tmp_path), fake_stages(calls, kill_at=("mine1", "start")))
     assert [c[0] for c in calls] == list(STAGES[: STAGES.index("mine1") + 1])
     before = RunManifest(str(tmp_path / "run"), MANIFEST).data["stages"]["round1"]
 
     calls.clear()
-    run_pipeline(cfg_for(tmp_path), fake_stages(calls))
+    run_recipe(cfg_for(tmp_path), fake_stages(calls))
     assert [c[0] for c in calls] == list(STAGES[STAGES.index("mine1") :])
     assert RunManifest(str(tmp_path / "run"), MANIFEST).data["stages"]["round1"] == before  # untouched
 
@@ -103,9 +103,9 @@ def test_killed_between_stages_the_rerun_starts_at_the_next_stage(tmp_path):
 def test_killed_mid_stage_the_rerun_resumes_that_stage(tmp_path):
     calls = []
     with pytest.raises(Killed):
-        run_pipeline(cfg_for(tmp_path), fake_stages(calls, kill_at=("round2", "middle")))
+        run_recipe(cfg_for(tmp_path), fake_stages(calls, kill_at=("round2", "middle")))
     calls.clear()
-    run_pipeline(cfg_for(tmp_path), fake_stages(calls))
+    run_recipe(cfg_for(tmp_path), fake_stages(calls))
     # round2 resumed with its first two units done, and did only the other two.
     assert calls[0] == ("round2", [0, 1])
     assert [c[0] for c in calls] == list(STAGES[STAGES.index("round2") :])
@@ -114,10 +114,10 @@ def test_killed_mid_stage_the_rerun_resumes_that_stage(tmp_path):
 
 def test_only_redoes_one_stage_from_scratch_and_keeps_the_rest(tmp_path):
     calls = []
-    run_pipeline(cfg_for(tmp_path), fake_stages(calls))
+    run_recipe(cfg_for(tmp_path), fake_stages(calls))
     later = RunManifest(str(tmp_path / "run"), MANIFEST).data["stages"]["distill"]
     calls.clear()
-    summary = run_pipeline(cfg_for(tmp_path, only="round1"), fake_stages(calls))
+    summary = run_recipe(cfg_for(tmp_path, only="round1"), fake_stages(calls))
     assert calls == [("round1", [])]  # a fresh folder: no progress resumed
     assert summary["ran"] == ["round1"]
     assert RunManifest(str(tmp_path / "run"), MANIFEST).data["stages"]["distill"] == later
@@ -125,15 +125,15 @@ def test_only_redoes_one_stage_from_scratch_and_keeps_the_rest(tmp_path):
 
 def test_from_forgets_that_stage_and_every_later_one(tmp_path):
     calls = []
-    run_pipeline(cfg_for(tmp_path), fake_stages(calls))
+    run_recipe(cfg_for(tmp_path), fake_stages(calls))
     calls.clear()
-    run_pipeline(cfg_for(tmp_path, start_from="mine2"), fake_stages(calls))
+    run_recipe(cfg_for(tmp_path, start_from="mine2"), fake_stages(calls))
     assert calls == [(s, []) for s in STAGES[STAGES.index("mine2") :]]
 
 
 def test_a_changed_setting_redoes_that_stage_and_what_reads_it_from_scratch(tmp_path, capsys):
     calls = []
-    run_pipeline(cfg_for(tmp_path), fake_stages(calls))
+    run_recipe(cfg_for(tmp_path), fake_stages(calls))
     kept = RunManifest(str(tmp_path / "run"), MANIFEST).data["stages"]
 
     # The reranker's learning rate: the reranker, and the stages that read it (the dev
@@ -141,7 +141,7 @@ def test_a_changed_setting_redoes_that_stage_and_what_reads_it_from_scratch(tmp_
     calls.clear()
     cfg = cfg_for(tmp_path)
     cfg.reranker.train.lr = 3e-4
-    run_pipeline(cfg, fake_stages(calls))
+    run_recipe(cfg, fake_stages(calls))
     assert calls == [(s, []) for s in ("reranker", "rerank", "teacher", "distill")]  # fresh folders
     printed = capsys.readouterr().out
     assert "stage reranker: its settings changed (train.lr: 0.0001 -> 0.0003)" in printed
@@ -152,28 +152,28 @@ def test_a_changed_setting_redoes_that_stage_and_what_reads_it_from_scratch(tmp_
     calls.clear()
     cfg.reranker.train.cpus_per_worker, cfg.reranker.pool.actors, cfg.eval.pool.actors = 8, 4, 4
     cfg.round1.train.checkpoint_every = 7
-    run_pipeline(cfg, fake_stages(calls))
+    run_recipe(cfg, fake_stages(calls))
     assert calls == []
 
     # The dev re-ranking depth touches that stage alone; the retrieval data every stage but
     # pre-training, which reads its own corpus settings.
     cfg.reranker.dev_depth = 50
-    run_pipeline(cfg, fake_stages(calls))
+    run_recipe(cfg, fake_stages(calls))
     assert [c[0] for c in calls] == ["rerank"]
     calls.clear()
     cfg.data.passage_max_len = 64
-    run_pipeline(cfg, fake_stages(calls))
+    run_recipe(cfg, fake_stages(calls))
     assert [c[0] for c in calls] == list(STAGES[1:])
 
 
 def test_a_stage_killed_midway_resumes_with_its_settings_and_restarts_with_others(tmp_path, capsys):
     calls = []
     with pytest.raises(Killed):
-        run_pipeline(cfg_for(tmp_path), fake_stages(calls, kill_at=("round2", "middle")))
+        run_recipe(cfg_for(tmp_path), fake_stages(calls, kill_at=("round2", "middle")))
     cfg = cfg_for(tmp_path)
     cfg.round2.train.lr = 3e-4
     calls.clear()
-    run_pipeline(cfg, fake_stages(calls))
+    run_recipe(cfg, fake_stages(calls))
     # Its half-done folder belonged to the old learning rate: not resumed, started afresh.
     assert calls[0] == ("round2", [])
     assert "stage round2: its settings changed (stage.train.lr: 0.0005 -> 0.0003)" in capsys.readouterr().out
@@ -181,7 +181,7 @@ def test_a_stage_killed_midway_resumes_with_its_settings_and_restarts_with_other
 
 
 def test_a_run_killed_while_discarding_stale_stages_finishes_discarding_them(tmp_path, monkeypatch):
-    run_pipeline(cfg_for(tmp_path), fake_stages([]))
+    run_recipe(cfg_for(tmp_path), fake_stages([]))
     cfg = cfg_for(tmp_path)
     cfg.reranker.train.lr = 3e-4
     deleted = []
@@ -195,19 +195,19 @@ def test_a_run_killed_while_discarding_stale_stages_finishes_discarding_them(tmp
 
     monkeypatch.setattr(storage, "delete_dir", dies_after_one)
     with pytest.raises(Killed):
-        run_pipeline(cfg, fake_stages([]))
+        run_recipe(cfg, fake_stages([]))
     monkeypatch.undo()
     # One folder is gone while every record is still there: the next run, even with the old
     # settings back, must not trust those records, nor resume the folders still standing.
     assert deleted == [str(tmp_path / "run" / "distill")]
     assert all(RunManifest(str(tmp_path / "run"), MANIFEST).done(s) for s in STAGES)
     calls = []
-    run_pipeline(cfg_for(tmp_path), fake_stages(calls))
+    run_recipe(cfg_for(tmp_path), fake_stages(calls))
     assert calls == [(s, []) for s in ("reranker", "rerank", "teacher", "distill")]
 
 
 def test_records_from_before_settings_are_kept(tmp_path):
-    run_pipeline(cfg_for(tmp_path), fake_stages([]))
+    run_recipe(cfg_for(tmp_path), fake_stages([]))
     manifest = RunManifest(str(tmp_path / "run"), MANIFEST)
     for record in manifest.data["stages"].values():
         del record["settings"]
@@ -215,25 +215,25 @@ def test_records_from_before_settings_are_kept(tmp_path):
     calls = []
     cfg = cfg_for(tmp_path)
     cfg.round1.train.lr = 1.0
-    run_pipeline(cfg, fake_stages(calls))
+    run_recipe(cfg, fake_stages(calls))
     assert calls == []
 
 
 def test_only_without_the_inputs_it_needs_names_the_missing_stage(tmp_path):
     with pytest.raises(ConfigError, match="stage 'round1' has not run yet"):
-        run_pipeline(cfg_for(tmp_path, only="mine1"), fake_stages([]))
+        run_recipe(cfg_for(tmp_path, only="mine1"), fake_stages([]))
 
 
 def test_bad_stage_names_and_disabled_stages(tmp_path):
     with pytest.raises(ValueError, match="--only mine3: not a stage"):
-        run_pipeline(cfg_for(tmp_path, only="mine3"), fake_stages([]))
+        run_recipe(cfg_for(tmp_path, only="mine3"), fake_stages([]))
     cfg = cfg_for(tmp_path)
     cfg.reranker.enabled = False
     cfg.pretrain.enabled = False
     calls = []
     stages = fake_stages(calls)
     stages["bm25"] = lambda ctx: {"outputs": {"file": ""}, "metrics": {"MRR@10": 0.2}}  # no pretrain upstream
-    run_pipeline(cfg, stages)
+    run_recipe(cfg, stages)
     assert [c[0] for c in calls] == ["zeroshot", "round1", "mine1", "round2"]
 
 
@@ -249,18 +249,18 @@ def test_stop_after_and_the_from_spelling():
 
 def test_stop_after_stops_there(tmp_path):
     calls = []
-    run_pipeline(cfg_for(tmp_path, stop_after="round1"), fake_stages(calls))
+    run_recipe(cfg_for(tmp_path, stop_after="round1"), fake_stages(calls))
     assert [c[0] for c in calls] == list(STAGES[: STAGES.index("round1") + 1])
 
 
 def test_shipped_recipes_load_and_the_embedded_one_is_the_default():
     recipes = os.path.join(os.path.dirname(__file__), "..", "jobs", "recipes")
-    embedded = parse_config(PipelineConfig, ["--config", os.path.join(recipes, "embedded.yaml")])
-    assert to_dict(embedded) == to_dict(PipelineConfig())
+    embedded = parse_config(RecipeConfig, ["--config", os.path.join(recipes, "embedded.yaml")])
+    assert to_dict(embedded) == to_dict(RecipeConfig())
     for name in sorted(os.listdir(recipes)):
         if name.startswith("compare-"):  # jobs/compare.py's configs: tests/test_compare.py
             continue
-        cfg = parse_config(PipelineConfig, ["--config", os.path.join(recipes, name)])
+        cfg = parse_config(RecipeConfig, ["--config", os.path.join(recipes, name)])
         assert cfg.data.corpus and cfg.round1.train.max_steps + cfg.round1.train.epochs > 0, name
 
 
@@ -268,7 +268,7 @@ def test_the_eval_and_reranker_pools_reach_every_stage_whole(tmp_path, monkeypat
     """A recipe whose pools set GPUs: every evaluation (zero-shot, rounds 1 and 2,
     distillation), both minings and both scorings receive the pool as configured, not
     just its actor count (the stages' jobs stubbed; what they are handed is recorded)."""
-    from pipeline.workflows import recipe
+    from pipeline.workflows import recipe, stages
 
     cfg = cfg_for(tmp_path)
     cfg.eval.pool = ActorConfig(actors=3, use_gpu=True, gpus_per_actor=0.5, cpus_per_actor=4)
@@ -291,15 +291,15 @@ def test_the_eval_and_reranker_pools_reach_every_stage_whole(tmp_path, monkeypat
     def training(job):
         return {"export_dir": f"{job.train.output}/export"}
 
-    for name, fake in [
-        ("run_evaluation", evaluation),
-        ("run_mining", mining),
-        ("run_scoring", scoring),
-        ("run_finetuning", training),
-        ("run_distillation", training),
-        ("_sample_run", lambda run, *args: run),
+    for module, name, fake in [
+        (stages, "run_evaluation", evaluation),
+        (recipe, "run_mining", mining),
+        (recipe, "run_scoring", scoring),
+        (stages, "run_finetuning", training),
+        (recipe, "run_distillation", training),
+        (recipe, "_sample_run", lambda run, *args: run),
     ]:
-        monkeypatch.setattr(recipe, name, fake)
+        monkeypatch.setattr(module, name, fake)
     ctx = recipe.StageContext(cfg, RunManifest(cfg.output, MANIFEST))
     ctx.manifest.data["corpus_docs"] = 5000
     ctx.manifest.save("pretrain", {"outputs": {"export": "s3://b/pretrain/export"}})
@@ -315,3 +315,13 @@ def test_the_eval_and_reranker_pools_reach_every_stage_whole(tmp_path, monkeypat
         assert job.pool == expected, kind
     assert all(job.precision == "bf16" for kind, job in handed if kind == "evaluate")
     assert all(job.encoder.precision == "bf16" for kind, job in handed if kind == "mine")
+
+
+def test_a_run_folder_from_before_the_rename_keeps_its_records(tmp_path):
+    """Run folders written when the manifest was ``pipeline.json`` resume as they are."""
+    run_recipe(cfg_for(tmp_path), fake_stages([]))
+    os.rename(tmp_path / "run" / MANIFEST, tmp_path / "run" / "pipeline.json")
+    calls = []
+    summary = run_recipe(cfg_for(tmp_path), fake_stages(calls))
+    assert calls == [] and summary["skipped"] == list(STAGES)
+    assert RunManifest(str(tmp_path / "run"), MANIFEST).done("distill")  # now under its new name

@@ -1,0 +1,185 @@
+"""The stages the recipe and the comparison share: their data and evaluation settings, a
+retriever trained then evaluated through the distributed path, and a pre-training's record.
+
+Neither workflow imports the other; what both need lives here.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from models.biencoder import BiEncoderConfig
+from pipeline.core import storage
+from pipeline.core.actor_pool import ActorConfig
+from pipeline.core.runtime import RayConfig
+from pipeline.core.sample import (
+    SAMPLE_CORPUS,
+    SAMPLE_DEV_QRELS,
+    SAMPLE_DEV_QUERIES,
+    SAMPLE_TRAIN_QRELS,
+    SAMPLE_TRAIN_QUERIES,
+)
+from pipeline.data.corpus import iter_documents
+from pipeline.retrieval.evaluate import EvalConfig, EvaluateJobConfig, run_evaluation
+from pipeline.training.finetune import (
+    EncoderInit,
+    FinetuneConfig,
+    FinetuneCorpusConfig,
+    FinetuneDataConfig,
+    run_finetuning,
+)
+from pipeline.training.train_config import TrainConfig
+from pipeline.workflows.manifest import RunManifest
+
+
+@dataclass
+class RetrievalData:
+    corpus: str = field(default=SAMPLE_CORPUS, metadata={"help": "BEIR corpus.jsonl (local or s3://)"})
+    train_queries: str = field(default=SAMPLE_TRAIN_QUERIES, metadata={"help": "training queries (BEIR jsonl)"})
+    train_qrels: str = field(default=SAMPLE_TRAIN_QRELS, metadata={"help": "their qrels (TSV with a header)"})
+    dev_queries: str = field(default=SAMPLE_DEV_QUERIES, metadata={"help": "evaluation queries"})
+    dev_qrels: str = field(default=SAMPLE_DEV_QRELS, metadata={"help": "their qrels"})
+    query_max_len: int = field(default=32, metadata={"help": "query tokens, [CLS] and [SEP] included"})
+    passage_max_len: int = field(default=128, metadata={"help": "passage tokens, [CLS] and [SEP] included"})
+    docs_per_shard: int = field(default=20000, metadata={"help": "passages per corpus / embedding shard"})
+
+
+@dataclass
+class RetrieverStage:
+    retriever: BiEncoderConfig = field(default_factory=lambda: BiEncoderConfig(pooling="mean"))
+    # The embedded recipe: 100 steps of 16 queries, enough to move the tiny model.
+    train: TrainConfig = field(
+        default_factory=lambda: TrainConfig(
+            micro_batch_size=16, max_steps=100, lr=5e-4, checkpoint_every=50, cpus_per_worker=2
+        )
+    )
+
+
+@dataclass
+class EvalStage:
+    k: int = field(default=1000, metadata={"help": "passages retrieved per dev query (capped at the corpus size)"})
+    index: str = field(
+        default="Flat", metadata={"help": "FAISS factory of the evaluation / mining index (Flat = exact)"}
+    )
+    nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
+    precision: Literal["auto", "fp32", "fp16", "bf16"] = field(
+        default="auto",
+        metadata={
+            "help": "encoding precision: auto (fp16 on GPU, fp32 on CPU), fp32, fp16 or bf16 (bf16 autocast also speeds up CPUs with AMX)"
+        },
+    )
+    pool: ActorConfig = field(default_factory=ActorConfig)
+
+
+def eval_k(manifest: RunManifest, corpus: str, k: int) -> int:
+    """``k`` capped at the corpus size, which is counted once per run and kept in the manifest."""
+
+    if "corpus_docs" not in manifest.data:
+        manifest.data["corpus_docs"] = sum(1 for _ in iter_documents(corpus))
+    return min(k, manifest.data["corpus_docs"])
+
+
+def evaluate_dev(
+    data: RetrievalData,
+    settings: EvalStage,
+    model: str,
+    folder: str,
+    k: int,
+    pooling: str = "",
+    normalize: bool = False,
+) -> dict:
+    """Dev metrics of a retriever through the distributed path: encode on actors, index, search."""
+
+    return run_evaluation(
+        EvaluateJobConfig(
+            model=model,
+            corpus=data.corpus,
+            queries=data.dev_queries,
+            qrels=data.dev_qrels,
+            pooling=pooling,
+            normalize=normalize,
+            index=settings.index,
+            k=k,
+            output=folder,
+            pool=settings.pool,
+            max_len=data.passage_max_len,
+            query_max_len=data.query_max_len,
+            nprobe=settings.nprobe,
+            docs_per_shard=data.docs_per_shard,
+            precision=settings.precision,
+        )
+    )
+
+
+def finetune_config(
+    data: RetrievalData,
+    settings: RetrieverStage,
+    *,
+    init: str,
+    negatives: str,
+    output: str,
+    prepared_corpus: str,
+    ray: RayConfig,
+    queries: str = "",
+    qrels: str = "",
+    bm25_depth: int = 200,
+    bm25_count: int = 30,
+) -> FinetuneConfig:
+    """The fine-tuning job of one retriever stage (``queries`` / ``qrels``: a subset of the
+    training queries instead of ``data``'s)."""
+
+    train = copy.deepcopy(settings.train)
+    train.output = output
+    return FinetuneConfig(
+        data=FinetuneDataConfig(
+            queries=queries or data.train_queries,
+            qrels=qrels or data.train_qrels,
+            negatives=negatives,
+            bm25_depth=bm25_depth,
+            bm25_count=bm25_count,
+            query_max_len=data.query_max_len,
+            passage_max_len=data.passage_max_len,
+        ),
+        corpus=FinetuneCorpusConfig(input=data.corpus, output=prepared_corpus, docs_per_shard=data.docs_per_shard),
+        model=EncoderInit(init=init),
+        retriever=copy.deepcopy(settings.retriever),
+        eval=EvalConfig(queries="", qrels=""),  # evaluated by the caller, through the distributed path
+        train=train,
+        ray=ray,
+    )
+
+
+def train_and_evaluate(job: FinetuneConfig, data: RetrievalData, settings: EvalStage, k: int) -> dict:
+    """A retriever stage's record: fine-tune (``job``), then evaluate the export on the dev
+    queries into ``<train.output>/eval``."""
+
+    started = time.time()
+    summary = run_finetuning(job)
+    train_s = time.time() - started
+    folder = storage.join(job.train.output, "eval")
+    evaluation = evaluate_dev(data, settings, summary["export_dir"], folder, k)
+    return {
+        "outputs": {
+            "export": summary["export_dir"],
+            "run": evaluation["run"],
+            "index": storage.join(folder, "index"),
+        },
+        "metrics": {
+            **evaluation["metrics"],
+            "train_seconds": round(train_s, 1),
+            "tokens_per_s": summary.get("tokens_per_s"),
+        },
+        "summary": {"train": summary, "eval": evaluation},
+    }
+
+
+def pretrained_record(summary: dict) -> dict:
+    """A pre-training stage's record: its export, speed and final loss."""
+    return {
+        "outputs": {"export": summary["export_dir"]},
+        "metrics": {"tokens_per_s": summary.get("tokens_per_s"), "final_loss": summary.get("final_loss")},
+        "summary": summary,
+    }

@@ -1,0 +1,113 @@
+"""The one stage engine of the workflows: units of work over a run manifest.
+
+A unit is a name, the units it reads (``after``), the config sections that shape its outputs
+(``sections``), the function that does it and the folders it writes. The recipe and the
+comparison are each one table of units handed to :func:`run_units`, which:
+
+1. computes every unit's settings: its sections as flat dotted keys, plus the fingerprint of
+   each upstream unit's settings, so that a change upstream reaches every unit below it;
+2. discards (folders first, then records) the units to redo and those recorded or started
+   with other settings (:meth:`RunManifest.discard_stale`);
+3. runs, in table order, the units not recorded, writing each record when it finishes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.core.config import redact, to_dict
+from pipeline.workflows.manifest import RunManifest
+
+# Where or how a unit runs, not what it computes: changing these resumes rather than redoes.
+OPERATIONAL_KEYS = frozenset(
+    {
+        "output",
+        "use_gpu",
+        "cpus_per_worker",
+        "log_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "max_failures",
+        "prefetch_batches",
+        "data_trace",
+        "tracker",
+        "pool",
+        "ray",
+    }
+)
+
+
+@dataclass
+class Unit:
+    name: str
+    work: Callable[[], dict]  # returns the record: outputs, metrics, summary
+    after: tuple[str, ...] = ()  # units whose outputs it reads
+    sections: dict[str, Any] = field(default_factory=dict)  # config values it computes with
+    folders: tuple[str, ...] = ()  # what it writes: deleted before it runs again from scratch
+
+
+def _flatten(value: Any, prefix: str, into: dict[str, Any]) -> None:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key not in OPERATIONAL_KEYS:
+                _flatten(item, f"{prefix}.{key}" if prefix else str(key), into)
+    else:
+        into[prefix] = value
+
+
+def unit_settings(after: dict[str, dict] | None = None, **sections: Any) -> dict[str, Any]:
+    """The settings of one unit as flat dotted keys: each config section (a dataclass, dict
+    or scalar) less its operational keys, secrets redacted, plus ``after.<unit>``: the
+    fingerprint of each upstream unit's settings."""
+    flat: dict[str, Any] = {}
+    _flatten(redact(to_dict(sections)), "", flat)
+    for name, upstream in sorted((after or {}).items()):
+        flat[f"after.{name}"] = fingerprint(upstream)
+    return flat
+
+
+def fingerprint(settings: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def settings_of(units: Iterable[Unit]) -> dict[str, dict]:
+    """Every unit's settings, upstream first. An ``after`` name that is not in the table (a
+    stage the config turned off) is no input of this run."""
+    settings: dict[str, dict] = {}
+    for unit in units:
+        settings[unit.name] = unit_settings({a: settings[a] for a in unit.after if a in settings}, **unit.sections)
+    return settings
+
+
+def run_units(
+    manifest: RunManifest,
+    units: list[Unit],
+    label: str,
+    *,
+    redo: Iterable[str] = (),
+    only: str = "",
+    stop_after: str = "",
+) -> list[str]:
+    """Run the units this invocation needs, in table order; returns the names it ran.
+
+    ``only`` runs that unit again from an empty folder and leaves every other record as it is;
+    ``redo`` names units to run again from scratch; ``stop_after`` ends the run once that unit
+    is recorded."""
+    settings = settings_of(units)
+    by_name = {unit.name: unit for unit in units}
+    folders = lambda name: by_name[name].folders
+    if only:
+        manifest.discard_stale({only: settings[only]}, folders, label, redo=[only])
+        todo = [only]
+    else:
+        manifest.discard_stale(settings, folders, label, redo=redo)
+        names = [unit.name for unit in units]
+        last = names.index(stop_after) if stop_after else len(names)
+        todo = [n for n in names[: last + 1] if not manifest.done(n)]
+    for name in todo:
+        manifest.run(name, settings[name], by_name[name].work, label)
+    return todo
