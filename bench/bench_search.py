@@ -28,7 +28,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from pipeline.retrieval import embeddings as emb
-from pipeline.retrieval.index import brute_force_topk, plan_memory
+from pipeline.retrieval.faiss_index import brute_force_topk, plan_memory
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
 from pipeline.retrieval.search import ShardedIndex
 
@@ -157,7 +157,7 @@ def bench_search(n: int, dim: int, n_queries: int, k: int, cores: int = 2) -> di
 
 
 def bench_recall(n: int, dim: int, n_queries: int, k: int = 100) -> list[dict]:
-    from pipeline.retrieval.index import build_index_shard, sample_vectors, search_shard
+    from pipeline.retrieval.faiss_index import build_index_shard, sample_vectors, search_shard
 
     vectors, queries = clustered(n, dim, 2), clustered(n_queries, dim, 3)
     _, exact = brute_force_topk(queries, vectors, k)

@@ -121,7 +121,7 @@ class CondenserMethod(WholeWordMaskingMethod):
     """Condenser pre-training as the trainer sees it: batches, loss, export."""
 
     name = "condenser"
-    example_format = "sequences"  # packed/truncated token sequences, see pipeline.stream
+    example_format = "sequences"  # packed/truncated token sequences, see pipeline.data.stream
 
     def build(self, mlm: BertForMaskedLM) -> Condenser:
         model = Condenser(mlm, self.cfg.n_head_layers, self.cfg.skip_from)

@@ -46,7 +46,7 @@ class MLMMethod(WholeWordMaskingMethod):
     """MLM pre-training as the trainer sees it: batches, loss, export."""
 
     name = "mlm"
-    example_format = "sequences"  # packed/truncated token sequences, see pipeline.stream
+    example_format = "sequences"  # packed/truncated token sequences, see pipeline.data.stream
 
     def build(self, mlm: BertForMaskedLM) -> MaskedLM:
         return MaskedLM(mlm)

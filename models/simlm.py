@@ -222,7 +222,7 @@ class SimLMMethod:
     """
 
     name = "simlm"
-    example_format = "sequences"  # packed/truncated token sequences, see pipeline.stream
+    example_format = "sequences"  # packed/truncated token sequences, see pipeline.data.stream
 
     def __init__(self, cfg: SimLMConfig, vocab: MaskingVocab):
         if not 0.0 < cfg.encoder_mask_rate <= cfg.decoder_mask_rate < 1.0:

@@ -11,7 +11,7 @@ Everything here is deterministic and tiny enough to run in milliseconds on a CPU
 - :func:`tiny_bert_config`, :func:`tiny_backbone_config`, :func:`tiny_mlm`: a tiny BERT
   (hidden 32, 4 layers, 2 heads, no dropout by default).
 - :func:`make_tokenizer_dir`: a real HF tokenizer directory trained with
-  :func:`pipeline.tokenizer.train_wordpiece` on generated text (for export tests).
+  :func:`pipeline.data.tokenizer.train_wordpiece` on generated text (for export tests).
 """
 
 from __future__ import annotations

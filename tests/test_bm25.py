@@ -59,19 +59,19 @@ def corpus_index(tmp_path_factory, shared_ray):
         yield index
 
 
-def direct_bm25s(k1: float, b: float) -> dict[str, dict[str, float]]:
-    """The run of one bm25s index over the whole corpus, as bm25s's own docs build it."""
+def direct_bm25s(k1: float, b: float, docs: list[dict] = DOCS, queries: list[dict] = QUERIES) -> dict:
+    """The run of one bm25s index over the whole of ``docs``, as bm25s's own docs build it."""
     import bm25s
 
-    texts = [f"{d['title']}\n{d['text']}" if d.get("title") else d["text"] for d in DOCS]
+    texts = [f"{d['title']}\n{d['text']}" if d.get("title") else d["text"] for d in docs]
     direct = bm25s.BM25(k1=k1, b=b)
     direct.index(bm25s.tokenize(texts, stopwords="en", show_progress=False), show_progress=False)
-    queries = {q["_id"]: q["text"] for q in QUERIES}
+    by_id = {q["_id"]: q["text"] for q in queries}
     rows, scores = direct.retrieve(
-        bm25s.tokenize(list(queries.values()), stopwords="en", show_progress=False), k=len(DOCS), show_progress=False
+        bm25s.tokenize(list(by_id.values()), stopwords="en", show_progress=False), k=len(docs), show_progress=False
     )
     return {
-        qid: {DOCS[r]["_id"]: float(s) for r, s in zip(rs, ss) if s > 0} for qid, rs, ss in zip(queries, rows, scores)
+        qid: {docs[r]["_id"]: float(s) for r, s in zip(rs, ss) if s > 0} for qid, rs, ss in zip(by_id, rows, scores)
     }
 
 
@@ -110,6 +110,52 @@ def test_sharded_bm25_scores_with_the_whole_corpus_statistics(beir):
         assert index.holds(["d3", "nope", "f7"]) == {"d3", "f7"}
     assert not (beir / "bm25-staging").exists()  # the text shards are gone once loaded
     assert_same_run(got, direct_bm25s(k1=1.2, b=0.75))
+
+
+# Terms spread over three shards of four documents, each with another document frequency
+# per shard: "heron" is common in shard 0 and rare in shard 2, "otter" the reverse, "kelp"
+# in every shard once. A shard that scored with its own statistics (or a wrong sum of the
+# shards' frequencies) would rank these queries' hits, which come from every shard, otherwise.
+SPREAD_DOCS = [
+    {"_id": "a0", "text": "heron heron marsh"},
+    {"_id": "a1", "text": "heron in the reeds"},
+    {"_id": "a2", "text": "heron kelp shore"},
+    {"_id": "a3", "text": "grey heron at dawn standing still"},
+    {"_id": "b0", "text": "otter and heron by the river"},
+    {"_id": "b1", "text": "otter otter kelp"},
+    {"_id": "b2", "text": "a quiet pond"},
+    {"_id": "b3", "text": "the otter dives"},
+    {"_id": "c0", "text": "otter"},
+    {"_id": "c1", "text": "kelp forest otter heron"},
+    {"_id": "c2", "text": "sea otter cracking shells on its belly"},
+    {"_id": "c3", "text": "otter pups sleeping"},
+]
+SPREAD_QUERIES = [
+    {"_id": "s1", "text": "heron otter"},
+    {"_id": "s2", "text": "kelp heron"},
+    {"_id": "s3", "text": "otter kelp shore"},
+]
+
+
+def test_queries_whose_terms_and_hits_span_shards_score_with_the_corpus_statistics(tmp_path, shared_ray):
+    write_jsonl(tmp_path / "corpus.jsonl", SPREAD_DOCS)
+    queries = {q["_id"]: q["text"] for q in SPREAD_QUERIES}
+    with index_of(tmp_path, k1=1.2, b=0.75, docs_per_shard=4) as index:
+        assert len(index.actors) == 3
+        got = bm25_run(index, queries, depth=len(SPREAD_DOCS), batch_size=2)
+    expected = direct_bm25s(1.2, 0.75, SPREAD_DOCS, SPREAD_QUERIES)
+    assert_same_run(got, expected)
+    for qid, hits in got.items():  # every query's hits come from all three shards
+        assert {d[0] for d in hits} == {"a", "b", "c"}, qid
+
+    # The test can fail: each shard scored as its own corpus, then merged, ranks otherwise.
+    per_shard: dict[str, dict[str, float]] = {q: {} for q in queries}
+    for shard in range(3):
+        part = direct_bm25s(1.2, 0.75, SPREAD_DOCS[4 * shard : 4 * shard + 4], SPREAD_QUERIES)
+        for qid, hits in part.items():
+            per_shard[qid].update(hits)
+    ranked = lambda run: {q: sorted(h, key=lambda d: (-h[d], d)) for q, h in run.items()}
+    assert ranked(per_shard) != ranked(expected)
 
 
 def test_negatives_exclude_judged_positives(beir, corpus_index):

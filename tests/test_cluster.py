@@ -68,7 +68,7 @@ def test_aws_yaml_validates_against_rays_schema_and_config_checks():
     validate_config(prepared)
     assert prepared["provider"]["type"] == "aws"
     assert prepared["docker"]["image"] == f"rayproject/ray:{image_tag()}"
-    # pipeline/storage.py takes the region from the environment only.
+    # pipeline/core/storage.py takes the region from the environment only.
     assert f"--env AWS_DEFAULT_REGION={config['provider']['region']}" in prepared["docker"]["run_options"]
 
     # The schema does catch mistakes: a misspelled node-type key is refused.
@@ -248,7 +248,7 @@ def test_kuberay_raycluster_autoscales_gpu_groups():
         assert groups[f"{name}-spot"]["priority"] > groups[f"{name}-ondemand"]["priority"]
     env = {e["name"]: e["value"] for e in spec["autoscalerOptions"]["env"]}
     assert int(env["RAY_AUTOSCALER_RECONCILE_ALLOCATE_STATUS_TIMEOUT_S"]) <= 900
-    for c in containers(spec):  # pipeline/storage.py takes the region from the environment only
+    for c in containers(spec):  # pipeline/core/storage.py takes the region from the environment only
         assert {"name": "AWS_DEFAULT_REGION", "value": "us-west-2"} in c["env"], c["name"]
 
 
@@ -466,7 +466,7 @@ def test_readme_sizing_table_is_the_planners_output(monkeypatch):
     # The one measured rate it scales must still be the benchmark's published figure.
     bench = (REPO / "bench" / "README.md").read_text()
     assert re.search(rf"\| 1 actor, 1 core, fp32 \| {sizing.MEASURED_PASSAGES_PER_S} passages/s", bench)
-    from pipeline.retrieval.index import plan_memory
+    from pipeline.retrieval.faiss_index import plan_memory
 
     for n, _ in sizing.CORPORA:
         for factory in ("Flat", "SQfp16", f"IVF{sizing.ivf_nlist(n)},PQ64"):

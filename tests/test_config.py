@@ -1,4 +1,4 @@
-"""Tests for pipeline.config. The future import makes every dataclass below string-annotated,
+"""Tests for pipeline.core.config. The future import makes every dataclass below string-annotated,
 which is how job modules are written, so resolution via get_type_hints is exercised throughout."""
 
 from __future__ import annotations

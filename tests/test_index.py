@@ -8,7 +8,8 @@ import pytest
 
 from pipeline.core import storage
 from pipeline.core.errors import StorageError
-from pipeline.retrieval import index as ix
+from pipeline.retrieval import faiss_index as ix
+from pipeline.retrieval.fanout import merge_topk
 
 DIM = 32
 
@@ -71,11 +72,11 @@ def test_ivf_recall_and_full_probe_is_exact():
 def test_merge_drops_padding_and_orders_by_metric():
     a = (np.array([[0.9, 0.1, -3e38]], np.float32), np.array([[7, 3, -1]]))
     b = (np.array([[0.5, -3e38, -3e38]], np.float32), np.array([[11, -1, -1]]))
-    scores, rows = ix.merge_topk([a, b], 3, "ip")
+    scores, rows = merge_topk([a, b], 3, "ip")
     assert rows.tolist() == [[7, 11, 3]] and scores[0, 0] == np.float32(0.9)
     d = (np.array([[0.2, 4.0]], np.float32), np.array([[5, 6]]))
     e = (np.array([[1.0, 3e38]], np.float32), np.array([[8, -1]]))
-    assert ix.merge_topk([d, e], 3, "l2")[1].tolist() == [[5, 8, 6]]
+    assert merge_topk([d, e], 3, "l2")[1].tolist() == [[5, 8, 6]]
 
 
 def test_bad_factory_and_k_larger_than_corpus_are_clear():

@@ -4,9 +4,11 @@ on a Ray worker as on the driver."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import shutil
+import time
 
 import pytest
 
@@ -74,18 +76,33 @@ def test_a_missing_stored_init_fails_on_the_driver_before_any_worker(s3_bucket, 
         run_pretraining(cfg)
 
 
-def _fetch(args: tuple[str, str]) -> tuple[str, bool]:
-    uri, cache = args
+def _fetch(args: tuple) -> tuple[str, bool]:
+    uri, cache, *race = args
     os.environ["RAYDENSE_CACHE"] = cache
+    if race:
+        barrier, locked = race
+        if not locked:  # the control: what the processes do without fetch_once's lock
+            model_ref.filelock.FileLock = lambda path: contextlib.nullcontext()
+        download = storage.download_dir
+        # Slow enough that every process reaches the check before any download completes.
+        storage.download_dir = lambda *a, **kw: (time.sleep(0.5), download(*a, **kw))[1]
+        barrier.wait(timeout=120)
     return model_ref.fetch_once(uri)
+
+
+def _race(uri: str, cache: str, locked: bool) -> list[tuple[str, bool]]:
+    """Three processes (as Ray workers are) held at a barrier, then fetching at once."""
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager, context.Pool(3) as pool:
+        barrier = manager.Barrier(3)
+        return pool.map(_fetch, [(uri, cache, barrier, locked)] * 3)
 
 
 def test_a_stored_model_is_fetched_once_per_node_and_again_when_it_changes(s3_bucket, tmp_path, tiny_model):
     uri = storage.upload_dir(tiny_model, f"s3://{s3_bucket}/exports/tiny")
     cache = str(tmp_path / "node-cache")
-    # Three workers of one node ask at once (separate processes, as Ray workers are).
-    with multiprocessing.get_context("spawn").Pool(3) as pool:
-        results = pool.map(_fetch, [(uri, cache)] * 3)
+    # Three workers of one node ask at once: one downloads, the others wait and reuse it.
+    results = _race(uri, cache, locked=True)
     paths = {path for path, _ in results}
     assert len(paths) == 1 and sum(fetched for _, fetched in results) == 1
     local = paths.pop()
@@ -96,6 +113,11 @@ def test_a_stored_model_is_fetched_once_per_node_and_again_when_it_changes(s3_bu
     again, fetched = _fetch((uri, cache))
     assert fetched and again != local
     assert _fetch((uri, cache)) == (again, False)
+
+    # The control: without the lock the same race downloads more than once, so the
+    # assertion above is one that a missing lock fails.
+    unlocked = _race(uri, str(tmp_path / "unlocked-cache"), locked=False)
+    assert sum(fetched for _, fetched in unlocked) > 1
 
 
 def _offline_hub_cache(root, tiny_model: str, repo: str, commit: str) -> str:

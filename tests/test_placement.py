@@ -13,7 +13,7 @@ import ray
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval.encode import EncoderSettings, encode_queries
-from pipeline.retrieval.index import IndexConfig, brute_force_topk, plan_memory
+from pipeline.retrieval.faiss_index import IndexConfig, brute_force_topk, plan_memory
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
 from pipeline.retrieval.search import PROCESS_BYTES, SEARCHER_CPUS, ShardedIndex
 from tests.helpers import save_tiny_bert

@@ -20,9 +20,10 @@ from pipeline.retrieval.encode import (
     EncoderSettings,
     run_encoding,
 )
-from pipeline.retrieval.index import IndexConfig, brute_force_topk
+from pipeline.retrieval.faiss_index import IndexConfig, brute_force_topk
+from pipeline.retrieval.fanout import ranked_ids, read_qrels_of_corpus
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
-from pipeline.retrieval.search import ShardedIndex, ranked_ids, read_qrels_of_corpus
+from pipeline.retrieval.search import ShardedIndex
 
 pytestmark = pytest.mark.ray
 

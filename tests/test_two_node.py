@@ -175,7 +175,11 @@ def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp
     # arrived.
     present = " && ".join(f'test -n "${name}"' for name in FAKE_CREDENTIALS)
     recipe_job = shlex.join(["python", "jobs/recipe.py", "--config", str(recipe)])
-    entrypoint = f"{present} && python -c {shlex.quote(PROBE)} && {recipe_job}"
+    # The recipe, then the same command again (every stage recorded: nothing runs), then one
+    # real stage again from an empty folder (--only).
+    entrypoint = (
+        f"{present} && python -c {shlex.quote(PROBE)} && {recipe_job} && {recipe_job} && {recipe_job} --only rerank"
+    )
     env_vars = {"PROBE_PATHS": json.dumps(probe_paths), **FAKE_CREDENTIALS}
     done = submit_job(head, ["sh", "-c", entrypoint], env_vars=env_vars)
     output = done.stdout + done.stderr
@@ -186,8 +190,17 @@ def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp
     probe = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("PROBE "))[6:])
     assert probe["seen"] == [] and probe["node"] != probe["driver_node"]
 
-    summary = job_summaries(done.stdout, "pipeline")[-1]
+    summary, rerun, only = job_summaries(done.stdout, "recipe")
     assert summary["ran"] == list(STAGES)
+    assert rerun["ran"] == [] and rerun["skipped"] == list(STAGES)
+    assert rerun["stages"] == summary["stages"]  # the records untouched
+    # --only rerank scored the same round-2 run with the same re-ranker again: same metrics,
+    # every other stage's record as it was.
+    assert only["ran"] == ["rerank"]
+    assert only["stages"]["rerank"]["metrics"] == pytest.approx(summary["stages"]["rerank"]["metrics"], abs=1e-9)
+    assert {s: r for s, r in only["stages"].items() if s != "rerank"} == {
+        s: r for s, r in summary["stages"].items() if s != "rerank"
+    }
 
     # The searchers reserved their shards' memory and a CPU share, so none is on the 0-CPU head.
     records = storage.read_json(f"{out}/recipe.json")["stages"]

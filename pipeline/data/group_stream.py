@@ -1,7 +1,7 @@
 """Fine-tuning examples: each query with its group of passages, as token ids, per epoch.
 
 Queries reference passages by id, and the passages live in the prepared corpus shards
-(``pipeline/shards.py``). The join happens in Ray Data, so no worker ever holds the
+(``pipeline/data/shards.py``). The join happens in Ray Data, so no worker ever holds the
 corpus text:
 
 1. The driver picks every query's group for the epoch (``select_group``: the positive
@@ -242,7 +242,7 @@ def build_epoch(spec: GroupSpec, plan: EpochGroups, query_ids: list, epoch: int,
 class GroupStream:
     """The callable handed to Ray Train as the fine-tuning ``train`` dataset.
 
-    Like :class:`pipeline.stream.TrainingStream`, each call (first start, restart after a
+    Like :class:`pipeline.data.stream.TrainingStream`, each call (first start, restart after a
     failure, re-run of the job) reads the data position of the checkpoint Ray Train will
     restore and builds every remaining epoch, leaving out the example rows it consumed.
     It holds ids only: examples as corpus rows, and the query token ids.

@@ -19,7 +19,7 @@ from pipeline.data.records import (
 
 
 def passage_lookup(corpus_uri: str, doc_ids: set[str] | None = None) -> Callable[[str], tuple[str, str]]:
-    """docid -> (title, text) over a corpus read with :func:`pipeline.corpus.iter_documents`, which
+    """docid -> (title, text) over a corpus read with :func:`pipeline.data.corpus.iter_documents`, which
     already joins a BEIR title into the text, so the title returned is "". Holds the texts of
     ``doc_ids`` (all documents when None) in memory: for a driver-side export, not for workers."""
     texts = {d.doc_id: d.text for d in iter_documents(corpus_uri) if doc_ids is None or d.doc_id in doc_ids}

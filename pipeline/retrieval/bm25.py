@@ -6,7 +6,7 @@ is cut into text shards in the run's storage; one :class:`Bm25Shard` actor per s
 tokenizes it and reports its terms' document frequencies, a Ray task sums them, and each
 actor builds its bm25s index with the corpus's document count, mean length and document
 frequencies. A shard's scores are then those of one index over the whole corpus, and the
-merge of every shard's top-k (:func:`pipeline.retrieval.index.merge_topk`) is the exact
+merge of every shard's top-k (:mod:`pipeline.retrieval.fanout`) is the exact
 global top-k.
 
 Negatives: retrieve the top ``depth`` documents of every query, drop every judged positive
@@ -39,7 +39,7 @@ import ray
 
 from pipeline.core import storage
 from pipeline.core.errors import StorageError
-from pipeline.core.progress import get_counted, progress
+from pipeline.core.progress import get_counted
 from pipeline.core.runtime import RayConfig
 from pipeline.data.beir import positives, read_queries
 from pipeline.data.corpus import CorpusStats
@@ -48,8 +48,7 @@ from pipeline.data.examples import build_training_examples
 from pipeline.data.runs import read_negatives, write_negatives, write_trec_lines
 from pipeline.data.tevatron import passage_lookup, write_tevatron
 from pipeline.data.text_shards import read_text_shard, write_text_shards
-from pipeline.retrieval.index import merge_topk
-from pipeline.retrieval.search import QUERY_HITS, held_by, ranked_ids, read_qrels_of_corpus
+from pipeline.retrieval.fanout import ShardFanout, ranked_ids, read_qrels_of_corpus
 
 
 @dataclass
@@ -271,11 +270,13 @@ def _merge_term_stats(*shards: pa.Table) -> tuple[pa.Table, int]:
     return merged.rename_columns(["term", "df"]), merged.num_rows
 
 
-class ShardedBm25:
+class ShardedBm25(ShardFanout):
     """The driver's handle on a BM25 index over a corpus: the corpus cut into text shards in
     ``staging`` (run storage: every node reads it), one :class:`Bm25Shard` actor per shard,
     scored with global statistics, so the merged top-k equals one index over the corpus.
     The driver holds no document id or text: results arrive per query block as ids."""
+
+    label = "bm25"
 
     def __init__(self, corpus: str, staging: str, scoring: dict, docs_per_shard: int = 1_000_000):
         started = time.perf_counter()
@@ -300,40 +301,9 @@ class ShardedBm25:
         storage.delete_dir(staging)  # every actor has read its shard
         self.seconds = time.perf_counter() - started
 
-    def __enter__(self) -> "ShardedBm25":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     @property
     def nbytes(self) -> int:
         return sum(s["index_bytes"] for s in self.shards)
-
-    def search_blocks(
-        self, texts: list[str], depth: int, *, block: int | None = None, threads: int = 1
-    ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-        """Per block of queries: (first query, scores (b, k), doc ids (b, k) as bytes), the
-        exact merge of every shard's top-k; b"" pads a query matching fewer than ``depth``
-        documents. A block is 4,096 queries over the shard count, as in dense search."""
-        block = block or max(64, QUERY_HITS // len(self.actors))
-        k = min(depth, self.total)
-        with progress(len(texts), "bm25", "queries") as bar:
-            for start in range(0, len(texts), block):
-                part = texts[start : start + block]
-                part_ref = ray.put(part)  # once, shared by every shard
-                results = ray.get([a.search.remote(part_ref, k, threads) for a in self.actors])
-                scores, _, ids = merge_topk(results, k, "ip", self.total)
-                yield start, scores, ids
-                bar.update(len(part))
-
-    def holds(self, doc_ids: list[str]) -> set[str]:
-        """Which of ``doc_ids`` the corpus holds, asked of the shards."""
-        return held_by(self.actors, doc_ids)
-
-    def close(self) -> None:
-        for actor in self.actors:
-            ray.kill(actor)
 
 
 def _stemmer(name: str):
@@ -371,7 +341,8 @@ def search(
     """(query id, doc ids best first, scores) of the top ``depth`` of every query, in
     ``queries`` order; documents with score 0 (no query term in common) are left out."""
     qids = list(queries)
-    for start, scores, ids in index.search_blocks([queries[q] for q in qids], depth, block=batch_size, threads=threads):
+    k = min(depth, index.total)
+    for start, scores, _, ids in index.search_blocks([queries[q] for q in qids], k, block=batch_size, threads=threads):
         for qid, row_scores, row_ids in zip(qids[start:], scores, ids):
             ranked = ranked_ids(row_ids)
             yield qid, ranked, row_scores[: len(ranked)].astype(float).tolist()

@@ -6,7 +6,7 @@ Layout under the output URI (local or s3://)::
     shards/part-00000.parquet    columns: row (int64), doc_id (string),
                                  embedding (fixed_size_list<float32|float16, dim>)
 
-``row`` is the passage's row in the prepared corpus (see :mod:`pipeline.shards`), so
+``row`` is the passage's row in the prepared corpus (see :mod:`pipeline.data.shards`), so
 search results map back to corpus rows without a lookup table. Shards are written
 independently, one per encoding task, and possibly retried: each one appears under its
 final name only once it is complete, so a rerun can skip :func:`finished_shards` and the

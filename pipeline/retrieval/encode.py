@@ -1,7 +1,7 @@
 """Corpus encoding on a pool of Ray actors: prepared shards in, embedding shards out.
 
 Each corpus shard becomes one embedding shard with the same index, written atomically
-by whichever actor encoded it (``pipeline/embeddings.py``). That makes the job
+by whichever actor encoded it (``pipeline/retrieval/embeddings.py``). That makes the job
 resumable at shard granularity: a rerun skips the shards already written, and a shard
 whose actor died is handed to a fresh actor. The manifest is written last, once every
 shard exists, so the result holds every passage exactly once.

@@ -18,10 +18,11 @@ from pipeline.core.sample import SAMPLE_CORPUS, SAMPLE_DEV_QRELS, SAMPLE_DEV_QUE
 from pipeline.data.beir import read_queries
 from pipeline.data.runs import write_trec_lines
 from pipeline.retrieval.encode import EncodeConfig, EncoderSettings, run_encoding
-from pipeline.retrieval.index import IndexConfig
+from pipeline.retrieval.faiss_index import IndexConfig
+from pipeline.retrieval.fanout import ranked_ids, read_qrels_of_corpus
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
 from pipeline.retrieval.metrics import JOB_MEASURES, StreamedMetrics, metrics_table
-from pipeline.retrieval.search import ShardedIndex, ranked_ids, read_qrels_of_corpus
+from pipeline.retrieval.search import ShardedIndex
 
 
 @dataclass

@@ -19,8 +19,8 @@ from pipeline.core import storage
 from pipeline.core.progress import get_counted
 from pipeline.core.runtime import RayConfig
 from pipeline.retrieval import embeddings as emb
-from pipeline.retrieval import index as faiss_index
-from pipeline.retrieval.index import IndexConfig
+from pipeline.retrieval import faiss_index
+from pipeline.retrieval.faiss_index import IndexConfig
 
 
 @dataclass

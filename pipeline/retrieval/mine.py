@@ -37,7 +37,8 @@ from pipeline.data.groups import query_seed
 from pipeline.data.records import json_lines, write_json_line
 from pipeline.data.runs import write_trec_lines
 from pipeline.retrieval.encode import EncoderSettings, encode_queries
-from pipeline.retrieval.search import ShardedIndex, ranked_ids, read_qrels_of_corpus
+from pipeline.retrieval.fanout import ranked_ids, read_qrels_of_corpus
+from pipeline.retrieval.search import ShardedIndex
 
 
 @dataclass

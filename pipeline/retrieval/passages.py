@@ -19,6 +19,7 @@ from pipeline.core import storage
 from pipeline.data.corpus import CorpusStats
 from pipeline.data.corpus_ids import CorpusIds, id_keys
 from pipeline.data.text_shards import read_text_shard, write_text_shards
+from pipeline.retrieval.fanout import ShardActors
 
 SERVER_CPUS = 0.01  # a token share, as searchers take (see pipeline.retrieval.search.searcher_options)
 PROCESS_BYTES = 512 * 2**20
@@ -61,7 +62,7 @@ def fetch_texts(servers: list, doc_ids: list[str]) -> list[str | None]:
     return texts
 
 
-class PassageStore:
+class PassageStore(ShardActors):
     """The driver's handle: the corpus staged as text shards under ``staging`` (run storage,
     deleted once loaded), one :class:`PassageServer` per shard. Close it (or use ``with``)."""
 
@@ -69,19 +70,9 @@ class PassageStore:
         self.corpus_stats = CorpusStats()
         items = write_text_shards(corpus, staging, docs_per_shard, stats=self.corpus_stats)
         server = ray.remote(PassageServer)
-        self.servers = [
+        self.actors = [
             server.options(num_cpus=SERVER_CPUS, memory=PROCESS_BYTES + TEXT_OVERHEAD * item["text_bytes"]).remote(item)
             for item in items
         ]
-        self.shards = ray.get([s.stats.remote() for s in self.servers])  # every server has read its shard
+        self.shards = ray.get([s.stats.remote() for s in self.actors])  # every server has read its shard
         storage.delete_dir(staging)
-
-    def __enter__(self) -> "PassageStore":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        for server in self.servers:
-            ray.kill(server)

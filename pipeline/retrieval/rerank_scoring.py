@@ -273,7 +273,7 @@ def run_scoring(cfg: RerankScoreConfig) -> dict:
     ):
 
         def make_actor():
-            return remote.remote(model_uri, lengths, cfg.batch_size, cfg.precision, cfg.pool, passages.servers)
+            return remote.remote(model_uri, lengths, cfg.batch_size, cfg.precision, cfg.pool, passages.actors)
 
         score_start = time.perf_counter()
         results = stream_actor_pool(
@@ -314,7 +314,7 @@ def run_scoring(cfg: RerankScoreConfig) -> dict:
         "depth": cfg.depth,
         "lengths": asdict(lengths),
         "actors": cfg.pool.actors,
-        "passage_servers": len(passages.servers),
+        "passage_servers": len(passages.actors),
         "pairs_per_s": round(counts["pairs"] / max(score_s, 1e-9), 1),
         "actor_seconds": round(actor_seconds, 2),
     }

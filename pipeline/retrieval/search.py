@@ -7,7 +7,7 @@ every shard shares the same quantiser statistics, and persisted with a manifest.
 
 Searching: each :class:`ShardSearcher` actor loads one index shard, and the doc ids of its
 rows, and answers top-k for a block of query vectors as (scores, rows, ids); the driver
-merges the per-shard top-k into the exact global top-k (``pipeline.index.merge_topk``). With
+merges the per-shard top-k into the exact global top-k (``pipeline.retrieval.fanout``). With
 exact (Flat) shards the result is the brute-force one. The driver never holds the corpus's
 ids: a query block's results arrive as ids, and "is this id in the corpus" (a qrels check)
 is asked of the searchers.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import resource
-from typing import Iterator
 
 import faiss
 import numpy as np
@@ -26,15 +25,13 @@ import ray
 from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.errors import ArtifactError
-from pipeline.core.progress import progress
-from pipeline.data.beir import read_qrels
-from pipeline.data.corpus_ids import CorpusIds, id_keys
+from pipeline.data.corpus_ids import CorpusIds
 from pipeline.retrieval import embeddings as emb
-from pipeline.retrieval import index as faiss_index
+from pipeline.retrieval import faiss_index
+from pipeline.retrieval.fanout import ShardFanout
 
 SEARCHER_CPUS = 0.01  # see searcher_options
 PROCESS_BYTES = 512 * 2**20  # a searcher's own footprint besides its index (Python, FAISS, Ray)
-QUERY_HITS = 4096  # queries x shards whose top-k the driver merges at once (see search_blocks)
 
 
 class ShardSearcher:
@@ -96,7 +93,7 @@ def searcher_options(manifest: dict, pool: ActorConfig | None) -> list[dict]:
     return [{"num_cpus": SEARCHER_CPUS, "num_gpus": gpus, "memory": row["bytes"] + PROCESS_BYTES} for row in plan]
 
 
-class ShardedIndex:
+class ShardedIndex(ShardFanout):
     """The driver's handle on a persisted sharded index: one searcher actor per shard,
     each reserving what it holds (:func:`searcher_options`)."""
 
@@ -120,74 +117,18 @@ class ShardedIndex:
             for s, options in zip(self.manifest["shards"], self.options)
         ]
 
-    def __enter__(self) -> "ShardedIndex":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def search_blocks(
-        self, queries: np.ndarray, k: int, block: int | None = None
-    ) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
-        """Per block of queries, as it is answered: (first query, scores (b, k), corpus rows
-        (b, k), doc ids (b, k) as bytes), the exact merge of every shard's top-k. Padding
-        (fewer than k hits, e.g. IVF with few lists probed) is row -1 and id b"".
-
-        The driver holds every shard's top-k of a block at once, so by default a block is
-        ``QUERY_HITS // shards`` queries: the same memory whatever the number of shards
-        (which grows with the corpus)."""
-
-        block = block or max(64, QUERY_HITS // len(self.actors))
-        faiss_index._check_k(k, self.total)
-        with progress(len(queries), "search", "queries") as bar:
-            for start in range(0, len(queries), block):
-                part = np.ascontiguousarray(queries[start : start + block], dtype=np.float32)
-                results = ray.get([a.search.remote(part, k) for a in self.actors])
-                scores, rows, ids = faiss_index.merge_topk(results, k, self.metric, self.total)
-                yield start, scores, rows, ids
-                bar.update(len(part))
+    def search_blocks(self, queries: np.ndarray, k: int, *, block: int | None = None):
+        """:meth:`ShardFanout.search_blocks` over query vectors."""
+        return super().search_blocks(np.ascontiguousarray(queries, dtype=np.float32), k, block=block)
 
     def search(self, queries: np.ndarray, k: int, block: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Exact merge of every shard's top-k: (scores (q, k), corpus rows (q, k)), all
         queries at once (for tests and benchmarks; jobs stream :meth:`search_blocks`)."""
 
-        blocks = [(scores, rows) for _, scores, rows, _ in self.search_blocks(queries, k, block)]
+        blocks = [(scores, rows) for _, scores, rows, _ in self.search_blocks(queries, k, block=block)]
         if not blocks:
             return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
         return np.concatenate([s for s, _ in blocks]), np.concatenate([r for _, r in blocks])
 
-    def holds(self, doc_ids: list[str]) -> set[str]:
-        """Which of ``doc_ids`` the corpus holds, asked of the searchers (each knows its shard's)."""
-        return held_by(self.actors, doc_ids)
-
     def stats(self) -> list[dict]:
         return ray.get([a.stats.remote() for a in self.actors])
-
-    def close(self) -> None:
-        for actor in self.actors:
-            ray.kill(actor)
-
-
-def held_by(actors: list, doc_ids: list[str]) -> set[str]:
-    """Which of ``doc_ids`` some shard actor holds (each answers ``holds(keys)`` for its own)."""
-    keys = id_keys(doc_ids)
-    found = np.zeros(len(keys), bool)
-    for mask in ray.get([a.holds.remote(keys) for a in actors]):
-        found |= mask
-    return {d for d, hit in zip(doc_ids, found) if hit}
-
-
-def read_qrels_of_corpus(uri: str, index, query_ids: set[str]) -> dict[str, dict[str, int]]:
-    """``read_qrels`` with its unknown-document check answered by the shard actors of ``index``
-    (a :class:`ShardedIndex` or a BM25 index, anything with ``holds``): the file is
-    read once for its ids, which the searchers look up, then again with that answer, so an
-    unknown id is reported at its line as always, without the corpus's ids on the driver."""
-
-    judged = read_qrels(uri, query_ids=query_ids)
-    doc_ids = sorted({d for docs in judged.values() for d in docs})
-    return read_qrels(uri, doc_ids=index.holds(doc_ids), query_ids=query_ids)
-
-
-def ranked_ids(ids: np.ndarray) -> list[str]:
-    """One query's result ids (a row of :meth:`ShardedIndex.search_blocks`), padding dropped."""
-    return [d.decode() for d in ids if d]

@@ -3,7 +3,7 @@
 Data: BEIR queries + qrels (+ a negatives jsonl, or ``bm25`` to mine round-1 negatives
 here with bm25s), or a Tevatron train jsonl. The corpus is prepared into shards with the
 model's own tokenizer; the driver holds ids only (queries as token ids, examples as
-corpus rows), and Ray Data joins the passages (``pipeline/group_stream.py``).
+corpus rows), and Ray Data joins the passages (``pipeline/data/group_stream.py``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Checkpoint layout (one Ray Train checkpoint directory per save, ``checkpoint_<st
     trainer_state.json          step, tokens, loss history (rank 0)
     position_rank<r>.json       the corpus rows rank r consumed, per epoch
 
-On the next worker-group start, the stream factory (pipeline.stream) reads the position
+On the next worker-group start, the stream factory (pipeline.data.stream) reads the position
 of the checkpoint Ray Train will restore: Ray's own registry names it; the pointer
 ``<run_dir>/data_position.json``, which rank 0 writes after each report, is the fallback.
 """

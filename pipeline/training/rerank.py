@@ -4,7 +4,7 @@ Training (SimLM stage 3) reuses the fine-tuning data path: the corpus is prepare
 model's tokenizer, each query gets a group of 1 positive and n-1 negatives (by default the
 round-2 top-k that ``jobs/mine.py`` wrote, or BM25 for a standalone run), and the group
 stream delivers ``[CLS] q [SEP]`` and ``[CLS] d [SEP]`` token ids. :class:`RerankTask`
-joins them into ``[CLS] q [SEP] d [SEP]`` pairs for the loop in ``pipeline/train.py``.
+joins them into ``[CLS] q [SEP] d [SEP]`` pairs for the loop in ``pipeline/training/loop.py``.
 
 Scoring reads a first-stage TREC run and scores its top-``depth`` candidates per query
 (plus, if asked, the judged positives it missed, so a distillation teacher has a score for

@@ -23,7 +23,7 @@ class TrainConfig:
     zero_stage: int = field(
         default=2,
         metadata={
-            "help": "DeepSpeed ZeRO stage (picks cluster/deepspeed/zero<N>.json); one worker uses stage 0 instead of 1/2"
+            "help": "DeepSpeed ZeRO stage (picks pipeline/training/zero_templates/zero<N>.json); one worker uses stage 0 instead of 1/2"
         },
     )
     deepspeed_config: str = field(

@@ -44,7 +44,7 @@ class AnalyzeConfig:
     )
     passages: str = field(
         default=SAMPLE_CORPUS,
-        metadata={"help": "corpus (file or folder, local or s3://) in any format pipeline.corpus reads"},
+        metadata={"help": "corpus (file or folder, local or s3://) in any format pipeline.data.corpus reads"},
     )
     num_passages: int = field(default=256, metadata={"help": "how many passages to average over"})
     seed: int | None = field(

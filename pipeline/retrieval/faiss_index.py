@@ -23,6 +23,7 @@ import psutil
 
 from pipeline.core import storage
 from pipeline.core.errors import ArtifactError, ConfigError
+from pipeline.retrieval.fanout import check_k, check_metric, merge_topk, smallest
 
 MANIFEST = "manifest.json"
 FORMAT = "raydense-index-v1"
@@ -51,13 +52,8 @@ def _reason(exc: Exception) -> str:
     return _FAISS_CONTEXT.sub("", str(exc)).strip()
 
 
-def _check_metric(metric: str) -> None:
-    if metric not in ("ip", "l2"):
-        raise ConfigError(f"metric {metric!r} is not one of ['ip', 'l2']")
-
-
 def _metric(metric: str) -> int:
-    _check_metric(metric)
+    check_metric(metric)
     return faiss.METRIC_INNER_PRODUCT if metric == "ip" else faiss.METRIC_L2
 
 
@@ -395,23 +391,6 @@ def load_index_shards(index_uri: str, manifest: dict) -> list:
 # --- search ------------------------------------------------------------------------------
 
 
-def _check_k(k: int, total: int) -> None:
-    if k < 1:
-        raise ConfigError(f"k={k} must be at least 1")
-    if k > total:
-        raise ConfigError(f"k={k} is larger than the corpus ({total} passages)")
-
-
-def _smallest(key: np.ndarray, k: int) -> np.ndarray:
-    """Column indexes of each row's ``k`` smallest keys, ascending (argpartition: O(n), not a full sort)."""
-    top = (
-        np.argpartition(key, k - 1, axis=1)[:, :k]
-        if k < key.shape[1]
-        else np.broadcast_to(np.arange(key.shape[1]), key.shape)
-    )
-    return np.take_along_axis(top, np.argsort(np.take_along_axis(key, top, 1), axis=1, kind="stable"), 1)
-
-
 def search_shard(index, queries: np.ndarray, k: int, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(scores (q, k) float32, rows (q, k) int64)``; missing results are row -1, as FAISS pads."""
     if nprobe is not None:
@@ -420,32 +399,12 @@ def search_shard(index, queries: np.ndarray, k: int, nprobe: int | None = None) 
     return scores.astype(np.float32, copy=False), rows.astype(np.int64, copy=False)
 
 
-def merge_topk(
-    results: list[tuple[np.ndarray, ...]], k: int, metric: str = "ip", total: int | None = None
-) -> tuple[np.ndarray, ...]:
-    """Exact global top-k from per-shard top-k (each shard's top-k contains its share of the
-    global one). Each result is ``(scores, rows, *columns)``: any further per-hit arrays (the
-    hits' doc ids, say) are merged along. Padding (row -1) sorts last; ``total`` (the corpus
-    size) bounds ``k``."""
-    _check_metric(metric)
-    merged = [np.concatenate([r[i] for r in results], axis=1) for i in range(len(results[0]))]
-    scores, rows = merged[0], merged[1]
-    if total is not None:
-        _check_k(k, total)
-    elif not 1 <= k <= rows.shape[1]:
-        raise ValueError(f"k={k} is outside 1..{rows.shape[1]}, the number of results the shards returned")
-    # One ascending key for both metrics; padding gets +inf so it never displaces a real hit.
-    key = np.where(rows < 0, np.inf, -scores if metric == "ip" else scores)
-    top = _smallest(key, min(k, key.shape[1]))
-    return tuple(np.take_along_axis(column, top, 1) for column in merged)
-
-
 def search_shards(
     indexes: list, queries: np.ndarray, k: int, metric: str = "ip", nprobe: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Search every shard and merge: the global top-k over the whole corpus."""
     total = sum(index.ntotal for index in indexes)
-    _check_k(k, total)
+    check_k(k, total)
     results = [search_shard(index, queries, min(k, index.ntotal), nprobe) for index in indexes if index.ntotal]
     return merge_topk(results, k, metric, total)
 
@@ -456,11 +415,11 @@ def brute_force_topk(
     """Exact numpy reference: scores (inner products, or squared L2 as FAISS reports them)
     and ``rows`` (positions when not given) of the top-k."""
     q, v = _f32(queries), _f32(vectors)
-    _check_metric(metric)
-    _check_k(k, len(v))
+    check_metric(metric)
+    check_k(k, len(v))
     scores = q @ v.T
     if metric == "l2":
         scores = (q * q).sum(1)[:, None] - 2 * scores + (v * v).sum(1)[None]
-    top = _smallest(-scores if metric == "ip" else scores, k)
+    top = smallest(-scores if metric == "ip" else scores, k)
     ids = top if rows is None else np.asarray(rows, dtype=np.int64)[top]
     return np.take_along_axis(scores, top, 1), ids.astype(np.int64)

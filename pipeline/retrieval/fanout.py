@@ -1,0 +1,141 @@
+"""The one sharded fan-out: a query block asked of every shard actor, the exact top-k merged.
+
+Dense search (:class:`pipeline.retrieval.search.ShardedIndex`, one FAISS shard an actor) and
+BM25 (:class:`pipeline.retrieval.bm25.ShardedBm25`, one text shard an actor) are both a
+:class:`ShardFanout`: each actor answers ``search(block, k, ...)`` with its own top-k as
+``(scores, rows, doc ids)`` and ``holds(keys)`` for the ids it serves; the driver puts each
+block into the object store once, gathers every shard's answer and merges them
+(:func:`merge_topk`). Each shard's top-k contains its share of the global one, so the merge
+is exact. This module needs neither FAISS nor torch.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import numpy as np
+import ray
+
+from pipeline.core.errors import ConfigError
+from pipeline.core.progress import progress
+from pipeline.data.beir import read_qrels
+from pipeline.data.corpus_ids import id_keys
+
+QUERY_HITS = 4096  # queries x shards whose top-k the driver merges at once (see search_blocks)
+
+
+def check_metric(metric: str) -> None:
+    if metric not in ("ip", "l2"):
+        raise ConfigError(f"metric {metric!r} is not one of ['ip', 'l2']")
+
+
+def check_k(k: int, total: int) -> None:
+    if k < 1:
+        raise ConfigError(f"k={k} must be at least 1")
+    if k > total:
+        raise ConfigError(f"k={k} is larger than the corpus ({total} passages)")
+
+
+def smallest(key: np.ndarray, k: int) -> np.ndarray:
+    """Column indexes of each row's ``k`` smallest keys, ascending (argpartition: O(n), not a full sort)."""
+    top = (
+        np.argpartition(key, k - 1, axis=1)[:, :k]
+        if k < key.shape[1]
+        else np.broadcast_to(np.arange(key.shape[1]), key.shape)
+    )
+    return np.take_along_axis(top, np.argsort(np.take_along_axis(key, top, 1), axis=1, kind="stable"), 1)
+
+
+def merge_topk(
+    results: list[tuple[np.ndarray, ...]], k: int, metric: str = "ip", total: int | None = None
+) -> tuple[np.ndarray, ...]:
+    """Exact global top-k from per-shard top-k (each shard's top-k contains its share of the
+    global one). Each result is ``(scores, rows, *columns)``: any further per-hit arrays (the
+    hits' doc ids, say) are merged along. Padding (row -1) sorts last; ``total`` (the corpus
+    size) bounds ``k``."""
+    check_metric(metric)
+    merged = [np.concatenate([r[i] for r in results], axis=1) for i in range(len(results[0]))]
+    scores, rows = merged[0], merged[1]
+    if total is not None:
+        check_k(k, total)
+    elif not 1 <= k <= rows.shape[1]:
+        raise ValueError(f"k={k} is outside 1..{rows.shape[1]}, the number of results the shards returned")
+    # One ascending key for both metrics; padding gets +inf so it never displaces a real hit.
+    key = np.where(rows < 0, np.inf, -scores if metric == "ip" else scores)
+    top = smallest(key, min(k, key.shape[1]))
+    return tuple(np.take_along_axis(column, top, 1) for column in merged)
+
+
+def held_by(actors: list, doc_ids: list[str]) -> set[str]:
+    """Which of ``doc_ids`` some shard actor holds (each answers ``holds(keys)`` for its own)."""
+    keys = id_keys(doc_ids)
+    found = np.zeros(len(keys), bool)
+    for mask in ray.get([a.holds.remote(keys) for a in actors]):
+        found |= mask
+    return {d for d, hit in zip(doc_ids, found) if hit}
+
+
+def read_qrels_of_corpus(uri: str, index: "ShardFanout", query_ids: set[str]) -> dict[str, dict[str, int]]:
+    """``read_qrels`` with its unknown-document check answered by the shard actors of
+    ``index``: the file is read once for its ids, which the shards look up, then again with
+    that answer, so an unknown id is reported at its line as always, without the corpus's ids
+    on the driver."""
+
+    judged = read_qrels(uri, query_ids=query_ids)
+    doc_ids = sorted({d for docs in judged.values() for d in docs})
+    return read_qrels(uri, doc_ids=index.holds(doc_ids), query_ids=query_ids)
+
+
+def ranked_ids(ids: np.ndarray) -> list[str]:
+    """One query's result ids (a row of :meth:`ShardFanout.search_blocks`), padding dropped."""
+    return [d.decode() for d in ids if d]
+
+
+class ShardActors:
+    """Actors that each serve one shard of the corpus, killed on :meth:`close` (or ``with``)."""
+
+    actors: list
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+
+
+class ShardFanout(ShardActors):
+    """Shard actors searched together: every actor answers each block of queries."""
+
+    metric: str = "ip"
+    total: int  # documents over all shards
+    label: str = "search"  # the progress line's name
+
+    def search_blocks(
+        self, queries: Sequence, k: int, *, block: int | None = None, **options
+    ) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+        """Per block of queries, as it is answered: (first query, scores (b, k), corpus rows
+        (b, k), doc ids (b, k) as bytes), the exact merge of every shard's top-k. Padding
+        (fewer than k hits) is row -1 and id b"". ``options`` go to every actor's ``search``.
+
+        The driver holds every shard's top-k of a block at once, so by default a block is
+        ``QUERY_HITS // shards`` queries: the same memory whatever the number of shards
+        (which grows with the corpus)."""
+
+        block = block or max(64, QUERY_HITS // len(self.actors))
+        check_k(k, self.total)
+        with progress(len(queries), self.label, "queries") as bar:
+            for start in range(0, len(queries), block):
+                part = queries[start : start + block]
+                part_ref = ray.put(part)  # once, shared by every shard
+                results = ray.get([a.search.remote(part_ref, k, **options) for a in self.actors])
+                scores, rows, ids = merge_topk(results, k, self.metric, self.total)
+                yield start, scores, rows, ids
+                bar.update(len(part))
+
+    def holds(self, doc_ids: list[str]) -> set[str]:
+        """Which of ``doc_ids`` the corpus holds, asked of the shards (each knows its own)."""
+        return held_by(self.actors, doc_ids)
