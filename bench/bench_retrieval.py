@@ -6,7 +6,7 @@ Systems (all on the same 2,241 dev queries and 37,457 verses, top-100 exact sear
   minilm-mean          the same, mean pooling, cosine (how it was trained)
   --retriever DIR ...  any raydense retriever export (settings from its retriever.json)
 
-Usage: python bench/bench_retrieval.py [--data ../shared/data/nave] [--retriever DIR] [--json out.json]
+Usage: python bench/bench_retrieval.py [--data data/nave] [--retriever DIR] [--json out.json]
 """
 
 from __future__ import annotations
@@ -53,16 +53,16 @@ def dense(name: str, path: str, overrides: dict, queries: dict, doc_ids: list, t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", default=str(REPO_ROOT.parent / "shared" / "data" / "nave"))
+    parser.add_argument("--data", default=str(REPO_ROOT / "data" / "nave"))
     parser.add_argument("--retriever", nargs="*", default=[])
     parser.add_argument("--json", default="")
     args = parser.parse_args()
 
-    corpus = f"{args.data}/corpus.jsonl"
+    corpus = f"{args.data}/corpus.jsonl.gz"
     docs = list(iter_documents(corpus))
     doc_ids, texts = [d.doc_id for d in docs], [d.text for d in docs]
-    queries = read_queries(f"{args.data}/queries.dev.jsonl")
-    qrels = read_qrels(f"{args.data}/qrels.dev.tsv", doc_ids=set(doc_ids), query_ids=set(queries))
+    queries = read_queries(f"{args.data}/queries.dev.jsonl.gz")
+    qrels = read_qrels(f"{args.data}/qrels.dev.tsv.gz", doc_ids=set(doc_ids), query_ids=set(queries))
 
     results = []
     import tempfile

@@ -16,6 +16,7 @@ Usage: python bench/bench_retrieval_gpu.py [--parts encode,search] [--json out.j
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import sys
@@ -54,7 +55,11 @@ def random_bert(folder: str, texts: list[str], size: str) -> str:
 
 
 def bench_encode(corpus: Path, cpu_passages: int, cpus: int) -> list[dict]:
-    lines = corpus.read_text().splitlines()
+    lines = (
+        gzip.decompress(corpus.read_bytes()).decode().splitlines()
+        if corpus.suffix == ".gz"
+        else corpus.read_text().splitlines()
+    )
     texts = [json.loads(line)["text"] for line in lines]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -171,7 +176,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="encode,search")
     parser.add_argument("--json", default="")
-    parser.add_argument("--corpus", default=str(NAVE / "corpus.jsonl"))
+    parser.add_argument("--corpus", default=str(NAVE / "corpus.jsonl.gz"))
     parser.add_argument("--cpu-passages", type=int, default=2000)
     parser.add_argument("--vectors", type=int, default=2_000_000)
     parser.add_argument("--queries", type=int, default=20_000)

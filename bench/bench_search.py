@@ -14,6 +14,7 @@ Usage: python bench/bench_search.py [--parts encode,search,recall,mine] [--json 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import sys
@@ -32,7 +33,7 @@ from pipeline.retrieval.faiss_index import brute_force_topk, plan_memory
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
 from pipeline.retrieval.search import ShardedIndex
 
-NAVE = REPO_ROOT.parent / "shared" / "data" / "nave"
+NAVE = REPO_ROOT / "data" / "nave"
 GIB = 1024**3
 
 
@@ -81,7 +82,7 @@ def bench_encode(n_passages: int) -> dict:
         run_encoding,
     )
 
-    lines = (NAVE / "corpus.jsonl").read_text().splitlines()[:n_passages]
+    lines = gzip.decompress((NAVE / "corpus.jsonl.gz").read_bytes()).decode().splitlines()[:n_passages]
     texts = [json.loads(line)["text"] for line in lines]
     out: dict = {"passages": len(texts), "threads_per_worker": 1}
     with tempfile.TemporaryDirectory() as tmp:

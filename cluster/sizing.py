@@ -25,7 +25,7 @@ MEASURED_PASSAGES_PER_S = 117.3
 MEASURED_CORES = 1
 MEASURED_MODEL = dict(layers=6, hidden=384, intermediate=1536)
 # Those verses are short: 34.2 tokens on average with [CLS] and [SEP] (MiniLM's tokenizer,
-# truncated at 128; measured once on /work/shared/data/nave/corpus.jsonl, lines 1-4,000).
+# truncated at 128; measured once on data/nave/corpus.jsonl.gz, lines 1-4,000).
 MEASURED_MEAN_TOKENS = 34.2
 BERT_BASE = dict(layers=12, hidden=768, intermediate=3072)
 # The table assumes every passage fills max_len: exact for 100-word Wikipedia passages,

@@ -325,3 +325,24 @@ def test_a_run_folder_from_before_the_rename_keeps_its_records(tmp_path):
     summary = run_recipe(cfg_for(tmp_path), fake_stages(calls))
     assert calls == [] and summary["skipped"] == list(STAGES)
     assert RunManifest(str(tmp_path / "run"), MANIFEST).done("distill")  # now under its new name
+
+
+def test_every_data_file_a_shipped_config_names_is_in_the_repository():
+    """The real recipes run from a clone: the files they read lie under data/ (Nave, gzipped)."""
+    import yaml
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    configs = [os.path.join(root, "jobs", "recipes", n) for n in os.listdir(os.path.join(root, "jobs", "recipes"))]
+    configs += [os.path.join(root, "bench", "configs", n) for n in os.listdir(os.path.join(root, "bench", "configs"))]
+
+    def paths(value):
+        if isinstance(value, dict):
+            for item in value.values():
+                yield from paths(item)
+        elif isinstance(value, str) and value.startswith(("data/", "../", "/")):
+            yield value
+
+    named = {p: c for c in configs for p in paths(yaml.safe_load(open(c)))}
+    assert any(p.startswith("data/nave/") for p in named)
+    for path, config in named.items():
+        assert path.startswith("data/") and os.path.isfile(os.path.join(root, path)), (config, path)
