@@ -176,7 +176,8 @@ def bench_recall(n: int, dim: int, n_queries: int, k: int = 100) -> list[dict]:
 
 
 def bench_mine(n: int, dim: int, n_queries: int, depth: int = 200, count: int = 30) -> dict:
-    from pipeline.retrieval.mine import MineConfig, select_negatives
+    from pipeline.data.groups import select_negatives
+    from pipeline.retrieval.mine import MineConfig
 
     rng = np.random.default_rng(4)
     with tempfile.TemporaryDirectory() as tmp:

@@ -12,11 +12,13 @@ weights records pooling, similarity and temperature, so encoding needs no flags.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -250,3 +252,44 @@ def contrastive_backward(
 
     loss = biencoder_backward(engine, batch, coupled, chunk_size)
     return loss / world_size(), stats
+
+
+class ContrastiveObjective:
+    """The bi-encoder's training objective, in the shape every objective has (build,
+    make_batch, backward, count_tokens, export): the contrastive loss over in-batch,
+    cross-worker and hard negatives. Batches are the group stream's arrays: queries
+    ``(b, Lq)`` and their groups ``(b, n, Ld)``, with lengths."""
+
+    def __init__(self, cfg: BiEncoderConfig):
+        self.cfg = cfg
+
+    def build(self, init_dir: str) -> BiEncoder:
+        encoder = AutoModel.from_pretrained(init_dir, use_safetensors=has_safetensors(init_dir))
+        pooler = getattr(encoder, "pooler", None)
+        if pooler is not None:  # unused by CLS/mean pooling: frozen, so no worker waits on its gradient
+            pooler.requires_grad_(False)
+        passage = None if self.cfg.shared_encoder else copy.deepcopy(encoder)
+        return BiEncoder(encoder, passage, self.cfg)
+
+    def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]:
+        q_ids, q_mask = _ids_and_mask(batch["q_input_ids"], batch["q_length"])
+        d_ids, d_mask = _ids_and_mask(batch["d_input_ids"], batch["d_length"])  # (b*n, L), groups contiguous
+        return {"q_input_ids": q_ids, "q_attention_mask": q_mask, "d_input_ids": d_ids, "d_attention_mask": d_mask}
+
+    def backward(self, engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return contrastive_backward(engine, batch, self.cfg.group_size, self.cfg.chunk_size)
+
+    def count_tokens(self, batch: dict[str, np.ndarray]) -> int:
+        return int(np.asarray(batch["q_length"]).sum() + np.asarray(batch["d_length"]).sum())
+
+    def export(self, model: BiEncoder, out_dir: str, tokenizer_dir: str | None) -> dict[str, str]:
+        return model.save(out_dir, tokenizer_dir)
+
+
+def _ids_and_mask(ids: np.ndarray, lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids as (rows, L) and their attention mask from the lengths (copies: the arrays
+    may be read-only, as Ray Data hands them out of the object store)."""
+    tensor = torch.tensor(np.ascontiguousarray(ids), dtype=torch.long)
+    tensor = tensor.reshape(-1, tensor.shape[-1])
+    lengths = torch.tensor(np.asarray(lengths), dtype=torch.long).reshape(-1)
+    return tensor, (torch.arange(tensor.shape[1])[None, :] < lengths[:, None]).long()

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from models.biencoder import (
+    BiEncoderConfig,
+    ContrastiveObjective,
     biencoder_backward,
     global_contrastive_loss,
     own_group_scores,
@@ -96,3 +99,22 @@ def distillation_backward(
 
     biencoder_backward(engine, batch, coupled, chunk_size)
     return stats["kl"] + alpha * stats["ce"], stats
+
+
+class DistillationObjective(ContrastiveObjective):
+    """The bi-encoder's objective with the teacher's scores in the batch: ``KL + alpha * CE``."""
+
+    def __init__(self, cfg: BiEncoderConfig, distill: DistillationConfig):
+        super().__init__(cfg)
+        self.distill = distill
+
+    def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]:
+        tensors = super().make_batch(batch, generator)
+        tensors["d_teacher_scores"] = torch.tensor(np.asarray(batch["d_teacher_scores"]), dtype=torch.float32)
+        return tensors
+
+    def backward(self, engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        cfg, distill = self.cfg, self.distill
+        return distillation_backward(
+            engine, batch, cfg.group_size, distill.alpha, cfg.chunk_size, distill.teacher_temperature
+        )

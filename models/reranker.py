@@ -20,6 +20,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -191,3 +192,43 @@ def load_reranker(export_dir: str) -> CrossEncoder:
         raise FileNotFoundError(f"{export_dir}: no config.json; is this a re-ranker export?")
     model = AutoModelForSequenceClassification.from_pretrained(export_dir, use_safetensors=has_safetensors(export_dir))
     return CrossEncoder(model, load_settings(export_dir)).eval()
+
+
+class ListwiseObjective:
+    """The cross-encoder's training objective, in the shape every objective has: each query
+    with its group of passages as ``[CLS] q [SEP] d [SEP]`` pairs, cut as ``lengths`` says,
+    and the listwise loss over the group (positive first)."""
+
+    def __init__(self, group_size: int, lengths: PairLengths, sep_id: int, pad_id: int):
+        self.group_size, self.lengths, self.sep_id, self.pad_id = group_size, lengths, sep_id, pad_id
+
+    def build(self, init_dir: str) -> CrossEncoder:
+        return build_reranker(init_dir, self.lengths)
+
+    def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]:
+        q_ids = torch.tensor(np.ascontiguousarray(batch["q_input_ids"]), dtype=torch.long)  # (b, Lq)
+        d_ids = torch.tensor(np.ascontiguousarray(batch["d_input_ids"]), dtype=torch.long)  # (b, n, Ld)
+        b, n = d_ids.shape[:2]
+        q_len = torch.tensor(np.asarray(batch["q_length"]), dtype=torch.long).reshape(-1)
+        d_len = torch.tensor(np.asarray(batch["d_length"]), dtype=torch.long).reshape(-1)
+        # Row i * n + j is query i with its j-th passage: groups contiguous, positive first.
+        return pair_inputs(
+            q_ids.repeat_interleave(n, 0),
+            q_len.repeat_interleave(n),
+            d_ids.reshape(b * n, -1),
+            d_len,
+            self.lengths.max_len,
+            self.sep_id,
+            self.pad_id,
+        )
+
+    def backward(self, engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return listwise_backward(engine, batch, self.group_size)
+
+    def count_tokens(self, batch: dict[str, np.ndarray]) -> int:
+        q_len = np.asarray(batch["q_length"]).reshape(-1, 1).astype(np.int64)
+        d_len = np.asarray(batch["d_length"]).reshape(len(q_len), -1).astype(np.int64)
+        return int(np.minimum(q_len + d_len - 1, self.lengths.max_len).sum())
+
+    def export(self, model: CrossEncoder, out_dir: str, tokenizer_dir: str | None) -> dict[str, str]:
+        return model.save(out_dir, tokenizer_dir)

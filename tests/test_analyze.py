@@ -12,15 +12,14 @@ import torch
 from conftest import synthetic_docs, write_jsonl
 
 from jobs.analyze import main
+from models.diagnostics import cls_entropy, pairwise_cosine
 from pipeline.core import storage
 from pipeline.core.errors import ConfigError
 from pipeline.workflows.analyze import (
     AnalyzeConfig,
-    cls_entropy,
     load_checkpoint,
     load_passages,
     measure,
-    pairwise_cosine,
     run_analysis,
 )
 from tests.helpers import make_tokenizer_dir, tiny_mlm

@@ -6,7 +6,9 @@ import pytest
 from pipeline.core import storage
 from pipeline.core.config import parse_config
 from pipeline.core.errors import ConfigError, InputError
-from pipeline.retrieval.bm25 import Bm25Config, _select, bm25_run, build_index, mine_negatives
+from pipeline.data.groups import select_negatives
+from pipeline.retrieval.bm25 import Bm25Config, bm25_run, build_index, mine_negatives
+from pipeline.retrieval.mine import MineConfig
 from tests.conftest import synthetic_docs, write_jsonl
 
 # "zebra" and "stripes" occur in a handful of documents; d0 would rank first for q1.
@@ -196,9 +198,21 @@ def test_random_sample_is_seeded_subset_in_rank_order(beir, corpus_index):
     first = read_jsonl(cfg.output)[0]["negatives"]
     assert set(first) < set(ranking) and first == sorted(first, key=ranking.index)
     # The draw is seeded by (seed, query id): the same from the same ranking, whatever else ran.
-    assert _select("q1", list(full), list(full.values()), {"d0"}, cfg)[0] == first
-    assert _select("q1", list(full), list(full.values()), {"d0"}, replace(cfg, seed=4))[0] != first
+    assert select_negatives("q1", list(full), list(full.values()), {"d0"}, cfg)[0] == first
+    assert select_negatives("q1", list(full), list(full.values()), {"d0"}, replace(cfg, seed=4))[0] != first
     assert not storage.exists(str(beir / "out" / "neg.run.trec"))
+    # Dense mining's settings draw the same negatives from the same ranking: a "random" draw
+    # with a seed is comparable between the two miners.
+    dense = MineConfig(count=2, sample="random", seed=3)
+    assert select_negatives("q1", list(full), list(full.values()), {"d0"}, dense)[0] == first
+
+
+def test_skip_top_leaves_out_the_best_ranked_candidates(beir, corpus_index):
+    cfg = config(beir, count=3, skip_top=2, run="none")
+    full = list(bm25_run(corpus_index, {"q1": "zebra stripes"})["q1"])
+    mine_negatives(cfg)
+    # d0 (judged positive) is first; skip_top drops ranks 1-2 whatever they are, then the positive filter.
+    assert read_jsonl(cfg.output)[0]["negatives"] == [d for d in full[2:] if d != "d0"][:3]
 
 
 def test_config_validation(beir):

@@ -132,6 +132,7 @@ def _stub_stages(monkeypatch) -> dict[str, list]:
     monkeypatch.setattr(compare, "run_pretraining", fake_pretraining)
     monkeypatch.setattr(stages, "run_finetuning", fake_finetuning)
     monkeypatch.setattr(stages, "evaluate_dev", fake_evaluation)
+    monkeypatch.setattr(stages, "prepare_in", lambda corpus, folder, *args: folder)
     monkeypatch.setattr(compare, "run_analysis", fake_analysis)
     monkeypatch.setattr(compare, "plot_method_comparison", lambda rows, metrics, uri: uri)
     return calls

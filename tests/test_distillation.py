@@ -13,7 +13,7 @@ from test_biencoder import _full_batch, biencoder
 from test_finetune_deepspeed import relative_error
 
 from models.biencoder import BiEncoderConfig, contrastive_backward
-from models.distillation import DistillationConfig, distillation_backward, distillation_loss
+from models.distillation import DistillationConfig, DistillationObjective, distillation_backward, distillation_loss
 from pipeline.core.errors import InputError
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import TrainExample, build_distillation_examples
@@ -26,7 +26,6 @@ from pipeline.data.group_stream import (
 )
 from pipeline.data.groups import select_group
 from pipeline.data.runs import read_trec_run
-from pipeline.training.distill import DistillTask
 from tests.helpers import PlainEngine
 
 
@@ -154,7 +153,7 @@ def test_teacher_scores_arrive_aligned_with_the_groups_passages():
         # out) are copied without PyTorch's warning, and the masks follow the lengths.
         for array in out.values():
             array.setflags(write=False)
-        task = DistillTask("unused", BiEncoderConfig(group_size=group), "unused", DistillationConfig())
+        task = DistillationObjective(BiEncoderConfig(group_size=group), DistillationConfig())
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             tensors = task.make_batch(out, torch.Generator())

@@ -10,7 +10,8 @@ import pytest
 
 from pipeline.core.config import parse_config
 from pipeline.core.errors import ConfigError
-from pipeline.training.finetune import FinetuneConfig, evaluation_job, run_finetuning
+from pipeline.training.finetune import FinetuneConfig, run_finetuning
+from pipeline.training.group_training import evaluation_job
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,3 +69,25 @@ def test_evaluation_is_off_by_default_and_asked_for_goes_through_the_distributed
     assert (job.model, job.corpus, job.output) == ("s3://b/run/export", "s3://b/run/corpus", "s3://b/run/eval")
     assert (job.queries, job.qrels, job.index, job.max_len) == ("s3://b/dev.jsonl", "s3://b/dev.tsv", "IVF64,Flat", 96)
     assert job.pool == cfg.eval.pool and job.pool.use_gpu and job.pool.actors == 4
+
+
+def test_the_run_corpus_is_recorded_as_the_trainer_records_it(tmp_path, monkeypatch):
+    """A workflow prepares its corpus (``prepare_in``) before or after a trainer prepares the
+    same folder: both record the same settings, so neither redoes the other's tokenization."""
+    from pipeline.data import corpus_store
+    from pipeline.data.prepare import _settings
+    from pipeline.training.group_training import _resolve_paths
+    from tests.helpers import save_tiny_bert
+
+    init = save_tiny_bert(str(tmp_path / "init"), ["a few words", "some more words"])
+    recorded = []
+    monkeypatch.setattr(corpus_store, "prepare_corpus", lambda cfg: recorded.append(_settings(cfg)))
+    monkeypatch.chdir(tmp_path)  # relative paths, as a user types them
+    corpus_store.prepare_in("data/corpus.jsonl", "run/corpus", "init", 500)
+
+    cfg = FinetuneConfig()
+    cfg.model.init, cfg.train.output = "init", "run"
+    cfg.corpus.input, cfg.corpus.output, cfg.corpus.docs_per_shard = "data/corpus.jsonl", "run/corpus", 500
+    _resolve_paths(cfg)
+    assert recorded == [_settings(cfg.corpus)]
+    assert recorded[0]["tokenizer"] == init and recorded[0]["input"] == str(tmp_path / "data" / "corpus.jsonl")

@@ -14,7 +14,8 @@ from models.biencoder import load_biencoder
 from pipeline.core import model_ref, storage
 from pipeline.data.beir import positives, read_qrels
 from pipeline.data.runs import read_negatives
-from pipeline.training.finetune import FinetuneConfig, prepare_group_training, run_finetuning
+from pipeline.training.finetune import FinetuneConfig, run_finetuning
+from pipeline.training.group_training import prepare_group_training
 from pipeline.training.train_config import TrainConfig
 from tests.helpers import read_traces, save_tiny_bert
 

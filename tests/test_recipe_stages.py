@@ -15,6 +15,7 @@ from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.config import parse_config, to_dict
 from pipeline.core.errors import ConfigError
+from pipeline.data.corpus_store import CorpusStore
 from pipeline.workflows.manifest import RunManifest
 from pipeline.workflows.recipe import (
     MANIFEST,
@@ -300,6 +301,9 @@ def test_the_eval_and_reranker_pools_reach_every_stage_whole(tmp_path, monkeypat
         (recipe, "_sample_run", lambda run, *args: run),
     ]:
         monkeypatch.setattr(module, name, fake)
+    # The corpus folders, not preparing them (the stand-in trainers prepare nothing).
+    monkeypatch.setattr(CorpusStore, "prepared", CorpusStore.folder)
+    monkeypatch.setattr(stages, "prepare_in", lambda corpus, folder, *args: folder)
     ctx = recipe.StageContext(cfg, RunManifest(cfg.output, MANIFEST))
     ctx.manifest.data["corpus_docs"] = 5000
     ctx.manifest.save("pretrain", {"outputs": {"export": "s3://b/pretrain/export"}})
@@ -314,6 +318,10 @@ def test_the_eval_and_reranker_pools_reach_every_stage_whole(tmp_path, monkeypat
         expected = cfg.reranker.pool if kind == "score" else cfg.eval.pool
         assert job.pool == expected, kind
     assert all(job.precision == "bf16" for kind, job in handed if kind == "evaluate")
+    # Every evaluation reads the run's corpus prepared with the pre-trained encoder's
+    # tokenizer (every model here starts from it): none prepares its own.
+    prepared = ctx.corpus.folder("s3://b/pretrain/export")
+    assert [job.corpus for kind, job in handed if kind == "evaluate"] == [prepared] * 4
     assert all(job.encoder.precision == "bf16" for kind, job in handed if kind == "mine")
 
 

@@ -16,6 +16,7 @@ import torch
 from conftest import synthetic_docs
 
 from models.reranker import (
+    ListwiseObjective,
     PairLengths,
     build_reranker,
     listwise_backward,
@@ -26,7 +27,6 @@ from pipeline.core.errors import StorageError
 from pipeline.data.stream import frame
 from pipeline.data.tokenizer import load_tokenizer
 from pipeline.retrieval.rerank_scoring import RerankScoreConfig, run_scoring
-from pipeline.training.rerank import RerankTask
 from tests.helpers import PlainEngine, save_tiny_bert
 
 N_DOCS, N_QUERIES = 40, 12
@@ -106,7 +106,7 @@ def test_make_batch_equals_the_tokenizers_pair_encoding(tiny_checkpoint):
     batch = stream_batch(tokenizer, queries, groups, lengths)
     for array in batch.values():
         array.setflags(write=False)  # as Ray Data hands batches out of the object store
-    task = RerankTask("unused", None, lengths, "unused", tokenizer.sep_token_id, tokenizer.pad_token_id)
+    task = ListwiseObjective(3, lengths, tokenizer.sep_token_id, tokenizer.pad_token_id)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # torch warns on tensors that share read-only memory
         pairs = task.make_batch(batch, torch.Generator())
@@ -131,7 +131,7 @@ def test_backward_gives_the_loss_and_gradients_of_a_plain_reference(tiny_reranke
     lengths = model.lengths
     docs = [d["text"] for d in synthetic_docs(8, seed=7)]
     queries, groups = ["unto moses and aaron", "the first month"], [docs[:4], docs[4:]]
-    task = RerankTask("unused", None, lengths, "unused", tokenizer.sep_token_id, tokenizer.pad_token_id)
+    task = ListwiseObjective(4, lengths, tokenizer.sep_token_id, tokenizer.pad_token_id)
     batch = task.make_batch(stream_batch(tokenizer, queries, groups, lengths), torch.Generator())
 
     trained = copy.deepcopy(model)

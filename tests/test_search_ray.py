@@ -235,9 +235,10 @@ def test_a_factory_faiss_rejects_and_a_wrong_dimension_shard_are_clear_errors(en
 
 def test_mined_negatives_exclude_positives_and_are_reproducible(encoded, collection, tmp_path):
     from pipeline.data.beir import read_qrels
+    from pipeline.data.groups import select_negatives
     from pipeline.data.runs import read_negatives, read_trec_run
     from pipeline.data.tevatron import read_tevatron
-    from pipeline.retrieval.mine import MineConfig, run_mining, select_negatives
+    from pipeline.retrieval.mine import MineConfig, run_mining
 
     cfg, _ = encoded
     index_dir = str(tmp_path / "index")

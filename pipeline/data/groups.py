@@ -1,4 +1,5 @@
-"""Training groups: which positive and which negatives a query trains on in each epoch."""
+"""Which negatives a query gets from its ranking (:func:`select_negatives`: BM25 and dense
+mining alike), and which positive and negatives it trains on in each epoch (groups)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,26 @@ def query_seed(seed: int, query_id: str) -> int:
 
     digest = hashlib.blake2b(f"{seed}\x00{query_id}".encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "little")
+
+
+def select_negatives(
+    query_id: str, ranked_ids: list[str], ranked_scores: list[float], excluded: set[str], sampling
+) -> tuple[list[str], list[float]]:
+    """A query's negatives from its ranking, best first: the best ``sampling.skip_top``
+    candidates left out (likely unjudged positives), then ``excluded`` (judged positives,
+    answer hits), then the best ``sampling.count``, or with ``sampling.sample == "random"`` a
+    draw of ``count`` seeded by (``sampling.seed``, query id), kept in rank order.
+
+    ``sampling`` is any config with ``count``, ``sample``, ``seed`` and ``skip_top``: BM25's
+    and dense mining's draw the same negatives from the same ranking."""
+
+    top = sampling.skip_top
+    candidates = [(d, s) for d, s in zip(ranked_ids[top:], ranked_scores[top:]) if d not in excluded]
+    if sampling.sample == "random" and len(candidates) > sampling.count:
+        rng = np.random.default_rng([query_seed(sampling.seed, query_id) % 2**63])
+        candidates = [candidates[i] for i in np.sort(rng.choice(len(candidates), sampling.count, replace=False))]
+    candidates = candidates[: sampling.count]
+    return [d for d, _ in candidates], [float(s) for _, s in candidates]
 
 
 def select_group(

@@ -48,19 +48,21 @@ def read_negatives(
     return negatives
 
 
+def negatives_record(qid: str, ids: list[str], scores: list[float] | None) -> dict:
+    """One line of a negatives file, as BM25 and dense mining both write it."""
+    return {
+        "query_id": qid,
+        "negatives": list(ids),
+        **({"scores": [round(float(s), 4) for s in scores]} if scores is not None else {}),
+    }
+
+
 def write_negatives(rows: Iterable[tuple[str, list[str], list[float] | None]], uri: str) -> int:
     """Write (query id, ranked negative ids, their scores or None) rows; returns the row count."""
     n = 0
     with storage.open_output(uri) as out:
         for qid, ids, scores in rows:
-            write_json_line(
-                out,
-                {
-                    "query_id": qid,
-                    "negatives": list(ids),
-                    **({"scores": [round(float(s), 4) for s in scores]} if scores is not None else {}),
-                },
-            )
+            write_json_line(out, negatives_record(qid, ids, scores))
             n += 1
     return n
 

@@ -30,24 +30,35 @@ def passage_lookup(corpus_uri: str, doc_ids: set[str] | None = None) -> Callable
     return lookup
 
 
-def write_tevatron(examples: Iterable[TrainExample], corpus_lookup: Callable[[str], tuple[str, str]], uri: str) -> int:
-    """Write examples as Tevatron train jsonl (local or S3, ``.gz`` for gzip); returns the count."""
+def tevatron_record(
+    qid: str,
+    query: str,
+    positive_ids: list[str],
+    negative_ids: list[str],
+    corpus_lookup: Callable[[str], tuple[str, str]] | None = None,
+) -> dict:
+    """One Tevatron training line. Without ``corpus_lookup`` the passages are ids with empty
+    title and text (mining's: the text is joined from the corpus at training time)."""
+
+    lookup = corpus_lookup or (lambda doc_id: ("", ""))
 
     def passages(ids: list[str]) -> list[dict]:
-        return [{"docid": d, "title": t, "text": x} for d in ids for t, x in [corpus_lookup(d)]]
+        return [{"docid": d, "title": t, "text": x} for d in ids for t, x in [lookup(d)]]
 
+    return {
+        "query_id": qid,
+        "query": query,
+        "positive_passages": passages(positive_ids),
+        "negative_passages": passages(negative_ids),
+    }
+
+
+def write_tevatron(examples: Iterable[TrainExample], corpus_lookup: Callable[[str], tuple[str, str]], uri: str) -> int:
+    """Write examples as Tevatron train jsonl (local or S3, ``.gz`` for gzip); returns the count."""
     n = 0
     with storage.open_output(uri) as out:
         for ex in examples:
-            write_json_line(
-                out,
-                {
-                    "query_id": ex.query_id,
-                    "query": ex.query,
-                    "positive_passages": passages(ex.positives),
-                    "negative_passages": passages(ex.negatives),
-                },
-            )
+            write_json_line(out, tevatron_record(ex.query_id, ex.query, ex.positives, ex.negatives, corpus_lookup))
             n += 1
     return n
 

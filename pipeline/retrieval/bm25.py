@@ -25,7 +25,6 @@ out before the next block is asked for.
 from __future__ import annotations
 
 import os
-import random
 import resource
 import time
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from pipeline.data.beir import positives, read_queries
 from pipeline.data.corpus import CorpusStats
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import build_training_examples
+from pipeline.data.groups import select_negatives
 from pipeline.data.runs import read_negatives, write_negatives, write_trec_lines
 from pipeline.data.tevatron import passage_lookup, write_tevatron
 from pipeline.data.text_shards import read_text_shard, write_text_shards
@@ -79,6 +79,9 @@ class Bm25Config:
         },
     )
     seed: int = field(default=0, metadata={"help": "seed of sample=random"})
+    skip_top: int = field(
+        default=0, metadata={"help": "ignore the best-ranked N candidates (likely unjudged positives)"}
+    )
     k1: float = field(default=0.9, metadata={"help": "BM25 k1"})
     b: float = field(default=0.4, metadata={"help": "BM25 b"})
     method: Literal["lucene", "robertson", "atire", "bm25l", "bm25+"] = field(
@@ -114,7 +117,7 @@ class Bm25Config:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.count > self.depth:
             raise ValueError(f"count ({self.count}) must not exceed depth ({self.depth})")
-        for name in ("threads", "batch_size"):
+        for name in ("threads", "batch_size", "skip_top"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -359,18 +362,6 @@ def bm25_run(
     }
 
 
-def _select(
-    qid: str, ids: list[str], scores: list[float], judged_positive: set[str], cfg: Bm25Config
-) -> tuple[list[str], list[float], int]:
-    """The kept negatives (ranked) and their scores, and how many judged positives were dropped."""
-    cand = [i for i, d in enumerate(ids) if d not in judged_positive]
-    dropped = len(ids) - len(cand)
-    if cfg.sample == "random" and len(cand) > cfg.count:
-        cand = [cand[j] for j in sorted(random.Random(f"{cfg.seed}:{qid}").sample(range(len(cand)), cfg.count))]
-    cand = cand[: cfg.count]
-    return [ids[i] for i in cand], [scores[i] for i in cand], dropped
-
-
 def _write_tevatron(cfg: Bm25Config, queries: dict[str, str], qrels: dict) -> dict:
     """The mined training data as Tevatron jsonl, passage text included (read back from the
     corpus for just the passages it names)."""
@@ -419,9 +410,10 @@ def mine_negatives(cfg: Bm25Config) -> dict:
             for qid, ids, scores in hits:
                 if run_out is not None:
                     write_trec_lines(run_out, qid, ids, scores, tag="bm25")
-                negs, neg_scores, dropped = _select(qid, ids, scores, set(positives(qrels.get(qid, {}))), cfg)
+                judged = set(positives(qrels.get(qid, {})))
+                negs, neg_scores = select_negatives(qid, ids, scores, judged, cfg)
                 counts["negatives"] += len(negs)
-                counts["positives_dropped"] += dropped
+                counts["positives_dropped"] += sum(d in judged for d in ids)
                 counts["short"] += len(negs) < cfg.count
                 counts["none"] += not negs
                 yield qid, negs, neg_scores if cfg.write_scores else None

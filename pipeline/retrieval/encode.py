@@ -16,7 +16,6 @@ which at MS MARCO scale would encode half a million queries on the head's CPUs.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import time
@@ -43,6 +42,7 @@ from pipeline.retrieval.embeddings import (
     write_manifest,
     write_shard,
 )
+from pipeline.retrieval.inference import autocast_dtype, inference, length_sorted_batches
 
 
 @dataclass
@@ -98,10 +98,7 @@ class Encoder:
             model = load_biencoder(path, settings.overrides()).to(device).eval()
         self.model = model
         self.tokenizer = load_tokenizer(tokenizer_dir)
-        precision = settings.precision
-        if precision == "auto":
-            precision = "fp16" if device.startswith("cuda") else "fp32"
-        self.autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+        self.autocast_dtype = autocast_dtype(settings.precision, device)
 
     @property
     def normalized(self) -> bool:
@@ -110,16 +107,9 @@ class Encoder:
     def encode_tokens(self, token_lists: list, max_len: int, tower: str = "passage") -> np.ndarray:
         tok = self.tokenizer
         encode = self.model.encode_passage if tower == "passage" else self.model.encode_query
-        order = np.argsort([-len(t) for t in token_lists], kind="stable")
         out = np.zeros((len(token_lists), self.dim), dtype=np.float32)
-        autocast = (
-            torch.autocast(device_type=self.device.split(":")[0], dtype=self.autocast_dtype)
-            if self.autocast_dtype is not None
-            else contextlib.nullcontext()
-        )
-        with torch.inference_mode(), autocast:
-            for start in range(0, len(order), self.settings.batch_size):
-                idx = order[start : start + self.settings.batch_size]
+        with inference(self.device, self.autocast_dtype):
+            for idx in length_sorted_batches([len(t) for t in token_lists], self.settings.batch_size):
                 ids, mask = _frame_batch(
                     [token_lists[i] for i in idx], max_len, tok.cls_token_id, tok.sep_token_id, tok.pad_token_id
                 )

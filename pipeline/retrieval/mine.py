@@ -24,8 +24,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-import numpy as np
-
 from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.errors import ConfigError, InputError
@@ -33,9 +31,10 @@ from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
 from pipeline.data.beir import positives, read_queries
 from pipeline.data.corpus import iter_documents
-from pipeline.data.groups import query_seed
+from pipeline.data.groups import select_negatives
 from pipeline.data.records import json_lines, write_json_line
-from pipeline.data.runs import write_trec_lines
+from pipeline.data.runs import negatives_record, write_trec_lines
+from pipeline.data.tevatron import tevatron_record
 from pipeline.retrieval.encode import EncoderSettings, encode_queries
 from pipeline.retrieval.fanout import ranked_ids, read_qrels_of_corpus
 from pipeline.retrieval.search import ShardedIndex
@@ -80,21 +79,8 @@ class MineConfig:
         for name in ("depth", "count"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-
-def select_negatives(
-    query_id: str, ranked_ids: list[str], ranked_scores: list[float], excluded: set[str], cfg: MineConfig
-) -> tuple[list[str], list[float]]:
-    """The query's negatives from its ranking: exclusions removed, then the top or a seeded draw."""
-
-    candidates = [
-        (d, s) for d, s in zip(ranked_ids[cfg.skip_top :], ranked_scores[cfg.skip_top :]) if d not in excluded
-    ]
-    if cfg.sample == "random" and len(candidates) > cfg.count:
-        rng = np.random.default_rng([query_seed(cfg.seed, query_id) % 2**63])
-        candidates = [candidates[i] for i in np.sort(rng.choice(len(candidates), cfg.count, replace=False))]
-    candidates = candidates[: cfg.count]
-    return [d for d, _ in candidates], [float(s) for _, s in candidates]
+        if self.skip_top < 0:
+            raise ValueError(f"skip_top must be >= 0, got {self.skip_top}")
 
 
 def _answer_hits(cfg: MineConfig, queries: dict, ranked: dict[str, list[str]]) -> dict[str, set[str]]:
@@ -112,16 +98,6 @@ def _answer_hits(cfg: MineConfig, queries: dict, ranked: dict[str, list[str]]) -
     texts = {d.doc_id: d.text.lower() for d in iter_documents(cfg.corpus) if d.doc_id in wanted}
     return {
         qid: {d for d in ranked.get(qid, []) if any(a in texts.get(d, "") for a in ans)} for qid, ans in answers.items()
-    }
-
-
-def _tevatron_example(qid: str, query: str, positive_ids: list[str], negative_ids: list[str]) -> dict:
-    """A training line by ids: the text is left empty, joined from the corpus at training time."""
-    return {
-        "query_id": qid,
-        "query": query,
-        "positive_passages": [{"docid": d, "title": "", "text": ""} for d in positive_ids],
-        "negative_passages": [{"docid": d, "title": "", "text": ""} for d in negative_ids],
     }
 
 
@@ -161,10 +137,10 @@ def run_mining(cfg: MineConfig) -> dict:
                 negs, neg_scores = select_negatives(qid, ids, row_scores[: len(ids)].tolist(), judged | hits, cfg)
                 counts["negatives"] += len(negs)
                 counts["short"] += len(negs) < cfg.count
-                write_json_line(neg_out, {"query_id": qid, "negatives": negs, "scores": neg_scores})
+                write_json_line(neg_out, negatives_record(qid, negs, neg_scores))
                 if judged:
                     counts["examples"] += 1
-                    write_json_line(tev_out, _tevatron_example(qid, queries[qid], sorted(judged), negs))
+                    write_json_line(tev_out, tevatron_record(qid, queries[qid], sorted(judged), negs))
         search_s = time.perf_counter() - search_start
     return {
         "job": "mine",

@@ -11,7 +11,6 @@ arrive, in order. At most a window of blocks is in flight."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
@@ -39,6 +38,7 @@ from pipeline.data.beir import positives, read_qrels, read_queries
 from pipeline.data.runs import count_run_queries, iter_trec_run, write_trec_lines
 from pipeline.data.stream import frame
 from pipeline.data.tokenizer import load_tokenizer
+from pipeline.retrieval.inference import autocast_dtype, inference, length_sorted_batches
 from pipeline.retrieval.metrics import JOB_MEASURES, StreamedMetrics, metrics_table
 from pipeline.retrieval.passages import PassageStore, fetch_texts
 
@@ -124,9 +124,7 @@ class PairScorer:
         check_max_len(self.model.model.config, self.lengths.max_len, model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.batch_size, self.device = batch_size, device
-        if precision == "auto":
-            precision = "fp16" if device.startswith("cuda") else "fp32"
-        self.autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+        self.autocast_dtype = autocast_dtype(precision, device)
 
     def _framed(self, texts: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         tok = self.tokenizer
@@ -147,16 +145,11 @@ class PairScorer:
         pair_q = torch.tensor([i for i, docs in enumerate(candidates) for _ in docs], dtype=torch.long)
         pair_d = torch.tensor([doc_row[d] for docs in candidates for d in docs], dtype=torch.long)
         pair_len = torch.clamp(q_len[pair_q] + d_len[pair_d] - 1, max=self.lengths.max_len)
-        order = torch.argsort(pair_len, descending=True, stable=True)
         scores = torch.zeros(len(pair_q), dtype=torch.float32)
-        autocast = (
-            torch.autocast(device_type=self.device.split(":")[0], dtype=self.autocast_dtype)
-            if self.autocast_dtype is not None
-            else contextlib.nullcontext()
-        )
         sep, pad = self.tokenizer.sep_token_id, self.tokenizer.pad_token_id
-        with torch.inference_mode(), autocast:
-            for idx in order.split(self.batch_size):
+        with inference(self.device, self.autocast_dtype):
+            for batch_rows in length_sorted_batches(pair_len.numpy(), self.batch_size):
+                idx = torch.from_numpy(batch_rows)
                 qi, di = pair_q[idx], pair_d[idx]
                 batch = pair_inputs(q_ids[qi], q_len[qi], d_ids[di], d_len[di], self.lengths.max_len, sep, pad)
                 batch = {k: v.to(self.device) for k, v in batch.items()}

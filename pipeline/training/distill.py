@@ -5,7 +5,7 @@ query's candidates (the round-2 top-k, plus the judged positives). Each query tr
 its positive (from the qrels) and negatives drawn from its scored candidates, and the
 loss is ``KL(teacher softmax || student softmax) + alpha * CE`` over the group
 (``models/distillation.py``). The student starts from a checkpoint (SimLM: the same
-pre-trained one the round-2 retriever started from). Everything else is fine-tuning's:
+pre-trained one the round-2 retriever started from). Everything else is the retriever's (``group_training.py``):
 the corpus, the group stream (which carries each group's teacher scores), the loop,
 the export with ``retriever.json`` and the evaluation.
 """
@@ -14,11 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-import torch
-
 from models.biencoder import BiEncoderConfig
-from models.distillation import DistillationConfig, distillation_backward
+from models.distillation import DistillationConfig, DistillationObjective
 from pipeline.core import storage
 from pipeline.core.config import to_dict
 from pipeline.core.errors import ConfigError
@@ -26,16 +23,16 @@ from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import DistillDataStats, load_distillation_examples
 from pipeline.retrieval.evaluate import EvalConfig
-from pipeline.training.finetune import (
+from pipeline.training.group_training import (
     EncoderInit,
     FinetuneCorpusConfig,
-    FinetuneTask,
+    GroupTask,
     QueryDataConfig,
     finish_retriever_run,
     prepare_group_training,
 )
 from pipeline.training.loop import fit
-from pipeline.training.train_config import TrainConfig
+from pipeline.training.train_config import TrainConfig, embedded_train
 
 
 @dataclass
@@ -62,41 +59,8 @@ class DistillConfig:
     retriever: BiEncoderConfig = field(default_factory=lambda: BiEncoderConfig(pooling="mean"))  # as fine-tuning's
     distill: DistillationConfig = field(default_factory=DistillationConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    train: TrainConfig = field(
-        default_factory=lambda: TrainConfig(
-            output="runs/distill",
-            micro_batch_size=16,
-            max_steps=0,
-            epochs=2,
-            lr=5e-4,
-            checkpoint_every=100,
-            cpus_per_worker=2,
-        )
-    )
+    train: TrainConfig = field(default_factory=lambda: embedded_train("distill"))
     ray: RayConfig = field(default_factory=RayConfig)
-
-
-class DistillTask(FinetuneTask):
-    """The fine-tuning task with the teacher's scores in the batch and the distillation loss."""
-
-    def __init__(self, init: str, retriever: BiEncoderConfig, tokenizer_uri: str, distill: DistillationConfig):
-        super().__init__(init, retriever, tokenizer_uri)
-        self.distill = distill
-
-    def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]:
-        tensors = super().make_batch(batch, generator)
-        tensors["d_teacher_scores"] = torch.tensor(np.asarray(batch["d_teacher_scores"]), dtype=torch.float32)
-        return tensors
-
-    def backward(self, engine, batch):
-        return distillation_backward(
-            engine,
-            batch,
-            self.retriever.group_size,
-            self.distill.alpha,
-            self.retriever.chunk_size,
-            self.distill.teacher_temperature,
-        )
 
 
 def load_scored_examples(cfg: DistillConfig, doc_ids: CorpusIds) -> tuple[list, DistillDataStats, None]:
@@ -123,7 +87,7 @@ def run_distillation(cfg: DistillConfig) -> dict:
     cfg.data.teacher_scores = storage.resolve(cfg.data.teacher_scores).uri
     prepared = prepare_group_training(cfg, cfg.retriever.group_size, load=load_scored_examples)
     write_run_files(cfg, cfg.train.output)
-    task = DistillTask(cfg.model.init, cfg.retriever, prepared.tokenizer_uri, cfg.distill)
+    task = GroupTask(DistillationObjective(cfg.retriever, cfg.distill), cfg.model.init, prepared.tokenizer_uri)
     result = fit(cfg.train, task, prepared.stream, storage.join(cfg.train.output, "checkpoints"), hparams=to_dict(cfg))
     return finish_retriever_run(
         cfg,

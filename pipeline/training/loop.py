@@ -1,6 +1,6 @@
 """The one Ray Train + DeepSpeed training loop.
 
-Every trainer (pre-training now; fine-tuning and re-ranking later) differs only in the
+Every trainer (pre-training, fine-tuning, the re-ranker, distillation) differs only in the
 *task* it hands this loop: how to build the model, turn a streamed batch into tensors,
 and compute the loss, and how to export the result. The loop owns everything else:
 DeepSpeed, the optimiser and schedule, logging, checkpoints with the data position,
@@ -28,7 +28,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import numpy as np
@@ -142,26 +142,33 @@ def log(msg: dict | str) -> None:
 
 def train_worker(config: dict) -> dict:
     """Ray Train's train_loop_per_worker. ``config`` holds picklable settings only."""
-    train: TrainConfig = config["train"]
+    run = WorkerRun(config)
+    for batch in run.batches():
+        if run.state.step >= run.train.max_steps:
+            break
+        run.train_on(batch)
+    return run.finish()
+
+
+def _build_engine(train: TrainConfig, task: TrainTask, deepspeed_settings: dict):
+    """The task's model under DeepSpeed, with AdamW and the linear schedule: (engine, scheduler)."""
     deepspeed = import_deepspeed(keep_mlflow="mlflow" in train.tracker)
-    task: TrainTask = config["task"]
-    run_dir: str = config["run_dir"]
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(max(1, int(train.cpus_per_worker)))
     torch.manual_seed(train.seed)  # identical initialisation on every rank
-
     model = task.build_model()
     optimizer = torch.optim.AdamW(
         param_groups(model, train.weight_decay), lr=train.lr, eps=train.adam_eps, fused=train.use_gpu or None
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(train.max_steps, train.warmup_ratio))
     skip_inference_comm_op()
-    engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config["deepspeed"]
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_settings
     )
-    device = engine.device
+    return engine, scheduler
 
+
+def _restore(engine, rank: int, run_dir: str) -> tuple[TrainState, Any]:
+    """The checkpoint Ray Train restores (state, data position), its resume event recorded."""
     state, position, restored_from = restore_checkpoint(engine, rank)
     stream_position, stream_from = read_position(run_dir)
     if restored_from is not None or stream_from is not None:
@@ -178,116 +185,169 @@ def train_worker(config: dict) -> dict:
         state.resumes.append(event)
         if rank == 0:
             log({"event": "resumed", **event})
+    return state, position
 
-    trace: list[list] = []  # [micro_step, epoch, rows] per micro-batch, with train.data_trace
-    shard = ray.train.get_dataset_shard("train")
-    run_log = (
-        RunLog(train.output, train.tracker, config.get("hparams") or to_dict(train), state.history)
-        if rank == 0
-        else None
-    )
-    window_loss, window_tokens, window_samples, window_start = [], 0, 0, time.perf_counter()
-    started, start_tokens, start_step = time.perf_counter(), state.tokens, state.step
-    last_saved = state.step
-    extra: dict[str, torch.Tensor] = {}
 
-    # A function of the checkpoint (the micro-step this attempt starts from): a resumed
-    # attempt reshuffles differently, reproducibly; which rows it trains on is the data
-    # position's business, whatever their order.
-    shuffle_seed = step_seed(train.seed, rank, state.micro_step) % 2**32
-    if rank == 0:
-        log({"event": "stream", "shuffle_buffer": train.shuffle_buffer, "shuffle_seed": shuffle_seed})
-    batches = training_batches(shard, train, shuffle_seed)
-    if config.get("replay_batches"):
-        # Benchmark mode: hold the first N batches in memory and cycle them, so the same
-        # loop can be timed without any ingest (bench/bench_pretrain.py).
-        batches = itertools.cycle(list(itertools.islice(batches, config["replay_batches"])))
-    input_wait = [0.0]  # seconds this window spent waiting for the next batch
-    for batch in _timed(batches, input_wait):
-        if state.step >= train.max_steps:
-            break
-        generator = torch.Generator().manual_seed(step_seed(train.seed, rank, state.micro_step))
-        tensors = {k: v.to(device) for k, v in task.make_batch(batch, generator).items()}
-        loss, extra = task.backward(engine, tensors)
+@dataclass
+class LogWindow:
+    """What a log line averages: the steps since the last one."""
+
+    losses: list = field(default_factory=list)
+    tokens: int = 0
+    samples: int = 0
+    waited: list = field(default_factory=lambda: [0.0])  # seconds spent waiting for the next batch
+    start: float = field(default_factory=time.perf_counter)
+
+    def add(self, loss: torch.Tensor, tokens: int, samples: int) -> None:
+        self.losses.append(loss.detach())
+        self.tokens += tokens
+        self.samples += samples
+
+    def reset(self) -> None:
+        # In place: `_timed` keeps adding to this window's `waited`.
+        self.losses, self.tokens, self.samples, self.start = [], 0, 0, time.perf_counter()
+        self.waited[0] = 0.0
+
+
+class WorkerRun:
+    """One worker's attempt at a run: its engine, the restored state and data position, the
+    log window and the data trace."""
+
+    def __init__(self, config: dict):
+        self.config, self.train, self.task = config, config["train"], config["task"]
+        self.run_dir: str = config["run_dir"]
+        ctx = ray.train.get_context()
+        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.engine, self.scheduler = _build_engine(self.train, self.task, config["deepspeed"])
+        self.state, self.position = _restore(self.engine, self.rank, self.run_dir)
+        hparams = config.get("hparams") or to_dict(self.train)
+        self.run_log = (
+            RunLog(self.train.output, self.train.tracker, hparams, self.state.history) if self.rank == 0 else None
+        )
+        self.window = LogWindow()
+        self.trace: list[list] = []  # [micro_step, epoch, rows] per micro-batch, with train.data_trace
+        self.started, self.start_tokens, self.start_step = time.perf_counter(), self.state.tokens, self.state.step
+        self.last_saved = self.state.step
+        self.extra: dict[str, torch.Tensor] = {}
+        self.epochs = np.zeros(0, dtype=np.int64)  # the last batch's epochs
+
+    def batches(self):
+        """This worker's micro-batches, shuffled with a seed of the checkpoint (the micro-step
+        this attempt starts from): a resumed attempt reshuffles differently, reproducibly;
+        which rows it trains on is the data position's business, whatever their order."""
+        train = self.train
+        shuffle_seed = step_seed(train.seed, self.rank, self.state.micro_step) % 2**32
+        if self.rank == 0:
+            log({"event": "stream", "shuffle_buffer": train.shuffle_buffer, "shuffle_seed": shuffle_seed})
+        batches = training_batches(ray.train.get_dataset_shard("train"), train, shuffle_seed)
+        if self.config.get("replay_batches"):
+            # Benchmark mode: hold the first N batches in memory and cycle them, so the same
+            # loop can be timed without any ingest (bench/bench_pretrain.py).
+            batches = itertools.cycle(list(itertools.islice(batches, self.config["replay_batches"])))
+        return _timed(batches, self.window.waited)
+
+    def train_on(self, batch: dict[str, np.ndarray]) -> None:
+        """One micro-batch: forward, backward, the optimiser at an accumulation boundary,
+        then the log line and the checkpoint when they are due."""
+        train, state, engine = self.train, self.state, self.engine
+        generator = torch.Generator().manual_seed(step_seed(train.seed, self.rank, state.micro_step))
+        tensors = {k: v.to(engine.device) for k, v in self.task.make_batch(batch, generator).items()}
+        loss, self.extra = self.task.backward(engine, tensors)
         boundary = engine.is_gradient_accumulation_boundary()
         engine.step()
-        epochs, rows = task.consumed_rows(batch)
-        for epoch in np.unique(epochs):
-            position.add(int(epoch), rows[epochs == epoch])
-            if train.data_trace:
-                trace.append([state.micro_step, int(epoch), rows[epochs == epoch].tolist()])
-        state.micro_step += 1
-        for key, value in task.counters(batch).items():
-            state.counters[key] = state.counters.get(key, 0) + value
-        tokens = task.count_tokens(batch)
-        state.tokens += tokens
-        window_tokens += tokens
-        window_samples += len(next(iter(batch.values())))
-        window_loss.append(loss.detach())
+        self._record(batch, loss)
         if not boundary:
-            continue
+            return
         state.step += 1
         if state.step % train.log_every == 0 or state.step == train.max_steps:
-            elapsed = time.perf_counter() - window_start
-            entry = {
-                "step": state.step,
-                "loss": float(torch.stack(window_loss).float().mean()),
-                "lr": scheduler.get_last_lr()[0],
-                "tokens_per_s": window_tokens / max(elapsed, 1e-9),
-                "samples_per_s": window_samples / max(elapsed, 1e-9),
-                # near 1: the step waits on ingest (Ray Data), not on compute
-                "input_wait_frac": min(1.0, input_wait[0] / max(elapsed, 1e-9)),
-                "epoch": int(epochs.max()) if len(epochs) else 0,
-                "elapsed_s": time.perf_counter() - started,
-                **_mixed_precision_state(engine, train.precision),
-                **{k: float(v) for k, v in extra.items()},
-            }
-            state.history.append(entry)
-            ray.train.report(entry)  # every rank: Ray keeps rank 0's, for its dashboard and result
-            if run_log is not None:
-                log(entry)
-                run_log.log(entry)
-            window_loss, window_tokens, window_samples, window_start = [], 0, 0, time.perf_counter()
-            input_wait[0] = 0.0
+            self._log()
         if state.step % train.checkpoint_every == 0 and state.step < train.max_steps:
-            trace = _flush_trace(trace, run_dir, rank, state)
-            save_checkpoint(engine, state, position, rank, run_dir, {"step": state.step})
-            last_saved = state.step
+            self._save({"step": state.step})
 
-    elapsed = time.perf_counter() - started
-    counter_names = sorted(getattr(task, "counter_names", ()))  # the same on every rank
-    totals = torch.tensor(
-        [(state.tokens - start_tokens) / max(elapsed, 1e-9)] + [float(state.counters.get(k, 0)) for k in counter_names],
-        dtype=torch.float64,
-        device=device,
-    )
-    torch.distributed.all_reduce(totals)  # one collective, at the end only
-    local_rate = totals[:1]
-    counter_totals = {k: int(v) for k, v in zip(counter_names, totals[1:].tolist())}
-    _flush_trace(trace, run_dir, rank, state)
+    def _record(self, batch: dict[str, np.ndarray], loss: torch.Tensor) -> None:
+        """What the micro-batch consumed (the data position, the trace), counted and summed."""
+        state = self.state
+        self.epochs, rows = self.task.consumed_rows(batch)
+        for epoch in np.unique(self.epochs):
+            self.position.add(int(epoch), rows[self.epochs == epoch])
+            if self.train.data_trace:
+                self.trace.append([state.micro_step, int(epoch), rows[self.epochs == epoch].tolist()])
+        state.micro_step += 1
+        for key, value in self.task.counters(batch).items():
+            state.counters[key] = state.counters.get(key, 0) + value
+        tokens = self.task.count_tokens(batch)
+        state.tokens += tokens
+        self.window.add(loss, tokens, len(next(iter(batch.values()))))
 
-    export = _export(task, engine, rank, storage.join(train.output, "export"))
-    if run_log is not None:
-        run_log.close()
-    final_loss = state.history[-1]["loss"] if state.history else float("nan")
-    summary = {
-        "steps": state.step,
-        "final_loss": final_loss,
-        "tokens_per_s": float(local_rate.item()),
-        "tokens_per_s_per_worker": float(local_rate.item()) / world,
-        "restarts": state.restarts,
-        "resumes": state.resumes,
-        "steps_this_attempt": state.step - start_step,
-        "counters": counter_totals,
-        **export,
-    }
-    if state.step > last_saved:
-        save_checkpoint(engine, state, position, rank, run_dir, summary)
-    else:
-        ray.train.report(summary)
-    # Ray Train V2 keeps only checkpoints' metrics in its Result; rank 0's return value is
-    # the run's every log entry (every report), resumed attempts included.
-    return {"history": state.history}
+    def _log(self) -> None:
+        window = self.window
+        elapsed = time.perf_counter() - window.start
+        entry = {
+            "step": self.state.step,
+            "loss": float(torch.stack(window.losses).float().mean()),
+            "lr": self.scheduler.get_last_lr()[0],
+            "tokens_per_s": window.tokens / max(elapsed, 1e-9),
+            "samples_per_s": window.samples / max(elapsed, 1e-9),
+            # near 1: the step waits on ingest (Ray Data), not on compute
+            "input_wait_frac": min(1.0, window.waited[0] / max(elapsed, 1e-9)),
+            "epoch": int(self.epochs.max()) if len(self.epochs) else 0,
+            "elapsed_s": time.perf_counter() - self.started,
+            **_mixed_precision_state(self.engine, self.train.precision),
+            **{k: float(v) for k, v in self.extra.items()},
+        }
+        self.state.history.append(entry)
+        ray.train.report(entry)  # every rank: Ray keeps rank 0's, for its dashboard and result
+        if self.run_log is not None:
+            log(entry)
+            self.run_log.log(entry)
+        window.reset()
+
+    def _save(self, metrics: dict) -> None:
+        self.trace = _flush_trace(self.trace, self.run_dir, self.rank, self.state)
+        save_checkpoint(self.engine, self.state, self.position, self.rank, self.run_dir, metrics)
+        self.last_saved = self.state.step
+
+    def _totals(self) -> tuple[float, dict[str, int]]:
+        """This attempt's tokens/s summed over the workers, and the task's counters' totals."""
+        state = self.state
+        elapsed = time.perf_counter() - self.started
+        counter_names = sorted(getattr(self.task, "counter_names", ()))  # the same on every rank
+        totals = torch.tensor(
+            [(state.tokens - self.start_tokens) / max(elapsed, 1e-9)]
+            + [float(state.counters.get(k, 0)) for k in counter_names],
+            dtype=torch.float64,
+            device=self.engine.device,
+        )
+        torch.distributed.all_reduce(totals)  # one collective, at the end only
+        return float(totals[0].item()), {k: int(v) for k, v in zip(counter_names, totals[1:].tolist())}
+
+    def finish(self) -> dict:
+        """Export, the run's summary as the last report (with a checkpoint if steps were
+        trained since the last one); returns every log entry (rank 0's is the run's)."""
+        state = self.state
+        rate, counter_totals = self._totals()
+        _flush_trace(self.trace, self.run_dir, self.rank, state)
+        export = _export(self.task, self.engine, self.rank, storage.join(self.train.output, "export"))
+        if self.run_log is not None:
+            self.run_log.close()
+        summary = {
+            "steps": state.step,
+            "final_loss": state.history[-1]["loss"] if state.history else float("nan"),
+            "tokens_per_s": rate,
+            "tokens_per_s_per_worker": rate / self.world,
+            "restarts": state.restarts,
+            "resumes": state.resumes,
+            "steps_this_attempt": state.step - self.start_step,
+            "counters": counter_totals,
+            **export,
+        }
+        if state.step > self.last_saved:
+            save_checkpoint(self.engine, state, self.position, self.rank, self.run_dir, summary)
+        else:
+            ray.train.report(summary)
+        # Ray Train V2 keeps only checkpoints' metrics in its Result; rank 0's return value is
+        # the run's every log entry (every report), resumed attempts included.
+        return {"history": state.history}
 
 
 def _mixed_precision_state(engine, precision: str) -> dict[str, float]:

@@ -23,7 +23,6 @@ from models.simlm import SimLMConfig, SimLMMethod
 from pipeline.core import model_ref, storage
 from pipeline.core.config import to_dict
 from pipeline.core.errors import ConfigError, InputError
-from pipeline.core.plots import plot_loss_curve
 from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
 from pipeline.data.shards import load_manifest, shard_uris
@@ -33,8 +32,9 @@ from pipeline.data.stream import (
     estimate_sequences_per_epoch,
 )
 from pipeline.data.tokenizer import load_tokenizer
-from pipeline.training.loop import consumed_source_rows, fit
-from pipeline.training.train_config import TrainConfig, epochs_needed
+from pipeline.training.loop import fit
+from pipeline.training.task import Task, run_summary, write_summary
+from pipeline.training.train_config import TrainConfig, embedded_train, epochs_needed
 
 METHODS: dict[str, type[PretrainingMethod]] = {
     "condenser": CondenserMethod,
@@ -70,29 +70,19 @@ class PretrainConfig:
     simlm: SimLMConfig = field(default_factory=SimLMConfig)
     mlm: MLMConfig = field(default_factory=MLMConfig)
     # The embedded default: a tiny model from scratch on the bundled corpus in ~2 minutes on CPU.
-    train: TrainConfig = field(
-        default_factory=lambda: TrainConfig(
-            output="", micro_batch_size=16, max_steps=200, lr=5e-4, checkpoint_every=100, cpus_per_worker=2
-        )
-    )
+    train: TrainConfig = field(default_factory=lambda: embedded_train("pretrain"))
     ray: RayConfig = field(default_factory=RayConfig)
 
 
-class PretrainTask:
+class PretrainTask(Task):
     """Adapts a pre-training method to the loop; built on each worker from picklable settings."""
 
     def __init__(self, method: str, method_cfg, backbone: BackboneConfig, tokenizer_uri: str, vocab_size: int):
         self.method_name, self.method_cfg, self.backbone = method, method_cfg, backbone
         self.tokenizer_uri, self.vocab_size = tokenizer_uri, vocab_size
-        self._tokenizer_dir: str | None = None
-
-    def _tokenizer_local(self) -> str:
-        if self._tokenizer_dir is None:  # needed until the final export
-            self._tokenizer_dir = model_ref.materialize(self.tokenizer_uri, "tokenizer")
-        return self._tokenizer_dir
 
     def build_model(self) -> torch.nn.Module:
-        vocab = MaskingVocab.from_tokenizer(load_tokenizer(self._tokenizer_local()))
+        vocab = MaskingVocab.from_tokenizer(load_tokenizer(self.tokenizer_dir()))
         self.method = METHODS[self.method_name](_materialized(self.method_cfg), vocab)
         backbone = self.backbone
         if backbone.init:
@@ -120,14 +110,11 @@ class PretrainTask:
             return {}
         return {"skipped_docs": int(np.asarray(batch["skipped_docs"]).sum())}
 
-    def consumed_rows(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        return consumed_source_rows(batch)
-
     def count_tokens(self, batch: dict[str, np.ndarray]) -> int:
         return int(np.asarray(batch["length"]).sum())
 
     def export(self, model: torch.nn.Module, out_dir: str) -> dict[str, str]:
-        return self.method.export(model, out_dir, self._tokenizer_local())
+        return self.method.export(model, out_dir, self.tokenizer_dir())
 
 
 def _materialized(method_cfg):
@@ -285,26 +272,14 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
     write_run_files(cfg, cfg.train.output)
 
     result = fit(cfg.train, task, TrainingStream(spec), run_dir, replay_batches=replay_batches, hparams=to_dict(cfg))
-    summary = {
-        "job": "pretrain",
-        "method": cfg.method,
-        "export_dir": result.metrics.get("export_dir"),
-        "head_path": result.metrics.get("head_path"),
-        "steps": result.metrics.get("steps"),
-        "final_loss": result.metrics.get("final_loss"),
-        "tokens_per_s": result.metrics.get("tokens_per_s"),
-        "tokens_per_s_per_worker": result.metrics.get("tokens_per_s_per_worker"),
-        "restarts": result.metrics.get("restarts"),
-        "resumes": result.metrics.get("resumes"),
-        "steps_this_attempt": result.metrics.get("steps_this_attempt"),
-        "checkpoint": result.checkpoint,
-        "corpus_docs": manifest["num_docs"],
-        "epochs_streamed": spec.epochs,
+    summary = run_summary(
+        "pretrain",
+        result,
+        method=cfg.method,
+        head_path=result.metrics.get("head_path"),
+        corpus_docs=manifest["num_docs"],
+        epochs_streamed=spec.epochs,
         **(result.metrics.get("counters") or {}),
-    }
-    summary["logged_steps"] = [entry["step"] for entry in result.history]
-    summary["loss_curve"] = plot_loss_curve(
-        result.history, storage.join(cfg.train.output, "loss_curve.png"), title=f"{cfg.method} pre-training"
     )
-    storage.write_json(storage.join(cfg.train.output, "summary.json"), summary)
-    return summary
+    summary["logged_steps"] = [entry["step"] for entry in result.history]
+    return write_summary(cfg.train.output, summary, result, f"{cfg.method} pre-training")

@@ -19,33 +19,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-import numpy as np
-import torch
-
 from models.reranker import (
+    ListwiseObjective,
     PairLengths,
     RerankerConfig,
-    build_reranker,
     check_max_len,
-    listwise_backward,
-    pair_inputs,
 )
 from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.config import to_dict
 from pipeline.core.errors import ConfigError, StorageError
-from pipeline.core.plots import plot_loss_curve
 from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.core.sample import SAMPLE_DEV_QRELS, SAMPLE_DEV_QUERIES
 from pipeline.retrieval.rerank_scoring import RerankScoreConfig, run_scoring
-from pipeline.training.finetune import (
+from pipeline.training.group_training import (
     EncoderInit,
     FinetuneCorpusConfig,
     FinetuneDataConfig,
+    GroupTask,
     prepare_group_training,
 )
-from pipeline.training.loop import consumed_source_rows, fit
-from pipeline.training.train_config import TrainConfig
+from pipeline.training.loop import fit
+from pipeline.training.task import run_summary, write_summary
+from pipeline.training.train_config import TrainConfig, embedded_train
 
 MINED_NEGATIVES = "runs/mine/negatives.jsonl"  # what jobs/mine.py writes by default
 
@@ -78,73 +74,11 @@ class RerankConfig:
     eval: RerankEvalConfig = field(default_factory=RerankEvalConfig)
     pool: ActorConfig = field(default_factory=ActorConfig)
     # micro_batch_size counts queries: each brings group_size pairs.
-    train: TrainConfig = field(
-        default_factory=lambda: TrainConfig(
-            output="runs/rerank",
-            micro_batch_size=8,
-            max_steps=0,
-            epochs=1,
-            lr=1e-4,
-            checkpoint_every=100,
-            cpus_per_worker=2,
-        )
-    )
+    train: TrainConfig = field(default_factory=lambda: embedded_train("rerank"))
     ray: RayConfig = field(default_factory=RayConfig)
 
     def lengths(self) -> PairLengths:
         return PairLengths(self.data.query_max_len, self.data.passage_max_len, self.reranker.max_len)
-
-
-class RerankTask:
-    """Adapts the cross-encoder to the loop; built on each worker from picklable settings."""
-
-    counter_names: tuple[str, ...] = ()
-
-    def __init__(
-        self, init: str, reranker: RerankerConfig, lengths: PairLengths, tokenizer_uri: str, sep_id: int, pad_id: int
-    ):
-        self.init, self.reranker, self.lengths, self.tokenizer_uri = init, reranker, lengths, tokenizer_uri
-        self.sep_id, self.pad_id = sep_id, pad_id
-        self._tokenizer_dir: str | None = None
-
-    def build_model(self) -> torch.nn.Module:
-        return build_reranker(model_ref.materialize(self.init, "--model.init"), self.lengths)
-
-    def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]:
-        q_ids = torch.tensor(np.ascontiguousarray(batch["q_input_ids"]), dtype=torch.long)  # (b, Lq)
-        d_ids = torch.tensor(np.ascontiguousarray(batch["d_input_ids"]), dtype=torch.long)  # (b, n, Ld)
-        b, n = d_ids.shape[:2]
-        q_len = torch.tensor(np.asarray(batch["q_length"]), dtype=torch.long).reshape(-1)
-        d_len = torch.tensor(np.asarray(batch["d_length"]), dtype=torch.long).reshape(-1)
-        # Row i * n + j is query i with its j-th passage: groups contiguous, positive first.
-        return pair_inputs(
-            q_ids.repeat_interleave(n, 0),
-            q_len.repeat_interleave(n),
-            d_ids.reshape(b * n, -1),
-            d_len,
-            self.lengths.max_len,
-            self.sep_id,
-            self.pad_id,
-        )
-
-    def backward(self, engine, batch):
-        return listwise_backward(engine, batch, self.reranker.group_size)
-
-    def counters(self, batch: dict[str, np.ndarray]) -> dict[str, int]:
-        return {}
-
-    def consumed_rows(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        return consumed_source_rows(batch)
-
-    def count_tokens(self, batch: dict[str, np.ndarray]) -> int:
-        q_len = np.asarray(batch["q_length"]).reshape(-1, 1).astype(np.int64)
-        d_len = np.asarray(batch["d_length"]).reshape(len(q_len), -1).astype(np.int64)
-        return int(np.minimum(q_len + d_len - 1, self.lengths.max_len).sum())
-
-    def export(self, model: torch.nn.Module, out_dir: str) -> dict[str, str]:
-        if self._tokenizer_dir is None:
-            self._tokenizer_dir = model_ref.materialize(self.tokenizer_uri, "tokenizer")
-        return model.save(out_dir, self._tokenizer_dir)
 
 
 def _check_training_config(cfg: RerankConfig) -> None:
@@ -185,30 +119,11 @@ def run_reranker_training(cfg: RerankConfig) -> dict:
     prepared = prepare_group_training(cfg, cfg.reranker.group_size)
     write_run_files(cfg, cfg.train.output)
     spec = prepared.stream.spec
-    task = RerankTask(cfg.model.init, cfg.reranker, cfg.lengths(), prepared.tokenizer_uri, spec.sep_id, spec.pad_id)
+    objective = ListwiseObjective(cfg.reranker.group_size, cfg.lengths(), spec.sep_id, spec.pad_id)
+    task = GroupTask(objective, cfg.model.init, prepared.tokenizer_uri)
     result = fit(cfg.train, task, prepared.stream, storage.join(cfg.train.output, "checkpoints"), hparams=to_dict(cfg))
-    metrics = result.metrics
-    summary = {
-        "job": "rerank",
-        "export_dir": metrics.get("export_dir"),
-        "steps": metrics.get("steps"),
-        "final_loss": metrics.get("final_loss"),
-        "tokens_per_s": metrics.get("tokens_per_s"),
-        "tokens_per_s_per_worker": metrics.get("tokens_per_s_per_worker"),
-        "restarts": metrics.get("restarts"),
-        "resumes": metrics.get("resumes"),
-        "steps_this_attempt": metrics.get("steps_this_attempt"),
-        "checkpoint": result.checkpoint,
-        "examples": len(prepared.examples),
-        "epochs": prepared.epochs,
-        "group_size": cfg.reranker.group_size,
-        "corpus_docs": prepared.manifest["num_docs"],
-        "data_stats": prepared.stats.as_dict(),
-        "bm25": prepared.bm25,
-    }
-    history = storage.read_json(storage.join(cfg.train.output, "history.json"))
-    summary["loss_curve"] = plot_loss_curve(
-        history, storage.join(cfg.train.output, "loss_curve.png"), title="re-ranker training"
+    summary = run_summary(
+        "rerank", result, **prepared.summary_fields(), group_size=cfg.reranker.group_size, bm25=prepared.bm25
     )
     if cfg.eval.run and summary["export_dir"]:
         summary["eval"] = run_scoring(
@@ -223,8 +138,7 @@ def run_reranker_training(cfg: RerankConfig) -> dict:
                 pool=cfg.pool,
             )
         )
-    storage.write_json(storage.join(cfg.train.output, "summary.json"), summary)
-    return summary
+    return write_summary(cfg.train.output, summary, result, "re-ranker training")
 
 
 # -- scoring -------------------------------------------------------------------------------

@@ -75,6 +75,30 @@ class TrainConfig:
             raise ValueError(f"log_every must be >= 1, got {self.log_every}")
 
 
+# The train section of every embedded default (a job or workflow run with no arguments on a
+# 2-core laptop, in minutes), in one place. Each worker takes the laptop's 2 cores.
+EMBEDDED_CPUS_PER_WORKER = 2
+EMBEDDED: dict[str, dict] = {
+    "pretrain": dict(output="", micro_batch_size=16, max_steps=200, lr=5e-4),
+    "finetune": dict(output="runs/finetune", micro_batch_size=16, max_steps=0, epochs=2, lr=5e-4),
+    "distill": dict(output="runs/distill", micro_batch_size=16, max_steps=0, epochs=2, lr=5e-4),
+    "rerank": dict(output="runs/rerank", micro_batch_size=8, max_steps=0, epochs=1, lr=1e-4),
+    # the recipe's retrievers (rounds 1 and 2, the distilled student) and its re-ranker:
+    # 100 steps, enough to move the tiny model
+    "recipe.retriever": dict(micro_batch_size=16, max_steps=100, lr=5e-4, checkpoint_every=50),
+    "recipe.reranker": dict(micro_batch_size=8, max_steps=100, lr=1e-4, checkpoint_every=50),
+    # the comparison: its BERT from scratch, then a few steps of each method and fine-tuning
+    "compare.scratch": dict(micro_batch_size=32, max_steps=300, lr=5e-4),
+    "compare.pretrain": dict(micro_batch_size=16, max_steps=30, lr=5e-5, checkpoint_every=50),
+    "compare.finetune": dict(micro_batch_size=16, max_steps=30, lr=3e-5, checkpoint_every=50),
+}
+
+
+def embedded_train(name: str) -> TrainConfig:
+    """The ``train`` section of the embedded default ``name`` (see ``EMBEDDED``)."""
+    return TrainConfig(cpus_per_worker=EMBEDDED_CPUS_PER_WORKER, **EMBEDDED[name])
+
+
 def epochs_needed(train: TrainConfig, sequences_per_epoch: int) -> int:
     if train.epochs:
         return train.epochs

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModel
 
+from models.diagnostics import cls_entropy, pairwise_cosine
 from pipeline.core import model_ref, storage
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.plots import plot_cls_cosine, plot_cls_entropy
@@ -115,15 +116,6 @@ def load_checkpoint(path: str, device: str = "cpu"):
     return model, tokenizer
 
 
-def cls_entropy(attentions: tuple[torch.Tensor, ...], attention_mask: torch.Tensor) -> torch.Tensor:
-    """Entropy of the [CLS] query's attention over real keys, from a forward pass's
-    ``attentions`` (one per layer): (batch, layers, heads), float64."""
-    rows = torch.stack([att[:, :, 0, :] for att in attentions], dim=1).double()  # (B, L, H, T)
-    real = attention_mask.bool()[:, None, None, :]
-    # Padding keys get ~0 weight anyway; leaving them out makes that exact. xlogy(0, 0) = 0.
-    return torch.where(real, -torch.xlogy(rows, rows), 0.0).sum(-1)
-
-
 @torch.no_grad()
 def measure(model, tokenizer, texts: list[str], max_len: int = 128, batch_size: int = 32) -> dict:
     """Per-layer statistics of :func:`cls_entropy` over ``texts`` (the numbers in entropy.json)."""
@@ -163,24 +155,6 @@ def measure(model, tokenizer, texts: list[str], max_len: int = 128, batch_size: 
         "uniform_entropy": length.log().mean().item(),
         "layers": layers,
         "cls_cosine": pairwise_cosine(torch.cat(cls_vectors)),
-    }
-
-
-def pairwise_cosine(vectors: torch.Tensor, bins: int = 40) -> dict:
-    """Cosine similarity of every pair of distinct rows: its mean, spread and histogram.
-
-    An MLM-trained encoder's [CLS] vectors are nearly collinear (mean near 1): the vector
-    says little about its passage. A bottleneck objective spreads them apart.
-    """
-    unit = torch.nn.functional.normalize(vectors.double(), dim=1)
-    upper = torch.triu_indices(len(unit), len(unit), offset=1)
-    cos = (unit @ unit.T)[upper[0], upper[1]]
-    counts = torch.histc(cos, bins=bins, min=-1.0, max=1.0)
-    return {
-        "mean": cos.mean().item(),
-        "std": cos.std(correction=0).item(),
-        "pairs": len(cos),
-        "histogram": {"edges": torch.linspace(-1, 1, bins + 1).tolist(), "counts": counts.long().tolist()},
     }
 
 

@@ -42,7 +42,7 @@ from pipeline.data.beir import QRELS_HEADER, positives, read_qrels, read_queries
 from pipeline.data.runs import read_negatives
 from pipeline.retrieval.bm25 import Bm25Config, mine_negatives
 from pipeline.training.pretrain import PretrainConfig, run_pretraining
-from pipeline.training.train_config import TrainConfig
+from pipeline.training.train_config import embedded_train
 from pipeline.workflows.analyze import AnalyzeConfig, run_analysis
 from pipeline.workflows.manifest import RunManifest
 from pipeline.workflows.stages import (
@@ -66,7 +66,7 @@ def _default_scratch() -> PretrainConfig:
     job = PretrainConfig(method="mlm")
     job.model.init = ""
     job.corpus.tokenizer = ""
-    job.train = TrainConfig(micro_batch_size=32, max_steps=300, lr=5e-4, checkpoint_every=100, cpus_per_worker=2)
+    job.train = embedded_train("compare.scratch")
     return job
 
 
@@ -87,7 +87,7 @@ class ComparisonScratch:
 def _default_pretrain() -> PretrainConfig:
     # The embedded comparison: a few steps of each method on the bundled sample.
     job = PretrainConfig()
-    job.train = TrainConfig(micro_batch_size=16, max_steps=30, lr=5e-5, checkpoint_every=50, cpus_per_worker=2)
+    job.train = embedded_train("compare.pretrain")
     job.cocondenser.span_length, job.cocondenser.min_span_length = 40, 8  # verses are short
     return job
 
@@ -128,11 +128,7 @@ class ComparisonFinetune:
             "help": "one fine-tuning per seed at each size: the seed of its training-query sample, added to the trainer's seed; the table gives mean ± spread"
         },
     )
-    stage: RetrieverStage = field(
-        default_factory=lambda: RetrieverStage(
-            train=TrainConfig(micro_batch_size=16, max_steps=30, lr=3e-5, checkpoint_every=50, cpus_per_worker=2)
-        )
-    )
+    stage: RetrieverStage = field(default_factory=lambda: RetrieverStage(train=embedded_train("compare.finetune")))
 
 
 @dataclass

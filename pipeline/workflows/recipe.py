@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -42,6 +41,7 @@ from pipeline.core.errors import ConfigError
 from pipeline.core.plots import plot_metrics
 from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.data.beir import read_qrels, read_queries
+from pipeline.data.corpus_store import CorpusStore
 from pipeline.data.records import read_lines
 from pipeline.data.runs import read_trec_run, write_trec_run
 from pipeline.retrieval.bm25 import bm25_run, build_index
@@ -51,10 +51,10 @@ from pipeline.retrieval.metrics import JOB_MEASURES, evaluate
 from pipeline.retrieval.mine import MineConfig, run_mining
 from pipeline.retrieval.rerank_scoring import RerankScoreConfig, run_scoring
 from pipeline.training.distill import DistillConfig, DistillDataConfig, run_distillation
-from pipeline.training.finetune import EncoderInit, FinetuneCorpusConfig, FinetuneDataConfig
+from pipeline.training.group_training import EncoderInit, FinetuneCorpusConfig, FinetuneDataConfig
 from pipeline.training.pretrain import PretrainConfig, run_pretraining
 from pipeline.training.rerank import RerankConfig, RerankEvalConfig, run_reranker_training
-from pipeline.training.train_config import TrainConfig
+from pipeline.training.train_config import TrainConfig, embedded_train
 from pipeline.workflows.manifest import RunManifest
 from pipeline.workflows.stages import (
     EvalStage,
@@ -113,11 +113,7 @@ class RerankerStage:
     )
     group_size: int = field(default=8, metadata={"help": "passages per query: 1 positive + n-1 round-2 negatives"})
     max_len: int = field(default=192, metadata={"help": "query + passage tokens"})
-    train: TrainConfig = field(
-        default_factory=lambda: TrainConfig(
-            micro_batch_size=8, max_steps=100, lr=1e-4, checkpoint_every=50, cpus_per_worker=2
-        )
-    )
+    train: TrainConfig = field(default_factory=lambda: embedded_train("recipe.reranker"))
     dev_depth: int = field(default=100, metadata={"help": "round-2 dev candidates re-ranked per query"})
     teacher_depth: int = field(
         default=32, metadata={"help": "round-2 training candidates the teacher scores per query"}
@@ -139,11 +135,7 @@ class DistillStage:
         metadata={"help": "student's initial checkpoint; empty = the pre-trained encoder (as rounds 1 and 2)"},
     )
     retriever: BiEncoderConfig = field(default_factory=lambda: BiEncoderConfig(pooling="mean"))
-    train: TrainConfig = field(
-        default_factory=lambda: TrainConfig(
-            micro_batch_size=16, max_steps=100, lr=5e-4, checkpoint_every=50, cpus_per_worker=2
-        )
-    )
+    train: TrainConfig = field(default_factory=lambda: embedded_train("recipe.retriever"))
 
 
 @dataclass
@@ -190,15 +182,23 @@ class StageContext:
 
         return model_ref.check(self.cfg.model.init, "--model.init")
 
+    @functools.cached_property
+    def corpus(self) -> CorpusStore:
+        """The run's corpus: one preparation per tokenizer, read by every stage that uses it."""
+        data = self.cfg.data
+        return CorpusStore(data.corpus, storage.join(self.cfg.output, "corpus"), data.docs_per_shard)
+
     def prepared_corpus(self, init: str) -> str:
-        """One prepared corpus per tokenizer, shared by the stages that use it."""
-        return storage.join(self.cfg.output, "corpus", hashlib.sha1(init.encode()).hexdigest()[:10])
+        """Where the corpus prepared with ``init``'s tokenizer lives (a trainer prepares it there)."""
+        return self.corpus.folder(init)
 
     def eval_k(self) -> int:
         return eval_k(self.manifest, self.cfg.data.corpus, self.cfg.eval.k)
 
-    def evaluate(self, model: str, folder: str, pooling: str = "", normalize: bool = False) -> dict:
-        return evaluate_dev(self.cfg.data, self.cfg.eval, model, folder, self.eval_k(), pooling, normalize)
+    def evaluate(self, model: str, folder: str, init: str, pooling: str = "", normalize: bool = False) -> dict:
+        """Dev metrics of ``model``, which reads the tokens of ``init``'s tokenizer."""
+        corpus = self.corpus.prepared(init)
+        return evaluate_dev(self.cfg.data, self.cfg.eval, model, folder, self.eval_k(), pooling, normalize, corpus)
 
 
 def stage_pretrain(ctx: StageContext) -> dict:
@@ -222,9 +222,11 @@ def stage_bm25(ctx: StageContext) -> dict:
 
 def stage_zeroshot(ctx: StageContext) -> dict:
     retriever = ctx.cfg.round1.retriever
+    init = ctx.encoder_init()
     summary = ctx.evaluate(
-        ctx.encoder_init(),
+        init,
         ctx.folder("zeroshot"),
+        init,
         pooling=retriever.pooling,
         normalize=retriever.similarity == "cos",
     )
@@ -434,7 +436,7 @@ def stage_distill(ctx: StageContext) -> dict:
             ray=cfg.ray,
         )
     )
-    evaluation = ctx.evaluate(summary["export_dir"], storage.join(ctx.folder("distill"), "eval"))
+    evaluation = ctx.evaluate(summary["export_dir"], storage.join(ctx.folder("distill"), "eval"), init)
     return {
         "outputs": {"export": summary["export_dir"], "run": evaluation["run"]},
         "metrics": evaluation["metrics"],

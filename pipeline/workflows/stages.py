@@ -23,15 +23,11 @@ from pipeline.core.sample import (
     SAMPLE_TRAIN_QUERIES,
 )
 from pipeline.data.corpus import iter_documents
+from pipeline.data.corpus_store import prepare_in
 from pipeline.retrieval.evaluate import EvalConfig, EvaluateJobConfig, run_evaluation
-from pipeline.training.finetune import (
-    EncoderInit,
-    FinetuneConfig,
-    FinetuneCorpusConfig,
-    FinetuneDataConfig,
-    run_finetuning,
-)
-from pipeline.training.train_config import TrainConfig
+from pipeline.training.finetune import FinetuneConfig, run_finetuning
+from pipeline.training.group_training import EncoderInit, FinetuneCorpusConfig, FinetuneDataConfig
+from pipeline.training.train_config import TrainConfig, embedded_train
 from pipeline.workflows.manifest import RunManifest
 
 
@@ -50,12 +46,7 @@ class RetrievalData:
 @dataclass
 class RetrieverStage:
     retriever: BiEncoderConfig = field(default_factory=lambda: BiEncoderConfig(pooling="mean"))
-    # The embedded recipe: 100 steps of 16 queries, enough to move the tiny model.
-    train: TrainConfig = field(
-        default_factory=lambda: TrainConfig(
-            micro_batch_size=16, max_steps=100, lr=5e-4, checkpoint_every=50, cpus_per_worker=2
-        )
-    )
+    train: TrainConfig = field(default_factory=lambda: embedded_train("recipe.retriever"))
 
 
 @dataclass
@@ -90,13 +81,16 @@ def evaluate_dev(
     k: int,
     pooling: str = "",
     normalize: bool = False,
+    corpus: str = "",
 ) -> dict:
-    """Dev metrics of a retriever through the distributed path: encode on actors, index, search."""
+    """Dev metrics of a retriever through the distributed path: encode on actors, index, search.
+    ``corpus``: the corpus prepared with the model's tokenizer (a run's, reused); empty = the
+    raw corpus, prepared inside ``folder``."""
 
     return run_evaluation(
         EvaluateJobConfig(
             model=model,
-            corpus=data.corpus,
+            corpus=corpus or data.corpus,
             queries=data.dev_queries,
             qrels=data.dev_qrels,
             pooling=pooling,
@@ -154,13 +148,15 @@ def finetune_config(
 
 def train_and_evaluate(job: FinetuneConfig, data: RetrievalData, settings: EvalStage, k: int) -> dict:
     """A retriever stage's record: fine-tune (``job``), then evaluate the export on the dev
-    queries into ``<train.output>/eval``."""
+    queries into ``<train.output>/eval``, reading the corpus the training prepared (the
+    export carries its tokenizer; prepared here if a stand-in trainer did not)."""
 
     started = time.time()
     summary = run_finetuning(job)
     train_s = time.time() - started
     folder = storage.join(job.train.output, "eval")
-    evaluation = evaluate_dev(data, settings, summary["export_dir"], folder, k)
+    corpus = prepare_in(data.corpus, job.corpus.output, job.corpus.tokenizer or job.model.init, data.docs_per_shard)
+    evaluation = evaluate_dev(data, settings, summary["export_dir"], folder, k, corpus=corpus)
     return {
         "outputs": {
             "export": summary["export_dir"],

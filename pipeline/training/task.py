@@ -1,0 +1,64 @@
+"""What every trainer shares around the loop: the task's defaults and the run's summary.
+
+A trainer (pre-training, fine-tuning, the re-ranker, distillation) is a config and a
+``run_*`` function that hands :func:`pipeline.training.loop.fit` a task. :class:`Task`
+holds what the four tasks have in common; :func:`run_summary` and :func:`write_summary`
+are the summary every trainer writes as ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.core import model_ref, storage
+from pipeline.core.plots import plot_loss_curve
+from pipeline.training.loop import FitResult, consumed_source_rows
+
+# What the loop reports at the end of a run, copied into every trainer's summary.
+RUN_METRICS = (
+    "export_dir",
+    "steps",
+    "final_loss",
+    "tokens_per_s",
+    "tokens_per_s_per_worker",
+    "restarts",
+    "resumes",
+    "steps_this_attempt",
+)
+
+
+class Task:
+    """The defaults of a task (the loop's ``TrainTask``): no event counters, the consumed rows
+    that the stream lists per example, and the tokenizer fetched once per worker for the
+    export. Built on each worker from picklable settings."""
+
+    counter_names: tuple[str, ...] = ()
+    tokenizer_uri: str
+
+    def counters(self, batch: dict[str, np.ndarray]) -> dict[str, int]:
+        return {}
+
+    def consumed_rows(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        return consumed_source_rows(batch)
+
+    def tokenizer_dir(self) -> str:
+        if getattr(self, "_tokenizer_dir", None) is None:  # needed until the final export
+            self._tokenizer_dir = model_ref.materialize(self.tokenizer_uri, "tokenizer")
+        return self._tokenizer_dir
+
+
+def run_summary(job: str, result: FitResult, **fields) -> dict:
+    """A trainer's summary: the loop's end-of-run metrics and checkpoint, then ``fields``."""
+    return {
+        "job": job,
+        **{key: result.metrics.get(key) for key in RUN_METRICS},
+        "checkpoint": result.checkpoint,
+        **fields,
+    }
+
+
+def write_summary(output: str, summary: dict, result: FitResult, title: str) -> dict:
+    """The loss curve (``loss_curve.png``) and ``summary.json`` of a run under ``output``."""
+    summary["loss_curve"] = plot_loss_curve(result.history, storage.join(output, "loss_curve.png"), title=title)
+    storage.write_json(storage.join(output, "summary.json"), summary)
+    return summary
