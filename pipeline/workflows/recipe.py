@@ -192,6 +192,13 @@ class StageContext:
         """Where the corpus prepared with ``init``'s tokenizer lives (a trainer prepares it there)."""
         return self.corpus.folder(init)
 
+    def corpus_config(self, init: str) -> FinetuneCorpusConfig:
+        """A trainer's corpus section: the run's corpus, prepared with ``init``'s tokenizer."""
+        data = self.cfg.data
+        return FinetuneCorpusConfig(
+            input=data.corpus, output=self.prepared_corpus(init), docs_per_shard=data.docs_per_shard
+        )
+
     def eval_k(self) -> int:
         return eval_k(self.manifest, self.cfg.data.corpus, self.cfg.eval.k)
 
@@ -310,9 +317,7 @@ def stage_reranker(ctx: StageContext) -> dict:
                 query_max_len=query_len,
                 passage_max_len=min(cfg.data.passage_max_len, stage.max_len - query_len),
             ),
-            corpus=FinetuneCorpusConfig(
-                input=cfg.data.corpus, output=ctx.prepared_corpus(init), docs_per_shard=cfg.data.docs_per_shard
-            ),
+            corpus=ctx.corpus_config(init),
             model=EncoderInit(init=init),
             reranker=RerankerConfig(group_size=stage.group_size, max_len=stage.max_len),
             eval=RerankEvalConfig(run=""),
@@ -425,9 +430,7 @@ def stage_distill(ctx: StageContext) -> dict:
                 teacher_scores=ctx.output("teacher", "scores"),
                 teacher_depth=0,
             ),
-            corpus=FinetuneCorpusConfig(
-                input=cfg.data.corpus, output=ctx.prepared_corpus(init), docs_per_shard=cfg.data.docs_per_shard
-            ),
+            corpus=ctx.corpus_config(init),
             model=EncoderInit(init=init),
             retriever=copy.deepcopy(stage.retriever),
             distill=copy.deepcopy(stage.loss),
