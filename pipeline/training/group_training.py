@@ -2,8 +2,8 @@
 
 Their data (queries, qrels and negatives, or a Tevatron file), their corpus (prepared with
 the model's own tokenizer), the examples as corpus rows and the group stream over them
-(:func:`prepare_group_training`), the bi-encoder's task and a trained retriever's summary
-and evaluation. The driver holds ids only (queries as token ids, examples as corpus rows);
+(:func:`prepare_group_training`), the task that runs any of their objectives on the loop
+(:class:`GroupTask`) and a trained retriever's summary and evaluation. The driver holds ids only (queries as token ids, examples as corpus rows);
 Ray Data joins the passages (``pipeline/data/group_stream.py``).
 """
 

@@ -51,7 +51,7 @@ from pipeline.retrieval.metrics import JOB_MEASURES, evaluate
 from pipeline.retrieval.mine import MineConfig, run_mining
 from pipeline.retrieval.rerank_scoring import RerankScoreConfig, run_scoring
 from pipeline.training.distill import DistillConfig, DistillDataConfig, run_distillation
-from pipeline.training.group_training import EncoderInit, FinetuneCorpusConfig, FinetuneDataConfig
+from pipeline.training.group_training import EncoderInit, FinetuneDataConfig
 from pipeline.training.pretrain import PretrainConfig, run_pretraining
 from pipeline.training.rerank import RerankConfig, RerankEvalConfig, run_reranker_training
 from pipeline.training.train_config import TrainConfig, embedded_train
@@ -60,6 +60,7 @@ from pipeline.workflows.stages import (
     EvalStage,
     RetrievalData,
     RetrieverStage,
+    corpus_section,
     eval_k,
     evaluate_dev,
     finetune_config,
@@ -192,13 +193,6 @@ class StageContext:
         """Where the corpus prepared with ``init``'s tokenizer lives (a trainer prepares it there)."""
         return self.corpus.folder(init)
 
-    def corpus_config(self, init: str) -> FinetuneCorpusConfig:
-        """A trainer's corpus section: the run's corpus, prepared with ``init``'s tokenizer."""
-        data = self.cfg.data
-        return FinetuneCorpusConfig(
-            input=data.corpus, output=self.prepared_corpus(init), docs_per_shard=data.docs_per_shard
-        )
-
     def eval_k(self) -> int:
         return eval_k(self.manifest, self.cfg.data.corpus, self.cfg.eval.k)
 
@@ -317,7 +311,7 @@ def stage_reranker(ctx: StageContext) -> dict:
                 query_max_len=query_len,
                 passage_max_len=min(cfg.data.passage_max_len, stage.max_len - query_len),
             ),
-            corpus=ctx.corpus_config(init),
+            corpus=corpus_section(cfg.data, ctx.prepared_corpus(init)),
             model=EncoderInit(init=init),
             reranker=RerankerConfig(group_size=stage.group_size, max_len=stage.max_len),
             eval=RerankEvalConfig(run=""),
@@ -430,7 +424,7 @@ def stage_distill(ctx: StageContext) -> dict:
                 teacher_scores=ctx.output("teacher", "scores"),
                 teacher_depth=0,
             ),
-            corpus=ctx.corpus_config(init),
+            corpus=corpus_section(cfg.data, ctx.prepared_corpus(init)),
             model=EncoderInit(init=init),
             retriever=copy.deepcopy(stage.retriever),
             distill=copy.deepcopy(stage.loss),

@@ -108,6 +108,11 @@ def evaluate_dev(
     )
 
 
+def corpus_section(data: RetrievalData, prepared: str) -> FinetuneCorpusConfig:
+    """A trainer's corpus section: the run's corpus, prepared (or to be prepared) in ``prepared``."""
+    return FinetuneCorpusConfig(input=data.corpus, output=prepared, docs_per_shard=data.docs_per_shard)
+
+
 def finetune_config(
     data: RetrievalData,
     settings: RetrieverStage,
@@ -137,7 +142,7 @@ def finetune_config(
             query_max_len=data.query_max_len,
             passage_max_len=data.passage_max_len,
         ),
-        corpus=FinetuneCorpusConfig(input=data.corpus, output=prepared_corpus, docs_per_shard=data.docs_per_shard),
+        corpus=corpus_section(data, prepared_corpus),
         model=EncoderInit(init=init),
         retriever=copy.deepcopy(settings.retriever),
         eval=EvalConfig(queries="", qrels=""),  # evaluated by the caller, through the distributed path
