@@ -69,11 +69,12 @@ def main() -> None:
 
     import ray
 
+    from pipeline.data.text_shards import stage_text
     from pipeline.retrieval.bm25 import bm25_run, build_index
 
     ray.init(num_cpus=2)
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as staging, build_index(corpus, staging) as index:
+    with tempfile.TemporaryDirectory() as staging, build_index(stage_text(corpus, staging, 1_000_000)) as index:
         run = bm25_run(index, queries, depth=DEPTH)
     results.append({"system": "bm25", "seconds": time.perf_counter() - start, **evaluate(qrels, run)})
     print(json.dumps(results[-1]), flush=True)

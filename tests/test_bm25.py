@@ -7,6 +7,7 @@ from pipeline.core import storage
 from pipeline.core.config import parse_config
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.data.groups import select_negatives
+from pipeline.data.text_shards import stage_text
 from pipeline.retrieval.bm25 import Bm25Config, bm25_run, build_index, mine_negatives
 from pipeline.retrieval.mine import MineConfig
 from tests.conftest import synthetic_docs, write_jsonl
@@ -49,7 +50,9 @@ def config(beir, **overrides) -> Bm25Config:
 
 
 def index_of(beir, **settings):
-    return build_index(str(beir / "corpus.jsonl"), str(beir / "bm25-staging"), **settings)
+    # Staged at the index's own cut, so a small docs_per_shard gives that many shard actors.
+    cut = settings.get("docs_per_shard", 1_000_000)
+    return build_index(stage_text(str(beir / "corpus.jsonl"), str(beir / f"staged-{cut}"), cut), **settings)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +113,7 @@ def test_sharded_bm25_scores_with_the_whole_corpus_statistics(beir):
         assert len(index.actors) == 3 and index.total == len(DOCS)
         got = bm25_run(index, queries, depth=len(DOCS), batch_size=2)
         assert index.holds(["d3", "nope", "f7"]) == {"d3", "f7"}
-    assert not (beir / "bm25-staging").exists()  # the text shards are gone once loaded
+    assert (beir / "staged-12").is_dir()  # the staged text stays, for a rerun or a restarted actor
     assert_same_run(got, direct_bm25s(k1=1.2, b=0.75))
 
 

@@ -303,9 +303,9 @@ def test_the_eval_and_reranker_pools_reach_every_stage_whole(tmp_path, monkeypat
         monkeypatch.setattr(module, name, fake)
     # The corpus folders, not preparing them (the stand-in trainers prepare nothing).
     monkeypatch.setattr(CorpusStore, "prepared", CorpusStore.folder)
-    monkeypatch.setattr(stages, "prepare_in", lambda corpus, folder, *args: folder)
+    monkeypatch.setattr(CorpusStore, "prepare", lambda store, folder, tokenizer: folder)
     ctx = recipe.StageContext(cfg, RunManifest(cfg.output, MANIFEST))
-    ctx.manifest.data["corpus_docs"] = 5000
+    monkeypatch.setattr(CorpusStore, "docs", lambda store: 5000)
     ctx.manifest.save("pretrain", {"outputs": {"export": "s3://b/pretrain/export"}})
     ctx.manifest.save("reranker", {"outputs": {"export": "s3://b/reranker/export"}})
     for stage in ("zeroshot", "round1", "mine1", "round2", "mine2", "teacher", "distill"):

@@ -7,6 +7,7 @@ evaluate with ir_measures."""
 from __future__ import annotations
 
 import copy
+import json
 import math
 import warnings
 
@@ -293,7 +294,8 @@ def test_scoring_streams_blocks_through_the_pool_and_the_passage_servers(tiny_re
     ):
         values = evaluate(qrels, run, JOB_MEASURES.values())
         assert summary[key] == pytest.approx({n: values[m] for n, m in JOB_MEASURES.items()})
-    assert not (tmp_path / "out" / "text-shards").exists()
+    [staged] = (tmp_path / "out" / "text-shards").glob("*/manifest.json")  # kept for a rerun
+    assert json.loads(staged.read_text())["docs"] == N_DOCS
 
 
 def test_a_run_naming_a_document_outside_the_corpus_is_an_error(tiny_reranker, tmp_path, shared_ray):

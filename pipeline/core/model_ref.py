@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import filelock
 import huggingface_hub
-import pyarrow.fs as pafs
 
 from pipeline.core import storage
 from pipeline.core.errors import ConfigError, StorageError
@@ -133,7 +132,7 @@ def fetch_once(uri: str) -> tuple[str, bool]:
     """Copy the files under ``uri`` into this node's cache, once per version: the first
     caller downloads under a file lock, the others wait and reuse it. Returns the local
     directory and whether this call downloaded it."""
-    version = _storage_version(uri)
+    version = storage.version(uri)
     key = hashlib.sha256(f"{uri}\n{version}".encode()).hexdigest()[:24]
     root = os.path.join(cache_root(), "models")
     target = os.path.join(root, key)
@@ -154,20 +153,6 @@ def fetch_once(uri: str) -> tuple[str, bool]:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return target, True
-
-
-def _storage_version(uri: str) -> str:
-    """The stored files' names, sizes and modification times: a rewrite of any file (a new
-    export to the same URI) is a new version, fetched anew."""
-    loc = storage.resolve(uri)
-    try:
-        infos = loc.fs.get_file_info(pafs.FileSelector(loc.path, recursive=True))
-    except Exception as exc:  # noqa: BLE001 - pyarrow raises OSError subclasses and ArrowInvalid
-        raise StorageError(f"{uri}: cannot list ({exc})") from exc
-    files = sorted((i.path, i.size, i.mtime_ns) for i in infos if i.type == pafs.FileType.File)
-    if not files:
-        raise StorageError(f"{uri}: no files stored there")
-    return hashlib.sha256(repr(files).encode()).hexdigest()
 
 
 def _package_path(ref: ModelRef, what: str) -> str:

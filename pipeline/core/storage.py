@@ -11,6 +11,7 @@ to the filesystem object, so they never end up pickled into Ray tasks or checkpo
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import posixpath
@@ -203,6 +204,29 @@ def list_files(uri: str, suffix: str = "") -> list[str]:
         raise _wrap(loc, "list", exc) from exc
     paths = sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(suffix))
     return [("s3://" + p) if is_s3(uri) else p for p in paths]
+
+
+def version(uri: str) -> str:
+    """What is stored at ``uri`` now (a file, or every file below a folder): a digest of the
+    names, sizes and modification times. Anything rewritten at the same URI (a corpus cut
+    short, a new export) is a new version, so work made from the old one is not reused."""
+    loc = resolve(uri)
+    try:
+        top = loc.fs.get_file_info(loc.path)
+        if top.type == pafs.FileType.Directory:
+            infos = loc.fs.get_file_info(pafs.FileSelector(loc.path, recursive=True))
+        else:
+            infos = [top]
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises OSError subclasses and ArrowInvalid
+        raise _wrap(loc, "list", exc) from exc
+    files = sorted(
+        (posixpath.relpath(i.path, loc.path) if i.path != loc.path else "", i.size, i.mtime_ns)
+        for i in infos
+        if i.type == pafs.FileType.File
+    )
+    if not files:
+        raise StorageError(f"{loc.describe()}: no files stored there")
+    return hashlib.sha256(repr(files).encode()).hexdigest()[:16]
 
 
 def delete_dir(uri: str) -> None:

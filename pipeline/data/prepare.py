@@ -2,7 +2,7 @@
 
 Preparation has two phases. The driver streams the raw input once, validating it
 (errors name file and line) and cutting it into text shards (:mod:`pipeline.data.text_shards`)
-in a staging folder next to the output, so every node can read them. Ray tasks then tokenize the shards in
+in a staging folder next to the output (or a run's shared staging), so every node can read them. Ray tasks then tokenize the shards in
 parallel, one task per shard, and write the final shards; the manifest is written
 only when every shard is done, so a crashed preparation is never mistaken for a
 finished one.
@@ -26,10 +26,9 @@ from pipeline.core.errors import StorageError
 from pipeline.core.progress import get_counted
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS
-from pipeline.data.corpus import CorpusStats
 from pipeline.data.join import JoinConfig
 from pipeline.data.shards import FORMAT, MANIFEST, SHARD_SCHEMA
-from pipeline.data.text_shards import iter_texts, read_text_shard, write_text_shards
+from pipeline.data.text_shards import iter_texts, read_text_shard, stage_text
 from pipeline.data.tokenizer import load_tokenizer, train_wordpiece
 
 
@@ -54,10 +53,20 @@ class PrepareConfig:
     docs_per_shard: int = field(default=20000, metadata={"help": "documents per Parquet shard"})
     on_empty: str = field(default="skip", metadata={"help": "empty documents: skip (counted in the manifest) or error"})
     overwrite: bool = field(default=False, metadata={"help": "redo the preparation even if a finished manifest exists"})
+    text: str = field(
+        default="",
+        metadata={
+            "help": "folder of the input's staged text shards, shared with the other readers of a run's corpus (BM25, passage servers); empty = staged in the output's _staging and removed after"
+        },
+    )
 
 
 def _settings(cfg: PrepareConfig) -> dict[str, Any]:
-    return {k: v for k, v in asdict(cfg).items() if k not in ("output", "overwrite")}
+    """What the prepared shards depend on: not where they or the staged text live. The
+    input is its resolved URI, so a relative and an absolute path are one input."""
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("output", "overwrite", "text")}
+    settings["input"] = storage.resolve(cfg.input).uri
+    return settings
 
 
 def _write_table(uri: str, table: pa.Table) -> None:
@@ -111,15 +120,19 @@ def prepare_corpus(cfg: PrepareConfig) -> dict:
 
     manifest_uri = storage.join(cfg.output, MANIFEST)
     storage.check_reachable(manifest_uri)
+    input_version = storage.version(cfg.input)
     if not cfg.overwrite and storage.exists(manifest_uri):
         manifest = storage.read_json(manifest_uri)
-        if manifest.get("completed") and manifest.get("settings") == _settings(cfg):
+        if (
+            manifest.get("completed")
+            and manifest.get("settings") == _settings(cfg)
+            and manifest.get("input_version") == input_version
+        ):
             return manifest
     started = time.time()
-    staging = storage.join(cfg.output, "_staging")
-    storage.delete_dir(staging)
-    stats = CorpusStats()
-    items = write_text_shards(cfg.input, staging, cfg.docs_per_shard, on_empty=cfg.on_empty, stats=stats, join=cfg.join)
+    staging = cfg.text or storage.join(cfg.output, "_staging")
+    text = stage_text(cfg.input, staging, cfg.docs_per_shard, on_empty=cfg.on_empty, join=cfg.join)
+    items = text["shards"]
 
     tokenizer_uri = storage.join(cfg.output, "tokenizer")
     with tempfile.TemporaryDirectory() as tmp:
@@ -142,18 +155,20 @@ def prepare_corpus(cfg: PrepareConfig) -> dict:
     shards = sorted(
         ({k: s[k] for k in ("path", "first_row", "rows", "tokens")} for s in shards), key=lambda s: s["first_row"]
     )
-    storage.delete_dir(staging)
+    if not cfg.text:
+        storage.delete_dir(staging)
     manifest = {
         "format": FORMAT,
         "completed": True,
         "source": cfg.input,
+        "input_version": input_version,
         "num_docs": sum(s["rows"] for s in shards),
         "num_tokens": sum(s["tokens"] for s in shards),
         "shards": shards,
         "tokenizer": "tokenizer",
         "vocab_size": len(tokenizer),
         "settings": _settings(cfg),
-        "input_stats": stats.as_dict(),
+        "input_stats": text["corpus_stats"],
         "seconds": round(time.time() - started, 2),
     }
     storage.write_json(manifest_uri, manifest)

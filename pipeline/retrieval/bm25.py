@@ -2,8 +2,9 @@
 BM25 run to evaluate with ``ir_measures``.
 
 Index: the corpus (title + text, as :func:`pipeline.data.corpus.iter_documents` joins them)
-is cut into text shards in the run's storage; one :class:`Bm25Shard` actor per shard
-tokenizes it and reports its terms' document frequencies, a Ray task sums them, and each
+is staged as text shards in the run's storage (:func:`pipeline.data.text_shards.stage_text`:
+once per run, shared with preparation and the passage servers); one :class:`Bm25Shard`
+actor per load of consecutive shards tokenizes it and reports its terms' document frequencies, a Ray task sums them, and each
 actor builds its bm25s index with the corpus's document count, mean length and document
 frequencies. A shard's scores are then those of one index over the whole corpus, and the
 merge of every shard's top-k (:mod:`pipeline.retrieval.fanout`) is the exact
@@ -16,8 +17,8 @@ ranked (``sample="top"``) or a random ``count`` of them (``sample="random"``, se
 by ``seed`` and the query id, so a query's sample does not depend on the others; kept in
 rank order). Judged non-relevant documents (score <= 0) stay: they are negatives by judgment.
 
-Memory: the driver streams the corpus once into the text shards (a row group at a time) and
-then holds no document id, text or posting: the shard actors do, each reserving an estimate
+Memory: the driver streams the corpus once into the text shards (a row group at a time, and
+not at all when the run staged it already) and then holds no document id, text or posting: the shard actors do, each reserving an estimate
 of its peak from Ray. Results arrive a block of queries at a time, as ids, and are written
 out before the next block is asked for.
 """
@@ -41,13 +42,12 @@ from pipeline.core.errors import StorageError
 from pipeline.core.progress import get_counted
 from pipeline.core.runtime import RayConfig
 from pipeline.data.beir import positives, read_queries
-from pipeline.data.corpus import CorpusStats
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import build_training_examples
 from pipeline.data.groups import select_negatives
 from pipeline.data.runs import read_negatives, write_negatives, write_trec_lines
 from pipeline.data.tevatron import passage_lookup, write_tevatron
-from pipeline.data.text_shards import read_text_shard, write_text_shards
+from pipeline.data.text_shards import group_shards, read_text_load, stage_text
 from pipeline.retrieval.fanout import ShardFanout, ranked_ids, read_qrels_of_corpus
 
 
@@ -58,6 +58,12 @@ class Bm25Config:
     )
     queries: str = field(metadata={"help": "BEIR queries.jsonl to mine negatives for"})
     qrels: str = field(metadata={"help": "BEIR qrels TSV: judged positives (score > 0) are never negatives"})
+    text: str = field(
+        default="",
+        metadata={
+            "help": "folder of the corpus's staged text shards (a run's, shared with its other readers); empty = <output without .jsonl[.gz]>.text-shards, kept for reruns"
+        },
+    )
     output: str = field(
         default="runs/bm25/negatives.jsonl",
         metadata={
@@ -207,10 +213,10 @@ class Bm25Shard:
     document frequencies, then builds its index with the whole corpus's statistics and
     answers top-k for blocks of query texts, as corpus rows and doc ids."""
 
-    def __init__(self, item: dict, scoring: dict):
-        table = read_text_shard(item)
+    def __init__(self, load: list[dict], scoring: dict):
+        table = read_text_load(load)
         self.ids = CorpusIds(table.column("doc_id").cast("binary").to_numpy(zero_copy_only=False).astype(bytes))
-        self.ids.first_row = item["first_row"]
+        self.ids.first_row = load[0]["first_row"]
         self.scoring = scoring
         self.tokenizer = _tokenizer(scoring)
         self.token_ids = list(self.tokenizer.streaming_tokenize(table.column("text").to_pylist()))
@@ -274,34 +280,34 @@ def _merge_term_stats(*shards: pa.Table) -> tuple[pa.Table, int]:
 
 
 class ShardedBm25(ShardFanout):
-    """The driver's handle on a BM25 index over a corpus: the corpus cut into text shards in
-    ``staging`` (run storage: every node reads it), one :class:`Bm25Shard` actor per shard,
-    scored with global statistics, so the merged top-k equals one index over the corpus.
-    The driver holds no document id or text: results arrive per query block as ids."""
+    """The driver's handle on a BM25 index over a staged corpus (``text``: the manifest of
+    :func:`stage_text`, in run storage every node reads), one :class:`Bm25Shard` actor per
+    ``docs_per_shard`` documents, scored with global statistics, so the merged top-k equals
+    one index over the corpus. The driver holds no document id or text: results arrive per
+    query block as ids."""
 
     label = "bm25"
 
-    def __init__(self, corpus: str, staging: str, scoring: dict, docs_per_shard: int = 1_000_000):
+    def __init__(self, text: dict, scoring: dict, docs_per_shard: int = 1_000_000):
         started = time.perf_counter()
-        self.corpus_stats = CorpusStats()
-        items = write_text_shards(corpus, staging, docs_per_shard, stats=self.corpus_stats)
+        self.corpus_stats = text["corpus_stats"]
+        loads = group_shards(text["shards"], docs_per_shard)
         actor = ray.remote(Bm25Shard)
         self.actors = [
-            actor.options(num_cpus=SHARD_CPUS, memory=PROCESS_BYTES + BYTES_PER_TEXT_BYTE * item["text_bytes"]).remote(
-                item, scoring
-            )
-            for item in items
+            actor.options(
+                num_cpus=SHARD_CPUS, memory=PROCESS_BYTES + BYTES_PER_TEXT_BYTE * sum(i["text_bytes"] for i in load)
+            ).remote(load, scoring)
+            for load in loads
         ]
         # Each shard's terms stay in the object store, summed by a task: the driver gets only
         # the counts, as shards finish tokenizing (the long part of building).
         tables, counts = zip(*[a.term_stats.options(num_returns=2).remote() for a in self.actors])
-        counts = get_counted(list(counts), "bm25 index", "documents", [i["rows"] for i in items])
+        counts = get_counted(list(counts), "bm25 index", "documents", [sum(i["rows"] for i in load) for load in loads])
         self.total = sum(docs for docs, _ in counts)
         avgdl = sum(tokens for _, tokens in counts) / self.total
         corpus_terms, vocab_size = ray.remote(_merge_term_stats).options(num_returns=2).remote(*tables)
         self.shards = ray.get([a.build.remote(corpus_terms, self.total, avgdl) for a in self.actors])
         self.vocab_size = ray.get(vocab_size)
-        storage.delete_dir(staging)  # every actor has read its shard
         self.seconds = time.perf_counter() - started
 
     @property
@@ -320,8 +326,7 @@ def _stemmer(name: str):
 
 
 def build_index(
-    corpus: str,
-    staging: str,
+    text: dict,
     *,
     k1: float = 0.9,
     b: float = 0.4,
@@ -331,11 +336,11 @@ def build_index(
     stemmer: str = "",
     docs_per_shard: int = 1_000_000,
 ) -> ShardedBm25:
-    """BM25 over ``corpus`` on Ray actors, its text shards staged under ``staging`` (a folder
-    in the run's storage, deleted once the shards are loaded). Close it (or use ``with``)."""
+    """BM25 on Ray actors over a staged corpus (``text``: the manifest of :func:`stage_text`).
+    Close it (or use ``with``)."""
     scoring = {"k1": k1, "b": b, "method": method, "lowercase": lowercase, "stopwords": stopwords, "stemmer": stemmer}
     _stemmer(stemmer)  # a missing PyStemmer fails here, not in every actor
-    return ShardedBm25(corpus, staging, scoring, docs_per_shard)
+    return ShardedBm25(text, scoring, docs_per_shard)
 
 
 def search(
@@ -377,8 +382,8 @@ def _write_tevatron(cfg: Bm25Config, queries: dict[str, str], qrels: dict) -> di
     }
 
 
-def _staging(cfg: Bm25Config) -> str:
-    return cfg.output.removesuffix(".gz").removesuffix(".jsonl") + ".text-shards"
+def _text_folder(cfg: Bm25Config) -> str:
+    return cfg.text or cfg.output.removesuffix(".gz").removesuffix(".jsonl") + ".text-shards"
 
 
 def mine_negatives(cfg: Bm25Config) -> dict:
@@ -391,8 +396,7 @@ def mine_negatives(cfg: Bm25Config) -> dict:
     counts = {"negatives": 0, "positives_dropped": 0, "short": 0, "none": 0}
     run_uri = cfg.run_uri()
     index = build_index(
-        cfg.corpus,
-        _staging(cfg),
+        stage_text(cfg.corpus, _text_folder(cfg), cfg.docs_per_shard),
         k1=cfg.k1,
         b=cfg.b,
         method=cfg.method,
@@ -445,5 +449,5 @@ def mine_negatives(cfg: Bm25Config) -> dict:
         "index_seconds": round(index.seconds, 2),
         "retrieve_seconds": round(retrieve_s, 2),
         "seconds": round(time.perf_counter() - start, 2),
-        "corpus": index.corpus_stats.as_dict(),
+        "corpus": index.corpus_stats,
     }

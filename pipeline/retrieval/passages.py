@@ -2,9 +2,10 @@
 
 Stages that need candidates' texts (re-ranker scoring: the teacher) get ids from a run;
 the texts of tens of millions of passages must not pass through, or sit in, the driver.
-:class:`PassageStore` cuts the corpus into text shards in the run's storage and starts one
-:class:`PassageServer` actor per shard, each holding its shard's ids and texts as arrays
-and reserving that memory from Ray. A worker asks every server for a block's ids
+:class:`PassageStore` serves the corpus's staged text shards (run storage:
+:func:`pipeline.data.text_shards.stage_text`) with one :class:`PassageServer` actor per
+load of consecutive shards, each holding its load's ids and texts as arrays and reserving
+that memory from Ray. A worker asks every server for a block's ids
 (:func:`fetch_texts`); each answers for the ids it holds.
 """
 
@@ -16,9 +17,8 @@ import numpy as np
 import ray
 
 from pipeline.core import storage
-from pipeline.data.corpus import CorpusStats
 from pipeline.data.corpus_ids import CorpusIds, id_keys
-from pipeline.data.text_shards import read_text_shard, write_text_shards
+from pipeline.data.text_shards import group_shards, read_text_load
 from pipeline.retrieval.fanout import ShardActors
 
 SERVER_CPUS = 0.01  # a token share, as searchers take (see pipeline.retrieval.search.searcher_options)
@@ -27,13 +27,13 @@ TEXT_OVERHEAD = 2  # a shard's texts, and the ids and their sort order: about tw
 
 
 class PassageServer:
-    """A Ray actor holding one text shard: doc ids (sorted for lookup) and texts (Arrow)."""
+    """A Ray actor holding a load of text shards: doc ids (sorted for lookup) and texts (Arrow)."""
 
-    def __init__(self, item: dict):
-        table = read_text_shard(item)
+    def __init__(self, load: list[dict]):
+        table = read_text_load(load)
         self.ids = CorpusIds(
             table.column("doc_id").cast("binary").to_numpy(zero_copy_only=False).astype(bytes),
-            storage.resolve(item["text_uri"]).describe(),
+            storage.resolve(load[0]["text_uri"]).describe(),
         )
         self.texts = table.column("text").combine_chunks()
 
@@ -63,16 +63,15 @@ def fetch_texts(servers: list, doc_ids: list[str]) -> list[str | None]:
 
 
 class PassageStore(ShardActors):
-    """The driver's handle: the corpus staged as text shards under ``staging`` (run storage,
-    deleted once loaded), one :class:`PassageServer` per shard. Close it (or use ``with``)."""
+    """The driver's handle on a staged corpus (``text``: the manifest of ``stage_text``), one
+    :class:`PassageServer` per ``docs_per_server`` documents. Close it (or use ``with``)."""
 
-    def __init__(self, corpus: str, staging: str, docs_per_shard: int = 2_000_000):
-        self.corpus_stats = CorpusStats()
-        items = write_text_shards(corpus, staging, docs_per_shard, stats=self.corpus_stats)
+    def __init__(self, text: dict, docs_per_server: int = 2_000_000):
         server = ray.remote(PassageServer)
         self.actors = [
-            server.options(num_cpus=SERVER_CPUS, memory=PROCESS_BYTES + TEXT_OVERHEAD * item["text_bytes"]).remote(item)
-            for item in items
+            server.options(
+                num_cpus=SERVER_CPUS, memory=PROCESS_BYTES + TEXT_OVERHEAD * sum(i["text_bytes"] for i in load)
+            ).remote(load)
+            for load in group_shards(text["shards"], docs_per_server)
         ]
-        self.shards = ray.get([s.stats.remote() for s in self.actors])  # every server has read its shard
-        storage.delete_dir(staging)
+        self.shards = ray.get([s.stats.remote() for s in self.actors])  # every server has read its load

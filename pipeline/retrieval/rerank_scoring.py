@@ -37,6 +37,7 @@ from pipeline.core.sample import SAMPLE_CORPUS, SAMPLE_DEV_QRELS, SAMPLE_DEV_QUE
 from pipeline.data.beir import positives, read_qrels, read_queries
 from pipeline.data.runs import count_run_queries, iter_trec_run, write_trec_lines
 from pipeline.data.stream import frame
+from pipeline.data.text_shards import stage_text
 from pipeline.data.tokenizer import load_tokenizer
 from pipeline.retrieval.inference import autocast_dtype, inference, length_sorted_batches
 from pipeline.retrieval.metrics import JOB_MEASURES, StreamedMetrics, metrics_table
@@ -60,6 +61,12 @@ class RerankScoreConfig:
     )
     corpus: str = field(
         default=SAMPLE_CORPUS, metadata={"help": "BEIR corpus.jsonl holding every candidate (local or s3://)"}
+    )
+    text: str = field(
+        default="",
+        metadata={
+            "help": "folder of the corpus's staged text shards (a run's, shared with its other readers); empty = <output>/text-shards, kept for reruns"
+        },
     )
     qrels: str = field(
         default=SAMPLE_DEV_QRELS,
@@ -260,7 +267,8 @@ def run_scoring(cfg: RerankScoreConfig) -> dict:
     actor_seconds = 0.0
     with (
         PassageStore(
-            storage.resolve(cfg.corpus).uri, storage.join(output, "text-shards"), cfg.docs_per_server
+            stage_text(cfg.corpus, cfg.text or storage.join(output, "text-shards"), cfg.docs_per_server),
+            cfg.docs_per_server,
         ) as passages,
         storage.open_output(out_run) as out,
     ):

@@ -151,6 +151,7 @@ def _bm25_negatives(cfg) -> tuple[str, dict | None]:
     summary = mine_negatives(
         Bm25Config(
             corpus=cfg.corpus.input,
+            text=cfg.corpus.text,
             queries=cfg.data.queries,
             qrels=cfg.data.qrels,
             output=uri,

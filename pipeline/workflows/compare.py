@@ -39,6 +39,7 @@ from pipeline.core.errors import ConfigError
 from pipeline.core.plots import plot_method_comparison
 from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.data.beir import QRELS_HEADER, positives, read_qrels, read_queries
+from pipeline.data.corpus_store import CorpusStore
 from pipeline.data.runs import read_negatives
 from pipeline.retrieval.bm25 import Bm25Config, mine_negatives
 from pipeline.training.pretrain import PretrainConfig, run_pretraining
@@ -49,7 +50,7 @@ from pipeline.workflows.stages import (
     EvalStage,
     RetrievalData,
     RetrieverStage,
-    eval_k,
+    corpus_store,
     finetune_config,
     pretrained_record,
     train_and_evaluate,
@@ -222,6 +223,11 @@ class Comparison:
         return self.manifest.record(unit)["outputs"][key]
 
     @functools.cached_property
+    def corpus(self) -> CorpusStore:
+        """The run's corpus: its text staged once for BM25, pre-training and every preparation."""
+        return corpus_store(self.cfg.data, self.cfg.output)
+
+    @functools.cached_property
     def init(self) -> str:
         if self.cfg.scratch.enabled:
             return self.output("pretrain/bert", "export")
@@ -310,6 +316,7 @@ class Comparison:
         summary = mine_negatives(
             Bm25Config(
                 corpus=data.corpus,
+                text=self.corpus.text_folder,
                 queries=data.train_queries,
                 qrels=data.train_qrels,
                 output=self.folder("negatives", "bm25.jsonl"),
@@ -344,7 +351,7 @@ class Comparison:
         job = copy.deepcopy(self.cfg.scratch.job)
         job.method, job.model.init = "mlm", ""
         job.corpus.input, job.corpus.docs_per_shard = self.pretraining_corpus, self.cfg.data.docs_per_shard
-        job.corpus.output = self.folder("pretrain", "bert-corpus")
+        job.corpus.output, job.corpus.text = self.folder("pretrain", "bert-corpus"), self.corpus.text_folder
         job.train.output = self.folder("pretrain", "bert")
         return pretrained_record(run_pretraining(job))
 
@@ -356,6 +363,7 @@ class Comparison:
         job.corpus.input, job.corpus.docs_per_shard = self.pretraining_corpus, cfg.data.docs_per_shard
         job.corpus.tokenizer = self.init
         job.corpus.output = self.folder("pretrain", "corpus")  # one tokenizer: shared by every method
+        job.corpus.text = self.corpus.text_folder
         job.train.output = self.folder("pretrain", method)
         if method == "cocondenser" and "condenser" in cfg.pretrain.methods:
             job.model.init = self.output("pretrain/condenser", "export")  # its head lies beside it
@@ -372,6 +380,7 @@ class Comparison:
             init=self.encoder(method),
             negatives=self.output(subset, "negatives"),
             output=self.folder(finetune_unit(method, n, seed)),
+            corpus=self.corpus,
             prepared_corpus=self.folder("finetune", "corpus"),
             ray=cfg.ray,
             queries=self.output(subset, "queries"),
@@ -379,7 +388,7 @@ class Comparison:
         )
         job.corpus.tokenizer = self.init  # every method keeps its tokenizer: one prepared corpus for all
         job.train.seed = cfg.finetune.stage.train.seed + seed
-        return train_and_evaluate(job, cfg.data, cfg.eval, eval_k(self.manifest, cfg.data.corpus, cfg.eval.k))
+        return train_and_evaluate(job, cfg.data, cfg.eval, self.corpus)
 
     def analyze(self) -> dict:
         """CLS attention entropy (Condenser paper, Figure 2): the initial checkpoint and each

@@ -61,6 +61,7 @@ from pipeline.workflows.stages import (
     RetrievalData,
     RetrieverStage,
     corpus_section,
+    corpus_store,
     eval_k,
     evaluate_dev,
     finetune_config,
@@ -186,15 +187,14 @@ class StageContext:
     @functools.cached_property
     def corpus(self) -> CorpusStore:
         """The run's corpus: one preparation per tokenizer, read by every stage that uses it."""
-        data = self.cfg.data
-        return CorpusStore(data.corpus, storage.join(self.cfg.output, "corpus"), data.docs_per_shard)
+        return corpus_store(self.cfg.data, self.cfg.output)
 
     def prepared_corpus(self, init: str) -> str:
         """Where the corpus prepared with ``init``'s tokenizer lives (a trainer prepares it there)."""
         return self.corpus.folder(init)
 
     def eval_k(self) -> int:
-        return eval_k(self.manifest, self.cfg.data.corpus, self.cfg.eval.k)
+        return eval_k(self.corpus, self.cfg.eval.k)
 
     def evaluate(self, model: str, folder: str, init: str, pooling: str = "", normalize: bool = False) -> dict:
         """Dev metrics of ``model``, which reads the tokens of ``init``'s tokenizer."""
@@ -207,13 +207,14 @@ def stage_pretrain(ctx: StageContext) -> dict:
     job.train.output = ctx.folder("pretrain")
     if not job.corpus.output or job.corpus.output == type(job.corpus)().output:
         job.corpus.output = storage.join(ctx.folder("pretrain"), "corpus")
+    job.corpus.text = job.corpus.text or ctx.corpus.text_folder  # staged once, whatever corpus it is
     return pretrained_record(run_pretraining(job))
 
 
 def stage_bm25(ctx: StageContext) -> dict:
     cfg = ctx.cfg
     queries = read_queries(cfg.data.dev_queries)
-    with build_index(cfg.data.corpus, storage.join(ctx.folder("bm25"), "text-shards")) as index:
+    with build_index(ctx.corpus.text()) as index:
         run = bm25_run(index, queries, depth=ctx.eval_k())
     run_uri = storage.join(ctx.folder("bm25"), "run.trec")
     write_trec_run(run, run_uri, tag="bm25")
@@ -241,6 +242,7 @@ def _finetune_config(ctx: StageContext, stage: str, settings: RetrieverStage, in
         init=init,
         negatives=negatives,
         output=ctx.folder(stage),
+        corpus=ctx.corpus,
         prepared_corpus=ctx.prepared_corpus(init),
         ray=ctx.cfg.ray,
         bm25_depth=ctx.cfg.mine.bm25_depth,
@@ -250,7 +252,7 @@ def _finetune_config(ctx: StageContext, stage: str, settings: RetrieverStage, in
 
 def _retriever_stage(ctx: StageContext, stage: str, settings: RetrieverStage, negatives: str) -> dict:
     job = _finetune_config(ctx, stage, settings, ctx.encoder_init(), negatives)
-    return train_and_evaluate(job, ctx.cfg.data, ctx.cfg.eval, ctx.eval_k())
+    return train_and_evaluate(job, ctx.cfg.data, ctx.cfg.eval, ctx.corpus)
 
 
 def stage_round1(ctx: StageContext) -> dict:
@@ -311,7 +313,7 @@ def stage_reranker(ctx: StageContext) -> dict:
                 query_max_len=query_len,
                 passage_max_len=min(cfg.data.passage_max_len, stage.max_len - query_len),
             ),
-            corpus=corpus_section(cfg.data, ctx.prepared_corpus(init)),
+            corpus=corpus_section(ctx.corpus, ctx.prepared_corpus(init)),
             model=EncoderInit(init=init),
             reranker=RerankerConfig(group_size=stage.group_size, max_len=stage.max_len),
             eval=RerankEvalConfig(run=""),
@@ -332,6 +334,7 @@ def _score(
             run=run,
             queries=queries,
             corpus=ctx.cfg.data.corpus,
+            text=ctx.corpus.text_folder,
             qrels=qrels,
             include_positives=include_positives,
             depth=depth,
@@ -424,7 +427,7 @@ def stage_distill(ctx: StageContext) -> dict:
                 teacher_scores=ctx.output("teacher", "scores"),
                 teacher_depth=0,
             ),
-            corpus=corpus_section(cfg.data, ctx.prepared_corpus(init)),
+            corpus=corpus_section(ctx.corpus, ctx.prepared_corpus(init)),
             model=EncoderInit(init=init),
             retriever=copy.deepcopy(stage.retriever),
             distill=copy.deepcopy(stage.loss),

@@ -22,13 +22,11 @@ from pipeline.core.sample import (
     SAMPLE_TRAIN_QRELS,
     SAMPLE_TRAIN_QUERIES,
 )
-from pipeline.data.corpus import iter_documents
-from pipeline.data.corpus_store import prepare_in
+from pipeline.data.corpus_store import CorpusStore
 from pipeline.retrieval.evaluate import EvalConfig, EvaluateJobConfig, run_evaluation
 from pipeline.training.finetune import FinetuneConfig, run_finetuning
 from pipeline.training.group_training import EncoderInit, FinetuneCorpusConfig, FinetuneDataConfig
 from pipeline.training.train_config import TrainConfig, embedded_train
-from pipeline.workflows.manifest import RunManifest
 
 
 @dataclass
@@ -65,12 +63,15 @@ class EvalStage:
     pool: ActorConfig = field(default_factory=ActorConfig)
 
 
-def eval_k(manifest: RunManifest, corpus: str, k: int) -> int:
-    """``k`` capped at the corpus size, which is counted once per run and kept in the manifest."""
+def corpus_store(data: RetrievalData, output: str) -> CorpusStore:
+    """A run's corpus (``<output>/corpus``): its text staged once, each tokenizer's shards
+    prepared once, for every stage that reads it."""
+    return CorpusStore(data.corpus, storage.join(output, "corpus"), data.docs_per_shard)
 
-    if "corpus_docs" not in manifest.data:
-        manifest.data["corpus_docs"] = sum(1 for _ in iter_documents(corpus))
-    return min(k, manifest.data["corpus_docs"])
+
+def eval_k(corpus: CorpusStore, k: int) -> int:
+    """``k`` capped at the corpus size (counted when the corpus is staged, kept with it)."""
+    return min(k, corpus.docs())
 
 
 def evaluate_dev(
@@ -108,9 +109,12 @@ def evaluate_dev(
     )
 
 
-def corpus_section(data: RetrievalData, prepared: str) -> FinetuneCorpusConfig:
-    """A trainer's corpus section: the run's corpus, prepared (or to be prepared) in ``prepared``."""
-    return FinetuneCorpusConfig(input=data.corpus, output=prepared, docs_per_shard=data.docs_per_shard)
+def corpus_section(corpus: CorpusStore, prepared: str) -> FinetuneCorpusConfig:
+    """A trainer's corpus section: the run's corpus, prepared (or to be prepared) in
+    ``prepared`` from the run's staged text."""
+    return FinetuneCorpusConfig(
+        input=corpus.corpus, output=prepared, docs_per_shard=corpus.docs_per_shard, text=corpus.text_folder
+    )
 
 
 def finetune_config(
@@ -120,6 +124,7 @@ def finetune_config(
     init: str,
     negatives: str,
     output: str,
+    corpus: CorpusStore,
     prepared_corpus: str,
     ray: RayConfig,
     queries: str = "",
@@ -142,7 +147,7 @@ def finetune_config(
             query_max_len=data.query_max_len,
             passage_max_len=data.passage_max_len,
         ),
-        corpus=corpus_section(data, prepared_corpus),
+        corpus=corpus_section(corpus, prepared_corpus),
         model=EncoderInit(init=init),
         retriever=copy.deepcopy(settings.retriever),
         eval=EvalConfig(queries="", qrels=""),  # evaluated by the caller, through the distributed path
@@ -151,7 +156,7 @@ def finetune_config(
     )
 
 
-def train_and_evaluate(job: FinetuneConfig, data: RetrievalData, settings: EvalStage, k: int) -> dict:
+def train_and_evaluate(job: FinetuneConfig, data: RetrievalData, settings: EvalStage, corpus: CorpusStore) -> dict:
     """A retriever stage's record: fine-tune (``job``), then evaluate the export on the dev
     queries into ``<train.output>/eval``, reading the corpus the training prepared (the
     export carries its tokenizer; prepared here if a stand-in trainer did not)."""
@@ -160,8 +165,10 @@ def train_and_evaluate(job: FinetuneConfig, data: RetrievalData, settings: EvalS
     summary = run_finetuning(job)
     train_s = time.time() - started
     folder = storage.join(job.train.output, "eval")
-    corpus = prepare_in(data.corpus, job.corpus.output, job.corpus.tokenizer or job.model.init, data.docs_per_shard)
-    evaluation = evaluate_dev(data, settings, summary["export_dir"], folder, k, corpus=corpus)
+    prepared = corpus.prepare(job.corpus.output, job.corpus.tokenizer or job.model.init)
+    evaluation = evaluate_dev(
+        data, settings, summary["export_dir"], folder, eval_k(corpus, settings.k), corpus=prepared
+    )
     return {
         "outputs": {
             "export": summary["export_dir"],

@@ -1,0 +1,96 @@
+"""A run's corpus staged once as text shards (``stage_text``), read by every consumer, and
+reused only while the stored corpus is the one it was made from."""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow.parquet as pq
+import pytest
+from conftest import synthetic_docs, write_jsonl
+
+from pipeline.core import storage
+from pipeline.data.corpus_store import CorpusStore
+from pipeline.data.join import JoinConfig
+from pipeline.data.prepare import PrepareConfig, prepare_corpus
+from pipeline.data.text_shards import group_shards, read_text_load, stage_text
+
+
+def written_at(manifest: dict) -> list[int]:
+    """Each shard file's modification time: unchanged means it was not written again."""
+    return [os.stat(item["text_uri"]).st_mtime_ns for item in manifest["shards"]]
+
+
+def test_a_staging_is_reused_until_the_corpus_at_that_path_changes(tmp_path):
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", synthetic_docs(50, seed=1))
+    first = stage_text(corpus, str(tmp_path / "text"), 20)
+    assert [i["rows"] for i in first["shards"]] == [20, 20, 10] and first["docs"] == 50
+    ids = [r["doc_id"] for item in first["shards"] for r in pq.read_table(item["text_uri"]).to_pylist()]
+    assert ids == [d["_id"] for d in synthetic_docs(50, seed=1)]
+
+    # Another reader with another cut reuses it (it regroups shards into its own loads).
+    again = stage_text(corpus, str(tmp_path / "text"), 1000)
+    assert again == first and written_at(again) == written_at(first)
+
+    # The corpus cut short at the same path: staged anew, in the same place.
+    write_jsonl(tmp_path / "corpus.jsonl", synthetic_docs(7, seed=2))
+    cut = stage_text(corpus, str(tmp_path / "text"), 20)
+    assert cut["docs"] == 7 and cut["version"] != first["version"]
+    assert [r["doc_id"] for r in read_text_load(cut["shards"]).to_pylist()] == [
+        d["_id"] for d in synthetic_docs(7, seed=2)
+    ]
+    assert len(list((tmp_path / "text").iterdir())) == 1
+
+
+def test_inputs_and_readings_share_a_folder_without_evicting_each_other(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", synthetic_docs(12, seed=1))
+    b = write_jsonl(tmp_path / "b.jsonl", synthetic_docs(5, seed=2))
+    folder = str(tmp_path / "text")
+    plain_a = stage_text(a, folder, 4)
+    joined_a = stage_text(a, folder, 4, join=JoinConfig(group_by=r"^(\D+)\d+$", max_words=60))
+    plain_b = stage_text(b, folder, 4)
+    assert (plain_a["docs"], plain_b["docs"]) == (12, 5)
+    assert joined_a["docs"] < plain_a["docs"]  # records joined into passages
+    assert stage_text(a, folder, 4) == plain_a and written_at(stage_text(a, folder, 4)) == written_at(plain_a)
+    assert len(list((tmp_path / "text").iterdir())) == 3
+
+
+def test_shards_are_grouped_into_consecutive_loads():
+    shards = [{"rows": n, "first_row": f} for n, f in ((4, 0), (4, 4), (3, 8), (9, 11), (1, 20))]
+    loads = group_shards(shards, 8)
+    assert [[s["first_row"] for s in load] for load in loads] == [[0, 4], [8], [11], [20]]
+    assert group_shards(shards, 100) == [shards]
+    assert [len(load) for load in group_shards(shards, 1)] == [1, 1, 1, 1, 1]
+
+
+@pytest.mark.ray
+def test_a_corpus_rewritten_at_the_same_path_is_prepared_again(tmp_path, shared_ray, monkeypatch):
+    """Reuse follows what is stored, not the path: the corpus cut from 70 to 10 documents
+    at the same path is prepared anew; a relative and an absolute path are one input."""
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", synthetic_docs(70))
+    cfg = PrepareConfig(input=corpus, output=str(tmp_path / "out"), vocab_size=150, docs_per_shard=30)
+    full = prepare_corpus(cfg)
+    assert full["num_docs"] == 70
+    write_jsonl(tmp_path / "corpus.jsonl", synthetic_docs(10))
+    cut = prepare_corpus(cfg)
+    assert cut["num_docs"] == 10 and cut["input_version"] != full["input_version"]
+
+    monkeypatch.chdir(tmp_path)
+    relative = PrepareConfig(input="corpus.jsonl", output="out", vocab_size=150, docs_per_shard=30)
+    assert prepare_corpus(relative)["seconds"] == cut["seconds"]  # reused, not redone
+
+
+@pytest.mark.ray
+def test_a_run_stages_its_corpus_once_for_every_tokenizer(tmp_path, shared_ray):
+    from tests.helpers import save_tiny_bert
+
+    texts = [d["text"] for d in synthetic_docs(30)]
+    first, second = (save_tiny_bert(str(tmp_path / name), texts) for name in ("first", "second"))
+    store = CorpusStore(write_jsonl(tmp_path / "corpus.jsonl", synthetic_docs(30)), str(tmp_path / "run"), 10)
+    staged = store.text()
+    before = written_at(staged)
+    for tokenizer in (first, second):
+        manifest = storage.read_json(storage.join(store.prepared(tokenizer), "manifest.json"))
+        assert manifest["num_docs"] == 30 and [s["rows"] for s in manifest["shards"]] == [10, 10, 10]
+    assert store.folder(first) != store.folder(second)
+    assert written_at(store.text()) == before and store.docs() == 30
