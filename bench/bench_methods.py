@@ -108,7 +108,7 @@ def measure_memory(spans: int, chunk: int) -> dict:
     torch.manual_seed(0)
     method, engine, vocab = cocondenser(chunk)
     ids, mask = random_batch(spans, SPAN_TOKENS, vocab)
-    batch = method.make_batch(ids, mask, torch.Generator().manual_seed(1))
+    batch = method.corrupt_batch(ids, mask, torch.Generator().manual_seed(1))
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     before = rss_kib("VmRSS")
@@ -141,7 +141,7 @@ def cache_cost(repeats: int) -> dict:
     method, engine, vocab = cocondenser(0)
     cached = type(method)(type(method.cfg)(head="", chunk_size=CHUNK), vocab)
     ids, mask = random_batch(64, SPAN_TOKENS, vocab)
-    batch = method.make_batch(ids, mask, torch.Generator().manual_seed(1))
+    batch = method.corrupt_batch(ids, mask, torch.Generator().manual_seed(1))
     times = {"plain": [], "cache": []}
     for i in range(repeats + 1):
         for name, m in (("plain", method), ("cache", cached)):
@@ -182,7 +182,7 @@ def simlm_vs_condenser(repeats: int) -> dict:
             for name, method, model in (("condenser", condenser, condenser_model), ("simlm", simlm, simlm_model)):
                 # A whole step as the trainer runs it: corruption (SimLM: generator sampling), forward, backward.
                 start = time.perf_counter()
-                batch = method.make_batch(ids, mask, torch.Generator().manual_seed(i))
+                batch = method.corrupt_batch(ids, mask, torch.Generator().manual_seed(i))
                 loss, _ = method.loss(model, batch)
                 loss.backward()
                 elapsed = time.perf_counter() - start

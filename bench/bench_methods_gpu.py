@@ -121,7 +121,7 @@ def bench_one(name, cls, cfg, size: str, batch: int, length: int, steps: int, de
 
     def make_batch():
         ids, mask = batch_ids(batch, length, masking.vocab_size, rng)
-        return method.make_batch(ids, mask, rng)
+        return method.corrupt_batch(ids, mask, rng)
 
     def step(cpu_batch):
         tensors = {k: v.to(device, non_blocking=True) for k, v in cpu_batch.items()}

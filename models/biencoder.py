@@ -25,6 +25,7 @@ from torch import nn
 from transformers import AutoModel
 
 from models.backbone import export_backbone, has_safetensors
+from models.batches import ids_and_mask
 from models.distributed import gather_with_grad, world_size
 from models.grad_cache import engine_grad_cache_backward
 
@@ -272,8 +273,8 @@ class ContrastiveObjective:
         return BiEncoder(encoder, passage, self.cfg)
 
     def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]:
-        q_ids, q_mask = _ids_and_mask(batch["q_input_ids"], batch["q_length"])
-        d_ids, d_mask = _ids_and_mask(batch["d_input_ids"], batch["d_length"])  # (b*n, L), groups contiguous
+        q_ids, q_mask = ids_and_mask(batch["q_input_ids"], batch["q_length"])
+        d_ids, d_mask = ids_and_mask(batch["d_input_ids"], batch["d_length"])  # (b*n, L), groups contiguous
         return {"q_input_ids": q_ids, "q_attention_mask": q_mask, "d_input_ids": d_ids, "d_attention_mask": d_mask}
 
     def backward(self, engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -284,12 +285,3 @@ class ContrastiveObjective:
 
     def export(self, model: BiEncoder, out_dir: str, tokenizer_dir: str | None) -> dict[str, str]:
         return model.save(out_dir, tokenizer_dir)
-
-
-def _ids_and_mask(ids: np.ndarray, lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids as (rows, L) and their attention mask from the lengths (copies: the arrays
-    may be read-only, as Ray Data hands them out of the object store)."""
-    tensor = torch.tensor(np.ascontiguousarray(ids), dtype=torch.long)
-    tensor = tensor.reshape(-1, tensor.shape[-1])
-    lengths = torch.tensor(np.asarray(lengths), dtype=torch.long).reshape(-1)
-    return tensor, (torch.arange(tensor.shape[1])[None, :] < lengths[:, None]).long()

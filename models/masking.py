@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from models.method import plain_backward
+from models.method import PretrainingMethod
 
 IGNORE_INDEX = -100
 
@@ -93,7 +93,7 @@ def whole_word_mask(
     return apply_bert_replacement(input_ids, selected, vocab, generator), labels
 
 
-class WholeWordMaskingMethod:
+class WholeWordMaskingMethod(PretrainingMethod):
     """Base of the methods whose batches are whole-word-masked MLM inputs (Condenser,
     coCondenser, plain MLM): ``cfg.mlm_probability`` of the words, BERT's 80/10/10."""
 
@@ -101,11 +101,8 @@ class WholeWordMaskingMethod:
         self.cfg = cfg
         self.vocab = vocab
 
-    def make_batch(
+    def corrupt_batch(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generator: torch.Generator
     ) -> dict[str, torch.Tensor]:
         masked, labels = whole_word_mask(input_ids, self.vocab, generator, self.cfg.mlm_probability)
         return {"input_ids": masked, "attention_mask": attention_mask, "labels": labels}
-
-    def backward(self, engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return plain_backward(self, engine, batch)

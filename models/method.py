@@ -1,45 +1,66 @@
 """The pre-training method interface: what the training loop needs of Condenser,
 coCondenser, SimLM and plain MLM.
 
-A method is built from its config and the masking vocabulary, on the worker. The loop
-calls ``make_batch`` on the CPU for each streamed micro-batch, ``backward`` on the device,
-and ``export`` once at the end; ``build`` wraps an unmodified HF ``BertForMaskedLM``, so
-the exported backbone is a plain ``save_pretrained`` checkpoint.
+A method has the shape every training objective has (the contrastive, listwise and
+distillation objectives too): ``build``, ``make_batch`` (the stream's arrays to tensors, on
+the CPU), ``backward`` (on the device), ``count_tokens`` and ``export``. A method is built
+from its config and the masking vocabulary, on the worker; ``build`` wraps an unmodified HF
+``BertForMaskedLM``, so the exported backbone is a plain ``save_pretrained`` checkpoint.
+What a method adds is its corruption of a (B, L) batch (``corrupt_batch``) and its ``loss``.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import BertForMaskedLM
 
+from models.batches import ids_and_mask
+
 ExampleFormat = Literal["sequences", "span_pairs"]
 
 
-@runtime_checkable
-class PretrainingMethod(Protocol):
+class PretrainingMethod:
     name: str
     # What the stream yields: packed/truncated token sequences, or coCondenser's span pairs.
     example_format: ExampleFormat
 
     def build(self, mlm: BertForMaskedLM) -> nn.Module:
         """The trained module around ``mlm`` (head or decoder added, warm-started if configured)."""
+        raise NotImplementedError
 
-    def make_batch(
+    def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """A streamed micro-batch (``input_ids`` and ``length``; span pairs as (b, 2, L),
+        flattened to (2b, L) with partners adjacent), corrupted by the method."""
+        input_ids, attention_mask = ids_and_mask(batch["input_ids"], batch["length"])
+        return self.corrupt_batch(input_ids, attention_mask, generator)
+
+    def corrupt_batch(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generator: torch.Generator
     ) -> dict[str, torch.Tensor]:
         """The method's corruption of a (B, L) batch; reproducible from ``generator``."""
+        raise NotImplementedError
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(loss, detached extras to log) of one micro-batch."""
+        raise NotImplementedError
 
     def backward(self, engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Forward and ``engine.backward`` of one micro-batch; returns (detached loss, extras)."""
+        """Forward and ``engine.backward`` of one micro-batch; returns (detached loss, extras).
+        A method whose loss needs a gradient cache overrides it."""
+        loss, extras = self.loss(engine, batch)
+        engine.backward(loss)
+        return loss.detach(), extras
+
+    def count_tokens(self, batch: dict[str, np.ndarray]) -> int:
+        return int(np.asarray(batch["length"]).sum())
 
     def export(self, model: nn.Module, out_dir: str, tokenizer_dir: str | None) -> dict[str, str]:
         """Write the backbone as a drop-in HF checkpoint (plus the method's own parts); returns paths."""
+        raise NotImplementedError
 
 
 class PlainEngine:
@@ -60,12 +81,3 @@ class PlainEngine:
 
     def fp16_enabled(self) -> bool:
         return False
-
-
-def plain_backward(
-    method: PretrainingMethod, engine, batch: dict[str, torch.Tensor]
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``backward`` for a method whose loss needs no gradient cache."""
-    loss, extras = method.loss(engine, batch)
-    engine.backward(loss)
-    return loss.detach(), extras

@@ -31,7 +31,7 @@ from models.backbone import (
     save_module,
 )
 from models.masking import IGNORE_INDEX, MaskingVocab, select_words, word_ids
-from models.method import plain_backward
+from models.method import PretrainingMethod
 from models.mlm_losses import masked_lm_loss
 
 DECODER_FILE = "simlm_decoder.safetensors"
@@ -213,10 +213,10 @@ class SimLM(nn.Module):
         self.decoder.load_state_dict(state)
 
 
-class SimLMMethod:
+class SimLMMethod(PretrainingMethod):
     """SimLM pre-training as the trainer sees it: batches, loss, export.
 
-    make_batch (CPU) draws the selections and a sampling seed; loss (on the device) runs
+    corrupt_batch (CPU) draws the selections and a sampling seed; loss (on the device) runs
     the generator there, because the generator needs the device and is not part of the
     trained module (DeepSpeed must not cast, checkpoint or optimise it).
     """
@@ -242,7 +242,7 @@ class SimLMMethod:
             model.load_decoder(self.cfg.decoder)
         return model
 
-    def make_batch(
+    def corrupt_batch(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generator: torch.Generator
     ) -> dict[str, torch.Tensor]:
         enc, dec = select_replacements(
@@ -293,9 +293,6 @@ class SimLMMethod:
             "enc_replace_rate": batch["enc_selected"].sum() / eligible,
             "dec_replace_rate": batch["dec_selected"].sum() / eligible,
         }
-
-    def backward(self, engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return plain_backward(self, engine, batch)
 
     def export(self, model: SimLM, out_dir: str, tokenizer_dir: str | None) -> dict[str, str]:
         return model.save(out_dir, tokenizer_dir)

@@ -353,9 +353,9 @@ def test_head_reload_and_continued_pretraining(exported):
 
     resumed.train()
     ids, mask = tokenized_batch(tok)
-    batch = method.make_batch(ids, mask, torch.Generator().manual_seed(0))
+    batch = method.corrupt_batch(ids, mask, torch.Generator().manual_seed(0))
     if not (batch["labels"] != IGNORE_INDEX).any():  # tiny batch: make sure something is masked
-        batch = CondenserMethod(CondenserConfig(mlm_probability=0.5), vocab).make_batch(
+        batch = CondenserMethod(CondenserConfig(mlm_probability=0.5), vocab).corrupt_batch(
             ids, mask, torch.Generator().manual_seed(0)
         )
     assert (batch["labels"] != IGNORE_INDEX).any()

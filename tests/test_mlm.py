@@ -29,7 +29,7 @@ V = len(tiny_vocab())
 def test_make_batch_masks_whole_words_at_the_configured_rate():
     wb = random_word_batch(100, 64, seed=2)
     method = MLMMethod(MLMConfig(mlm_probability=0.4), tiny_masking_vocab())
-    batch = method.make_batch(wb.input_ids, wb.attention_mask, torch.Generator().manual_seed(0))
+    batch = method.corrupt_batch(wb.input_ids, wb.attention_mask, torch.Generator().manual_seed(0))
     assert set(batch) == {"input_ids", "attention_mask", "labels"}
     labelled = batch["labels"] != IGNORE_INDEX
     starts = [(b, s, e) for b, row in enumerate(wb.words) for s, e in row]
@@ -46,7 +46,7 @@ def test_loss_equals_hf_masked_lm_loss():
     mlm = tiny_mlm(V, initializer_range=0.2).eval()
     method = MLMMethod(MLMConfig(mlm_probability=0.3), tiny_masking_vocab())
     wb = random_word_batch(4, 24, seed=1)
-    batch = method.make_batch(wb.input_ids, wb.attention_mask, torch.Generator().manual_seed(1))
+    batch = method.corrupt_batch(wb.input_ids, wb.attention_mask, torch.Generator().manual_seed(1))
     loss, extra = method.loss(method.build(mlm), batch)
     with torch.no_grad():
         reference = mlm(**batch).loss  # full logits, HF's own CE with ignore_index -100
@@ -58,7 +58,7 @@ def test_training_steps_lower_the_loss():
     method = MLMMethod(MLMConfig(mlm_probability=0.3), tiny_masking_vocab())
     model = method.build(tiny_mlm(V))
     wb = random_word_batch(8, 32, seed=3)
-    batch = method.make_batch(wb.input_ids, wb.attention_mask, torch.Generator().manual_seed(3))
+    batch = method.corrupt_batch(wb.input_ids, wb.attention_mask, torch.Generator().manual_seed(3))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(8):

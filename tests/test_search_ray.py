@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -103,6 +104,37 @@ def test_a_rerun_redoes_only_missing_shards(encoded, collection, capsys):
     assert sorted(after[0].tolist()) == list(range(N_DOCS))
     order_b, order_a = np.argsort(before[0]), np.argsort(after[0])
     assert np.allclose(before[2][order_b], after[2][order_a], atol=1e-5)
+
+
+def test_embeddings_made_otherwise_are_never_reused(encoded, tmp_path, capsys):
+    """One output folder, the same model with another pooling: every shard is encoded anew
+    (the old ones are deleted first, with a message), as a fresh folder would give them;
+    the same settings again reuse them all."""
+    import dataclasses
+    import shutil
+
+    cfg, _ = encoded
+    shutil.copytree(cfg.output, tmp_path / "emb")
+    mean = read_all(str(tmp_path / "emb"))
+    cls = dataclasses.replace(
+        cfg, output=str(tmp_path / "emb"), encoder=dataclasses.replace(cfg.encoder, pooling="cls")
+    )
+    capsys.readouterr()
+    summary = run_encoding(cls)
+    assert summary["shards_encoded"] == 5 and summary["shards_skipped"] == 0
+    # (the copied folder's corpus lies elsewhere: the corpus differs too)
+    assert re.search(
+        r"5 embedding shards made otherwise \(other [^)]*\bretriever\b[^)]*\) deleted", capsys.readouterr().err
+    )
+    fresh = run_encoding(dataclasses.replace(cls, output=str(tmp_path / "fresh"), prepared=summary["corpus"]))
+    got, want = read_all(cls.output), read_all(fresh["output"])
+    assert np.array_equal(got[0], want[0]) and np.allclose(got[2], want[2], atol=1e-5)
+    assert not np.allclose(got[2], mean[2], atol=1e-3)
+    assert run_encoding(cls)["shards_skipped"] == 5
+
+    # Shards with no record of what made them (an older folder) are not trusted either.
+    os.remove(tmp_path / "emb" / emb.MADE_BY)
+    assert run_encoding(cls)["shards_encoded"] == 5
 
 
 class _Flaky:

@@ -86,7 +86,7 @@ def one_hot_logits(token: int) -> torch.Tensor:
 
 def small_batch(method: SimLMMethod, seed: int = 0, batch_size: int = 4, seq_len: int = 24):
     wb = random_word_batch(batch_size, seq_len, seed=seed, pad_rows=0.5)
-    return method.make_batch(wb.input_ids, wb.attention_mask, torch.Generator().manual_seed(seed))
+    return method.corrupt_batch(wb.input_ids, wb.attention_mask, torch.Generator().manual_seed(seed))
 
 
 # -- masking ----------------------------------------------------------------------------------
@@ -123,7 +123,7 @@ def test_labels_are_the_originals_at_every_non_special_position(generator_dir):
     wb = random_word_batch(6, 32, seed=5, pad_rows=0.5)
     padded_row = int((wb.attention_mask[:, -1] == 0).nonzero()[0])
     wb.input_ids[padded_row, -1] = 9  # a non-special id under padding must still get no label
-    batch = method.make_batch(wb.input_ids, wb.attention_mask, torch.Generator().manual_seed(0))
+    batch = method.corrupt_batch(wb.input_ids, wb.attention_mask, torch.Generator().manual_seed(0))
     eligible = ~torch.isin(wb.input_ids, torch.tensor(SPECIAL_IDS)) & (wb.attention_mask == 1)
     expected = wb.input_ids.masked_fill(~eligible, IGNORE_INDEX)
     assert torch.equal(batch["enc_labels"], expected) and torch.equal(batch["dec_labels"], expected)
@@ -486,7 +486,7 @@ def test_decoder_reload_and_continued_pretraining(exported):
     assert not torch.equal(fresh.decoder[0].output.dense.weight, saved["0.output.dense.weight"])
 
     ids, mask = tokenized_batch(exported.tok)
-    batch = method.make_batch(ids, mask, torch.Generator().manual_seed(0))
+    batch = method.corrupt_batch(ids, mask, torch.Generator().manual_seed(0))
     opt = torch.optim.AdamW(resumed.parameters(), lr=1e-3)
     for _ in range(2):
         loss, extra = method.loss(resumed.train(), batch)

@@ -229,6 +229,16 @@ def version(uri: str) -> str:
     return hashlib.sha256(repr(files).encode()).hexdigest()[:16]
 
 
+def delete_file(uri: str) -> None:
+    """Remove a file if it is there."""
+    loc = resolve(uri)
+    try:
+        if loc.fs.get_file_info(loc.path).type == pafs.FileType.File:
+            loc.fs.delete_file(loc.path)
+    except Exception as exc:
+        raise _wrap(loc, "delete", exc) from exc
+
+
 def delete_dir(uri: str) -> None:
     loc = resolve(uri)
     try:

@@ -2,6 +2,7 @@
 
 Layout under the output URI (local or s3://)::
 
+    made_by.json                 what makes the vectors: written before the first shard
     manifest.json                written last, once every shard is done
     shards/part-00000.parquet    columns: row (int64), doc_id (string),
                                  embedding (fixed_size_list<float32|float16, dim>)
@@ -10,11 +11,14 @@ Layout under the output URI (local or s3://)::
 search results map back to corpus rows without a lookup table. Shards are written
 independently, one per encoding task, and possibly retried: each one appears under its
 final name only once it is complete, so a rerun can skip :func:`finished_shards` and the
-manifest is only written when all of them exist.
+manifest is only written when all of them exist. A rerun keeps them only when
+``made_by.json`` records what makes the vectors now (:func:`claim`): shards of another model,
+model version, pooling or corpus are never mixed with, or mistaken for, this encoding's.
 """
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
 
@@ -27,6 +31,7 @@ from pipeline.core.errors import ArtifactError, StorageError
 from pipeline.data.shards import check_parquet_shard
 
 MANIFEST = "manifest.json"
+MADE_BY = "made_by.json"
 FORMAT = "raydense-embeddings-v1"
 DTYPES = {"float32": pa.float32(), "float16": pa.float16()}
 SIMILARITIES = ("dot", "cos")
@@ -84,6 +89,27 @@ def finished_shards(folder_uri: str) -> set[int]:
     """
     names = (posixpath.basename(p) for p in storage.list_files(storage.join(folder_uri, "shards"), ".parquet"))
     return {int(m.group(1)) for m in map(_SHARD_NAME.match, names) if m}
+
+
+def claim(folder_uri: str, made_by: dict) -> str | None:
+    """Make ``folder_uri`` the encoding ``made_by`` describes (the model, its stored version,
+    the encoder's settings, the prepared corpus), before any shard is written. Shards that
+    it made are kept for resuming; anything else there (another model's or settings' shards,
+    or shards with no record) is deleted first. Returns what was discarded and why, or None."""
+    made_by = json.loads(json.dumps(made_by))  # as it reads back: tuples become lists
+    record_uri = storage.join(folder_uri, MADE_BY)
+    former = storage.read_json(record_uri) if storage.exists(record_uri) else {}
+    if former == made_by:
+        return None
+    found = len(finished_shards(folder_uri))
+    storage.delete_file(storage.join(folder_uri, MANIFEST))
+    storage.delete_dir(storage.join(folder_uri, "shards"))
+    storage.write_json(record_uri, made_by)
+    if not found:
+        return None
+    changed = sorted(k for k in made_by.keys() | former.keys() if former.get(k) != made_by.get(k))
+    why = f"other {', '.join(changed)}" if former else "no record of what made them"
+    return f"{folder_uri}: {found} embedding shards made otherwise ({why}) deleted; encoding anew"
 
 
 def write_manifest(

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -37,6 +38,7 @@ from pipeline.data.shards import MANIFEST, check_shards, load_manifest
 from pipeline.data.stream import frame
 from pipeline.data.tokenizer import load_tokenizer
 from pipeline.retrieval.embeddings import (
+    claim,
     finished_shards,
     shard_path,
     write_manifest,
@@ -201,6 +203,23 @@ def prepared_corpus(corpus: str, model_dir: str, prepared: str, docs_per_shard: 
     return prepared, prepare_corpus(cfg)
 
 
+def _made_by(cfg: EncodeConfig, model_dir: str, retriever: dict, corpus: str, manifest: dict) -> dict:
+    """What the passage vectors depend on: the model (reference and stored version), the
+    retriever settings it encodes with (pooling, similarity: the export's, overridden), the
+    passage length and precision, and the prepared corpus (its input's version, cut and
+    tokenizer)."""
+    return {
+        "model": cfg.encoder.model,
+        "model_version": storage.version(model_dir),
+        "retriever": retriever,
+        "max_len": cfg.encoder.max_len,
+        "precision": cfg.encoder.precision,
+        "corpus": corpus,
+        "corpus_version": storage.version(storage.join(corpus, MANIFEST)),
+        "corpus_shards": [(s["first_row"], s["rows"]) for s in manifest["shards"]],
+    }
+
+
 QUERY_BLOCK = 4096  # queries per actor call: a few MB of text and vectors each way
 
 
@@ -230,6 +249,9 @@ def run_encoding(cfg: EncodeConfig, query_texts: list[str] | None = None) -> dic
     tokenizer_uri = storage.join(corpus, manifest["tokenizer"])
     probe = load_biencoder(model_dir, cfg.encoder.overrides())
     dim, similarity = int(probe.query_encoder.config.hidden_size), probe.cfg.similarity
+    discarded = claim(cfg.output, _made_by(cfg, model_dir, asdict(probe.cfg), corpus, manifest))
+    if discarded:
+        print(discarded, file=sys.stderr, flush=True)
     del probe
 
     shards = manifest["shards"]

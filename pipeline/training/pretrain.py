@@ -95,12 +95,7 @@ class PretrainTask(Task):
         return ("skipped_docs",) if METHODS[self.method_name].example_format == "span_pairs" else ()
 
     def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]:
-        # Span pairs arrive as (b, 2, L): flattened to (2b, L), partners stay adjacent.
-        input_ids = torch.tensor(np.ascontiguousarray(batch["input_ids"]), dtype=torch.long)
-        input_ids = input_ids.reshape(-1, input_ids.shape[-1])
-        lengths = torch.tensor(np.asarray(batch["length"]), dtype=torch.long).reshape(-1)
-        attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()
-        return self.method.make_batch(input_ids, attention_mask, generator)
+        return self.method.make_batch(batch, generator)
 
     def backward(self, engine, batch):
         return self.method.backward(engine, batch)
@@ -111,7 +106,7 @@ class PretrainTask(Task):
         return {"skipped_docs": int(np.asarray(batch["skipped_docs"]).sum())}
 
     def count_tokens(self, batch: dict[str, np.ndarray]) -> int:
-        return int(np.asarray(batch["length"]).sum())
+        return self.method.count_tokens(batch)
 
     def export(self, model: torch.nn.Module, out_dir: str) -> dict[str, str]:
         return self.method.export(model, out_dir, self.tokenizer_dir())
