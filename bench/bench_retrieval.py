@@ -32,12 +32,12 @@ DEPTH = 100
 
 def dense(name: str, path: str, overrides: dict, queries: dict, doc_ids: list, texts: list) -> tuple[dict, dict]:
     """Encode in this process, search exactly (numpy), return the run and the encoding speed."""
-    settings = EncoderSettings(model=path, pooling=overrides.get("pooling", ""))
-    if "similarity" in overrides:
-        settings.normalize = "true" if overrides["similarity"] == "cos" else "false"
+    settings = EncoderSettings(
+        model=path, pooling=overrides.get("pooling", ""), similarity=overrides.get("similarity", "")
+    )
     encoder = local_encoder(settings)
     start = time.perf_counter()
-    passages = encoder.encode_texts(texts, settings.max_len, tower="passage")
+    passages = encoder.encode_texts(texts, settings.passage_max_len, tower="passage")
     passages_per_s = len(texts) / (time.perf_counter() - start)
     qids = list(queries)
     vectors = encoder.encode_texts([queries[q] for q in qids], settings.query_max_len, tower="query")

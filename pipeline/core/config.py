@@ -35,7 +35,7 @@ import yaml
 
 from pipeline.core.errors import ConfigError
 
-__all__ = ["ConfigError", "parse_config", "from_dict", "to_dict", "dump_yaml", "redact"]
+__all__ = ["ConfigError", "Renamed", "truthy", "parse_config", "from_dict", "to_dict", "dump_yaml", "redact"]
 
 T = TypeVar("T")
 _MISSING = dataclasses.MISSING
@@ -47,6 +47,38 @@ _EPILOG = """\
 precedence: dataclass defaults < --config files (in order) < command-line options.
 syntax: --a.b VALUE or --a.b=VALUE; booleans also --a.b / --no-a.b; optional values
 accept none; lists are comma-separated (--ranks 0,1); dicts take a JSON object."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Renamed:
+    """A key a section used to have, still read from YAML files and the command line: as
+    ``to`` (a dotted path inside the same section), its value mapped by ``convert`` (given
+    the raw value: a YAML scalar or a command-line string). ``flag``: the old key was a
+    boolean, so ``--old`` alone means true. A section lists them in a ``RENAMED`` class
+    attribute; each use prints one note naming the new key."""
+
+    to: str
+    convert: Any = None  # Callable[[Any], Any]
+    flag: bool = False
+
+
+def truthy(value: Any) -> bool:
+    return value is True or str(value).lower() in _TRUE
+
+
+def _renames(cls, prefix: str = "", out: dict | None = None) -> dict[str, tuple[str, Renamed]]:
+    """Every renamed key of the tree, by its old dotted path: (new dotted path, rule)."""
+    out = {} if out is None else out
+    for old, rule in getattr(cls, "RENAMED", {}).items():
+        out[prefix + old] = (prefix + rule.to, rule)
+    for f, tp in _fields(cls):
+        if _is_section(tp):
+            _renames(tp, f"{prefix}{f.name}.", out)
+    return out
+
+
+def _note_renamed(old: str, new: str) -> None:
+    print(f"note: {old} is now {new}", file=sys.stderr, flush=True)
 
 
 @dataclasses.dataclass
@@ -204,8 +236,17 @@ def _overlay(cls, data: Any, into: dict, sources: dict, source: str, prefix: str
         what = f"section '{prefix[:-1]}'" if prefix else "the configuration"
         raise ConfigError(f"{what} in {source} must be a mapping, got {data!r}")
     known = {f.name: tp for f, tp in _fields(cls)}
+    renamed = getattr(cls, "RENAMED", {})
     for key, value in data.items():
         path = f"{prefix}{key}"
+        if key not in known and key in renamed:
+            rule = renamed[key]
+            _note_renamed(f"'{path}' in {source}", f"'{prefix}{rule.to}'")
+            value = rule.convert(value) if rule.convert else value
+            for part in reversed(rule.to.split(".")):
+                value = {part: value}
+            _overlay(cls, value, into, sources, source, prefix)
+            continue
         if key not in known:
             hint = _suggest(str(key), known, prefix)
             raise ConfigError(f"unknown key '{path}' in {source}{hint}")
@@ -264,9 +305,10 @@ def _load_yaml(path: str) -> Any:
     return data
 
 
-def _parse_argv(args: list[str], leaves: dict, sections: dict):
+def _parse_argv(args: list[str], leaves: dict, sections: dict, renames: dict | None = None):
     """Our own override parser: argparse wants a flat namespace and its own type conversion,
     which cannot express nested Optional/list/Literal fields or YAML layering."""
+    renames = renames or {}
     files, overrides, i = [], [], 0
     while i < len(args):
         tok = args[i]
@@ -284,6 +326,20 @@ def _parse_argv(args: list[str], leaves: dict, sections: dict):
                     raise ConfigError("--config expects a YAML file path")
                 value, i = args[i], i + 1
             files.append(value)
+            continue
+        if name not in leaves and name.replace("-", "_") in renames and not negate:
+            name, rule = renames[name.replace("-", "_")]
+            _note_renamed(tok.partition("=")[0], f"--{name}")
+            if not has_eq:
+                if i < len(args) and not args[i].startswith("--"):
+                    value, i = args[i], i + 1
+                elif rule.flag:
+                    value = "true"
+                else:
+                    raise ConfigError(f"option {tok} expects a value")
+            value = rule.convert(value) if rule.convert else value
+            source = f"the command line ({tok.partition('=')[0]})"
+            overrides.append((name, _convert(value, leaves[name].tp, name, source, cli=True), source))
             continue
         leaf = leaves.get(name)
         if leaf is None:
@@ -366,7 +422,11 @@ def parse_config(
         _help_parser(leaves, sections, description, prog).print_help()
         raise SystemExit(0)
     try:
-        files, overrides = _parse_argv(args, leaves, sections)
+        renames = _renames(cls)
+        for old, (new, _) in renames.items():
+            if new not in leaves:
+                raise TypeError(f"{cls.__name__}: {old} is renamed to {new}, which is not an option")
+        files, overrides = _parse_argv(args, leaves, sections, renames)
         data: dict = {}
         sources: dict = {}
         for path in files:

@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import ray
@@ -30,6 +30,7 @@ import torch
 from models.biencoder import load_biencoder
 from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig, actor_device, run_actor_pool
+from pipeline.core.config import Renamed, truthy
 from pipeline.core.progress import progress
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS
@@ -47,22 +48,34 @@ from pipeline.retrieval.embeddings import (
 from pipeline.retrieval.inference import autocast_dtype, inference, length_sorted_batches
 
 
+def _similarity_of_normalize(value) -> str:
+    """The former ``normalize`` (true, false or empty) as a similarity."""
+    return "" if str(value) == "" else ("cos" if truthy(value) else "dot")
+
+
 @dataclass
 class EncoderSettings:
+    """How a retriever encodes: the model, and the settings that override its export's."""
+
+    RENAMED: ClassVar[dict] = {
+        "max_len": Renamed("passage_max_len"),
+        "normalize": Renamed("similarity", convert=_similarity_of_normalize),
+    }
+
     model: str = field(
         default="runs/finetune/export",
         metadata={
             "help": "retriever export (settings from its retriever.json) or any HF checkpoint (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME)"
         },
     )
-    pooling: str = field(
+    pooling: Literal["", "cls", "mean"] = field(
         default="", metadata={"help": "cls or mean; empty = the export's retriever.json (cls for a plain checkpoint)"}
     )
-    normalize: str = field(
+    similarity: Literal["", "dot", "cos"] = field(
         default="",
-        metadata={"help": "true = cosine (L2-normalised vectors), false = dot product; empty = the export's setting"},
+        metadata={"help": "cos (L2-normalised vectors) or dot; empty = the export's (dot for a plain checkpoint)"},
     )
-    max_len: int = field(default=128, metadata={"help": "passage tokens, [CLS] and [SEP] included"})
+    passage_max_len: int = field(default=128, metadata={"help": "passage tokens, [CLS] and [SEP] included"})
     query_max_len: int = field(default=32, metadata={"help": "query tokens, [CLS] and [SEP] included"})
     batch_size: int = field(default=256, metadata={"help": "passages per forward"})
     precision: Literal["auto", "fp32", "fp16", "bf16"] = field(
@@ -70,14 +83,8 @@ class EncoderSettings:
     )
 
     def overrides(self) -> dict:
-        out: dict = {}
-        if self.pooling:
-            out["pooling"] = self.pooling
-        if self.normalize:
-            if self.normalize.lower() not in ("true", "false"):
-                raise ValueError(f"normalize must be true, false or empty, got {self.normalize!r}")
-            out["similarity"] = "cos" if self.normalize.lower() == "true" else "dot"
-        return out
+        """The retriever settings that replace the export's."""
+        return {k: v for k, v in (("pooling", self.pooling), ("similarity", self.similarity)) if v}
 
 
 def _frame_batch(token_lists: list, max_len: int, cls_id: int, sep_id: int, pad_id: int):
@@ -169,7 +176,7 @@ class EncoderActor:
         started = time.perf_counter()
         table = storage.read_parquet(corpus_shard_uri, columns=["row", "doc_id", "input_ids"])
         tokens = table.column("input_ids").to_pylist()
-        vectors = self.encoder.encode_tokens(tokens, self.encoder.settings.max_len)
+        vectors = self.encoder.encode_tokens(tokens, self.encoder.settings.passage_max_len)
         entry = write_shard(output, index, table.column("row").to_numpy(), table.column("doc_id").to_pylist(), vectors)
         return {**entry, "seconds": time.perf_counter() - started, "pid": os.getpid()}
 
@@ -212,7 +219,7 @@ def _made_by(cfg: EncodeConfig, model_dir: str, retriever: dict, corpus: str, ma
         "model": cfg.encoder.model,
         "model_version": storage.version(model_dir),
         "retriever": retriever,
-        "max_len": cfg.encoder.max_len,
+        "passage_max_len": cfg.encoder.passage_max_len,
         "precision": cfg.encoder.precision,
         "corpus": corpus,
         "corpus_version": storage.version(storage.join(corpus, MANIFEST)),

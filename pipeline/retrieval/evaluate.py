@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar
 
 from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
+from pipeline.core.config import Renamed, truthy
 from pipeline.core.errors import ConfigError
 from pipeline.core.plots import plot_metrics
 from pipeline.core.runtime import RayConfig
@@ -47,40 +48,27 @@ class EvalConfig:
 
 @dataclass
 class EvaluateJobConfig:
-    model: str = field(
-        default="runs/finetune/export",
-        metadata={
-            "help": "retriever export (settings from its retriever.json) or any HF checkpoint (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME)"
-        },
-    )
+    # The encoder's options were once top-level: still read, as encoder.* (a note says so).
+    RENAMED: ClassVar[dict] = {
+        **{name: Renamed(f"encoder.{name}") for name in ("model", "pooling", "query_max_len", "precision")},
+        "max_len": Renamed("encoder.passage_max_len"),
+        "normalize": Renamed("encoder.similarity", convert=lambda v: "cos" if truthy(v) else "", flag=True),
+    }
+
+    encoder: EncoderSettings = field(default_factory=EncoderSettings)
     corpus: str = field(
         default=SAMPLE_CORPUS, metadata={"help": "BEIR corpus.jsonl or a prepared corpus folder (local or s3://)"}
     )
     queries: str = field(default=SAMPLE_DEV_QUERIES, metadata={"help": "BEIR queries.jsonl (local or s3://)"})
     qrels: str = field(default=SAMPLE_DEV_QRELS, metadata={"help": "BEIR qrels TSV with a header"})
-    pooling: str = field(
-        default="", metadata={"help": "cls or mean; empty = the export's retriever.json (cls for a plain checkpoint)"}
-    )
-    normalize: bool = field(
-        default=False,
-        metadata={"help": "L2-normalise (cosine); without it, the export's setting (dot for a plain checkpoint)"},
-    )
     index: str = field(default="Flat", metadata={"help": "FAISS factory string of the index (Flat = exact)"})
     k: int = field(default=1000, metadata={"help": "passages retrieved per query"})
     output: str = field(
         default="runs/evaluate", metadata={"help": "embeddings, index, run.trec and metrics.json go here"}
     )
     pool: ActorConfig = field(default_factory=ActorConfig)
-    max_len: int = field(default=128, metadata={"help": "passage tokens"})
-    query_max_len: int = field(default=32, metadata={"help": "query tokens"})
     nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
     docs_per_shard: int = field(default=20000, metadata={"help": "passages per corpus/embedding shard"})
-    precision: Literal["auto", "fp32", "fp16", "bf16"] = field(
-        default="auto",
-        metadata={
-            "help": "encoding precision: auto = fp16 on GPU, fp32 on CPU; bf16 autocast also speeds up CPUs with AMX (it moves the vectors slightly)"
-        },
-    )
     ray: RayConfig = field(default_factory=RayConfig)
 
 
@@ -88,14 +76,6 @@ def run_evaluation(cfg: EvaluateJobConfig) -> dict:
     started = time.perf_counter()
     output = storage.resolve(cfg.output).uri
     queries = read_queries(storage.resolve(cfg.queries).uri)  # duplicate ids fail here, before any work
-    settings = EncoderSettings(
-        model=cfg.model,
-        pooling=cfg.pooling,
-        normalize="true" if cfg.normalize else "",
-        max_len=cfg.max_len,
-        query_max_len=cfg.query_max_len,
-        precision=cfg.precision,
-    )
     qids = list(queries)
     # The encoder actors encode the queries too, after the corpus: nothing runs a model here.
     encoded = run_encoding(
@@ -103,7 +83,7 @@ def run_evaluation(cfg: EvaluateJobConfig) -> dict:
             corpus=cfg.corpus,
             output=storage.join(output, "embeddings"),
             docs_per_shard=cfg.docs_per_shard,
-            encoder=settings,
+            encoder=cfg.encoder,
             pool=cfg.pool,
         ),
         [queries[q] for q in qids],

@@ -24,6 +24,7 @@ from pipeline.data.prepare import PrepareConfig, prepare_corpus
 from pipeline.data.tevatron import extract_tevatron_corpus, read_tevatron, tevatron_example
 from pipeline.data.tokenizer import load_tokenizer
 from pipeline.retrieval.bm25 import Bm25Config, mine_negatives
+from pipeline.retrieval.encode import EncoderSettings
 from pipeline.retrieval.evaluate import EvaluateJobConfig, run_evaluation
 from pipeline.training.loop import FitResult
 from pipeline.training.task import Task, run_summary, write_summary
@@ -261,7 +262,9 @@ def prepare_group_training(cfg, group_size: int, load=None) -> GroupTraining:
 def evaluation_job(cfg, export_dir: str) -> EvaluateJobConfig:
     """``--eval``'s evaluation of a trained retriever: jobs/evaluate.py's distributed path."""
     return EvaluateJobConfig(
-        model=export_dir,
+        encoder=EncoderSettings(
+            model=export_dir, passage_max_len=cfg.data.passage_max_len, query_max_len=cfg.data.query_max_len
+        ),
         # The training corpus is already prepared with the export's tokenizer.
         corpus=cfg.eval.corpus or cfg.corpus.output,
         queries=cfg.eval.queries,
@@ -270,8 +273,6 @@ def evaluation_job(cfg, export_dir: str) -> EvaluateJobConfig:
         k=cfg.eval.k,
         output=storage.join(cfg.train.output, "eval"),
         pool=cfg.eval.pool,
-        max_len=cfg.data.passage_max_len,
-        query_max_len=cfg.data.query_max_len,
         docs_per_shard=cfg.corpus.docs_per_shard,
     )
 

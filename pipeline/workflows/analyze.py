@@ -16,12 +16,14 @@ import math
 import os
 import random
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from transformers import AutoModel
 
 from models.diagnostics import cls_entropy, pairwise_cosine
 from pipeline.core import model_ref, storage
+from pipeline.core.config import Renamed
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.plots import plot_cls_cosine, plot_cls_entropy
 from pipeline.core.sample import SAMPLE_CORPUS
@@ -33,6 +35,8 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
 
 @dataclass
 class AnalyzeConfig:
+    RENAMED: ClassVar[dict] = {"max_len": Renamed("passage_max_len")}
+
     checkpoints: list[str] = field(
         default_factory=list,
         metadata={
@@ -54,7 +58,7 @@ class AnalyzeConfig:
             "help": "seed of a uniform random sample of the passages (reads the whole corpus); none = the first num_passages"
         },
     )
-    max_len: int = field(
+    passage_max_len: int = field(
         default=128, metadata={"help": "tokens per passage, [CLS] and [SEP] included; longer passages are truncated"}
     )
     batch_size: int = field(
@@ -75,7 +79,7 @@ class AnalyzeConfig:
             )
         if len(set(self.display_labels)) != len(self.checkpoints):
             raise ConfigError(f"labels must be distinct, got {self.display_labels}: set --labels")
-        for name in ("num_passages", "max_len", "batch_size"):
+        for name in ("num_passages", "passage_max_len", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -121,7 +125,7 @@ def measure(model, tokenizer, texts: list[str], max_len: int = 128, batch_size: 
     """Per-layer statistics of :func:`cls_entropy` over ``texts`` (the numbers in entropy.json)."""
     limit = getattr(model.config, "max_position_embeddings", max_len)
     if max_len > limit:
-        raise ConfigError(f"max_len {max_len} exceeds the model's {limit} positions")
+        raise ConfigError(f"--passage_max_len {max_len} exceeds the model's {limit} positions")
     device = next(model.parameters()).device
     entropies, lengths, cls_vectors = [], [], []
     for start in range(0, len(texts), batch_size):
@@ -169,7 +173,9 @@ def run_analysis(cfg: AnalyzeConfig) -> dict:
     results = []
     for uri, label in zip(cfg.checkpoints, cfg.display_labels):
         model, tokenizer = load_checkpoint(model_ref.materialize(uri, "checkpoint"), device)
-        results.append({"label": label, "path": uri, **measure(model, tokenizer, texts, cfg.max_len, cfg.batch_size)})
+        results.append(
+            {"label": label, "path": uri, **measure(model, tokenizer, texts, cfg.passage_max_len, cfg.batch_size)}
+        )
         del model  # free it before the next one loads
     files = {
         "json": storage.join(cfg.output, "entropy.json"),
@@ -177,7 +183,8 @@ def run_analysis(cfg: AnalyzeConfig) -> dict:
         "cosine_plot": storage.join(cfg.output, "cls_cosine.png"),
     }
     storage.write_json(
-        files["json"], {"passages": cfg.passages, "seed": cfg.seed, "max_len": cfg.max_len, "checkpoints": results}
+        files["json"],
+        {"passages": cfg.passages, "seed": cfg.seed, "passage_max_len": cfg.passage_max_len, "checkpoints": results},
     )
     plot_cls_entropy(results, files["plot"])
     plot_cls_cosine(results, files["cosine_plot"])

@@ -399,7 +399,7 @@ class Comparison:
         largest = max(cfg.finetune.train_sizes, key=lambda n: (n == 0, n))
         pretrained = [m for m in cfg.ordered_methods if m != "none"]
         common = dict(
-            passages=cfg.data.corpus, num_passages=cfg.analysis.num_passages, max_len=cfg.data.passage_max_len
+            passages=cfg.data.corpus, num_passages=cfg.analysis.num_passages, passage_max_len=cfg.data.passage_max_len
         )
         before = run_analysis(
             AnalyzeConfig(

@@ -196,10 +196,10 @@ class StageContext:
     def eval_k(self) -> int:
         return eval_k(self.corpus, self.cfg.eval.k)
 
-    def evaluate(self, model: str, folder: str, init: str, pooling: str = "", normalize: bool = False) -> dict:
+    def evaluate(self, model: str, folder: str, init: str, pooling: str = "", similarity: str = "") -> dict:
         """Dev metrics of ``model``, which reads the tokens of ``init``'s tokenizer."""
         corpus = self.corpus.prepared(init)
-        return evaluate_dev(self.cfg.data, self.cfg.eval, model, folder, self.eval_k(), pooling, normalize, corpus)
+        return evaluate_dev(self.cfg.data, self.cfg.eval, model, folder, self.eval_k(), pooling, similarity, corpus)
 
 
 def stage_pretrain(ctx: StageContext) -> dict:
@@ -230,7 +230,7 @@ def stage_zeroshot(ctx: StageContext) -> dict:
         ctx.folder("zeroshot"),
         init,
         pooling=retriever.pooling,
-        normalize=retriever.similarity == "cos",
+        similarity=retriever.similarity,
     )
     return {"outputs": {"run": summary["run"]}, "metrics": summary["metrics"], "summary": summary}
 
@@ -273,7 +273,7 @@ def _mine(ctx: StageContext, stage: str, retriever_stage: str) -> dict:
             nprobe=cfg.eval.nprobe,
             encoder=EncoderSettings(
                 model=ctx.output(retriever_stage, "export"),
-                max_len=cfg.data.passage_max_len,
+                passage_max_len=cfg.data.passage_max_len,
                 query_max_len=cfg.data.query_max_len,
                 precision=cfg.eval.precision,
             ),

@@ -23,6 +23,7 @@ from pipeline.core.sample import (
     SAMPLE_TRAIN_QUERIES,
 )
 from pipeline.data.corpus_store import CorpusStore
+from pipeline.retrieval.encode import EncoderSettings
 from pipeline.retrieval.evaluate import EvalConfig, EvaluateJobConfig, run_evaluation
 from pipeline.training.finetune import FinetuneConfig, run_finetuning
 from pipeline.training.group_training import EncoderInit, FinetuneCorpusConfig, FinetuneDataConfig
@@ -81,30 +82,34 @@ def evaluate_dev(
     folder: str,
     k: int,
     pooling: str = "",
-    normalize: bool = False,
+    similarity: str = "",
     corpus: str = "",
 ) -> dict:
     """Dev metrics of a retriever through the distributed path: encode on actors, index, search.
-    ``corpus``: the corpus prepared with the model's tokenizer (a run's, reused); empty = the
-    raw corpus, prepared inside ``folder``."""
+    ``pooling`` / ``similarity``: overrides of the export's (empty = its own); ``corpus``: the
+    corpus prepared with the model's tokenizer (a run's, reused); empty = the raw corpus,
+    prepared inside ``folder``."""
 
+    encoder = EncoderSettings(
+        model=model,
+        pooling=pooling,
+        similarity=similarity,
+        passage_max_len=data.passage_max_len,
+        query_max_len=data.query_max_len,
+        precision=settings.precision,
+    )
     return run_evaluation(
         EvaluateJobConfig(
-            model=model,
+            encoder=encoder,
             corpus=corpus or data.corpus,
             queries=data.dev_queries,
             qrels=data.dev_qrels,
-            pooling=pooling,
-            normalize=normalize,
             index=settings.index,
             k=k,
             output=folder,
             pool=settings.pool,
-            max_len=data.passage_max_len,
-            query_max_len=data.query_max_len,
             nprobe=settings.nprobe,
             docs_per_shard=data.docs_per_shard,
-            precision=settings.precision,
         )
     )
 
