@@ -9,14 +9,21 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import synthetic_docs
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path, shared_ray, monkeypatch, capsys):
+    from tests.helpers import save_tiny_bert
+
+    tiny_model = save_tiny_bert(str(tmp_path / "tiny"), [d["text"] for d in synthetic_docs(30)])
     bad_queries = tmp_path / "queries.jsonl"
     bad_queries.write_text('{"_id": "q1", "text": "fine"}\n{"_id": "q2", "text": \n')
     corpus = str(REPO / "data" / "bible-sample")
+    not_a_model = tmp_path / "not-a-model"
+    not_a_model.mkdir()
+    (not_a_model / "notes.txt").write_text("weights elsewhere")
     cases = {
         "config value": (
             ["jobs.bm25_negatives", "--corpus", "c", "--queries", "q", "--qrels", "r", "--depth", "10"],
@@ -34,7 +41,69 @@ def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path
             ["jobs.bm25_negatives", "--corpus", corpus, "--queries", str(bad_queries), "--qrels", str(bad_queries)],
             "queries.jsonl line 2",
         ),
+        "a folder that is not a model": (
+            ["jobs.encode", "--corpus", corpus, "--encoder.model", str(not_a_model)],
+            f"{not_a_model}: not a model (none of config.json, retriever.json there)",
+        ),
+        "closed set: pooling": (["jobs.encode", "--encoder.pooling", "bogus"], "'bogus'"),
+        "closed set: on_empty": (["jobs.prepare_corpus", "--corpus.on_empty", "explode"], "'explode'"),
+        "closed set, former name": (["jobs.encode", "--encoder.normalize", "maybe"], "'maybe'"),
+        "closed set, former flag": (["jobs.evaluate", "--normalize=maybe"], "'maybe'"),
     }
+    sample = REPO / "data" / "bible-sample"
+    header = "query-id\tcorpus-id\tscore\n"
+    for name, lines in {
+        "unknown_doc": "nave-52\tExod.6.24\t1\nnave-64\tNot.A.Verse\t1\n",
+        "unknown_query": "nave-52\tExod.6.24\t1\nnobody\tExod.6.24\t1\n",
+        "columns": "nave-52\tExod.6.24\n",
+        "score": "nave-52\tExod.6.24\thigh\n",
+    }.items():
+        (tmp_path / f"{name}.tsv").write_text(header + lines)
+    evaluate = ["jobs.evaluate", "--encoder.model", str(tiny_model), "--output", str(tmp_path / "eval")]
+    evaluate += ["--corpus", str(sample / "corpus.jsonl"), "--queries", str(sample / "queries.dev.jsonl")]
+    dev_qrels = ["--qrels", str(sample / "qrels.dev.tsv")]
+    cases |= {
+        "judged document not in the corpus": (
+            [*evaluate, "--qrels", str(tmp_path / "unknown_doc.tsv")],
+            "unknown_doc.tsv line 3: unknown document id 'Not.A.Verse'",
+        ),
+        "judged query not in the queries": (
+            [*evaluate, "--qrels", str(tmp_path / "unknown_query.tsv")],
+            "unknown_query.tsv line 3: unknown query id 'nobody'",
+        ),
+        "qrels columns": ([*evaluate, "--qrels", str(tmp_path / "columns.tsv")], "line 2: expected 3 columns"),
+        "qrels score": ([*evaluate, "--qrels", str(tmp_path / "score.tsv")], "score must be an integer, got 'high'"),
+        "k beyond the corpus": ([*evaluate, *dev_qrels, "--k", "10000000"], "--k 10000000 is larger than the corpus"),
+        "FAISS factory": ([*evaluate, *dev_qrels, "--index", "IVFbogus"], "FAISS rejects the index factory 'IVFbogus'"),
+        "evaluation queries without qrels": (
+            ["jobs.finetune", "--eval.queries", str(sample / "queries.dev.jsonl")],
+            "queries given without qrels",
+        ),
+        "a bad evaluation file, found before training": (
+            [
+                "jobs.finetune",
+                "--model.init",
+                str(tiny_model),
+                "--train.output",
+                str(tmp_path / "run"),
+                "--eval.queries",
+                str(sample / "queries.dev.jsonl"),
+                "--eval.qrels",
+                str(tmp_path / "score.tsv"),
+            ],
+            "score must be an integer, got 'high'",
+        ),
+    }
+    run = ["--train.output", str(tmp_path / "run")]
+    for option, value, named in [
+        ("num_workers", "0", "num_workers must be >= 1, got 0"),
+        ("lr", "-0.001", "lr, adam_eps and cpus_per_worker must be > 0, got -0.001"),
+        ("zero_stage", "7", "zero_stage must be 0, 1, 2 or 3, got 7"),
+        ("max_steps", "0", "max_steps must be >= 1, got 0"),
+        ("warmup_ratio", "1.5", "warmup_ratio must be in [0, 1), got 1.5"),
+    ]:
+        for job in ("jobs.pretrain", "jobs.finetune"):
+            cases[f"{job} {option} out of range"] = ([job, *run, f"--train.{option}", value], named)
     monkeypatch.delenv("RAYDENSE_DEBUG", raising=False)
     monkeypatch.chdir(tmp_path)
     for kind, (argv, named) in cases.items():
@@ -48,3 +117,5 @@ def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path
         assert exited.value.code == 2, (kind, err[-2000:])
         assert "Traceback" not in err and len(errors) == 1 and named in errors[0], (kind, err[-2000:])
         assert out == "", kind  # no summary: stdout's last line is a finished job's
+        # Nothing a rerun could take for work done: no training run, no embeddings.
+        assert not (tmp_path / "run").exists() and not (tmp_path / "eval" / "embeddings" / "shards").exists(), kind

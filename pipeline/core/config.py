@@ -63,7 +63,17 @@ class Renamed:
 
 
 def truthy(value: Any) -> bool:
-    return value is True or str(value).lower() in _TRUE
+    """A YAML or command-line boolean; anything else is a ValueError (a user error)."""
+    if isinstance(value, bool) or str(value).lower() in _TRUE | _FALSE:
+        return value is True or str(value).lower() in _TRUE
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def _renamed_value(rule: Renamed, value: Any, key: str) -> Any:
+    try:
+        return rule.convert(value) if rule.convert else value
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
 
 
 def _renames(cls, prefix: str = "", out: dict | None = None) -> dict[str, tuple[str, Renamed]]:
@@ -242,7 +252,7 @@ def _overlay(cls, data: Any, into: dict, sources: dict, source: str, prefix: str
         if key not in known and key in renamed:
             rule = renamed[key]
             _note_renamed(f"'{path}' in {source}", f"'{prefix}{rule.to}'")
-            value = rule.convert(value) if rule.convert else value
+            value = _renamed_value(rule, value, f"'{path}' in {source}")
             for part in reversed(rule.to.split(".")):
                 value = {part: value}
             _overlay(cls, value, into, sources, source, prefix)
@@ -337,7 +347,7 @@ def _parse_argv(args: list[str], leaves: dict, sections: dict, renames: dict | N
                     value = "true"
                 else:
                     raise ConfigError(f"option {tok} expects a value")
-            value = rule.convert(value) if rule.convert else value
+            value = _renamed_value(rule, value, tok.partition("=")[0])
             source = f"the command line ({tok.partition('=')[0]})"
             overrides.append((name, _convert(value, leaves[name].tp, name, source, cli=True), source))
             continue

@@ -89,6 +89,7 @@ def check(reference: str, what: str = "model", nodes: int | None = None) -> str:
             relative = not ref.text.startswith(("/", ".", "~"))  # might have been meant as a Hub id
             hint = " (nor a Hub id: a Hub id is 'name' or 'org/name')" if relative else ""
             raise ConfigError(f"{what} {ref.text}: no such directory{hint}")
+        _check_marker(ref.text, what, lambda name: os.path.isfile(os.path.join(ref.location, name)))
         nodes = cluster_nodes() if nodes is None else nodes
         if nodes > 1:
             raise ConfigError(
@@ -99,14 +100,27 @@ def check(reference: str, what: str = "model", nodes: int | None = None) -> str:
         _package_path(ref, what)
     elif ref.kind == "storage":
         try:
-            config_json = storage.join(ref.location, "config.json")
-            if not storage.exists(config_json) and not storage.list_files(ref.location):
+            if not storage.list_files(ref.location):
                 raise ConfigError(f"{what} {ref.text}: nothing stored there")
+            _check_marker(ref.text, what, lambda name: storage.exists(storage.join(ref.location, name)))
         except StorageError as exc:
             raise ConfigError(f"{what} {ref.text}: cannot be read ({exc})") from None
     else:
         _check_hub(ref, what)
     return canonical(reference, what)
+
+
+# What a folder holds when it is what it is named for: an HF model (or a raydense retriever
+# export, whose towers may sit in subfolders beside retriever.json), or a tokenizer.
+MODEL_MARKERS = ("config.json", "retriever.json")
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "vocab.txt")
+
+
+def _check_marker(text: str, what: str, has) -> None:
+    markers = TOKENIZER_MARKERS if "tokenizer" in what else MODEL_MARKERS
+    if not any(has(name) for name in markers):
+        kind = "tokenizer" if "tokenizer" in what else "model"
+        raise ConfigError(f"{what} {text}: not a {kind} (none of {', '.join(markers)} there)")
 
 
 def materialize(reference: str, what: str = "model") -> str:

@@ -14,7 +14,7 @@ import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -51,7 +51,9 @@ class PrepareConfig:
     lowercase: bool = field(default=True, metadata={"help": "lowercase when training a vocabulary"})
     join: JoinConfig = field(default_factory=JoinConfig)
     docs_per_shard: int = field(default=20000, metadata={"help": "documents per Parquet shard"})
-    on_empty: str = field(default="skip", metadata={"help": "empty documents: skip (counted in the manifest) or error"})
+    on_empty: Literal["skip", "error"] = field(
+        default="skip", metadata={"help": "empty documents: skip (counted in the manifest) or error"}
+    )
     overwrite: bool = field(default=False, metadata={"help": "redo the preparation even if a finished manifest exists"})
     text: str = field(
         default="",

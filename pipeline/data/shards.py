@@ -17,7 +17,9 @@ checks, light enough for every Ray Data task that reads shards.
 from __future__ import annotations
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import ray
 
 from pipeline.core import storage
 from pipeline.core.errors import ArtifactError, StorageError
@@ -69,3 +71,21 @@ def check_shards(corpus_uri: str, manifest: dict) -> None:
 
 def shard_uris(corpus_uri: str, manifest: dict) -> list[str]:
     return [storage.join(corpus_uri, s["path"]) for s in manifest["shards"]]
+
+
+def _held_in_shard(uri: str, ids: list[str]) -> list[str]:
+    present = pc.is_in(pa.array(ids, pa.string()), value_set=storage.read_parquet(uri, ["doc_id"])["doc_id"])
+    return [i for i, held in zip(ids, present.to_pylist()) if held]
+
+
+def held_ids(corpus_uri: str, manifest: dict, ids: list[str]) -> set[str]:
+    """Which of ``ids`` the prepared corpus holds, answered by one Ray task per shard (each
+    reads its ``doc_id`` column), so a judged id is checked before any encoding without the
+    corpus's ids on the driver."""
+    if not ids:
+        return set()
+    ids_ref = ray.put(list(ids))
+    lookup = ray.remote(_held_in_shard).options(num_cpus=0.5, max_retries=3)
+    return {
+        i for found in ray.get([lookup.remote(u, ids_ref) for u in shard_uris(corpus_uri, manifest)]) for i in found
+    }

@@ -14,6 +14,7 @@ worker group: a filter meant for the resumed epoch would otherwise apply to all.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,6 +217,11 @@ def configure_data_context() -> None:
     # Fine-tuning groups are assembled by a groupby: the task-based sort shuffle starts no
     # aggregator actors (16 -> 6 s for a tiny epoch on 2 cores) and keeps the planned order.
     ctx.shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
+    if not sys.stderr.isatty():
+        # Into a log file, Ray Data's bars are redrawn with cursor codes, a line each time:
+        # most of a run's stderr. The trainers' own log lines say how far a run is.
+        ctx.enable_progress_bars = False
+        ctx.enable_operator_progress_bars = False
 
 
 class TrainingStream:

@@ -50,7 +50,7 @@ from pipeline.retrieval.inference import autocast_dtype, inference, length_sorte
 
 def _similarity_of_normalize(value) -> str:
     """The former ``normalize`` (true, false or empty) as a similarity."""
-    return "" if str(value) == "" else ("cos" if truthy(value) else "dot")
+    return "" if value == "" else ("cos" if truthy(value) else "dot")
 
 
 @dataclass
@@ -234,10 +234,12 @@ def query_blocks(texts) -> range:
     return range(0, len(texts), QUERY_BLOCK)
 
 
-def run_encoding(cfg: EncodeConfig, query_texts: list[str] | None = None) -> dict:
+def run_encoding(cfg: EncodeConfig, query_texts: list[str] | None = None, before_work=None) -> dict:
     """Encode every shard not yet written, on ``cfg.pool.actors`` actors; write the manifest.
     With ``query_texts``, the same actors then encode them: ``summary["query_vectors"]``,
-    (n, dim) float32 in the given order (not stored)."""
+    (n, dim) float32 in the given order (not stored). ``before_work(dim, corpus, manifest)``:
+    the caller's checks of what it will do with the vectors, once the prepared corpus and the
+    vectors' width are known and before anything is encoded."""
 
     started = time.perf_counter()
     cfg.output = storage.resolve(cfg.output).uri
@@ -256,6 +258,8 @@ def run_encoding(cfg: EncodeConfig, query_texts: list[str] | None = None) -> dic
     tokenizer_uri = storage.join(corpus, manifest["tokenizer"])
     probe = load_biencoder(model_dir, cfg.encoder.overrides())
     dim, similarity = int(probe.query_encoder.config.hidden_size), probe.cfg.similarity
+    if before_work is not None:
+        before_work(dim, corpus, manifest)
     discarded = claim(cfg.output, _made_by(cfg, model_dir, asdict(probe.cfg), corpus, manifest))
     if discarded:
         print(discarded, file=sys.stderr, flush=True)

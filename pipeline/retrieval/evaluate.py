@@ -16,11 +16,12 @@ from pipeline.core.errors import ConfigError
 from pipeline.core.plots import plot_metrics
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS, SAMPLE_DEV_QRELS, SAMPLE_DEV_QUERIES
-from pipeline.data.beir import read_queries
+from pipeline.data.beir import read_qrels, read_queries
 from pipeline.data.runs import write_trec_lines
+from pipeline.data.shards import held_ids
 from pipeline.retrieval.encode import EncodeConfig, EncoderSettings, run_encoding
-from pipeline.retrieval.faiss_index import IndexConfig
-from pipeline.retrieval.fanout import ranked_ids, read_qrels_of_corpus
+from pipeline.retrieval.faiss_index import IndexConfig, validate_factory
+from pipeline.retrieval.fanout import ranked_ids
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
 from pipeline.retrieval.metrics import JOB_MEASURES, StreamedMetrics, metrics_table
 from pipeline.retrieval.search import ShardedIndex
@@ -41,6 +42,10 @@ class EvalConfig:
     k: int = field(default=100, metadata={"help": "passages retrieved per query"})
     index: str = field(default="Flat", metadata={"help": "FAISS factory string of the index (Flat = exact)"})
     pool: ActorConfig = field(default_factory=ActorConfig)
+
+    def __post_init__(self):
+        if self.queries and not self.qrels:
+            raise ValueError("queries given without qrels: evaluating needs both")
 
 
 # -- the evaluation job: encode on actors, index, search the shards, ir_measures ---------------
@@ -77,6 +82,18 @@ def run_evaluation(cfg: EvaluateJobConfig) -> dict:
     output = storage.resolve(cfg.output).uri
     queries = read_queries(storage.resolve(cfg.queries).uri)  # duplicate ids fail here, before any work
     qids = list(queries)
+    qrels_uri = storage.resolve(cfg.qrels).uri
+    judged = read_qrels(qrels_uri, query_ids=set(queries))  # its format and query ids: before any work
+    qrels: dict[str, dict[str, int]] = {}
+
+    def before_work(dim: int, corpus: str, manifest: dict) -> None:
+        """What can fail later, checked once the corpus is prepared, before it is encoded."""
+        if cfg.k > manifest["num_docs"]:
+            raise ConfigError(f"--k {cfg.k} is larger than the corpus ({manifest['num_docs']} passages)")
+        validate_factory(cfg.index, dim)
+        doc_ids = sorted({d for docs in judged.values() for d in docs})
+        qrels.update(read_qrels(qrels_uri, doc_ids=held_ids(corpus, manifest, doc_ids), query_ids=set(queries)))
+
     # The encoder actors encode the queries too, after the corpus: nothing runs a model here.
     encoded = run_encoding(
         EncodeConfig(
@@ -87,9 +104,8 @@ def run_evaluation(cfg: EvaluateJobConfig) -> dict:
             pool=cfg.pool,
         ),
         [queries[q] for q in qids],
+        before_work,
     )
-    if cfg.k > encoded["passages"]:
-        raise ConfigError(f"--k {cfg.k} is larger than the corpus ({encoded['passages']} passages)")
     indexed = run_indexing(
         IndexJobConfig(
             embeddings=encoded["output"],
@@ -103,7 +119,6 @@ def run_evaluation(cfg: EvaluateJobConfig) -> dict:
         ShardedIndex(indexed["output"], nprobe=cfg.nprobe, pool=cfg.pool) as index,
         storage.open_output(run_uri) as out,
     ):
-        qrels = read_qrels_of_corpus(storage.resolve(cfg.qrels).uri, index, set(queries))
         scored = StreamedMetrics(qrels, JOB_MEASURES.values())
         search_start = time.perf_counter()
         for start, scores, _, ids in index.search_blocks(encoded.pop("query_vectors"), cfg.k):

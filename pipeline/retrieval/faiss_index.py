@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Literal
 
 import faiss
 import numpy as np
@@ -35,7 +36,7 @@ class IndexConfig:
     factory: str = field(
         default="Flat", metadata={"help": "FAISS index_factory string: Flat, IVF4096,Flat, IVF4096,PQ64, HNSW32, ..."}
     )
-    metric: str = field(default="ip", metadata={"help": "ip (inner product) or l2"})
+    metric: Literal["ip", "l2"] = field(default="ip", metadata={"help": "ip (inner product) or l2"})
     train_sample: int = field(
         default=100_000, metadata={"help": "vectors sampled (seeded) to train indexes that need training"}
     )
@@ -43,7 +44,9 @@ class IndexConfig:
     memory_limit_gb: float = field(
         default=0, metadata={"help": "memory one index shard may use; 0 = the machine's available memory"}
     )
-    use_gpu: str = field(default="auto", metadata={"help": "auto (when FAISS sees a GPU), never or always"})
+    use_gpu: Literal["auto", "never", "always"] = field(
+        default="auto", metadata={"help": "auto (when FAISS sees a GPU), never or always"}
+    )
     seed: int = field(default=0, metadata={"help": "seed of the training sample"})
 
 

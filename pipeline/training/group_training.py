@@ -17,6 +17,7 @@ import torch
 from pipeline.core import model_ref, storage
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
+from pipeline.data.beir import read_qrels, read_queries
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import DataStats, load_training_examples
 from pipeline.data.group_stream import GroupSpec, GroupStream, examples_as_rows
@@ -134,6 +135,8 @@ def _resolve_paths(cfg) -> None:
         value = getattr(section, name)
         if value and value != "bm25":
             setattr(section, name, storage.resolve(value).uri)
+    if cfg.eval.queries:  # read now, not after training: a bad line fails in seconds
+        read_qrels(cfg.eval.qrels, query_ids=set(read_queries(cfg.eval.queries)))
     if getattr(cfg.data, "tevatron", "") and not cfg.corpus.input:
         # The Tevatron file carries its passages: they become the corpus.
         cfg.corpus.input = storage.join(cfg.train.output, "tevatron_corpus.jsonl")

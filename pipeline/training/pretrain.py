@@ -73,6 +73,10 @@ class PretrainConfig:
     train: TrainConfig = field(default_factory=lambda: embedded_train("pretrain"))
     ray: RayConfig = field(default_factory=RayConfig)
 
+    def __post_init__(self):
+        if self.train.max_steps < 1:
+            raise ValueError(f"train.max_steps must be >= 1 (pre-training runs for steps), got {self.train.max_steps}")
+
 
 class PretrainTask(Task):
     """Adapts a pre-training method to the loop; built on each worker from picklable settings."""

@@ -71,8 +71,24 @@ class TrainConfig:
         unknown = [t for t in self.tracker if t not in TRACKERS]
         if unknown:
             raise ValueError(f"tracker {unknown[0]!r} is not one of {', '.join(TRACKERS)}")
-        if self.log_every < 1:
-            raise ValueError(f"log_every must be >= 1, got {self.log_every}")
+        at_least_one = ("num_workers", "micro_batch_size", "grad_accum", "log_every", "checkpoint_every")
+        for name in at_least_one + ("keep_checkpoints",):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        at_least_zero = ("max_steps", "epochs", "max_failures", "prefetch_batches", "shuffle_buffer")
+        for name in at_least_zero + ("weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_steps == 0 and self.epochs == 0:
+            raise ValueError("max_steps and epochs are both 0: set one (max_steps 0 = as many as the epochs make)")
+        if not self.lr > 0 or not self.adam_eps > 0 or not self.cpus_per_worker > 0:
+            raise ValueError(
+                f"lr, adam_eps and cpus_per_worker must be > 0, got {self.lr}, {self.adam_eps}, {self.cpus_per_worker}"
+            )
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
 
 
 # The train section of every embedded default (a job or workflow run with no arguments on a
