@@ -99,11 +99,19 @@ def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path
         ("num_workers", "0", "num_workers must be >= 1, got 0"),
         ("lr", "-0.001", "lr, adam_eps and cpus_per_worker must be > 0, got -0.001"),
         ("zero_stage", "7", "zero_stage must be 0, 1, 2 or 3, got 7"),
-        ("max_steps", "0", "max_steps must be >= 1, got 0"),
+        ("max_steps", "-1", "max_steps must be >= 0, got -1"),
         ("warmup_ratio", "1.5", "warmup_ratio must be in [0, 1), got 1.5"),
     ]:
         for job in ("jobs.pretrain", "jobs.finetune"):
             cases[f"{job} {option} out of range"] = ([job, *run, f"--train.{option}", value], named)
+    cases["no steps and no epochs"] = (
+        ["jobs.finetune", *run, "--train.max_steps", "0", "--train.epochs", "0"],
+        "max_steps and epochs are both 0",
+    )
+    cases["pre-training by epochs alone"] = (
+        ["jobs.pretrain", *run, "--train.max_steps", "0", "--train.epochs", "1"],
+        "train.max_steps must be >= 1",
+    )
     monkeypatch.delenv("RAYDENSE_DEBUG", raising=False)
     monkeypatch.chdir(tmp_path)
     for kind, (argv, named) in cases.items():
