@@ -299,3 +299,20 @@ def read_traces(run_dir: str) -> dict[str, dict[int, list[int]]]:
         for _, epoch, rows in entries:
             traces.setdefault(name, {}).setdefault(epoch, []).extend(rows)
     return traces
+
+
+def pid_of(actor) -> int:
+    """The process id of a Ray actor (running now)."""
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(lambda instance: os.getpid()))
+
+
+def kill_process_of(actor) -> int:
+    """SIGKILL the actor's process, as a lost node would end it, with no warning to Ray;
+    returns the pid it had."""
+    import signal
+
+    pid = pid_of(actor)
+    os.kill(pid, signal.SIGKILL)
+    return pid

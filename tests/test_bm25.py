@@ -8,7 +8,7 @@ from pipeline.core.config import parse_config
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.data.groups import select_negatives
 from pipeline.data.text_shards import stage_text
-from pipeline.retrieval.bm25 import Bm25Config, bm25_run, build_index, mine_negatives
+from pipeline.retrieval.bm25 import Bm25Config, bm25_run, build_index, mine_negatives, search
 from pipeline.retrieval.mine import MineConfig
 from tests.conftest import synthetic_docs, write_jsonl
 
@@ -115,6 +115,25 @@ def test_sharded_bm25_scores_with_the_whole_corpus_statistics(beir):
         assert index.holds(["d3", "nope", "f7"]) == {"d3", "f7"}
     assert (beir / "staged-12").is_dir()  # the staged text stays, for a rerun or a restarted actor
     assert_same_run(got, direct_bm25s(k1=1.2, b=0.75))
+
+
+def test_a_bm25_shard_killed_mid_run_rebuilds_itself_and_every_query_is_answered_once(tmp_path, shared_ray):
+    """The middle shard's process is SIGKILLed after the first block: Ray restarts it, it
+    rebuilds its index from the staged text and the corpus statistics it was made with, and
+    the run equals one bm25s index over the corpus, every query in it once."""
+    from tests.helpers import kill_process_of, pid_of
+
+    write_jsonl(tmp_path / "corpus.jsonl", SPREAD_DOCS)
+    queries = {q["_id"]: q["text"] for q in SPREAD_QUERIES}
+    with index_of(tmp_path, k1=1.2, b=0.75, docs_per_shard=4) as index:
+        answered, killed = [], None
+        for qid, ids, scores in search(index, queries, len(SPREAD_DOCS), batch_size=1):
+            answered.append((qid, dict(zip(ids, scores))))
+            if killed is None:
+                killed = kill_process_of(index.actors[1])
+        assert pid_of(index.actors[1]) != killed
+    assert [qid for qid, _ in answered] == list(queries)
+    assert_same_run(dict(answered), direct_bm25s(1.2, 0.75, SPREAD_DOCS, SPREAD_QUERIES))
 
 
 # Terms spread over three shards of four documents, each with another document frequency

@@ -331,3 +331,23 @@ def test_a_run_naming_a_document_outside_the_corpus_is_an_error(tiny_reranker, t
 def read_run_lines(path) -> list[tuple[str, str, float]]:
     with open(path) as f:
         return [(c[0], c[2], float(c[4])) for c in (line.split() for line in f)]
+
+
+def test_a_passage_server_killed_between_fetches_serves_its_texts_again(tmp_path, shared_ray):
+    """Servers hold the staged text in memory only: one SIGKILLed is restarted by Ray, reloads
+    its load from the staging, and the next fetch (and one in flight) gets every text."""
+    from conftest import write_jsonl
+
+    from pipeline.data.text_shards import stage_text
+    from pipeline.retrieval.passages import PassageStore, fetch_texts
+    from tests.helpers import kill_process_of, pid_of
+
+    docs = synthetic_docs(30, seed=4)
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", docs)
+    ids = [d["_id"] for d in docs[::3]] + ["missing"]
+    want = [d["text"] for d in docs[::3]] + [None]
+    with PassageStore(stage_text(corpus, str(tmp_path / "text"), 10), docs_per_server=10) as passages:
+        assert len(passages.actors) == 3 and fetch_texts(passages.actors, ids) == want
+        killed = kill_process_of(passages.actors[1])
+        assert fetch_texts(passages.actors, ids) == want
+        assert pid_of(passages.actors[1]) != killed

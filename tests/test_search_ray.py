@@ -243,6 +243,34 @@ def test_sharded_search_equals_brute_force(encoded, collection, factory):
         index.search(queries, N_DOCS + 1)
 
 
+def test_a_searcher_killed_mid_search_comes_back_and_every_block_is_answered_once(encoded, collection):
+    """A searcher's process is SIGKILLed between two blocks: Ray restarts it (it reloads its
+    shard from storage) and re-sends the call it missed, so the search ends with every block
+    once and the brute-force result."""
+    from tests.helpers import kill_process_of, pid_of
+
+    cfg, _ = encoded
+    out = str(collection["root"] / "index-killed")
+    run_indexing(
+        IndexJobConfig(
+            embeddings=cfg.output, output=out, embedding_shards_per_index=2, index=IndexConfig(factory="Flat")
+        )
+    )
+    rows, _, vectors = read_all(cfg.output)
+    queries = np.random.default_rng(1).standard_normal((20, vectors.shape[1])).astype(np.float32)
+    with ShardedIndex(out) as index:
+        blocks, killed = [], None
+        for block in index.search_blocks(queries, 10, block=4):
+            blocks.append(block)
+            if killed is None:
+                killed = kill_process_of(index.actors[1])
+        assert pid_of(index.actors[1]) != killed
+    assert [b[0] for b in blocks] == [0, 4, 8, 12, 16]
+    ref_scores, ref_rows = brute_force_topk(queries, vectors, 10, rows=rows)
+    assert np.allclose(np.concatenate([b[1] for b in blocks]), ref_scores, atol=1e-4)
+    assert (np.concatenate([b[2] for b in blocks]) == ref_rows).mean() > 0.99
+
+
 def test_a_factory_faiss_rejects_and_a_wrong_dimension_shard_are_clear_errors(encoded, collection, tmp_path):
     import shutil
 

@@ -48,7 +48,7 @@ from pipeline.data.groups import select_negatives
 from pipeline.data.runs import read_negatives, write_negatives, write_trec_lines
 from pipeline.data.tevatron import passage_lookup, write_tevatron
 from pipeline.data.text_shards import group_shards, read_text_load, stage_text
-from pipeline.retrieval.fanout import ShardFanout, ranked_ids, read_qrels_of_corpus
+from pipeline.retrieval.fanout import SERVER_RESTARTS, ShardFanout, ranked_ids, read_qrels_of_corpus
 
 
 @dataclass
@@ -208,45 +208,51 @@ def _tokenizer(scoring: dict) -> bm25s.tokenization.Tokenizer:
     )
 
 
+def _tokenized(load: list[dict], scoring: dict) -> tuple[CorpusIds, bm25s.tokenization.Tokenizer, list]:
+    """A load's doc ids (first row set), its tokenizer and its documents' token ids."""
+    table = read_text_load(load)
+    ids = CorpusIds(table.column("doc_id").cast("binary").to_numpy(zero_copy_only=False).astype(bytes))
+    ids.first_row = load[0]["first_row"]
+    tokenizer = _tokenizer(scoring)
+    return ids, tokenizer, list(tokenizer.streaming_tokenize(table.column("text").to_pylist()))
+
+
+def _terms(tokenizer) -> np.ndarray:
+    """A tokenizer's vocabulary by token id (bm25s numbers its tokens from 0)."""
+    vocab = tokenizer.get_vocab_dict()
+    terms = np.empty(len(vocab), dtype=object)
+    terms[np.fromiter(vocab.values(), np.int64, len(vocab))] = list(vocab)
+    return terms
+
+
+def _load_term_stats(load: list[dict], scoring: dict) -> tuple[pa.Table, tuple[int, int]]:
+    """A Ray task: (term, df) of one load, and (its documents, its tokens: bm25s's document
+    lengths), the first pass over the corpus, whose sums every shard scores with."""
+    _, tokenizer, token_ids = _tokenized(load, scoring)
+    terms = _terms(tokenizer)
+    present = np.concatenate([np.unique(np.asarray(t, np.int64)) for t in token_ids])
+    df = np.bincount(present, minlength=len(terms))
+    tokens = int(sum(len(t) for t in token_ids))
+    return pa.table({"term": pa.array(terms, pa.string()), "df": df}), (len(token_ids), tokens)
+
+
 class Bm25Shard:
-    """A Ray actor: one text shard's BM25 index. It tokenizes its shard, reports its terms'
-    document frequencies, then builds its index with the whole corpus's statistics and
-    answers top-k for blocks of query texts, as corpus rows and doc ids."""
+    """A Ray actor: one load's BM25 index, built with the whole corpus's statistics, answering
+    top-k for blocks of query texts as corpus rows and doc ids. Everything it serves comes
+    from its arguments (the staged text, the corpus statistics), so Ray can restart it, on
+    another node when its own is lost, and it builds the same index again."""
 
-    def __init__(self, load: list[dict], scoring: dict):
-        table = read_text_load(load)
-        self.ids = CorpusIds(table.column("doc_id").cast("binary").to_numpy(zero_copy_only=False).astype(bytes))
-        self.ids.first_row = load[0]["first_row"]
-        self.scoring = scoring
-        self.tokenizer = _tokenizer(scoring)
-        self.token_ids = list(self.tokenizer.streaming_tokenize(table.column("text").to_pylist()))
-        self.retriever: bm25s.BM25 | None = None
-
-    def _terms(self) -> np.ndarray:
-        """This shard's vocabulary by token id (bm25s numbers its tokens from 0)."""
-        vocab = self.tokenizer.get_vocab_dict()
-        terms = np.empty(len(vocab), dtype=object)
-        terms[np.fromiter(vocab.values(), np.int64, len(vocab))] = list(vocab)
-        return terms
-
-    def term_stats(self) -> tuple[pa.Table, tuple[int, int]]:
-        """(term, df) of this shard, and (its documents, its tokens: bm25s's document lengths)."""
-        terms = self._terms()
-        present = np.concatenate([np.unique(np.asarray(t, np.int64)) for t in self.token_ids])
-        df = np.bincount(present, minlength=len(terms))
-        tokens = int(sum(len(t) for t in self.token_ids))
-        return pa.table({"term": pa.array(terms, pa.string()), "df": df}), (len(self.token_ids), tokens)
-
-    def build(self, corpus_terms: pa.Table, corpus_docs: int, corpus_avgdl: float) -> dict:
-        terms = self._terms()
+    def __init__(self, load: list[dict], scoring: dict, corpus_terms: pa.Table, corpus_docs: int, corpus_avgdl: float):
+        self.ids, self.tokenizer, token_ids = _tokenized(load, scoring)
+        terms = _terms(self.tokenizer)
         at = pc.index_in(pa.array(terms, pa.string()), value_set=corpus_terms.column("term")).to_numpy()
         corpus_df = corpus_terms.column("df").to_numpy()[at.astype(np.int64)]
-        s = self.scoring
         self.retriever = _CorpusStatsBM25(
-            corpus_df, corpus_docs, corpus_avgdl, k1=s["k1"], b=s["b"], method=s["method"]
+            corpus_df, corpus_docs, corpus_avgdl, k1=scoring["k1"], b=scoring["b"], method=scoring["method"]
         )
-        self.retriever.index(self.tokenizer.to_tokenized_tuple(self.token_ids), show_progress=False)
-        self.token_ids = None  # the index holds what scoring needs
+        self.retriever.index(self.tokenizer.to_tokenized_tuple(token_ids), show_progress=False)
+
+    def stats(self) -> dict:
         return {
             "docs": len(self.ids),
             "index_bytes": int(sum(self.retriever.scores[k].nbytes for k in ("data", "indices", "indptr"))),
@@ -292,21 +298,30 @@ class ShardedBm25(ShardFanout):
         started = time.perf_counter()
         self.corpus_stats = text["corpus_stats"]
         loads = group_shards(text["shards"], docs_per_shard)
-        actor = ray.remote(Bm25Shard)
-        self.actors = [
-            actor.options(
-                num_cpus=SHARD_CPUS, memory=PROCESS_BYTES + BYTES_PER_TEXT_BYTE * sum(i["text_bytes"] for i in load)
-            ).remote(load, scoring)
-            for load in loads
-        ]
-        # Each shard's terms stay in the object store, summed by a task: the driver gets only
-        # the counts, as shards finish tokenizing (the long part of building).
-        tables, counts = zip(*[a.term_stats.options(num_returns=2).remote() for a in self.actors])
+        memory = [PROCESS_BYTES + BYTES_PER_TEXT_BYTE * sum(i["text_bytes"] for i in load) for load in loads]
+        # Two passes over the text: tasks count each load's terms, a task sums them (the
+        # driver gets only the counts, as loads finish tokenizing), then each shard actor
+        # tokenizes its load again and builds with the sums. The second tokenization buys an
+        # actor that rebuilds itself from its arguments when Ray restarts it.
+        count = ray.remote(_load_term_stats)
+        tables, counts = zip(
+            *[
+                count.options(num_cpus=SHARD_CPUS, memory=m, num_returns=2, max_retries=3).remote(load, scoring)
+                for load, m in zip(loads, memory)
+            ]
+        )
         counts = get_counted(list(counts), "bm25 index", "documents", [sum(i["rows"] for i in load) for load in loads])
         self.total = sum(docs for docs, _ in counts)
         avgdl = sum(tokens for _, tokens in counts) / self.total
         corpus_terms, vocab_size = ray.remote(_merge_term_stats).options(num_returns=2).remote(*tables)
-        self.shards = ray.get([a.build.remote(corpus_terms, self.total, avgdl) for a in self.actors])
+        actor = ray.remote(Bm25Shard)
+        self.actors = [
+            actor.options(num_cpus=SHARD_CPUS, memory=m, **SERVER_RESTARTS).remote(
+                load, scoring, corpus_terms, self.total, avgdl
+            )
+            for load, m in zip(loads, memory)
+        ]
+        self.shards = ray.get([a.stats.remote() for a in self.actors])
         self.vocab_size = ray.get(vocab_size)
         self.seconds = time.perf_counter() - started
 

@@ -91,6 +91,14 @@ def ranked_ids(ids: np.ndarray) -> list[str]:
     return [d.decode() for d in ids if d]
 
 
+# A server actor (a searcher, a BM25 shard, a passage server) holds what it serves only in
+# memory, loaded from storage by its constructor. When its process or node dies, Ray runs the
+# constructor again, on another node if its own is gone, and re-sends the calls that were in
+# flight: a query block asked of a dead server is answered once, by its successor. Only
+# system failures are retried: an exception raised by the server's own code fails the call.
+SERVER_RESTARTS = {"max_restarts": -1, "max_task_retries": -1}
+
+
 class ShardActors:
     """Actors that each serve one shard of the corpus, killed on :meth:`close` (or ``with``)."""
 

@@ -19,7 +19,7 @@ import ray
 from pipeline.core import storage
 from pipeline.data.corpus_ids import CorpusIds, id_keys
 from pipeline.data.text_shards import group_shards, read_text_load
-from pipeline.retrieval.fanout import ShardActors
+from pipeline.retrieval.fanout import SERVER_RESTARTS, ShardActors
 
 SERVER_CPUS = 0.01  # a token share, as searchers take (see pipeline.retrieval.search.searcher_options)
 PROCESS_BYTES = 512 * 2**20
@@ -70,7 +70,9 @@ class PassageStore(ShardActors):
         server = ray.remote(PassageServer)
         self.actors = [
             server.options(
-                num_cpus=SERVER_CPUS, memory=PROCESS_BYTES + TEXT_OVERHEAD * sum(i["text_bytes"] for i in load)
+                num_cpus=SERVER_CPUS,
+                memory=PROCESS_BYTES + TEXT_OVERHEAD * sum(i["text_bytes"] for i in load),
+                **SERVER_RESTARTS,
             ).remote(load)
             for load in group_shards(text["shards"], docs_per_server)
         ]

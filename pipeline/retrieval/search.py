@@ -28,7 +28,7 @@ from pipeline.core.errors import ArtifactError
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval import faiss_index
-from pipeline.retrieval.fanout import ShardFanout
+from pipeline.retrieval.fanout import SERVER_RESTARTS, ShardFanout
 
 SEARCHER_CPUS = 0.01  # see searcher_options
 PROCESS_BYTES = 512 * 2**20  # a searcher's own footprint besides its index (Python, FAISS, Ray)
@@ -111,7 +111,7 @@ class ShardedIndex(ShardFanout):
         self.options = searcher_options(self.manifest, pool)
         searcher = ray.remote(ShardSearcher)
         self.actors = [
-            searcher.options(**options).remote(
+            searcher.options(**options, **SERVER_RESTARTS).remote(
                 self.uri, self.manifest["embeddings"], s, nprobe, threads, options["num_gpus"] > 0
             )
             for s, options in zip(self.manifest["shards"], self.options)
