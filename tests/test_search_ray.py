@@ -329,6 +329,57 @@ def test_mined_negatives_exclude_positives_and_are_reproducible(encoded, collect
     assert len(records) == 20 and [p["docid"] for p in records[0]["negative_passages"]] == mined["q0"]
 
 
+def test_mining_killed_mid_way_resumes_from_its_finished_blocks(encoded, collection, tmp_path, monkeypatch, capsys):
+    """Blocks of 6 queries: a run stopped after two blocks, rerun, searches only the rest and
+    writes the same files as a run never stopped; a rerun with another setting starts over."""
+    from pipeline.retrieval import mine as mining
+
+    cfg, _ = encoded
+    index_dir = str(tmp_path / "index")
+    run_indexing(IndexJobConfig(embeddings=cfg.output, output=index_dir))
+    monkeypatch.setattr(mining, "query_block", lambda shards: 6)  # 20 queries: 4 blocks
+    settings = dict(index=index_dir, queries=collection["queries"], qrels=collection["qrels"], depth=40, count=6)
+    job = dict(**settings, encoder=cfg.encoder, pool=ActorConfig(actors=1))
+    whole = mining.run_mining(mining.MineConfig(**job, output=str(tmp_path / "whole")))
+    assert (whole["blocks"], whole["blocks_resumed"]) == (4, 0)
+
+    write_block, written = mining._mine_block, []
+
+    def stopped_after_two(cfg, output, block, *args):
+        if len(written) == 2:
+            raise KeyboardInterrupt
+        write_block(cfg, output, block, *args)
+        written.append(block)
+
+    monkeypatch.setattr(mining, "_mine_block", stopped_after_two)
+    stopped = mining.MineConfig(**job, output=str(tmp_path / "stopped"))
+    with pytest.raises(KeyboardInterrupt):
+        mining.run_mining(stopped)
+    monkeypatch.setattr(mining, "_mine_block", write_block)
+    encoded_queries = []
+    encode = mining.encode_queries
+    monkeypatch.setattr(
+        mining, "encode_queries", lambda s, texts, p: encoded_queries.append(len(texts)) or encode(s, texts, p)
+    )
+    resumed = mining.run_mining(stopped)
+    assert (resumed["blocks"], resumed["blocks_resumed"], encoded_queries) == (4, 2, [8])  # blocks 2 and 3
+    for name in ("negatives.jsonl", "train.tevatron.jsonl", "run.trec"):
+        assert (tmp_path / "stopped" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+    assert not (tmp_path / "stopped" / "parts").exists()
+
+    # Stopped again, then rerun with another count: nothing of the first setting is kept.
+    written.clear()
+    monkeypatch.setattr(mining, "_mine_block", stopped_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        mining.run_mining(mining.MineConfig(**job, output=str(tmp_path / "changed")))
+    monkeypatch.setattr(mining, "_mine_block", write_block)
+    capsys.readouterr()
+    job["count"] = 5
+    changed = mining.run_mining(mining.MineConfig(**job, output=str(tmp_path / "changed")))
+    assert changed["blocks_resumed"] == 0 and "(other settings) deleted" in capsys.readouterr().err
+    assert changed["negatives_per_query"] == 5
+
+
 def test_evaluate_job_matches_ir_measures_on_a_brute_force_run(encoded, collection, tiny_bert, tmp_path, capsys):  # noqa: F811
     import ir_measures
 

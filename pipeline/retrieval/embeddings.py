@@ -18,7 +18,6 @@ model version, pooling or corpus are never mixed with, or mistaken for, this enc
 
 from __future__ import annotations
 
-import json
 import posixpath
 import re
 
@@ -26,12 +25,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.core import storage
+from pipeline.core import parts, storage
 from pipeline.core.errors import ArtifactError, StorageError
 from pipeline.data.shards import check_parquet_shard
 
 MANIFEST = "manifest.json"
-MADE_BY = "made_by.json"
+MADE_BY = parts.MADE_BY
 FORMAT = "raydense-embeddings-v1"
 DTYPES = {"float32": pa.float32(), "float16": pa.float16()}
 SIMILARITIES = ("dot", "cos")
@@ -93,23 +92,9 @@ def finished_shards(folder_uri: str) -> set[int]:
 
 def claim(folder_uri: str, made_by: dict) -> str | None:
     """Make ``folder_uri`` the encoding ``made_by`` describes (the model, its stored version,
-    the encoder's settings, the prepared corpus), before any shard is written. Shards that
-    it made are kept for resuming; anything else there (another model's or settings' shards,
-    or shards with no record) is deleted first. Returns what was discarded and why, or None."""
-    made_by = json.loads(json.dumps(made_by))  # as it reads back: tuples become lists
-    record_uri = storage.join(folder_uri, MADE_BY)
-    former = storage.read_json(record_uri) if storage.exists(record_uri) else {}
-    if former == made_by:
-        return None
-    found = len(finished_shards(folder_uri))
-    storage.delete_file(storage.join(folder_uri, MANIFEST))
-    storage.delete_dir(storage.join(folder_uri, "shards"))
-    storage.write_json(record_uri, made_by)
-    if not found:
-        return None
-    changed = sorted(k for k in made_by.keys() | former.keys() if former.get(k) != made_by.get(k))
-    why = f"other {', '.join(changed)}" if former else "no record of what made them"
-    return f"{folder_uri}: {found} embedding shards made otherwise ({why}) deleted; encoding anew"
+    the encoder's settings, the prepared corpus), before any shard is written: shards it made
+    are kept for resuming, others deleted (:func:`pipeline.core.parts.claim`)."""
+    return parts.claim(folder_uri, made_by, ("shards", MANIFEST), "embedding shards")
 
 
 def write_manifest(

@@ -99,6 +99,12 @@ def ranked_ids(ids: np.ndarray) -> list[str]:
 SERVER_RESTARTS = {"max_restarts": -1, "max_task_retries": -1}
 
 
+def query_block(shards: int) -> int:
+    """Queries per block when ``shards`` shards answer each: the driver then holds about
+    ``QUERY_HITS`` shard answers at once, whatever the corpus's size."""
+    return max(64, QUERY_HITS // shards)
+
+
 class ShardActors:
     """Actors that each serve one shard of the corpus, killed on :meth:`close` (or ``with``)."""
 
@@ -133,7 +139,7 @@ class ShardFanout(ShardActors):
         ``QUERY_HITS // shards`` queries: the same memory whatever the number of shards
         (which grows with the corpus)."""
 
-        block = block or max(64, QUERY_HITS // len(self.actors))
+        block = block or query_block(len(self.actors))
         check_k(k, self.total)
         with progress(len(queries), self.label, "queries") as bar:
             for start in range(0, len(queries), block):

@@ -15,18 +15,22 @@ Outputs, under ``output``:
 All three are written a block of queries at a time as the searchers answer, with the
 results already as doc ids: the driver holds the queries, their vectors and one block of
 results, never the corpus's ids nor the whole run. The answer filter is the exception: it
-holds every candidate id (and their texts) before the first line is written.
+holds every candidate id (and their texts) before the first line is written. Each block
+goes to part files first (:mod:`pipeline.core.parts`), so a run killed mid-way resumes
+from the blocks it finished.
 """
 
 from __future__ import annotations
 
+import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from pipeline.core import storage
+from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.errors import ConfigError, InputError
+from pipeline.core.parts import claim, finished_blocks, join_parts, part_uri, remove_parts
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
 from pipeline.data.beir import positives, read_queries
@@ -35,8 +39,9 @@ from pipeline.data.groups import select_negatives
 from pipeline.data.records import json_lines, write_json_line
 from pipeline.data.runs import negatives_record, write_trec_lines
 from pipeline.data.tevatron import tevatron_record
+from pipeline.retrieval import faiss_index
 from pipeline.retrieval.encode import EncoderSettings, encode_queries
-from pipeline.retrieval.fanout import ranked_ids, read_qrels_of_corpus
+from pipeline.retrieval.fanout import query_block, ranked_ids, read_qrels_of_corpus
 from pipeline.retrieval.search import ShardedIndex
 
 
@@ -101,47 +106,93 @@ def _answer_hits(cfg: MineConfig, queries: dict, ranked: dict[str, list[str]]) -
     }
 
 
+PART_FILES = ("negatives.jsonl", "train.tevatron.jsonl", "run.trec", "counts.json")
+COUNTS = ("negatives", "positives_dropped", "answer_dropped", "short", "examples")
+
+
+def _made_by(cfg: MineConfig) -> dict:
+    """What the mined files depend on: every setting but where they go and where it runs,
+    and the stored versions of the index, the model, the queries and the judgments."""
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("output", "pool", "ray")}
+    versions = {
+        "index": storage.version(storage.join(cfg.index, "manifest.json")),
+        "queries": storage.version(cfg.queries),
+        "qrels": storage.version(cfg.qrels),
+        "answers": storage.version(cfg.answers) if cfg.answers else "",
+    }
+    if model_ref.parse(cfg.encoder.model, "--encoder.model").kind in ("local", "storage"):
+        versions["model"] = storage.version(cfg.encoder.model)
+    return {"settings": settings, "versions": versions}
+
+
+def _mine_block(cfg, output, block, queries, qids, qrels, answer_hits, scores, block_ids) -> None:
+    """One block's results: its part of every output file, and its counts, each written whole."""
+    counts = dict.fromkeys(COUNTS, 0)
+    with (
+        storage.open_output(part_uri(output, block, "negatives.jsonl")) as neg_out,
+        storage.open_output(part_uri(output, block, "train.tevatron.jsonl")) as tev_out,
+        storage.open_output(part_uri(output, block, "run.trec")) as run_out,
+    ):
+        for qid, row_scores, row_ids in zip(qids, scores, block_ids):
+            ids = ranked_ids(row_ids)
+            write_trec_lines(run_out, qid, ids, row_scores[: len(ids)].tolist(), tag="mined")
+            judged = set(positives(qrels.get(qid, {})))
+            hits = answer_hits.get(qid, set())
+            counts["positives_dropped"] += sum(d in judged for d in ids)
+            counts["answer_dropped"] += sum(d in hits and d not in judged for d in ids)
+            negs, neg_scores = select_negatives(qid, ids, row_scores[: len(ids)].tolist(), judged | hits, cfg)
+            counts["negatives"] += len(negs)
+            counts["short"] += len(negs) < cfg.count
+            write_json_line(neg_out, negatives_record(qid, negs, neg_scores))
+            if judged:
+                counts["examples"] += 1
+                write_json_line(tev_out, tevatron_record(qid, queries[qid], sorted(judged), negs))
+    storage.write_json(part_uri(output, block, "counts.json"), counts)  # last: the block is done
+
+
 def run_mining(cfg: MineConfig) -> dict:
+    """Mine every query block not yet mined into part files, then join them into the outputs.
+
+    A block's parts appear whole, its counts last: a run killed mid-way (a lost node, a
+    Ctrl-C) reruns the same command and searches only the blocks it lacks, unless anything it
+    depends on changed (then every part is deleted first, with a message)."""
     started = time.perf_counter()
     output = storage.resolve(cfg.output).uri
     queries = read_queries(cfg.queries)
     qids = list(queries)
+    discarded = claim(output, _made_by(cfg), what="mined blocks' files")
+    if discarded:
+        print(discarded, file=sys.stderr, flush=True)
+    block = query_block(len(faiss_index.load_index_manifest(storage.resolve(cfg.index).uri)["shards"]))
+    blocks = list(range(-(-len(qids) // block)))
+    done = finished_blocks(output, PART_FILES)
+    todo = [b for b in blocks if b not in done]
+    todo_qids = [q for b in todo for q in qids[b * block : (b + 1) * block]]
     # Encoded on the pool before the searchers start: the two never hold the GPUs at once.
-    vectors = encode_queries(cfg.encoder, [queries[q] for q in qids], cfg.pool)
-    counts = {"negatives": 0, "positives_dropped": 0, "answer_dropped": 0, "short": 0, "examples": 0}
-    with (
-        ShardedIndex(cfg.index, nprobe=cfg.nprobe, pool=cfg.pool) as index,
-        storage.open_output(storage.join(output, "negatives.jsonl")) as neg_out,
-        storage.open_output(storage.join(output, "train.tevatron.jsonl")) as tev_out,
-        storage.open_output(storage.join(output, "run.trec")) as run_out,
-    ):
+    vectors = encode_queries(cfg.encoder, [queries[q] for q in todo_qids], cfg.pool)
+    search_start = time.perf_counter()
+    with ShardedIndex(cfg.index, nprobe=cfg.nprobe, pool=cfg.pool) as index:
         qrels = read_qrels_of_corpus(cfg.qrels, index, set(queries))
-        search_start = time.perf_counter()
-        blocks = index.search_blocks(vectors, min(cfg.depth, index.total))
+        answered = index.search_blocks(vectors, min(cfg.depth, index.total), block=block)
         answer_hits: dict[str, set[str]] = {}
         if cfg.answers:  # the filter reads the candidates' texts in one pass over the corpus first
-            blocks = list(blocks)
-            ranked = {
-                q: ranked_ids(ids) for start, _, _, block_ids in blocks for q, ids in zip(qids[start:], block_ids)
-            }
+            answered = list(answered)
+            ranked = {q: ranked_ids(ids) for start, _, _, ids in answered for q, ids in zip(todo_qids[start:], ids)}
             answer_hits = _answer_hits(cfg, queries, ranked)
             del ranked
-        for start, scores, _, block_ids in blocks:
-            for qid, row_scores, row_ids in zip(qids[start:], scores, block_ids):
-                ids = ranked_ids(row_ids)
-                write_trec_lines(run_out, qid, ids, row_scores[: len(ids)].tolist(), tag="mined")
-                judged = set(positives(qrels.get(qid, {})))
-                hits = answer_hits.get(qid, set())
-                counts["positives_dropped"] += sum(d in judged for d in ids)
-                counts["answer_dropped"] += sum(d in hits and d not in judged for d in ids)
-                negs, neg_scores = select_negatives(qid, ids, row_scores[: len(ids)].tolist(), judged | hits, cfg)
-                counts["negatives"] += len(negs)
-                counts["short"] += len(negs) < cfg.count
-                write_json_line(neg_out, negatives_record(qid, negs, neg_scores))
-                if judged:
-                    counts["examples"] += 1
-                    write_json_line(tev_out, tevatron_record(qid, queries[qid], sorted(judged), negs))
-        search_s = time.perf_counter() - search_start
+        # The todo blocks are whole blocks (only the last can be short), so the searched
+        # vectors' blocks are the todo blocks, in order.
+        for (start, scores, _, block_ids), b in zip(answered, todo):
+            block_qids = todo_qids[start : start + len(scores)]
+            _mine_block(cfg, output, b, queries, block_qids, qrels, answer_hits, scores, block_ids)
+    search_s = time.perf_counter() - search_start
+    counts = dict.fromkeys(COUNTS, 0)
+    for b in blocks:
+        for key, value in storage.read_json(part_uri(output, b, "counts.json")).items():
+            counts[key] += value
+    for name in PART_FILES[:3]:
+        join_parts(output, blocks, name, storage.join(output, name))
+    remove_parts(output)
     return {
         "job": "mine",
         "output": output,
@@ -149,6 +200,8 @@ def run_mining(cfg: MineConfig) -> dict:
         "tevatron": storage.join(output, "train.tevatron.jsonl"),
         "run": storage.join(output, "run.trec"),
         "queries": len(qids),
+        "blocks": len(blocks),
+        "blocks_resumed": len(blocks) - len(todo),
         "examples": counts["examples"],
         "negatives_per_query": round(counts["negatives"] / max(len(qids), 1), 3),
         "queries_short": counts["short"],
