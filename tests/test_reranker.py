@@ -245,7 +245,9 @@ def beir_fixture(folder) -> dict[str, str]:
     }
 
 
-def test_scoring_streams_blocks_through_the_pool_and_the_passage_servers(tiny_reranker, tmp_path, shared_ray):
+def test_scoring_streams_blocks_through_the_pool_and_the_passage_servers(
+    tiny_reranker, tmp_path, shared_ray, monkeypatch
+):
     """Blocks of 2 queries through 2 actors, texts from 3 passage servers: every query's
     candidates (and, for a teacher, its missed positive) get the scores a PairScorer gives
     in this process, and the streamed metrics equal ir_measures over the whole runs."""
@@ -296,6 +298,35 @@ def test_scoring_streams_blocks_through_the_pool_and_the_passage_servers(tiny_re
         assert summary[key] == pytest.approx({n: values[m] for n, m in JOB_MEASURES.items()})
     [staged] = (tmp_path / "out" / "text-shards").glob("*/manifest.json")  # kept for a rerun
     assert json.loads(staged.read_text())["docs"] == N_DOCS
+
+    # Stopped after 2 of its 6 blocks and rerun: the same run file and metrics, the finished
+    # blocks not scored again.
+    import dataclasses
+
+    from pipeline.retrieval import rerank_scoring
+
+    write_block, written = rerank_scoring._write_block, []
+
+    def stopped_after_two(output, block, *args):
+        if len(written) == 2:
+            raise KeyboardInterrupt
+        write_block(output, block, *args)
+        written.append(block["index"])
+
+    stopped = dataclasses.replace(cfg, output=str(tmp_path / "stopped"))
+    monkeypatch.setattr(rerank_scoring, "_write_block", stopped_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        run_scoring(stopped)
+    monkeypatch.setattr(
+        rerank_scoring,
+        "_write_block",
+        lambda output, block, *args: written.append(block["index"]) or write_block(output, block, *args),
+    )
+    resumed = run_scoring(stopped)
+    assert sorted(written) == list(range(6)) and len(written) == 6  # each block scored once over both runs
+    assert (tmp_path / "stopped" / "run.trec").read_bytes() == (tmp_path / "out" / "run.trec").read_bytes()
+    for key in ("metrics", "first_stage_metrics", "queries", "pairs", "positives_added"):
+        assert resumed[key] == pytest.approx(summary[key]), key
 
 
 def test_a_run_naming_a_document_outside_the_corpus_is_an_error(tiny_reranker, tmp_path, shared_ray):

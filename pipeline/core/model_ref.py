@@ -123,6 +123,16 @@ def _check_marker(text: str, what: str, has) -> None:
         raise ConfigError(f"{what} {text}: not a {kind} (none of {', '.join(markers)} there)")
 
 
+def version(reference: str, what: str = "model") -> str:
+    """What identifies the referenced files now: the stored version of a directory or an
+    object-storage prefix (a rewrite is a new version), the reference itself otherwise (a
+    Hub id with its revision, a package by name)."""
+    ref = parse(reference, what)
+    if ref.kind in ("local", "storage"):
+        return storage.version(ref.location)
+    return ref.text
+
+
 def materialize(reference: str, what: str = "model") -> str:
     """A local directory on this node holding the referenced files."""
     ref = parse(reference, what)

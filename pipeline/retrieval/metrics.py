@@ -37,6 +37,18 @@ class StreamedMetrics:
         for value in ir_measures.iter_calc(self.measures, judged, {q: run_block[q] for q in judged}):
             self.sums[value.measure] += float(value.value)
 
+    def block_sums(self, run_block: dict[str, dict[str, float]]) -> dict[str, float]:
+        """What :meth:`add` would add for ``run_block``, by measure name (to store beside a
+        block's results), added too."""
+        before = dict(self.sums)
+        self.add(run_block)
+        return {str(m): self.sums[m] - before[m] for m in self.measures}
+
+    def add_sums(self, sums: dict[str, float]) -> None:
+        """A stored block's :meth:`block_sums`."""
+        for m in self.measures:
+            self.sums[m] += sums[str(m)]
+
     def result(self) -> dict[str, float]:
         # ir_measures averages over every query of the qrels, judged relevant or not.
         n = len(self.qrels)

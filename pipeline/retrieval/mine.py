@@ -120,8 +120,7 @@ def _made_by(cfg: MineConfig) -> dict:
         "qrels": storage.version(cfg.qrels),
         "answers": storage.version(cfg.answers) if cfg.answers else "",
     }
-    if model_ref.parse(cfg.encoder.model, "--encoder.model").kind in ("local", "storage"):
-        versions["model"] = storage.version(cfg.encoder.model)
+    versions["model"] = model_ref.version(cfg.encoder.model, "--encoder.model")
     return {"settings": settings, "versions": versions}
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
@@ -31,6 +32,7 @@ from models.reranker import (
 from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig, actor_device, stream_actor_pool
 from pipeline.core.errors import InputError
+from pipeline.core.parts import claim, finished_blocks, join_parts, part_uri, remove_parts
 from pipeline.core.progress import progress
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS, SAMPLE_DEV_QRELS, SAMPLE_DEV_QUERIES
@@ -247,6 +249,41 @@ def _blocks(cfg: RerankScoreConfig, run_uri: str, qrels_uri: str, queries: dict,
         yield block
 
 
+PART_FILES = ("run.trec", "block.json")
+
+
+def _made_by(cfg: RerankScoreConfig, model_uri: str, lengths: PairLengths) -> dict:
+    """What the scores depend on: the model and its stored version, the pair lengths, the
+    settings that pick the pairs, and the stored versions of the run, queries, judgments
+    and corpus."""
+    inputs = {name: getattr(cfg, name) for name in ("run", "queries", "qrels", "corpus") if getattr(cfg, name)}
+    return {
+        "model": model_uri,
+        "model_version": model_ref.version(model_uri, "--model"),
+        "lengths": asdict(lengths),
+        "pairs": {k: getattr(cfg, k) for k in ("depth", "include_positives", "queries_per_task", "precision")},
+        "versions": {name: storage.version(uri) for name, uri in inputs.items()},
+    }
+
+
+def _write_block(output: str, block: dict, scores: list, reranked_metrics, first_stage_metrics) -> None:
+    """A scored block's re-ranked run lines, then its metric sums (last: the block is done)."""
+    reranked, first_stage = {}, {}
+    with storage.open_output(part_uri(output, block["index"], "run.trec")) as out:
+        for qid, cands, query_scores, first in zip(
+            block["query_ids"], block["candidates"], scores, block["first_stage"]
+        ):
+            order = np.argsort(-query_scores, kind="stable")
+            write_trec_lines(out, qid, [cands[i] for i in order], query_scores[order].tolist(), tag="rerank")
+            reranked[qid] = dict(zip(cands[: len(first)], map(float, query_scores[: len(first)])))
+            first_stage[qid] = dict(zip(cands, first))
+    sums = {
+        "metrics": reranked_metrics.block_sums(reranked),
+        "first_stage_metrics": first_stage_metrics.block_sums(first_stage),
+    }
+    storage.write_json(part_uri(output, block["index"], "block.json"), sums)
+
+
 def run_scoring(cfg: RerankScoreConfig) -> dict:
     """Score the run's top-``depth`` candidates on Ray actors, write the re-ranked run, evaluate."""
 
@@ -263,44 +300,45 @@ def run_scoring(cfg: RerankScoreConfig) -> dict:
     first_stage_metrics = StreamedMetrics(qrels, JOB_MEASURES.values())
     counts = {"queries": 0, "pairs": 0, "positives_added": 0}
     out_run = storage.join(output, "run.trec")
+    discarded = claim(output, _made_by(cfg, model_uri, lengths), what="scored blocks' files")
+    if discarded:
+        print(discarded, file=sys.stderr, flush=True)
+    done = finished_blocks(output, PART_FILES)
+    blocks = list(range(-(-count_run_queries(run_uri) // cfg.queries_per_task)))
+
+    def todo():
+        """The run's blocks not yet scored; a scored one's sums count as they were stored."""
+        for b, block in enumerate(_blocks(cfg, run_uri, qrels_uri, queries, qrels, counts)):
+            if b in done:
+                stored = storage.read_json(part_uri(output, b, "block.json"))
+                reranked_metrics.add_sums(stored["metrics"])
+                first_stage_metrics.add_sums(stored["first_stage_metrics"])
+            else:
+                yield {**block, "index": b}
+
     remote = ray.remote(RerankerActor).options(**cfg.pool.remote_options(), max_restarts=0)
     actor_seconds = 0.0
-    with (
-        PassageStore(
-            stage_text(cfg.corpus, cfg.text or storage.join(output, "text-shards"), cfg.docs_per_server),
-            cfg.docs_per_server,
-        ) as passages,
-        storage.open_output(out_run) as out,
-    ):
+    with PassageStore(
+        stage_text(cfg.corpus, cfg.text or storage.join(output, "text-shards"), cfg.docs_per_server),
+        cfg.docs_per_server,
+    ) as passages:
 
         def make_actor():
             return remote.remote(model_uri, lengths, cfg.batch_size, cfg.precision, cfg.pool, passages.actors)
 
         score_start = time.perf_counter()
         results = stream_actor_pool(
-            make_actor,
-            _blocks(cfg, run_uri, qrels_uri, queries, qrels, counts),
-            lambda actor, block: actor.score.remote(block),
-            cfg.pool.max_retries,
-            cfg.pool.actors,
+            make_actor, todo(), lambda actor, block: actor.score.remote(block), cfg.pool.max_retries, cfg.pool.actors
         )
         with progress(count_run_queries(run_uri), "rerank", "queries") as bar:
-            # In block order: each block (ids, first-stage scores) with its scores.
+            # In block order: each block (ids, first-stage scores) with its scores, to its part.
             for block, result in results:
                 bar.update(len(block["query_ids"]))
                 actor_seconds += result["seconds"]
-                reranked, first_stage = {}, {}
-                for qid, cands, scores, first in zip(
-                    block["query_ids"], block["candidates"], result["scores"], block["first_stage"]
-                ):
-                    order = np.argsort(-scores, kind="stable")
-                    write_trec_lines(out, qid, [cands[i] for i in order], scores[order].tolist(), tag="rerank")
-                    reranked[qid] = dict(zip(cands[: len(first)], map(float, scores[: len(first)])))
-                    first_stage[qid] = dict(zip(cands, first))
-                if qrels:
-                    reranked_metrics.add(reranked)
-                    first_stage_metrics.add(first_stage)
+                _write_block(output, block, result["scores"], reranked_metrics, first_stage_metrics)
         score_s = time.perf_counter() - score_start
+    join_parts(output, blocks, "run.trec", out_run)
+    remove_parts(output)
 
     summary = {
         "job": "rerank_score",
