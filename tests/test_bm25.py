@@ -212,6 +212,33 @@ def test_negatives_exclude_judged_positives(beir, corpus_index):
         assert p["text"] == texts[p["docid"]]
 
 
+def test_bm25_negatives_stopped_mid_way_resume_from_their_finished_blocks(beir, shared_ray, monkeypatch):
+    """One query per block: stopped after two blocks and rerun, the job retrieves only the
+    third and writes what an unstopped run writes."""
+    from pipeline.retrieval import bm25
+
+    whole = config(beir, count=3, batch_size=1, output=str(beir / "whole" / "neg.jsonl"))
+    assert mine_negatives(whole)["blocks"] == 3
+    write_block, written = bm25._retrieve_block, []
+
+    def stopped_after_two(cfg, folder, block, hits, qrels):
+        if len(written) == 2:
+            raise KeyboardInterrupt
+        write_block(cfg, folder, block, hits, qrels)
+        written.append(block)
+
+    stopped = replace(whole, output=str(beir / "stopped" / "neg.jsonl"))
+    monkeypatch.setattr(bm25, "_retrieve_block", stopped_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        mine_negatives(stopped)
+    monkeypatch.setattr(bm25, "_retrieve_block", write_block)
+    resumed = mine_negatives(stopped)
+    assert (resumed["blocks"], resumed["blocks_resumed"]) == (3, 2)
+    for name in ("neg.jsonl", "neg.run.trec"):
+        assert (beir / "stopped" / name).read_bytes() == (beir / "whole" / name).read_bytes(), name
+    assert not (beir / "stopped" / "neg.parts").exists()
+
+
 def test_random_sample_is_seeded_subset_in_rank_order(beir, corpus_index):
     cfg = config(beir, count=2, sample="random", seed=3, run="none")
     full = bm25_run(corpus_index, {"q1": "zebra stripes"})["q1"]

@@ -25,10 +25,12 @@ out before the next block is asked for.
 
 from __future__ import annotations
 
+import itertools
 import os
 import resource
+import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Iterator, Literal
 
 import bm25s
@@ -39,16 +41,18 @@ import ray
 
 from pipeline.core import storage
 from pipeline.core.errors import StorageError
+from pipeline.core.parts import claim, finished_blocks, join_parts, part_uri
 from pipeline.core.progress import get_counted
 from pipeline.core.runtime import RayConfig
-from pipeline.data.beir import positives, read_queries
+from pipeline.data.beir import positives, read_qrels, read_queries
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import build_training_examples
 from pipeline.data.groups import select_negatives
-from pipeline.data.runs import read_negatives, write_negatives, write_trec_lines
+from pipeline.data.records import write_json_line
+from pipeline.data.runs import negatives_record, read_negatives, write_trec_lines
 from pipeline.data.tevatron import passage_lookup, write_tevatron
 from pipeline.data.text_shards import group_shards, read_text_load, stage_text
-from pipeline.retrieval.fanout import SERVER_RESTARTS, ShardFanout, ranked_ids, read_qrels_of_corpus
+from pipeline.retrieval.fanout import SERVER_RESTARTS, ShardFanout, query_block, ranked_ids, read_qrels_of_corpus
 
 
 @dataclass
@@ -401,48 +405,99 @@ def _text_folder(cfg: Bm25Config) -> str:
     return cfg.text or cfg.output.removesuffix(".gz").removesuffix(".jsonl") + ".text-shards"
 
 
+PART_FILES = ("negatives.jsonl", "run.trec", "counts.json")
+COUNTS = ("negatives", "positives_dropped", "short", "none")
+
+
+def _parts_folder(cfg: Bm25Config) -> str:
+    return cfg.output.removesuffix(".gz").removesuffix(".jsonl") + ".parts"
+
+
+def _made_by(cfg: Bm25Config) -> dict:
+    """What the negatives depend on: every setting but where things go and how fast, and
+    the stored versions of the corpus, queries and judgments."""
+    skip = ("output", "run", "text", "tevatron", "threads", "ray")
+    return {
+        "settings": {k: v for k, v in asdict(cfg).items() if k not in skip},
+        "versions": {name: storage.version(getattr(cfg, name)) for name in ("corpus", "queries", "qrels")},
+    }
+
+
+def _retrieve_block(cfg: Bm25Config, folder: str, block: int, hits, qrels: dict) -> None:
+    """One block's run lines, negatives and counts, each part written whole, counts last."""
+    counts = dict.fromkeys(COUNTS, 0)
+    with (
+        storage.open_output(part_uri(folder, block, "negatives.jsonl")) as neg_out,
+        storage.open_output(part_uri(folder, block, "run.trec")) as run_out,
+    ):
+        for qid, ids, scores in hits:
+            write_trec_lines(run_out, qid, ids, scores, tag="bm25")
+            judged = set(positives(qrels.get(qid, {})))
+            negs, neg_scores = select_negatives(qid, ids, scores, judged, cfg)
+            counts["negatives"] += len(negs)
+            counts["positives_dropped"] += sum(d in judged for d in ids)
+            counts["short"] += len(negs) < cfg.count
+            counts["none"] += not negs
+            write_json_line(neg_out, negatives_record(qid, negs, neg_scores if cfg.write_scores else None))
+    storage.write_json(part_uri(folder, block, "counts.json"), counts)
+
+
+def _index_summary(index: ShardedBm25) -> dict:
+    return {
+        "docs": index.total,
+        "shards": len(index.shards),
+        "vocab_size": index.vocab_size,
+        "index_bytes": index.nbytes,
+        "shard_peak_rss_bytes": max(s["peak_rss_bytes"] for s in index.shards),
+        "index_seconds": round(index.seconds, 2),
+        "corpus": index.corpus_stats,
+    }
+
+
 def mine_negatives(cfg: Bm25Config) -> dict:
-    """Write the negatives jsonl (and the run); returns the job summary."""
+    """Write the negatives jsonl (and the run); returns the job summary.
+
+    Query blocks go to part files beside the output first (:mod:`pipeline.core.parts`): a
+    run stopped mid-way and rerun builds the index again but retrieves only the blocks it
+    lacks (none: not even the index), unless a setting or an input changed."""
     start = time.perf_counter()
     for uri in (cfg.corpus, cfg.queries, cfg.qrels):  # fail before spending minutes on the index
         if not storage.exists(uri):
             raise StorageError(f"{uri}: no such file or directory")
     queries = read_queries(cfg.queries)
-    counts = {"negatives": 0, "positives_dropped": 0, "short": 0, "none": 0}
+    qids = list(queries)
+    folder = _parts_folder(cfg)
+    discarded = claim(folder, _made_by(cfg), what="retrieved blocks' files")
+    if discarded:
+        print(discarded, file=sys.stderr, flush=True)
+    text = stage_text(cfg.corpus, _text_folder(cfg), cfg.docs_per_shard)
+    block = cfg.batch_size or query_block(len(group_shards(text["shards"], cfg.docs_per_shard)))
+    blocks = list(range(-(-len(qids) // block)))
+    todo = [b for b in blocks if b not in finished_blocks(folder, PART_FILES)]
+    retrieve_s = 0.0
+    if todo:
+        scoring = {k: getattr(cfg, k) for k in ("k1", "b", "method", "lowercase", "stopwords", "stemmer")}
+        with build_index(text, **scoring, docs_per_shard=cfg.docs_per_shard) as index:
+            storage.write_json(storage.join(folder, "index.json"), _index_summary(index))
+            qrels = read_qrels_of_corpus(cfg.qrels, index, set(queries))
+            retrieve_start = time.perf_counter()
+            todo_queries = {q: queries[q] for b in todo for q in qids[b * block : (b + 1) * block]}
+            hits = search(index, todo_queries, cfg.depth, batch_size=block, threads=cfg.threads)
+            for b in todo:
+                _retrieve_block(cfg, folder, b, itertools.islice(hits, len(qids[b * block : (b + 1) * block])), qrels)
+            retrieve_s = time.perf_counter() - retrieve_start
+    else:
+        qrels = read_qrels(cfg.qrels, query_ids=set(queries))  # its documents were checked when retrieved
+    counts = dict.fromkeys(COUNTS, 0)
+    for b in blocks:
+        for key, value in storage.read_json(part_uri(folder, b, "counts.json")).items():
+            counts[key] += value
+    join_parts(folder, blocks, "negatives.jsonl", cfg.output)
     run_uri = cfg.run_uri()
-    index = build_index(
-        stage_text(cfg.corpus, _text_folder(cfg), cfg.docs_per_shard),
-        k1=cfg.k1,
-        b=cfg.b,
-        method=cfg.method,
-        lowercase=cfg.lowercase,
-        stopwords=cfg.stopwords,
-        stemmer=cfg.stemmer,
-        docs_per_shard=cfg.docs_per_shard,
-    )
-    with index:
-        qrels = read_qrels_of_corpus(cfg.qrels, index, set(queries))
-        retrieve_start = time.perf_counter()
-
-        def rows(run_out) -> Iterator[tuple[str, list[str], list[float] | None]]:
-            hits = search(index, queries, cfg.depth, batch_size=cfg.batch_size or None, threads=cfg.threads)
-            for qid, ids, scores in hits:
-                if run_out is not None:
-                    write_trec_lines(run_out, qid, ids, scores, tag="bm25")
-                judged = set(positives(qrels.get(qid, {})))
-                negs, neg_scores = select_negatives(qid, ids, scores, judged, cfg)
-                counts["negatives"] += len(negs)
-                counts["positives_dropped"] += sum(d in judged for d in ids)
-                counts["short"] += len(negs) < cfg.count
-                counts["none"] += not negs
-                yield qid, negs, neg_scores if cfg.write_scores else None
-
-        if run_uri is None:
-            write_negatives(rows(None), cfg.output)
-        else:
-            with storage.open_output(run_uri) as run_out:
-                write_negatives(rows(run_out), cfg.output)
-        retrieve_s = time.perf_counter() - retrieve_start
+    if run_uri is not None:
+        join_parts(folder, blocks, "run.trec", run_uri)
+    index_summary = storage.read_json(storage.join(folder, "index.json"))
+    storage.delete_dir(folder)
     n = len(queries)
     tevatron = _write_tevatron(cfg, queries, qrels) if cfg.tevatron else None
     return {
@@ -451,18 +506,14 @@ def mine_negatives(cfg: Bm25Config) -> dict:
         "run": run_uri,
         "tevatron": tevatron,
         "queries": n,
-        "docs": index.total,
-        "shards": len(index.shards),
+        "blocks": len(blocks),
+        "blocks_resumed": len(blocks) - len(todo),
         "queries_without_positive": sum(1 for q in queries if not positives(qrels.get(q, {}))),
         "negatives_per_query": round(counts["negatives"] / max(n, 1), 3),
         "queries_short": counts["short"],
         "queries_no_negatives": counts["none"],
         "positives_dropped": counts["positives_dropped"],
-        "vocab_size": index.vocab_size,
-        "index_bytes": index.nbytes,
-        "shard_peak_rss_bytes": max(s["peak_rss_bytes"] for s in index.shards),
-        "index_seconds": round(index.seconds, 2),
         "retrieve_seconds": round(retrieve_s, 2),
         "seconds": round(time.perf_counter() - start, 2),
-        "corpus": index.corpus_stats,
+        **index_summary,
     }
