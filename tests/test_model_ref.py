@@ -68,6 +68,24 @@ def test_a_local_output_is_refused_on_a_cluster_of_several_nodes():
         check_outputs_shared(cfg, nodes=3)
 
 
+def test_a_joined_cluster_is_a_cluster_even_with_only_its_head_alive(monkeypatch, tiny_model):
+    """Autoscaling from zero: when the job starts, only the head is alive, but workers that
+    share no disk will come. A job that joined a cluster refuses local outputs and models
+    unless the config says the cluster is one machine."""
+    from pipeline.core import runtime
+
+    cfg = FinetuneConfig()
+    cfg.train.output = "runs/finetune"
+    monkeypatch.setitem(runtime._joined, "cluster", True)
+    with pytest.raises(ConfigError, match="--train.output runs/finetune: a local path, but this job joined a Ray"):
+        check_outputs_shared(cfg, nodes=1)
+    with pytest.raises(ConfigError, match="local directory, but this job joined a Ray cluster.*--ray.single_node"):
+        model_ref.check(tiny_model, "--model.init", nodes=1)
+    monkeypatch.setitem(runtime._joined, "cluster", False)  # what --ray.single_node true leaves
+    check_outputs_shared(cfg, nodes=1)
+    assert model_ref.check(tiny_model, nodes=1) == tiny_model
+
+
 def test_a_missing_stored_init_fails_on_the_driver_before_any_worker(s3_bucket, tmp_path):
     cfg = PretrainConfig()
     cfg.model.init = f"s3://{s3_bucket}/no/such/export"

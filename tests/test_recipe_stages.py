@@ -354,3 +354,36 @@ def test_every_data_file_a_shipped_config_names_is_in_the_repository():
     assert any(p.startswith("data/nave/") for p in named)
     for path, config in named.items():
         assert path.startswith("data/") and os.path.isfile(os.path.join(root, path)), (config, path)
+
+
+def test_a_failed_stage_is_run_again_but_a_user_error_is_not(tmp_path, capsys):
+    """A stage that dies (a lost node) is run again, up to ``retries`` times, and recorded
+    once it succeeds; a user error fails at once, and so does the last allowed failure."""
+    from pipeline.core.errors import InputError
+    from pipeline.workflows.units import Unit, run_units
+
+    attempts = {"flaky": 0, "bad": 0, "broken": 0}
+
+    def flaky():
+        attempts["flaky"] += 1
+        if attempts["flaky"] < 3:
+            raise RuntimeError("ActorDiedError: the node died")
+        return {"outputs": {"x": "ok"}}
+
+    def bad():
+        attempts["bad"] += 1
+        raise InputError("queries.jsonl line 2: malformed JSON")
+
+    def broken():
+        attempts["broken"] += 1
+        raise RuntimeError("still broken")
+
+    manifest = RunManifest(str(tmp_path), "recipe.json")
+    assert run_units(manifest, [Unit("flaky", flaky)], "[t]", retries=2) == ["flaky"]
+    assert attempts["flaky"] == 3 and manifest.done("flaky")
+    assert capsys.readouterr().err.count("[t] flaky: failed (RuntimeError: ActorDiedError") == 2
+    with pytest.raises(InputError):
+        run_units(manifest, [Unit("bad", bad)], "[t]", retries=2)
+    with pytest.raises(RuntimeError, match="still broken"):
+        run_units(manifest, [Unit("broken", broken)], "[t]", retries=1)
+    assert (attempts["bad"], attempts["broken"]) == (1, 2)

@@ -34,7 +34,7 @@ import huggingface_hub
 
 from pipeline.core import storage
 from pipeline.core.errors import ConfigError, StorageError
-from pipeline.core.runtime import cluster_nodes
+from pipeline.core.runtime import shared_nothing
 
 PACKAGE_PREFIX = "package:"
 # A Hub id: "name" or "org/name", then an optional "@revision".
@@ -90,11 +90,10 @@ def check(reference: str, what: str = "model", nodes: int | None = None) -> str:
             hint = " (nor a Hub id: a Hub id is 'name' or 'org/name')" if relative else ""
             raise ConfigError(f"{what} {ref.text}: no such directory{hint}")
         _check_marker(ref.text, what, lambda name: os.path.isfile(os.path.join(ref.location, name)))
-        nodes = cluster_nodes() if nodes is None else nodes
-        if nodes > 1:
+        why = shared_nothing(nodes)
+        if why:
             raise ConfigError(
-                f"{what} {ref.text}: a local directory, but this Ray cluster has {nodes} nodes that share "
-                "no disk; copy it to object storage (s3://...) or name a Hub id"
+                f"{what} {ref.text}: a local directory, but {why}; copy it to object storage (s3://...) or name a Hub id"
             )
     elif ref.kind == "package":
         _package_path(ref, what)

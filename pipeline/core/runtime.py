@@ -28,6 +28,12 @@ class RayConfig:
             "help": "logical CPUs of a local Ray; 0 = max(4, cores), so Ray Data's readers never starve the trainers"
         },
     )
+    single_node: bool = field(
+        default=False,
+        metadata={
+            "help": "the cluster this job joins is one machine, so local paths are fine; otherwise a joined cluster may add nodes (autoscaling) and every output and model must be in object storage"
+        },
+    )
 
 
 # Variables a local Ray must see before it starts, because its workers inherit them.
@@ -51,6 +57,10 @@ _PASSED_ENV = (
 )
 
 
+# Whether this process joined a Ray cluster it did not start, and may see it grow.
+_joined = {"cluster": False}
+
+
 def init_ray(cfg: RayConfig) -> None:
     quiet_library_bars()
     if ray.is_initialized():
@@ -58,6 +68,7 @@ def init_ray(cfg: RayConfig) -> None:
     address = cfg.address or os.environ.get("RAY_ADDRESS", "")
     if address:
         ray.init(address=address, log_to_driver=True)
+        _joined["cluster"] = not cfg.single_node
         return
     num_cpus = cfg.num_cpus or max(4, os.cpu_count() or 1)
     env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
@@ -72,12 +83,27 @@ def cluster_nodes() -> int:
     return sum(1 for node in ray.nodes() if node.get("Alive"))
 
 
+def shared_nothing(nodes: int | None = None) -> str:
+    """Why this job's nodes may share no disk ("" when they cannot): several are alive, or it
+    joined a cluster that may add nodes later (autoscaling from only a head), unless the
+    config says that cluster is one machine (``--ray.single_node``)."""
+    nodes = cluster_nodes() if nodes is None else nodes
+    if nodes > 1:
+        return f"this Ray cluster has {nodes} nodes that share no disk"
+    if _joined["cluster"]:
+        return (
+            "this job joined a Ray cluster, which may add nodes that share no disk (autoscaling); "
+            "--ray.single_node true if it is one machine"
+        )
+    return ""
+
+
 def check_outputs_shared(cfg, nodes: int | None = None) -> None:
     """On a cluster of several nodes, every ``output`` of a config (top level or one level
     down, e.g. ``train.output``, ``corpus.output``) must be object storage: a local folder
     written by one node is invisible to the others, and a later stage would read nothing."""
-    nodes = cluster_nodes() if nodes is None else nodes
-    if nodes < 2:
+    why = shared_nothing(nodes)
+    if not why:
         return
     sections = [("", cfg)] + [
         (f"{f.name}.", getattr(cfg, f.name))
@@ -88,8 +114,8 @@ def check_outputs_shared(cfg, nodes: int | None = None) -> None:
         value = getattr(section, "output", "")
         if isinstance(value, str) and value and not storage.is_s3(value):
             raise ConfigError(
-                f"--{prefix}output {value}: a local path, but this Ray cluster has {nodes} nodes that share no "
-                "disk; use object storage (s3://bucket/prefix) so every node reads what another wrote"
+                f"--{prefix}output {value}: a local path, but {why}; use object storage (s3://bucket/prefix) "
+                "so every node reads what another wrote"
             )
 
 

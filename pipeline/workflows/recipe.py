@@ -160,6 +160,12 @@ class RecipeConfig:
         default="", metadata={"help": "forget this stage and every later one, then run from it (CLI: --from)"}
     )
     stop_after: str = field(default="", metadata={"help": "stop once this stage is recorded"})
+    retries: int = field(
+        default=2,
+        metadata={
+            "help": "times a failed stage is run again (resuming from what it committed) before the recipe gives up; a user error (exit 2) is not retried"
+        },
+    )
     ray: RayConfig = field(default_factory=RayConfig)
 
 
@@ -563,7 +569,9 @@ def run_recipe(cfg: RecipeConfig, stage_functions: dict[str, Callable[[StageCont
     units = recipe_units(cfg, manifest, stage_functions)
     write_run_files(cfg, cfg.output)
     redo = enabled[enabled.index(cfg.start_from) :] if cfg.start_from else []
-    ran = run_units(manifest, units, "[recipe] stage", redo=redo, only=cfg.only, stop_after=cfg.stop_after)
+    ran = run_units(
+        manifest, units, "[recipe] stage", redo=redo, only=cfg.only, stop_after=cfg.stop_after, retries=cfg.retries
+    )
     results = write_results(cfg.output, manifest)
     return {
         "job": "recipe",

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.core.config import redact, to_dict
+from pipeline.core.entry import user_error
 from pipeline.workflows.manifest import RunManifest
 
 # Where or how a unit runs, not what it computes: changing these resumes rather than redoes.
@@ -91,12 +93,15 @@ def run_units(
     redo: Iterable[str] = (),
     only: str = "",
     stop_after: str = "",
+    retries: int = 0,
 ) -> list[str]:
     """Run the units this invocation needs, in table order; returns the names it ran.
 
     ``only`` runs that unit again from an empty folder and leaves every other record as it is;
     ``redo`` names units to run again from scratch; ``stop_after`` ends the run once that unit
-    is recorded."""
+    is recorded. A unit that fails is run again up to ``retries`` times (it resumes from
+    what it committed: checkpoints, shards, parts), unless the failure is the user's (a
+    :class:`RaydenseError`: a bad setting or input fails the same way every time)."""
     settings = settings_of(units)
     by_name = {unit.name: unit for unit in units}
     folders = lambda name: by_name[name].folders
@@ -109,5 +114,17 @@ def run_units(
         last = names.index(stop_after) if stop_after else len(names)
         todo = [n for n in names[: last + 1] if not manifest.done(n)]
     for name in todo:
-        manifest.run(name, settings[name], by_name[name].work, label)
+        for attempt in range(retries + 1):
+            try:
+                manifest.run(name, settings[name], by_name[name].work, label)
+                break
+            except Exception as exc:
+                if attempt == retries or user_error(exc) is not None:
+                    raise
+                print(
+                    f"{label} {name}: failed ({type(exc).__name__}: {str(exc)[:300]}); "
+                    f"running it again ({attempt + 1} of {retries})",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return todo
