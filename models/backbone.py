@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForMaskedLM, BertConfig, BertForMaskedLM
+from transformers.utils import logging as hf_logging
 
 
 @dataclass
@@ -32,6 +34,37 @@ class BackboneConfig:
     intermediate_size: int = field(default=512, metadata={"help": "random init only"})
     max_position: int = field(default=512, metadata={"help": "random init only"})
     dropout: float = field(default=0.1, metadata={"help": "hidden and attention dropout (random init only)"})
+
+
+# Weights a checkpoint may lack or carry beyond what the loaded class uses, as our own exports
+# do: an encoder exported without its pooler, an MLM export read as an encoder (its head).
+EXPECTED_MISSING = ("pooler.", "cls.predictions.decoder.bias", "classifier.")
+EXPECTED_UNEXPECTED = ("cls.", "pooler.", "lm_head.")
+
+
+def load_pretrained(model_class, path: str, **kwargs):
+    """``model_class.from_pretrained(path)`` from safetensors when the folder has them,
+    without transformers' multi-line load report: the weights a BERT export is expected to
+    lack or carry beyond the class (pooler, MLM head) pass silently, anything else is named
+    in one warning line."""
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = model_class.from_pretrained(
+            path, use_safetensors=has_safetensors(path), output_loading_info=True, **kwargs
+        )
+    finally:
+        hf_logging.set_verbosity(previous)
+    missing = [k for k in info.get("missing_keys", []) if not k.startswith(EXPECTED_MISSING)]
+    unexpected = [k for k in info.get("unexpected_keys", []) if not k.startswith(EXPECTED_UNEXPECTED)]
+    for what, keys in (
+        ("not in the checkpoint, initialised at random", missing),
+        ("in the checkpoint, unused", unexpected),
+    ):
+        if keys:
+            shown = ", ".join(sorted(keys)[:4]) + (f" (+{len(keys) - 4} more)" if len(keys) > 4 else "")
+            warnings.warn(f"{path}: {len(keys)} weights {what}: {shown}", stacklevel=2)
+    return model
 
 
 def build_mlm(cfg: BackboneConfig, vocab_size: int) -> BertForMaskedLM:
@@ -53,7 +86,7 @@ def build_mlm(cfg: BackboneConfig, vocab_size: int) -> BertForMaskedLM:
                 f"backbone init {cfg.init!r} has vocab_size {config.vocab_size} but the corpus was tokenized "
                 f"with a vocabulary of {vocab_size}: prepare the corpus with this checkpoint's tokenizer"
             )
-        model = AutoModelForMaskedLM.from_pretrained(cfg.init, use_safetensors=has_safetensors(cfg.init))
+        model = load_pretrained(AutoModelForMaskedLM, cfg.init)
         if not isinstance(model, BertForMaskedLM):
             raise ValueError(f"backbone init {cfg.init!r}: loaded {type(model).__name__}, expected BertForMaskedLM")
         return model

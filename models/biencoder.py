@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModel
 
-from models.backbone import export_backbone, has_safetensors
+from models.backbone import export_backbone, load_pretrained
 from models.batches import ids_and_mask
 from models.distributed import gather_with_grad, world_size
 from models.grad_cache import engine_grad_cache_backward
@@ -171,7 +171,7 @@ def load_biencoder(export_dir: str, overrides: dict | None = None) -> BiEncoder:
     cfg = BiEncoderConfig(**{k: v for k, v in {**settings, **(overrides or {})}.items() if k in known})
 
     def encoder(path: str) -> nn.Module:
-        return AutoModel.from_pretrained(path, use_safetensors=has_safetensors(path)).eval()
+        return load_pretrained(AutoModel, path).eval()
 
     if settings.get("towers"):
         cfg.shared_encoder = False
@@ -265,7 +265,7 @@ class ContrastiveObjective:
         self.cfg = cfg
 
     def build(self, init_dir: str) -> BiEncoder:
-        encoder = AutoModel.from_pretrained(init_dir, use_safetensors=has_safetensors(init_dir))
+        encoder = load_pretrained(AutoModel, init_dir)
         pooler = getattr(encoder, "pooler", None)
         if pooler is not None:  # unused by CLS/mean pooling: frozen, so no worker waits on its gradient
             pooler.requires_grad_(False)

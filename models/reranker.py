@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-from models.backbone import has_safetensors
+from models.backbone import load_pretrained
 
 SETTINGS_FILE = "reranker.json"
 
@@ -169,9 +169,7 @@ def build_reranker(init: str, lengths: PairLengths | None = None) -> CrossEncode
     classifier = any(a.endswith("ForSequenceClassification") for a in (config.architectures or []))
     if classifier and config.num_labels != 1:
         raise ValueError(f"{init} is a classifier with {config.num_labels} labels; a re-ranker needs one")
-    model = AutoModelForSequenceClassification.from_pretrained(
-        init, num_labels=1, use_safetensors=has_safetensors(init)
-    )
+    model = load_pretrained(AutoModelForSequenceClassification, init, num_labels=1)
     return CrossEncoder(model, lengths)
 
 
@@ -190,7 +188,7 @@ def load_reranker(export_dir: str) -> CrossEncoder:
 
     if not os.path.isfile(os.path.join(export_dir, "config.json")):
         raise FileNotFoundError(f"{export_dir}: no config.json; is this a re-ranker export?")
-    model = AutoModelForSequenceClassification.from_pretrained(export_dir, use_safetensors=has_safetensors(export_dir))
+    model = load_pretrained(AutoModelForSequenceClassification, export_dir)
     return CrossEncoder(model, load_settings(export_dir)).eval()
 
 

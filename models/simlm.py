@@ -26,8 +26,8 @@ from transformers.masking_utils import create_bidirectional_mask
 
 from models.backbone import (
     export_backbone,
-    has_safetensors,
     load_module_state,
+    load_pretrained,
     save_module,
 )
 from models.masking import IGNORE_INDEX, MaskingVocab, select_words, word_ids
@@ -76,7 +76,7 @@ def load_generator(path: str, vocab_size: int) -> nn.Module:
             f"SimLM generator {path!r} has vocab_size {generator_vocab} but the corpus vocabulary has {vocab_size}: "
             "the generator must use the corpus tokenizer (train it on the same prepared corpus)"
         )
-    model = AutoModelForMaskedLM.from_pretrained(path, use_safetensors=has_safetensors(path))
+    model = load_pretrained(AutoModelForMaskedLM, path)
     return model.eval().requires_grad_(False)
 
 

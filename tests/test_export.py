@@ -55,3 +55,33 @@ def test_every_method_exports_a_drop_in_bert_and_its_extra_weights(method, token
         assert os.path.basename(paths["head_path"]) == extra and state and meta
     else:
         assert "head_path" not in paths
+
+
+def test_loading_our_exports_prints_no_load_report_and_a_real_gap_one_warning(tmp_path, capfd):
+    """An MLM export read as an encoder carries an MLM head and no pooler: expected, silent
+    (transformers would print a multi-line LOAD REPORT). A checkpoint missing an encoder
+    weight is named in one warning."""
+    import warnings
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModel
+
+    from models.backbone import export_backbone, load_pretrained
+    from tests.helpers import tiny_mlm
+
+    export_backbone(tiny_mlm(), str(tmp_path / "export"))
+    export = str(tmp_path / "export")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_pretrained(AutoModel, export)
+    out, err = capfd.readouterr()
+    assert not caught and "LOAD REPORT" not in out + err
+
+    weights = load_file(f"{export}/model.safetensors")
+    del weights[next(k for k in weights if "encoder.layer.0.attention.self.query.weight" in k)]
+    save_file(weights, f"{export}/model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(
+        UserWarning, match=r"1 weights not in the checkpoint, initialised at random: .*layer\.0\.attention"
+    ):
+        load_pretrained(AutoModel, export)
+    assert "LOAD REPORT" not in "".join(capfd.readouterr())

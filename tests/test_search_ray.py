@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -271,6 +272,33 @@ def test_a_searcher_killed_mid_search_comes_back_and_every_block_is_answered_onc
     assert (np.concatenate([b[2] for b in blocks]) == ref_rows).mean() > 0.99
 
 
+def test_indexing_builds_only_the_shards_it_lacks_and_never_mixes_settings(encoded, collection, tmp_path):
+    """An index of 3 shards losing one (a build killed before it finished) builds that one
+    again, with the same quantiser, and searches as before; another factory into the same
+    folder rebuilds them all."""
+    cfg, _ = encoded
+    job = IndexJobConfig(
+        embeddings=cfg.output,
+        output=str(tmp_path / "index"),
+        embedding_shards_per_index=2,
+        index=IndexConfig(factory="IVF4,Flat", nprobe=4),
+    )
+    first = run_indexing(job)
+    assert (first["shards"], first["shards_built"]) == (3, 3)
+    queries = np.random.default_rng(2).standard_normal((8, read_all(cfg.output)[2].shape[1])).astype(np.float32)
+    with ShardedIndex(job.output, nprobe=4) as index:
+        before = index.search(queries, 10)
+    os.remove(tmp_path / "index" / "shards" / "index-00001.faiss.json")
+    again = run_indexing(job)
+    assert (again["shards"], again["shards_built"]) == (3, 1)
+    with ShardedIndex(job.output, nprobe=4) as index:
+        after = index.search(queries, 10)
+    assert np.array_equal(before[1], after[1]) and np.allclose(before[0], after[0])
+    assert run_indexing(job)["shards_built"] == 0
+    flat = run_indexing(IndexJobConfig(**{**job.__dict__, "index": IndexConfig(factory="Flat")}))
+    assert flat["shards_built"] == 3
+
+
 def test_a_factory_faiss_rejects_and_a_wrong_dimension_shard_are_clear_errors(encoded, collection, tmp_path):
     import shutil
 
@@ -442,6 +470,53 @@ def test_evaluate_job_matches_ir_measures_on_a_brute_force_run(encoded, collecti
                 str(tmp_path / "eval2"),
             ]
         )
+
+
+def test_an_evaluation_rerun_reuses_its_encoding_index_and_searched_blocks(
+    encoded,
+    collection,
+    tiny_bert,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    capsys,
+):
+    """Search blocks of 5 queries: stopped after two of four blocks, the rerun encodes
+    nothing, builds no index shard, searches the two blocks left, and writes the same run and
+    metrics as an evaluation never stopped."""
+    from pipeline.retrieval import evaluate as evaluation
+
+    monkeypatch.setattr(evaluation, "query_block", lambda shards: 5)
+    job = evaluation.EvaluateJobConfig(
+        encoder=EncoderSettings(model=tiny_bert, pooling="mean"),
+        corpus=collection["corpus"],
+        queries=collection["queries"],
+        qrels=collection["qrels"],
+        k=50,
+        docs_per_shard=25,
+        pool=ActorConfig(actors=1),
+    )
+    whole = evaluation.run_evaluation(dataclasses.replace(job, output=str(tmp_path / "whole")))
+    assert (whole["search_blocks"], whole["search_blocks_resumed"]) == (4, 0)
+    write_lines, lines = evaluation.write_trec_lines, []
+
+    def stopped_in_the_third_block(out, *args, **kwargs):
+        if len(lines) == 10:
+            raise KeyboardInterrupt
+        lines.append(args[0])
+        write_lines(out, *args, **kwargs)
+
+    stopped = dataclasses.replace(job, output=str(tmp_path / "stopped"))
+    monkeypatch.setattr(evaluation, "write_trec_lines", stopped_in_the_third_block)
+    with pytest.raises(KeyboardInterrupt):
+        evaluation.run_evaluation(stopped)
+    monkeypatch.setattr(evaluation, "write_trec_lines", write_lines)
+    capsys.readouterr()
+    resumed = evaluation.run_evaluation(stopped)
+    assert (resumed["search_blocks"], resumed["search_blocks_resumed"]) == (4, 2)
+    assert resumed["metrics"] == pytest.approx(whole["metrics"])
+    assert (tmp_path / "stopped" / "run.trec").read_bytes() == (tmp_path / "whole" / "run.trec").read_bytes()
+    err = capsys.readouterr().err
+    assert "encode: " not in err.replace("encode: 0/0", "")  # every embedding shard reused
 
 
 def _synthetic_corpus_index(folder, n: int, dim: int) -> str:

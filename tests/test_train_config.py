@@ -134,3 +134,35 @@ def test_pair_fraction_counts_documents_long_enough_for_two_spans(tmp_path):
     assert _pair_fraction(str(tmp_path), manifest, CoCondenserConfig(min_span_length=8)) == pytest.approx(4 / 8)
     with pytest.raises(ValueError, match="lower --cocondenser.min_span_length"):
         _pair_fraction(str(tmp_path), manifest, CoCondenserConfig(min_span_length=60))
+
+
+def test_a_step_larger_than_an_epoch_warns_once_naming_the_ratio(capsys):
+    from pipeline.training.train_config import warn_if_a_step_exceeds_an_epoch
+
+    warn_if_a_step_exceeds_an_epoch(TrainConfig(micro_batch_size=100, num_workers=2), 250, "sequences")
+    assert capsys.readouterr().err == ""
+    warn_if_a_step_exceeds_an_epoch(TrainConfig(micro_batch_size=1000), 150, "sequences")
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "warning: one step reads 1000 sequences (micro_batch_size x grad_accum x num_workers), "
+        "more than an epoch (~150): each step spans ~6.7 epochs"
+    ]
+
+
+def test_ctrl_c_stops_a_job_with_one_line_saying_how_to_resume(monkeypatch, capsys):
+    from dataclasses import dataclass
+
+    from pipeline.core.entry import run_job
+
+    @dataclass
+    class Job:
+        steps: int = 1
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys, "argv", ["job.py"])
+    with pytest.raises(SystemExit) as exited:
+        run_job(Job, interrupted, "a job")
+    assert exited.value.code == 130
+    assert capsys.readouterr().err == "interrupted: rerun the same command to resume\n"

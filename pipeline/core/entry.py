@@ -37,6 +37,12 @@ def run_job(
             init_ray(cfg.ray)
             check_outputs_shared(cfg)
         summary = run(cfg)
+    except KeyboardInterrupt:
+        if argv is not None:
+            raise
+        # Everything a job commits (checkpoints, shards, parts) survives Ctrl-C.
+        print("interrupted: rerun the same command to resume", file=sys.stderr, flush=True)
+        sys.exit(130)
     except Exception as exc:
         error = user_error(exc)
         if argv is not None or error is None or os.environ.get("RAYDENSE_DEBUG") == "1":

@@ -191,8 +191,14 @@ def read_json(uri: str) -> Any:
         raise StorageError(f"{uri}: not valid JSON ({exc})") from exc
 
 
-def write_json(uri: str, obj: Any) -> None:
-    write_bytes(uri, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+def write_json(uri: str, obj: Any, *, keep_same: bool = False) -> None:
+    """``obj`` as JSON at ``uri``. ``keep_same``: leave the file as it is when it already
+    holds exactly this, so its stored version (:func:`version`) stays: what was made from it
+    is still current."""
+    data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    if keep_same and exists(uri) and read_bytes(uri) == data:
+        return
+    write_bytes(uri, data)
 
 
 def list_files(uri: str, suffix: str = "") -> list[str]:

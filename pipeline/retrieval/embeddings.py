@@ -106,8 +106,11 @@ def write_manifest(
     normalized: bool,
     similarity: str,
     model: str,
+    made_by: dict | None = None,
 ) -> dict:
-    """Write the manifest that marks the embeddings as complete; returns it."""
+    """Write the manifest that marks the embeddings as complete; returns it. ``made_by``
+    (what made the vectors) is kept in it, so embeddings made otherwise have another
+    manifest, and what was built from the old one (an index) is not taken as current."""
     shard_schema(dim, dtype)  # validates dtype
     if similarity not in SIMILARITIES:
         raise ArtifactError(f"similarity {similarity!r} is not one of {SIMILARITIES}")
@@ -130,9 +133,10 @@ def write_manifest(
         "model": model,
         "shards": shards,
         "count": sum(s["rows"] for s in shards),
+        "made_by": made_by or {},
         "completed": True,
     }
-    storage.write_json(storage.join(folder_uri, MANIFEST), manifest)
+    storage.write_json(storage.join(folder_uri, MANIFEST), manifest, keep_same=True)
     return manifest
 
 

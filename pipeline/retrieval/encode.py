@@ -260,7 +260,8 @@ def run_encoding(cfg: EncodeConfig, query_texts: list[str] | None = None, before
     dim, similarity = int(probe.query_encoder.config.hidden_size), probe.cfg.similarity
     if before_work is not None:
         before_work(dim, corpus, manifest)
-    discarded = claim(cfg.output, _made_by(cfg, model_dir, asdict(probe.cfg), corpus, manifest))
+    made_by = _made_by(cfg, model_dir, asdict(probe.cfg), corpus, manifest)
+    discarded = claim(cfg.output, made_by)
     if discarded:
         print(discarded, file=sys.stderr, flush=True)
     del probe
@@ -312,6 +313,7 @@ def run_encoding(cfg: EncodeConfig, query_texts: list[str] | None = None, before
         normalized=similarity == "cos",
         similarity=similarity,
         model=cfg.encoder.model,
+        made_by=made_by,
     )
     seconds = time.perf_counter() - started
     encode_seconds = sum(r["seconds"] for r in results)

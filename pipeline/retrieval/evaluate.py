@@ -5,6 +5,7 @@ what they hold; metrics by ``ir_measures``, never by hand, so they match publish
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -13,6 +14,7 @@ from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.config import Renamed, truthy
 from pipeline.core.errors import ConfigError
+from pipeline.core.parts import claim, finished_blocks, join_parts, part_uri
 from pipeline.core.plots import plot_metrics
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS, SAMPLE_DEV_QRELS, SAMPLE_DEV_QUERIES
@@ -21,7 +23,7 @@ from pipeline.data.runs import write_trec_lines
 from pipeline.data.shards import held_ids
 from pipeline.retrieval.encode import EncodeConfig, EncoderSettings, run_encoding
 from pipeline.retrieval.faiss_index import IndexConfig, validate_factory
-from pipeline.retrieval.fanout import ranked_ids
+from pipeline.retrieval.fanout import query_block, ranked_ids
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
 from pipeline.retrieval.metrics import JOB_MEASURES, StreamedMetrics, metrics_table
 from pipeline.retrieval.search import ShardedIndex
@@ -114,22 +116,34 @@ def run_evaluation(cfg: EvaluateJobConfig) -> dict:
         )
     )
     run_uri = storage.join(output, "run.trec")
-    # The run is written and scored a block of queries at a time, as the searchers answer.
-    with (
-        ShardedIndex(indexed["output"], nprobe=cfg.nprobe, pool=cfg.pool) as index,
-        storage.open_output(run_uri) as out,
-    ):
-        scored = StreamedMetrics(qrels, JOB_MEASURES.values())
+    searched = storage.join(output, "search")  # the run's blocks, kept until every one is written
+    discarded = claim(searched, {"index": indexed["version"], "queries": storage.version(cfg.queries), "k": cfg.k})
+    if discarded:
+        print(discarded, file=sys.stderr, flush=True)
+    scored = StreamedMetrics(qrels, JOB_MEASURES.values())
+    # Each block's run lines and metric sums are written as the searchers answer it: a rerun
+    # searches only the blocks it lacks.
+    with ShardedIndex(indexed["output"], nprobe=cfg.nprobe, pool=cfg.pool) as index:
+        block = query_block(len(index.actors))
+        blocks = list(range(-(-len(qids) // block)))
+        done = finished_blocks(searched, ("run.trec", "sums.json"))
+        for b in done:
+            scored.add_sums(storage.read_json(part_uri(searched, b, "sums.json")))
         search_start = time.perf_counter()
-        for start, scores, _, ids in index.search_blocks(encoded.pop("query_vectors"), cfg.k):
-            block = {}
-            for qid, row_scores, row_ids in zip(qids[start:], scores, ids):
-                ranked = ranked_ids(row_ids)
-                write_trec_lines(out, qid, ranked, row_scores[: len(ranked)].tolist(), tag="raydense")
-                block[qid] = dict(zip(ranked, map(float, row_scores)))
-            scored.add(block)
+        vectors = encoded.pop("query_vectors")
+        todo = [b for b in blocks if b not in done]
+        for start, scores, _, ids in index.search_blocks(vectors, cfg.k, block=block, only=todo):
+            run_block = {}
+            with storage.open_output(part_uri(searched, start // block, "run.trec")) as out:
+                for qid, row_scores, row_ids in zip(qids[start:], scores, ids):
+                    ranked = ranked_ids(row_ids)
+                    write_trec_lines(out, qid, ranked, row_scores[: len(ranked)].tolist(), tag="raydense")
+                    run_block[qid] = dict(zip(ranked, map(float, row_scores)))
+            storage.write_json(part_uri(searched, start // block, "sums.json"), scored.block_sums(run_block))
         search_s = time.perf_counter() - search_start
         searchers = index.stats()
+    join_parts(searched, blocks, "run.trec", run_uri)
+    storage.delete_dir(searched)
     values = scored.result()
     metrics = {name: values[measure] for name, measure in JOB_MEASURES.items()}
     summary = {
@@ -144,6 +158,8 @@ def run_evaluation(cfg: EvaluateJobConfig) -> dict:
         "similarity": encoded["similarity"],
         "encode_passages_per_s": encoded["passages_per_s"],
         "search_seconds": round(search_s, 2),
+        "search_blocks": len(blocks),
+        "search_blocks_resumed": len(done),
         # Where each index shard was served from, what it reserved and its peak memory.
         "searchers": searchers,
         "seconds": round(time.perf_counter() - started, 2),

@@ -345,7 +345,14 @@ def load_index(uri: str):
 
 
 def write_index_manifest(
-    index_uri: str, *, factory: str, metric: str, dim: int, shards: list[dict], embeddings: str
+    index_uri: str,
+    *,
+    factory: str,
+    metric: str,
+    dim: int,
+    shards: list[dict],
+    embeddings: str,
+    made_by: dict | None = None,
 ) -> dict:
     manifest = {
         "format": FORMAT,
@@ -365,9 +372,10 @@ def write_index_manifest(
             key=lambda s: s["index"],
         ),
         "embeddings": embeddings,
+        "made_by": made_by or {},
         "completed": True,
     }
-    storage.write_json(storage.join(index_uri, MANIFEST), manifest)
+    storage.write_json(storage.join(index_uri, MANIFEST), manifest, keep_same=True)
     return manifest
 
 

@@ -129,11 +129,12 @@ class ShardFanout(ShardActors):
     label: str = "search"  # the progress line's name
 
     def search_blocks(
-        self, queries: Sequence, k: int, *, block: int | None = None, **options
+        self, queries: Sequence, k: int, *, block: int | None = None, only: Sequence[int] | None = None, **options
     ) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
         """Per block of queries, as it is answered: (first query, scores (b, k), corpus rows
         (b, k), doc ids (b, k) as bytes), the exact merge of every shard's top-k. Padding
-        (fewer than k hits) is row -1 and id b"". ``options`` go to every actor's ``search``.
+        (fewer than k hits) is row -1 and id b"". ``only``: the block numbers to search (a
+        resumed stage's missing ones); ``options`` go to every actor's ``search``.
 
         The driver holds every shard's top-k of a block at once, so by default a block is
         ``QUERY_HITS // shards`` queries: the same memory whatever the number of shards
@@ -141,8 +142,9 @@ class ShardFanout(ShardActors):
 
         block = block or query_block(len(self.actors))
         check_k(k, self.total)
-        with progress(len(queries), self.label, "queries") as bar:
-            for start in range(0, len(queries), block):
+        starts = range(0, len(queries), block) if only is None else [b * block for b in only]
+        with progress(sum(len(queries[s : s + block]) for s in starts), self.label, "queries") as bar:
+            for start in starts:
                 part = queries[start : start + block]
                 part_ref = ray.put(part)  # once, shared by every shard
                 results = ray.get([a.search.remote(part_ref, k, **options) for a in self.actors])

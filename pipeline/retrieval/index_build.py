@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import ray
 
-from pipeline.core import storage
+from pipeline.core import parts, storage
 from pipeline.core.progress import get_counted
 from pipeline.core.runtime import RayConfig
 from pipeline.retrieval import embeddings as emb
@@ -72,7 +72,31 @@ def _build_one(folder: str, entries: list[dict], shard_index: int, output: str, 
     faiss_index.save_index(index, storage.join(output, path))
     # The searcher of this shard reads its doc ids from these: search results leave it as ids.
     embedding_shards = [int(entry["index"]) for entry in entries]
-    return {"index": shard_index, "path": path, "vectors": int(index.ntotal), "embedding_shards": embedding_shards}
+    record = {"index": shard_index, "path": path, "vectors": int(index.ntotal), "embedding_shards": embedding_shards}
+    storage.write_json(storage.join(output, path + ".json"), record)  # after the shard: it is done
+    return record
+
+
+def _made_by(cfg: IndexJobConfig, folder: str) -> dict:
+    """What the index shards depend on: the index settings, the grouping, and the embeddings
+    (their folder and the stored version of their manifest)."""
+    settings = {k: v for k, v in asdict(cfg.index).items() if k not in ("memory_limit_gb", "use_gpu")}
+    return {
+        "index": settings,
+        "embedding_shards_per_index": cfg.embedding_shards_per_index,
+        "embeddings": folder,
+        "embeddings_version": storage.version(storage.join(folder, "manifest.json")),
+    }
+
+
+def _built(output: str, n_groups: int) -> dict[int, dict]:
+    """The index shards already built (their records), by shard index."""
+    records = {}
+    for j in range(n_groups):
+        uri = storage.join(output, faiss_index.index_shard_path(j) + ".json")
+        if storage.exists(uri):
+            records[j] = storage.read_json(uri)
+    return records
 
 
 def run_indexing(cfg: IndexJobConfig) -> dict:
@@ -88,30 +112,46 @@ def run_indexing(cfg: IndexJobConfig) -> dict:
     sys.stderr.write(faiss_index.format_plan(plan) + "\n")
     faiss_index.check_plan(plan, faiss_index.memory_limit_bytes(cfg.index.memory_limit_gb))
 
+    made_by = _made_by(cfg, folder)
+    discarded = parts.claim(output, made_by, ("shards", faiss_index.MANIFEST), "index shard files")
+    if discarded:
+        sys.stderr.write(discarded + "\n")
+    built = _built(output, len(groups))  # a rerun builds only the shards it lacks
+    todo = [j for j in range(len(groups)) if j not in built]
     probe = faiss_index._new_index(cfg.index.factory, dim, cfg.index.metric)
-    train = _train_sample(folder, manifest, cfg.index.train_sample, cfg.index.seed) if not probe.is_trained else None
+    needs_training = todo and not probe.is_trained  # the seeded sample: the same quantiser as the built shards
+    train = _train_sample(folder, manifest, cfg.index.train_sample, cfg.index.seed) if needs_training else None
     train_ref = ray.put(train) if train is not None else None
     on_gpu = cfg.index.use_gpu == "always"
     build = ray.remote(_build_one).options(
         num_cpus=1 if on_gpu else cfg.cpus_per_task, num_gpus=1 if on_gpu else 0, max_retries=3
     )
-    shards = get_counted(
+    new = get_counted(
         [
-            build.remote(folder, [manifest["shards"][i] for i in g], j, output, cfg.index, train_ref)
-            for j, g in enumerate(groups)
+            build.remote(folder, [manifest["shards"][i] for i in groups[j]], j, output, cfg.index, train_ref)
+            for j in todo
         ],
         "index",
         "vectors",
-        sizes,
+        [sizes[j] for j in todo],
     )
+    shards = sorted([*built.values(), *new], key=lambda s: s["index"])
     faiss_index.write_index_manifest(
-        output, factory=cfg.index.factory, metric=cfg.index.metric, dim=dim, shards=shards, embeddings=folder
+        output,
+        factory=cfg.index.factory,
+        metric=cfg.index.metric,
+        dim=dim,
+        shards=shards,
+        embeddings=folder,
+        made_by=made_by,
     )
     return {
         "job": "index",
         "output": output,
         "factory": cfg.index.factory,
         "shards": len(shards),
+        "shards_built": len(todo),
+        "version": storage.version(storage.join(output, faiss_index.MANIFEST)),
         "vectors": sum(s["vectors"] for s in shards),
         "dim": dim,
         "planned_bytes": [p["bytes"] for p in plan],

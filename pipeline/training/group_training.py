@@ -29,6 +29,7 @@ from pipeline.retrieval.encode import EncoderSettings
 from pipeline.retrieval.evaluate import EvaluateJobConfig, run_evaluation
 from pipeline.training.loop import FitResult
 from pipeline.training.task import Task, run_summary, write_summary
+from pipeline.training.train_config import warn_if_a_step_exceeds_an_epoch
 
 PRETRAIN_EXPORT = "runs/pretrain-condenser/export"  # what the embedded pre-training default writes
 
@@ -242,6 +243,7 @@ def prepare_group_training(cfg, group_size: int, load=None) -> GroupTraining:
     ]
 
     per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.train.num_workers
+    warn_if_a_step_exceeds_an_epoch(cfg.train, len(examples), "training queries")
     steps_per_epoch = max(1, len(examples) // per_step)
     if cfg.train.max_steps < 1:
         cfg.train.max_steps = cfg.train.epochs * steps_per_epoch

@@ -34,7 +34,7 @@ from pipeline.data.stream import (
 from pipeline.data.tokenizer import load_tokenizer
 from pipeline.training.loop import fit
 from pipeline.training.task import Task, run_summary, write_summary
-from pipeline.training.train_config import TrainConfig, embedded_train, epochs_needed
+from pipeline.training.train_config import TrainConfig, embedded_train, epochs_needed, warn_if_a_step_exceeds_an_epoch
 
 METHODS: dict[str, type[PretrainingMethod]] = {
     "condenser": CondenserMethod,
@@ -254,6 +254,7 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
     per_epoch = estimate_sequences_per_epoch(manifest, max_len, pack, bool(spans))
     if spans:
         per_epoch = max(1, int(per_epoch * _pair_fraction(cfg.corpus.output, manifest, spans)))
+    warn_if_a_step_exceeds_an_epoch(cfg.train, per_epoch, "span pairs" if spans else "sequences")
     spec = StreamSpec(
         corpus=cfg.corpus.output,
         max_len=max_len,

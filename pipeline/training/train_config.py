@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -120,3 +121,16 @@ def epochs_needed(train: TrainConfig, sequences_per_epoch: int) -> int:
         return train.epochs
     per_step = train.micro_batch_size * train.grad_accum * train.num_workers
     return max(1, math.ceil(train.max_steps * per_step / max(1, sequences_per_epoch)) + 1)
+
+
+def warn_if_a_step_exceeds_an_epoch(train: TrainConfig, per_epoch: int, what: str) -> None:
+    """One stderr line when a single optimiser step reads more than an epoch of ``what``:
+    each step then trains on repeats of the same rows (a micro-batch meant for another corpus)."""
+    per_step = train.micro_batch_size * train.grad_accum * train.num_workers
+    if per_step > per_epoch:
+        print(
+            f"warning: one step reads {per_step} {what} (micro_batch_size x grad_accum x num_workers), "
+            f"more than an epoch (~{per_epoch}): each step spans ~{per_step / max(per_epoch, 1):.1f} epochs",
+            file=sys.stderr,
+            flush=True,
+        )

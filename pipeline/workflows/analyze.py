@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 from transformers import AutoModel
 
+from models.backbone import load_pretrained
 from models.diagnostics import cls_entropy, pairwise_cosine
 from pipeline.core import model_ref, storage
 from pipeline.core.config import Renamed
@@ -116,7 +117,7 @@ def load_checkpoint(path: str, device: str = "cpu"):
         )
     tokenizer = load_tokenizer(path)
     tokenizer.padding_side = "right"  # [CLS] must stay at position 0
-    model = AutoModel.from_pretrained(path, attn_implementation="eager").float().eval().to(device)
+    model = load_pretrained(AutoModel, path, attn_implementation="eager").float().eval().to(device)
     return model, tokenizer
 
 
