@@ -26,8 +26,9 @@ from pipeline.workflows.recipe import (
 )
 
 
-class Killed(Exception):
-    """Stands for the process dying: nothing after it runs."""
+class Killed(BaseException):
+    """Stands for the process dying: nothing after it runs (not an Exception, so nothing in
+    the process, the recipe's stage retries included, can catch it)."""
 
 
 def fake_stages(calls: list, kill_at: tuple[str, str] | None = None):

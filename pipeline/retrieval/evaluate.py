@@ -158,6 +158,7 @@ def run_evaluation(cfg: EvaluateJobConfig) -> dict:
         "similarity": encoded["similarity"],
         "encode_passages_per_s": encoded["passages_per_s"],
         "search_seconds": round(search_s, 2),
+        "index_shards_built": indexed["shards_built"],
         "search_blocks": len(blocks),
         "search_blocks_resumed": len(done),
         # Where each index shard was served from, what it reserved and its peak memory.

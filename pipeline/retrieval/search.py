@@ -117,9 +117,9 @@ class ShardedIndex(ShardFanout):
             for s, options in zip(self.manifest["shards"], self.options)
         ]
 
-    def search_blocks(self, queries: np.ndarray, k: int, *, block: int | None = None):
+    def search_blocks(self, queries: np.ndarray, k: int, **kwargs):
         """:meth:`ShardFanout.search_blocks` over query vectors."""
-        return super().search_blocks(np.ascontiguousarray(queries, dtype=np.float32), k, block=block)
+        return super().search_blocks(np.ascontiguousarray(queries, dtype=np.float32), k, **kwargs)
 
     def search(self, queries: np.ndarray, k: int, block: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Exact merge of every shard's top-k: (scores (q, k), corpus rows (q, k)), all
