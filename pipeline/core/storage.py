@@ -219,10 +219,14 @@ def version(uri: str) -> str:
     loc = resolve(uri)
     try:
         top = loc.fs.get_file_info(loc.path)
+        if top.type == pafs.FileType.NotFound:
+            raise StorageError(f"{loc.describe()}: no such file or directory")
         if top.type == pafs.FileType.Directory:
             infos = loc.fs.get_file_info(pafs.FileSelector(loc.path, recursive=True))
         else:
             infos = [top]
+    except StorageError:
+        raise
     except Exception as exc:  # noqa: BLE001 - pyarrow raises OSError subclasses and ArrowInvalid
         raise _wrap(loc, "list", exc) from exc
     files = sorted(
