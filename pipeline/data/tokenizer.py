@@ -11,21 +11,19 @@ from typing import Iterable
 from tokenizers import BertWordPieceTokenizer
 from transformers import AutoTokenizer, BertTokenizerFast, PreTrainedTokenizerBase
 
+from pipeline.data.wordpiece import count_words, learn_vocabulary
+
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
 def train_wordpiece(
     texts: Iterable[str], out_dir: str, vocab_size: int = 8000, lowercase: bool = True, min_frequency: int = 2
 ) -> BertTokenizerFast:
-    """Train a BERT-style WordPiece tokenizer and save it as an HF tokenizer directory."""
-    wordpiece = BertWordPieceTokenizer(lowercase=lowercase, strip_accents=lowercase)
-    wordpiece.train_from_iterator(
-        texts,
-        vocab_size=vocab_size,
-        min_frequency=min_frequency,
-        special_tokens=SPECIAL_TOKENS,
-        wordpieces_prefix="##",
-        show_progress=False,
+    """Train a BERT-style WordPiece tokenizer and save it as an HF tokenizer directory: the
+    same texts and settings give the same vocabulary (:mod:`pipeline.data.wordpiece`)."""
+    vocab = learn_vocabulary(count_words(texts, lowercase), vocab_size, SPECIAL_TOKENS, min_frequency)
+    wordpiece = BertWordPieceTokenizer(
+        {piece: i for i, piece in enumerate(vocab)}, lowercase=lowercase, strip_accents=lowercase
     )
     os.makedirs(out_dir, exist_ok=True)
     # Wrap the trained object itself: transformers 5 ignores a bare vocab_file here.
