@@ -94,18 +94,27 @@ def test_a_missing_stored_init_fails_on_the_driver_before_any_worker(s3_bucket, 
         run_pretraining(cfg)
 
 
-def _fetch(args: tuple) -> tuple[str, bool]:
+def _fetch(args: tuple) -> tuple[str | None, bool]:
+    """(local folder, whether this process downloaded); in a race, downloads are counted as
+    they start, since without the lock two renames onto one folder may collide."""
     uri, cache, *race = args
     os.environ["RAYDENSE_CACHE"] = cache
-    if race:
-        barrier, locked = race
-        if not locked:  # the control: what the processes do without fetch_once's lock
-            model_ref.filelock.FileLock = lambda path: contextlib.nullcontext()
-        download = storage.download_dir
-        # Slow enough that every process reaches the check before any download completes.
-        storage.download_dir = lambda *a, **kw: (time.sleep(0.5), download(*a, **kw))[1]
-        barrier.wait(timeout=120)
-    return model_ref.fetch_once(uri)
+    if not race:
+        return model_ref.fetch_once(uri)
+    barrier, locked = race
+    if not locked:  # the control: what the processes do without fetch_once's lock
+        model_ref.filelock.FileLock = lambda path: contextlib.nullcontext()
+    download, downloads = storage.download_dir, []
+    # Slow enough that every process reaches the check before any download completes.
+    storage.download_dir = lambda *a, **kw: (downloads.append(1), time.sleep(0.5), download(*a, **kw))[2]
+    barrier.wait(timeout=120)
+    try:
+        path, _ = model_ref.fetch_once(uri)
+    except OSError:
+        if locked:
+            raise
+        path = None  # the collision the lock prevents
+    return path, bool(downloads)
 
 
 def _race(uri: str, cache: str, locked: bool) -> list[tuple[str, bool]]:
