@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import posixpath
 import re
+import sys
 
 import pyarrow.fs as pafs
 
@@ -28,8 +29,8 @@ _PART = re.compile(r"^(\d{6,})\.(.+)$")
 def claim(folder: str, made_by: dict, work: tuple[str, ...] = (PARTS,), what: str = "parts") -> str | None:
     """Make ``folder`` the work ``made_by`` describes, before any of it is written: what is
     there was made by it and is kept for resuming, or else ``work`` (files or folders in
-    ``folder``) is deleted and ``made_by`` recorded. Returns what was discarded and why, or
-    None when nothing was."""
+    ``folder``) is deleted and ``made_by`` recorded. What was discarded, and why, is said on
+    stderr and returned (None when nothing was)."""
     made_by = json.loads(json.dumps(made_by))  # as it reads back: tuples become lists
     record = storage.join(folder, MADE_BY)
     former = storage.read_json(record) if storage.exists(record) else {}
@@ -45,7 +46,9 @@ def claim(folder: str, made_by: dict, work: tuple[str, ...] = (PARTS,), what: st
         return None
     changed = sorted(k for k in made_by.keys() | former.keys() if former.get(k) != made_by.get(k))
     why = f"other {', '.join(changed)}" if former else "no record of what made them"
-    return f"{folder}: {found} {what} made otherwise ({why}) deleted; doing the work anew"
+    message = f"{folder}: {found} {what} made otherwise ({why}) deleted; doing the work anew"
+    print(message, file=sys.stderr, flush=True)
+    return message
 
 
 def part_uri(folder: str, block: int, name: str) -> str:
@@ -61,6 +64,16 @@ def finished_blocks(folder: str, names: tuple[str, ...]) -> set[int]:
         if match:
             found.setdefault(int(match.group(1)), set()).add(match.group(2))
     return {block for block, have in found.items() if set(names) <= have}
+
+
+def summed(folder: str, blocks: list[int], name: str, keys: tuple[str, ...] = ()) -> dict[str, float]:
+    """The blocks' JSON files ``name`` (counts of what each block did), added key by key;
+    ``keys`` start at 0 (so none is missing when there are no blocks)."""
+    total: dict[str, float] = dict.fromkeys(keys, 0)
+    for block in blocks:
+        for key, value in storage.read_json(part_uri(folder, block, name)).items():
+            total[key] = total.get(key, 0) + value
+    return total
 
 
 def join_parts(folder: str, blocks: list[int], name: str, output: str) -> None:

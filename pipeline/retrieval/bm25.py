@@ -28,7 +28,6 @@ from __future__ import annotations
 import itertools
 import os
 import resource
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Literal
@@ -41,7 +40,7 @@ import ray
 
 from pipeline.core import storage
 from pipeline.core.errors import StorageError
-from pipeline.core.parts import claim, finished_blocks, join_parts, part_uri
+from pipeline.core.parts import claim, finished_blocks, join_parts, part_uri, summed
 from pipeline.core.progress import get_counted
 from pipeline.core.runtime import RayConfig
 from pipeline.data.beir import positives, read_qrels, read_queries
@@ -467,9 +466,7 @@ def mine_negatives(cfg: Bm25Config) -> dict:
     queries = read_queries(cfg.queries)
     qids = list(queries)
     folder = _parts_folder(cfg)
-    discarded = claim(folder, _made_by(cfg), what="retrieved blocks' files")
-    if discarded:
-        print(discarded, file=sys.stderr, flush=True)
+    claim(folder, _made_by(cfg), what="retrieved blocks' files")
     text = stage_text(cfg.corpus, _text_folder(cfg), cfg.docs_per_shard)
     block = cfg.batch_size or query_block(len(group_shards(text["shards"], cfg.docs_per_shard)))
     blocks = list(range(-(-len(qids) // block)))
@@ -488,10 +485,7 @@ def mine_negatives(cfg: Bm25Config) -> dict:
             retrieve_s = time.perf_counter() - retrieve_start
     else:
         qrels = read_qrels(cfg.qrels, query_ids=set(queries))  # its documents were checked when retrieved
-    counts = dict.fromkeys(COUNTS, 0)
-    for b in blocks:
-        for key, value in storage.read_json(part_uri(folder, b, "counts.json")).items():
-            counts[key] += value
+    counts = summed(folder, blocks, "counts.json", COUNTS)
     join_parts(folder, blocks, "negatives.jsonl", cfg.output)
     run_uri = cfg.run_uri()
     if run_uri is not None:

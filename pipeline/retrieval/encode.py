@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar, Literal
@@ -261,9 +260,7 @@ def run_encoding(cfg: EncodeConfig, query_texts: list[str] | None = None, before
     if before_work is not None:
         before_work(dim, corpus, manifest)
     made_by = _made_by(cfg, model_dir, asdict(probe.cfg), corpus, manifest)
-    discarded = claim(cfg.output, made_by)
-    if discarded:
-        print(discarded, file=sys.stderr, flush=True)
+    claim(cfg.output, made_by)
     del probe
 
     shards = manifest["shards"]

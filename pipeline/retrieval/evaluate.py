@@ -5,7 +5,6 @@ what they hold; metrics by ``ir_measures``, never by hand, so they match publish
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -117,9 +116,7 @@ def run_evaluation(cfg: EvaluateJobConfig) -> dict:
     )
     run_uri = storage.join(output, "run.trec")
     searched = storage.join(output, "search")  # the run's blocks, kept until every one is written
-    discarded = claim(searched, {"index": indexed["version"], "queries": storage.version(cfg.queries), "k": cfg.k})
-    if discarded:
-        print(discarded, file=sys.stderr, flush=True)
+    claim(searched, {"index": indexed["version"], "queries": storage.version(cfg.queries), "k": cfg.k})
     scored = StreamedMetrics(qrels, JOB_MEASURES.values())
     # Each block's run lines and metric sums are written as the searchers answer it: a rerun
     # searches only the blocks it lacks.

@@ -113,9 +113,7 @@ def run_indexing(cfg: IndexJobConfig) -> dict:
     faiss_index.check_plan(plan, faiss_index.memory_limit_bytes(cfg.index.memory_limit_gb))
 
     made_by = _made_by(cfg, folder)
-    discarded = parts.claim(output, made_by, ("shards", faiss_index.MANIFEST), "index shard files")
-    if discarded:
-        sys.stderr.write(discarded + "\n")
+    parts.claim(output, made_by, ("shards", faiss_index.MANIFEST), "index shard files")
     built = _built(output, len(groups))  # a rerun builds only the shards it lacks
     todo = [j for j in range(len(groups)) if j not in built]
     probe = faiss_index._new_index(cfg.index.factory, dim, cfg.index.metric)

@@ -22,7 +22,6 @@ from the blocks it finished.
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
@@ -30,7 +29,7 @@ from typing import Literal
 from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.errors import ConfigError, InputError
-from pipeline.core.parts import claim, finished_blocks, join_parts, part_uri, remove_parts
+from pipeline.core.parts import claim, finished_blocks, join_parts, part_uri, remove_parts, summed
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
 from pipeline.data.beir import positives, read_queries
@@ -159,9 +158,7 @@ def run_mining(cfg: MineConfig) -> dict:
     output = storage.resolve(cfg.output).uri
     queries = read_queries(cfg.queries)
     qids = list(queries)
-    discarded = claim(output, _made_by(cfg), what="mined blocks' files")
-    if discarded:
-        print(discarded, file=sys.stderr, flush=True)
+    claim(output, _made_by(cfg), what="mined blocks' files")
     block = query_block(len(faiss_index.load_index_manifest(storage.resolve(cfg.index).uri)["shards"]))
     blocks = list(range(-(-len(qids) // block)))
     done = finished_blocks(output, PART_FILES)
@@ -185,10 +182,7 @@ def run_mining(cfg: MineConfig) -> dict:
             block_qids = todo_qids[start : start + len(scores)]
             _mine_block(cfg, output, b, queries, block_qids, qrels, answer_hits, scores, block_ids)
     search_s = time.perf_counter() - search_start
-    counts = dict.fromkeys(COUNTS, 0)
-    for b in blocks:
-        for key, value in storage.read_json(part_uri(output, b, "counts.json")).items():
-            counts[key] += value
+    counts = summed(output, blocks, "counts.json", COUNTS)
     for name in PART_FILES[:3]:
         join_parts(output, blocks, name, storage.join(output, name))
     remove_parts(output)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
@@ -300,9 +299,7 @@ def run_scoring(cfg: RerankScoreConfig) -> dict:
     first_stage_metrics = StreamedMetrics(qrels, JOB_MEASURES.values())
     counts = {"queries": 0, "pairs": 0, "positives_added": 0}
     out_run = storage.join(output, "run.trec")
-    discarded = claim(output, _made_by(cfg, model_uri, lengths), what="scored blocks' files")
-    if discarded:
-        print(discarded, file=sys.stderr, flush=True)
+    claim(output, _made_by(cfg, model_uri, lengths), what="scored blocks' files")
     done = finished_blocks(output, PART_FILES)
     blocks = list(range(-(-count_run_queries(run_uri) // cfg.queries_per_task)))
 
