@@ -234,9 +234,9 @@ def test_sharded_search_equals_brute_force(encoded, collection, factory):
     bad = collection["root"] / f"qrels-bad-{factory.replace(',', '_')}.tsv"
     bad.write_text("\n".join(lines[:3] + ["q1\tghost\t1"] + lines[3:]) + "\n")
     query_ids = {f"q{i}" for i in range(20)}
-    assert read_qrels_of_corpus(collection["qrels"], index, query_ids) == read_qrels(collection["qrels"])
+    assert read_qrels_of_corpus(collection["qrels"], index.holds, query_ids) == read_qrels(collection["qrels"])
     with pytest.raises(InputError, match=r"qrels-bad-\S+\.tsv line 4: unknown document id 'ghost'"):
-        read_qrels_of_corpus(str(bad), index, query_ids)
+        read_qrels_of_corpus(str(bad), index.holds, query_ids)
     index.close()
     assert np.allclose(scores, ref_scores, atol=1e-4)
     assert (found == ref_rows).mean() > 0.99  # ties aside, the same passages
@@ -517,6 +517,17 @@ def test_an_evaluation_rerun_reuses_its_encoding_index_and_searched_blocks(
     assert (tmp_path / "stopped" / "run.trec").read_bytes() == (tmp_path / "whole" / "run.trec").read_bytes()
     assert not re.search(r"encode: \d+/[1-9]\d* passages", capsys.readouterr().err)  # every shard reused
     assert resumed["index_shards_built"] == 0
+    # Stopped again, rerun with other judgments: the stored blocks' metric sums were made with
+    # the old ones, so none is kept.
+    lines.clear()
+    monkeypatch.setattr(evaluation, "write_trec_lines", stopped_in_the_third_block)
+    with pytest.raises(KeyboardInterrupt):
+        evaluation.run_evaluation(stopped)
+    monkeypatch.setattr(evaluation, "write_trec_lines", write_lines)
+    judgments = open(collection["qrels"]).read().splitlines()
+    (tmp_path / "fewer.tsv").write_text("\n".join(judgments[:21]) + "\n")
+    rejudged = evaluation.run_evaluation(dataclasses.replace(stopped, qrels=str(tmp_path / "fewer.tsv")))
+    assert rejudged["search_blocks_resumed"] == 0 and rejudged["judged_queries"] == 10
 
 
 def _synthetic_corpus_index(folder, n: int, dim: int) -> str:

@@ -476,7 +476,7 @@ def mine_negatives(cfg: Bm25Config) -> dict:
         scoring = {k: getattr(cfg, k) for k in ("k1", "b", "method", "lowercase", "stopwords", "stemmer")}
         with build_index(text, **scoring, docs_per_shard=cfg.docs_per_shard) as index:
             storage.write_json(storage.join(folder, "index.json"), _index_summary(index))
-            qrels = read_qrels_of_corpus(cfg.qrels, index, set(queries))
+            qrels = read_qrels_of_corpus(cfg.qrels, index.holds, set(queries))
             retrieve_start = time.perf_counter()
             todo_queries = {q: queries[q] for b in todo for q in qids[b * block : (b + 1) * block]}
             hits = search(index, todo_queries, cfg.depth, batch_size=block, threads=cfg.threads)

@@ -5,6 +5,7 @@ what they hold; metrics by ``ir_measures``, never by hand, so they match publish
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -22,7 +23,7 @@ from pipeline.data.runs import write_trec_lines
 from pipeline.data.shards import held_ids
 from pipeline.retrieval.encode import EncodeConfig, EncoderSettings, run_encoding
 from pipeline.retrieval.faiss_index import IndexConfig, validate_factory
-from pipeline.retrieval.fanout import query_block, ranked_ids
+from pipeline.retrieval.fanout import query_block, ranked_ids, read_qrels_of_corpus
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
 from pipeline.retrieval.metrics import JOB_MEASURES, StreamedMetrics, metrics_table
 from pipeline.retrieval.search import ShardedIndex
@@ -92,8 +93,8 @@ def run_evaluation(cfg: EvaluateJobConfig) -> dict:
         if cfg.k > manifest["num_docs"]:
             raise ConfigError(f"--k {cfg.k} is larger than the corpus ({manifest['num_docs']} passages)")
         validate_factory(cfg.index, dim)
-        doc_ids = sorted({d for docs in judged.values() for d in docs})
-        qrels.update(read_qrels(qrels_uri, doc_ids=held_ids(corpus, manifest, doc_ids), query_ids=set(queries)))
+        holds = functools.partial(held_ids, corpus, manifest)
+        qrels.update(read_qrels_of_corpus(qrels_uri, holds, set(queries), judged))
 
     # The encoder actors encode the queries too, after the corpus: nothing runs a model here.
     encoded = run_encoding(
@@ -116,7 +117,9 @@ def run_evaluation(cfg: EvaluateJobConfig) -> dict:
     )
     run_uri = storage.join(output, "run.trec")
     searched = storage.join(output, "search")  # the run's blocks, kept until every one is written
-    claim(searched, {"index": indexed["version"], "queries": storage.version(cfg.queries), "k": cfg.k})
+    # The stored blocks hold metric sums too: the judgments are part of what made them.
+    versions = {name: storage.version(uri) for name, uri in (("queries", cfg.queries), ("qrels", qrels_uri))}
+    claim(searched, {"index": indexed["version"], **versions, "k": cfg.k})
     scored = StreamedMetrics(qrels, JOB_MEASURES.values())
     # Each block's run lines and metric sums are written as the searchers answer it: a rerun
     # searches only the blocks it lacks.

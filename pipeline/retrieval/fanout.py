@@ -11,7 +11,7 @@ is exact. This module needs neither FAISS nor torch.
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import ray
@@ -75,15 +75,18 @@ def held_by(actors: list, doc_ids: list[str]) -> set[str]:
     return {d for d, hit in zip(doc_ids, found) if hit}
 
 
-def read_qrels_of_corpus(uri: str, index: "ShardFanout", query_ids: set[str]) -> dict[str, dict[str, int]]:
-    """``read_qrels`` with its unknown-document check answered by the shard actors of
-    ``index``: the file is read once for its ids, which the shards look up, then again with
+def read_qrels_of_corpus(
+    uri: str, holds: Callable[[list[str]], set[str]], query_ids: set[str], judged: dict | None = None
+) -> dict[str, dict[str, int]]:
+    """``read_qrels`` with its unknown-document check answered by ``holds`` (a shard fan-out's
+    ``holds``, or the prepared corpus's tasks): the file is read for its ids (or ``judged``,
+    a reading already made without that check), which ``holds`` looks up, then again with
     that answer, so an unknown id is reported at its line as always, without the corpus's ids
     on the driver."""
 
-    judged = read_qrels(uri, query_ids=query_ids)
+    judged = read_qrels(uri, query_ids=query_ids) if judged is None else judged
     doc_ids = sorted({d for docs in judged.values() for d in docs})
-    return read_qrels(uri, doc_ids=index.holds(doc_ids), query_ids=query_ids)
+    return read_qrels(uri, doc_ids=holds(doc_ids), query_ids=query_ids)
 
 
 def ranked_ids(ids: np.ndarray) -> list[str]:

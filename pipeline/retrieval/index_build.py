@@ -89,14 +89,10 @@ def _made_by(cfg: IndexJobConfig, folder: str) -> dict:
     }
 
 
-def _built(output: str, n_groups: int) -> dict[int, dict]:
-    """The index shards already built (their records), by shard index."""
-    records = {}
-    for j in range(n_groups):
-        uri = storage.join(output, faiss_index.index_shard_path(j) + ".json")
-        if storage.exists(uri):
-            records[j] = storage.read_json(uri)
-    return records
+def _built(output: str) -> dict[int, dict]:
+    """The index shards already built (their records), by shard index: one listing."""
+    records = [storage.read_json(uri) for uri in storage.list_files(storage.join(output, "shards"), ".faiss.json")]
+    return {record["index"]: record for record in records}
 
 
 def run_indexing(cfg: IndexJobConfig) -> dict:
@@ -114,7 +110,7 @@ def run_indexing(cfg: IndexJobConfig) -> dict:
 
     made_by = _made_by(cfg, folder)
     parts.claim(output, made_by, ("shards", faiss_index.MANIFEST), "index shard files")
-    built = _built(output, len(groups))  # a rerun builds only the shards it lacks
+    built = _built(output)  # a rerun builds only the shards it lacks
     todo = [j for j in range(len(groups)) if j not in built]
     probe = faiss_index._new_index(cfg.index.factory, dim, cfg.index.metric)
     needs_training = todo and not probe.is_trained  # the seeded sample: the same quantiser as the built shards

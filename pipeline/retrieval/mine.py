@@ -168,7 +168,7 @@ def run_mining(cfg: MineConfig) -> dict:
     vectors = encode_queries(cfg.encoder, [queries[q] for q in todo_qids], cfg.pool)
     search_start = time.perf_counter()
     with ShardedIndex(cfg.index, nprobe=cfg.nprobe, pool=cfg.pool) as index:
-        qrels = read_qrels_of_corpus(cfg.qrels, index, set(queries))
+        qrels = read_qrels_of_corpus(cfg.qrels, index.holds, set(queries))
         answered = index.search_blocks(vectors, min(cfg.depth, index.total), block=block)
         answer_hits: dict[str, set[str]] = {}
         if cfg.answers:  # the filter reads the candidates' texts in one pass over the corpus first

@@ -301,7 +301,8 @@ def run_scoring(cfg: RerankScoreConfig) -> dict:
     out_run = storage.join(output, "run.trec")
     claim(output, _made_by(cfg, model_uri, lengths), what="scored blocks' files")
     done = finished_blocks(output, PART_FILES)
-    blocks = list(range(-(-count_run_queries(run_uri) // cfg.queries_per_task)))
+    run_queries = count_run_queries(run_uri)  # one pass over a run that may hold ~100M lines
+    blocks = list(range(-(-run_queries // cfg.queries_per_task)))
 
     def todo():
         """The run's blocks not yet scored; a scored one's sums count as they were stored."""
@@ -327,7 +328,7 @@ def run_scoring(cfg: RerankScoreConfig) -> dict:
         results = stream_actor_pool(
             make_actor, todo(), lambda actor, block: actor.score.remote(block), cfg.pool.max_retries, cfg.pool.actors
         )
-        with progress(count_run_queries(run_uri), "rerank", "queries") as bar:
+        with progress(run_queries, "rerank", "queries") as bar:
             # In block order: each block (ids, first-stage scores) with its scores, to its part.
             for block, result in results:
                 bar.update(len(block["query_ids"]))
