@@ -68,12 +68,66 @@ def test_packing_keeps_every_token_in_order_and_tracks_sources():
             expected.append(SEP)
         expected.extend(ids.tolist())
     assert joined == expected
-    # A sequence lists exactly the documents whose tokens it holds.
-    owner = {}
-    for row, ids in zip(batch["row"], batch["input_ids"]):
-        owner.update({int(t): int(row) for t in ids})
-    for body, sources in zip(bodies(out), out["source_rows"]):
-        assert sorted({owner[t] for t in body if t != SEP}) == sorted(sources.tolist())
+    # A sequence lists the documents whose last token it holds, and names the one it cuts,
+    # with how many of that document's tokens are used up by its end. A [SEP] is counted
+    # with the document it introduces.
+    owners = []  # (row, index within the document's [SEP] + tokens) of every token
+    for i, (row, ids) in enumerate(zip(batch["row"], batch["input_ids"])):
+        owners += [(int(row), k) for k in range(len(ids) + (i > 0))]
+    last = {row: k for row, k in owners}
+    start = 0
+    for body, sources, cut in zip(bodies(out), out["source_rows"], out["partial"]):
+        end = start + len(body)
+        assert sources.tolist() == [row for row, k in owners[start:end] if k == last[row]]
+        expected_cut = [-1, 0] if end == len(owners) or owners[end][1] == 0 else list(owners[end])
+        assert cut.tolist() == expected_cut
+        start = end
+    assert start == len(owners)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_a_resumed_block_yields_exactly_the_sequences_an_uninterrupted_one_had_left(pack):
+    """Whatever number of sequences a checkpoint consumed, the block rebuilt from the data
+    position (finished rows left out, the cut document resumed at its next token) gives the
+    remaining sequences, cut where the uninterrupted run cut them; also with the rows
+    shuffled (the order is a function of the rows, not of what is left)."""
+    from pipeline.data.stream import block_examples
+
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(0, 30, size=40)  # some span several sequences; empty ones are consumed too
+    batch = docs_batch(lengths.tolist(), first_row=500)
+    s = StreamSpec(**{**spec(max_len=10, pack=pack).__dict__, "shuffle_window": 16, "seed": 9})
+    whole = block_examples(batch, s, 2, [], {})
+    assert sorted(r for rows in whole["source_rows"] for r in rows.tolist()) == list(range(500, 540))
+    for consumed in range(len(whole["length"]) + 1):
+        position = DataPosition()
+        for sources, cut in zip(whole["source_rows"][:consumed], whole["partial"][:consumed]):
+            position.add(2, sources, [cut] if cut[0] >= 0 else ())
+        position = DataPosition.from_json(position.to_json())  # as a checkpoint stores it
+        rest = block_examples(batch, s, 2, position.consumed(2).to_list(), position.opened(2))
+        assert np.array_equal(rest["input_ids"], whole["input_ids"][consumed:]), consumed
+        assert np.array_equal(rest["partial"], whole["partial"][consumed:])
+        assert [r.tolist() for r in rest["source_rows"]] == [r.tolist() for r in whole["source_rows"][consumed:]]
+
+
+def test_window_order_mixes_topics_is_seeded_and_ignores_what_is_missing():
+    """A corpus stored grouped by topic (20 topics of 30 consecutive rows): shuffled in windows
+    of 128 rows, no batch of 8 holds one topic; the order is a function of (seed, epoch); rows
+    missing (consumed before a resume) leave the others in the same relative order."""
+    from pipeline.data.stream import window_order
+
+    rows = np.arange(600)
+    shuffled = rows[window_order(rows, 3, 0, 128)]
+    assert sorted(shuffled.tolist()) == rows.tolist()
+    assert np.array_equal(shuffled, rows[window_order(rows, 3, 0, 128)])
+    assert not np.array_equal(shuffled, rows[window_order(rows, 4, 0, 128)])
+    assert not np.array_equal(shuffled, rows[window_order(rows, 3, 1, 128)])
+    assert np.array_equal(rows[window_order(rows, 3, 0, 0)], rows)  # window 0: stream order
+    batches = shuffled.reshape(-1, 8)
+    assert sum(len({r // 30 for r in b}) == 1 for b in batches) == 0
+    assert all((b // 128).max() - (b // 128).min() <= 1 for b in batches)  # windows in turn
+    left = np.setdiff1d(rows, rows[:250])
+    assert np.array_equal(left[window_order(left, 3, 0, 128)], shuffled[np.isin(shuffled, left)])
 
 
 def test_interval_set_matches_python_sets():
@@ -101,10 +155,14 @@ def test_position_round_trip_and_merge():
     q = DataPosition()
     q.add(0, [3, 4])
     q.add(1, [7])
+    q.add(0, [], [(20, 7)])  # a document begun: 7 of its tokens used
+    p.add(0, [], [(20, 3), (30, 4)])
+    p.add(0, [30])  # finished: no longer open
     merged = DataPosition.from_json(p.merge(q).to_json())
-    assert merged.consumed(0).to_list() == [[0, 5], [10, 11]]
+    assert merged.opened(0) == {20: 7} and merged.opened(1) == {}
+    assert merged.consumed(0).to_list() == [[0, 5], [10, 11], [30, 31]]
     assert merged.consumed(1).to_list() == [[7, 8]]
-    assert merged.count() == 7
+    assert merged.count() == 8
 
 
 def test_read_position_merges_the_ranks_of_the_checkpoint_ray_will_restore(tmp_path):
@@ -171,6 +229,20 @@ def test_stream_leaves_out_consumed_rows_of_the_resumed_epoch_only(tmp_path, sha
         by_epoch[int(r["epoch"])].extend(int(x) for x in r["source_rows"])
     assert sorted(by_epoch[0]) == [i for i in range(90) if i not in set(consumed)]
     assert sorted(by_epoch[1]) == list(range(90))
+
+    # Packed and shuffled, over three epochs: rebuilt from the position of any prefix, the
+    # stream is the rest of the whole one, example for example (epochs in order).
+    s = StreamSpec(**{**s.__dict__, "pack": True, "epochs": 3, "shuffle_window": 16})
+    whole = build_stream(s, DataPosition(), manifest).take_all()
+    assert [int(r["epoch"]) for r in whole] == sorted(int(r["epoch"]) for r in whole)
+    for taken in (7, len(whole) // 3 + 1, len(whole) - 2):
+        position = DataPosition()
+        for example in whole[:taken]:
+            cut = example["partial"]
+            position.add(int(example["epoch"]), example["source_rows"], [cut] if cut[0] >= 0 else ())
+        rest = build_stream(s, position, manifest).take_all()
+        assert len(rest) == len(whole) - taken
+        assert all(np.array_equal(a["input_ids"], b["input_ids"]) for a, b in zip(rest, whole[taken:]))
 
 
 # -- coCondenser span pairs ------------------------------------------------------------------
@@ -254,28 +326,3 @@ def test_spans_of_short_documents_are_capped_at_half_the_document():
     assert valid.tolist() == [False, True, True, True, True, True]
     assert span_len[1:].tolist() == [8, 8, 50, 80, 80]
     assert ((second + span_len)[1:] <= lengths[1:]).all() and ((first + span_len) <= second)[1:].all()
-
-
-def test_training_batches_shuffle_rows_reproducibly_and_keep_every_row_once(shared_ray):
-    """A corpus stored grouped by topic (20 topics of 30 consecutive rows): the worker's
-    local shuffle buffer leaves no micro-batch to one topic, yields every row exactly once,
-    and is a function of its seed."""
-    import ray
-
-    from pipeline.training.loop import training_batches
-    from pipeline.training.train_config import TrainConfig
-
-    rows = np.arange(600)
-    ds = ray.data.from_numpy(rows).repartition(10)  # blocks of 60 rows: two topics each
-
-    def order(seed, buffer):
-        train = TrainConfig(micro_batch_size=8, shuffle_buffer=buffer, prefetch_batches=1)
-        return [b["data"].tolist() for b in training_batches(ds.iterator(), train, seed)]
-
-    in_order, shuffled, again, other = order(0, 0), order(3, 128), order(3, 128), order(4, 128)
-    assert sum(in_order, []) == rows.tolist()  # shuffle_buffer 0: stream order
-    assert sorted(sum(shuffled, [])) == rows.tolist() and shuffled == again and shuffled != other
-    topics_per_batch = [len({r // 30 for r in batch}) for batch in shuffled]
-    assert sum(t == 1 for t in topics_per_batch) == 0, topics_per_batch
-    # In stream order, 60 of the 75 batches hold one topic.
-    assert sum(len({r // 30 for r in batch}) == 1 for batch in in_order) == 60

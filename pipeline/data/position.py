@@ -98,29 +98,55 @@ def _intersection_count(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class DataPosition:
-    """Consumed rows per epoch."""
+    """Consumed rows per epoch, and the documents a packed sequence cut part-way (opened:
+    row -> tokens consumed), which a resumed stream starts at their next token."""
 
-    def __init__(self, epochs: dict[int, IntervalSet] | None = None):
+    def __init__(self, epochs: dict[int, IntervalSet] | None = None, opened: dict[int, dict[int, int]] | None = None):
         self.epochs: dict[int, IntervalSet] = dict(epochs or {})
+        self._opened: dict[int, dict[int, int]] = {e: dict(d) for e, d in (opened or {}).items()}
 
-    def add(self, epoch: int, rows) -> None:
-        self.epochs.setdefault(int(epoch), IntervalSet()).add_rows(rows)
+    def add(self, epoch: int, rows, opened=()) -> None:
+        """``rows`` finished in ``epoch``; ``opened``: (row, tokens consumed) of documents begun."""
+        epoch = int(epoch)
+        done = self.epochs.setdefault(epoch, IntervalSet())
+        done.add_rows(rows)
+        begun = self._opened.setdefault(epoch, {})
+        for row, tokens in opened:
+            begun[int(row)] = max(begun.get(int(row), 0), int(tokens))
+        self._close_finished(epoch)
+
+    def _close_finished(self, epoch: int) -> None:
+        begun = self._opened.get(epoch)
+        if begun:
+            finished = self.consumed(epoch).contains(list(begun))
+            self._opened[epoch] = {row: n for (row, n), gone in zip(begun.items(), finished) if not gone}
 
     def consumed(self, epoch: int) -> IntervalSet:
         return self.epochs.get(int(epoch), IntervalSet())
 
+    def opened(self, epoch: int) -> dict[int, int]:
+        return dict(self._opened.get(int(epoch), {}))
+
     def merge(self, other: "DataPosition") -> "DataPosition":
-        out = DataPosition(self.epochs)
-        for epoch, iv in other.epochs.items():
-            out.epochs[epoch] = out.consumed(epoch).union(iv)
+        out = DataPosition(self.epochs, self._opened)
+        for epoch in set(other.epochs) | set(other._opened):
+            out.epochs[epoch] = out.consumed(epoch).union(other.consumed(epoch))
+            out.add(epoch, [], other.opened(epoch).items())
         return out
 
     def to_json(self) -> dict:
-        return {"epochs": {str(e): iv.to_list() for e, iv in sorted(self.epochs.items())}}
+        return {
+            "epochs": {str(e): iv.to_list() for e, iv in sorted(self.epochs.items())},
+            "opened": {str(e): sorted(d.items()) for e, d in sorted(self._opened.items()) if d},
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> "DataPosition":
-        return cls({int(e): IntervalSet(iv) for e, iv in (data or {}).get("epochs", {}).items()})
+        data = data or {}
+        return cls(
+            {int(e): IntervalSet(iv) for e, iv in data.get("epochs", {}).items()},
+            {int(e): {int(r): int(n) for r, n in pairs} for e, pairs in data.get("opened", {}).items()},
+        )
 
     def count(self) -> int:
         return sum(iv.count() for iv in self.epochs.values())

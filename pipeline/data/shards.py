@@ -16,6 +16,9 @@ checks, light enough for every Ray Data task that reads shards.
 
 from __future__ import annotations
 
+from typing import Callable
+
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -71,6 +74,35 @@ def check_shards(corpus_uri: str, manifest: dict) -> None:
 
 def shard_uris(corpus_uri: str, manifest: dict) -> list[str]:
     return [storage.join(corpus_uri, s["path"]) for s in manifest["shards"]]
+
+
+def read_shard_tokens(uri: str) -> dict[str, np.ndarray]:
+    """A prepared shard's ``row`` and ``input_ids`` (an object array of int32 views of one
+    buffer, without a Python int per token)."""
+    table = storage.read_parquet(uri, ["row", "input_ids"])
+    ids = table.column("input_ids").combine_chunks()
+    values = ids.values.to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
+    offsets = ids.offsets.to_numpy()
+    docs = np.empty(len(ids), dtype=object)
+    docs[:] = [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+    return {"row": table.column("row").to_numpy(), "input_ids": docs}
+
+
+def _each_shard(batch: dict, fn: Callable, fn_kwargs: dict) -> dict:
+    item = {k: v[0] for k, v in batch.items()}
+    return fn(read_shard_tokens(str(item.pop("uri"))), **item, **fn_kwargs)
+
+
+def shard_dataset(items: list[dict], fn: Callable, fn_kwargs: dict):
+    """A Ray Dataset of ``fn(shard, **item, **fn_kwargs)`` for each item (``uri``: a prepared
+    shard, and any other fields, e.g. its epoch), one task and one block per item, in the
+    order given. Blocks are exactly shards (what a resumed stream rebuilds must not depend
+    on how Ray cut the input), and no file is listed or its footer read ahead:
+    ``ray.data.read_parquet`` spent 1-2.5 s doing so for three shards. One dataset for
+    every epoch: a union of datasets does not keep their order."""
+    return ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+        _each_shard, fn_kwargs={"fn": fn, "fn_kwargs": fn_kwargs}, batch_size=1, batch_format="numpy"
+    )
 
 
 def _held_in_shard(uri: str, ids: list[str]) -> list[str]:

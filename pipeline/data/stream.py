@@ -4,8 +4,12 @@ Ray Train calls :class:`TrainingStream` each time it starts the worker group: at
 first start, after a worker failure, and when a run is resumed by re-running the job.
 Each call reads the data position of the last checkpoint and builds one dataset that
 covers every epoch still to train, with the rows that checkpoint had already consumed
-left out. That is what makes a resumed epoch neither skip nor repeat documents: the
-trainer's streaming split then hands the remaining rows to the workers as usual.
+left out, and the document a packed sequence cut resumed at its next token. That is
+what makes a resumed epoch neither skip nor repeat documents: the trainer's streaming
+split then hands the remaining rows to the workers as usual. Row order and packing are
+functions of the corpus rows alone (:func:`window_order`, :func:`block_examples`), so
+with one worker the resumed stream is the rest of the uninterrupted one, example for
+example.
 
 Epochs are concatenated into one stream (each example carries its ``epoch``) rather
 than re-iterated, because a dataset handed to Ray Train is fixed for the life of a
@@ -26,7 +30,7 @@ from ray.data.context import ShuffleStrategy
 from models.span_pairs import draw_span_pairs
 from pipeline.core import storage
 from pipeline.data.position import DataPosition, IntervalSet, read_position
-from pipeline.data.shards import check_shards, load_manifest
+from pipeline.data.shards import check_shards, load_manifest, shard_dataset
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,8 @@ class StreamSpec:
     sep_id: int
     pad_id: int
     run_dir: str  # where the trainer's checkpoints and the position pointer live
+    # Rows are shuffled within windows of this many consecutive corpus rows (0: stream order).
+    shuffle_window: int = 0
     # coCondenser: a CoCondenserConfig (span_length, short_span_prob, min_span_length).
     # Set, the stream yields span pairs instead of sequences (see to_span_pairs).
     spans: Any = None
@@ -74,37 +80,104 @@ def _frame(chunks: list[np.ndarray], spec: StreamSpec) -> tuple[np.ndarray, np.n
     return frame(chunks, spec.max_len, spec.cls_id, spec.sep_id, spec.pad_id)
 
 
-def to_sequences(batch: dict, spec: StreamSpec, epoch: int) -> dict:
+def window_order(rows: np.ndarray, seed: int, epoch: int, window: int) -> np.ndarray:
+    """The epoch's order of a block's rows (indices into ``rows``): windows of ``window``
+    consecutive corpus rows in turn, each shuffled by a hash of (seed, epoch, row).
+
+    A corpus stored grouped by topic (MS MARCO keeps a query's candidates together) would
+    otherwise fill coCondenser's batches with same-topic false negatives. The order is a
+    function of the row ids alone, not of a shuffle buffer's state: a resumed stream, which
+    lacks the rows consumed before, yields the rest exactly as the uninterrupted one does.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    if window <= 0:
+        return np.arange(len(rows))
+    salt = _mix64(np.array([(seed * 1_000_003 + epoch) % 2**64], dtype=np.uint64))
+    key = _mix64(rows.astype(np.uint64) ^ salt)
+    return np.lexsort((key, rows // window))
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser: a well-spread 64-bit hash of each element."""
+    x = x.astype(np.uint64)
+    with np.errstate(over="ignore"):
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    return x
+
+
+def _shard_examples(shard: dict, epoch, spec: StreamSpec, resume: dict) -> dict:
+    return block_examples(shard, spec, int(epoch), **resume[int(epoch)])
+
+
+def block_examples(batch: dict, spec: StreamSpec, epoch: int, consumed: list, opened: dict) -> dict:
+    """One whole shard -> the epoch's examples: rows in the epoch's order, those
+    a checkpoint consumed left out, a document it consumed in part resumed at its next
+    token (``opened``: row -> tokens consumed). Whole shards, so that the order and the
+    packing never depend on how Ray Data batched what was left after a resume."""
+    order = window_order(batch["row"], spec.seed, epoch, spec.shuffle_window)
+    batch = {k: v[order] for k, v in batch.items()}
+    done = IntervalSet(consumed)
+    if spec.spans is None:
+        return to_sequences(batch, spec, epoch, done, opened)
+    keep = ~done.contains(batch["row"])
+    return to_span_pairs({k: v[keep] for k, v in batch.items()}, spec, epoch)
+
+
+def to_sequences(
+    batch: dict, spec: StreamSpec, epoch: int, consumed: IntervalSet | None = None, opened: dict | None = None
+) -> dict:
     """Truncate each document, or pack consecutive documents, into max_len sequences.
 
     Packing joins documents with [SEP] and cuts the token stream every max_len - 2
     tokens, so long documents are used whole and short ones waste no padding. Each
-    sequence lists the corpus rows it drew from (``source_rows``), which is what the
-    worker records as consumed.
+    sequence lists the corpus rows whose last token it holds (``source_rows``: what the
+    worker records as consumed) and the document it cuts, if any, with the tokens of it
+    consumed through this sequence (``partial``: [row, tokens], row -1 for none).
+
+    A [SEP] belongs to the document it introduces, so the documents of a block, the
+    ``consumed`` ones left out and an ``opened`` one started at its next token, give the
+    same stream from that point as the whole block: sequences consumed before a resume
+    are cut exactly where the uninterrupted run cut them.
     """
     body = spec.max_len - 2
-    rows, docs = batch["row"], batch["input_ids"]
-    chunks, sources = [], []
+    consumed = consumed if consumed is not None else IntervalSet()
+    opened = opened or {}
+    rows, docs = np.asarray(batch["row"], dtype=np.int64), batch["input_ids"]
+    left = ~consumed.contains(rows)
+    chunks, sources, partial = [], [], []
     if not spec.pack:
-        for row, ids in zip(rows, docs):
+        for row, ids in zip(rows[left], docs[left]):
             chunks.append(np.asarray(ids[:body], dtype=np.int32))
             sources.append(np.array([row], dtype=np.int64))
-    elif len(docs):
-        # One token stream for the batch, documents joined by [SEP], with the row that
-        # owns each token (-1 for separators): a sequence's sources are exactly the
-        # documents with at least one token in it.
-        pieces, owners = [], []
-        for i, (row, ids) in enumerate(zip(rows, docs)):
-            if i:
-                pieces.append(np.array([spec.sep_id], dtype=np.int32))
-                owners.append(np.array([-1], dtype=np.int64))
-            pieces.append(np.asarray(ids, dtype=np.int32))
-            owners.append(np.full(len(ids), row, dtype=np.int64))
-        tokens, owner = np.concatenate(pieces), np.concatenate(owners)
-        for start in range(0, len(tokens), body):
-            chunks.append(tokens[start : start + body])
-            rows_here = np.unique(owner[start : start + body])
-            sources.append(rows_here[rows_here >= 0])
+            partial.append((-1, 0))
+    elif sum(len(ids) for ids in docs[left]):
+        pieces, piece_rows, skipped = [], [], []
+        for i in np.flatnonzero(left):
+            ids = np.asarray(docs[i], dtype=np.int32)
+            piece = np.concatenate([np.array([spec.sep_id], dtype=np.int32), ids]) if i else ids
+            start = int(opened.get(int(rows[i]), 0))
+            pieces.append(piece[start:])
+            piece_rows.append(rows[i])
+            skipped.append(start)
+        tokens = np.concatenate(pieces)
+        ends = np.cumsum([len(p) for p in pieces])
+        starts = ends - [len(p) for p in pieces]
+        piece_rows, skipped = np.asarray(piece_rows, dtype=np.int64), np.asarray(skipped, dtype=np.int64)
+        cuts = np.minimum(np.arange(body, len(tokens) + body, body), len(tokens))
+        # Piece k ends in the first sequence whose cut is at or after its end.
+        finished_in = np.searchsorted(cuts, ends, side="left")
+        for j, cut in enumerate(cuts):
+            chunks.append(tokens[j * body : cut])
+            sources.append(piece_rows[finished_in == j])
+            k = np.searchsorted(ends, cut, side="right")  # the first piece still open at the cut
+            if k < len(pieces) and starts[k] < cut:
+                partial.append((piece_rows[k], skipped[k] + cut - starts[k]))
+            else:
+                partial.append((-1, 0))
     input_ids, lengths = _frame(chunks, spec)
     source_rows = np.empty(len(sources), dtype=object)
     source_rows[:] = sources
@@ -113,6 +186,7 @@ def to_sequences(batch: dict, spec: StreamSpec, epoch: int) -> dict:
         "length": lengths,
         "epoch": np.full(len(chunks), epoch, dtype=np.int32),
         "source_rows": source_rows,
+        "partial": np.asarray(partial, dtype=np.int64).reshape(-1, 2),
     }
 
 
@@ -152,57 +226,44 @@ def to_span_pairs(batch: dict, spec: StreamSpec, epoch: int) -> dict:
     }
 
 
-def drop_consumed(batch: dict, consumed: list[list[int]]) -> dict:
-    keep = ~IntervalSet(consumed).contains(batch["row"])
-    return {k: v[keep] for k, v in batch.items()}
-
-
 # -- the dataset ------------------------------------------------------------------------
 
 
 def epoch_files(manifest: dict, spec: StreamSpec, epoch: int, consumed: IntervalSet) -> list[dict]:
-    """The shards an epoch still has to read, in this epoch's order."""
-    shards = [s for s in manifest["shards"] if not consumed.covers(s["first_row"], s["first_row"] + s["rows"])]
+    """The shards an epoch still has to read, in this epoch's order (drawn over all shards,
+    then the finished ones left out: a resumed epoch reads the rest in the same order)."""
+    shards = manifest["shards"]
     if spec.shuffle_files:
         order = np.random.default_rng([spec.seed, epoch]).permutation(len(shards))
         shards = [shards[i] for i in order]
-    return shards
+    return [s for s in shards if not consumed.covers(s["first_row"], s["first_row"] + s["rows"])]
 
 
 def build_stream(spec: StreamSpec, position: DataPosition, manifest: dict | None = None):
     manifest = manifest or load_manifest(spec.corpus)
-    fs_loc = storage.resolve(spec.corpus)
-    parts = []
+    items, resume = [], {}
     for epoch in range(spec.epochs):
         consumed = position.consumed(epoch)
-        shards = epoch_files(manifest, spec, epoch, consumed)
-        if not shards:
-            continue
-        paths = [storage.resolve(storage.join(spec.corpus, s["path"])).path for s in shards]
-        ds = ray.data.read_parquet(paths, filesystem=fs_loc.fs, shuffle=None).select_columns(["row", "input_ids"])
-        if consumed.count():
-            ds = ds.map_batches(
-                drop_consumed, fn_kwargs={"consumed": consumed.to_list()}, batch_format="numpy", zero_copy_batch=True
-            )
-        if spec.spans is not None:
-            ds = ds.map_batches(
-                to_span_pairs, fn_kwargs={"spec": spec, "epoch": epoch}, batch_format="numpy", batch_size=None
-            )
-        else:
-            ds = ds.map_batches(to_sequences, fn_kwargs={"spec": spec, "epoch": epoch}, batch_format="numpy")
-        parts.append(ds)
-    if not parts:  # everything consumed: an empty stream, so a resumed finished run just exports
-        shape = (2, spec.max_len) if spec.spans is not None else (spec.max_len,)
-        row = {
-            "input_ids": np.zeros(shape, np.int32),
-            "length": np.zeros(shape[:-1], np.int32),
-            "epoch": 0,
-            "source_rows": np.zeros(0, np.int64),
-        }
-        if spec.spans is not None:
-            row["skipped_docs"] = 0
-        return ray.data.from_items([row]).limit(0)
-    return parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+        resume[epoch] = {"consumed": consumed.to_list(), "opened": position.opened(epoch)}
+        items += [
+            {"uri": storage.join(spec.corpus, s["path"]), "epoch": epoch}
+            for s in epoch_files(manifest, spec, epoch, consumed)
+        ]
+    if items:
+        return shard_dataset(items, _shard_examples, {"spec": spec, "resume": resume})
+    # Everything consumed: an empty stream, so a resumed finished run just exports.
+    shape = (2, spec.max_len) if spec.spans is not None else (spec.max_len,)
+    row = {
+        "input_ids": np.zeros(shape, np.int32),
+        "length": np.zeros(shape[:-1], np.int32),
+        "epoch": 0,
+        "source_rows": np.zeros(0, np.int64),
+    }
+    if spec.spans is not None:
+        row["skipped_docs"] = 0
+    else:
+        row["partial"] = np.array([-1, 0], np.int64)
+    return ray.data.from_items([row]).limit(0)
 
 
 def configure_data_context() -> None:

@@ -105,18 +105,16 @@ def step_seed(seed: int, rank: int, micro_step: int) -> int:
 # -- the worker loop ---------------------------------------------------------------------
 
 
-def training_batches(shard, train: TrainConfig, shuffle_seed: int):
-    """A worker's micro-batches from its stream shard (a Ray ``DataIterator``), rows shuffled
-    within ``train.shuffle_buffer``: shards are read in order, and a corpus stored grouped
-    by topic (MS MARCO keeps a query's candidates together) would otherwise fill
-    coCondenser's batches with same-topic false negatives."""
+def training_batches(shard, train: TrainConfig):
+    """A worker's micro-batches from its stream shard (a Ray ``DataIterator``), in stream
+    order: the stream orders its rows itself, as a function of the data alone, so that a
+    resumed run sees the order an uninterrupted one does (a local shuffle buffer would
+    shuffle what is left after a resume differently)."""
     return shard.iter_batches(
         batch_size=train.micro_batch_size,
         batch_format="numpy",
         prefetch_batches=train.prefetch_batches,
         drop_last=False,
-        local_shuffle_buffer_size=train.shuffle_buffer or None,
-        local_shuffle_seed=shuffle_seed if train.shuffle_buffer else None,
     )
 
 
@@ -232,14 +230,8 @@ class WorkerRun:
         self.epochs = np.zeros(0, dtype=np.int64)  # the last batch's epochs
 
     def batches(self):
-        """This worker's micro-batches, shuffled with a seed of the checkpoint (the micro-step
-        this attempt starts from): a resumed attempt reshuffles differently, reproducibly;
-        which rows it trains on is the data position's business, whatever their order."""
-        train = self.train
-        shuffle_seed = step_seed(train.seed, self.rank, self.state.micro_step) % 2**32
-        if self.rank == 0:
-            log({"event": "stream", "shuffle_buffer": train.shuffle_buffer, "shuffle_seed": shuffle_seed})
-        batches = training_batches(ray.train.get_dataset_shard("train"), train, shuffle_seed)
+        """This worker's micro-batches, timed."""
+        batches = training_batches(ray.train.get_dataset_shard("train"), self.train)
         if self.config.get("replay_batches"):
             # Benchmark mode: hold the first N batches in memory and cycle them, so the same
             # loop can be timed without any ingest (bench/bench_pretrain.py).
@@ -250,7 +242,11 @@ class WorkerRun:
         """One micro-batch: forward, backward, the optimiser at an accumulation boundary,
         then the log line and the checkpoint when they are due."""
         train, state, engine = self.train, self.state, self.engine
-        generator = torch.Generator().manual_seed(step_seed(train.seed, self.rank, state.micro_step))
+        seed = step_seed(train.seed, self.rank, state.micro_step)
+        # Dropout draws from the global generators: seeded per micro-step, like the task's
+        # corruption, a resumed run draws what the uninterrupted one drew at that step.
+        torch.manual_seed(seed)
+        generator = torch.Generator().manual_seed(seed)
         tensors = {k: v.to(engine.device) for k, v in self.task.make_batch(batch, generator).items()}
         loss, self.extra = self.task.backward(engine, tensors)
         boundary = engine.is_gradient_accumulation_boundary()
@@ -268,8 +264,11 @@ class WorkerRun:
         """What the micro-batch consumed (the data position, the trace), counted and summed."""
         state = self.state
         self.epochs, rows = self.task.consumed_rows(batch)
-        for epoch in np.unique(self.epochs):
-            self.position.add(int(epoch), rows[self.epochs == epoch])
+        # Packed sequences name the document they cut part-way, with the tokens consumed.
+        opened = batch.get("partial")
+        for epoch in np.unique(batch["epoch"]):
+            begun = opened[(batch["epoch"] == epoch) & (opened[:, 0] >= 0)] if opened is not None else ()
+            self.position.add(int(epoch), rows[self.epochs == epoch], begun)
             if self.train.data_trace:
                 self.trace.append([state.micro_step, int(epoch), rows[self.epochs == epoch].tolist()])
         state.micro_step += 1

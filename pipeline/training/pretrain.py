@@ -55,6 +55,16 @@ class StreamConfig:
         },
     )
     shuffle_files: bool = field(default=True, metadata={"help": "shuffle the shard order each epoch (seeded)"})
+    shuffle_window: int = field(
+        default=100_000,
+        metadata={
+            "help": "shuffle rows within windows of this many consecutive corpus rows (within a shard), seeded per epoch, so that a corpus stored grouped by topic never fills a batch with one topic; a resumed run sees the same order; 0 = stream order"
+        },
+    )
+
+    def __post_init__(self):
+        if self.shuffle_window < 0:
+            raise ValueError(f"shuffle_window must be >= 0, got {self.shuffle_window}")
 
 
 @dataclass
@@ -262,6 +272,7 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
         epochs=epochs_needed(cfg.train, per_epoch),
         seed=cfg.train.seed,
         shuffle_files=cfg.data.shuffle_files,
+        shuffle_window=cfg.data.shuffle_window,
         cls_id=tokenizer.cls_token_id,
         sep_id=tokenizer.sep_token_id,
         pad_id=tokenizer.pad_token_id,

@@ -52,12 +52,6 @@ class TrainConfig:
     keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept in storage"})
     max_failures: int = field(default=3, metadata={"help": "worker-group restarts Ray Train may do before giving up"})
     prefetch_batches: int = field(default=4, metadata={"help": "batches Ray Data prepares ahead of each worker"})
-    shuffle_buffer: int = field(
-        default=1024,
-        metadata={
-            "help": "rows each worker shuffles its stream within (Ray Data's local shuffle buffer), so that a corpus stored grouped by topic never fills a batch with one topic; 0 = stream order"
-        },
-    )
     data_trace: bool = field(
         default=False, metadata={"help": "write the corpus rows each worker consumed, per epoch (audit)"}
     )
@@ -76,7 +70,7 @@ class TrainConfig:
         for name in at_least_one + ("keep_checkpoints",):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        at_least_zero = ("max_steps", "epochs", "max_failures", "prefetch_batches", "shuffle_buffer")
+        at_least_zero = ("max_steps", "epochs", "max_failures", "prefetch_batches")
         for name in at_least_zero + ("weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -1,0 +1,139 @@
+"""A run interrupted between checkpoints and resumed ends with exactly the weights of an
+uninterrupted run (CPU, fp32, one worker): the data order, the packing, the masking and
+dropout draws, the optimiser and the schedule all continue as if nothing had happened."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from conftest import synthetic_docs, write_jsonl
+from safetensors.torch import load_file
+
+from models.backbone import BackboneConfig
+from pipeline.core import model_ref
+from pipeline.data.prepare import PrepareConfig
+from pipeline.training import finetune, pretrain
+from pipeline.training.loop import fit
+from pipeline.training.train_config import TrainConfig
+from tests.helpers import save_tiny_bert
+
+pytestmark = pytest.mark.ray
+
+
+class StopOnce:
+    """The wrapped task, failing once, at its ``at``-th micro-batch: the marker file keeps it
+    to the first attempt (the worker dies as a preempted one would, between checkpoints)."""
+
+    def __init__(self, task, at: int, marker: str):
+        self.task, self.at, self.marker, self.calls = task, at, marker, 0
+
+    def __getattr__(self, name):
+        if name == "task":  # while unpickling, before __init__'s attributes exist
+            raise AttributeError(name)
+        return getattr(self.task, name)
+
+    def backward(self, engine, batch):
+        self.calls += 1
+        if self.calls > self.at and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            raise RuntimeError("interrupted between checkpoints (test)")
+        return self.task.backward(engine, batch)
+
+
+def interrupted(monkeypatch, module, at: int, marker: str) -> None:
+    """Make ``module``'s runs fail once at micro-batch ``at`` (Ray Train restarts the worker)."""
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import a test module
+    monkeypatch.setattr(module, "fit", lambda train, task, *a, **k: fit(train, StopOnce(task, at, marker), *a, **k))
+
+
+def weights(export_dir: str) -> dict[str, torch.Tensor]:
+    local = model_ref.materialize(export_dir)
+    return {
+        f"{name}:{key}": value
+        for name in sorted(os.listdir(local))
+        if name.endswith(".safetensors")
+        for key, value in load_file(os.path.join(local, name)).items()
+    }
+
+
+def assert_identical(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    differing = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differing, f"{len(differing)} of {len(a)} tensors differ, e.g. {differing[:3]}"
+
+
+def train_settings(out: str, **overrides) -> TrainConfig:
+    settings = dict(output=out, num_workers=1, zero_stage=1, lr=1e-3, log_every=2, checkpoint_every=3, max_failures=1)
+    return TrainConfig(**{**settings, **overrides})
+
+
+def test_pretraining_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted_run(tmp_path, monkeypatch, shared_ray):
+    """Condenser with packing (documents cut across sequences) and dropout, rows shuffled in
+    windows: interrupted at micro-batch 7 of 10, resumed from checkpoint 6."""
+    raw = write_jsonl(tmp_path / "raw.jsonl", synthetic_docs(90, seed=7))
+
+    def config(name: str) -> pretrain.PretrainConfig:
+        cfg = pretrain.PretrainConfig()
+        cfg.corpus = PrepareConfig(input=raw, output=str(tmp_path / "corpus"), vocab_size=120, docs_per_shard=40)
+        cfg.data = pretrain.StreamConfig(max_len=24, pack=True, shuffle_window=16)
+        cfg.model = BackboneConfig(
+            hidden_size=32, num_layers=4, num_heads=2, intermediate_size=64, max_position=64, dropout=0.1
+        )
+        cfg.train = train_settings(str(tmp_path / name), micro_batch_size=8, max_steps=10)
+        return cfg
+
+    whole = pretrain.run_pretraining(config("whole"))
+    interrupted(monkeypatch, pretrain, at=7, marker=str(tmp_path / "stopped"))
+    resumed = pretrain.run_pretraining(config("resumed"))
+
+    assert os.path.exists(tmp_path / "stopped") and resumed["restarts"] == 1
+    (event,) = resumed["resumes"]
+    assert event["checkpoint"] == "checkpoint_000000006" and event["rows_repeated"] == event["rows_skipped"] == 0
+    logged = [
+        json.loads(line) for name in ("whole", "resumed") for line in [open(tmp_path / name / "history.json").read()]
+    ]
+    assert [h["loss"] for h in logged[1]][-2:] == [h["loss"] for h in logged[0]][-2:]  # steps 8 and 10
+    assert_identical(weights(whole["export_dir"]), weights(resumed["export_dir"]))
+
+
+def test_finetuning_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted_run(tmp_path, monkeypatch, shared_ray):
+    """The contrastive retriever with hard negatives sliding through each query's list and
+    dropout: interrupted at micro-batch 5 of 8 (epoch 2 of 2), resumed from checkpoint 3."""
+    import json
+
+    docs = synthetic_docs(60, seed=2)
+    model = save_tiny_bert(str(tmp_path / "bert"), [d["text"] for d in docs], dropout=0.1)
+    queries, qrels, negatives = tmp_path / "queries.jsonl", tmp_path / "qrels.tsv", tmp_path / "negatives.jsonl"
+    queries.write_text(
+        "".join(json.dumps({"_id": f"q{i}", "text": " ".join(docs[i]["text"].split()[:4])}) + "\n" for i in range(16))
+    )
+    qrels.write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\t{docs[i]['_id']}\t1\n" for i in range(16)))
+    negatives.write_text(
+        "".join(
+            json.dumps({"query_id": f"q{i}", "negatives": [docs[(i + k) % 60]["_id"] for k in range(1, 7)]}) + "\n"
+            for i in range(16)
+        )
+    )
+
+    def config(name: str) -> finetune.FinetuneConfig:
+        cfg = finetune.FinetuneConfig()
+        cfg.data.queries, cfg.data.qrels, cfg.data.negatives = str(queries), str(qrels), str(negatives)
+        cfg.corpus.input, cfg.corpus.docs_per_shard = write_jsonl(tmp_path / "corpus.jsonl", docs), 30
+        cfg.data.query_max_len, cfg.data.passage_max_len = 12, 24
+        cfg.model.init = model
+        cfg.retriever.group_size = 3
+        cfg.train = train_settings(str(tmp_path / name), micro_batch_size=4, max_steps=8)
+        return cfg
+
+    whole = finetune.run_finetuning(config("whole"))
+    interrupted(monkeypatch, finetune, at=5, marker=str(tmp_path / "stopped"))
+    resumed = finetune.run_finetuning(config("resumed"))
+
+    assert resumed["restarts"] == 1 and resumed["resumes"][0]["checkpoint"] == "checkpoint_000000003"
+    assert_identical(weights(whole["export_dir"]), weights(resumed["export_dir"]))
