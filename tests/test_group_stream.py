@@ -11,7 +11,7 @@ from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import TrainExample
 from pipeline.data.group_stream import (
     GroupSpec,
-    build_epoch,
+    build_epochs,
     frame_truncated,
     plan_epoch,
 )
@@ -52,7 +52,7 @@ def test_every_group_holds_exactly_its_planned_passages_in_the_planned_order(cor
     plan = plan_epoch(examples, epoch=1, spec=spec, corpus_ids=corpus_ids, skip_rows=np.array([4, 9]))
     assert sorted(plan.example_rows.tolist()) == [r for r in range(30) if r not in (4, 9)]
 
-    out = build_epoch(spec, plan, query_ids, epoch=1, manifest=manifest).take_all()
+    out = build_epochs(spec, [(1, plan)], query_ids, manifest=manifest).take_all()
     assert sorted(r["position"] for r in out) == list(range(28))  # every planned query exactly once
     for r in out:
         position = r["position"]
@@ -79,3 +79,38 @@ def test_a_passage_missing_from_the_corpus_is_a_clear_error(corpus):
     examples = [TrainExample("qx", "", positives=["nope"], negatives=["d1"])]
     with pytest.raises(ValueError, match="passage 'nope' is not in the corpus"):
         plan_epoch(examples, 0, spec, CorpusIds.read(uri, manifest["shards"]))
+
+
+def test_the_stream_keeps_the_planned_order_across_epochs_and_resumes_with_the_rest(corpus, tmp_path):
+    """Every epoch's groups come in their planned order, epochs one after another, and the
+    stream rebuilt from a checkpoint's position is the rest of the whole one (what makes a
+    resumed fine-tuning run equal an uninterrupted one)."""
+    from pipeline.data.group_stream import GroupStream, examples_as_rows
+    from pipeline.data.position import DataPosition, write_pointer
+
+    uri, manifest, tokens = corpus
+    ids = sorted(tokens)
+    examples = [TrainExample(f"q{q}", "", [ids[q]], [ids[(q + k) % len(ids)] for k in range(1, 5)]) for q in range(20)]
+    spec = GroupSpec(
+        corpus=uri, group_size=3, query_max_len=8, passage_max_len=12, seed=5, cls_id=2, sep_id=3, pad_id=0
+    )
+    corpus_ids = CorpusIds.read(uri, manifest["shards"])
+    rows = examples_as_rows(examples, corpus_ids)
+    queries = [np.arange(q + 1, dtype=np.int32) + 10 for q in range(20)]
+    run_dir = str(tmp_path / "run")
+
+    def stream():
+        return GroupStream(spec, rows, queries, 3, len(corpus_ids), run_dir)().take_all()
+
+    whole = stream()
+    order = [(int(r["epoch"]), int(r["position"])) for r in whole]
+    assert order == [(e, p) for e in range(3) for p in range(20)]
+    taken = 27  # into the second epoch
+    position = DataPosition()
+    for r in whole[:taken]:
+        position.add(int(r["epoch"]), r["source_rows"])
+    storage.write_json(storage.join(run_dir, "checkpoint_000000009", "position_rank0.json"), position.to_json())
+    write_pointer(run_dir, "checkpoint_000000009", 9)
+    rest = stream()
+    assert [int(r["source_rows"][0]) for r in rest] == [int(r["source_rows"][0]) for r in whole[taken:]]
+    assert all(np.array_equal(a["d_input_ids"], b["d_input_ids"]) for a, b in zip(rest, whole[taken:]))

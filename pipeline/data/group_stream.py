@@ -172,16 +172,18 @@ def _emit_requests(batch: dict, requests) -> dict:
     return {"position": targets_pos[take], "slot": targets_slot[take], "input_ids": passages}
 
 
-def _assemble(group: dict, spec: GroupSpec, plan, query_ids, epoch: int) -> dict:
+def _assemble(group: dict, spec: GroupSpec, plan, query_ids) -> dict:
     plan, query_ids = _resolved(plan), _resolved(query_ids)
-    position = int(group["position"][0])
+    key = int(group["position"][0])  # the group's place in the whole stream
+    epoch, position = int(plan["epochs"][key]), int(plan["positions"][key])
     if len(group["slot"]) != spec.group_size:
         raise RuntimeError(
-            f"group at position {position} has {len(group['slot'])} passages, expected {spec.group_size}"
+            f"group at position {position} of epoch {epoch} has {len(group['slot'])} passages, "
+            f"expected {spec.group_size}"
         )
     in_slot_order = np.argsort(group["slot"])
     passages, lengths = frame_truncated([group["input_ids"][i] for i in in_slot_order], spec.passage_max_len, spec)
-    example_row = int(plan["example_rows"][position])
+    example_row = int(plan["example_rows"][key])
     query, query_length = frame_truncated([query_ids[example_row]], spec.query_max_len, spec)
     source_rows = np.empty(1, dtype=object)
     source_rows[0] = np.array([example_row], dtype=np.int64)
@@ -195,7 +197,7 @@ def _assemble(group: dict, spec: GroupSpec, plan, query_ids, epoch: int) -> dict
         "source_rows": source_rows,
     }
     if plan.get("teacher_scores") is not None:
-        out["d_teacher_scores"] = plan["teacher_scores"][position][None]  # planned in slot order
+        out["d_teacher_scores"] = plan["teacher_scores"][key][None]  # planned in slot order
     return out
 
 
@@ -212,11 +214,18 @@ def passage_requests(plan: EpochGroups) -> dict[str, np.ndarray]:
     }
 
 
-def build_epoch(spec: GroupSpec, plan: EpochGroups, query_ids: list, epoch: int, manifest: dict | None = None):
-    """The Ray Dataset of one epoch's groups: one row per planned position."""
+def build_epochs(spec: GroupSpec, plans: list[tuple[int, EpochGroups]], query_ids: list, manifest: dict | None = None):
+    """The Ray Dataset of the given epochs' groups, one row per planned position, epoch after
+    epoch in their planned order: one groupby over a key running through every epoch (a
+    union of per-epoch datasets does not keep their order), and each shard read once."""
 
     manifest = manifest or load_manifest(spec.corpus)
-    requests = passage_requests(plan)
+    whole = EpochGroups(
+        np.concatenate([p.example_rows for _, p in plans]),
+        np.concatenate([p.corpus_rows for _, p in plans]),
+        None if plans[0][1].teacher_scores is None else np.concatenate([p.teacher_scores for _, p in plans]),
+    )
+    requests = passage_requests(whole)
     needed = np.unique(requests["row"])
     shards = [
         s
@@ -224,16 +233,21 @@ def build_epoch(spec: GroupSpec, plan: EpochGroups, query_ids: list, epoch: int,
         if np.any((needed >= s["first_row"]) & (needed < s["first_row"] + s["rows"]))
     ]
     requests_ref, queries_ref = ray.put(requests), ray.put(query_ids)
-    plan_ref = ray.put({"example_rows": plan.example_rows, "teacher_scores": plan.teacher_scores})
+    plan_ref = ray.put(
+        {
+            "example_rows": whole.example_rows,
+            "teacher_scores": whole.teacher_scores,
+            "epochs": np.concatenate([np.full(len(p.example_rows), e, np.int32) for e, p in plans]),
+            "positions": np.concatenate([np.arange(len(p.example_rows)) for _, p in plans]),
+        }
+    )
     items = [{"uri": storage.join(spec.corpus, s["path"])} for s in shards]
     ds = shard_dataset(items, _emit_requests, {"requests": requests_ref})
     # Ray's default of 200 shuffle partitions costs more than the shuffle itself at this size
     # (a 4,434-query epoch: 22 s with 200, 15 s with 1, on 2 cores).
-    partitions = max(1, min(32, len(plan.example_rows) // 10_000 + 1))
+    partitions = max(1, min(32, len(whole.example_rows) // 10_000 + 1))
     return ds.groupby("position", num_partitions=partitions).map_groups(
-        _assemble,
-        fn_kwargs={"spec": spec, "plan": plan_ref, "query_ids": queries_ref, "epoch": epoch},
-        batch_format="numpy",
+        _assemble, fn_kwargs={"spec": spec, "plan": plan_ref, "query_ids": queries_ref}, batch_format="numpy"
     )
 
 
@@ -257,25 +271,26 @@ class GroupStream:
         manifest = load_manifest(self.spec.corpus)
         check_shards(self.spec.corpus, manifest)
         position, _ = read_position(self.run_dir)
-        parts = []
+        plans = []
         for epoch in range(self.epochs):
             consumed = position.consumed(epoch)
             skip = np.flatnonzero(consumed.contains(np.arange(len(self.examples)))) if consumed.count() else None
             plan = plan_epoch(self.examples, epoch, self.spec, skip_rows=skip, num_rows=self.num_rows)
             if len(plan.example_rows):
-                parts.append(build_epoch(self.spec, plan, self.query_ids, epoch, manifest))
-        if not parts:  # all consumed: an empty stream, so a resumed finished run just exports
-            g, lq, ld = self.spec.group_size, self.spec.query_max_len, self.spec.passage_max_len
-            row = {
-                "q_input_ids": np.zeros(lq, np.int32),
-                "q_length": 0,
-                "d_input_ids": np.zeros((g, ld), np.int32),
-                "d_length": np.zeros(g, np.int32),
-                "position": 0,
-                "epoch": 0,
-                "source_rows": np.zeros(0, np.int64),
-            }
-            if _carry_scores(self.examples):
-                row["d_teacher_scores"] = np.zeros(g, np.float32)
-            return ray.data.from_items([row]).limit(0)
-        return parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+                plans.append((epoch, plan))
+        if plans:
+            return build_epochs(self.spec, plans, self.query_ids, manifest)
+        # All consumed: an empty stream, so a resumed finished run just exports.
+        g, lq, ld = self.spec.group_size, self.spec.query_max_len, self.spec.passage_max_len
+        row = {
+            "q_input_ids": np.zeros(lq, np.int32),
+            "q_length": 0,
+            "d_input_ids": np.zeros((g, ld), np.int32),
+            "d_length": np.zeros(g, np.int32),
+            "position": 0,
+            "epoch": 0,
+            "source_rows": np.zeros(0, np.int64),
+        }
+        if _carry_scores(self.examples):
+            row["d_teacher_scores"] = np.zeros(g, np.float32)
+        return ray.data.from_items([row]).limit(0)
