@@ -139,11 +139,17 @@ def test_teacher_scores_arrive_aligned_with_the_groups_passages():
     # Each passage's tokens name its corpus row, so the assembled group can be decoded.
     corpus_batch = {"row": np.arange(n_docs), "input_ids": [np.array([100 + r] * (1 + r % 3)) for r in range(n_docs)]}
     records = _emit_requests(corpus_batch, passage_requests(plan))
-    plan_value = {"example_rows": plan.example_rows, "teacher_scores": plan.teacher_scores}
+    plan_value = {
+        "example_rows": plan.example_rows,
+        "teacher_scores": plan.teacher_scores,
+        "epochs": np.full(len(plan.example_rows), 2),
+        "positions": np.arange(len(plan.example_rows)),
+    }
     query_ids = [np.array([7, 8]) for _ in examples]
     for position in range(len(plan.example_rows)):
         mine = records["position"] == position
-        out = _assemble({k: v[mine] for k, v in records.items()}, spec, plan_value, query_ids, epoch=2)
+        out = _assemble({k: v[mine] for k, v in records.items()}, spec, plan_value, query_ids)
+        assert int(out["epoch"][0]) == 2 and int(out["position"][0]) == position
         query_id = examples[int(out["source_rows"][0][0])].query_id
         doc_rows = out["d_input_ids"][0][:, 1] - 100  # [CLS] then the row's token
         assert out["d_teacher_scores"].shape == (1, group)

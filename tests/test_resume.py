@@ -137,3 +137,35 @@ def test_finetuning_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted_
 
     assert resumed["restarts"] == 1 and resumed["resumes"][0]["checkpoint"] == "checkpoint_000000003"
     assert_identical(weights(whole["export_dir"]), weights(resumed["export_dir"]))
+
+
+def test_damaged_checkpoints_are_passed_over_and_the_run_resumes_from_the_newest_whole_one(tmp_path, shared_ray, capfd):
+    """A finished 6-step run, then its newest checkpoint truncated (the listing shows it) and
+    the one before with a byte changed (only the worker's hashing shows it): rerun for 8
+    steps, it resumes from step 2 and saves its new checkpoints under new names."""
+    raw = write_jsonl(tmp_path / "raw.jsonl", synthetic_docs(60, seed=3))
+    cfg = pretrain.PretrainConfig()
+    cfg.corpus = PrepareConfig(input=raw, output=str(tmp_path / "corpus"), vocab_size=120, docs_per_shard=30)
+    cfg.data = pretrain.StreamConfig(max_len=24)
+    cfg.model = BackboneConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position=64)
+    cfg.train = train_settings(str(tmp_path / "run"), micro_batch_size=4, max_steps=6, checkpoint_every=2)
+    cfg.train.keep_checkpoints = 3
+    assert pretrain.run_pretraining(cfg)["steps"] == 6
+    run_dir = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in run_dir.glob("checkpoint_*")) == [f"checkpoint_{s:09d}" for s in (2, 4, 6)]
+    states = {step: sorted((run_dir / f"checkpoint_{step:09d}" / "state").rglob("*.pt")) for step in (4, 6)}
+    os.truncate(states[6][0], os.path.getsize(states[6][0]) // 2)
+    data = bytearray(states[4][0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    states[4][0].write_bytes(bytes(data))
+    capfd.readouterr()
+
+    cfg.train.max_steps = 8
+    again = pretrain.run_pretraining(cfg)
+    err = capfd.readouterr().err
+    assert again["steps"] == 8 and again["resumes"][-1]["checkpoint"] == "checkpoint_000000002"
+    assert f"checkpoint_000000006 is not whole ({states[6][0].relative_to(run_dir / 'checkpoint_000000006')}" in err
+    assert "checkpoint_000000004 is damaged" in err and "SHA-256 differs" in err
+    # Steps 4 and 6 were saved again beside (not over) the damaged folders Ray registered,
+    # which then aged out of the three kept.
+    assert sorted(p.name for p in run_dir.glob("checkpoint_*")) == [f"checkpoint_{s:09d}-r1" for s in (4, 6, 8)]

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
 import pytest
 
-from pipeline.core import storage
+from pipeline.core import sealed, storage
 from pipeline.data.position import (
     DataPosition,
     IntervalSet,
@@ -175,6 +176,8 @@ def test_read_position_merges_the_ranks_of_the_checkpoint_ray_will_restore(tmp_p
     stale = DataPosition()
     stale.add(0, [99])
     storage.write_json(storage.join(run_dir, "checkpoint_000000005", "position_rank0.json"), stale.to_json())
+    for name in ("checkpoint_000000005", "checkpoint_000000010"):
+        sealed.seal(storage.join(run_dir, name), "rank0")
     write_pointer(run_dir, "checkpoint_000000010", 10)
     position, name = read_position(run_dir)
     assert name == "checkpoint_000000010"
@@ -189,6 +192,56 @@ def test_read_position_merges_the_ranks_of_the_checkpoint_ray_will_restore(tmp_p
     assert name == "checkpoint_000000005" and position.consumed(0).to_list() == [[99, 100]]
     storage.write_json(storage.join(run_dir, "checkpoint_manager_snapshot.json"), {"latest_checkpoint_result": None})
     assert read_position(run_dir)[1] is None
+
+
+def _checkpoint(run_dir, name: str, payload: bytes = b"weights" * 100) -> str:
+    folder = storage.join(run_dir, name)
+    storage.write_bytes(storage.join(folder, "state", "model.pt"), payload)
+    storage.write_json(storage.join(folder, "position_rank0.json"), DataPosition().to_json())
+    sealed.seal(folder, "rank0")
+    return folder
+
+
+def test_a_sealed_folder_is_whole_only_with_every_file_at_its_size_and_hash(tmp_path):
+    folder = _checkpoint(str(tmp_path), "checkpoint_000000004")
+    assert sealed.damage(folder) is None and sealed.verify(folder) is None
+    model = os.path.join(folder, "state", "model.pt")
+    data = open(model, "rb").read()
+    with open(model, "r+b") as f:  # a bit flipped: the listing cannot tell, the hash can
+        f.seek(10)
+        f.write(bytes([data[10] ^ 1]))
+    assert sealed.damage(folder) is None
+    assert sealed.verify(folder) == "state/model.pt does not hold what was written (SHA-256 differs)"
+    with open(model, "wb") as f:
+        f.write(data[:100])
+    assert sealed.damage(folder) == sealed.verify(folder) == "state/model.pt holds 100 bytes, 700 were written"
+    os.remove(model)
+    assert sealed.damage(folder) == "state/model.pt is missing"
+    os.remove(os.path.join(folder, "seal_rank0.json"))
+    assert sealed.damage(folder).startswith("not sealed")
+    sealed.mark_damaged(folder, "state/model.pt does not hold what was written (SHA-256 differs)")
+    assert sealed.damage(folder) == "state/model.pt does not hold what was written (SHA-256 differs)"
+
+
+def test_a_damaged_latest_checkpoint_is_passed_over_for_the_newest_whole_one(tmp_path, capsys):
+    from pipeline.core.errors import ArtifactError
+    from pipeline.data.position import restorable_checkpoint
+
+    run_dir = str(tmp_path / "run")
+    for step in (2, 4, 6):
+        _checkpoint(run_dir, f"checkpoint_{step:09d}")
+    _checkpoint(run_dir, "checkpoint_000000008")  # saved after the registry's latest: not a candidate
+    write_pointer(run_dir, "checkpoint_000000006", 6)
+    assert restorable_checkpoint(run_dir) == "checkpoint_000000006"
+    model = os.path.join(run_dir, "checkpoint_000000006", "state", "model.pt")
+    os.truncate(model, 50)
+    assert restorable_checkpoint(run_dir) == "checkpoint_000000004"
+    warning = capsys.readouterr().err
+    assert "checkpoint_000000006 is not whole (state/model.pt holds 50 bytes, 700 were written)" in warning
+    for step in (2, 4):
+        sealed.mark_damaged(storage.join(run_dir, f"checkpoint_{step:09d}"), "hash differs")
+    with pytest.raises(ArtifactError, match="no whole checkpoint to resume from"):
+        restorable_checkpoint(run_dir)
 
 
 @pytest.mark.ray

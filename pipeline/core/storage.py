@@ -212,6 +212,17 @@ def list_files(uri: str, suffix: str = "") -> list[str]:
     return [("s3://" + p) if is_s3(uri) else p for p in paths]
 
 
+def file_sizes(uri: str) -> dict[str, int]:
+    """Every file below the folder ``uri`` (recursive) by its path relative to it: its size
+    in bytes, from one listing."""
+    loc = resolve(uri)
+    try:
+        infos = loc.fs.get_file_info(pafs.FileSelector(loc.path, recursive=True, allow_not_found=True))
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises OSError subclasses and ArrowInvalid
+        raise _wrap(loc, "list", exc) from exc
+    return {posixpath.relpath(i.path, loc.path): i.size for i in infos if i.type == pafs.FileType.File}
+
+
 def version(uri: str) -> str:
     """What is stored at ``uri`` now (a file, or every file below a folder): a digest of the
     names, sizes and modification times. Anything rewritten at the same URI (a corpus cut

@@ -8,10 +8,13 @@ over all workers is one long prefix plus a few islands, however big the corpus.
 
 from __future__ import annotations
 
+import re
+import sys
+
 import numpy as np
 
-from pipeline.core import storage
-from pipeline.core.errors import StorageError
+from pipeline.core import sealed, storage
+from pipeline.core.errors import ArtifactError, StorageError
 
 
 class IntervalSet:
@@ -166,16 +169,17 @@ def write_pointer(run_dir: str, checkpoint_dir: str, step: int) -> None:
 
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+CHECKPOINT_NAME = re.compile(r"^checkpoint_(\d+)(-r\d+)?$")
 
 
-def restorable_checkpoint(run_dir: str) -> str | None:
-    """The checkpoint Ray Train will hand the workers on their next start (None: none yet).
+def registered_checkpoint(run_dir: str) -> str | None:
+    """The newest checkpoint Ray Train registered (None: none yet).
 
     Ray Train's controller persists its checkpoint registry (``checkpoint_manager_snapshot.json``)
     when it *registers* a checkpoint, which can lag behind the workers' report. That file,
-    not our pointer, names what ``ray.train.get_checkpoint()`` will return, so the stream
-    follows it. The pointer (written by rank 0 after each report) is the fallback for a Ray
-    version whose snapshot we cannot read.
+    not our pointer, names what ``ray.train.get_checkpoint()`` would return. The pointer
+    (written by rank 0 after each report) is the fallback for a Ray version whose snapshot
+    we cannot read.
     """
     snapshot_uri = storage.join(run_dir, RAY_SNAPSHOT)
     if storage.exists(snapshot_uri):
@@ -188,6 +192,59 @@ def restorable_checkpoint(run_dir: str) -> str | None:
     if storage.exists(pointer_uri):
         return storage.read_json(pointer_uri)["checkpoint"]
     return None
+
+
+def restorable_checkpoint(run_dir: str) -> str | None:
+    """The checkpoint the next start resumes from: the newest registered one when it is whole
+    (sealed, every file there at its size: :mod:`pipeline.core.sealed`), else the newest
+    earlier one that is, with a warning naming each passed over. The stream and every worker
+    call this, so the model and the data position come from the same checkpoint."""
+    latest = registered_checkpoint(run_dir)
+    if latest is None:
+        return None
+    folders = checkpoint_folders(run_dir)
+    step = checkpoint_step(latest)
+    earlier = sorted((n for n in folders if n != latest and checkpoint_step(n) <= step), key=_checkpoint_order)
+    candidates = [latest] + earlier[::-1]
+    for name in candidates:
+        problem = sealed.damage(storage.join(run_dir, name), folders.get(name, {}))
+        if problem is None:
+            return name
+        _warn_once(f"warning: checkpoint {storage.join(run_dir, name)} is not whole ({problem}): passed over")
+    raise ArtifactError(
+        f"{run_dir}: no whole checkpoint to resume from ({', '.join(candidates)} are damaged); "
+        f"delete {run_dir} to train from the start"
+    )
+
+
+def checkpoint_folders(run_dir: str) -> dict[str, dict[str, int]]:
+    """Every checkpoint folder of the run: its files' sizes, from one listing."""
+    folders: dict[str, dict[str, int]] = {}
+    for rel, size in storage.file_sizes(run_dir).items():
+        head, _, rest = rel.partition("/")
+        if rest and CHECKPOINT_NAME.match(head):
+            folders.setdefault(head, {})[rest] = size
+    return folders
+
+
+def checkpoint_step(name: str) -> int:
+    match = CHECKPOINT_NAME.match(name)
+    return int(match.group(1)) if match else -1
+
+
+def _checkpoint_order(name: str) -> tuple[int, int]:
+    """Step, then the attempt that wrote it (``-r<n>``: saved again after a fallback)."""
+    match = CHECKPOINT_NAME.match(name)
+    return checkpoint_step(name), int(match.group(2)[2:]) if match and match.group(2) else 0
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        print(message, file=sys.stderr, flush=True)
 
 
 def read_checkpoint_position(checkpoint_uri: str) -> DataPosition:

@@ -21,7 +21,14 @@ from dataclasses import asdict, dataclass, field
 
 import ray.train
 
-from pipeline.data.position import DataPosition, write_pointer
+from pipeline.core import sealed, storage
+from pipeline.data.position import (
+    DataPosition,
+    checkpoint_folders,
+    checkpoint_step,
+    restorable_checkpoint,
+    write_pointer,
+)
 
 CHECKPOINT_TAG = "state"
 
@@ -37,8 +44,12 @@ class TrainState:
     counters: dict[str, int] = field(default_factory=dict)  # this rank's share of task.counters since the start
 
 
-def save_checkpoint(engine, state: TrainState, position: DataPosition, rank: int, run_dir: str, metrics: dict) -> None:
-    name = f"checkpoint_{state.step:09d}"
+def save_checkpoint(
+    engine, state: TrainState, position: DataPosition, rank: int, run_dir: str, metrics: dict, suffix: str = ""
+) -> None:
+    """``suffix``: set after a resume that passed over damaged checkpoints of later steps,
+    which this attempt saves again under new names."""
+    name = f"checkpoint_{state.step:09d}{suffix}"
     with tempfile.TemporaryDirectory(prefix="raydense-ckpt-") as tmp:
         engine.save_checkpoint(tmp, tag=CHECKPOINT_TAG)
         with open(os.path.join(tmp, f"position_rank{rank}.json"), "w") as f:
@@ -48,30 +59,51 @@ def save_checkpoint(engine, state: TrainState, position: DataPosition, rank: int
         if rank == 0:
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
                 json.dump(asdict(state), f)
+        sealed.seal(tmp, f"rank{rank}")
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name)
     if rank == 0:
         write_pointer(run_dir, name, state.step)
 
 
-def restore_checkpoint(engine, rank: int) -> tuple[TrainState, DataPosition, str | None]:
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        return TrainState(), DataPosition(), None
+@dataclass
+class Restored:
+    state: TrainState
+    position: DataPosition
+    checkpoint: str | None  # the folder restored from (None: a fresh start)
+    # Folders of later steps exist (damaged ones passed over): this attempt's checkpoints
+    # must not take their names (a folder Ray Train registered is never rewritten).
+    later_folders: bool
+
+
+def restore_checkpoint(engine, rank: int, run_dir: str) -> Restored:
+    name = restorable_checkpoint(run_dir)
+    if name is None:
+        return Restored(TrainState(), DataPosition(), None, False)
+    uri = storage.join(run_dir, name)
+    loc = storage.resolve(uri)
+    checkpoint = ray.train.Checkpoint(loc.path, filesystem=loc.fs) if storage.is_s3(uri) else ray.train.Checkpoint(uri)
     with checkpoint.as_directory() as d:
+        problem = sealed.verify(d)
+        if problem is not None:
+            # Marked, then this start fails: the next one (Ray Train's retry, or a rerun)
+            # resumes from an earlier checkpoint, as the stream will then too.
+            sealed.mark_damaged(uri, problem)
+            raise RuntimeError(f"checkpoint {uri} is damaged ({problem}); the next attempt resumes from an earlier one")
         engine.load_checkpoint(d, tag=CHECKPOINT_TAG)
         with open(os.path.join(d, "trainer_state.json")) as f:
             state = TrainState(**json.load(f))
         position, counters = DataPosition(), {}
-        for name in os.listdir(d):
-            if name.startswith("position_rank"):
-                with open(os.path.join(d, name)) as f:
+        for file in os.listdir(d):
+            if file.startswith("position_rank"):
+                with open(os.path.join(d, file)) as f:
                     position = position.merge(DataPosition.from_json(json.load(f)))
-            elif name.startswith("counters_rank"):
-                with open(os.path.join(d, name)) as f:
+            elif file.startswith("counters_rank"):
+                with open(os.path.join(d, file)) as f:
                     for key, value in json.load(f).items():
                         counters[key] = counters.get(key, 0) + value
     # Every rank restores the same totals; rank 0 alone carries them, so the final
     # all-reduce of per-rank counters counts them once (whatever the new world size).
     state.counters = counters if rank == 0 else {}
     state.restarts += 1
-    return state, position, os.path.basename(checkpoint.path.rstrip("/"))
+    later = any(checkpoint_step(n) > state.step for n in checkpoint_folders(run_dir))
+    return Restored(state, position, name, later)

@@ -41,7 +41,7 @@ from pipeline.core import storage
 from pipeline.core.config import to_dict
 from pipeline.data.position import read_position
 from pipeline.data.stream import configure_data_context
-from pipeline.training.checkpoints import TrainState, restore_checkpoint, save_checkpoint
+from pipeline.training.checkpoints import Restored, TrainState, restore_checkpoint, save_checkpoint
 from pipeline.training.deepspeed_config import deepspeed_config, import_deepspeed, skip_inference_comm_op
 from pipeline.training.tracking import RunLog
 from pipeline.training.train_config import TrainConfig
@@ -165,16 +165,17 @@ def _build_engine(train: TrainConfig, task: TrainTask, deepspeed_settings: dict)
     return engine, scheduler
 
 
-def _restore(engine, rank: int, run_dir: str) -> tuple[TrainState, Any]:
-    """The checkpoint Ray Train restores (state, data position), its resume event recorded."""
-    state, position, restored_from = restore_checkpoint(engine, rank)
+def _restore(engine, rank: int, run_dir: str) -> Restored:
+    """The checkpoint this start resumes from (state, data position), its resume event recorded."""
+    restored = restore_checkpoint(engine, rank, run_dir)
+    state, position = restored.state, restored.position
     stream_position, stream_from = read_position(run_dir)
-    if restored_from is not None or stream_from is not None:
+    if restored.checkpoint is not None or stream_from is not None:
         # The stream left out what checkpoint `stream_from` consumed; the model resumed from
-        # `restored_from`. Both come from Ray Train's checkpoint registry, so they agree; if
-        # they ever differ, the rows repeated or skipped are counted here, not hidden.
+        # `restored.checkpoint`. Both are the same function's answer, so they agree; if they
+        # ever differ, the rows repeated or skipped are counted here, not hidden.
         event = {
-            "checkpoint": restored_from,
+            "checkpoint": restored.checkpoint,
             "step": state.step,
             "stream_from": stream_from,
             "rows_repeated": position.difference_count(stream_position),
@@ -183,7 +184,7 @@ def _restore(engine, rank: int, run_dir: str) -> tuple[TrainState, Any]:
         state.resumes.append(event)
         if rank == 0:
             log({"event": "resumed", **event})
-    return state, position
+    return restored
 
 
 @dataclass
@@ -217,7 +218,10 @@ class WorkerRun:
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.engine, self.scheduler = _build_engine(self.train, self.task, config["deepspeed"])
-        self.state, self.position = _restore(self.engine, self.rank, self.run_dir)
+        restored = _restore(self.engine, self.rank, self.run_dir)
+        self.state, self.position = restored.state, restored.position
+        # After passing over damaged checkpoints, this attempt saves their steps again.
+        self.checkpoint_suffix = f"-r{self.state.restarts}" if restored.later_folders else ""
         hparams = config.get("hparams") or to_dict(self.train)
         self.run_log = (
             RunLog(self.train.output, self.train.tracker, hparams, self.state.history) if self.rank == 0 else None
@@ -303,7 +307,9 @@ class WorkerRun:
 
     def _save(self, metrics: dict) -> None:
         self.trace = _flush_trace(self.trace, self.run_dir, self.rank, self.state)
-        save_checkpoint(self.engine, self.state, self.position, self.rank, self.run_dir, metrics)
+        save_checkpoint(
+            self.engine, self.state, self.position, self.rank, self.run_dir, metrics, self.checkpoint_suffix
+        )
         self.last_saved = self.state.step
 
     def _totals(self) -> tuple[float, dict[str, int]]:
@@ -341,7 +347,7 @@ class WorkerRun:
             **export,
         }
         if state.step > self.last_saved:
-            save_checkpoint(self.engine, state, self.position, self.rank, self.run_dir, summary)
+            save_checkpoint(self.engine, state, self.position, self.rank, self.run_dir, summary, self.checkpoint_suffix)
         else:
             ray.train.report(summary)
         # Ray Train V2 keeps only checkpoints' metrics in its Result; rank 0's return value is
