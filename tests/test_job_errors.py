@@ -104,6 +104,11 @@ def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path
     ]:
         for job in ("jobs.pretrain", "jobs.finetune"):
             cases[f"{job} {option} out of range"] = ([job, *run, f"--train.{option}", value], named)
+    for job in ("jobs.pretrain", "jobs.finetune"):  # the tests' Ray: one node of 4 CPUs
+        cases[f"{job}: workers no node can hold"] = (
+            [job, *run, "--train.num_workers", "2", "--train.cpus_per_worker", "3"],
+            "--train.num_workers 2 x (--train.cpus_per_worker 3): 2 x CPU 3 do not fit on this cluster's nodes (CPU 4",
+        )
     cases["no steps and no epochs"] = (
         ["jobs.finetune", *run, "--train.max_steps", "0", "--train.epochs", "0"],
         "max_steps and epochs are both 0",
@@ -127,3 +132,19 @@ def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path
         assert out == "", kind  # no summary: stdout's last line is a finished job's
         # Nothing a rerun could take for work done: no training run, no embeddings.
         assert not (tmp_path / "run").exists() and not (tmp_path / "eval" / "embeddings" / "shards").exists(), kind
+
+
+def test_placement_is_judged_by_the_autoscalers_node_types_when_there_are_any(monkeypatch):
+    """An autoscaling cluster with only its head alive: a request some node type holds waits
+    for the autoscaler; one no node type holds fails, naming the types."""
+    from pipeline.core import runtime
+
+    types = {"cpu": {"CPU": 16.0}, "gpu-8x": {"CPU": 96.0, "GPU": 8.0}}
+    monkeypatch.setattr(runtime, "_autoscaler_node_types", lambda: types)
+    monkeypatch.setattr(runtime.ray, "is_initialized", lambda: True)
+    assert runtime.placement_problem({"CPU": 8, "GPU": 1}, 64) == ""  # nodes will be added
+    problem = runtime.placement_problem({"CPU": 8, "GPU": 16}, 1)
+    assert (
+        problem
+        == "no node type of this autoscaling cluster holds CPU 8, GPU 16 (node types: cpu: CPU 16; gpu-8x: CPU 96, GPU 8)"
+    )

@@ -152,7 +152,7 @@ def test_damaged_checkpoints_are_passed_over_and_the_run_resumes_from_the_newest
     cfg.train.keep_checkpoints = 3
     assert pretrain.run_pretraining(cfg)["steps"] == 6
     run_dir = tmp_path / "run" / "checkpoints"
-    assert sorted(p.name for p in run_dir.glob("checkpoint_*")) == [f"checkpoint_{s:09d}" for s in (2, 4, 6)]
+    assert sorted(p.name for p in run_dir.glob("checkpoint_0*")) == [f"checkpoint_{s:09d}" for s in (2, 4, 6)]
     states = {step: sorted((run_dir / f"checkpoint_{step:09d}" / "state").rglob("*.pt")) for step in (4, 6)}
     os.truncate(states[6][0], os.path.getsize(states[6][0]) // 2)
     data = bytearray(states[4][0].read_bytes())
@@ -168,4 +168,4 @@ def test_damaged_checkpoints_are_passed_over_and_the_run_resumes_from_the_newest
     assert "checkpoint_000000004 is damaged" in err and "SHA-256 differs" in err
     # Steps 4 and 6 were saved again beside (not over) the damaged folders Ray registered,
     # which then aged out of the three kept.
-    assert sorted(p.name for p in run_dir.glob("checkpoint_*")) == [f"checkpoint_{s:09d}-r1" for s in (4, 6, 8)]
+    assert sorted(p.name for p in run_dir.glob("checkpoint_0*")) == [f"checkpoint_{s:09d}-r1" for s in (4, 6, 8)]

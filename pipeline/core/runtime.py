@@ -83,6 +83,50 @@ def cluster_nodes() -> int:
     return sum(1 for node in ray.nodes() if node.get("Alive"))
 
 
+def placement_problem(bundle: dict[str, float], count: int) -> str:
+    """Why ``count`` bundles of ``bundle`` (e.g. {"CPU": 4, "GPU": 1}) can never be placed on
+    this cluster ("" when they can, or may once the autoscaler adds nodes). A cluster that
+    autoscales is judged by its node types, a fixed one by its alive nodes: Ray itself would
+    wait (and Ray Train retry) for ever for what no node can hold."""
+    if not ray.is_initialized():
+        return ""
+    request = {k: v for k, v in bundle.items() if v > 0}
+    node_types = _autoscaler_node_types()
+    if node_types is not None:
+        if any(all(offer.get(k, 0) >= v for k, v in request.items()) for offer in node_types.values()):
+            return ""
+        offers = "; ".join(f"{name}: {_resources(offer)}" for name, offer in sorted(node_types.items()))
+        return f"no node type of this autoscaling cluster holds {_resources(request)} (node types: {offers})"
+    offers = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    fits = sum(min(int(offer.get(k, 0) // v) for k, v in request.items()) if request else count for offer in offers)
+    if fits >= count:
+        return ""
+    described = "; ".join(_resources(offer) for offer in offers) or "no alive node"
+    return f"{count} x {_resources(request)} do not fit on this cluster's nodes ({described})"
+
+
+def _autoscaler_node_types() -> dict[str, dict[str, float]] | None:
+    """The node types of the autoscaler (their resources), or None on a fixed cluster."""
+    try:
+        config = ray._private.state.state.get_cluster_config()
+    except Exception:  # noqa: BLE001 - an internal API; without it, judge by the alive nodes
+        return None
+    if config is None or not config.node_group_configs:
+        return None
+    return {group.name: dict(group.resources) for group in config.node_group_configs if group.max_count != 0}
+
+
+def _resources(resources: dict[str, float]) -> str:
+    internal = ("node:", "accelerator_type:", "object_store_memory")
+    shown = {k: v for k, v in sorted(resources.items()) if not k.startswith(internal)}
+    return ", ".join(f"{k} {v / 2**30:.0f} GiB" if k == "memory" else f"{k} {v:g}" for k, v in shown.items())
+
+
+def autoscales() -> bool:
+    """Whether this cluster has an autoscaler that may add nodes."""
+    return _autoscaler_node_types() is not None
+
+
 def shared_nothing(nodes: int | None = None) -> str:
     """Why this job's nodes may share no disk ("" when they cannot): several are alive, or it
     joined a cluster that may add nodes later (autoscaling from only a head), unless the

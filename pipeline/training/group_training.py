@@ -27,7 +27,7 @@ from pipeline.data.tokenizer import load_tokenizer
 from pipeline.retrieval.bm25 import Bm25Config, mine_negatives
 from pipeline.retrieval.encode import EncoderSettings
 from pipeline.retrieval.evaluate import EvaluateJobConfig, run_evaluation
-from pipeline.training.loop import FitResult
+from pipeline.training.loop import FitResult, check_placement
 from pipeline.training.task import Task, run_summary, write_summary
 from pipeline.training.train_config import warn_if_a_step_exceeds_an_epoch
 
@@ -220,6 +220,7 @@ def prepare_group_training(cfg, group_size: int, load=None) -> GroupTraining:
         raise ConfigError("set --train.epochs or --train.max_steps")
     _resolve_paths(cfg)
     storage.check_reachable(cfg.train.output)
+    check_placement(cfg.train)
     manifest = prepare_corpus(cfg.corpus)
     _check_vocab(cfg.model.init, manifest["vocab_size"])
     tokenizer_uri = storage.join(cfg.corpus.output, manifest["tokenizer"])

@@ -39,6 +39,8 @@ from ray.train.torch import TorchTrainer
 
 from pipeline.core import storage
 from pipeline.core.config import to_dict
+from pipeline.core.errors import ConfigError
+from pipeline.core.runtime import autoscales, placement_problem
 from pipeline.data.position import read_position
 from pipeline.data.stream import configure_data_context
 from pipeline.training.checkpoints import Restored, TrainState, restore_checkpoint, save_checkpoint
@@ -418,6 +420,21 @@ def _flush_trace(trace: list, run_dir: str, rank: int, state: TrainState) -> lis
 REPORT_POLL_S = 0.5
 
 
+def worker_resources(train: TrainConfig) -> dict[str, float]:
+    return {"CPU": train.cpus_per_worker, "GPU": 1.0 if train.use_gpu else 0.0}
+
+
+def check_placement(train: TrainConfig) -> None:
+    """Fail before any work when no cluster could ever hold the workers (Ray Train would wait
+    and retry for ever): called where a trainer starts, and again by :func:`fit`."""
+    problem = placement_problem(worker_resources(train), train.num_workers)
+    if problem:
+        raise ConfigError(
+            f"--train.num_workers {train.num_workers} x (--train.cpus_per_worker {train.cpus_per_worker:g}"
+            f"{', a GPU' if train.use_gpu else ''}): {problem}"
+        )
+
+
 @dataclass
 class FitResult:
     metrics: dict[str, Any]
@@ -443,6 +460,14 @@ def fit(
     # that would throttle training (measured: 1.3 s a step at log_every 1). Ray passes the
     # driver's value on to the controller; a value the user set wins.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(REPORT_POLL_S))
+    check_placement(train)
+    failures = ray.train.FailureConfig(max_failures=train.max_failures)
+    if train.resource_wait_s > 0 and not autoscales():
+        # A fixed cluster whose nodes could hold the workers, but other work holds the
+        # resources: wait this long for them, once, instead of Ray Train's minute-long
+        # waits retried for ever. (Worker failures once started are max_failures' business.)
+        os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(train.resource_wait_s)
+        failures = ray.train.FailureConfig(max_failures=train.max_failures, controller_failure_limit=0)
     loc = storage.resolve(train.output)
     resources = {"CPU": train.cpus_per_worker}
     trainer = TorchTrainer(
@@ -462,7 +487,7 @@ def fit(
             name=name,
             storage_path=loc.path if storage.is_s3(train.output) else loc.uri,
             storage_filesystem=loc.fs if storage.is_s3(train.output) else None,
-            failure_config=ray.train.FailureConfig(max_failures=train.max_failures),
+            failure_config=failures,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=train.keep_checkpoints),
         ),
         datasets={"train": dataset_factory},

@@ -32,7 +32,7 @@ from pipeline.data.stream import (
     estimate_sequences_per_epoch,
 )
 from pipeline.data.tokenizer import load_tokenizer
-from pipeline.training.loop import fit
+from pipeline.training.loop import check_placement, fit
 from pipeline.training.task import Task, run_summary, write_summary
 from pipeline.training.train_config import TrainConfig, embedded_train, epochs_needed, warn_if_a_step_exceeds_an_epoch
 
@@ -242,6 +242,7 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
         cfg.corpus.input = os.path.abspath(cfg.corpus.input)
     storage.check_reachable(cfg.corpus.output)
     storage.check_reachable(cfg.train.output)
+    check_placement(cfg.train)
     _check_same_method(cfg)
     if cfg.method == "cocondenser":
         _resolve_warm_start_head(cfg)

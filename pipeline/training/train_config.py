@@ -51,6 +51,12 @@ class TrainConfig:
     )
     keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept in storage"})
     max_failures: int = field(default=3, metadata={"help": "worker-group restarts Ray Train may do before giving up"})
+    resource_wait_s: float = field(
+        default=120.0,
+        metadata={
+            "help": "on a cluster without an autoscaler, how long to wait for the workers' CPUs and GPUs while other work holds them, then fail; 0 = as long as it takes (a request no node can hold fails at once; an autoscaling cluster waits for its new nodes)"
+        },
+    )
     prefetch_batches: int = field(default=4, metadata={"help": "batches Ray Data prepares ahead of each worker"})
     data_trace: bool = field(
         default=False, metadata={"help": "write the corpus rows each worker consumed, per epoch (audit)"}
@@ -70,7 +76,7 @@ class TrainConfig:
         for name in at_least_one + ("keep_checkpoints",):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        at_least_zero = ("max_steps", "epochs", "max_failures", "prefetch_batches")
+        at_least_zero = ("max_steps", "epochs", "max_failures", "prefetch_batches", "resource_wait_s")
         for name in at_least_zero + ("weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
