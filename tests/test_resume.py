@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -73,9 +74,12 @@ def train_settings(out: str, **overrides) -> TrainConfig:
     return TrainConfig(**{**settings, **overrides})
 
 
-def test_pretraining_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted_run(tmp_path, monkeypatch, shared_ray):
+def test_pretraining_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted_run(
+    tmp_path, monkeypatch, shared_ray, capfd
+):
     """Condenser with packing (documents cut across sequences) and dropout, rows shuffled in
-    windows: interrupted at micro-batch 7 of 10, resumed from checkpoint 6."""
+    windows: interrupted at micro-batch 15 of 20, resumed from checkpoint 12. The
+    uninterrupted run's logs, into a file as a job's are, are read too."""
     raw = write_jsonl(tmp_path / "raw.jsonl", synthetic_docs(90, seed=7))
 
     def config(name: str) -> pretrain.PretrainConfig:
@@ -85,20 +89,29 @@ def test_pretraining_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted
         cfg.model = BackboneConfig(
             hidden_size=32, num_layers=4, num_heads=2, intermediate_size=64, max_position=64, dropout=0.1
         )
-        cfg.train = train_settings(str(tmp_path / name), micro_batch_size=8, max_steps=10)
+        cfg.train = train_settings(str(tmp_path / name), micro_batch_size=8, max_steps=20, checkpoint_every=6)
+        cfg.train.log_every = 5
         return cfg
 
+    capfd.readouterr()
     whole = pretrain.run_pretraining(config("whole"))
-    interrupted(monkeypatch, pretrain, at=7, marker=str(tmp_path / "stopped"))
+    time.sleep(2)  # worker lines reach the driver through Ray's log monitor, a moment later
+    out, err = capfd.readouterr()
+    # Quiet logs: nothing on stdout (a job prints its JSON summary there, alone), one line per
+    # log step (not Ray Train's copy of each report too), few lines in all.
+    lines = err.splitlines()
+    assert out == "" and len(lines) <= 100, (out, len(lines))
+    assert [json.loads(line[line.index("{") :])["step"] for line in lines if '"loss": ' in line] == [5, 10, 15, 20]
+    assert not [line for line in lines if "Reporting training result" in line or "Setting accelerator" in line]
+
+    interrupted(monkeypatch, pretrain, at=15, marker=str(tmp_path / "stopped"))
     resumed = pretrain.run_pretraining(config("resumed"))
 
     assert os.path.exists(tmp_path / "stopped") and resumed["restarts"] == 1
     (event,) = resumed["resumes"]
-    assert event["checkpoint"] == "checkpoint_000000006" and event["rows_repeated"] == event["rows_skipped"] == 0
-    logged = [
-        json.loads(line) for name in ("whole", "resumed") for line in [open(tmp_path / name / "history.json").read()]
-    ]
-    assert [h["loss"] for h in logged[1]][-2:] == [h["loss"] for h in logged[0]][-2:]  # steps 8 and 10
+    assert event["checkpoint"] == "checkpoint_000000012" and event["rows_repeated"] == event["rows_skipped"] == 0
+    losses = [[h["loss"] for h in json.load(open(tmp_path / name / "history.json"))] for name in ("whole", "resumed")]
+    assert losses[0] == losses[1]  # steps 5 to 20, 15 and 20 after the resume
     assert_identical(weights(whole["export_dir"]), weights(resumed["export_dir"]))
 
 

@@ -24,6 +24,7 @@ import contextlib
 import copy
 import itertools
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -142,6 +143,7 @@ def log(msg: dict | str) -> None:
 
 def train_worker(config: dict) -> dict:
     """Ray Train's train_loop_per_worker. ``config`` holds picklable settings only."""
+    _quiet_ray_train_reports()
     run = WorkerRun(config)
     for batch in run.batches():
         if run.state.step >= run.train.max_steps:
@@ -150,8 +152,20 @@ def train_worker(config: dict) -> dict:
     return run.finish()
 
 
+def _quiet_ray_train_reports() -> None:
+    """Ray Train logs every report at INFO, its whole metrics dict included: each log step
+    would appear twice. Its warnings from that module still show."""
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:  # another Ray version: its log lines stay
+        return
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
+
+
 def _build_engine(train: TrainConfig, task: TrainTask, deepspeed_settings: dict):
     """The task's model under DeepSpeed, with AdamW and the linear schedule: (engine, scheduler)."""
+    # Named, DeepSpeed does not warn on every CPU worker that it found no GPU.
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if train.use_gpu else "cpu")
     deepspeed = import_deepspeed(keep_mlflow="mlflow" in train.tracker)
     torch.set_num_threads(max(1, int(train.cpus_per_worker)))
     torch.manual_seed(train.seed)  # identical initialisation on every rank
