@@ -105,8 +105,9 @@ def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path
         for job in ("jobs.pretrain", "jobs.finetune"):
             cases[f"{job} {option} out of range"] = ([job, *run, f"--train.{option}", value], named)
     for job in ("jobs.pretrain", "jobs.finetune"):  # the tests' Ray: one node of 4 CPUs
+        init = ["--model.init", str(tiny_model)] if job == "jobs.finetune" else []
         cases[f"{job}: workers no node can hold"] = (
-            [job, *run, "--train.num_workers", "2", "--train.cpus_per_worker", "3"],
+            [job, *run, *init, "--train.num_workers", "2", "--train.cpus_per_worker", "3"],
             "--train.num_workers 2 x (--train.cpus_per_worker 3): 2 x CPU 3 do not fit on this cluster's nodes (CPU 4",
         )
     cases["no steps and no epochs"] = (

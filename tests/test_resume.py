@@ -90,7 +90,7 @@ def test_pretraining_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted
             hidden_size=32, num_layers=4, num_heads=2, intermediate_size=64, max_position=64, dropout=0.1
         )
         cfg.train = train_settings(str(tmp_path / name), micro_batch_size=8, max_steps=20, checkpoint_every=6)
-        cfg.train.log_every = 5
+        cfg.train.log_every = 4
         return cfg
 
     capfd.readouterr()
@@ -101,7 +101,7 @@ def test_pretraining_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted
     # log step (not Ray Train's copy of each report too), few lines in all.
     lines = err.splitlines()
     assert out == "" and len(lines) <= 100, (out, len(lines))
-    assert [json.loads(line[line.index("{") :])["step"] for line in lines if '"loss": ' in line] == [5, 10, 15, 20]
+    assert [json.loads(line[line.index("{") :])["step"] for line in lines if '"loss": ' in line] == [4, 8, 12, 16, 20]
     assert not [line for line in lines if "Reporting training result" in line or "Setting accelerator" in line]
 
     interrupted(monkeypatch, pretrain, at=15, marker=str(tmp_path / "stopped"))
@@ -111,7 +111,7 @@ def test_pretraining_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted
     (event,) = resumed["resumes"]
     assert event["checkpoint"] == "checkpoint_000000012" and event["rows_repeated"] == event["rows_skipped"] == 0
     losses = [[h["loss"] for h in json.load(open(tmp_path / name / "history.json"))] for name in ("whole", "resumed")]
-    assert losses[0] == losses[1]  # steps 5 to 20, 15 and 20 after the resume
+    assert losses[0] == losses[1]  # steps 4 to 20, 16 and 20 after the resume
     assert_identical(weights(whole["export_dir"]), weights(resumed["export_dir"]))
 
 
@@ -182,3 +182,49 @@ def test_damaged_checkpoints_are_passed_over_and_the_run_resumes_from_the_newest
     # Steps 4 and 6 were saved again beside (not over) the damaged folders Ray registered,
     # which then aged out of the three kept.
     assert sorted(p.name for p in run_dir.glob("checkpoint_0*")) == [f"checkpoint_{s:09d}-r1" for s in (4, 6, 8)]
+
+
+class FailsWith:
+    """The wrapped task, raising ``error`` at its ``at``-th micro-batch; every micro-batch
+    it is given is counted in ``tally`` (one line each)."""
+
+    def __init__(self, task, at: int, error: Exception, tally: str):
+        self.task, self.at, self.error, self.tally, self.calls = task, at, error, tally, 0
+
+    def __getattr__(self, name):
+        if name == "task":
+            raise AttributeError(name)
+        return getattr(self.task, name)
+
+    def backward(self, engine, batch):
+        self.calls += 1
+        with open(self.tally, "a") as f:
+            f.write("batch\n")
+        if self.calls > self.at:
+            raise self.error
+        return self.task.backward(engine, batch)
+
+
+def test_a_user_error_in_a_worker_fails_the_run_once_not_max_failures_times(tmp_path, monkeypatch, shared_ray):
+    """Ray Train retries a failed worker group max_failures times; an error that the same
+    input makes again (here a bad record met at the third micro-batch) stops the run at once:
+    the next attempt's workers stop at their start, and the driver raises the error itself."""
+    from ray import cloudpickle
+
+    from pipeline.core.errors import InputError
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    tally = str(tmp_path / "tally")
+    error = InputError("corpus.jsonl line 7: a bad record", source="corpus.jsonl", line=7)
+    monkeypatch.setattr(
+        pretrain, "fit", lambda train, task, *a, **k: fit(train, FailsWith(task, 2, error, tally), *a, **k)
+    )
+    cfg = pretrain.PretrainConfig()
+    raw = write_jsonl(tmp_path / "raw.jsonl", synthetic_docs(30, seed=1))
+    cfg.corpus = PrepareConfig(input=raw, output=str(tmp_path / "corpus"), vocab_size=120, docs_per_shard=30)
+    cfg.data = pretrain.StreamConfig(max_len=24)
+    cfg.model = BackboneConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position=64)
+    cfg.train = train_settings(str(tmp_path / "run"), micro_batch_size=4, max_steps=6, max_failures=3)
+    with pytest.raises(InputError, match="corpus.jsonl line 7: a bad record"):
+        pretrain.run_pretraining(cfg)
+    assert open(tally).read().count("batch") == 3  # the first attempt's three micro-batches, no more

@@ -40,9 +40,9 @@ from ray.train.torch import TorchTrainer
 
 from pipeline.core import storage
 from pipeline.core.config import to_dict
-from pipeline.core.errors import ConfigError
+from pipeline.core.errors import ArtifactError, ConfigError, InputError
 from pipeline.core.runtime import autoscales, placement_problem
-from pipeline.data.position import read_position
+from pipeline.data.position import read_position, restorable_checkpoint
 from pipeline.data.stream import configure_data_context
 from pipeline.training.checkpoints import Restored, TrainState, restore_checkpoint, save_checkpoint
 from pipeline.training.deepspeed_config import deepspeed_config, import_deepspeed, skip_inference_comm_op
@@ -141,15 +141,29 @@ def log(msg: dict | str) -> None:
     sys.stderr.flush()
 
 
+# Written by a worker that hit a user error or a corrupt input (a deterministic error): every
+# worker of the next attempt stops at its start, so that Ray Train's retries (meant for lost
+# workers and nodes) do not redo the failing work max_failures times.
+USER_ERROR = "user_error.json"
+DETERMINISTIC = (ConfigError, InputError, ArtifactError)
+
+
 def train_worker(config: dict) -> dict:
     """Ray Train's train_loop_per_worker. ``config`` holds picklable settings only."""
     _quiet_ray_train_reports()
-    run = WorkerRun(config)
-    for batch in run.batches():
-        if run.state.step >= run.train.max_steps:
-            break
-        run.train_on(batch)
-    return run.finish()
+    marker = storage.join(config["run_dir"], USER_ERROR)
+    if storage.exists(marker):
+        return {"user_error": storage.read_json(marker)}
+    try:
+        run = WorkerRun(config)
+        for batch in run.batches():
+            if run.state.step >= run.train.max_steps:
+                break
+            run.train_on(batch)
+        return run.finish()
+    except DETERMINISTIC as exc:
+        storage.write_json(marker, {"kind": type(exc).__name__, "message": str(exc)})
+        raise
 
 
 def _quiet_ray_train_reports() -> None:
@@ -449,6 +463,14 @@ def check_placement(train: TrainConfig) -> None:
         )
 
 
+def _raise_user_error(marker: str) -> None:
+    """A worker's deterministic error, raised here as what it was (a job exits 2 on it)."""
+    if storage.exists(marker):
+        error = storage.read_json(marker)
+        kind = {cls.__name__: cls for cls in DETERMINISTIC}.get(error["kind"], ArtifactError)
+        raise kind(error["message"])
+
+
 @dataclass
 class FitResult:
     metrics: dict[str, Any]
@@ -475,6 +497,7 @@ def fit(
     # driver's value on to the controller; a value the user set wins.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(REPORT_POLL_S))
     check_placement(train)
+    restorable_checkpoint(run_dir)  # a run whose every checkpoint is damaged stops here
     failures = ray.train.FailureConfig(max_failures=train.max_failures)
     if train.resource_wait_s > 0 and not autoscales():
         # A fixed cluster whose nodes could hold the workers, but other work holds the
@@ -506,7 +529,14 @@ def fit(
         ),
         datasets={"train": dataset_factory},
     )
-    result = trainer.fit()
+    marker = storage.join(run_dir, USER_ERROR)
+    storage.delete_file(marker)  # an earlier run's: this one may have been given the fix
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError:
+        _raise_user_error(marker)
+        raise
+    _raise_user_error(marker)
     checkpoint = result.checkpoint.path if result.checkpoint else None
     history = (result.return_value or {}).get("history", [])
     return FitResult(dict(result.metrics or {}), checkpoint, run_dir, history)
