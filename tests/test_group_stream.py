@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import synthetic_docs, write_jsonl
 
-from pipeline.core import storage
+from pipeline.core import sealed, storage
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import TrainExample
 from pipeline.data.group_stream import (
@@ -110,6 +110,7 @@ def test_the_stream_keeps_the_planned_order_across_epochs_and_resumes_with_the_r
     for r in whole[:taken]:
         position.add(int(r["epoch"]), r["source_rows"])
     storage.write_json(storage.join(run_dir, "checkpoint_000000009", "position_rank0.json"), position.to_json())
+    sealed.seal(storage.join(run_dir, "checkpoint_000000009"), "rank0")
     write_pointer(run_dir, "checkpoint_000000009", 9)
     rest = stream()
     assert [int(r["source_rows"][0]) for r in rest] == [int(r["source_rows"][0]) for r in whole[taken:]]

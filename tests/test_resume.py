@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from models.backbone import BackboneConfig
 from pipeline.core import model_ref
+from pipeline.core.errors import InputError
 from pipeline.data.prepare import PrepareConfig
 from pipeline.training import finetune, pretrain
 from pipeline.training.loop import fit
@@ -26,11 +27,13 @@ pytestmark = pytest.mark.ray
 
 
 class StopOnce:
-    """The wrapped task, failing once, at its ``at``-th micro-batch: the marker file keeps it
-    to the first attempt (the worker dies as a preempted one would, between checkpoints)."""
+    """The wrapped task (one worker), failing once with ``error`` at the ``at + 1``-th
+    micro-batch of the run: a worker dying between checkpoints, or a bad record. The marker
+    file counts every micro-batch given to any attempt, one line each."""
 
-    def __init__(self, task, at: int, marker: str):
-        self.task, self.at, self.marker, self.calls = task, at, marker, 0
+    def __init__(self, task, at: int, marker: str, error: BaseException | None = None):
+        self.task, self.at, self.marker = task, at, marker
+        self.error = error or RuntimeError("interrupted between checkpoints (test)")
 
     def __getattr__(self, name):
         if name == "task":  # while unpickling, before __init__'s attributes exist
@@ -38,19 +41,21 @@ class StopOnce:
         return getattr(self.task, name)
 
     def backward(self, engine, batch):
-        self.calls += 1
-        if self.calls > self.at and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
-            raise RuntimeError("interrupted between checkpoints (test)")
+        with open(self.marker, "a") as f:
+            f.write("micro-batch\n")
+        if open(self.marker).read().count("\n") == self.at + 1:
+            raise self.error
         return self.task.backward(engine, batch)
 
 
-def interrupted(monkeypatch, module, at: int, marker: str) -> None:
-    """Make ``module``'s runs fail once at micro-batch ``at`` (Ray Train restarts the worker)."""
+def interrupted(monkeypatch, module, at: int, marker: str, error: BaseException | None = None) -> None:
+    """Make ``module``'s runs fail once at micro-batch ``at``."""
     from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import a test module
-    monkeypatch.setattr(module, "fit", lambda train, task, *a, **k: fit(train, StopOnce(task, at, marker), *a, **k))
+    monkeypatch.setattr(
+        module, "fit", lambda train, task, *a, **k: fit(train, StopOnce(task, at, marker, error), *a, **k)
+    )
 
 
 def weights(export_dir: str) -> dict[str, torch.Tensor]:
@@ -79,7 +84,8 @@ def test_pretraining_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted
 ):
     """Condenser with packing (documents cut across sequences) and dropout, rows shuffled in
     windows: interrupted at micro-batch 15 of 20, resumed from checkpoint 12. The
-    uninterrupted run's logs, into a file as a job's are, are read too."""
+    uninterrupted run's logs, into a file as a job's are, are read too; then its checkpoints
+    are damaged, and a rerun passes them over."""
     raw = write_jsonl(tmp_path / "raw.jsonl", synthetic_docs(90, seed=7))
 
     def config(name: str) -> pretrain.PretrainConfig:
@@ -90,7 +96,7 @@ def test_pretraining_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted
             hidden_size=32, num_layers=4, num_heads=2, intermediate_size=64, max_position=64, dropout=0.1
         )
         cfg.train = train_settings(str(tmp_path / name), micro_batch_size=8, max_steps=20, checkpoint_every=6)
-        cfg.train.log_every = 4
+        cfg.train.log_every, cfg.train.keep_checkpoints = 4, 3
         return cfg
 
     capfd.readouterr()
@@ -114,10 +120,33 @@ def test_pretraining_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted
     assert losses[0] == losses[1]  # steps 4 to 20, 16 and 20 after the resume
     assert_identical(weights(whole["export_dir"]), weights(resumed["export_dir"]))
 
+    # Damaged checkpoints: the finished run's newest one truncated (the listing shows it),
+    # the one before with a byte changed (only the worker's hashing shows it). Rerun for 22
+    # steps, it resumes from step 12 and saves its checkpoints under new names.
+    monkeypatch.undo()
+    run_dir = tmp_path / "whole" / "checkpoints"
+    assert sorted(p.name for p in run_dir.glob("checkpoint_0*")) == [f"checkpoint_{s:09d}" for s in (12, 18, 20)]
+    states = {step: sorted((run_dir / f"checkpoint_{step:09d}" / "state").rglob("*.pt")) for step in (18, 20)}
+    os.truncate(states[20][0], os.path.getsize(states[20][0]) // 2)
+    data = bytearray(states[18][0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    states[18][0].write_bytes(bytes(data))
+    capfd.readouterr()
+    cfg = config("whole")
+    cfg.train.max_steps = 22
+    again = pretrain.run_pretraining(cfg)
+    time.sleep(2)
+    err = capfd.readouterr().err
+    assert again["steps"] == 22 and again["resumes"][-1]["checkpoint"] == "checkpoint_000000012"
+    assert f"checkpoint_000000020 is not whole ({states[20][0].relative_to(run_dir / 'checkpoint_000000020')}" in err
+    assert "checkpoint_000000018 is damaged" in err and "SHA-256 differs" in err
+    assert (run_dir / "checkpoint_000000022-r1").is_dir()  # beside, not over, the folders Ray registered
+
 
 def test_finetuning_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted_run(tmp_path, monkeypatch, shared_ray):
     """The contrastive retriever with hard negatives sliding through each query's list and
-    dropout: interrupted at micro-batch 5 of 8 (epoch 2 of 2), resumed from checkpoint 3."""
+    dropout: stopped by a user error at micro-batch 6 of 8 (epoch 2 of 2), rerun, resumed
+    from checkpoint 3."""
     import json
 
     docs = synthetic_docs(60, seed=2)
@@ -134,97 +163,27 @@ def test_finetuning_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted_
         )
     )
 
-    def config(name: str) -> finetune.FinetuneConfig:
+    def config(name: str, **train) -> finetune.FinetuneConfig:
         cfg = finetune.FinetuneConfig()
         cfg.data.queries, cfg.data.qrels, cfg.data.negatives = str(queries), str(qrels), str(negatives)
         cfg.corpus.input, cfg.corpus.docs_per_shard = write_jsonl(tmp_path / "corpus.jsonl", docs), 30
+        cfg.corpus.output = str(tmp_path / "prepared")  # shared by the runs: prepared once
         cfg.data.query_max_len, cfg.data.passage_max_len = 12, 24
         cfg.model.init = model
         cfg.retriever.group_size = 3
-        cfg.train = train_settings(str(tmp_path / name), micro_batch_size=4, max_steps=8)
+        cfg.train = train_settings(str(tmp_path / name), micro_batch_size=4, max_steps=8, **train)
         return cfg
 
     whole = finetune.run_finetuning(config("whole"))
-    interrupted(monkeypatch, finetune, at=5, marker=str(tmp_path / "stopped"))
-    resumed = finetune.run_finetuning(config("resumed"))
+    # A bad record met by the worker at micro-batch 6: the run fails at once with it (one
+    # quick restart, not max_failures reruns of the work); rerun, it resumes and ends equal.
+    stopped = str(tmp_path / "stopped")
+    interrupted(monkeypatch, finetune, at=5, marker=stopped, error=InputError("train.jsonl line 6: a bad record"))
+    with pytest.raises(InputError, match="train.jsonl line 6: a bad record"):
+        finetune.run_finetuning(config("resumed", max_failures=3))
+    assert open(stopped).read().count("micro-batch") == 6  # the first attempt's, no more
+    monkeypatch.undo()
+    resumed = finetune.run_finetuning(config("resumed", max_failures=3))
 
-    assert resumed["restarts"] == 1 and resumed["resumes"][0]["checkpoint"] == "checkpoint_000000003"
+    assert resumed["restarts"] == 1 and resumed["resumes"][-1]["checkpoint"] == "checkpoint_000000003"
     assert_identical(weights(whole["export_dir"]), weights(resumed["export_dir"]))
-
-
-def test_damaged_checkpoints_are_passed_over_and_the_run_resumes_from_the_newest_whole_one(tmp_path, shared_ray, capfd):
-    """A finished 6-step run, then its newest checkpoint truncated (the listing shows it) and
-    the one before with a byte changed (only the worker's hashing shows it): rerun for 8
-    steps, it resumes from step 2 and saves its new checkpoints under new names."""
-    raw = write_jsonl(tmp_path / "raw.jsonl", synthetic_docs(60, seed=3))
-    cfg = pretrain.PretrainConfig()
-    cfg.corpus = PrepareConfig(input=raw, output=str(tmp_path / "corpus"), vocab_size=120, docs_per_shard=30)
-    cfg.data = pretrain.StreamConfig(max_len=24)
-    cfg.model = BackboneConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position=64)
-    cfg.train = train_settings(str(tmp_path / "run"), micro_batch_size=4, max_steps=6, checkpoint_every=2)
-    cfg.train.keep_checkpoints = 3
-    assert pretrain.run_pretraining(cfg)["steps"] == 6
-    run_dir = tmp_path / "run" / "checkpoints"
-    assert sorted(p.name for p in run_dir.glob("checkpoint_0*")) == [f"checkpoint_{s:09d}" for s in (2, 4, 6)]
-    states = {step: sorted((run_dir / f"checkpoint_{step:09d}" / "state").rglob("*.pt")) for step in (4, 6)}
-    os.truncate(states[6][0], os.path.getsize(states[6][0]) // 2)
-    data = bytearray(states[4][0].read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    states[4][0].write_bytes(bytes(data))
-    capfd.readouterr()
-
-    cfg.train.max_steps = 8
-    again = pretrain.run_pretraining(cfg)
-    err = capfd.readouterr().err
-    assert again["steps"] == 8 and again["resumes"][-1]["checkpoint"] == "checkpoint_000000002"
-    assert f"checkpoint_000000006 is not whole ({states[6][0].relative_to(run_dir / 'checkpoint_000000006')}" in err
-    assert "checkpoint_000000004 is damaged" in err and "SHA-256 differs" in err
-    # Steps 4 and 6 were saved again beside (not over) the damaged folders Ray registered,
-    # which then aged out of the three kept.
-    assert sorted(p.name for p in run_dir.glob("checkpoint_0*")) == [f"checkpoint_{s:09d}-r1" for s in (4, 6, 8)]
-
-
-class FailsWith:
-    """The wrapped task, raising ``error`` at its ``at``-th micro-batch; every micro-batch
-    it is given is counted in ``tally`` (one line each)."""
-
-    def __init__(self, task, at: int, error: Exception, tally: str):
-        self.task, self.at, self.error, self.tally, self.calls = task, at, error, tally, 0
-
-    def __getattr__(self, name):
-        if name == "task":
-            raise AttributeError(name)
-        return getattr(self.task, name)
-
-    def backward(self, engine, batch):
-        self.calls += 1
-        with open(self.tally, "a") as f:
-            f.write("batch\n")
-        if self.calls > self.at:
-            raise self.error
-        return self.task.backward(engine, batch)
-
-
-def test_a_user_error_in_a_worker_fails_the_run_once_not_max_failures_times(tmp_path, monkeypatch, shared_ray):
-    """Ray Train retries a failed worker group max_failures times; an error that the same
-    input makes again (here a bad record met at the third micro-batch) stops the run at once:
-    the next attempt's workers stop at their start, and the driver raises the error itself."""
-    from ray import cloudpickle
-
-    from pipeline.core.errors import InputError
-
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    tally = str(tmp_path / "tally")
-    error = InputError("corpus.jsonl line 7: a bad record", source="corpus.jsonl", line=7)
-    monkeypatch.setattr(
-        pretrain, "fit", lambda train, task, *a, **k: fit(train, FailsWith(task, 2, error, tally), *a, **k)
-    )
-    cfg = pretrain.PretrainConfig()
-    raw = write_jsonl(tmp_path / "raw.jsonl", synthetic_docs(30, seed=1))
-    cfg.corpus = PrepareConfig(input=raw, output=str(tmp_path / "corpus"), vocab_size=120, docs_per_shard=30)
-    cfg.data = pretrain.StreamConfig(max_len=24)
-    cfg.model = BackboneConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position=64)
-    cfg.train = train_settings(str(tmp_path / "run"), micro_batch_size=4, max_steps=6, max_failures=3)
-    with pytest.raises(InputError, match="corpus.jsonl line 7: a bad record"):
-        pretrain.run_pretraining(cfg)
-    assert open(tally).read().count("batch") == 3  # the first attempt's three micro-batches, no more
