@@ -363,3 +363,31 @@ def test_groups_for_short_or_missing_negative_lists():
     with pytest.raises(ValueError, match="no positive"):
         select_group(TrainExample("q4", "t", positives=[]), 0, 4)
     assert select_group(short, 3, group_size=1) == ["p"]
+
+
+def test_margins_drop_exactly_the_candidates_too_close_to_the_positive():
+    """A hand-built ranking: with the hardest positive at 0.80, an absolute margin of 0.05
+    keeps candidates at or below 0.75, a relative one of 0.1 those at or below 0.72; both
+    together, the stricter. A negative positive score lowers the ceiling by its magnitude
+    (sentence-transformers' rule: pos - |pos| x margin, not pos x (1 - margin))."""
+    from types import SimpleNamespace
+
+    from pipeline.data.groups import margin_ceiling, select_negatives
+
+    ids = [f"d{i}" for i in range(8)]
+    scores = [0.95, 0.81, 0.80, 0.76, 0.75, 0.73, 0.72, 0.40]
+    top = SimpleNamespace(count=10, sample="top", seed=0, skip_top=0)
+    assert margin_ceiling(0.80, 0.05, None) == pytest.approx(0.75)
+    assert margin_ceiling(0.80, None, 0.1) == pytest.approx(0.72)
+    assert margin_ceiling(0.80, 0.05, 0.1) == pytest.approx(0.72)
+    assert margin_ceiling(-2.0, None, 0.1) == pytest.approx(-2.2)
+    assert margin_ceiling(0.80, None, None) == float("inf")
+
+    def kept(ceiling, excluded=frozenset()):
+        return select_negatives("q", ids, scores, set(excluded), top, ceiling)[0]
+
+    assert kept(margin_ceiling(0.80, 0.05, None) + 1e-9) == ["d4", "d5", "d6", "d7"]
+    assert kept(margin_ceiling(0.80, None, 0.1) + 1e-9) == ["d6", "d7"]
+    assert kept(float("inf"), {"d2"}) == [d for d in ids if d != "d2"]  # no margin: positives only
+    skipping = SimpleNamespace(count=1, sample="top", seed=0, skip_top=5)
+    assert select_negatives("q", ids, scores, set(), skipping, 0.725)[0] == ["d6"]

@@ -356,6 +356,24 @@ def test_mined_negatives_exclude_positives_and_are_reproducible(encoded, collect
     records = list(read_tevatron(summary["tevatron"]))
     assert len(records) == 20 and [p["docid"] for p in records[0]["negative_passages"]] == mined["q0"]
 
+    # Margin mining: candidates within 0.02 of the query's hardest positive (its lowest score,
+    # here read from the run, which holds the whole corpus) are dropped, and counted.
+    margined = run_mining(
+        dataclasses.replace(mine, output=str(tmp_path / "margined"), depth=N_DOCS, absolute_margin=0.02)
+    )
+    kept, dropped = read_negatives(margined["negatives"]), 0
+    for qid, ranked in read_trec_run(margined["run"]).items():
+        scores = {d: s for d, s, _ in ranked}
+        assert set(qrels[qid]) <= set(scores)  # the whole corpus ranked: every positive scored
+        ceiling = min(scores[d] for d in qrels[qid]) - 0.02
+        allowed = [(d, s) for d, s in scores.items() if d not in qrels[qid]]
+        dropped += sum(s > ceiling for _, s in allowed)
+        assert all(scores[d] <= ceiling for d in kept[qid])
+        assert len(kept[qid]) == min(6, sum(s <= ceiling for _, s in allowed))
+    assert margined["margin_dropped"] == dropped > 0
+    made_by = json.loads((tmp_path / "margined" / "made_by.json").read_text())
+    assert made_by["settings"]["absolute_margin"] == 0.02 and made_by["settings"]["relative_margin"] is None
+
 
 def test_mining_killed_mid_way_resumes_from_its_finished_blocks(encoded, collection, tmp_path, monkeypatch, capsys):
     """Blocks of 6 queries: a run stopped after two blocks, rerun, searches only the rest and

@@ -18,23 +18,43 @@ def query_seed(seed: int, query_id: str) -> int:
 
 
 def select_negatives(
-    query_id: str, ranked_ids: list[str], ranked_scores: list[float], excluded: set[str], sampling
+    query_id: str,
+    ranked_ids: list[str],
+    ranked_scores: list[float],
+    excluded: set[str],
+    sampling,
+    ceiling: float = float("inf"),
 ) -> tuple[list[str], list[float]]:
     """A query's negatives from its ranking, best first: the best ``sampling.skip_top``
     candidates left out (likely unjudged positives), then ``excluded`` (judged positives,
-    answer hits), then the best ``sampling.count``, or with ``sampling.sample == "random"`` a
-    draw of ``count`` seeded by (``sampling.seed``, query id), kept in rank order.
+    answer hits) and those scoring above ``ceiling`` (within a margin of the positive's
+    score: :func:`margin_ceiling`), then the best ``sampling.count``, or with
+    ``sampling.sample == "random"`` a draw of ``count`` seeded by (``sampling.seed``, query
+    id), kept in rank order.
 
     ``sampling`` is any config with ``count``, ``sample``, ``seed`` and ``skip_top``: BM25's
     and dense mining's draw the same negatives from the same ranking."""
 
     top = sampling.skip_top
-    candidates = [(d, s) for d, s in zip(ranked_ids[top:], ranked_scores[top:]) if d not in excluded]
+    candidates = [(d, s) for d, s in zip(ranked_ids[top:], ranked_scores[top:]) if d not in excluded and s <= ceiling]
     if sampling.sample == "random" and len(candidates) > sampling.count:
         rng = np.random.default_rng([query_seed(sampling.seed, query_id) % 2**63])
         candidates = [candidates[i] for i in np.sort(rng.choice(len(candidates), sampling.count, replace=False))]
     candidates = candidates[: sampling.count]
     return [d for d, _ in candidates], [float(s) for _, s in candidates]
+
+
+def margin_ceiling(positive_score: float, absolute_margin: float | None, relative_margin: float | None) -> float:
+    """The highest score a negative may have, given the query's positive score (its hardest
+    positive's): at least ``absolute_margin`` below it, and at least ``relative_margin`` of
+    its magnitude below it, as sentence-transformers' ``mine_hard_negatives`` keeps them
+    (a candidate that close is likelier an unjudged positive than a negative)."""
+    ceiling = float("inf")
+    if absolute_margin is not None:
+        ceiling = min(ceiling, positive_score - absolute_margin)
+    if relative_margin is not None:
+        ceiling = min(ceiling, positive_score - abs(positive_score) * relative_margin)
+    return ceiling
 
 
 def select_group(

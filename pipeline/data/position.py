@@ -204,7 +204,7 @@ def restorable_checkpoint(run_dir: str) -> str | None:
         return None
     folders = checkpoint_folders(run_dir)
     step = checkpoint_step(latest)
-    earlier = sorted((n for n in folders if n != latest and checkpoint_step(n) <= step), key=_checkpoint_order)
+    earlier = sorted((n for n in folders if n != latest and checkpoint_step(n) <= step), key=checkpoint_order)
     candidates = [latest] + earlier[::-1]
     for name in candidates:
         problem = sealed.damage(storage.join(run_dir, name), folders.get(name, {}))
@@ -232,7 +232,7 @@ def checkpoint_step(name: str) -> int:
     return int(match.group(1)) if match else -1
 
 
-def _checkpoint_order(name: str) -> tuple[int, int]:
+def checkpoint_order(name: str) -> tuple[int, int]:
     """Step, then the attempt that wrote it (``-r<n>``: saved again after a fallback)."""
     match = CHECKPOINT_NAME.match(name)
     return checkpoint_step(name), int(match.group(2)[2:]) if match and match.group(2) else 0

@@ -154,19 +154,22 @@ def to_sequences(
             chunks.append(np.asarray(ids[:body], dtype=np.int32))
             sources.append(np.array([row], dtype=np.int64))
             partial.append((-1, 0))
-    elif sum(len(ids) for ids in docs[left]):
-        pieces, piece_rows, skipped = [], [], []
+    else:
+        # Each document left is a piece of the block's token stream: its [SEP] (but the
+        # block's first) and its tokens, from where a checkpoint left it (``offset``).
+        pieces, piece_rows, offsets = [], [], []
         for i in np.flatnonzero(left):
             ids = np.asarray(docs[i], dtype=np.int32)
             piece = np.concatenate([np.array([spec.sep_id], dtype=np.int32), ids]) if i else ids
-            start = int(opened.get(int(rows[i]), 0))
-            pieces.append(piece[start:])
+            offset = int(opened.get(int(rows[i]), 0))
+            pieces.append(piece[offset:])
             piece_rows.append(rows[i])
-            skipped.append(start)
-        tokens = np.concatenate(pieces)
-        ends = np.cumsum([len(p) for p in pieces])
-        starts = ends - [len(p) for p in pieces]
-        piece_rows, skipped = np.asarray(piece_rows, dtype=np.int64), np.asarray(skipped, dtype=np.int64)
+            offsets.append(offset)
+        piece_lengths = np.array([len(p) for p in pieces], dtype=np.int64)
+        ends = np.cumsum(piece_lengths)
+        starts = ends - piece_lengths
+        piece_rows, offsets = np.asarray(piece_rows, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
+        tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
         cuts = np.minimum(np.arange(body, len(tokens) + body, body), len(tokens))
         # Piece k ends in the first sequence whose cut is at or after its end.
         finished_in = np.searchsorted(cuts, ends, side="left")
@@ -175,7 +178,7 @@ def to_sequences(
             sources.append(piece_rows[finished_in == j])
             k = np.searchsorted(ends, cut, side="right")  # the first piece still open at the cut
             if k < len(pieces) and starts[k] < cut:
-                partial.append((piece_rows[k], skipped[k] + cut - starts[k]))
+                partial.append((piece_rows[k], offsets[k] + cut - starts[k]))
             else:
                 partial.append((-1, 0))
     input_ids, lengths = _frame(chunks, spec)

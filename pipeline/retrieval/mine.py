@@ -3,7 +3,9 @@
 For each training query: search the sharded index to ``depth`` (200), drop every judged
 positive by id (and, with an answers file, every passage whose text contains one of the
 query's answer strings: an unjudged positive), optionally skip the ``skip_top`` best-ranked
-candidates (the likeliest false negatives), then keep ``count`` (30): a seeded random draw
+candidates (the likeliest false negatives) and those within a margin of the query's positive
+score (``absolute_margin`` / ``relative_margin``, as sentence-transformers names them: a
+candidate that close is likelier unjudged than negative), then keep ``count`` (30): a seeded random draw
 (per query, so a query's sample does not depend on the others) or the top ones.
 
 Outputs, under ``output``:
@@ -26,6 +28,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+import numpy as np
+import ray
+
 from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.errors import ConfigError, InputError
@@ -34,10 +39,11 @@ from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
 from pipeline.data.beir import positives, read_queries
 from pipeline.data.corpus import iter_documents
-from pipeline.data.groups import select_negatives
+from pipeline.data.groups import margin_ceiling, select_negatives
 from pipeline.data.records import json_lines, write_json_line
 from pipeline.data.runs import negatives_record, write_trec_lines
 from pipeline.data.tevatron import tevatron_record
+from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval import faiss_index
 from pipeline.retrieval.encode import EncoderSettings, encode_queries
 from pipeline.retrieval.fanout import query_block, ranked_ids, read_qrels_of_corpus
@@ -73,6 +79,18 @@ class MineConfig:
         },
     )
     corpus: str = field(default="", metadata={"help": "BEIR corpus.jsonl, for the answer filter"})
+    absolute_margin: float | None = field(
+        default=None,
+        metadata={
+            "help": "drop candidates scoring above the query's positive score minus this (sentence-transformers' absolute_margin; the positive's score is its hardest judged positive's); unset = off"
+        },
+    )
+    relative_margin: float | None = field(
+        default=None,
+        metadata={
+            "help": "drop candidates scoring above the positive score minus this share of its magnitude (sentence-transformers' relative_margin, e.g. 0.05); unset = off"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "seed of sample=random"})
     nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
     encoder: EncoderSettings = field(default_factory=EncoderSettings)
@@ -85,6 +103,14 @@ class MineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.skip_top < 0:
             raise ValueError(f"skip_top must be >= 0, got {self.skip_top}")
+        for name in ("absolute_margin", "relative_margin"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+
+    @property
+    def margins(self) -> bool:
+        return self.absolute_margin is not None or self.relative_margin is not None
 
 
 def _answer_hits(cfg: MineConfig, queries: dict, ranked: dict[str, list[str]]) -> dict[str, set[str]]:
@@ -106,7 +132,42 @@ def _answer_hits(cfg: MineConfig, queries: dict, ranked: dict[str, list[str]]) -
 
 
 PART_FILES = ("negatives.jsonl", "train.tevatron.jsonl", "run.trec", "counts.json")
-COUNTS = ("negatives", "positives_dropped", "answer_dropped", "short", "examples")
+COUNTS = ("negatives", "positives_dropped", "answer_dropped", "margin_dropped", "short", "examples")
+
+
+def _pair_scores(folder: str, entry: dict, wanted: dict, vectors) -> tuple[np.ndarray, np.ndarray]:
+    """(query index, score) of every (query, judged positive) pair whose positive lives in
+    this embedding shard: the query's vector against the positive's stored embedding."""
+    _, doc_ids, embeddings = emb.read_shard(folder, entry)
+    queries, scores = [], []
+    for i, doc_id in enumerate(doc_ids):
+        for q in wanted.get(doc_id, ()):
+            queries.append(q)
+            scores.append(float(vectors[q] @ embeddings[i]))
+    return np.asarray(queries, dtype=np.int64), np.asarray(scores, dtype=np.float32)
+
+
+def positive_scores(index_uri: str, qids: list[str], vectors: np.ndarray, qrels: dict) -> np.ndarray:
+    """Each query's score of its hardest (lowest-scoring) judged positive, as the index
+    scores it (inner product with the positive's stored embedding); +inf for a query with
+    no judged positive. One Ray task per embedding shard, each answering the pairs whose
+    positive it holds: the driver holds one float per query, not the positives' vectors."""
+    manifest = faiss_index.load_index_manifest(index_uri)
+    if manifest["metric"] != "ip":
+        raise ConfigError("--absolute_margin / --relative_margin need an inner-product index (metric ip)")
+    folder = manifest["embeddings"]
+    wanted: dict[str, list[int]] = {}
+    for q, qid in enumerate(qids):
+        for doc_id in positives(qrels.get(qid, {})):
+            wanted.setdefault(doc_id, []).append(q)
+    score = ray.remote(_pair_scores).options(num_cpus=1, max_retries=3)
+    wanted_ref, vectors_ref = ray.put(wanted), ray.put(np.ascontiguousarray(vectors, dtype=np.float32))
+    out = np.full(len(qids), np.inf, dtype=np.float32)
+    for queries, scores in ray.get(
+        [score.remote(folder, entry, wanted_ref, vectors_ref) for entry in emb.load_manifest(folder)["shards"]]
+    ):
+        np.minimum.at(out, queries, scores)
+    return out
 
 
 def _made_by(cfg: MineConfig) -> dict:
@@ -123,7 +184,7 @@ def _made_by(cfg: MineConfig) -> dict:
     return {"settings": settings, "versions": versions}
 
 
-def _mine_block(cfg, output, block, queries, qids, qrels, answer_hits, scores, block_ids) -> None:
+def _mine_block(cfg, output, block, queries, qids, qrels, answer_hits, scores, block_ids, ceilings) -> None:
     """One block's results: its part of every output file, and its counts, each written whole."""
     counts = dict.fromkeys(COUNTS, 0)
     with (
@@ -131,14 +192,19 @@ def _mine_block(cfg, output, block, queries, qids, qrels, answer_hits, scores, b
         storage.open_output(part_uri(output, block, "train.tevatron.jsonl")) as tev_out,
         storage.open_output(part_uri(output, block, "run.trec")) as run_out,
     ):
-        for qid, row_scores, row_ids in zip(qids, scores, block_ids):
+        for qid, row_scores, row_ids, ceiling in zip(qids, scores, block_ids, ceilings):
             ids = ranked_ids(row_ids)
             write_trec_lines(run_out, qid, ids, row_scores[: len(ids)].tolist(), tag="mined")
             judged = set(positives(qrels.get(qid, {})))
             hits = answer_hits.get(qid, set())
             counts["positives_dropped"] += sum(d in judged for d in ids)
             counts["answer_dropped"] += sum(d in hits and d not in judged for d in ids)
-            negs, neg_scores = select_negatives(qid, ids, row_scores[: len(ids)].tolist(), judged | hits, cfg)
+            ranked_scores = row_scores[: len(ids)].tolist()
+            counts["margin_dropped"] += sum(
+                d not in judged and d not in hits and s > ceiling
+                for d, s in zip(ids[cfg.skip_top :], ranked_scores[cfg.skip_top :])
+            )
+            negs, neg_scores = select_negatives(qid, ids, ranked_scores, judged | hits, cfg, ceiling)
             counts["negatives"] += len(negs)
             counts["short"] += len(negs) < cfg.count
             write_json_line(neg_out, negatives_record(qid, negs, neg_scores))
@@ -176,11 +242,18 @@ def run_mining(cfg: MineConfig) -> dict:
             ranked = {q: ranked_ids(ids) for start, _, _, ids in answered for q, ids in zip(todo_qids[start:], ids)}
             answer_hits = _answer_hits(cfg, queries, ranked)
             del ranked
+        ceilings = np.full(len(todo_qids), np.inf)
+        if cfg.margins:
+            ceilings = [
+                margin_ceiling(float(p), cfg.absolute_margin, cfg.relative_margin)
+                for p in positive_scores(cfg.index, todo_qids, vectors, qrels)
+            ]
         # The todo blocks are whole blocks (only the last can be short), so the searched
         # vectors' blocks are the todo blocks, in order.
         for (start, scores, _, block_ids), b in zip(answered, todo):
             block_qids = todo_qids[start : start + len(scores)]
-            _mine_block(cfg, output, b, queries, block_qids, qrels, answer_hits, scores, block_ids)
+            block_ceilings = ceilings[start : start + len(scores)]
+            _mine_block(cfg, output, b, queries, block_qids, qrels, answer_hits, scores, block_ids, block_ceilings)
     search_s = time.perf_counter() - search_start
     counts = summed(output, blocks, "counts.json", COUNTS)
     for name in PART_FILES[:3]:
@@ -200,6 +273,7 @@ def run_mining(cfg: MineConfig) -> dict:
         "queries_short": counts["short"],
         "positives_dropped": counts["positives_dropped"],
         "answer_dropped": counts["answer_dropped"],
+        "margin_dropped": counts["margin_dropped"],
         "depth": cfg.depth,
         "search_seconds": round(search_s, 2),  # search, selection and writing, streamed together
         "seconds": round(time.perf_counter() - started, 2),

@@ -25,6 +25,7 @@ from pipeline.core import sealed, storage
 from pipeline.data.position import (
     DataPosition,
     checkpoint_folders,
+    checkpoint_order,
     checkpoint_step,
     restorable_checkpoint,
     write_pointer,
@@ -70,15 +71,16 @@ class Restored:
     state: TrainState
     position: DataPosition
     checkpoint: str | None  # the folder restored from (None: a fresh start)
-    # Folders of later steps exist (damaged ones passed over): this attempt's checkpoints
-    # must not take their names (a folder Ray Train registered is never rewritten).
-    later_folders: bool
+    # "" unless folders of later steps exist (damaged ones passed over): then what this
+    # attempt's checkpoints append to their names, "-r<n>" with an n no folder has, since a
+    # folder Ray Train registered is never rewritten.
+    name_suffix: str
 
 
 def restore_checkpoint(engine, rank: int, run_dir: str) -> Restored:
     name = restorable_checkpoint(run_dir)
     if name is None:
-        return Restored(TrainState(), DataPosition(), None, False)
+        return Restored(TrainState(), DataPosition(), None, "")
     uri = storage.join(run_dir, name)
     loc = storage.resolve(uri)
     checkpoint = ray.train.Checkpoint(loc.path, filesystem=loc.fs) if storage.is_s3(uri) else ray.train.Checkpoint(uri)
@@ -105,5 +107,8 @@ def restore_checkpoint(engine, rank: int, run_dir: str) -> Restored:
     # all-reduce of per-rank counters counts them once (whatever the new world size).
     state.counters = counters if rank == 0 else {}
     state.restarts += 1
-    later = any(checkpoint_step(n) > state.step for n in checkpoint_folders(run_dir))
-    return Restored(state, position, name, later)
+    folders = checkpoint_folders(run_dir)
+    suffix = ""
+    if any(checkpoint_step(n) > state.step for n in folders):
+        suffix = f"-r{1 + max(checkpoint_order(n)[1] for n in folders)}"
+    return Restored(state, position, name, suffix)

@@ -250,8 +250,7 @@ class WorkerRun:
         self.engine, self.scheduler = _build_engine(self.train, self.task, config["deepspeed"])
         restored = _restore(self.engine, self.rank, self.run_dir)
         self.state, self.position = restored.state, restored.position
-        # After passing over damaged checkpoints, this attempt saves their steps again.
-        self.checkpoint_suffix = f"-r{self.state.restarts}" if restored.later_folders else ""
+        self.checkpoint_suffix = restored.name_suffix  # after passing over damaged checkpoints
         hparams = config.get("hparams") or to_dict(self.train)
         self.run_log = (
             RunLog(self.train.output, self.train.tracker, hparams, self.state.history) if self.rank == 0 else None
