@@ -110,8 +110,10 @@ class BiEncoder(nn.Module):
     def forward(self, q_input_ids, q_attention_mask, d_input_ids, d_attention_mask):
         return self.encode_query(q_input_ids, q_attention_mask), self.encode_passage(d_input_ids, d_attention_mask)
 
-    def save(self, out_dir: str, tokenizer_dir: str | None = None) -> dict[str, str]:
-        """Shared: ``out_dir`` is the encoder. Separate: ``out_dir/query`` and ``out_dir/passage``."""
+    def save(self, out_dir: str, tokenizer_dir: str | None = None, max_seq_length: int | None = None) -> dict[str, str]:
+        """Shared: ``out_dir`` is the encoder, and a sentence-transformers model too.
+        Separate: ``out_dir/query`` and ``out_dir/passage``. ``max_seq_length``: the passage
+        length it was trained with, which sentence-transformers then truncates at."""
 
         towers = (
             {"": self.query_encoder}
@@ -123,7 +125,46 @@ class BiEncoder(nn.Module):
         settings = {**asdict(self.cfg), "towers": sorted(t for t in towers if t)}
         with open(os.path.join(out_dir, SETTINGS_FILE), "w") as f:
             json.dump(settings, f, indent=2)
+        if self.passage_encoder is None:
+            write_sentence_transformers_files(out_dir, self.cfg, self.query_encoder.config.hidden_size, max_seq_length)
         return {"export_dir": out_dir}
+
+
+def write_sentence_transformers_files(
+    out_dir: str, cfg: BiEncoderConfig, hidden_size: int, max_seq_length: int | None
+) -> None:
+    """What makes a shared-encoder export a sentence-transformers model as well (its module
+    list, pooling, normalisation for cosine, max length and similarity), so that
+    ``SentenceTransformer(out_dir)`` encodes as raydense does. The temperature only scales
+    scores in training, not embeddings."""
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if cfg.similarity == "cos":
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    pooling = {
+        "word_embedding_dimension": hidden_size,
+        "pooling_mode_cls_token": cfg.pooling == "cls",
+        "pooling_mode_mean_tokens": cfg.pooling == "mean",
+        "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False,
+    }
+    files = {
+        "modules.json": modules,
+        "sentence_bert_config.json": {"do_lower_case": False}
+        | ({"max_seq_length": max_seq_length} if max_seq_length else {}),
+        "config_sentence_transformers.json": {
+            "prompts": {},
+            "default_prompt_name": None,
+            "similarity_fn_name": "cosine" if cfg.similarity == "cos" else "dot",
+        },
+        os.path.join("1_Pooling", "config.json"): pooling,
+    }
+    for name, content in files.items():
+        os.makedirs(os.path.dirname(os.path.join(out_dir, name)), exist_ok=True)
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump(content, f, indent=2)
 
 
 def load_settings(export_dir: str) -> dict:
@@ -261,8 +302,8 @@ class ContrastiveObjective:
     cross-worker and hard negatives. Batches are the group stream's arrays: queries
     ``(b, Lq)`` and their groups ``(b, n, Ld)``, with lengths."""
 
-    def __init__(self, cfg: BiEncoderConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: BiEncoderConfig, passage_max_len: int | None = None):
+        self.cfg, self.passage_max_len = cfg, passage_max_len
 
     def build(self, init_dir: str) -> BiEncoder:
         encoder = load_pretrained(AutoModel, init_dir)
@@ -284,4 +325,4 @@ class ContrastiveObjective:
         return int(np.asarray(batch["q_length"]).sum() + np.asarray(batch["d_length"]).sum())
 
     def export(self, model: BiEncoder, out_dir: str, tokenizer_dir: str | None) -> dict[str, str]:
-        return model.save(out_dir, tokenizer_dir)
+        return model.save(out_dir, tokenizer_dir, self.passage_max_len)

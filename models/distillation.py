@@ -104,8 +104,8 @@ def distillation_backward(
 class DistillationObjective(ContrastiveObjective):
     """The bi-encoder's objective with the teacher's scores in the batch: ``KL + alpha * CE``."""
 
-    def __init__(self, cfg: BiEncoderConfig, distill: DistillationConfig):
-        super().__init__(cfg)
+    def __init__(self, cfg: BiEncoderConfig, distill: DistillationConfig, passage_max_len: int | None = None):
+        super().__init__(cfg, passage_max_len)
         self.distill = distill
 
     def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
+from conftest import synthetic_docs
 from transformers import BertConfig, BertForMaskedLM
 
 from models.backbone import load_module_state
@@ -85,3 +87,29 @@ def test_loading_our_exports_prints_no_load_report_and_a_real_gap_one_warning(tm
     ):
         load_pretrained(AutoModel, export)
     assert "LOAD REPORT" not in "".join(capfd.readouterr())
+
+
+@pytest.mark.parametrize("pooling,similarity", [("mean", "cos"), ("cls", "dot")])
+def test_a_retriever_export_is_a_sentence_transformers_model_that_encodes_alike(tmp_path, pooling, similarity):
+    """``SentenceTransformer(export)`` loads the fine-tuned retriever with its pooling,
+    normalisation and trained passage length, and gives raydense's encoder's vectors (long
+    texts included: both truncate at that length)."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel
+
+    from models.biencoder import BiEncoder, BiEncoderConfig
+    from pipeline.retrieval.encode import Encoder, EncoderSettings
+    from tests.helpers import save_tiny_bert
+
+    texts = [d["text"] for d in synthetic_docs(40, seed=2)]
+    init = save_tiny_bert(str(tmp_path / "init"), texts)
+    cfg = BiEncoderConfig(pooling=pooling, similarity=similarity)
+    export = str(tmp_path / "export")
+    BiEncoder(AutoModel.from_pretrained(init), None, cfg).save(export, init, max_seq_length=24)
+
+    probe = texts[:6] + [" ".join(texts[6:12])]  # the last far longer than 24 tokens
+    settings = EncoderSettings(model=export, passage_max_len=24, batch_size=4)
+    ours = Encoder(settings, export).encode_texts(probe, 24, tower="passage")
+    theirs = SentenceTransformer(export, device="cpu").encode(probe, convert_to_numpy=True, batch_size=4)
+    assert theirs.shape == ours.shape
+    np.testing.assert_allclose(theirs, ours, atol=1e-5)

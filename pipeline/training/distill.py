@@ -87,7 +87,11 @@ def run_distillation(cfg: DistillConfig) -> dict:
     cfg.data.teacher_scores = storage.resolve(cfg.data.teacher_scores).uri
     prepared = prepare_group_training(cfg, cfg.retriever.group_size, load=load_scored_examples)
     write_run_files(cfg, cfg.train.output)
-    task = GroupTask(DistillationObjective(cfg.retriever, cfg.distill), cfg.model.init, prepared.tokenizer_uri)
+    task = GroupTask(
+        DistillationObjective(cfg.retriever, cfg.distill, cfg.data.passage_max_len),
+        cfg.model.init,
+        prepared.tokenizer_uri,
+    )
     result = fit(cfg.train, task, prepared.stream, storage.join(cfg.train.output, "checkpoints"), hparams=to_dict(cfg))
     return finish_retriever_run(
         cfg,

@@ -43,6 +43,8 @@ def run_finetuning(cfg: FinetuneConfig) -> dict:
     """Prepare the corpus, mine round-1 negatives if asked, train, export, evaluate."""
     prepared = prepare_group_training(cfg, cfg.retriever.group_size)
     write_run_files(cfg, cfg.train.output)
-    task = GroupTask(ContrastiveObjective(cfg.retriever), cfg.model.init, prepared.tokenizer_uri)
+    task = GroupTask(
+        ContrastiveObjective(cfg.retriever, cfg.data.passage_max_len), cfg.model.init, prepared.tokenizer_uri
+    )
     result = fit(cfg.train, task, prepared.stream, storage.join(cfg.train.output, "checkpoints"), hparams=to_dict(cfg))
     return finish_retriever_run(cfg, prepared, result, "finetune", "retriever fine-tuning", bm25=prepared.bm25)
