@@ -79,13 +79,16 @@ def train_settings(out: str, **overrides) -> TrainConfig:
     return TrainConfig(**{**settings, **overrides})
 
 
-def test_pretraining_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted_run(
-    tmp_path, monkeypatch, shared_ray, capfd
+def test_pretraining_stopped_then_rerun_past_damaged_checkpoints_ends_with_the_uninterrupted_weights(
+    tmp_path, monkeypatch, ray_session, capfd
 ):
     """Condenser with packing (documents cut across sequences) and dropout, rows shuffled in
-    windows: interrupted at micro-batch 15 of 20, resumed from checkpoint 12. The
-    uninterrupted run's logs, into a file as a job's are, are read too; then its checkpoints
-    are damaged, and a rerun passes them over."""
+    windows, 20 steps. The uninterrupted run's logs are read as a job's log file would be.
+    The other run stops at micro-batch 15 (a worker lost, no retry left); its newest
+    checkpoint (12) is then truncated (the listing shows it) and the one before (8) has a
+    byte changed (only the worker's hashing shows it). Rerun with the same command, it
+    passes both over, resumes from checkpoint 4, and ends with the same losses and weights,
+    its new checkpoints saved beside (not over) the folders Ray Train registered."""
     raw = write_jsonl(tmp_path / "raw.jsonl", synthetic_docs(90, seed=7))
 
     def config(name: str) -> pretrain.PretrainConfig:
@@ -95,8 +98,8 @@ def test_pretraining_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted
         cfg.model = BackboneConfig(
             hidden_size=32, num_layers=4, num_heads=2, intermediate_size=64, max_position=64, dropout=0.1
         )
-        cfg.train = train_settings(str(tmp_path / name), micro_batch_size=8, max_steps=20, checkpoint_every=6)
-        cfg.train.log_every, cfg.train.keep_checkpoints = 4, 3
+        cfg.train = train_settings(str(tmp_path / name), micro_batch_size=8, max_steps=20, checkpoint_every=4)
+        cfg.train.log_every, cfg.train.keep_checkpoints, cfg.train.max_failures = 4, 3, 0
         return cfg
 
     capfd.readouterr()
@@ -111,39 +114,34 @@ def test_pretraining_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted
     assert not [line for line in lines if "Reporting training result" in line or "Setting accelerator" in line]
 
     interrupted(monkeypatch, pretrain, at=15, marker=str(tmp_path / "stopped"))
-    resumed = pretrain.run_pretraining(config("resumed"))
-
-    assert os.path.exists(tmp_path / "stopped") and resumed["restarts"] == 1
-    (event,) = resumed["resumes"]
-    assert event["checkpoint"] == "checkpoint_000000012" and event["rows_repeated"] == event["rows_skipped"] == 0
-    losses = [[h["loss"] for h in json.load(open(tmp_path / name / "history.json"))] for name in ("whole", "resumed")]
-    assert losses[0] == losses[1]  # steps 4 to 20, 16 and 20 after the resume
-    assert_identical(weights(whole["export_dir"]), weights(resumed["export_dir"]))
-
-    # Damaged checkpoints: the finished run's newest one truncated (the listing shows it),
-    # the one before with a byte changed (only the worker's hashing shows it). Rerun for 22
-    # steps, it resumes from step 12 and saves its checkpoints under new names.
+    with pytest.raises(Exception, match="interrupted between checkpoints"):
+        pretrain.run_pretraining(config("resumed"))
     monkeypatch.undo()
-    run_dir = tmp_path / "whole" / "checkpoints"
-    assert sorted(p.name for p in run_dir.glob("checkpoint_0*")) == [f"checkpoint_{s:09d}" for s in (12, 18, 20)]
-    states = {step: sorted((run_dir / f"checkpoint_{step:09d}" / "state").rglob("*.pt")) for step in (18, 20)}
-    os.truncate(states[20][0], os.path.getsize(states[20][0]) // 2)
-    data = bytearray(states[18][0].read_bytes())
+    run_dir = tmp_path / "resumed" / "checkpoints"
+    assert sorted(p.name for p in run_dir.glob("checkpoint_0*")) == [f"checkpoint_{s:09d}" for s in (4, 8, 12)]
+    states = {step: sorted((run_dir / f"checkpoint_{step:09d}" / "state").rglob("*.pt")) for step in (8, 12)}
+    os.truncate(states[12][0], os.path.getsize(states[12][0]) // 2)
+    data = bytearray(states[8][0].read_bytes())
     data[len(data) // 2] ^= 0xFF
-    states[18][0].write_bytes(bytes(data))
+    states[8][0].write_bytes(bytes(data))
     capfd.readouterr()
-    cfg = config("whole")
-    cfg.train.max_steps = 22
-    again = pretrain.run_pretraining(cfg)
+
+    rerun = config("resumed")
+    rerun.train.max_failures = 1  # the start that finds checkpoint 8's bytes changed fails once
+    resumed = pretrain.run_pretraining(rerun)
     time.sleep(2)
     err = capfd.readouterr().err
-    assert again["steps"] == 22 and again["resumes"][-1]["checkpoint"] == "checkpoint_000000012"
-    assert f"checkpoint_000000020 is not whole ({states[20][0].relative_to(run_dir / 'checkpoint_000000020')}" in err
-    assert "checkpoint_000000018 is damaged" in err and "SHA-256 differs" in err
-    assert (run_dir / "checkpoint_000000022-r1").is_dir()  # beside, not over, the folders Ray registered
+    assert f"checkpoint_000000012 is not whole ({states[12][0].relative_to(run_dir / 'checkpoint_000000012')}" in err
+    assert "checkpoint_000000008 is damaged" in err and "SHA-256 differs" in err
+    event = resumed["resumes"][-1]
+    assert event["checkpoint"] == "checkpoint_000000004" and event["rows_repeated"] == event["rows_skipped"] == 0
+    losses = [[h["loss"] for h in json.load(open(tmp_path / name / "history.json"))] for name in ("whole", "resumed")]
+    assert losses[0] == losses[1]  # steps 4 to 20, 8 to 20 after the resume
+    assert_identical(weights(whole["export_dir"]), weights(resumed["export_dir"]))
+    assert (run_dir / "checkpoint_000000020-r1").is_dir()
 
 
-def test_finetuning_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted_run(tmp_path, monkeypatch, shared_ray):
+def test_finetuning_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted_run(tmp_path, monkeypatch, ray_session):
     """The contrastive retriever with hard negatives sliding through each query's list and
     dropout: interrupted at micro-batch 6 of 8 (epoch 2 of 2), resumed from checkpoint 3."""
     import json
