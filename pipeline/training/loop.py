@@ -444,7 +444,7 @@ def _flush_trace(trace: list, run_dir: str, rank: int, state: TrainState) -> lis
 # -- the driver side ---------------------------------------------------------------------
 
 
-REPORT_POLL_S = 0.5
+REPORT_POLL_S = 0.1
 
 
 def worker_resources(train: TrainConfig) -> dict[str, float]:
@@ -492,8 +492,10 @@ def fit(
     configure_data_context()
     # Each ray.train.report (every log step) waits until Ray Train's controller has taken the
     # previous one, and the controller polls every 2 s by default: log windows shorter than
-    # that would throttle training (measured: 1.3 s a step at log_every 1). Ray passes the
-    # driver's value on to the controller; a value the user set wins.
+    # that would throttle training (measured: 1.3 s a step at log_every 1). The controller
+    # also notices a finished worker group only at its next poll: a run that reports nothing
+    # took 8.5 s at 0.5 s polling and 6.7 s at 0.1 s on 2 cores. Ray passes the driver's
+    # value on to the controller; a value the user set wins.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(REPORT_POLL_S))
     check_placement(train)
     restorable_checkpoint(run_dir)  # a run whose every checkpoint is damaged stops here
