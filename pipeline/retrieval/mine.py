@@ -200,9 +200,11 @@ def _mine_block(cfg, output, block, queries, qids, qrels, answer_hits, scores, b
             counts["positives_dropped"] += sum(d in judged for d in ids)
             counts["answer_dropped"] += sum(d in hits and d not in judged for d in ids)
             ranked_scores = row_scores[: len(ids)].tolist()
-            counts["margin_dropped"] += sum(
-                d not in judged and d not in hits and s > ceiling
-                for d, s in zip(ids[cfg.skip_top :], ranked_scores[cfg.skip_top :])
+            counts["margin_dropped"] += int(
+                sum(
+                    d not in judged and d not in hits and s > ceiling
+                    for d, s in zip(ids[cfg.skip_top :], ranked_scores[cfg.skip_top :])
+                )
             )
             negs, neg_scores = select_negatives(qid, ids, ranked_scores, judged | hits, cfg, ceiling)
             counts["negatives"] += len(negs)
@@ -242,7 +244,7 @@ def run_mining(cfg: MineConfig) -> dict:
             ranked = {q: ranked_ids(ids) for start, _, _, ids in answered for q, ids in zip(todo_qids[start:], ids)}
             answer_hits = _answer_hits(cfg, queries, ranked)
             del ranked
-        ceilings = np.full(len(todo_qids), np.inf)
+        ceilings = [float("inf")] * len(todo_qids)
         if cfg.margins:
             ceilings = [
                 margin_ceiling(float(p), cfg.absolute_margin, cfg.relative_margin)
