@@ -57,6 +57,18 @@ class BiEncoderConfig:
             "help": "encode each batch as this many length-sorted slices, each padded only to its own longest sequence (same result, less padding)"
         },
     )
+    query_prefix: str = field(
+        default="",
+        metadata={
+            "help": "text put before every query, in training, encoding, mining and evaluation alike (E5: 'query: ')"
+        },
+    )
+    passage_prefix: str = field(
+        default="", metadata={"help": "text put before every passage, likewise (E5: 'passage: ')"}
+    )
+
+    def prefix(self, tower: str) -> str:
+        return self.query_prefix if tower == "query" else self.passage_prefix
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
@@ -135,8 +147,9 @@ def write_sentence_transformers_files(
 ) -> None:
     """What makes a shared-encoder export a sentence-transformers model as well (its module
     list, pooling, normalisation for cosine, max length and similarity), so that
-    ``SentenceTransformer(out_dir)`` encodes as raydense does. The temperature only scales
-    scores in training, not embeddings."""
+    ``SentenceTransformer(out_dir)`` encodes as raydense does. The prefixes become its
+    prompts (``encode_query`` / ``encode_document``). The temperature only scales scores in
+    training, not embeddings."""
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
@@ -149,13 +162,18 @@ def write_sentence_transformers_files(
         "pooling_mode_mean_tokens": cfg.pooling == "mean",
         "pooling_mode_max_tokens": False,
         "pooling_mode_mean_sqrt_len_tokens": False,
+        "include_prompt": True,  # raydense pools over the prefix's tokens too
     }
     files = {
         "modules.json": modules,
         "sentence_bert_config.json": {"do_lower_case": False}
         | ({"max_seq_length": max_seq_length} if max_seq_length else {}),
         "config_sentence_transformers.json": {
-            "prompts": {},
+            "prompts": {
+                name: prefix
+                for name, prefix in (("query", cfg.query_prefix), ("document", cfg.passage_prefix))
+                if prefix
+            },
             "default_prompt_name": None,
             "similarity_fn_name": "cosine" if cfg.similarity == "cos" else "dot",
         },

@@ -89,11 +89,14 @@ def test_loading_our_exports_prints_no_load_report_and_a_real_gap_one_warning(tm
     assert "LOAD REPORT" not in "".join(capfd.readouterr())
 
 
-@pytest.mark.parametrize("pooling,similarity", [("mean", "cos"), ("cls", "dot")])
-def test_a_retriever_export_is_a_sentence_transformers_model_that_encodes_alike(tmp_path, pooling, similarity):
+@pytest.mark.parametrize("pooling,similarity,prefixed", [("mean", "cos", True), ("cls", "dot", False)])
+def test_a_retriever_export_is_a_sentence_transformers_model_that_encodes_alike(
+    tmp_path, pooling, similarity, prefixed
+):
     """``SentenceTransformer(export)`` loads the fine-tuned retriever with its pooling,
-    normalisation and trained passage length, and gives raydense's encoder's vectors (long
-    texts included: both truncate at that length)."""
+    normalisation, trained passage length and prefixes (as prompts), and gives raydense's
+    encoder's vectors: queries from text, passages from the corpus's token ids, long texts
+    included (both truncate at that length, prefix included)."""
     from sentence_transformers import SentenceTransformer
     from transformers import AutoModel
 
@@ -103,13 +106,29 @@ def test_a_retriever_export_is_a_sentence_transformers_model_that_encodes_alike(
 
     texts = [d["text"] for d in synthetic_docs(40, seed=2)]
     init = save_tiny_bert(str(tmp_path / "init"), texts)
-    cfg = BiEncoderConfig(pooling=pooling, similarity=similarity)
+    # E5-style prefixes of words the tiny vocabulary knows (an unknown word would be [UNK] in both)
+    words = texts[0].split()
+    query_prefix, passage_prefix = (f"{words[0]}: ", f"{words[1]} {words[2]}: ") if prefixed else ("", "")
+    cfg = BiEncoderConfig(
+        pooling=pooling, similarity=similarity, query_prefix=query_prefix, passage_prefix=passage_prefix
+    )
     export = str(tmp_path / "export")
     BiEncoder(AutoModel.from_pretrained(init), None, cfg).save(export, init, max_seq_length=24)
 
     probe = texts[:6] + [" ".join(texts[6:12])]  # the last far longer than 24 tokens
-    settings = EncoderSettings(model=export, passage_max_len=24, batch_size=4)
-    ours = Encoder(settings, export).encode_texts(probe, 24, tower="passage")
-    theirs = SentenceTransformer(export, device="cpu").encode(probe, convert_to_numpy=True, batch_size=4)
-    assert theirs.shape == ours.shape
-    np.testing.assert_allclose(theirs, ours, atol=1e-5)
+    ours = Encoder(EncoderSettings(model=export, batch_size=4), export)
+    corpus_tokens = ours.tokenizer(probe, add_special_tokens=False)["input_ids"]  # as prepare_corpus stores them
+    passages = ours.encode_tokens(corpus_tokens, 24, tower="passage")
+    queries = ours.encode_texts(probe, 24, tower="query")
+    theirs = SentenceTransformer(export, device="cpu")
+    prompts = {k: v for k, v in theirs.prompts.items() if v}  # sentence-transformers adds empty ones
+    assert prompts == {k: v for k, v in (("query", query_prefix), ("document", passage_prefix)) if v}
+    their_passages = theirs.encode_document(probe, convert_to_numpy=True, batch_size=4)
+    their_queries = theirs.encode_query(probe, convert_to_numpy=True, batch_size=4)
+    assert their_passages.shape == passages.shape
+    np.testing.assert_allclose(their_passages, passages, atol=1e-5)
+    np.testing.assert_allclose(their_queries, queries, atol=1e-5)
+    if query_prefix:  # the prefixes change the vectors: they are really there
+        assert np.abs(queries - passages).max() > 1e-3
+        unprefixed = Encoder(EncoderSettings(model=export, query_prefix="", batch_size=4), export)
+        assert np.abs(unprefixed.encode_texts(probe, 24, tower="query") - queries).max() > 1e-3

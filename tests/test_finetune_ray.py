@@ -133,3 +133,17 @@ def test_tevatron_training_file_with_its_own_passages(tiny_bert, tmp_path, share
     assert prepared.manifest["num_docs"] == 21
     assert [e.positives for e in prepared.examples] == [[ids[i]] for i in range(16)]
     assert [e.negatives for e in prepared.examples] == [ids[i + 1 : i + 6] for i in range(16)]
+
+    # With prefixes, every query is tokenized behind its prefix, and passages get the passage
+    # prefix's token ids in front (the group stream's framing is tested in test_group_stream).
+    from pipeline.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_bert)
+    word = docs[ids[0]].split()[0]
+    prefixed = prepare_group_training(cfg, 4, query_prefix=f"{word}: ", passage_prefix=f"{word} {word}: ")
+    want = tokenizer([f"{word}: {e.query}" for e in prefixed.examples], add_special_tokens=False)["input_ids"]
+    assert [q.tolist() for q in prefixed.stream.query_ids] == [w[:8] for w in want]
+    assert prefixed.stream.spec.passage_prefix == tuple(
+        tokenizer(f"{word} {word}: ", add_special_tokens=False)["input_ids"]
+    )
+    assert len(prefixed.stream.spec.passage_prefix) == 3 and want[0][0] != tokenizer.unk_token_id

@@ -45,7 +45,15 @@ def test_every_group_holds_exactly_its_planned_passages_in_the_planned_order(cor
         examples.append(TrainExample(f"q{q}", "", positives=picked[:2], negatives=picked[2:] if q % 5 else []))
     query_ids = [np.arange(q + 1, dtype=np.int32) + 10 for q in range(30)]
     spec = GroupSpec(
-        corpus=uri, group_size=4, query_max_len=12, passage_max_len=16, seed=3, cls_id=2, sep_id=3, pad_id=0
+        corpus=uri,
+        group_size=4,
+        query_max_len=12,
+        passage_max_len=16,
+        seed=3,
+        cls_id=2,
+        sep_id=3,
+        pad_id=0,
+        passage_prefix=(7, 8),  # the retriever's passage prefix, as token ids
     )
     corpus_ids = CorpusIds.read(uri, manifest["shards"])
     id_by_row = dict(enumerate(corpus_ids.ids(np.arange(len(corpus_ids)))))
@@ -63,8 +71,9 @@ def test_every_group_holds_exactly_its_planned_passages_in_the_planned_order(cor
         assert r["q_input_ids"].tolist() == expected_q.tolist() and r["q_length"] == q_len
         for slot in range(4):
             doc = id_by_row[int(plan.corpus_rows[position, slot])]
-            (want,), (length,) = frame_truncated([tokens[doc]], 16, spec)
-            assert r["d_input_ids"][slot].tolist() == want.tolist() and r["d_length"][slot] == length
+            framed = [2, 7, 8, *tokens[doc]][:15] + [3]  # [CLS] prefix passage, cut to 16 with [SEP]
+            want = framed + [0] * (16 - len(framed))
+            assert r["d_input_ids"][slot].tolist() == want and r["d_length"][slot] == len(framed)
         ex = examples[example_row]
         assert id_by_row[int(plan.corpus_rows[position, 0])] in ex.positives
         negatives = {id_by_row[int(x)] for x in plan.corpus_rows[position, 1:]}

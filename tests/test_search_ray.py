@@ -426,53 +426,75 @@ def test_mining_killed_mid_way_resumes_from_its_finished_blocks(encoded, collect
     assert changed["negatives_per_query"] == 5
 
 
+def _beir_folders(collection, root) -> list[tuple[str, dict]]:
+    """The module's collection in BEIR's own layout, and a second one with a file per split:
+    (folder, {"docs", "queries", "qrels"}) each."""
+    import shutil
+
+    first = root / "synthetic"
+    (first / "qrels").mkdir(parents=True)
+    shutil.copy(collection["corpus"], first / "corpus.jsonl")
+    shutil.copy(collection["queries"], first / "queries.jsonl")
+    shutil.copy(collection["qrels"], first / "qrels" / "test.tsv")
+    second = root / "other"
+    docs = synthetic_docs(40, seed=5)
+    write_jsonl(second / "corpus.jsonl", docs)
+    write_jsonl(second / "queries.test.jsonl", [{"_id": f"o{i}", "text": docs[i]["text"][:30]} for i in range(8)])
+    (second / "qrels.test.tsv").write_text(
+        "query-id\tcorpus-id\tscore\n" + "".join(f"o{i}\t{docs[i]['_id']}\t1\n" for i in range(8))
+    )
+    return [
+        (str(first), {"docs": collection["docs"], "queries": collection["queries"], "qrels": collection["qrels"]}),
+        (
+            str(second),
+            {"docs": docs, "queries": str(second / "queries.test.jsonl"), "qrels": str(second / "qrels.test.tsv")},
+        ),
+    ]
+
+
 def test_evaluate_job_matches_ir_measures_on_a_brute_force_run(encoded, collection, tiny_bert, tmp_path, capsys):  # noqa: F811
+    """Two BEIR collections in one call (BEIR's layout, and a file per split): each one's
+    metrics equal ir_measures on a brute-force run of the same encoder, the average is theirs,
+    and one table, JSON and plot hold them all."""
     import ir_measures
 
     from jobs.evaluate import main
     from pipeline.data.beir import read_qrels, read_queries
 
+    folders = _beir_folders(collection, tmp_path)
+    args = ["--model", tiny_bert, "--pooling", "mean", "--normalize", "--docs_per_shard", "25", "--pool.actors", "1"]
     summary = main(
-        [
-            "--model",
-            tiny_bert,
-            "--corpus",
-            collection["corpus"],
-            "--queries",
-            collection["queries"],
-            "--qrels",
-            collection["qrels"],
-            "--pooling",
-            "mean",
-            "--normalize",
-            "--k",
-            "50",
-            "--output",
-            str(tmp_path / "eval"),
-            "--docs_per_shard",
-            "25",
-            "--pool.actors",
-            "1",
-        ]
+        [*args, "--collections", ",".join(f for f, _ in folders), "--k", "40", "--output", str(tmp_path / "eval")]
     )
-    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out = capsys.readouterr().out.strip().splitlines()
+    last = json.loads(out[-1])
     assert set(last["metrics"]) == {"MRR@10", "R@10", "R@100", "R@1000", "nDCG@10"}
+    assert [row.split("|")[1].strip() for row in out if row.startswith("| ")][1:] == ["synthetic", "other", "average"]
 
     encoder = Encoder(EncoderSettings(model=tiny_bert, pooling="mean", similarity="cos"), tiny_bert)
-    queries = read_queries(collection["queries"])
-    passages = encoder.encode_texts([d["text"] for d in collection["docs"]], 128, tower="passage")
-    qvecs = encoder.encode_texts(list(queries.values()), 32, tower="query")
-    scores, idx = brute_force_topk(qvecs, passages, 50)
-    run = {
-        q: {collection["docs"][j]["_id"]: float(s) for s, j in zip(srow, irow)}
-        for q, srow, irow in zip(queries, scores, idx)
-    }
-    measures = ir_measures.calc_aggregate(
-        [ir_measures.RR @ 10, ir_measures.R @ 10, ir_measures.nDCG @ 10], read_qrels(collection["qrels"]), run
-    )
-    assert summary["metrics"]["MRR@10"] == pytest.approx(measures[ir_measures.RR @ 10], abs=1e-6)
-    assert summary["metrics"]["R@10"] == pytest.approx(measures[ir_measures.R @ 10], abs=1e-6)
-    assert summary["metrics"]["nDCG@10"] == pytest.approx(measures[ir_measures.nDCG @ 10], abs=1e-6)
+    measures = [ir_measures.RR @ 10, ir_measures.R @ 10, ir_measures.nDCG @ 10]
+    for (folder, c), (name, result) in zip(folders, summary["collections"].items()):
+        assert name == os.path.basename(folder)
+        queries = read_queries(c["queries"])
+        passages = encoder.encode_texts([d["text"] for d in c["docs"]], 128, tower="passage")
+        qvecs = encoder.encode_texts(list(queries.values()), 32, tower="query")
+        scores, idx = brute_force_topk(qvecs, passages, 40)
+        run = {
+            q: {c["docs"][j]["_id"]: float(s) for s, j in zip(srow, irow)}
+            for q, srow, irow in zip(queries, scores, idx)
+        }
+        expected = ir_measures.calc_aggregate(measures, read_qrels(c["qrels"]), run)
+        for name, measure in (("MRR@10", measures[0]), ("R@10", measures[1]), ("nDCG@10", measures[2])):
+            assert result["metrics"][name] == pytest.approx(expected[measure], abs=1e-6)
+    for metric, value in summary["metrics"].items():
+        assert value == pytest.approx(sum(c["metrics"][metric] for c in summary["collections"].values()) / 2)
+    assert json.loads((tmp_path / "eval" / "collections.json").read_text())["metrics"] == summary["metrics"]
+    assert (tmp_path / "eval" / "collections.png").stat().st_size > 0
+
+    os.remove(folders[1][1]["qrels"])  # a broken collection fails before any work, named
+    with pytest.raises(InputError, match=r"other: no qrels/test.tsv or qrels.test.tsv \(split 'test'\)"):
+        main([*args, "--collections", ",".join(f for f, _ in folders), "--output", str(tmp_path / "broken")])
+    assert not (tmp_path / "broken").exists()
     with pytest.raises(ValueError, match="--k 1000 is larger than the corpus"):
         main(
             [

@@ -47,11 +47,15 @@ class GroupSpec:
     cls_id: int
     sep_id: int
     pad_id: int
+    passage_prefix: tuple[int, ...] = ()  # the retriever's passage prefix, as token ids
 
 
-def frame_truncated(token_lists: list, max_len: int, spec: GroupSpec) -> tuple[np.ndarray, np.ndarray]:
-    """``[CLS] ids [SEP]`` per token list, truncated to max_len and padded; and the lengths."""
-    chunks = [np.asarray(ids, dtype=np.int32)[: max_len - 2] for ids in token_lists]
+def frame_truncated(
+    token_lists: list, max_len: int, spec: GroupSpec, prefix: tuple[int, ...] = ()
+) -> tuple[np.ndarray, np.ndarray]:
+    """``[CLS] prefix ids [SEP]`` per token list, truncated to max_len and padded; and the lengths."""
+    head = np.asarray(prefix, dtype=np.int32)
+    chunks = [np.concatenate([head, np.asarray(ids, dtype=np.int32)])[: max_len - 2] for ids in token_lists]
     return frame(chunks, max_len, spec.cls_id, spec.sep_id, spec.pad_id)
 
 
@@ -182,7 +186,9 @@ def _assemble(group: dict, spec: GroupSpec, plan, query_ids) -> dict:
             f"expected {spec.group_size}"
         )
     in_slot_order = np.argsort(group["slot"])
-    passages, lengths = frame_truncated([group["input_ids"][i] for i in in_slot_order], spec.passage_max_len, spec)
+    passages, lengths = frame_truncated(
+        [group["input_ids"][i] for i in in_slot_order], spec.passage_max_len, spec, spec.passage_prefix
+    )
     example_row = int(plan["example_rows"][key])
     query, query_length = frame_truncated([query_ids[example_row]], spec.query_max_len, spec)
     source_rows = np.empty(1, dtype=object)

@@ -52,3 +52,8 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     if missing:
         raise ValueError(f"tokenizer {path!r} lacks BERT special tokens: {', '.join(missing)}")
     return tokenizer
+
+
+def prefix_token_ids(tokenizer: PreTrainedTokenizerBase, prefix: str) -> list[int]:
+    """The token ids a retriever prefix (``"query: "``) puts before a pre-tokenized text."""
+    return tokenizer(prefix, add_special_tokens=False)["input_ids"] if prefix else []

@@ -36,7 +36,7 @@ from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
 from pipeline.data.shards import MANIFEST, check_shards, load_manifest
 from pipeline.data.stream import frame
-from pipeline.data.tokenizer import load_tokenizer
+from pipeline.data.tokenizer import load_tokenizer, prefix_token_ids
 from pipeline.retrieval.embeddings import (
     claim,
     finished_shards,
@@ -81,9 +81,19 @@ class EncoderSettings:
         default="auto", metadata={"help": "auto = fp16 on GPU, fp32 on CPU"}
     )
 
+    query_prefix: str | None = field(
+        default=None,
+        metadata={"help": "text before every query; none = the export's retriever.json (none for a plain checkpoint)"},
+    )
+    passage_prefix: str | None = field(
+        default=None, metadata={"help": "text before every passage; none = the export's, likewise"}
+    )
+
     def overrides(self) -> dict:
         """The retriever settings that replace the export's."""
-        return {k: v for k, v in (("pooling", self.pooling), ("similarity", self.similarity)) if v}
+        chosen = {k: v for k, v in (("pooling", self.pooling), ("similarity", self.similarity)) if v}
+        prefixes = {k: v for k, v in (("query_prefix", self.query_prefix), ("passage_prefix", self.passage_prefix))}
+        return chosen | {k: v for k, v in prefixes.items() if v is not None}
 
 
 def _frame_batch(token_lists: list, max_len: int, cls_id: int, sep_id: int, pad_id: int):
@@ -97,7 +107,13 @@ def _frame_batch(token_lists: list, max_len: int, cls_id: int, sep_id: int, pad_
 
 
 class Encoder:
-    """The model on one device, encoding token-id lists in length-sorted batches."""
+    """The model on one device, encoding token-id lists in length-sorted batches.
+
+    The retriever's prefixes (``query_prefix``, ``passage_prefix``) go in front of every
+    text: query text is tokenized with its prefix, as sentence-transformers' prompts are;
+    pre-tokenized passages get the prefix's token ids in front, which is the same for
+    WordPiece and SentencePiece (byte-level BPE would mark the first word's space
+    differently)."""
 
     def __init__(self, settings: EncoderSettings, tokenizer_dir: str, device: str = "cpu", model=None):
         self.settings, self.device = settings, device
@@ -107,12 +123,29 @@ class Encoder:
         self.model = model
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.autocast_dtype = autocast_dtype(settings.precision, device)
+        self.prefix_ids = {
+            tower: prefix_token_ids(self.tokenizer, model.cfg.prefix(tower)) for tower in ("query", "passage")
+        }
 
     @property
     def normalized(self) -> bool:
         return self.model.cfg.similarity == "cos"
 
     def encode_tokens(self, token_lists: list, max_len: int, tower: str = "passage") -> np.ndarray:
+        """Encode texts given as token ids (without the tower's prefix)."""
+        prefix = self.prefix_ids[tower]
+        if prefix:
+            token_lists = [prefix + list(t) for t in token_lists]
+        return self._encode_framed(token_lists, max_len, tower)
+
+    def encode_texts(self, texts: list[str], max_len: int, tower: str = "query") -> np.ndarray:
+        prefix = self.model.cfg.prefix(tower)
+        tokens = self.tokenizer(
+            [prefix + t for t in texts], add_special_tokens=False, truncation=True, max_length=max_len - 2
+        )["input_ids"]
+        return self._encode_framed(tokens, max_len, tower)
+
+    def _encode_framed(self, token_lists: list, max_len: int, tower: str) -> np.ndarray:
         tok = self.tokenizer
         encode = self.model.encode_passage if tower == "passage" else self.model.encode_query
         out = np.zeros((len(token_lists), self.dim), dtype=np.float32)
@@ -124,10 +157,6 @@ class Encoder:
                 reps = encode(ids.to(self.device), mask.to(self.device))
                 out[idx] = reps.float().cpu().numpy()
         return out
-
-    def encode_texts(self, texts: list[str], max_len: int, tower: str = "query") -> np.ndarray:
-        tokens = self.tokenizer(texts, add_special_tokens=False, truncation=True, max_length=max_len - 2)["input_ids"]
-        return self.encode_tokens(tokens, max_len, tower)
 
     @property
     def dim(self) -> int:

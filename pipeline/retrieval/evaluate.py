@@ -5,6 +5,7 @@ what they hold; metrics by ``ir_measures``, never by hand, so they match publish
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from typing import ClassVar
 from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.config import Renamed, truthy
-from pipeline.core.errors import ConfigError
+from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.parts import claim, finished_blocks, join_parts, part_uri
 from pipeline.core.plots import plot_metrics
 from pipeline.core.runtime import RayConfig
@@ -25,7 +26,7 @@ from pipeline.retrieval.encode import EncodeConfig, EncoderSettings, run_encodin
 from pipeline.retrieval.faiss_index import IndexConfig, validate_factory
 from pipeline.retrieval.fanout import query_block, ranked_ids, read_qrels_of_corpus
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
-from pipeline.retrieval.metrics import JOB_MEASURES, StreamedMetrics, metrics_table
+from pipeline.retrieval.metrics import JOB_MEASURES, StreamedMetrics, metrics_markdown, metrics_table
 from pipeline.retrieval.search import ShardedIndex
 
 
@@ -76,10 +77,102 @@ class EvaluateJobConfig:
     pool: ActorConfig = field(default_factory=ActorConfig)
     nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
     docs_per_shard: int = field(default=20000, metadata={"help": "passages per corpus/embedding shard"})
+    collections: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "BEIR collection folders to evaluate in one call, instead of --corpus/--queries/--qrels: "
+            "each is corpus.jsonl, queries[.SPLIT].jsonl and qrels/SPLIT.tsv (or qrels.SPLIT.tsv); "
+            "one table, collections.json and collections.png, each collection and their average"
+        },
+    )
+    split: str = field(default="test", metadata={"help": "the split of --collections evaluated (BEIR: test)"})
     ray: RayConfig = field(default_factory=RayConfig)
 
 
+@dataclass(frozen=True)
+class Collection:
+    name: str
+    corpus: str
+    queries: str
+    qrels: str
+
+
+def beir_collection(folder: str, split: str, name: str) -> Collection:
+    """A BEIR folder's files for ``split``: BEIR's own layout (``queries.jsonl``,
+    ``qrels/<split>.tsv``) or one file per split (``queries.<split>.jsonl``, ``qrels.<split>.tsv``)."""
+    folder = storage.resolve(folder).uri
+    candidates = {
+        "corpus": ["corpus.jsonl"],
+        "queries": [f"queries.{split}.jsonl", "queries.jsonl"],
+        "qrels": [f"qrels/{split}.tsv", f"qrels.{split}.tsv"],
+    }
+    found = {}
+    for what, names in candidates.items():
+        uris = [storage.join(folder, *n.split("/")) for n in names]
+        found[what] = next((u for u in uris if storage.exists(u)), "")
+        if not found[what]:
+            raise InputError(f"collection {folder}: no {' or '.join(names)} (split {split!r})")
+    return Collection(name, **found)
+
+
+def _collections(cfg: EvaluateJobConfig) -> list[Collection]:
+    """Each folder of ``--collections``, named by its last path part (made unique)."""
+    single = [f for f in ("corpus", "queries", "qrels") if getattr(cfg, f) != getattr(EvaluateJobConfig, f)]
+    if single:
+        raise ConfigError(f"--collections replaces --{', --'.join(single)}: give one or the other")
+    out, seen = [], {}
+    for folder in cfg.collections:
+        base = folder.rstrip("/").rsplit("/", 1)[-1] or "collection"
+        seen[base] = seen.get(base, 0) + 1
+        out.append(beir_collection(folder, cfg.split, base if seen[base] == 1 else f"{base}-{seen[base]}"))
+    return out
+
+
 def run_evaluation(cfg: EvaluateJobConfig) -> dict:
+    """One collection (``--corpus``, ``--queries``, ``--qrels``), or every one of ``--collections``."""
+    return _evaluate_collections(cfg) if cfg.collections else _evaluate(cfg)
+
+
+def _evaluate_collections(cfg: EvaluateJobConfig) -> dict:
+    """Each collection evaluated as its own run under ``<output>/<name>`` (so each resumes and
+    is reused as one), then one table, JSON and plot of all of them and their macro average
+    (BEIR's convention: every collection weighs the same)."""
+    started = time.perf_counter()
+    collections = _collections(cfg)
+    for c in collections:  # every collection's queries and judgments are read before any work
+        read_qrels(c.qrels, query_ids=set(read_queries(c.queries)))
+    output = storage.resolve(cfg.output).uri
+    results = {}
+    for c in collections:
+        one = dataclasses.replace(
+            cfg, collections=[], corpus=c.corpus, queries=c.queries, qrels=c.qrels, output=storage.join(output, c.name)
+        )
+        summary = _evaluate(one)
+        results[c.name] = {
+            k: summary[k] for k in ("metrics", "queries", "judged_queries", "passages", "run", "seconds")
+        }
+    names = list(JOB_MEASURES)
+    average = {m: sum(r["metrics"][m] for r in results.values()) / len(results) for m in names}
+    rows = {name: r["metrics"] for name, r in results.items()} | {"average": average}
+    table = metrics_markdown(rows, names, "collection")
+    summary = {
+        "job": "evaluate",
+        "split": cfg.split,
+        "collections": results,
+        "metrics": average,
+        "table": table,
+        "markdown": storage.join(output, "collections.md"),
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+    storage.write_bytes(summary["markdown"], table.encode())
+    summary["metrics_png"] = plot_metrics(
+        rows, tuple(names), storage.join(output, "collections.png"), f"{len(results)} collections, split {cfg.split}"
+    )
+    storage.write_json(storage.join(output, "collections.json"), summary)
+    return summary
+
+
+def _evaluate(cfg: EvaluateJobConfig) -> dict:
     started = time.perf_counter()
     output = storage.resolve(cfg.output).uri
     queries = read_queries(storage.resolve(cfg.queries).uri)  # duplicate ids fail here, before any work
@@ -173,4 +266,4 @@ def run_evaluation(cfg: EvaluateJobConfig) -> dict:
 
 
 def print_metrics(summary: dict) -> None:
-    print(metrics_table(summary["metrics"]), flush=True)
+    print(summary.get("table") or metrics_table(summary["metrics"]), flush=True)

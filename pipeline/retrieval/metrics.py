@@ -61,3 +61,10 @@ JOB_MEASURES = {"MRR@10": "RR@10", "R@10": "R@10", "R@100": "R@100", "R@1000": "
 def metrics_table(metrics: dict[str, float]) -> str:
     names = list(metrics)
     return " | ".join(f"{n:>8}" for n in names) + "\n" + " | ".join(f"{metrics[n]:8.4f}" for n in names)
+
+
+def metrics_markdown(rows: dict[str, dict[str, float]], names: list[str], first_column: str) -> str:
+    """A markdown table: one row per entry of ``rows``, a column per metric of ``names``."""
+    lines = [f"| {first_column} | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    lines += [f"| {label} | " + " | ".join(f"{values[n]:.4f}" for n in names) + " |" for label, values in rows.items()]
+    return "\n".join(lines) + "\n"

@@ -85,7 +85,13 @@ def run_distillation(cfg: DistillConfig) -> dict:
             f"{cfg.distill.alpha} and {cfg.distill.teacher_temperature}"
         )
     cfg.data.teacher_scores = storage.resolve(cfg.data.teacher_scores).uri
-    prepared = prepare_group_training(cfg, cfg.retriever.group_size, load=load_scored_examples)
+    prepared = prepare_group_training(
+        cfg,
+        cfg.retriever.group_size,
+        load=load_scored_examples,
+        query_prefix=cfg.retriever.query_prefix,
+        passage_prefix=cfg.retriever.passage_prefix,
+    )
     write_run_files(cfg, cfg.train.output)
     task = GroupTask(
         DistillationObjective(cfg.retriever, cfg.distill, cfg.data.passage_max_len),

@@ -41,7 +41,12 @@ class FinetuneConfig:
 
 def run_finetuning(cfg: FinetuneConfig) -> dict:
     """Prepare the corpus, mine round-1 negatives if asked, train, export, evaluate."""
-    prepared = prepare_group_training(cfg, cfg.retriever.group_size)
+    prepared = prepare_group_training(
+        cfg,
+        cfg.retriever.group_size,
+        query_prefix=cfg.retriever.query_prefix,
+        passage_prefix=cfg.retriever.passage_prefix,
+    )
     write_run_files(cfg, cfg.train.output)
     task = GroupTask(
         ContrastiveObjective(cfg.retriever, cfg.data.passage_max_len), cfg.model.init, prepared.tokenizer_uri

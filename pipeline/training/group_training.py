@@ -23,7 +23,7 @@ from pipeline.data.examples import DataStats, load_training_examples
 from pipeline.data.group_stream import GroupSpec, GroupStream, examples_as_rows
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
 from pipeline.data.tevatron import extract_tevatron_corpus, read_tevatron, tevatron_example
-from pipeline.data.tokenizer import load_tokenizer
+from pipeline.data.tokenizer import load_tokenizer, prefix_token_ids
 from pipeline.retrieval.bm25 import Bm25Config, mine_negatives
 from pipeline.retrieval.encode import EncoderSettings
 from pipeline.retrieval.evaluate import EvaluateJobConfig, run_evaluation
@@ -211,11 +211,14 @@ class GroupTraining:
         }
 
 
-def prepare_group_training(cfg, group_size: int, load=None) -> GroupTraining:
+def prepare_group_training(
+    cfg, group_size: int, load=None, query_prefix: str = "", passage_prefix: str = ""
+) -> GroupTraining:
     """Prepare the corpus, read (or mine) the examples and plan the stream for a config
     with ``data``, ``corpus``, ``model``, ``train`` (and ``eval``) sections like
     :class:`FinetuneConfig`. Sets ``cfg.train.max_steps`` when it is derived from epochs.
-    ``load(cfg, doc_ids)`` replaces :func:`load_examples`."""
+    ``load(cfg, doc_ids)`` replaces :func:`load_examples`. The prefixes go before every
+    query and passage, as the trained retriever's encoder will put them."""
     if cfg.train.epochs < 1 and cfg.train.max_steps < 1:
         raise ConfigError("set --train.epochs or --train.max_steps")
     _resolve_paths(cfg)
@@ -236,7 +239,7 @@ def prepare_group_training(cfg, group_size: int, load=None) -> GroupTraining:
     query_ids = [
         np.asarray(ids, dtype=np.int32)
         for ids in tokenizer(
-            [ex.query for ex in examples],
+            [query_prefix + ex.query for ex in examples],
             add_special_tokens=False,
             truncation=True,
             max_length=cfg.data.query_max_len - 2,
@@ -258,6 +261,7 @@ def prepare_group_training(cfg, group_size: int, load=None) -> GroupTraining:
         cls_id=tokenizer.cls_token_id,
         sep_id=tokenizer.sep_token_id,
         pad_id=tokenizer.pad_token_id,
+        passage_prefix=tuple(prefix_token_ids(tokenizer, passage_prefix)),
     )
     stream = GroupStream(
         spec, example_rows, query_ids, epochs, manifest["num_docs"], storage.join(cfg.train.output, "checkpoints")
