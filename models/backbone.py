@@ -1,8 +1,11 @@
-"""Loading, building and exporting the BERT backbone every method wraps.
+"""Loading, building and exporting the backbone every method wraps.
 
-The backbone is always an unmodified Hugging Face ``BertForMaskedLM``: the methods add
-their heads beside it, never inside it, so exporting is ``save_pretrained`` and the
-result loads with ``AutoModel`` / ``AutoModelForMaskedLM`` as a drop-in BERT.
+The backbone is an unmodified Hugging Face ``AutoModelForMaskedLM`` of a family with a
+standard layer stack (BERT, RoBERTa / XLM-R, DeBERTa-v2/v3, ModernBERT): the methods add
+their heads beside it, never inside it, so exporting is ``save_pretrained`` and the result
+loads with ``AutoModel`` / ``AutoModelForMaskedLM`` as a drop-in checkpoint of its family.
+Where a method needs the family's internals (its layer list, how a layer is called, the
+embeddings, the MLM projection), it asks the family's :class:`Family` adapter.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from dataclasses import dataclass, field
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForMaskedLM, BertConfig, BertForMaskedLM
+from torch import nn
+from transformers import AutoConfig, AutoModelForMaskedLM, BertConfig, BertForMaskedLM, PreTrainedModel
+from transformers.masking_utils import create_bidirectional_mask, create_bidirectional_sliding_window_mask
 from transformers.utils import logging as hf_logging
 
 
@@ -36,10 +41,112 @@ class BackboneConfig:
     dropout: float = field(default=0.1, metadata={"help": "hidden and attention dropout (random init only)"})
 
 
+class Family:
+    """BERT's wiring, which RoBERTa and XLM-R share: ``encoder.layer``, layers called as
+    ``layer(hidden, mask)`` with a 4-D additive mask, post-norm (no final norm)."""
+
+    mlm_head = "cls"  # the attribute holding the MLM projection (RoBERTa: lm_head)
+
+    def base(self, mlm: PreTrainedModel) -> nn.Module:
+        return mlm.base_model
+
+    def layers(self, mlm: PreTrainedModel) -> nn.ModuleList:
+        return self.base(mlm).encoder.layer
+
+    def new_layer(self, mlm: PreTrainedModel) -> nn.Module:
+        """A freshly initialised layer of the backbone's own kind (a Condenser head layer)."""
+        return type(self.layers(mlm)[0])(mlm.config)
+
+    def run_layers(self, mlm, layers, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """``layers`` over ``hidden`` as the backbone runs its own, positions from 0."""
+        mask = create_bidirectional_mask(config=mlm.config, inputs_embeds=hidden, attention_mask=attention_mask)
+        for layer in layers:
+            hidden = layer(hidden, mask)
+        return hidden
+
+    def embed(self, mlm, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.base(mlm).embeddings(input_ids=input_ids)
+
+    def mlm_logits(self, mlm, states: torch.Tensor) -> torch.Tensor:
+        return getattr(mlm, self.mlm_head)(states)
+
+
+class RobertaFamily(Family):
+    mlm_head = "lm_head"
+
+
+class DebertaV2Family(Family):
+    """DeBERTa-v2/v3: layers take the relative positions and their embeddings."""
+
+    def run_layers(self, mlm, layers, hidden, attention_mask):
+        encoder = self.base(mlm).encoder
+        mask = encoder.get_attention_mask(attention_mask)
+        relative_pos, rel_embeddings = encoder.get_rel_pos(hidden), encoder.get_rel_embedding()
+        for layer in layers:
+            hidden, _ = layer(hidden, mask, relative_pos=relative_pos, rel_embeddings=rel_embeddings)
+        return hidden
+
+    def mlm_logits(self, mlm, states):
+        if mlm.legacy:
+            return mlm.cls(states)
+        return mlm.lm_predictions(states, self.base(mlm).embeddings.word_embeddings)
+
+
+class ModernBertFamily(Family):
+    """ModernBERT: pre-norm layers with rotary positions, global or sliding-window
+    attention per layer, and a final norm after the stack."""
+
+    def layers(self, mlm):
+        return self.base(mlm).layers
+
+    def new_layer(self, mlm):
+        # Not index 0, whose attention input is not normed (it reads the normed embeddings):
+        # a head layer reads residual-stream states. Global attention where the stack has it.
+        types = mlm.config.layer_types
+        index = next((i for i in range(1, len(types)) if types[i] == "full_attention"), min(1, len(types) - 1))
+        return type(self.layers(mlm)[0])(mlm.config, index)
+
+    def run_layers(self, mlm, layers, hidden, attention_mask):
+        base = self.base(mlm)
+        kwargs = {"config": mlm.config, "inputs_embeds": hidden, "attention_mask": attention_mask}
+        masks = {
+            "full_attention": create_bidirectional_mask(**kwargs),
+            "sliding_attention": create_bidirectional_sliding_window_mask(**kwargs),
+        }
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        rotary = {kind: base.rotary_emb(hidden, positions, kind) for kind in {layer.attention_type for layer in layers}}
+        for layer in layers:
+            hidden = layer(
+                hidden, attention_mask=masks[layer.attention_type], position_embeddings=rotary[layer.attention_type]
+            )
+        return base.final_norm(hidden)
+
+    def mlm_logits(self, mlm, states):
+        return mlm.decoder(mlm.head(states))
+
+
+FAMILIES: dict[str, Family] = {
+    "bert": Family(),
+    "roberta": RobertaFamily(),
+    "xlm-roberta": RobertaFamily(),
+    "deberta-v2": DebertaV2Family(),
+    "modernbert": ModernBertFamily(),
+}
+
+
+def family(mlm_or_type) -> Family:
+    """The adapter of a model (or a ``model_type``); a clear error for any other family."""
+    model_type = mlm_or_type if isinstance(mlm_or_type, str) else mlm_or_type.config.model_type
+    if model_type not in FAMILIES:
+        raise ValueError(f"model_type {model_type!r} is not supported: pre-training takes {', '.join(FAMILIES)}")
+    return FAMILIES[model_type]
+
+
 # Weights a checkpoint may lack or carry beyond what the loaded class uses, as our own exports
-# do: an encoder exported without its pooler, an MLM export read as an encoder (its head).
+# do: an encoder exported without its pooler, an MLM export read as an encoder (its head:
+# BERT's cls, RoBERTa's lm_head, DeBERTa's lm_predictions, ModernBERT's head and decoder).
 EXPECTED_MISSING = ("pooler.", "cls.predictions.decoder.bias", "classifier.")
-EXPECTED_UNEXPECTED = ("cls.", "pooler.", "lm_head.")
+EXPECTED_UNEXPECTED = ("cls.", "pooler.", "lm_head.", "lm_predictions.", "head.", "decoder.")  # MLM heads
 
 
 def load_pretrained(model_class, path: str, **kwargs):
@@ -67,29 +174,26 @@ def load_pretrained(model_class, path: str, **kwargs):
     return model
 
 
-def build_mlm(cfg: BackboneConfig, vocab_size: int) -> BertForMaskedLM:
-    """A BERT MLM from a local checkpoint, or freshly initialised from ``cfg``.
+def build_mlm(cfg: BackboneConfig, vocab_size: int) -> PreTrainedModel:
+    """An MLM of a supported family from a local checkpoint (or a folder holding only its
+    ``config.json``: random init of that architecture), or a BERT initialised from ``cfg``.
 
     A checkpoint without an MLM head (e.g. a sentence-embedding MiniLM) gets a new
-    randomly initialised ``cls`` head; transformers logs which weights were new.
+    randomly initialised head.
     """
     if cfg.init:
         if not os.path.isdir(cfg.init):
             raise FileNotFoundError(f"backbone init {cfg.init!r}: not a local checkpoint directory")
         config = AutoConfig.from_pretrained(cfg.init)
-        if config.model_type != "bert":
-            raise ValueError(
-                f"backbone init {cfg.init!r}: model_type {config.model_type!r}, expected a BERT checkpoint"
-            )
-        if config.vocab_size != vocab_size:
+        family(config.model_type)
+        if config.vocab_size < vocab_size:
             raise ValueError(
                 f"backbone init {cfg.init!r} has vocab_size {config.vocab_size} but the corpus was tokenized "
                 f"with a vocabulary of {vocab_size}: prepare the corpus with this checkpoint's tokenizer"
             )
-        model = load_pretrained(AutoModelForMaskedLM, cfg.init)
-        if not isinstance(model, BertForMaskedLM):
-            raise ValueError(f"backbone init {cfg.init!r}: loaded {type(model).__name__}, expected BertForMaskedLM")
-        return model
+        if not any(name.endswith((".safetensors", ".bin")) for name in os.listdir(cfg.init)):
+            return AutoModelForMaskedLM.from_config(config)  # an architecture, not weights
+        return load_pretrained(AutoModelForMaskedLM, cfg.init)
     config = BertConfig(
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
@@ -107,16 +211,20 @@ def has_safetensors(path: str) -> bool:
     return any(name.endswith(".safetensors") for name in os.listdir(path))
 
 
-def export_backbone(mlm: BertForMaskedLM, out_dir: str, tokenizer_dir: str | None = None) -> str:
+def export_backbone(mlm: PreTrainedModel, out_dir: str, tokenizer_dir: str | None = None) -> str:
     """Save the backbone as a plain HF checkpoint (safetensors), with its tokenizer."""
     os.makedirs(out_dir, exist_ok=True)
     mlm.save_pretrained(out_dir, safe_serialization=True)
-    if tokenizer_dir:
+    if tokenizer_dir:  # its tokenizer files only: a model folder given as one keeps its weights
         for name in os.listdir(tokenizer_dir):
             src = os.path.join(tokenizer_dir, name)
-            if os.path.isfile(src):
+            if os.path.isfile(src) and not _is_model_file(name):
                 shutil.copy2(src, os.path.join(out_dir, name))
     return out_dir
+
+
+def _is_model_file(name: str) -> bool:
+    return name in ("config.json", "generation_config.json") or name.endswith((".safetensors", ".bin", ".pt"))
 
 
 def save_module(module: torch.nn.Module, path: str, meta: dict) -> str:

@@ -28,6 +28,7 @@ from models.backbone import export_backbone, load_pretrained
 from models.batches import ids_and_mask
 from models.distributed import gather_with_grad, world_size
 from models.grad_cache import engine_grad_cache_backward
+from models.lora import LoraSettings, merged, with_lora
 
 SETTINGS_FILE = "retriever.json"
 
@@ -66,6 +67,7 @@ class BiEncoderConfig:
     passage_prefix: str = field(
         default="", metadata={"help": "text put before every passage, likewise (E5: 'passage: ')"}
     )
+    lora: LoraSettings = field(default_factory=LoraSettings)  # adapters instead of full fine-tuning
 
     def prefix(self, tower: str) -> str:
         return self.query_prefix if tower == "query" else self.passage_prefix
@@ -132,8 +134,8 @@ class BiEncoder(nn.Module):
             if self.passage_encoder is None
             else {"query": self.query_encoder, "passage": self.passage_encoder}
         )
-        for sub, encoder in towers.items():
-            export_backbone(encoder, os.path.join(out_dir, sub), tokenizer_dir)
+        for sub, encoder in towers.items():  # LoRA adapters merged in: a plain HF encoder
+            export_backbone(merged(encoder), os.path.join(out_dir, sub), tokenizer_dir)
         settings = {**asdict(self.cfg), "towers": sorted(t for t in towers if t)}
         with open(os.path.join(out_dir, SETTINGS_FILE), "w") as f:
             json.dump(settings, f, indent=2)
@@ -226,6 +228,7 @@ def load_biencoder(export_dir: str, overrides: dict | None = None) -> BiEncoder:
 
     has_settings = os.path.isfile(os.path.join(export_dir, SETTINGS_FILE))
     settings = load_settings(export_dir) if has_settings else {}
+    settings.pop("lora", None)  # how it was trained: its adapters are merged into the export
     known = {f for f in BiEncoderConfig.__dataclass_fields__}
     cfg = BiEncoderConfig(**{k: v for k, v in {**settings, **(overrides or {})}.items() if k in known})
 
@@ -329,6 +332,9 @@ class ContrastiveObjective:
         if pooler is not None:  # unused by CLS/mean pooling: frozen, so no worker waits on its gradient
             pooler.requires_grad_(False)
         passage = None if self.cfg.shared_encoder else copy.deepcopy(encoder)
+        if self.cfg.lora.rank:
+            encoder = with_lora(encoder, self.cfg.lora)
+            passage = passage if passage is None else with_lora(passage, self.cfg.lora)
         return BiEncoder(encoder, passage, self.cfg)
 
     def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]:

@@ -14,11 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import BertForMaskedLM
-from transformers.masking_utils import create_bidirectional_mask
-from transformers.models.bert.modeling_bert import BertLayer
+from transformers import PreTrainedModel
 
-from models.backbone import export_backbone, load_module_state, save_module
+from models.backbone import export_backbone, family, load_module_state, save_module
 from models.masking import WholeWordMaskingMethod
 from models.mlm_losses import masked_lm_loss, sequence_mlm_losses
 
@@ -42,7 +40,8 @@ def init_bert_like(module: nn.Module, std: float) -> None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.LayerNorm):
             nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
+            if m.bias is not None:  # ModernBERT's norms have none
+                nn.init.zeros_(m.bias)
 
 
 @dataclass
@@ -54,14 +53,16 @@ class CondenserOutput:
 
 
 class Condenser(nn.Module):
-    def __init__(self, mlm: BertForMaskedLM, n_head_layers: int = 2, skip_from: int = 0):
+    def __init__(self, mlm: PreTrainedModel, n_head_layers: int = 2, skip_from: int = 0):
         super().__init__()
         num_layers = mlm.config.num_hidden_layers
         self.skip_from = skip_from or num_layers // 2
         if not 1 <= self.skip_from < num_layers:
             raise ValueError(f"skip_from={self.skip_from} must split {num_layers} layers into non-empty groups")
         self.lm = mlm
-        self.head = nn.ModuleList(BertLayer(mlm.config) for _ in range(n_head_layers))
+        self.family = family(mlm)
+        # Layers of the backbone's own kind, freshly initialised.
+        self.head = nn.ModuleList(self.family.new_layer(mlm) for _ in range(n_head_layers))
         init_bert_like(self.head, mlm.config.initializer_range)
 
     @property
@@ -70,7 +71,7 @@ class Condenser(nn.Module):
 
     def backbone_states(self, input_ids, attention_mask):
         """(late hidden states, early token states)."""
-        out = self.lm.bert(
+        out = self.family.base(self.lm)(
             input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, return_dict=True
         )
         return out.last_hidden_state, out.hidden_states[self.skip_from][:, 1:]
@@ -80,10 +81,7 @@ class Condenser(nn.Module):
     ) -> torch.Tensor:
         """Run the head on ``[late CLS ; early tokens]`` (late_cls is (B, 1, H))."""
         hidden = torch.cat([late_cls, early_tokens], dim=1)
-        mask = create_bidirectional_mask(config=self.lm.config, inputs_embeds=hidden, attention_mask=attention_mask)
-        for layer in self.head:
-            hidden = layer(hidden, mask)
-        return hidden
+        return self.family.run_layers(self.lm, self.head, hidden, attention_mask)
 
     def forward(self, input_ids, attention_mask, labels, per_sequence: bool = False) -> CondenserOutput:
         """Losses are token means over the batch, or with ``per_sequence`` one mean per
@@ -123,7 +121,7 @@ class CondenserMethod(WholeWordMaskingMethod):
     name = "condenser"
     example_format = "sequences"  # packed/truncated token sequences, see pipeline.data.stream
 
-    def build(self, mlm: BertForMaskedLM) -> Condenser:
+    def build(self, mlm: PreTrainedModel) -> Condenser:
         model = Condenser(mlm, self.cfg.n_head_layers, self.cfg.skip_from)
         if self.cfg.head:
             model.load_head(self.cfg.head)

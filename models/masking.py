@@ -15,29 +15,38 @@ IGNORE_INDEX = -100
 
 
 class MaskingVocab:
-    """What masking needs to know about a WordPiece vocabulary.
+    """What masking needs to know about a vocabulary.
 
-    ``is_continuation[id]`` marks ``##`` pieces, so a word is a start piece followed by
-    its continuations. ``replacement_ids`` are the ids a "random token" may take: every
-    id except the special tokens, so the 10% random replacements never inject [CLS].
+    ``is_continuation[id]`` marks the pieces that continue a word, so a word is a start
+    piece followed by its continuations. Which ids those are comes from the tokenizer's
+    own word boundaries (``word_ids``) over the corpus, as ``pieces`` (the prepared
+    corpus's ``word_pieces.json``: ``continuation_ids`` and ``start_ids``), for WordPiece,
+    byte-level BPE and SentencePiece alike; ids it never saw, or every id without it, fall
+    back to WordPiece's ``##`` marker. ``replacement_ids`` are the ids a "random token" may
+    take: every id except the special tokens, so the 10% random replacements never inject
+    [CLS].
     """
 
-    def __init__(self, tokens: list[str], special_ids: list[int], mask_token_id: int):
+    def __init__(self, tokens: list[str], special_ids: list[int], mask_token_id: int, pieces: dict | None = None):
         self.vocab_size = len(tokens)
         self.mask_token_id = int(mask_token_id)
         self.is_continuation = torch.tensor([t.startswith("##") for t in tokens], dtype=torch.bool)
+        if pieces:
+            for key, value in (("continuation_ids", True), ("start_ids", False)):
+                ids = torch.tensor(pieces.get(key, []), dtype=torch.long)
+                self.is_continuation[ids[ids < len(tokens)]] = value
         special = torch.zeros(len(tokens), dtype=torch.bool)
         special[torch.tensor(sorted(set(special_ids)), dtype=torch.long)] = True
         self.is_special = special
         self.replacement_ids = torch.nonzero(~special).flatten()
 
     @classmethod
-    def from_tokenizer(cls, tokenizer) -> "MaskingVocab":
+    def from_tokenizer(cls, tokenizer, pieces: dict | None = None) -> "MaskingVocab":
         vocab = tokenizer.get_vocab()
-        tokens = [""] * len(vocab)
+        tokens = [""] * (max(vocab.values()) + 1)
         for tok, idx in vocab.items():
             tokens[idx] = tok
-        return cls(tokens, list(tokenizer.all_special_ids), tokenizer.mask_token_id)
+        return cls(tokens, list(tokenizer.all_special_ids), tokenizer.mask_token_id, pieces)
 
 
 def word_ids(input_ids: torch.Tensor, vocab: MaskingVocab) -> torch.Tensor:

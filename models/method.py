@@ -5,7 +5,7 @@ A method has the shape every training objective has (the contrastive, listwise a
 distillation objectives too): ``build``, ``make_batch`` (the stream's arrays to tensors, on
 the CPU), ``backward`` (on the device), ``count_tokens`` and ``export``. A method is built
 from its config and the masking vocabulary, on the worker; ``build`` wraps an unmodified HF
-``BertForMaskedLM``, so the exported backbone is a plain ``save_pretrained`` checkpoint.
+``AutoModelForMaskedLM`` (models/backbone.py), so the exported backbone is a plain ``save_pretrained`` checkpoint.
 What a method adds is its corruption of a (B, L) batch (``corrupt_batch``) and its ``loss``.
 """
 
@@ -16,7 +16,7 @@ from typing import Literal
 import numpy as np
 import torch
 from torch import nn
-from transformers import BertForMaskedLM
+from transformers import PreTrainedModel
 
 from models.batches import ids_and_mask
 
@@ -28,7 +28,7 @@ class PretrainingMethod:
     # What the stream yields: packed/truncated token sequences, or coCondenser's span pairs.
     example_format: ExampleFormat
 
-    def build(self, mlm: BertForMaskedLM) -> nn.Module:
+    def build(self, mlm: PreTrainedModel) -> nn.Module:
         """The trained module around ``mlm`` (head or decoder added, warm-started if configured)."""
         raise NotImplementedError
 

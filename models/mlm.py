@@ -1,7 +1,7 @@
 """Plain masked-language-model pre-training: the "no bottleneck" baseline.
 
 Whole-word masking with BERT's 80/10/10, loss on the last layer. Its export is a full
-``BertForMaskedLM`` (MLM head included), so a small one trained here serves directly
+``AutoModelForMaskedLM`` of its family (MLM head included), so a small one trained here serves directly
 as the frozen generator of SimLM (``--simlm.generator <export_dir>``).
 """
 
@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import BertForMaskedLM
+from transformers import PreTrainedModel
 
-from models.backbone import export_backbone
+from models.backbone import export_backbone, family
 from models.masking import WholeWordMaskingMethod
 from models.mlm_losses import masked_lm_loss
 
@@ -24,12 +24,12 @@ class MLMConfig:
 
 
 class MaskedLM(nn.Module):
-    """A BERT MLM whose forward returns the loss, projecting only the masked positions.
+    """An MLM whose forward returns the loss, projecting only the masked positions.
 
-    (``BertForMaskedLM.forward`` would compute vocabulary-sized logits at every position.)
+    (``*ForMaskedLM.forward`` would compute vocabulary-sized logits at every position.)
     """
 
-    def __init__(self, mlm: BertForMaskedLM):
+    def __init__(self, mlm: PreTrainedModel):
         super().__init__()
         self.lm = mlm
 
@@ -38,7 +38,7 @@ class MaskedLM(nn.Module):
         return self.lm.config
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        states = self.lm.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        states = family(self.lm).base(self.lm)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         return masked_lm_loss(self.lm, states, labels)
 
 
@@ -48,7 +48,7 @@ class MLMMethod(WholeWordMaskingMethod):
     name = "mlm"
     example_format = "sequences"  # packed/truncated token sequences, see pipeline.data.stream
 
-    def build(self, mlm: BertForMaskedLM) -> MaskedLM:
+    def build(self, mlm: PreTrainedModel) -> MaskedLM:
         return MaskedLM(mlm)
 
     def loss(self, model: MaskedLM, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -1,4 +1,5 @@
-"""Masked-LM losses through a BERT MLM's tied output projection (the ``cls`` head).
+"""Masked-LM losses through the backbone's own MLM projection (BERT's ``cls`` head, RoBERTa's
+``lm_head``, ...: :func:`models.backbone.family`).
 
 Only the labelled positions are projected: vocabulary-sized logits for every position
 would dominate the step's memory and time.
@@ -8,21 +9,22 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers import BertForMaskedLM
+from transformers import PreTrainedModel
 
+from models.backbone import family
 from models.masking import IGNORE_INDEX
 
 
-def masked_lm_loss(mlm: BertForMaskedLM, states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def masked_lm_loss(mlm: PreTrainedModel, states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean CE over the labelled positions, projecting only those (vocab-sized logits are costly)."""
     picked = labels != IGNORE_INDEX
     if not picked.any():  # a batch with nothing masked contributes zero, not NaN
         return states.sum() * 0.0
-    logits = mlm.cls(states[picked])
+    logits = family(mlm).mlm_logits(mlm, states[picked])
     return F.cross_entropy(logits.float(), labels[picked])
 
 
-def sequence_mlm_losses(mlm: BertForMaskedLM, states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def sequence_mlm_losses(mlm: PreTrainedModel, states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """(B,) mean CE over each sequence's labelled positions (0 for a sequence with none).
 
     coCondenser averages its losses per span (paper eq. 7), which also makes the loss of
@@ -32,7 +34,8 @@ def sequence_mlm_losses(mlm: BertForMaskedLM, states: torch.Tensor, labels: torc
     per_sequence = torch.zeros(labels.shape[0], dtype=torch.float32, device=states.device)
     if not picked.any():
         return per_sequence + states.sum() * 0.0
-    token_losses = F.cross_entropy(mlm.cls(states[picked]).float(), labels[picked], reduction="none")
+    logits = family(mlm).mlm_logits(mlm, states[picked])
+    token_losses = F.cross_entropy(logits.float(), labels[picked], reduction="none")
     rows = picked.nonzero()[:, 0]
     counts = picked.sum(dim=1).clamp(min=1).float()
     return per_sequence.index_add(0, rows, token_losses) / counts

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForMaskedLM, BertForMaskedLM
-from transformers.masking_utils import create_bidirectional_mask
+from transformers import AutoConfig, AutoModelForMaskedLM, PreTrainedModel
 
 from models.backbone import (
     export_backbone,
+    family,
     load_module_state,
     load_pretrained,
     save_module,
@@ -148,7 +148,7 @@ class SimLMOutput:
 
 
 class SimLM(nn.Module):
-    def __init__(self, mlm: BertForMaskedLM, n_decoder_layers: int = 2):
+    def __init__(self, mlm: PreTrainedModel, n_decoder_layers: int = 2):
         super().__init__()
         num_layers = mlm.config.num_hidden_layers
         if not 1 <= n_decoder_layers <= num_layers:
@@ -157,27 +157,25 @@ class SimLM(nn.Module):
                 "the decoder is a copy of the encoder's last layers"
             )
         self.lm = mlm
+        self.family = family(mlm)
         # Copies, not shared layers: the decoder trains apart from the encoder, but starts
         # from weights that already read the encoder's embedding space.
-        self.decoder = nn.ModuleList(copy.deepcopy(layer) for layer in mlm.bert.encoder.layer[-n_decoder_layers:])
+        self.decoder = nn.ModuleList(copy.deepcopy(layer) for layer in self.family.layers(mlm)[-n_decoder_layers:])
 
     @property
     def config(self):
         return self.lm.config
 
     def encoder_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.lm.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.family.base(self.lm)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
     def decoder_states(
         self, enc_cls: torch.Tensor, dec_input_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> torch.Tensor:
         """Run the decoder on ``[encoder CLS ; embeddings(dec ids)[:, 1:]]`` (enc_cls is (B, 1, H))."""
-        tokens = self.lm.bert.embeddings(input_ids=dec_input_ids)[:, 1:]
+        tokens = self.family.embed(self.lm, dec_input_ids)[:, 1:]
         hidden = torch.cat([enc_cls, tokens], dim=1)
-        mask = create_bidirectional_mask(config=self.lm.config, inputs_embeds=hidden, attention_mask=attention_mask)
-        for layer in self.decoder:
-            hidden = layer(hidden, mask)
-        return hidden
+        return self.family.run_layers(self.lm, self.decoder, hidden, attention_mask)
 
     def forward(
         self,
@@ -236,7 +234,7 @@ class SimLMMethod(PretrainingMethod):
         self.vocab = vocab
         self.generator = load_generator(cfg.generator, vocab.vocab_size)
 
-    def build(self, mlm: BertForMaskedLM) -> SimLM:
+    def build(self, mlm: PreTrainedModel) -> SimLM:
         model = SimLM(mlm, self.cfg.n_decoder_layers)
         if self.cfg.decoder:
             model.load_decoder(self.cfg.decoder)

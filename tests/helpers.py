@@ -316,3 +316,108 @@ def kill_process_of(actor) -> int:
     pid = pid_of(actor)
     os.kill(pid, signal.SIGKILL)
     return pid
+
+
+# -- other backbone families: tiny random models with tokenizers trained here ----------------
+
+# model_type -> its tokenizer's kind: WordPiece, byte-level BPE or SentencePiece (Unigram)
+FAMILY_TOKENIZERS = {
+    "bert": "wordpiece",
+    "roberta": "bpe",
+    "xlm-roberta": "sentencepiece",
+    "modernbert": "bpe",
+    "deberta-v2": "sentencepiece",
+}
+
+
+def sample_texts(n: int = 400) -> list[str]:
+    """The bundled sample's first verses: real text with punctuation."""
+    import json
+
+    from pipeline.core.sample import SAMPLE_CORPUS
+
+    with open(SAMPLE_CORPUS) as f:
+        return [json.loads(line)["text"] for _, line in zip(range(n), f)]
+
+
+def train_tokenizer(out_dir: str, kind: str, texts: list[str], vocab_size: int = 400):
+    """A ``PreTrainedTokenizerFast`` of ``kind`` trained on ``texts`` with the ``tokenizers``
+    library (no download), saved to ``out_dir``: BERT's specials for WordPiece, RoBERTa's
+    (``<s>``, ``</s>``, ...) for the others."""
+    from tokenizers import ByteLevelBPETokenizer, SentencePieceUnigramTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    if kind == "wordpiece":
+        return make_tokenizer_dir(out_dir, vocab_size=vocab_size, texts=texts)
+    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    if kind == "bpe":
+        trained = ByteLevelBPETokenizer()
+        trained.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=1, special_tokens=specials)
+    else:
+        trained = SentencePieceUnigramTokenizer()
+        trained.train_from_iterator(texts, vocab_size=vocab_size, special_tokens=specials, unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=trained._tokenizer,
+        bos_token="<s>",
+        cls_token="<s>",
+        eos_token="</s>",
+        sep_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        mask_token="<mask>",
+    )
+    tokenizer.save_pretrained(out_dir)
+    return tokenizer
+
+
+def tiny_family_config(model_type: str, tokenizer):
+    """A tiny config of ``model_type`` (4 layers, hidden 32, no dropout) for ``tokenizer``."""
+    from transformers import AutoConfig
+
+    sizes = dict(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=4, num_attention_heads=2)
+    ids = dict(
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id
+    )
+    bert_like = dict(
+        intermediate_size=64, max_position_embeddings=130, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
+    )
+    extra = {
+        "bert": bert_like,
+        "roberta": bert_like,
+        "xlm-roberta": bert_like,
+        "deberta-v2": dict(
+            intermediate_size=64,
+            max_position_embeddings=128,
+            relative_attention=True,
+            position_buckets=16,
+            pos_att_type=["p2c", "c2p"],
+            position_biased_input=False,
+            norm_rel_ebd="layer_norm",
+            share_att_key=True,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        ),
+        "modernbert": dict(
+            intermediate_size=64,
+            max_position_embeddings=128,
+            global_attn_every_n_layers=3,
+            local_attention=8,
+            cls_token_id=tokenizer.cls_token_id,
+            sep_token_id=tokenizer.sep_token_id,
+            mlp_dropout=0.0,
+            attention_dropout=0.0,
+            embedding_dropout=0.0,
+        ),
+    }[model_type]
+    return AutoConfig.for_model(model_type, **sizes, **ids, **extra)
+
+
+def save_tiny_family(out_dir: str, model_type: str, texts: list[str], seed: int = 0):
+    """A random tiny ``AutoModelForMaskedLM`` of ``model_type`` saved with its own tokenizer;
+    returns the tokenizer."""
+    from transformers import AutoModelForMaskedLM
+
+    tokenizer = train_tokenizer(out_dir, FAMILY_TOKENIZERS[model_type], texts)
+    torch.manual_seed(seed)
+    AutoModelForMaskedLM.from_config(tiny_family_config(model_type, tokenizer)).save_pretrained(out_dir)
+    return tokenizer

@@ -25,23 +25,27 @@ from models.biencoder import (
     own_group_scores,
 )
 from models.distillation import distillation_backward, distillation_loss
+from models.lora import LoraSettings, with_lora
 from pipeline.training.deepspeed_config import import_deepspeed, skip_inference_comm_op
 from tests.helpers import random_word_batch, tiny_mlm, tiny_vocab
 
 WORLD, N_QUERIES, GROUP = 2, 3, 4  # per worker: 3 queries, 12 passages
 FP32_TOLERANCE, BF16_TOLERANCE = 1e-4, 3e-2  # relative gradient error; bf16 keeps 8 bits of mantissa
 ALPHA, TEACHER_TEMPERATURE = 0.2, 2.0
-CASES = [  # (loss, ZeRO stage, precision, chunk size in sequences; 0 = no cache, shared encoder)
-    ("contrastive", 1, "fp32", 0, True),
-    ("contrastive", 1, "fp32", 5, True),
-    ("contrastive", 2, "fp32", 0, True),
-    ("contrastive", 2, "fp32", 2, True),
-    ("contrastive", 2, "fp32", 5, False),
-    ("contrastive", 2, "fp32", 0, False),
-    ("contrastive", 2, "bf16", 0, True),
-    ("contrastive", 2, "bf16", 4, True),
-    ("distillation", 2, "fp32", 0, True),
-    ("distillation", 2, "fp32", 5, False),
+CASES = [  # (loss, ZeRO stage, precision, chunk size in sequences; 0 = no cache, shared encoder, LoRA)
+    ("contrastive", 1, "fp32", 0, True, False),
+    ("contrastive", 1, "fp32", 5, True, False),
+    ("contrastive", 2, "fp32", 0, True, False),
+    ("contrastive", 2, "fp32", 2, True, False),
+    ("contrastive", 2, "fp32", 5, False, False),
+    ("contrastive", 2, "fp32", 0, False, False),
+    ("contrastive", 2, "bf16", 0, True, False),
+    ("contrastive", 2, "bf16", 4, True, False),
+    ("distillation", 2, "fp32", 0, True, False),
+    ("distillation", 2, "fp32", 5, False, False),
+    # adapters only: the frozen encoder's weights have no gradient, the adapters the full batch's
+    ("contrastive", 2, "fp32", 5, True, True),
+    ("contrastive", 2, "fp32", 0, False, True),
 ]
 
 
@@ -51,10 +55,17 @@ def run_backward(loss: str, engine, batch: dict, chunk: int):
     return distillation_backward(engine, batch, GROUP, ALPHA, chunk, TEACHER_TEMPERATURE)
 
 
-def build(shared: bool) -> BiEncoder:
+def build(shared: bool, lora: bool = False) -> BiEncoder:
     cfg = BiEncoderConfig(pooling="mean", similarity="cos", temperature=0.1, shared_encoder=shared, group_size=GROUP)
     encoder = lambda seed: tiny_mlm(len(tiny_vocab()), seed=seed, initializer_range=0.2).bert  # noqa: E731
-    return BiEncoder(encoder(0), None if shared else encoder(1), cfg)
+    towers = [encoder(0), None if shared else encoder(1)]
+    if lora:
+        torch.manual_seed(5)
+        towers = [t if t is None else with_lora(t, LoraSettings(rank=4)) for t in towers]
+        for name, p in (p for t in towers if t is not None for p in t.named_parameters()):
+            if ".lora_B." in name:  # peft starts B at zero, which would leave A without a gradient
+                torch.nn.init.normal_(p, std=0.2)
+    return BiEncoder(towers[0], towers[1], cfg)
 
 
 def global_batch() -> dict[str, torch.Tensor]:
@@ -91,11 +102,11 @@ def _worker(rank: int, port: int, out: dict):
     torch.set_num_threads(1)
     skip_inference_comm_op()
     deepspeed.init_distributed(dist_backend="gloo")
-    for loss_name, stage, precision, chunk, shared in CASES:
-        model = build(shared)
+    for loss_name, stage, precision, chunk, shared, lora in CASES:
+        model = build(shared, lora)
         engine, *_ = deepspeed.initialize(
             model=model,
-            optimizer=torch.optim.AdamW(model.parameters(), lr=0.0),
+            optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0),
             config={
                 "train_micro_batch_size_per_gpu": N_QUERIES,
                 "gradient_accumulation_steps": 1,
@@ -112,7 +123,7 @@ def _worker(rank: int, port: int, out: dict):
             if p.requires_grad
         }
         engine.step()
-        out[(rank, loss_name, stage, precision, chunk, shared)] = {
+        out[(rank, loss_name, stage, precision, chunk, shared, lora)] = {
             "loss": float(loss),
             "grads": grads if rank == 0 else None,
         }
@@ -121,10 +132,14 @@ def _worker(rank: int, port: int, out: dict):
 
 
 def reference(
-    shared: bool, loss_name: str = "contrastive", batch: dict | None = None, dtype: torch.dtype = torch.float32
+    shared: bool,
+    loss_name: str = "contrastive",
+    batch: dict | None = None,
+    dtype: torch.dtype = torch.float32,
+    lora: bool = False,
 ):
     """One process, the whole global batch (or ``batch``) in one graph."""
-    model = build(shared).to(dtype)
+    model = build(shared, lora).to(dtype)
     batch = batch if batch is not None else global_batch()
     q, d = model(batch["q_input_ids"], batch["q_attention_mask"], batch["d_input_ids"], batch["d_attention_mask"])
     scores = model.compute_similarity(q, d)
@@ -153,13 +168,15 @@ def distributed_results():
     return dict(out)
 
 
-@pytest.mark.parametrize("loss_name,stage,precision,chunk,shared", CASES)
+@pytest.mark.parametrize("loss_name,stage,precision,chunk,shared,lora", CASES)
 def test_two_deepspeed_workers_match_one_process_with_the_full_batch(
-    distributed_results, loss_name, stage, precision, chunk, shared
+    distributed_results, loss_name, stage, precision, chunk, shared, lora
 ):
-    ref_grads, ref_loss = reference(shared, loss_name)
+    ref_grads, ref_loss = reference(shared, loss_name, lora=lora)
     tolerance = FP32_TOLERANCE if precision == "fp32" else BF16_TOLERANCE
-    results = [distributed_results[(rank, loss_name, stage, precision, chunk, shared)] for rank in range(WORLD)]
+    results = [distributed_results[(rank, loss_name, stage, precision, chunk, shared, lora)] for rank in range(WORLD)]
+    if lora:  # only adapters have gradients
+        assert results[0]["grads"] and all(".lora_" in name for name in results[0]["grads"])
     assert relative_error(results[0]["grads"], ref_grads) < tolerance
     # The contrastive loss is global on every worker; the KL term is each worker's own
     # queries', so only the workers' mean is the full-batch loss.

@@ -12,7 +12,7 @@ from pipeline.core import storage
 from pipeline.core.errors import ArtifactError, InputError, StorageError
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
 from pipeline.data.shards import check_shards, load_manifest
-from pipeline.data.tokenizer import load_tokenizer
+from pipeline.data.tokenizer import continuation_table, load_tokenizer, word_piece_counts
 
 pytestmark = pytest.mark.ray
 
@@ -40,6 +40,11 @@ def test_prepare_writes_contiguous_shards_matching_the_tokenizer(tmp_path, share
         text = f"{doc['title']}\n{doc['text']}" if doc.get("title") else doc["text"]
         assert row["input_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"]
     assert manifest["num_tokens"] == sum(len(r["input_ids"]) for r in rows)
+    # The word-start table whole-word masking reads: the tokenizer's word_ids over every shard.
+    texts = [f"{d['title']}\n{d['text']}" if d.get("title") else d["text"] for d in kept]
+    counts = word_piece_counts(tokenizer(texts, add_special_tokens=False), len(tokenizer))
+    assert manifest["word_pieces"] == "word_pieces.json"
+    assert storage.read_json(str(tmp_path / "out" / "word_pieces.json")) == continuation_table(counts)
     # A finished preparation with the same settings is reused, not redone.
     again = prepare_corpus(cfg)
     assert again["seconds"] == manifest["seconds"]

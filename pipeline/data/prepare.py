@@ -27,9 +27,9 @@ from pipeline.core.progress import get_counted
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.data.join import JoinConfig
-from pipeline.data.shards import FORMAT, MANIFEST, SHARD_SCHEMA
+from pipeline.data.shards import FORMAT, MANIFEST, SHARD_SCHEMA, WORD_PIECES
 from pipeline.data.text_shards import iter_texts, read_text_shard, stage_text
-from pipeline.data.tokenizer import load_tokenizer, train_wordpiece
+from pipeline.data.tokenizer import continuation_table, load_tokenizer, train_wordpiece, word_piece_counts
 
 
 @dataclass
@@ -88,12 +88,13 @@ def _tokenize_shard(item: dict, tokenizer_uri: str, output: str) -> dict:
     # that a long one "will result in indexing errors", which it will not.
     tokenizer.model_max_length = 2**62
     table = read_text_shard(item)
-    encoded = tokenizer(
+    encodings = tokenizer(
         table.column("text").to_pylist(),
         add_special_tokens=False,
         return_attention_mask=False,
         return_token_type_ids=False,
-    )["input_ids"]
+    )
+    encoded = encodings["input_ids"]
     first = item["first_row"]
     shard = pa.table(
         {
@@ -111,6 +112,7 @@ def _tokenize_shard(item: dict, tokenizer_uri: str, output: str) -> dict:
         "first_row": first,
         "rows": len(encoded),
         "tokens": int(sum(len(e) for e in encoded)),
+        "word_pieces": word_piece_counts(encodings, len(tokenizer)),
     }
 
 
@@ -154,9 +156,16 @@ def prepare_corpus(cfg: PrepareConfig) -> dict:
         "documents",
         [item["rows"] for item in items],
     )
+    counts = [s["word_pieces"] for s in shards]
     shards = sorted(
         ({k: s[k] for k in ("path", "first_row", "rows", "tokens")} for s in shards), key=lambda s: s["first_row"]
     )
+    # Which token ids start a word and which continue one, as the tokenizer's word_ids say:
+    # whole-word masking reads this, for any tokenizer (WordPiece, BPE, SentencePiece).
+    word_pieces = {}
+    if counts and all(c is not None for c in counts):
+        storage.write_json(storage.join(cfg.output, WORD_PIECES), continuation_table(sum(counts)))
+        word_pieces = {"word_pieces": WORD_PIECES}
     if not cfg.text:
         storage.delete_dir(staging)
     manifest = {
@@ -171,6 +180,7 @@ def prepare_corpus(cfg: PrepareConfig) -> dict:
         "vocab_size": len(tokenizer),
         "settings": _settings(cfg),
         "input_stats": text["corpus_stats"],
+        **word_pieces,
         "seconds": round(time.time() - started, 2),
     }
     storage.write_json(manifest_uri, manifest)

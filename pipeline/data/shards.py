@@ -29,6 +29,7 @@ from pipeline.core.errors import ArtifactError, StorageError
 
 MANIFEST = "manifest.json"
 FORMAT = "raydense.corpus/1"
+WORD_PIECES = "word_pieces.json"  # which token ids start or continue a word (whole-word masking)
 SHARD_SCHEMA = pa.schema([("row", pa.int64()), ("doc_id", pa.string()), ("input_ids", pa.list_(pa.int32()))])
 
 

@@ -13,7 +13,7 @@ import pyarrow.compute as pc
 import torch
 import yaml
 
-from models.backbone import BackboneConfig, build_mlm
+from models.backbone import FAMILIES, BackboneConfig, build_mlm
 from models.cocondenser import CoCondenserConfig, CoCondenserMethod
 from models.condenser import CondenserConfig, CondenserMethod
 from models.masking import MaskingVocab
@@ -91,12 +91,21 @@ class PretrainConfig:
 class PretrainTask(Task):
     """Adapts a pre-training method to the loop; built on each worker from picklable settings."""
 
-    def __init__(self, method: str, method_cfg, backbone: BackboneConfig, tokenizer_uri: str, vocab_size: int):
+    def __init__(
+        self,
+        method: str,
+        method_cfg,
+        backbone: BackboneConfig,
+        tokenizer_uri: str,
+        vocab_size: int,
+        word_pieces: dict | None = None,
+    ):
+        """``word_pieces``: the prepared corpus's word-start table (whole-word masking)."""
         self.method_name, self.method_cfg, self.backbone = method, method_cfg, backbone
-        self.tokenizer_uri, self.vocab_size = tokenizer_uri, vocab_size
+        self.tokenizer_uri, self.vocab_size, self.word_pieces = tokenizer_uri, vocab_size, word_pieces
 
     def build_model(self) -> torch.nn.Module:
-        vocab = MaskingVocab.from_tokenizer(load_tokenizer(self.tokenizer_dir()))
+        vocab = MaskingVocab.from_tokenizer(load_tokenizer(self.tokenizer_dir()), self.word_pieces)
         self.method = METHODS[self.method_name](_materialized(self.method_cfg), vocab)
         backbone = self.backbone
         if backbone.init:
@@ -220,9 +229,12 @@ def _check_simlm_paths(cfg: PretrainConfig) -> None:
 def _check_backbone(init: str, vocab_size: int) -> None:
     """What the workers' :func:`build_mlm` would find, found on the driver in seconds."""
     config = model_ref.read_config(init, "--model.init")
-    if config.get("model_type") != "bert":
-        raise ConfigError(f"--model.init {init}: model_type {config.get('model_type')!r}, expected a BERT checkpoint")
-    if config.get("vocab_size") != vocab_size:
+    if config.get("model_type") not in FAMILIES:
+        raise ConfigError(
+            f"--model.init {init}: model_type {config.get('model_type')!r} is not supported: "
+            f"pre-training takes {', '.join(FAMILIES)}"
+        )
+    if config.get("vocab_size", 0) < vocab_size:
         raise ConfigError(
             f"--model.init {init} has vocab_size {config.get('vocab_size')} but the corpus was tokenized with a "
             f"vocabulary of {vocab_size}: prepare the corpus with this checkpoint's tokenizer (--corpus.tokenizer)"
@@ -280,7 +292,9 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
         run_dir=run_dir,
         spans=spans,
     )
-    task = PretrainTask(cfg.method, method_cfg, cfg.model, tokenizer_uri, manifest["vocab_size"])
+    word_pieces = manifest.get("word_pieces")
+    word_pieces = storage.read_json(storage.join(cfg.corpus.output, word_pieces)) if word_pieces else None
+    task = PretrainTask(cfg.method, method_cfg, cfg.model, tokenizer_uri, manifest["vocab_size"], word_pieces)
     write_run_files(cfg, cfg.train.output)
 
     result = fit(cfg.train, task, TrainingStream(spec), run_dir, replay_batches=replay_batches, hparams=to_dict(cfg))
