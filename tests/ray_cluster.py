@@ -51,7 +51,8 @@ class Head:
     env: dict[str, str]
 
 
-def start_head(num_cpus: int, env: dict[str, str]) -> Head:
+def start_head(num_cpus: int, env: dict[str, str], extra_args: tuple[str, ...] = ()) -> Head:
+    """A head node in its own session; ``extra_args`` go to ``ray start`` (an autoscaler)."""
     temp_dir = tempfile.mkdtemp(prefix="rdh-", dir="/tmp")  # short: Ray's socket paths have a length limit
     port, dashboard = free_port(), free_port()
     log = open(os.path.join(temp_dir, "head.log"), "w")
@@ -74,6 +75,7 @@ def start_head(num_cpus: int, env: dict[str, str]) -> Head:
             f"--metrics-export-port={free_port()}",
             f"--runtime-env-agent-port={free_port()}",
             f"--ray-client-server-port={free_port()}",
+            *extra_args,
         ],
         env=env,
         stdout=log,

@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass, field
 
 import ray
+from ray._private import ray_constants
 
 from pipeline.core import storage
 from pipeline.core.config import dump_yaml
@@ -92,6 +93,8 @@ def placement_problem(bundle: dict[str, float], count: int) -> str:
         return ""
     request = {k: v for k, v in bundle.items() if v > 0}
     node_types = _autoscaler_node_types()
+    if node_types == {}:  # an autoscaler whose node types are not published: it decides
+        return ""
     if node_types is not None:
         if any(all(offer.get(k, 0) >= v for k, v in request.items()) for offer in node_types.values()):
             return ""
@@ -106,14 +109,29 @@ def placement_problem(bundle: dict[str, float], count: int) -> str:
 
 
 def _autoscaler_node_types() -> dict[str, dict[str, float]] | None:
-    """The node types of the autoscaler (their resources), or None on a fixed cluster."""
+    """The node types of the autoscaler (their resources), or None on a fixed cluster; ``{}``
+    when an autoscaler runs whose node types are not published (Ray's v1 autoscaler, the
+    default of ``ray start --autoscaling-config`` and of KubeRay)."""
     try:
         config = ray._private.state.state.get_cluster_config()
     except Exception:  # noqa: BLE001 - an internal API; without it, judge by the alive nodes
-        return None
-    if config is None or not config.node_group_configs:
-        return None
-    return {group.name: dict(group.resources) for group in config.node_group_configs if group.max_count != 0}
+        config = None
+    if config is not None and config.node_group_configs:
+        return {group.name: dict(group.resources) for group in config.node_group_configs if group.max_count != 0}
+    return {} if _v1_autoscaler_runs() else None
+
+
+def _v1_autoscaler_runs() -> bool:
+    """Whether the v1 autoscaler's status names configured node types. Without an autoscaling
+    config, Ray's monitor still reports, but with each node named after its id (``node_...``)."""
+    try:
+        from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_initialized
+
+        status = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS) if _internal_kv_initialized() else None
+        mapping = json.loads(status)["autoscaler_report"]["node_type_mapping"] if status else {}
+    except Exception:  # noqa: BLE001 - an internal report; without it, judge by the alive nodes
+        return False
+    return any(not str(name).startswith("node_") for name in (mapping or {}).values())
 
 
 def _resources(resources: dict[str, float]) -> str:

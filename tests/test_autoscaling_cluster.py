@@ -1,0 +1,98 @@
+"""An autoscaling cluster is a cluster, even while only its head is alive.
+
+Ray's fake multi-node autoscaler (``fake_multinode``, this machine standing in for a cloud)
+runs beside a 0-CPU head whose worker type scales from zero: when a job starts, the head is
+the only node. A job that joins it must refuse a local output or a local model before any
+work, because the nodes the autoscaler will add share no disk with the head.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.ray_cluster import REPO, cleanup, ray_env, start_head
+
+pytestmark = pytest.mark.ray
+
+PROBE = """
+import json, ray
+from pipeline.core.runtime import autoscales
+ray.init(address="auto", logging_level="ERROR")
+print("PROBE " + json.dumps({"alive": sum(n["Alive"] for n in ray.nodes()), "autoscales": autoscales()}))
+"""
+
+
+def _fake_autoscaler_config(path) -> str:
+    """A 0-CPU head and one worker type of 2 CPUs, from zero to two nodes."""
+    config = {
+        "cluster_name": "raydense-fake",
+        "max_workers": 2,
+        "upscaling_speed": 1.0,
+        "idle_timeout_minutes": 1,
+        "provider": {"type": "fake_multinode"},
+        "auth": {"ssh_user": "ubuntu"},
+        "head_node_type": "ray.head.default",
+        "available_node_types": {
+            "ray.head.default": {"resources": {"CPU": 0}, "node_config": {}, "max_workers": 0},
+            "ray.worker.cpu": {"resources": {"CPU": 2}, "node_config": {}, "min_workers": 0, "max_workers": 2},
+        },
+        "file_mounts": {},
+        "cluster_synced_files": [],
+        "file_mounts_sync_continuously": False,
+        "initialization_commands": [],
+        "setup_commands": [],
+        "head_setup_commands": [],
+        "worker_setup_commands": [],
+        "head_start_ray_commands": [],
+        "worker_start_ray_commands": [],
+    }
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def test_a_job_joining_an_autoscaling_cluster_with_only_its_head_refuses_local_paths(tmp_path, s3_bucket):
+    env = ray_env(RAY_FAKE_CLUSTER="1")
+    head = start_head(0, env, (f"--autoscaling-config={_fake_autoscaler_config(tmp_path / 'cluster.json')}",))
+    try:
+        job_env = dict(env, RAY_ADDRESS=head.gcs_address, PYTHONPATH=str(REPO))
+
+        def probe() -> dict:
+            done = subprocess.run([sys.executable, "-c", PROBE], env=job_env, capture_output=True, text=True, cwd=REPO)
+            return json.loads(next(line[6:] for line in done.stdout.splitlines() if line.startswith("PROBE ")))
+
+        local_model = tmp_path / "model"
+        local_model.mkdir()
+        (local_model / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 100}))
+        cases = {  # args -> what the one error line must say
+            ("--train.output", "runs/local-run"): "--train.output runs/local-run: a local path, but this job joined",
+            (
+                "--train.output",
+                f"s3://{s3_bucket}/run",
+                "--model.init",
+                str(local_model),
+            ): "local directory, but this job joined a Ray cluster",
+        }
+        for args, message in cases.items():
+            done = subprocess.run(
+                [sys.executable, "jobs/finetune.py", *args], env=job_env, capture_output=True, text=True, cwd=REPO
+            )
+            errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+            assert done.returncode == 2 and len(errors) == 1 and message in errors[0], done.stderr[-3000:]
+            assert "Traceback" not in done.stderr
+        assert not (REPO / "runs" / "local-run").exists()  # refused before any work
+
+        # The autoscaler reports once the head's first load metrics reach it (~15 s after its start).
+        deadline, state = time.time() + 90, probe()
+        while not state["autoscales"] and time.time() < deadline:
+            time.sleep(3)
+            state = probe()
+        # An autoscaling cluster (raydense sees it), whose head was alone all along: the refused
+        # jobs asked the autoscaler for no node.
+        assert state == {"alive": 1, "autoscales": True}
+    finally:
+        cleanup(head)
