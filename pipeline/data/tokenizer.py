@@ -64,19 +64,22 @@ def word_piece_counts(encodings, vocab_size: int) -> np.ndarray | None:
     """(2, vocab) counts of how often each token id starts a word (row 0) and continues one
     (row 1) in ``encodings`` (a fast tokenizer's batch, without special tokens), with word
     boundaries from the tokenizer's own ``word_ids``. None for a tokenizer without them."""
-    counts = np.zeros((2, vocab_size), dtype=np.int64)
-    for i, ids in enumerate(encodings["input_ids"]):
+    ids, continues = [], []
+    for i, doc_ids in enumerate(encodings["input_ids"]):
         try:
             words = encodings.word_ids(i)
         except ValueError:  # a slow (Python) tokenizer: no word ids
             return None
-        if not ids:
-            continue
-        ids, words = np.asarray(ids), np.asarray([-1 if w is None else w for w in words])
-        continues = np.r_[False, (words[1:] == words[:-1]) & (words[1:] >= 0)]
-        np.add.at(counts[1], ids[continues], 1)
-        np.add.at(counts[0], ids[~continues], 1)
-    return counts
+        if doc_ids:
+            words = np.asarray([-1 if w is None else w for w in words])
+            ids.append(np.asarray(doc_ids))
+            continues.append(np.r_[False, (words[1:] == words[:-1]) & (words[1:] >= 0)])
+    if not ids:
+        return np.zeros((2, vocab_size), dtype=np.int64)
+    ids, continues = np.concatenate(ids), np.concatenate(continues)
+    return np.stack(
+        [np.bincount(ids[~continues], minlength=vocab_size), np.bincount(ids[continues], minlength=vocab_size)]
+    ).astype(np.int64)
 
 
 def continuation_table(counts: np.ndarray) -> dict[str, list[int]]:

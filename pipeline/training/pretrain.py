@@ -250,6 +250,9 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
     cfg.train.output = storage.resolve(cfg.train.output or f"runs/pretrain-{cfg.method}").uri
     if cfg.model.init:
         cfg.model.init = model_ref.check(cfg.model.init, "--model.init")
+        if cfg.corpus.input and not cfg.corpus.tokenizer:
+            # A checkpoint reads its own token ids: never a vocabulary trained here.
+            cfg.corpus.tokenizer = cfg.model.init
     if cfg.corpus.input and not storage.is_s3(cfg.corpus.input):
         cfg.corpus.input = os.path.abspath(cfg.corpus.input)
     storage.check_reachable(cfg.corpus.output)
