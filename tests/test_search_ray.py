@@ -373,6 +373,20 @@ def test_mined_negatives_exclude_positives_and_are_reproducible(encoded, collect
     assert margined["margin_dropped"] == dropped > 0
     made_by = json.loads((tmp_path / "margined" / "made_by.json").read_text())
     assert made_by["settings"]["absolute_margin"] == 0.02 and made_by["settings"]["relative_margin"] is None
+    # Below the easiest (best-scoring) positive instead: only candidates about as good as it go.
+    easiest = run_mining(
+        dataclasses.replace(
+            mine, output=str(tmp_path / "easiest"), depth=N_DOCS, absolute_margin=0.02, margin_positive="easiest"
+        )
+    )
+    kept = read_negatives(easiest["negatives"])
+    for qid, ranked in read_trec_run(easiest["run"]).items():
+        scores = {d: s for d, s, _ in ranked}
+        ceiling = max(scores[d] for d in qrels[qid]) - 0.02
+        allowed = [s for d, s in scores.items() if d not in qrels[qid]]
+        assert all(scores[d] <= ceiling for d in kept[qid])
+        assert len(kept[qid]) == min(6, sum(s <= ceiling for s in allowed))
+    assert 0 < easiest["margin_dropped"] < margined["margin_dropped"]
 
 
 def test_mining_killed_mid_way_resumes_from_its_finished_blocks(encoded, collection, tmp_path, monkeypatch, capsys):

@@ -82,13 +82,19 @@ class MineConfig:
     absolute_margin: float | None = field(
         default=None,
         metadata={
-            "help": "drop candidates scoring above the query's positive score minus this (sentence-transformers' absolute_margin; the positive's score is its hardest judged positive's); unset = off"
+            "help": "drop candidates scoring above the query's positive score minus this (sentence-transformers' absolute_margin; which positive: --margin_positive); unset = off"
         },
     )
     relative_margin: float | None = field(
         default=None,
         metadata={
             "help": "drop candidates scoring above the positive score minus this share of its magnitude (sentence-transformers' relative_margin, e.g. 0.05); unset = off"
+        },
+    )
+    margin_positive: Literal["hardest", "easiest"] = field(
+        default="hardest",
+        metadata={
+            "help": "a query with several judged positives: the margin is below its lowest-scoring one (hardest: every (query, positive) pair keeps the margin, as sentence-transformers' pairs do) or its highest-scoring one (easiest: drops only candidates about as good as its best positive)"
         },
     )
     seed: int = field(default=0, metadata={"help": "seed of sample=random"})
@@ -147,10 +153,12 @@ def _pair_scores(folder: str, entry: dict, wanted: dict, vectors) -> tuple[np.nd
     return np.asarray(queries, dtype=np.int64), np.asarray(scores, dtype=np.float32)
 
 
-def positive_scores(index_uri: str, qids: list[str], vectors: np.ndarray, qrels: dict) -> np.ndarray:
-    """Each query's score of its hardest (lowest-scoring) judged positive, as the index
-    scores it (inner product with the positive's stored embedding); +inf for a query with
-    no judged positive. One Ray task per embedding shard, each answering the pairs whose
+def positive_scores(
+    index_uri: str, qids: list[str], vectors: np.ndarray, qrels: dict, which: str = "hardest"
+) -> np.ndarray:
+    """Each query's score of its hardest (lowest-scoring) or easiest (highest-scoring)
+    judged positive, as the index scores it (inner product with the positive's stored
+    embedding); +inf for a query with no judged positive. One Ray task per embedding shard, each answering the pairs whose
     positive it holds: the driver holds one float per query, not the positives' vectors."""
     manifest = faiss_index.load_index_manifest(index_uri)
     if manifest["metric"] != "ip":
@@ -162,11 +170,13 @@ def positive_scores(index_uri: str, qids: list[str], vectors: np.ndarray, qrels:
             wanted.setdefault(doc_id, []).append(q)
     score = ray.remote(_pair_scores).options(num_cpus=1, max_retries=3)
     wanted_ref, vectors_ref = ray.put(wanted), ray.put(np.ascontiguousarray(vectors, dtype=np.float32))
-    out = np.full(len(qids), np.inf, dtype=np.float32)
+    hardest = which == "hardest"
+    out = np.full(len(qids), np.inf if hardest else -np.inf, dtype=np.float32)
     for queries, scores in ray.get(
         [score.remote(folder, entry, wanted_ref, vectors_ref) for entry in emb.load_manifest(folder)["shards"]]
     ):
-        np.minimum.at(out, queries, scores)
+        (np.minimum if hardest else np.maximum).at(out, queries, scores)
+    out[np.isneginf(out)] = np.inf  # no judged positive: no ceiling
     return out
 
 
@@ -248,7 +258,7 @@ def run_mining(cfg: MineConfig) -> dict:
         if cfg.margins:
             ceilings = [
                 margin_ceiling(float(p), cfg.absolute_margin, cfg.relative_margin)
-                for p in positive_scores(cfg.index, todo_qids, vectors, qrels)
+                for p in positive_scores(cfg.index, todo_qids, vectors, qrels, cfg.margin_positive)
             ]
         # The todo blocks are whole blocks (only the last can be short), so the searched
         # vectors' blocks are the todo blocks, in order.
