@@ -46,9 +46,10 @@ def select_negatives(
 
 def margin_ceiling(positive_score: float, absolute_margin: float | None, relative_margin: float | None) -> float:
     """The highest score a negative may have, given the query's positive score (its hardest
-    or easiest positive's: ``--margin_positive``): at least ``absolute_margin`` below it, and at least ``relative_margin`` of
-    its magnitude below it, as sentence-transformers' ``mine_hard_negatives`` keeps them
-    (a candidate that close is likelier an unjudged positive than a negative)."""
+    or easiest positive's: ``--margin_positive``): at least ``absolute_margin`` below it,
+    and at least ``relative_margin`` of its magnitude below it, as sentence-transformers'
+    ``mine_hard_negatives`` keeps them (a candidate that close is likelier an unjudged
+    positive than a negative)."""
     ceiling = float("inf")
     if absolute_margin is not None:
         ceiling = min(ceiling, positive_score - absolute_margin)
