@@ -1,12 +1,13 @@
 """Margin mining against plain mining, the real MiniLM on Nave, at the same training budget.
 
-  python bench/bench_margin_mining.py [--steps 200] [--relative_margin 0.05] [--output runs/bench-margin]
+  python bench/bench_margin_mining.py [--steps 200] [--relative_margin 0.05] [--variants plain,hardest,easiest]
 
 1. The corpus encoded once with the zero-shot MiniLM (mean pooling, cosine) and indexed (Flat).
-2. Negatives mined twice from that index for the train queries: plain, and dropping the
-   candidates within the margin of the positive (sentence-transformers' ``relative_margin``).
-3. Two fine-tunings of MiniLM (bench/configs/finetune_nave_minilm.yaml, ``--steps`` each),
-   one per negatives file, each evaluated on Nave dev (exact search, ir_measures).
+2. Negatives mined from that index for the train queries: plain, and dropping the
+   candidates within the margin (sentence-transformers' ``relative_margin``) of the query's
+   hardest (lowest-scoring) or easiest (highest-scoring) judged positive.
+3. One fine-tuning of MiniLM per negatives file (bench/configs/finetune_nave_minilm.yaml,
+   ``--steps`` each), each evaluated on Nave dev (exact search, ir_measures).
 
 Every step is a job run as a user would run it; a rerun reuses what is done. Prints one
 table and writes ``<output>/margin_mining.json``.
@@ -37,11 +38,17 @@ def job(script: str, *args: str) -> dict:
     return summary
 
 
+def _without_negatives(uri: str) -> int:
+    with open(uri) as f:
+        return sum(not json.loads(line)["negatives"] for line in f)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200, help="fine-tuning steps of each run (the same budget)")
     parser.add_argument("--relative_margin", type=float, default=0.05)
     parser.add_argument("--output", default="runs/bench-margin")
+    parser.add_argument("--variants", default="plain,hardest,easiest", help="which negatives to compare")
     args = parser.parse_args()
     out = args.output
     job(
@@ -55,8 +62,10 @@ def main() -> None:
         "2",
     )
     job("index.py", "--embeddings", f"{out}/embeddings", "--output", f"{out}/index")
+    margin = ["--relative_margin", str(args.relative_margin), "--margin_positive"]
+    variants = {"plain": [], "hardest": [*margin, "hardest"], "easiest": [*margin, "easiest"]}
     mined = {}
-    for name, margin in (("plain", []), ("margin", ["--relative_margin", str(args.relative_margin)])):
+    for name in args.variants.split(","):
         mined[name] = job(
             "mine.py",
             *ENCODER,
@@ -68,7 +77,7 @@ def main() -> None:
             f"{NAVE}/qrels.train.tsv.gz",
             "--output",
             f"{out}/mine-{name}",
-            *margin,
+            *variants[name],
         )
     results = {}
     for name in mined:
@@ -89,16 +98,18 @@ def main() -> None:
             "metrics": trained["eval"]["metrics"],
             "margin_dropped": mined[name].get("margin_dropped", 0),
             "mined_queries": mined[name].get("queries"),
-            "train_seconds": trained.get("seconds"),
+            "queries_without_negatives": _without_negatives(f"{out}/mine-{name}/negatives.jsonl"),
+            "train_tokens_per_s": trained.get("tokens_per_s"),
         }
     summary = {"steps": args.steps, "relative_margin": args.relative_margin, "runs": results}
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "margin_mining.json"), "w") as f:
         json.dump(summary, f, indent=2)
     names = list(next(iter(results.values()))["metrics"])
-    print("| negatives | " + " | ".join(names) + " | candidates dropped |")
+    print("| negatives | " + " | ".join(names) + " | candidates dropped | queries without negatives |")
     for name, r in results.items():
-        print(f"| {name} | " + " | ".join(f"{r['metrics'][m]:.4f}" for m in names) + f" | {r['margin_dropped']} |")
+        cells = " | ".join(f"{r['metrics'][m]:.4f}" for m in names)
+        print(f"| {name} | {cells} | {r['margin_dropped']} | {r['queries_without_negatives']} |")
     print(json.dumps(summary))
 
 
