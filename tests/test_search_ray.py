@@ -419,7 +419,9 @@ def test_mining_killed_mid_way_resumes_from_its_finished_blocks(encoded, collect
     encoded_queries = []
     encode = mining.encode_queries
     monkeypatch.setattr(
-        mining, "encode_queries", lambda s, texts, p: encoded_queries.append(len(texts)) or encode(s, texts, p)
+        mining,
+        "encode_queries",
+        lambda s, texts, p, block: encoded_queries.append(len(texts)) or encode(s, texts, p, block),
     )
     resumed = mining.run_mining(stopped)
     assert (resumed["blocks"], resumed["blocks_resumed"], encoded_queries) == (4, 2, [8])  # blocks 2 and 3

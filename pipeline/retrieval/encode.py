@@ -258,8 +258,8 @@ def _made_by(cfg: EncodeConfig, model_dir: str, retriever: dict, corpus: str, ma
 QUERY_BLOCK = 4096  # queries per actor call: a few MB of text and vectors each way
 
 
-def query_blocks(texts) -> range:
-    return range(0, len(texts), QUERY_BLOCK)
+def query_blocks(texts, block: int = QUERY_BLOCK) -> range:
+    return range(0, len(texts), block)
 
 
 def run_encoding(cfg: EncodeConfig, query_texts: list[str] | None = None, before_work=None) -> dict:
@@ -366,12 +366,16 @@ def _stack(results: list[dict], dim: int) -> np.ndarray:
     return np.concatenate([r["vectors"] for r in results]) if results else np.zeros((0, dim), np.float32)
 
 
-def encode_queries(settings: EncoderSettings, texts: list[str], pool: ActorConfig) -> np.ndarray:
-    """(n, dim) float32 query vectors, in order, encoded in blocks on a pool of actors."""
+def encode_queries(
+    settings: EncoderSettings, texts: list[str], pool: ActorConfig, block: int = QUERY_BLOCK
+) -> np.ndarray:
+    """(n, dim) float32 query vectors, in order, encoded in blocks of ``block`` on a pool of
+    actors. A block's vectors depend on that block's texts only (it is batched within
+    itself), so a caller that resumes by blocks gets bit-identical vectors for them."""
 
     settings = dataclasses.replace(settings, model=model_ref.check(settings.model, "--encoder.model"))
     remote = ray.remote(EncoderActor).options(**pool.remote_options(), max_restarts=0)
-    blocks = [texts[start : start + QUERY_BLOCK] for start in query_blocks(texts)]
+    blocks = [texts[start : start + block] for start in query_blocks(texts, block)]
     with progress(len(texts), "encode", "queries") as bar:
         results = run_actor_pool(
             lambda: remote.remote(settings, "", pool),

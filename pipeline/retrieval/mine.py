@@ -243,7 +243,9 @@ def run_mining(cfg: MineConfig) -> dict:
     todo = [b for b in blocks if b not in done]
     todo_qids = [q for b in todo for q in qids[b * block : (b + 1) * block]]
     # Encoded on the pool before the searchers start: the two never hold the GPUs at once.
-    vectors = encode_queries(cfg.encoder, [queries[q] for q in todo_qids], cfg.pool)
+    # One search block per encoding call: a resumed run encodes each block it lacks exactly
+    # as the uninterrupted run did (the length-sorted batches of a block are its own).
+    vectors = encode_queries(cfg.encoder, [queries[q] for q in todo_qids], cfg.pool, block=block)
     search_start = time.perf_counter()
     with ShardedIndex(cfg.index, nprobe=cfg.nprobe, pool=cfg.pool) as index:
         qrels = read_qrels_of_corpus(cfg.qrels, index.holds, set(queries))
