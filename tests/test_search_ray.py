@@ -611,7 +611,7 @@ def test_mining_drivers_memory_does_not_grow_with_the_corpus(encoded, collection
     cfg, summary = encoded
     # The query encoder is not what is measured (its pool is tested above): fixed vectors.
     vectors = np.random.default_rng(5).standard_normal((20, summary["dim"])).astype(np.float32)
-    monkeypatch.setattr(mining, "encode_queries", lambda settings, texts, pool: vectors[: len(texts)])
+    monkeypatch.setattr(mining, "encode_queries", lambda settings, texts, pool, block: vectors[: len(texts)])
     qrels = tmp_path / "qrels.tsv"
     qrels.write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\tdoc-{i:07d}\t1\n" for i in range(20)))
     peaks = {}
