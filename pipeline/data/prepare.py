@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
@@ -81,8 +82,9 @@ def _write_table(uri: str, table: pa.Table) -> None:
         raise StorageError(f"cannot write {loc.describe()}: {exc}") from exc
 
 
-def _tokenize_shard(item: dict, tokenizer_uri: str, output: str) -> dict:
-    """A Ray task: tokenizes one staged text shard into one final shard."""
+def _tokenize_shard(item: dict, tokenizer_uri: str, output: str) -> tuple[dict, np.ndarray | None]:
+    """A Ray task: tokenizes one staged text shard into one final shard. Returns its entry,
+    and apart (a second object) its word-piece counts (:func:`word_piece_counts`)."""
     tokenizer = load_tokenizer(model_ref.materialize(tokenizer_uri, "tokenizer"))
     # Documents are stored whole and cut to length by the readers: without this, HF warns
     # that a long one "will result in indexing errors", which it will not.
@@ -106,14 +108,14 @@ def _tokenize_shard(item: dict, tokenizer_uri: str, output: str) -> dict:
     )
     path = f"shards/part-{item['index']:05d}.parquet"
     _write_table(storage.join(output, path), shard)
-    return {
+    entry = {
         "index": item["index"],
         "path": path,
         "first_row": first,
         "rows": len(encoded),
         "tokens": int(sum(len(e) for e in encoded)),
-        "word_pieces": word_piece_counts(encodings, len(tokenizer)),
     }
+    return entry, word_piece_counts(encodings, len(tokenizer))
 
 
 def prepare_corpus(cfg: PrepareConfig) -> dict:
@@ -149,22 +151,24 @@ def prepare_corpus(cfg: PrepareConfig) -> dict:
 
     # Plain tasks, one per shard (a shard is already a big unit of work): Ray schedules
     # them on free CPUs, with no actor pool to start or tear down.
-    tokenize = ray.remote(_tokenize_shard).options(num_cpus=1, max_retries=3)
-    shards = get_counted(
-        [tokenize.remote(item, tokenizer_uri, cfg.output) for item in items],
-        "prepare",
-        "documents",
-        [item["rows"] for item in items],
-    )
-    counts = [s["word_pieces"] for s in shards]
+    tokenize = ray.remote(_tokenize_shard).options(num_cpus=1, max_retries=3, num_returns=2)
+    calls = [tokenize.remote(item, tokenizer_uri, cfg.output) for item in items]  # (entry, counts) refs
+    shards = get_counted([entry for entry, _ in calls], "prepare", "documents", [item["rows"] for item in items])
     shards = sorted(
         ({k: s[k] for k in ("path", "first_row", "rows", "tokens")} for s in shards), key=lambda s: s["first_row"]
     )
     # Which token ids start a word and which continue one, as the tokenizer's word_ids say:
     # whole-word masking reads this, for any tokenizer (WordPiece, BPE, SentencePiece).
-    word_pieces = {}
-    if counts and all(c is not None for c in counts):
-        storage.write_json(storage.join(cfg.output, WORD_PIECES), continuation_table(sum(counts)))
+    # Summed one shard's counts at a time: the driver holds two vocabulary-sized arrays.
+    word_pieces, total = {}, None
+    for _, counts_ref in calls:
+        counts = ray.get(counts_ref)
+        if counts is None:  # a tokenizer without word_ids: masking falls back to "##"
+            total = None
+            break
+        total = counts if total is None else total + counts
+    if total is not None:
+        storage.write_json(storage.join(cfg.output, WORD_PIECES), continuation_table(total))
         word_pieces = {"word_pieces": WORD_PIECES}
     if not cfg.text:
         storage.delete_dir(staging)
