@@ -99,7 +99,8 @@ class Collection:
 
 def beir_collection(folder: str, split: str, name: str) -> Collection:
     """A BEIR folder's files for ``split``: BEIR's own layout (``queries.jsonl``,
-    ``qrels/<split>.tsv``) or one file per split (``queries.<split>.jsonl``, ``qrels.<split>.tsv``)."""
+    ``qrels/<split>.tsv``) or one file per split (``queries.<split>.jsonl``, ``qrels.<split>.tsv``),
+    each plain or gzipped."""
     folder = storage.resolve(folder).uri
     candidates = {
         "corpus": ["corpus.jsonl"],
@@ -108,7 +109,7 @@ def beir_collection(folder: str, split: str, name: str) -> Collection:
     }
     found = {}
     for what, names in candidates.items():
-        uris = [storage.join(folder, *n.split("/")) for n in names]
+        uris = [storage.join(folder, *n.split("/")) + gz for n in names for gz in ("", ".gz")]
         found[what] = next((u for u in uris if storage.exists(u)), "")
         if not found[what]:
             raise InputError(f"collection {folder}: no {' or '.join(names)} (split {split!r})")
