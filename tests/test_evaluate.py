@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from pipeline.retrieval.metrics import StreamedMetrics, evaluate
@@ -35,3 +37,27 @@ def test_streamed_metrics_equal_ir_measures_on_the_whole_run():
     whole = evaluate(qrels, run, measures)
     assert streamed.result() == pytest.approx(whole, abs=1e-12)
     assert whole["RR@10"] == pytest.approx((1 + 1 / 2 + 0 + 0 + 1 / 2) / 5)
+
+
+def test_a_beir_folder_is_found_in_either_layout_plain_or_gzipped():
+    """The bundled sample (a file per split) and Nave (the same, gzipped) resolve; a split
+    a folder lacks is an error naming the folder and what was looked for."""
+    import pytest
+
+    from pipeline.core.errors import InputError
+    from pipeline.retrieval.evaluate import beir_collection
+
+    sample = beir_collection("data/bible-sample", "dev", "sample")
+    assert [os.path.basename(p) for p in (sample.corpus, sample.queries, sample.qrels)] == [
+        "corpus.jsonl",
+        "queries.dev.jsonl",
+        "qrels.dev.tsv",
+    ]
+    nave = beir_collection("data/nave", "dev", "nave")
+    assert [os.path.basename(p) for p in (nave.corpus, nave.queries, nave.qrels)] == [
+        "corpus.jsonl.gz",
+        "queries.dev.jsonl.gz",
+        "qrels.dev.tsv.gz",
+    ]
+    with pytest.raises(InputError, match=r"data/nave: no queries.test.jsonl or queries.jsonl \(split 'test'\)"):
+        beir_collection("data/nave", "test", "nave")
