@@ -92,8 +92,8 @@ class EncoderSettings:
     def overrides(self) -> dict:
         """The retriever settings that replace the export's."""
         chosen = {k: v for k, v in (("pooling", self.pooling), ("similarity", self.similarity)) if v}
-        prefixes = {k: v for k, v in (("query_prefix", self.query_prefix), ("passage_prefix", self.passage_prefix))}
-        return chosen | {k: v for k, v in prefixes.items() if v is not None}
+        prefixes = (("query_prefix", self.query_prefix), ("passage_prefix", self.passage_prefix))
+        return chosen | {k: v for k, v in prefixes if v is not None}  # "" overrides; None keeps the export's
 
 
 def _frame_batch(token_lists: list, max_len: int, cls_id: int, sep_id: int, pad_id: int):
