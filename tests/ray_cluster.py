@@ -154,6 +154,20 @@ def start_isolated_worker(
     return process
 
 
+def kill_session(process: subprocess.Popen) -> None:
+    """SIGKILL every process of the session ``process`` leads (a node that
+    :func:`start_isolated_worker` started), as a lost spot instance ends: its raylet, object
+    store and every worker process at once. Ray gives each worker process a process group of
+    its own, so a node's processes are found by session, not by group."""
+    subprocess.run(["pkill", "-KILL", "-s", str(process.pid)], check=False)
+    process.wait()
+    deadline = time.time() + 10  # SIGKILLed processes take a moment to exit and be reaped
+    while subprocess.run(["pgrep", "-s", str(process.pid)], capture_output=True).returncode == 0:
+        if time.time() > deadline:
+            raise RuntimeError(f"processes of the killed node (session {process.pid}) still alive")
+        time.sleep(0.1)
+
+
 def installed_source() -> list[str]:
     """Where this venv imports raydense from outside the checkout: the source folder of an
     editable install, or the installed packages' folders."""

@@ -77,6 +77,40 @@ def test_every_method_trains_on_the_family_and_exports_a_checkpoint_automodel_lo
     torch.testing.assert_close(exported, expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_sdpa_attention_equals_eager_in_loss_and_gradients(backbone, method):
+    """Every family that has it trains through ``scaled_dot_product_attention`` by default
+    (the Condenser head and SimLM's decoder too: their layers read the backbone's config),
+    and on padded rows it gives eager attention's loss and gradients. DeBERTa-v2 has only
+    its own (eager) attention."""
+    folder, tokenizer, model_type = backbone
+    cfg = PretrainConfig()
+    method_cfg = getattr(cfg, method)
+    if method == "simlm":
+        method_cfg.generator = folder
+    task = PretrainTask(method, method_cfg, BackboneConfig(init=folder), folder, len(tokenizer))
+    torch.manual_seed(0)
+    model = task.build_model().eval()  # no dropout: eager and SDPA would draw it differently
+    assert model.lm.config._attn_implementation == ("eager" if model_type == "deberta-v2" else "sdpa")
+    texts = sample_texts(40)[20:28]
+    arrays = stream_arrays(tokenizer, texts, method == "cocondenser")
+    assert (arrays["length"] < MAX_LEN).any()  # padded rows: the masks are exercised
+
+    def loss_and_grads(attention: str):
+        model.lm.set_attn_implementation(attention)
+        model.zero_grad()
+        batch = task.make_batch(arrays, torch.Generator().manual_seed(0))
+        loss, _ = task.backward(PlainEngine(model), batch)
+        return float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    sdpa_loss, sdpa_grads = loss_and_grads(model.lm.config._attn_implementation)
+    eager_loss, eager_grads = loss_and_grads("eager")
+    assert sdpa_loss == pytest.approx(eager_loss, rel=1e-5)
+    assert sdpa_grads.keys() == eager_grads.keys() and len(sdpa_grads) > 10
+    for name, grad in sdpa_grads.items():
+        torch.testing.assert_close(grad, eager_grads[name], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("skip_from", [1, 3])
 def test_the_condenser_head_reads_late_cls_then_the_early_layers_tokens(backbone, skip_from):
     """A hook on the first head layer: its input is the last layer's CLS followed by the

@@ -194,6 +194,29 @@ def test_gradient_cache_equals_the_plain_path(cfg, chunk):
     assert 0.0 <= extras["accuracy"].item() <= 1.0
 
 
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_sdpa_attention_equals_eager_in_loss_and_gradients(chunk):
+    """The bi-encoder's towers run ``scaled_dot_product_attention`` (transformers' default
+    for BERT) and on padded rows give eager attention's loss and gradients, through the
+    gradient cache too."""
+    from models.biencoder import contrastive_backward
+
+    batch = _full_batch()
+    results = {}
+    for attention in ("sdpa", "eager"):
+        model = biencoder(shared_encoder=False)
+        for tower in (model.query_encoder, model.passage_encoder):
+            assert tower.config._attn_implementation == "sdpa"
+            tower.set_attn_implementation(attention)
+        loss, _ = contrastive_backward(PlainEngine(model), batch, group_size=3, chunk_size=chunk)
+        results[attention] = float(loss), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    (sdpa_loss, sdpa_grads), (eager_loss, eager_grads) = results["sdpa"], results["eager"]
+    assert sdpa_loss == pytest.approx(eager_loss, rel=1e-5)
+    assert sdpa_grads.keys() == eager_grads.keys()
+    for name, grad in sdpa_grads.items():
+        torch.testing.assert_close(grad, eager_grads[name], rtol=1e-4, atol=1e-5)
+
+
 def test_backward_loss_is_the_hand_formula_on_the_encoded_batch():
     """contrastive_backward trims padding columns: the loss must be that of the untrimmed batch."""
     from models.biencoder import contrastive_backward

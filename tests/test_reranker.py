@@ -152,6 +152,30 @@ def test_backward_gives_the_loss_and_gradients_of_a_plain_reference(tiny_reranke
     assert extras["accuracy"].item() == pytest.approx(sum(positive_wins) / 2)
 
 
+def test_sdpa_attention_equals_eager_in_loss_and_gradients(tiny_reranker):
+    """The cross-encoder reads its pairs through ``scaled_dot_product_attention``
+    (transformers' default for BERT) and gives eager attention's loss and gradients."""
+    model, tokenizer = tiny_reranker
+    lengths = model.lengths
+    assert model.model.config._attn_implementation == "sdpa"
+    docs = [d["text"] for d in synthetic_docs(8, seed=7)]
+    queries, groups = ["unto moses and aaron", "the first month"], [docs[:4], docs[4:]]
+    task = ListwiseObjective(4, lengths, tokenizer.sep_token_id, tokenizer.pad_token_id)
+    batch = task.make_batch(stream_batch(tokenizer, queries, groups, lengths), torch.Generator())
+    assert (batch["attention_mask"] == 0).any()  # pairs of different lengths: padded rows
+    results = {}
+    for attention in ("sdpa", "eager"):
+        copied = copy.deepcopy(model)
+        copied.model.set_attn_implementation(attention)
+        loss, _ = listwise_backward(PlainEngine(copied), batch, group_size=4)
+        results[attention] = float(loss), {n: p.grad for n, p in copied.named_parameters() if p.grad is not None}
+    (sdpa_loss, sdpa_grads), (eager_loss, eager_grads) = results["sdpa"], results["eager"]
+    assert sdpa_loss == pytest.approx(eager_loss, rel=1e-5)
+    assert sdpa_grads.keys() == eager_grads.keys()
+    for name, grad in sdpa_grads.items():
+        torch.testing.assert_close(grad, eager_grads[name], rtol=1e-4, atol=1e-5)
+
+
 def test_export_loads_as_an_hf_classifier_and_a_sentence_transformers_cross_encoder(tiny_reranker, tmp_path):
     from sentence_transformers import CrossEncoder as STCrossEncoder
     from transformers import AutoModelForSequenceClassification

@@ -12,16 +12,24 @@ two steps per trainer) but every stage runs for real: pre-training (SimLM with n
 given: the job first trains one on the cluster, into the run's storage, and the SimLM
 workers fetch it from there), BM25, zero-shot, round 1, mining,
 round 2, mining, re-ranker, re-ranking, teacher scores, distillation. The test then checks
-what each stage handed the next, on S3.
+what each stage handed the next, on S3. Then mining's search and the re-ranker's scoring
+run again, and each loses the worker node mid-way (every process SIGKILLed, a fresh node
+joining 3 s later): the job goes on by itself and writes the same bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
 import shutil
+import signal
+import subprocess
 import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ir_measures
@@ -43,10 +51,12 @@ from tests.helpers import ir_measures_of_run, read_traces, retrieval_collection,
 from tests.ray_cluster import (
     FAKE_CREDENTIALS,
     REPO,
+    Head,
     cleanup,
     files_containing,
     installed_source,
     job_summaries,
+    kill_session,
     ray_env,
     start_head,
     start_isolated_worker,
@@ -58,6 +68,7 @@ pytestmark = pytest.mark.ray
 
 N_DOCS, N_TRAIN, N_DEV = 120, 40, 12
 WORKER_CACHE = "/tmp/raydense-node-cache"  # on the worker node's own /tmp
+HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "2"}
 
 # Run on the cluster before the recipe: what a task on the worker node can see.
 PROBE = """
@@ -125,6 +136,8 @@ def _config(data: dict, init: str, output: str) -> RecipeConfig:
     cfg.reranker.dev_depth, cfg.reranker.teacher_depth, cfg.reranker.teacher_queries = 10, 8, 24
     cfg.reranker.pool.actors = cfg.eval.pool.actors = 1
     cfg.mine.depth, cfg.mine.count, cfg.mine.bm25_depth, cfg.mine.bm25_count = 20, 5, 20, 5
+    # Blocks of a few queries, so a stage is caught with some of its blocks committed.
+    cfg.mine.query_block, cfg.reranker.queries_per_task = 4, 2
     cfg.eval.k = 50
     return cfg
 
@@ -138,21 +151,84 @@ def _upload_collection(data: dict, bucket: str) -> dict:
     return {**data, **stored}
 
 
+@dataclass
+class TwoNodeCluster:
+    """A 0-CPU head here, and a 4-CPU worker node that shares no disk with it; the worker
+    node can be lost and replaced by a fresh, empty one, as a spot node is."""
+
+    head: Head
+    hidden: list[str]  # what a worker node does not see: the head side's files
+    nodes: list[tuple[subprocess.Popen, str]] = field(default_factory=list)  # each with its Ray folder
+
+    def start_node(self) -> None:
+        ray_dir = tempfile.mkdtemp(prefix="rdw-ray-", dir="/var/tmp")  # where its logs can be read
+        env = ray_env(RAYDENSE_CACHE=WORKER_CACHE)
+        self.nodes.append((start_isolated_worker(self.head, 4, self.hidden, env, ray_dir), ray_dir))
+
+    def lose_node(self) -> None:
+        kill_session(self.nodes[-1][0])
+
+    @property
+    def node_dirs(self) -> list[str]:
+        return [ray_dir for _, ray_dir in self.nodes]
+
+
 @pytest.fixture
 def two_node_cluster(s3_endpoint):
-    """A 0-CPU head here, and a 4-CPU worker node that shares no disk with it. Yields the
-    head and the folder where the worker node's Ray files (its logs) can be read."""
-    head = start_head(num_cpus=0, env=ray_env(RAYDENSE_CACHE=os.environ["RAYDENSE_CACHE"]))
+    # A lost node is declared dead after 2 missed health checks a second apart (Ray's
+    # default: 5, 3 s apart): its actors restart elsewhere in seconds, not ~15 s.
+    env = ray_env(RAYDENSE_CACHE=os.environ["RAYDENSE_CACHE"], **HEALTH_CHECKS)
+    head = start_head(num_cpus=0, env=env)
     shared = REPO.parent / "shared"
-    hidden = ["/tmp", str(REPO), *installed_source()] + [str(shared)] * shared.is_dir()
-    worker_ray_dir = tempfile.mkdtemp(prefix="rdw-ray-", dir="/var/tmp")
-    worker = start_isolated_worker(head, 4, hidden, ray_env(RAYDENSE_CACHE=WORKER_CACHE), worker_ray_dir)
+    cluster = TwoNodeCluster(head, ["/tmp", str(REPO), *installed_source()] + [str(shared)] * shared.is_dir())
+    cluster.start_node()
     try:
-        wait_for_nodes(head, 2, os.path.join(worker_ray_dir, "worker-node.log"))
-        yield head, worker_ray_dir
+        wait_for_nodes(head, 2, os.path.join(cluster.node_dirs[0], "worker-node.log"))
+        yield cluster
     finally:
-        cleanup(head, worker)
-        shutil.rmtree(worker_ray_dir, ignore_errors=True)
+        cleanup(head, *(node for node, _ in cluster.nodes))
+        for ray_dir in cluster.node_dirs:
+            shutil.rmtree(ray_dir, ignore_errors=True)
+
+
+def _driver_pids(stage: str) -> list[int]:
+    """The job's driver process running ``--only <stage>`` (not the shells around it)."""
+    found = subprocess.run(["pgrep", "-f", "--", f"--only {stage}"], capture_output=True, text=True).stdout.split()
+    pids = []
+    for pid in map(int, found):
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if os.path.basename(argv[0]).startswith(b"python") and b"jobs/recipe.py" in argv:
+                pids.append(pid)
+    return pids
+
+
+def _lose_the_node_mid_stage(cluster: TwoNodeCluster, out: str, stages: list[str], seen: dict) -> None:
+    """For each of ``stages`` in turn (each run by ``--only``): once the stage has committed
+    its first block of parts, freeze the job's driver (SIGSTOP), so the stage is caught
+    mid-way however fast it runs here; SIGKILL every process of the worker node (its server
+    actors among them); let the driver go on, and start a fresh, empty node 3 s later, as an
+    autoscaler replaces a lost spot node. What it saw goes in ``seen``."""
+    for stage in stages:
+        parts, deadline = f"{out}/{stage}/parts", time.time() + 600
+        while not storage.list_files(parts) or not _driver_pids(stage):
+            if time.time() > deadline:
+                return
+            time.sleep(0.02)
+        drivers = _driver_pids(stage)
+        for pid in drivers:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            seen[stage] = {
+                "parts_committed": len(storage.list_files(parts)),
+                "stage_done": storage.exists(f"{out}/{stage}/run.trec"),  # joined only once all are
+            }
+            cluster.lose_node()
+        finally:  # whatever happened here, the job must not be left frozen with no node
+            for pid in drivers:
+                os.kill(pid, signal.SIGCONT)
+            time.sleep(3)
+            cluster.start_node()
 
 
 def _ranked(run_uri: str) -> dict[str, list[str]]:
@@ -160,7 +236,8 @@ def _ranked(run_uri: str) -> dict[str, list[str]]:
 
 
 def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp_path):
-    head, worker_ray_dir = two_node_cluster
+    cluster = two_node_cluster
+    head = cluster.head
     local = retrieval_collection(tmp_path / "data", N_DOCS, N_TRAIN, N_DEV)
     init = storage.upload_dir(save_tiny_bert(str(tmp_path / "init"), local["texts"]), f"s3://{s3_bucket}/init")
     data = _upload_collection(local, s3_bucket)
@@ -176,35 +253,67 @@ def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp
     # arrived.
     present = " && ".join(f'test -n "${name}"' for name in FAKE_CREDENTIALS)
     recipe_job = shlex.join(["python", "jobs/recipe.py", "--config", str(recipe)])
-    # The recipe, then the same command again (every stage recorded: nothing runs), then one
-    # real stage again from an empty folder (--only).
-    entrypoint = (
-        f"{present} && python -c {shlex.quote(PROBE)} && {recipe_job} && {recipe_job} && {recipe_job} --only rerank"
-    )
+    # The recipe, then the same command again (every stage recorded: nothing runs).
+    entrypoint = f"{present} && python -c {shlex.quote(PROBE)} && {recipe_job} && {recipe_job}"
     env_vars = {"PROBE_PATHS": json.dumps(probe_paths), **FAKE_CREDENTIALS}
     done = submit_job(head, ["sh", "-c", entrypoint], env_vars=env_vars)
     output = done.stdout + done.stderr
-    (tmp_path / "job-output.txt").write_text(output)
     assert done.returncode == 0 and "succeeded" in output, output[-6000:]
 
     # The worker node sees none of the head's files, and the tasks ran there.
     probe = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("PROBE "))[6:])
     assert probe["seen"] == [] and probe["node"] != probe["driver_node"]
 
-    summary, rerun, only = job_summaries(done.stdout, "recipe")
+    summary, rerun = job_summaries(done.stdout, "recipe")
     assert summary["ran"] == list(STAGES)
     assert rerun["ran"] == [] and rerun["skipped"] == list(STAGES)
     assert rerun["stages"] == summary["stages"]  # the records untouched
-    # --only rerank scored the same round-2 run with the same re-ranker again: same metrics,
-    # every other stage's record as it was.
-    assert only["ran"] == ["rerank"]
-    assert only["stages"]["rerank"]["metrics"] == pytest.approx(summary["stages"]["rerank"]["metrics"], abs=1e-9)
-    assert {s: r for s, r in only["stages"].items() if s != "rerank"} == {
-        s: r for s, r in summary["stages"].items() if s != "rerank"
+    records = storage.read_json(f"{out}/recipe.json")["stages"]
+
+    # A lost node during mining's search and during re-ranker scoring: each stage runs again
+    # from an empty folder (--only), and once it has committed a block, every process of the
+    # worker node is SIGKILLed (its searchers, passage servers and re-rankers with it) and a
+    # fresh, empty node joins. The job goes on by itself and writes what it wrote before.
+    uninterrupted = {
+        name: storage.read_bytes(uri)
+        for stage in ("mine2", "rerank")
+        for name, uri in records[stage]["outputs"].items()
+    }
+    seen: dict = {}
+    killer = threading.Thread(target=_lose_the_node_mid_stage, args=(cluster, out, ["mine2", "rerank"], seen))
+    killer.start()
+    again = submit_job(head, ["sh", "-c", f"{recipe_job} --only mine2 && {recipe_job} --only rerank"], FAKE_CREDENTIALS)
+    killer.join()
+    output += again.stdout + again.stderr
+    (tmp_path / "job-output.txt").write_text(output)
+    assert again.returncode == 0, (seen, again.stdout[-6000:] + again.stderr[-6000:])
+    assert set(seen) == {"mine2", "rerank"}, seen
+    # Caught mid-way: some blocks committed, the joined output not yet written.
+    assert all(s["parts_committed"] > 0 and not s["stage_done"] for s in seen.values()), seen
+    assert len(cluster.nodes) == 3
+    # The servers came back on the new node and the calls in flight were asked again: the
+    # stage itself never failed (the recipe's own retry of a failed stage was not needed).
+    assert "running it again" not in again.stderr, again.stderr[-4000:]
+    after_mine, after_rerank = job_summaries(again.stdout, "recipe")
+    assert after_mine["ran"] == ["mine2"] and after_rerank["ran"] == ["rerank"]
+    records_after = after_rerank["stages"]
+    assert {
+        name: storage.read_bytes(uri)
+        for stage in ("mine2", "rerank")
+        for name, uri in records_after[stage]["outputs"].items()
+    } == uninterrupted
+    assert records_after["rerank"]["metrics"] == records["rerank"]["metrics"]
+    for stage in ("mine2", "rerank"):  # what the loss cost: the stage's time, interrupted or not
+        print(
+            f"{stage}: {summary['stages'][stage]['seconds']} s uninterrupted, {records_after[stage]['seconds']} s "
+            f"with the node lost after {seen[stage]['parts_committed']} part files"
+        )
+    # Every other stage's record as it was.
+    assert {s: r for s, r in records_after.items() if s not in ("mine2", "rerank")} == {
+        s: r for s, r in summary["stages"].items() if s not in ("mine2", "rerank")
     }
 
     # The searchers reserved their shards' memory and a CPU share, so none is on the 0-CPU head.
-    records = storage.read_json(f"{out}/recipe.json")["stages"]
     for searchers in (records["zeroshot"]["summary"]["searchers"], records["round2"]["summary"]["eval"]["searchers"]):
         assert searchers and all(s["node"] == probe["node"] and s["reserved"]["memory"] > 0 for s in searchers)
 
@@ -305,10 +414,10 @@ def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp
     )
     assert len(prepared) == 2 and prepared[0].startswith("corpus/") and prepared[1] == "pretrain/corpus", prepared
     process_logs = []
-    for ray_dir in (head.temp_dir, worker_ray_dir):
+    for ray_dir in (head.temp_dir, *cluster.node_dirs):
         logs = Path(ray_dir) / "session_latest" / "logs"
         process_logs += sorted(logs.glob("job-driver-*")) + sorted(logs.glob("worker-*"))
-    on_worker_node = [p for p in process_logs if str(p).startswith(worker_ray_dir)]
+    on_worker_node = [p for p in process_logs if str(p).startswith(cluster.node_dirs[0])]
     assert any(b'"step": 2' in p.read_bytes() for p in on_worker_node), "no training log among the scanned logs"
     assert not files_containing([stored, tmp_path / "job-output.txt", *process_logs], FAKE_CREDENTIALS)
     canary = tmp_path / "canary" / "state.bin"  # the scan finds what it looks for, in binary files too

@@ -98,6 +98,12 @@ class MineConfig:
         },
     )
     seed: int = field(default=0, metadata={"help": "seed of sample=random"})
+    query_block: int = field(
+        default=0,
+        metadata={
+            "help": "queries per search block: the unit written, resumed and redone after a lost node; 0 = as many as keep the driver's merge near a fixed size"
+        },
+    )
     nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
     encoder: EncoderSettings = field(default_factory=EncoderSettings)
     pool: ActorConfig = field(default_factory=ActorConfig)
@@ -107,8 +113,9 @@ class MineConfig:
         for name in ("depth", "count"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.skip_top < 0:
-            raise ValueError(f"skip_top must be >= 0, got {self.skip_top}")
+        for name in ("skip_top", "query_block"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("absolute_margin", "relative_margin"):
             value = getattr(self, name)
             if value is not None and not value >= 0:
@@ -237,7 +244,9 @@ def run_mining(cfg: MineConfig) -> dict:
     queries = read_queries(cfg.queries)
     qids = list(queries)
     claim(output, _made_by(cfg), what="mined blocks' files")
-    block = query_block(len(faiss_index.load_index_manifest(storage.resolve(cfg.index).uri)["shards"]))
+    block = cfg.query_block or query_block(
+        len(faiss_index.load_index_manifest(storage.resolve(cfg.index).uri)["shards"])
+    )
     blocks = list(range(-(-len(qids) // block)))
     done = finished_blocks(output, PART_FILES)
     todo = [b for b in blocks if b not in done]

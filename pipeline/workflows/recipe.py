@@ -105,6 +105,9 @@ class MineStage:
     )
     bm25_depth: int = field(default=200, metadata={"help": "round 1: BM25 candidates per query"})
     bm25_count: int = field(default=30, metadata={"help": "round 1: BM25 negatives kept per query"})
+    query_block: int = field(
+        default=0, metadata={"help": "queries per search block (the unit resumed after a lost node); 0 = automatic"}
+    )
 
 
 @dataclass
@@ -125,6 +128,10 @@ class RerankerStage:
         metadata={
             "help": "training queries the teacher scores (a seeded sample; distillation trains on these); 0 = all"
         },
+    )
+    queries_per_task: int = field(
+        default=64,
+        metadata={"help": "queries per scoring task: the unit written, resumed and redone after a lost node"},
     )
     pool: ActorConfig = field(default_factory=ActorConfig)
 
@@ -276,6 +283,7 @@ def _mine(ctx: StageContext, stage: str, retriever_stage: str) -> dict:
             depth=cfg.mine.depth,
             count=cfg.mine.count,
             skip_top=cfg.mine.skip_top,
+            query_block=cfg.mine.query_block,
             nprobe=cfg.eval.nprobe,
             encoder=EncoderSettings(
                 model=ctx.output(retriever_stage, "export"),
@@ -345,6 +353,7 @@ def _score(
             include_positives=include_positives,
             depth=depth,
             output=ctx.folder(stage),
+            queries_per_task=ctx.cfg.reranker.queries_per_task,
             pool=ctx.cfg.reranker.pool,
         )
     )
