@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import ray
 
+from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval.encode import EncoderSettings, encode_queries
-from pipeline.retrieval.faiss_index import IndexConfig, brute_force_topk, plan_memory
+from pipeline.retrieval.faiss_index import IndexConfig, brute_force_topk, load_index_manifest, plan_memory
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
 from pipeline.retrieval.search import PROCESS_BYTES, SEARCHER_CPUS, ShardedIndex
 from tests.helpers import save_tiny_bert
@@ -66,6 +67,31 @@ def test_searchers_reserve_the_planned_memory_a_token_cpu_and_a_share_of_the_gpu
     # Without use_gpu, no GPU is reserved.
     with ShardedIndex(index_uri, nprobe=4) as index:
         assert all("GPU" not in s["reserved"] for s in index.stats())
+
+
+def test_index_builds_reserve_the_gpu_they_may_use_or_see_none(index_of_four_shards, tmp_path):
+    """An IVF index trains (k-means): on a cluster with GPUs its build tasks reserve one
+    each and see just that one. A Flat index only copies vectors: its tasks reserve no GPU
+    and see none (Ray 2.60 would leave them every GPU of the node)."""
+    index_uri, vectors, rows = index_of_four_shards
+
+    def visible_devices(index: str) -> list[str]:  # each shard's build record says what its task saw
+        shards = load_index_manifest(index)["shards"]
+        return [storage.read_json(storage.join(index, s["path"] + ".json"))["cuda_visible_devices"] for s in shards]
+
+    assert len(visible_devices(index_uri)) == SHARDS and set(visible_devices(index_uri)) <= {"0", "1"}
+    flat = run_indexing(
+        IndexJobConfig(
+            embeddings=load_index_manifest(index_uri)["embeddings"],
+            output=str(tmp_path / "flat"),
+            index=IndexConfig(factory="Flat"),
+        )
+    )
+    assert visible_devices(flat["output"]) == [""] * SHARDS
+    with ShardedIndex(flat["output"]) as index:
+        scores, found = index.search(vectors[:5] + 0.01, 10)
+    ref_scores, ref_rows = brute_force_topk(vectors[:5] + 0.01, vectors, 10, rows=rows)
+    assert np.allclose(scores, ref_scores, atol=1e-4) and (found == ref_rows).all()
 
 
 def test_an_encoder_pool_asks_for_the_gpus_its_config_names(tmp_path, fake_gpu_ray):

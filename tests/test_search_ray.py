@@ -284,19 +284,20 @@ def test_indexing_builds_only_the_shards_it_lacks_and_never_mixes_settings(encod
         index=IndexConfig(factory="IVF4,Flat", nprobe=4),
     )
     first = run_indexing(job)
-    assert (first["shards"], first["shards_built"]) == (3, 3)
+    assert (first["shards"], first["shards_built"], first["quantizers_trained"]) == (3, 3, 1)
     queries = np.random.default_rng(2).standard_normal((8, read_all(cfg.output)[2].shape[1])).astype(np.float32)
     with ShardedIndex(job.output, nprobe=4) as index:
         before = index.search(queries, 10)
     os.remove(tmp_path / "index" / "shards" / "index-00001.faiss.json")
     again = run_indexing(job)
-    assert (again["shards"], again["shards_built"]) == (3, 1)
+    assert (again["shards"], again["shards_built"], again["quantizers_trained"]) == (3, 1, 1)
     with ShardedIndex(job.output, nprobe=4) as index:
         after = index.search(queries, 10)
     assert np.array_equal(before[1], after[1]) and np.allclose(before[0], after[0])
-    assert run_indexing(job)["shards_built"] == 0
+    rerun = run_indexing(job)
+    assert (rerun["shards_built"], rerun["quantizers_trained"]) == (0, 0)  # nothing to build, nothing trained
     flat = run_indexing(IndexJobConfig(**{**job.__dict__, "index": IndexConfig(factory="Flat")}))
-    assert flat["shards_built"] == 3
+    assert (flat["shards_built"], flat["quantizers_trained"]) == (3, 0)
 
 
 def test_a_factory_faiss_rejects_and_a_wrong_dimension_shard_are_clear_errors(encoded, collection, tmp_path):

@@ -76,6 +76,11 @@ def _new_index(factory: str, dim: int, metric: str):
     return index
 
 
+def needs_training(factory: str, dim: int, metric: str = "ip") -> bool:
+    """Whether ``factory`` learns from data (IVF centroids, PQ codebooks) before vectors go in."""
+    return not _new_index(factory, dim, metric).is_trained
+
+
 def validate_factory(factory: str, dim: int, metric: str = "ip") -> None:
     """Fail with FAISS's own reason (not its C++ stack) before any data is read."""
     _new_index(factory, dim, metric)
@@ -208,7 +213,7 @@ def resolve_gpu(use_gpu: str) -> bool:
     if use_gpu == "always" and not available:
         raise ConfigError(
             "use_gpu='always' but FAISS sees no GPU (faiss-cpu is installed, or no CUDA "
-            "device is visible): install faiss-gpu-cu12, or use auto/never"
+            "device is visible): install the gpu extra (faiss-gpu), or use auto/never"
         )
     return available
 
@@ -239,7 +244,7 @@ def searcher_to_gpu(index):
 
     if torch.cuda.is_available():
         raise ConfigError(
-            "this searcher reserved a GPU but FAISS has no GPU support: install faiss-gpu-cu12 on the GPU nodes"
+            "this searcher reserved a GPU but FAISS has no GPU support: install the gpu extra (faiss-gpu) on the GPU nodes"
         )
     return index, None
 
@@ -272,40 +277,56 @@ def sample_vectors(vectors: np.ndarray, n: int, seed: int = 0) -> np.ndarray:
     return vectors[np.sort(np.random.default_rng(seed).choice(len(vectors), n, replace=False))]
 
 
+def _onto_gpu(index, use_gpu: str) -> tuple[object, bool]:
+    """(index, on GPU): moved when ``use_gpu`` allows and FAISS can; ``auto`` keeps an index
+    that has no GPU version (e.g. HNSW) on the CPU, ``always`` fails on it."""
+    if not resolve_gpu(use_gpu):
+        return index, False
+    try:
+        return to_gpu(index), True
+    except ValueError:
+        if use_gpu == "always":
+            raise
+        return index, False
+
+
+def trained_index(factory: str, dim: int, metric: str, train_vectors: np.ndarray, use_gpu: str = "auto"):
+    """An empty CPU index of ``factory`` trained on ``train_vectors`` (the quantiser every
+    shard then fills); an index that needs no training comes back as it is made."""
+    index, gpu = _onto_gpu(_new_index(factory, dim, metric), use_gpu)
+    if not index.is_trained:
+        train = _f32(train_vectors)
+        try:
+            index.train(train)
+        except RuntimeError as exc:
+            raise ConfigError(f"cannot train {factory!r} on {len(train)} vectors: {_reason(exc)}") from exc
+    return faiss.index_gpu_to_cpu(index) if gpu else index
+
+
 def build_index_shard(
     embeddings: np.ndarray,
     rows: np.ndarray,
     factory: str = "Flat",
     metric: str = "ip",
     *,
+    trained=None,
     train_vectors: np.ndarray | None = None,
     nprobe: int = 32,
     use_gpu: str = "auto",
 ):
     """A CPU FAISS index of ``embeddings`` whose ids are the corpus ``rows``.
 
-    Training uses ``train_vectors`` (e.g. :func:`sample_vectors` over the whole corpus, so
-    all shards share one sample's statistics), else the shard itself. With a GPU the index
-    is trained and filled there and brought back to the CPU, ready to save.
+    It starts from ``trained`` (an empty index from :func:`trained_index`, shared by every
+    shard of a corpus, so all have one quantiser), or else is trained on ``train_vectors``
+    (else on the shard itself). With a GPU the index is filled there and brought back to
+    the CPU, ready to save.
     """
     x, ids = _f32(embeddings), np.ascontiguousarray(rows, dtype=np.int64)
     if x.ndim != 2 or len(ids) != len(x):
         raise ValueError(f"{len(ids)} rows for embeddings of shape {x.shape}")
-    index = _new_index(factory, x.shape[1], metric)
-    gpu = resolve_gpu(use_gpu)
-    if gpu:
-        try:
-            index = to_gpu(index)
-        except ValueError:
-            if use_gpu == "always":
-                raise
-            gpu = False  # e.g. HNSW has no GPU version: "auto" builds it on the CPU
-    if not index.is_trained:
-        train = x if train_vectors is None else _f32(train_vectors)
-        try:
-            index.train(train)
-        except RuntimeError as exc:
-            raise ConfigError(f"cannot train {factory!r} on {len(train)} vectors: {_reason(exc)}") from exc
+    if trained is None:
+        trained = trained_index(factory, x.shape[1], metric, x if train_vectors is None else train_vectors, use_gpu)
+    index, gpu = _onto_gpu(faiss.clone_index(trained), use_gpu)
     index.add_with_ids(x, ids)
     if gpu:
         index = faiss.index_gpu_to_cpu(index)

@@ -2,16 +2,19 @@
 
 Embedding shards are grouped into index shards (``embedding_shards_per_index`` at a time);
 a memory plan is printed and checked before anything is built; each index shard is built
-by its own Ray task, trained on one seeded sample of the whole corpus so every shard
-shares the same quantiser statistics, and persisted with a manifest.
+by its own Ray task from one quantiser, trained once (in a task) on a seeded sample of the
+whole corpus, and persisted with a manifest. A task reserves the GPU it builds on, or sees
+none.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
+import faiss
 import numpy as np
 import ray
 
@@ -52,8 +55,22 @@ def _train_sample(folder: str, manifest: dict, n: int, seed: int) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros((0, manifest["dim"]), np.float32)
 
 
-def _build_one(folder: str, entries: list[dict], shard_index: int, output: str, cfg: IndexConfig, train_ref) -> dict:
-    train = ray.get(train_ref) if isinstance(train_ref, ray.ObjectRef) else train_ref
+# A build task that reserves no GPU must not use one: Ray 2.60 leaves CUDA_VISIBLE_DEVICES
+# as the node has it for such tasks, and FAISS would take every GPU of the node.
+NO_GPU = {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}
+
+
+def _train_quantizer(folder: str, manifest: dict, cfg: IndexConfig) -> np.ndarray:
+    """The empty index trained once, in a task, on a seeded sample of the whole corpus, as
+    FAISS serializes it: every shard's build starts from it (one quantiser for all)."""
+    sample = _train_sample(folder, manifest, cfg.train_sample, cfg.seed)
+    trained = faiss_index.trained_index(cfg.factory, manifest["dim"], cfg.metric, sample, cfg.use_gpu)
+    return faiss.serialize_index(trained)
+
+
+def _build_one(
+    folder: str, entries: list[dict], shard_index: int, output: str, cfg: IndexConfig, trained: np.ndarray | None
+) -> dict:
     rows, vectors = [], []
     for entry in entries:
         r, _, v = emb.read_shard(folder, entry)
@@ -64,7 +81,7 @@ def _build_one(folder: str, entries: list[dict], shard_index: int, output: str, 
         np.concatenate(rows),
         cfg.factory,
         cfg.metric,
-        train_vectors=train,
+        trained=None if trained is None else faiss.deserialize_index(trained),
         nprobe=cfg.nprobe,
         use_gpu=cfg.use_gpu,
     )
@@ -72,9 +89,24 @@ def _build_one(folder: str, entries: list[dict], shard_index: int, output: str, 
     faiss_index.save_index(index, storage.join(output, path))
     # The searcher of this shard reads its doc ids from these: search results leave it as ids.
     embedding_shards = [int(entry["index"]) for entry in entries]
-    record = {"index": shard_index, "path": path, "vectors": int(index.ntotal), "embedding_shards": embedding_shards}
+    record = {
+        "index": shard_index,
+        "path": path,
+        "vectors": int(index.ntotal),
+        "embedding_shards": embedding_shards,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # what the build could use
+    }
     storage.write_json(storage.join(output, path + ".json"), record)  # after the shard: it is done
     return record
+
+
+def _builds_on_gpu(cfg: IndexConfig, dim: int) -> bool:
+    """Whether the build tasks reserve a GPU: ``always``; or ``auto`` for an index that
+    trains (IVF, PQ: k-means is where a GPU pays) on a cluster that has GPUs. A Flat index
+    only copies vectors, so it is built on CPUs."""
+    if cfg.use_gpu != "auto":
+        return cfg.use_gpu == "always"
+    return bool(ray.cluster_resources().get("GPU")) and faiss_index.needs_training(cfg.factory, dim, cfg.metric)
 
 
 def _made_by(cfg: IndexJobConfig, folder: str) -> dict:
@@ -112,19 +144,19 @@ def run_indexing(cfg: IndexJobConfig) -> dict:
     parts.claim(output, made_by, ("shards", faiss_index.MANIFEST), "index shard files")
     built = _built(output)  # a rerun builds only the shards it lacks
     todo = [j for j in range(len(groups)) if j not in built]
-    probe = faiss_index._new_index(cfg.index.factory, dim, cfg.index.metric)
-    needs_training = todo and not probe.is_trained  # the seeded sample: the same quantiser as the built shards
-    train = _train_sample(folder, manifest, cfg.index.train_sample, cfg.index.seed) if needs_training else None
-    train_ref = ray.put(train) if train is not None else None
-    on_gpu = cfg.index.use_gpu == "always"
-    build = ray.remote(_build_one).options(
-        num_cpus=1 if on_gpu else cfg.cpus_per_task, num_gpus=1 if on_gpu else 0, max_retries=3
-    )
+    gpu = _builds_on_gpu(cfg.index, dim)
+    task = {"num_cpus": 1, "num_gpus": 1} if gpu else {"num_cpus": cfg.cpus_per_task}
+    if not gpu and ray.cluster_resources().get("GPU"):  # a cluster without GPUs has none to hide
+        task["runtime_env"] = NO_GPU  # (a worker of its own: not the pool's idle ones)
+    # Each task sees only what it reserved: a GPU build uses that GPU, a CPU one none.
+    index_cfg = replace(cfg.index, use_gpu=cfg.index.use_gpu if gpu else "never")
+    trained = None
+    if todo and faiss_index.needs_training(cfg.index.factory, dim, cfg.index.metric):
+        # Trained once (the same seeded sample as the shards already built), never on the driver.
+        trained = ray.remote(_train_quantizer).options(**task, max_retries=3).remote(folder, manifest, index_cfg)
+    build = ray.remote(_build_one).options(**task, max_retries=3)
     new = get_counted(
-        [
-            build.remote(folder, [manifest["shards"][i] for i in groups[j]], j, output, cfg.index, train_ref)
-            for j in todo
-        ],
+        [build.remote(folder, [manifest["shards"][i] for i in groups[j]], j, output, index_cfg, trained) for j in todo],
         "index",
         "vectors",
         [sizes[j] for j in todo],
@@ -145,6 +177,8 @@ def run_indexing(cfg: IndexJobConfig) -> dict:
         "factory": cfg.index.factory,
         "shards": len(shards),
         "shards_built": len(todo),
+        "quantizers_trained": int(trained is not None),  # once for all the shards built, or none
+        "build_gpus": int(gpu),  # per build task
         "version": storage.version(storage.join(output, faiss_index.MANIFEST)),
         "vectors": sum(s["vectors"] for s in shards),
         "dim": dim,
