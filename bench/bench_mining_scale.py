@@ -8,7 +8,7 @@ For each corpus size, as a user would run it:
      encoder pool by a 384-wide random BERT, searched to depth 200, 30 negatives each.
 While each job runs, a sampler reads every second the peak resident memory (VmHWM in
 /proc/<pid>/status: the kernel's own high-water mark, not a sample) of the job's driver and
-of every Ray actor (ray::EncoderActor, ray::ShardSearcher). Prints one JSON line per size and
+of every Ray actor (ray::EncoderActor, ray::IndexSearcher). Prints one JSON line per size and
 the driver's peak-memory ratio 10M/1M (the goal: at most 1.2).
 
 Usage: python bench/bench_mining_scale.py [--sizes 1000000,3000000,10000000] [--queries 100000]
@@ -105,7 +105,7 @@ def _actor_kind(pid: int) -> str | None:
         title = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[0].decode(errors="replace")
     except OSError:
         return None
-    for kind in ("EncoderActor", "ShardSearcher"):
+    for kind in ("EncoderActor", "IndexSearcher"):
         if title.startswith(f"ray::{kind}"):
             return kind
     return None
@@ -211,7 +211,7 @@ def bench_size(n: int, n_queries: int, work: Path, model: str, queries: str, qre
         "mine_search_s": mine["summary"]["search_seconds"],
         "mine_driver_peak_gib": max(mine["peak_gib"]["driver"]),
         "encoder_actor_peak_gib": mine["peak_gib"].get("EncoderActor", []),
-        "searcher_peak_gib": sorted(mine["peak_gib"].get("ShardSearcher", [])),
+        "searcher_peak_gib": sorted(mine["peak_gib"].get("IndexSearcher", [])),
         "negatives_lines": mined_lines,
         "negatives_per_query": mine["summary"]["negatives_per_query"],
     }

@@ -37,7 +37,7 @@ from pipeline.data.tokenizer import train_wordpiece  # noqa: E402
 from pipeline.retrieval.encode import EncodeConfig, EncoderSettings, prepared_corpus, run_encoding  # noqa: E402
 from pipeline.retrieval.faiss_index import IndexConfig  # noqa: E402
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing  # noqa: E402
-from pipeline.retrieval.search import ShardedIndex  # noqa: E402
+from pipeline.retrieval.search import SearcherConfig, ShardedIndex  # noqa: E402
 
 SIZES = {
     "minilm": {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12, "intermediate_size": 1536},
@@ -117,8 +117,8 @@ def bench_search(n: int, dim: int, n_queries: int, k: int, factories: list[str],
             build_s = time.perf_counter() - started
             row: dict = {"factory": factory, "vectors": n, "dim": dim, "queries": n_queries, "k": k}
             results = {}
-            for device, pool in (("cpu", None), ("gpu", ActorConfig(actors=1, use_gpu=True))):
-                with ShardedIndex(f"{tmp}/index-{factory}", nprobe=32, pool=pool, threads=cpus) as index:
+            for device, searchers in (("cpu", None), ("gpu", SearcherConfig(use_gpu=True, searchers=1))):
+                with ShardedIndex(f"{tmp}/index-{factory}", nprobe=32, searchers=searchers, threads=cpus) as index:
                     index.search(queries[:100], k)  # warm: actor up, shard loaded (and moved)
                     started = time.perf_counter()
                     _, found = index.search(queries, k)

@@ -16,12 +16,12 @@ from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval.encode import EncoderSettings, encode_queries
 from pipeline.retrieval.faiss_index import IndexConfig, brute_force_topk, load_index_manifest, plan_memory
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
-from pipeline.retrieval.search import PROCESS_BYTES, SEARCHER_CPUS, ShardedIndex
+from pipeline.retrieval.search import PROCESS_BYTES, SEARCHER_CPUS, SearcherConfig, ShardedIndex, plan_searchers
 from tests.helpers import save_tiny_bert
 
 pytestmark = pytest.mark.ray
 
-DIM, SHARDS, PER_SHARD = 16, 4, 50
+DIM, SHARDS, PER_SHARD = 16, 12, 20
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def fake_gpu_ray():
 
 
 @pytest.fixture(scope="module")
-def index_of_four_shards(tmp_path_factory, fake_gpu_ray):
+def index_of_shards(tmp_path_factory, fake_gpu_ray):
     root = tmp_path_factory.mktemp("placement")
     vectors = np.random.default_rng(0).standard_normal((SHARDS * PER_SHARD, DIM)).astype(np.float32)
     rows = np.arange(len(vectors))
@@ -47,33 +47,57 @@ def index_of_four_shards(tmp_path_factory, fake_gpu_ray):
     return str(root / "index"), vectors, rows
 
 
-def test_searchers_reserve_the_planned_memory_a_token_cpu_and_a_share_of_the_gpus(index_of_four_shards):
-    index_uri, vectors, rows = index_of_four_shards
-    pool = ActorConfig(use_gpu=True, gpus_per_actor=1)
-    with ShardedIndex(index_uri, nprobe=4, pool=pool) as index:
+def test_one_searcher_per_gpu_holds_a_run_of_shards_and_reserves_its_memory(index_of_shards):
+    """12 index shards on a cluster of 2 GPUs: 2 searchers, one GPU each, 6 shards each,
+    reserving their shards' planned memory and a token CPU; the merged top-k is the
+    brute-force one (IVF with every list probed)."""
+    index_uri, vectors, rows = index_of_shards
+    with ShardedIndex(index_uri, nprobe=4, searchers=SearcherConfig(use_gpu=True)) as index:
         stats = index.stats()
         queries = vectors[:5] + 0.01
         scores, found = index.search(queries, 10)
-    planned = plan_memory("IVF4,Flat", DIM, [PER_SHARD] * SHARDS)
-    for shard, plan in zip(stats, planned):
-        reserved = shard["reserved"]
-        # Four shards, two GPUs: half a GPU each, so every shard is up at once.
-        assert reserved["GPU"] == pytest.approx(0.5) and reserved["CPU"] == pytest.approx(SEARCHER_CPUS)
-        assert reserved["memory"] == plan["bytes"] + PROCESS_BYTES
-        assert not shard["on_gpu"]  # faiss-cpu and no CUDA: served from host memory
+    planned = [p["bytes"] for p in plan_memory("IVF4,Flat", DIM, [PER_SHARD] * SHARDS)]
+    assert [s["shards"] for s in stats] == [SHARDS // 2] * 2
+    assert sum(s["vectors"] for s in stats) == len(vectors)
+    for i, searcher in enumerate(stats):
+        reserved = searcher["reserved"]
+        assert reserved["GPU"] == 1 and reserved["CPU"] == pytest.approx(SEARCHER_CPUS)
+        assert reserved["memory"] == sum(planned[i * 6 : (i + 1) * 6]) + PROCESS_BYTES
+        assert not searcher["on_gpu"]  # faiss-cpu and no CUDA: served from host memory
     ref_scores, ref_rows = brute_force_topk(queries, vectors, 10, rows=rows)
     assert np.allclose(scores, ref_scores, atol=1e-4) and (found == ref_rows).all()
 
-    # Without use_gpu, no GPU is reserved.
+    # Searchers on CPUs (the encoders may hold the GPUs): none reserved, one searcher for an
+    # index this small, unless asked for more.
     with ShardedIndex(index_uri, nprobe=4) as index:
-        assert all("GPU" not in s["reserved"] for s in index.stats())
+        assert [("GPU" in s["reserved"], s["shards"]) for s in index.stats()] == [(False, SHARDS)]
+    with ShardedIndex(index_uri, nprobe=4, searchers=SearcherConfig(searchers=3)) as index:
+        assert [s["shards"] for s in index.stats()] == [4, 4, 4]
+        assert np.array_equal(index.search(queries, 10)[1], ref_rows)
 
 
-def test_index_builds_reserve_the_gpu_they_may_use_or_see_none(index_of_four_shards, tmp_path):
+def test_searchers_follow_the_configuration_not_the_shards_when_no_gpu_is_up():
+    """An autoscaling cluster with no GPU node up yet: the searchers asked for each request
+    one GPU (the autoscaler adds that many), never one per shard; on CPUs, as many as the
+    memory per searcher needs, never more than the shards."""
+    manifest = {"factory": "Flat", "dim": 768, "metric": "ip", "shards": [{"vectors": 100_000}] * 88}
+    plan = plan_searchers(manifest, SearcherConfig(use_gpu=True), cluster={"CPU": 8})
+    assert [opts["num_gpus"] for _, opts in plan] == [1.0] and len(plan[0][0]) == 88
+    plan = plan_searchers(manifest, SearcherConfig(use_gpu=True, searchers=4), cluster={"CPU": 8})
+    assert [opts["num_gpus"] for _, opts in plan] == [1.0] * 4 and [len(e) for e, _ in plan] == [22] * 4
+    plan = plan_searchers(manifest, SearcherConfig(use_gpu=True, searchers=4), cluster={"GPU": 2})
+    assert [opts["num_gpus"] for _, opts in plan] == [0.5] * 4  # all four up at once on 2 GPUs
+    shard_bytes = plan_memory("Flat", 768, [100_000])[0]["bytes"]
+    plan = plan_searchers(manifest, SearcherConfig(memory_gb=10 * shard_bytes / 2**30), cluster={"CPU": 8})
+    assert [len(e) for e, _ in plan] == [10] * 7 + [9] * 2 and all(o["num_gpus"] == 0 for _, o in plan)
+    assert len(plan_searchers(manifest, SearcherConfig(searchers=500), cluster={})) == 88
+
+
+def test_index_builds_reserve_the_gpu_they_may_use_or_see_none(index_of_shards, tmp_path):
     """An IVF index trains (k-means): on a cluster with GPUs its build tasks reserve one
     each and see just that one. A Flat index only copies vectors: its tasks reserve no GPU
     and see none (Ray 2.60 would leave them every GPU of the node)."""
-    index_uri, vectors, rows = index_of_four_shards
+    index_uri, vectors, rows = index_of_shards
 
     def visible_devices(index: str) -> list[str]:  # each shard's build record says what its task saw
         shards = load_index_manifest(index)["shards"]

@@ -25,7 +25,7 @@ from pipeline.retrieval.encode import (
 from pipeline.retrieval.faiss_index import IndexConfig, brute_force_topk
 from pipeline.retrieval.fanout import ranked_ids, read_qrels_of_corpus
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
-from pipeline.retrieval.search import ShardedIndex
+from pipeline.retrieval.search import SearcherConfig, ShardedIndex
 
 pytestmark = pytest.mark.ray
 
@@ -217,7 +217,10 @@ def test_sharded_search_equals_brute_force(encoded, collection, factory):
     assert summary["shards"] == 3 and summary["vectors"] == N_DOCS
     rows, _, vectors = read_all(cfg.output)
     queries = np.random.default_rng(0).standard_normal((12, vectors.shape[1])).astype(np.float32)
-    index = ShardedIndex(out, nprobe=4)  # nprobe = nlist: IVF is exact too
+    # nprobe = nlist: IVF is exact too. One searcher holding the 3 shards (merged inside it),
+    # or 2 searchers holding 2 and 1 (merged by the driver as well).
+    index = ShardedIndex(out, nprobe=4, searchers=SearcherConfig(searchers=1 if factory == "Flat" else 2))
+    assert [s["shards"] for s in index.stats()] == ([3] if factory == "Flat" else [2, 1])
     scores, found = index.search(queries, 10)
     # Streamed in blocks of 5, with the ids each searcher reads for its own rows (index shards
     # 1 and 2 start at corpus rows 40 and 80): the same hits, as the corpus's ids.
@@ -259,7 +262,7 @@ def test_a_searcher_killed_mid_search_comes_back_and_every_block_is_answered_onc
     )
     rows, _, vectors = read_all(cfg.output)
     queries = np.random.default_rng(1).standard_normal((20, vectors.shape[1])).astype(np.float32)
-    with ShardedIndex(out) as index:
+    with ShardedIndex(out, searchers=SearcherConfig(searchers=3)) as index:
         blocks, killed = [], None
         for block in index.search_blocks(queries, 10, block=4):
             blocks.append(block)

@@ -139,7 +139,7 @@ class Bm25Config:
         return base + ".run.trec"
 
 
-SHARD_CPUS = 0.01  # a token share, as searchers take (see pipeline.retrieval.search.searcher_options)
+SHARD_CPUS = 0.01  # a token share, as searchers take (see pipeline.retrieval.search.plan_searchers)
 PROCESS_BYTES = 512 * 2**20
 # A shard actor's memory per UTF-8 byte of its texts, while it tokenizes and builds (token id
 # lists, bm25s's build arrays); measured on the Nave corpus (docs/retrieval.md), with margin.

@@ -27,7 +27,7 @@ from pipeline.retrieval.faiss_index import IndexConfig, validate_factory
 from pipeline.retrieval.fanout import query_block, ranked_ids, read_qrels_of_corpus
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
 from pipeline.retrieval.metrics import JOB_MEASURES, StreamedMetrics, metrics_markdown, metrics_table
-from pipeline.retrieval.search import ShardedIndex
+from pipeline.retrieval.search import SearcherConfig, ShardedIndex
 
 
 @dataclass
@@ -44,7 +44,8 @@ class EvalConfig:
     corpus: str = field(default="", metadata={"help": "BEIR corpus.jsonl to search; empty = the training corpus"})
     k: int = field(default=100, metadata={"help": "passages retrieved per query"})
     index: str = field(default="Flat", metadata={"help": "FAISS factory string of the index (Flat = exact)"})
-    pool: ActorConfig = field(default_factory=ActorConfig)
+    pool: ActorConfig = field(default_factory=ActorConfig)  # the encoders
+    searchers: SearcherConfig = field(default_factory=SearcherConfig)
 
     def __post_init__(self):
         if self.queries and not self.qrels:
@@ -74,7 +75,8 @@ class EvaluateJobConfig:
     output: str = field(
         default="runs/evaluate", metadata={"help": "embeddings, index, run.trec and metrics.json go here"}
     )
-    pool: ActorConfig = field(default_factory=ActorConfig)
+    pool: ActorConfig = field(default_factory=ActorConfig)  # the encoders
+    searchers: SearcherConfig = field(default_factory=SearcherConfig)
     nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
     docs_per_shard: int = field(default=20000, metadata={"help": "passages per corpus/embedding shard"})
     collections: list[str] = field(
@@ -217,8 +219,10 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
     scored = StreamedMetrics(qrels, JOB_MEASURES.values())
     # Each block's run lines and metric sums are written as the searchers answer it: a rerun
     # searches only the blocks it lacks.
-    with ShardedIndex(indexed["output"], nprobe=cfg.nprobe, pool=cfg.pool) as index:
-        block = query_block(len(index.actors))
+    with ShardedIndex(indexed["output"], nprobe=cfg.nprobe, searchers=cfg.searchers) as index:
+        # By the index's shards, not its searchers (which follow the cluster): the stored
+        # blocks of a resumed evaluation keep their layout on another cluster.
+        block = query_block(len(index.manifest["shards"]))
         blocks = list(range(-(-len(qids) // block)))
         done = finished_blocks(searched, ("run.trec", "sums.json"))
         for b in done:

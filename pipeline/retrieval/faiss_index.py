@@ -226,14 +226,20 @@ def to_gpu(index):
         raise ValueError(f"FAISS cannot move {type(index).__name__} to the GPU: {exc}") from exc
 
 
-def searcher_to_gpu(index):
+SEARCH_TEMP_BYTES = 256 * 2**20  # FAISS's GPU scratch per searcher (its default is 1.5 GiB)
+
+
+def searcher_to_gpu(index, resources=None):
     """(index, gpu resources) with the index on this process's first visible GPU, for
     searching: Flat, IVF-Flat, IVF-SQ and IVF-PQ all move (PQ lookup tables in fp16, which
-    lets codes of up to 96 bytes fit in shared memory). (index, None) when FAISS has no GPU
-    build and no CUDA device is visible (Ray's GPU resources declared on a CPU machine);
-    an error when a CUDA device is there but FAISS cannot use it."""
+    lets codes of up to 96 bytes fit in shared memory). ``resources``: the ones a searcher's
+    other shards already use (one scratch space per process). (index, None) when FAISS has
+    no GPU build and no CUDA device is visible (Ray's GPU resources declared on a CPU
+    machine); an error when a CUDA device is there but FAISS cannot use it."""
     if hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0:
-        resources = faiss.StandardGpuResources()
+        if resources is None:
+            resources = faiss.StandardGpuResources()
+            resources.setTempMemory(SEARCH_TEMP_BYTES)
         options = faiss.GpuClonerOptions()
         options.useFloat16LookupTables = True
         try:

@@ -47,7 +47,7 @@ from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval import faiss_index
 from pipeline.retrieval.encode import EncoderSettings, encode_queries
 from pipeline.retrieval.fanout import query_block, ranked_ids, read_qrels_of_corpus
-from pipeline.retrieval.search import ShardedIndex
+from pipeline.retrieval.search import SearcherConfig, ShardedIndex
 
 
 @dataclass
@@ -106,7 +106,8 @@ class MineConfig:
     )
     nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
     encoder: EncoderSettings = field(default_factory=EncoderSettings)
-    pool: ActorConfig = field(default_factory=ActorConfig)
+    pool: ActorConfig = field(default_factory=ActorConfig)  # the query encoders
+    searchers: SearcherConfig = field(default_factory=SearcherConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self):
@@ -190,7 +191,7 @@ def positive_scores(
 def _made_by(cfg: MineConfig) -> dict:
     """What the mined files depend on: every setting but where they go and where it runs,
     and the stored versions of the index, the model, the queries and the judgments."""
-    settings = {k: v for k, v in asdict(cfg).items() if k not in ("output", "pool", "ray")}
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("output", "pool", "searchers", "ray")}
     versions = {
         "index": storage.version(storage.join(cfg.index, "manifest.json")),
         "queries": storage.version(cfg.queries),
@@ -256,7 +257,7 @@ def run_mining(cfg: MineConfig) -> dict:
     # as the uninterrupted run did (the length-sorted batches of a block are its own).
     vectors = encode_queries(cfg.encoder, [queries[q] for q in todo_qids], cfg.pool, block=block)
     search_start = time.perf_counter()
-    with ShardedIndex(cfg.index, nprobe=cfg.nprobe, pool=cfg.pool) as index:
+    with ShardedIndex(cfg.index, nprobe=cfg.nprobe, searchers=cfg.searchers) as index:
         qrels = read_qrels_of_corpus(cfg.qrels, index.holds, set(queries))
         answered = index.search_blocks(vectors, min(cfg.depth, index.total), block=block)
         answer_hits: dict[str, set[str]] = {}

@@ -21,7 +21,7 @@ from pipeline.data.corpus_ids import CorpusIds, id_keys
 from pipeline.data.text_shards import group_shards, read_text_load
 from pipeline.retrieval.fanout import SERVER_RESTARTS, ShardActors
 
-SERVER_CPUS = 0.01  # a token share, as searchers take (see pipeline.retrieval.search.searcher_options)
+SERVER_CPUS = 0.01  # a token share, as searchers take (see pipeline.retrieval.search.plan_searchers)
 PROCESS_BYTES = 512 * 2**20
 TEXT_OVERHEAD = 2  # a shard's texts, and the ids and their sort order: about twice the text bytes
 

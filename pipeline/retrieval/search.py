@@ -1,13 +1,10 @@
-"""Index building and search on Ray: one actor per index shard, queries fanned out, top-k merged.
+"""Search on Ray: searcher actors sized by the hardware, queries fanned out, top-k merged.
 
-Building: embedding shards are grouped into index shards (``embedding_shards_per_index``
-at a time); a memory plan is printed and checked before anything is built; each index
-shard is built by its own Ray task, trained on one seeded sample of the whole corpus so
-every shard shares the same quantiser statistics, and persisted with a manifest.
-
-Searching: each :class:`ShardSearcher` actor loads one index shard, and the doc ids of its
-rows, and answers top-k for a block of query vectors as (scores, rows, ids); the driver
-merges the per-shard top-k into the exact global top-k (``pipeline.retrieval.fanout``). With
+Index shards are built by ``pipeline.retrieval.index_build``. A :class:`IndexSearcher`
+actor loads a contiguous run of them (one searcher per GPU, or as many as the memory per
+searcher needs on CPUs, whatever the number of shards), with the doc ids of their rows,
+and answers top-k for a block of query vectors as (scores, rows, ids); the driver merges
+the searchers' top-k into the exact global top-k (``pipeline.retrieval.fanout``). With
 exact (Flat) shards the result is the brute-force one. The driver never holds the corpus's
 ids: a query block's results arrive as ids, and "is this id in the corpus" (a qrels check)
 is asked of the searchers.
@@ -17,50 +14,90 @@ from __future__ import annotations
 
 import math
 import resource
+from dataclasses import dataclass, field
 
 import faiss
 import numpy as np
 import ray
 
 from pipeline.core import storage
-from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.errors import ArtifactError
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval import faiss_index
-from pipeline.retrieval.fanout import SERVER_RESTARTS, ShardFanout
+from pipeline.retrieval.fanout import SERVER_RESTARTS, ShardFanout, merge_topk
 
-SEARCHER_CPUS = 0.01  # see searcher_options
+SEARCHER_CPUS = 0.01  # see plan_searchers
 PROCESS_BYTES = 512 * 2**20  # a searcher's own footprint besides its index (Python, FAISS, Ray)
 
 
-class ShardSearcher:
-    """A Ray actor serving one index shard, from host memory or from its GPU."""
+@dataclass
+class SearcherConfig:
+    """The processes that hold a stage's index, sized by the hardware, not by the index's
+    shards (88 of them at 8.8M passages): one per GPU with ``use_gpu``, else as many as the
+    memory per searcher needs. Each holds a contiguous run of index shards."""
 
-    def __init__(self, index_uri: str, embeddings: str, entry: dict, nprobe: int, threads: int, use_gpu: bool):
+    use_gpu: bool = field(
+        default=False,
+        metadata={"help": "searchers hold their shards on GPUs, one searcher per GPU (encoders have their own pool)"},
+    )
+    searchers: int = field(
+        default=0,
+        metadata={
+            "help": "searcher processes; 0 = one per GPU of the cluster with use_gpu (1 while none is up), else as many as --memory_gb asks"
+        },
+    )
+    memory_gb: float = field(
+        default=0, metadata={"help": "index memory per CPU searcher; 0 = half of the largest node's memory"}
+    )
+
+    def __post_init__(self):
+        if self.searchers < 0 or self.memory_gb < 0:
+            raise ValueError(f"searchers and memory_gb must be >= 0, got {self.searchers}, {self.memory_gb}")
+
+
+class IndexSearcher:
+    """A Ray actor serving a contiguous run of index shards, from host memory or from its
+    GPU, answering for them as one: the exact top-k over its shards."""
+
+    def __init__(
+        self,
+        index_uri: str,
+        embeddings: str,
+        entries: list[dict],
+        nprobe: int,
+        threads: int,
+        use_gpu: bool,
+        metric: str,
+    ):
         faiss.omp_set_num_threads(max(1, threads))
-        self.index = faiss_index.load_index(storage.join(index_uri, entry["path"]))
+        self.indexes = [faiss_index.load_index(storage.join(index_uri, entry["path"])) for entry in entries]
         shards = emb.load_manifest(embeddings)["shards"]
-        self.ids = CorpusIds.read(embeddings, [shards[i] for i in entry["embedding_shards"]])
-        self._gpu = None  # FAISS's GPU resources live as long as the index on the GPU
+        # The run's embedding shards follow on without a gap: one id table for all.
+        self.ids = CorpusIds.read(embeddings, [shards[i] for entry in entries for i in entry["embedding_shards"]])
+        self._gpu = None  # FAISS's GPU resources (one scratch space) live as long as the indexes
         if use_gpu:
-            self.index, self._gpu = faiss_index.searcher_to_gpu(self.index)
-        self.nprobe = nprobe
+            for i, index in enumerate(self.indexes):
+                self.indexes[i], self._gpu = faiss_index.searcher_to_gpu(index, self._gpu)
+        self.nprobe, self.metric, self.shards = nprobe, metric, len(entries)
+        self.total = sum(int(index.ntotal) for index in self.indexes)
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(scores, corpus rows, doc ids as bytes; b"" for padding), each (queries, k)."""
-        scores, rows = faiss_index.search_shard(self.index, queries, min(k, self.index.ntotal), self.nprobe)
+        found = [faiss_index.search_shard(index, queries, min(k, index.ntotal), self.nprobe) for index in self.indexes]
+        scores, rows = found[0] if len(found) == 1 else merge_topk(found, min(k, self.total), self.metric)
         return scores, rows, self.ids.id_bytes(rows)
 
     def holds(self, doc_ids: np.ndarray) -> np.ndarray:
         return self.ids.holds(doc_ids)
 
     def stats(self) -> dict:
-        """What this shard holds, where, what Ray reserved for it, and the peak memory of
+        """What this searcher holds, where, what Ray reserved for it, and the peak memory of
         its process (for sizing)."""
 
         return {
-            "vectors": int(self.index.ntotal),
+            "shards": self.shards,
+            "vectors": self.total,
             "id_bytes": int(self.ids.nbytes),
             "on_gpu": self._gpu is not None,
             "reserved": ray.get_runtime_context().get_assigned_resources(),
@@ -69,35 +106,58 @@ class ShardSearcher:
         }
 
 
-def searcher_options(manifest: dict, pool: ActorConfig | None) -> list[dict]:
-    """What each shard's searcher reserves from Ray.
+def _largest_node_memory() -> float:
+    """Ray's memory resource of the largest alive node (what one process could be given)."""
+    return max((n["Resources"].get("memory", 0) for n in ray.nodes() if n["Alive"]), default=0)
 
-    - Memory: the index planner's estimate of the shard, plus the process. Ray then places
-      searchers only where their shards fit, never piling a 25 GiB index on the head.
+
+def plan_searchers(manifest: dict, cfg: SearcherConfig, cluster: dict | None = None) -> list[tuple[list[dict], dict]]:
+    """The searchers of an index: for each, its contiguous run of index shards and what it
+    reserves from Ray. How many: ``cfg.searchers``; else one per GPU of the cluster with
+    ``use_gpu`` (one while no GPU is up: the autoscaler adds GPUs for the searchers asked
+    for, not a GPU per shard); else as many as hold the index at ``cfg.memory_gb`` each.
+    Never more than the shards.
+
+    - Memory: the index planner's estimate of its shards, plus the process. Ray then places
+      a searcher only where its shards fit, never piling a 25 GiB index on the head.
     - CPU: a token share. Any CPU keeps a searcher off a node that advertises none (the
-      head, on our clusters); a whole CPU each would leave shards unscheduled, and every
-      search hanging, whenever shards outnumber free CPUs.
-    - GPU, with ``pool.use_gpu``: ``pool.gpus_per_actor``, shared out when the cluster has
-      fewer GPUs than shards (every shard must be up for a search to finish).
+      head, on our clusters); a whole CPU each could leave searchers unscheduled, and every
+      search hanging, on a node whose CPUs the encoders or trainers hold.
+    - GPU, with ``use_gpu``: one each, shared out when more searchers are asked for than
+      the cluster has GPUs (every searcher must be up for a search to finish).
     """
     shards = manifest["shards"]
-    plan = faiss_index.plan_memory(
-        manifest["factory"], manifest["dim"], [s["vectors"] for s in shards], manifest["metric"]
-    )
-    gpus = 0.0
-    if pool is not None and pool.use_gpu:
-        gpus = pool.gpus_per_actor
-        available = ray.cluster_resources().get("GPU", 0)
-        if available:  # none yet: an autoscaler adds GPU nodes for the request as it stands
-            gpus = min(gpus, math.floor(available / len(shards) * 1e4) / 1e4)
-    return [{"num_cpus": SEARCHER_CPUS, "num_gpus": gpus, "memory": row["bytes"] + PROCESS_BYTES} for row in plan]
+    sizes = [
+        row["bytes"]
+        for row in faiss_index.plan_memory(
+            manifest["factory"], manifest["dim"], [s["vectors"] for s in shards], manifest["metric"]
+        )
+    ]
+    cluster = ray.cluster_resources() if cluster is None else cluster
+    gpus = cluster.get("GPU", 0)
+    if cfg.searchers:
+        count = cfg.searchers
+    elif cfg.use_gpu:
+        count = max(1, int(gpus))
+    else:
+        budget = cfg.memory_gb * 2**30 or _largest_node_memory() / 2
+        count = math.ceil(sum(sizes) / budget) if budget else 1
+    count = max(1, min(count, len(shards)))
+    share = 0.0
+    if cfg.use_gpu:
+        share = min(1.0, math.floor(gpus / count * 1e4) / 1e4) if gpus else 1.0
+    plan = []
+    for run in np.array_split(np.arange(len(shards)), count):
+        memory = sum(sizes[i] for i in run) + PROCESS_BYTES
+        plan.append(([shards[i] for i in run], {"num_cpus": SEARCHER_CPUS, "num_gpus": share, "memory": memory}))
+    return plan
 
 
 class ShardedIndex(ShardFanout):
-    """The driver's handle on a persisted sharded index: one searcher actor per shard,
-    each reserving what it holds (:func:`searcher_options`)."""
+    """The driver's handle on a persisted sharded index: its searcher actors, each holding
+    a run of shards and reserving what it holds (:func:`plan_searchers`)."""
 
-    def __init__(self, index_uri: str, nprobe: int = 32, pool: ActorConfig | None = None, threads: int = 1):
+    def __init__(self, index_uri: str, nprobe: int = 32, searchers: SearcherConfig | None = None, threads: int = 1):
         self.uri = storage.resolve(index_uri).uri
         self.manifest = faiss_index.load_index_manifest(self.uri)
         self.metric = self.manifest["metric"]
@@ -108,13 +168,14 @@ class ShardedIndex(ShardFanout):
                 f"{storage.join(self.uri, stale[0])}: built before index shards recorded their embedding shards; "
                 "rebuild the index (jobs/index.py)"
             )
-        self.options = searcher_options(self.manifest, pool)
-        searcher = ray.remote(ShardSearcher)
+        plan = plan_searchers(self.manifest, searchers or SearcherConfig())
+        self.options = [options for _, options in plan]
+        searcher = ray.remote(IndexSearcher)
         self.actors = [
             searcher.options(**options, **SERVER_RESTARTS).remote(
-                self.uri, self.manifest["embeddings"], s, nprobe, threads, options["num_gpus"] > 0
+                self.uri, self.manifest["embeddings"], entries, nprobe, threads, options["num_gpus"] > 0, self.metric
             )
-            for s, options in zip(self.manifest["shards"], self.options)
+            for entries, options in plan
         ]
 
     def search_blocks(self, queries: np.ndarray, k: int, **kwargs):

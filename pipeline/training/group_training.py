@@ -283,6 +283,7 @@ def evaluation_job(cfg, export_dir: str) -> EvaluateJobConfig:
         k=cfg.eval.k,
         output=storage.join(cfg.train.output, "eval"),
         pool=cfg.eval.pool,
+        searchers=cfg.eval.searchers,
         docs_per_shard=cfg.corpus.docs_per_shard,
     )
 

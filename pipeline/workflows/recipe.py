@@ -292,6 +292,7 @@ def _mine(ctx: StageContext, stage: str, retriever_stage: str) -> dict:
                 precision=cfg.eval.precision,
             ),
             pool=cfg.eval.pool,
+            searchers=cfg.eval.searchers,
         )
     )
     return {

@@ -25,6 +25,7 @@ from pipeline.core.sample import (
 from pipeline.data.corpus_store import CorpusStore
 from pipeline.retrieval.encode import EncoderSettings
 from pipeline.retrieval.evaluate import EvalConfig, EvaluateJobConfig, run_evaluation
+from pipeline.retrieval.search import SearcherConfig
 from pipeline.training.finetune import FinetuneConfig, run_finetuning
 from pipeline.training.group_training import EncoderInit, FinetuneCorpusConfig, FinetuneDataConfig
 from pipeline.training.train_config import TrainConfig, embedded_train
@@ -61,7 +62,8 @@ class EvalStage:
             "help": "encoding precision: auto (fp16 on GPU, fp32 on CPU), fp32, fp16 or bf16 (bf16 autocast also speeds up CPUs with AMX)"
         },
     )
-    pool: ActorConfig = field(default_factory=ActorConfig)
+    pool: ActorConfig = field(default_factory=ActorConfig)  # the encoders
+    searchers: SearcherConfig = field(default_factory=SearcherConfig)
 
 
 def corpus_store(data: RetrievalData, output: str) -> CorpusStore:
@@ -108,6 +110,7 @@ def evaluate_dev(
             k=k,
             output=folder,
             pool=settings.pool,
+            searchers=settings.searchers,
             nprobe=settings.nprobe,
             docs_per_shard=data.docs_per_shard,
         )

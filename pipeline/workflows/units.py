@@ -38,6 +38,7 @@ OPERATIONAL_KEYS = frozenset(
         "data_trace",
         "tracker",
         "pool",
+        "searchers",
         "ray",
     }
 )
