@@ -11,6 +11,7 @@ is exact. This module needs neither FAISS nor torch.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -100,6 +101,7 @@ def ranked_ids(ids: np.ndarray) -> list[str]:
 # flight: a query block asked of a dead server is answered once, by its successor. Only
 # system failures are retried: an exception raised by the server's own code fails the call.
 SERVER_RESTARTS = {"max_restarts": -1, "max_task_retries": -1}
+BLOCKS_IN_FLIGHT = 3  # query blocks asked of the searchers ahead of the one being merged
 
 
 def query_block(shards: int) -> int:
@@ -146,14 +148,28 @@ class ShardFanout(ShardActors):
         block = block or query_block(len(self.actors))
         check_k(k, self.total)
         starts = range(0, len(queries), block) if only is None else [b * block for b in only]
+
+        def ask(start: int) -> tuple[int, int, list]:
+            part = queries[start : start + block]
+            part_ref = ray.put(part)  # once, shared by every actor
+            return start, len(part), [a.search.remote(part_ref, k, **options) for a in self.actors]
+
+        # BLOCKS_IN_FLIGHT blocks are asked ahead, so the actors search the next ones while
+        # the driver merges and writes this one; answers are still taken in block order.
+        asked: deque = deque()
         with progress(sum(len(queries[s : s + block]) for s in starts), self.label, "queries") as bar:
             for start in starts:
-                part = queries[start : start + block]
-                part_ref = ray.put(part)  # once, shared by every shard
-                results = ray.get([a.search.remote(part_ref, k, **options) for a in self.actors])
-                scores, rows, ids = merge_topk(results, k, self.metric, self.total)
-                yield start, scores, rows, ids
-                bar.update(len(part))
+                asked.append(ask(start))
+                if len(asked) == BLOCKS_IN_FLIGHT:
+                    yield from self._answer(*asked.popleft(), k, bar)
+            while asked:
+                yield from self._answer(*asked.popleft(), k, bar)
+
+    def _answer(self, start: int, size: int, refs: list, k: int, bar):
+        """One asked block, merged over the actors' answers; counted once the caller is done with it."""
+        scores, rows, ids = merge_topk(ray.get(refs), k, self.metric, self.total)
+        yield start, scores, rows, ids
+        bar.update(size)
 
     def holds(self, doc_ids: list[str]) -> set[str]:
         """Which of ``doc_ids`` the corpus holds, asked of the shards (each knows its own)."""
