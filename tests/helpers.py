@@ -21,6 +21,7 @@ import os
 import random
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from pipeline.core import storage
@@ -226,6 +227,18 @@ class PlainEngine:
 
     def backward(self, loss):
         loss.backward()
+
+
+def assert_same_loss_and_gradients(
+    result: tuple[float, dict[str, torch.Tensor]], reference: tuple[float, dict[str, torch.Tensor]]
+) -> None:
+    """Two ``(loss, {parameter: gradient})`` of one model computed two ways (e.g. SDPA and
+    eager attention): the loss within 1e-5 relative, every gradient within fp32 noise."""
+    (loss, grads), (ref_loss, ref_grads) = result, reference
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert grads.keys() == ref_grads.keys() and grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-5)
 
 
 def save_tiny_bert(out_dir: str, texts: list[str], seed: int = 0, **config_overrides) -> str:

@@ -19,7 +19,7 @@ from models.biencoder import (
     load_settings,
     pool,
 )
-from tests.helpers import PlainEngine, random_word_batch, tiny_mlm, tiny_vocab
+from tests.helpers import PlainEngine, assert_same_loss_and_gradients, random_word_batch, tiny_mlm, tiny_vocab
 
 
 def encoder(seed: int = 0):
@@ -210,11 +210,7 @@ def test_sdpa_attention_equals_eager_in_loss_and_gradients(chunk):
             tower.set_attn_implementation(attention)
         loss, _ = contrastive_backward(PlainEngine(model), batch, group_size=3, chunk_size=chunk)
         results[attention] = float(loss), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    (sdpa_loss, sdpa_grads), (eager_loss, eager_grads) = results["sdpa"], results["eager"]
-    assert sdpa_loss == pytest.approx(eager_loss, rel=1e-5)
-    assert sdpa_grads.keys() == eager_grads.keys()
-    for name, grad in sdpa_grads.items():
-        torch.testing.assert_close(grad, eager_grads[name], rtol=1e-4, atol=1e-5)
+    assert_same_loss_and_gradients(results["sdpa"], results["eager"])
 
 
 def test_backward_loss_is_the_hand_formula_on_the_encoded_batch():

@@ -28,7 +28,7 @@ from pipeline.core.errors import StorageError
 from pipeline.data.stream import frame
 from pipeline.data.tokenizer import load_tokenizer
 from pipeline.retrieval.rerank_scoring import RerankScoreConfig, run_scoring
-from tests.helpers import PlainEngine, save_tiny_bert
+from tests.helpers import PlainEngine, assert_same_loss_and_gradients, save_tiny_bert
 
 N_DOCS, N_QUERIES = 40, 12
 
@@ -169,11 +169,7 @@ def test_sdpa_attention_equals_eager_in_loss_and_gradients(tiny_reranker):
         copied.model.set_attn_implementation(attention)
         loss, _ = listwise_backward(PlainEngine(copied), batch, group_size=4)
         results[attention] = float(loss), {n: p.grad for n, p in copied.named_parameters() if p.grad is not None}
-    (sdpa_loss, sdpa_grads), (eager_loss, eager_grads) = results["sdpa"], results["eager"]
-    assert sdpa_loss == pytest.approx(eager_loss, rel=1e-5)
-    assert sdpa_grads.keys() == eager_grads.keys()
-    for name, grad in sdpa_grads.items():
-        torch.testing.assert_close(grad, eager_grads[name], rtol=1e-4, atol=1e-5)
+    assert_same_loss_and_gradients(results["sdpa"], results["eager"])
 
 
 def test_export_loads_as_an_hf_classifier_and_a_sentence_transformers_cross_encoder(tiny_reranker, tmp_path):
