@@ -44,7 +44,7 @@ class SearcherConfig:
     searchers: int = field(
         default=0,
         metadata={
-            "help": "searcher processes; 0 = one per GPU of the cluster with use_gpu (1 while none is up), else as many as --memory_gb asks"
+            "help": "searcher processes; 0 = one per GPU of the cluster with use_gpu (1 while none is up), else as many as memory_gb asks"
         },
     )
     memory_gb: float = field(
