@@ -100,13 +100,13 @@ def _build_one(
     return record
 
 
-def _builds_on_gpu(cfg: IndexConfig, dim: int) -> bool:
+def _builds_on_gpu(cfg: IndexConfig, dim: int, cluster_gpus: float) -> bool:
     """Whether the build tasks reserve a GPU: ``always``; or ``auto`` for an index that
     trains (IVF, PQ: k-means is where a GPU pays) on a cluster that has GPUs. A Flat index
     only copies vectors, so it is built on CPUs."""
     if cfg.use_gpu != "auto":
         return cfg.use_gpu == "always"
-    return bool(ray.cluster_resources().get("GPU")) and faiss_index.needs_training(cfg.factory, dim, cfg.metric)
+    return bool(cluster_gpus) and faiss_index.needs_training(cfg.factory, dim, cfg.metric)
 
 
 def _made_by(cfg: IndexJobConfig, folder: str) -> dict:
@@ -144,9 +144,10 @@ def run_indexing(cfg: IndexJobConfig) -> dict:
     parts.claim(output, made_by, ("shards", faiss_index.MANIFEST), "index shard files")
     built = _built(output)  # a rerun builds only the shards it lacks
     todo = [j for j in range(len(groups)) if j not in built]
-    gpu = _builds_on_gpu(cfg.index, dim)
+    cluster_gpus = ray.cluster_resources().get("GPU", 0)
+    gpu = _builds_on_gpu(cfg.index, dim, cluster_gpus)
     task = {"num_cpus": 1, "num_gpus": 1} if gpu else {"num_cpus": cfg.cpus_per_task}
-    if not gpu and ray.cluster_resources().get("GPU"):  # a cluster without GPUs has none to hide
+    if not gpu and cluster_gpus:  # a cluster without GPUs has none to hide
         task["runtime_env"] = NO_GPU  # (a worker of its own: not the pool's idle ones)
     # Each task sees only what it reserved: a GPU build uses that GPU, a CPU one none.
     index_cfg = replace(cfg.index, use_gpu=cfg.index.use_gpu if gpu else "never")
