@@ -79,7 +79,7 @@ class IndexSearcher:
         if use_gpu:
             for i, index in enumerate(self.indexes):
                 self.indexes[i], self._gpu = faiss_index.searcher_to_gpu(index, self._gpu)
-        self.nprobe, self.metric, self.shards = nprobe, metric, len(entries)
+        self.nprobe, self.metric = nprobe, metric
         self.total = sum(int(index.ntotal) for index in self.indexes)
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -96,7 +96,7 @@ class IndexSearcher:
         its process (for sizing)."""
 
         return {
-            "shards": self.shards,
+            "shards": len(self.indexes),
             "vectors": self.total,
             "id_bytes": int(self.ids.nbytes),
             "on_gpu": self._gpu is not None,
