@@ -11,8 +11,14 @@ While each job runs, a sampler reads every second the peak resident memory (VmHW
 of every Ray actor (ray::EncoderActor, ray::IndexSearcher). Prints one JSON line per size and
 the driver's peak-memory ratio 10M/1M (the goal: at most 1.2).
 
+With --compare_fanin, each size is mined twice over the same index: first with the fan-in
+as it was (a searcher per index shard, one query block asked at a time, merged and written
+by the driver), then as jobs run it now (searchers planned by memory, blocks asked ahead,
+each merged and written by a Ray task). Each reports the driver's share of the search's
+wall time: the time it was busy rather than waiting (the goal: at most 0.2).
+
 Usage: python bench/bench_mining_scale.py [--sizes 1000000,3000000,10000000] [--queries 100000]
-       [--workdir /tmp/mining-scale] [--json out.json]
+       [--rows_per_shard 500000] [--compare_fanin] [--workdir /tmp/mining-scale] [--json out.json]
 Disk: about 2 GB per million passages (vectors + index), removed after each size.
 """
 
@@ -41,13 +47,13 @@ ROWS_PER_SHARD = 500_000
 GIB = 2**30
 
 
-def write_corpus(folder: str, n: int, seed: int = 0) -> None:
+def write_corpus(folder: str, n: int, rows_per_shard: int = ROWS_PER_SHARD, seed: int = 0) -> None:
     """Clustered vectors (as embeddings are), generated and written one shard at a time."""
     rng = np.random.default_rng(seed)
     centers = rng.standard_normal((1024, DIM)).astype(np.float32)
     entries = []
-    for i, start in enumerate(range(0, n, ROWS_PER_SHARD)):
-        rows = np.arange(start, min(n, start + ROWS_PER_SHARD))
+    for i, start in enumerate(range(0, n, rows_per_shard)):
+        rows = np.arange(start, min(n, start + rows_per_shard))
         vectors = centers[rng.integers(len(centers), size=len(rows))]
         vectors += 0.6 * rng.standard_normal((len(rows), DIM), dtype=np.float32)
         entries.append(emb.write_shard(folder, i, rows, [f"p{r}" for r in rows], vectors))
@@ -145,12 +151,22 @@ def run_sampled(argv: list[str], log: Path) -> dict:
     return {"seconds": round(seconds, 1), "peak_gib": by_kind, "summary": summary}
 
 
-def bench_size(n: int, n_queries: int, work: Path, model: str, queries: str, qrels: str, factory: str) -> dict:
+def bench_size(
+    n: int,
+    n_queries: int,
+    work: Path,
+    model: str,
+    queries: str,
+    qrels: str,
+    factory: str,
+    rows_per_shard: int,
+    compare_fanin: bool,
+) -> dict:
     folder = work / f"corpus-{n}"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     started = time.perf_counter()
-    write_corpus(str(folder / "emb"), n)
+    write_corpus(str(folder / "emb"), n, rows_per_shard)
     write_s = time.perf_counter() - started
     python = sys.executable
     index = run_sampled(
@@ -170,33 +186,42 @@ def bench_size(n: int, n_queries: int, work: Path, model: str, queries: str, qre
         ],
         folder / "index.log",
     )
-    mine = run_sampled(
-        [
-            python,
-            "jobs/mine.py",
-            "--index",
-            str(folder / "index"),
-            "--queries",
-            queries,
-            "--qrels",
-            qrels,
-            "--output",
-            str(folder / "mined"),
-            "--encoder.model",
-            model,
-            "--encoder.pooling",
-            "cls",
-            "--pool.actors",
-            "1",
-            "--nprobe",
-            "16",
-            "--depth",
-            "200",
-            "--count",
-            "30",
-        ],
-        folder / "mine.log",
-    )
+    mine_args = [
+        python,
+        "jobs/mine.py",
+        "--index",
+        str(folder / "index"),
+        "--queries",
+        queries,
+        "--qrels",
+        qrels,
+        "--encoder.model",
+        model,
+        "--encoder.pooling",
+        "cls",
+        "--pool.actors",
+        "1",
+        "--nprobe",
+        "16",
+        "--depth",
+        "200",
+        "--count",
+        "30",
+    ]
+    fanins = {}
+    if compare_fanin:
+        # The fan-in as it was before 2026-11-24: a searcher per index shard, one block asked
+        # at a time, merged and written by the driver while every searcher waited.
+        per_shard = run_sampled(
+            mine_args
+            + ["--output", str(folder / "mined-per-shard"), "--searchers.blocks_in_flight", "1"]
+            + ["--write_in_tasks", "false"]
+            + ["--searchers.searchers", str(index["summary"]["shards"])],
+            folder / "mine-per-shard.log",
+        )
+        fanins["per_shard_unpipelined"] = per_shard["summary"]
+    mine = run_sampled(mine_args + ["--output", str(folder / "mined")], folder / "mine.log")
+    fanins["planned_pipelined"] = mine["summary"]
     mined_lines = sum(1 for _ in open(folder / "mined" / "negatives.jsonl"))
     shutil.rmtree(folder)
     return {
@@ -214,6 +239,17 @@ def bench_size(n: int, n_queries: int, work: Path, model: str, queries: str, qre
         "searcher_peak_gib": sorted(mine["peak_gib"].get("IndexSearcher", [])),
         "negatives_lines": mined_lines,
         "negatives_per_query": mine["summary"]["negatives_per_query"],
+        "searchers": len(mine["peak_gib"].get("IndexSearcher", [])),
+        # Of the search's wall time, the share the driver spent merging and writing rather
+        # than waiting on the searchers, for each fan-in run on the same index and queries.
+        "fanin": {
+            name: {
+                "search_s": summary["search_seconds"],
+                "driver_share": summary["search_driver_share"],
+                "blocks": summary["blocks"],
+            }
+            for name, summary in fanins.items()
+        },
     }
 
 
@@ -224,6 +260,17 @@ def main() -> None:
     parser.add_argument("--factory", default="IVF4096,SQ8")
     parser.add_argument("--workdir", default="/tmp/mining-scale")
     parser.add_argument("--json", default="")
+    parser.add_argument(
+        "--rows_per_shard",
+        type=int,
+        default=ROWS_PER_SHARD,
+        help="rows per embedding shard (the index has two embedding shards per index shard)",
+    )
+    parser.add_argument(
+        "--compare_fanin",
+        action="store_true",
+        help="also mine with the old fan-in (a searcher per index shard, one block at a time), side by side",
+    )
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -233,7 +280,11 @@ def main() -> None:
     model = random_encoder(work / "encoder", queries)
     rows = []
     for n in sizes:
-        rows.append(bench_size(n, args.queries, work, model, queries, qrels, args.factory))
+        rows.append(
+            bench_size(
+                n, args.queries, work, model, queries, qrels, args.factory, args.rows_per_shard, args.compare_fanin
+            )
+        )
         print(json.dumps(rows[-1]), flush=True)
     by_size = {r["passages"]: r for r in rows}
     if len(rows) > 1:

@@ -9,8 +9,11 @@ same work on the node's CPU, measured side by side in one run.
            faiss.index_cpu_to_gpu), same index file, same queries; and how many of the CPU's
            top-k the GPU returns
 
-Usage: python bench/bench_retrieval_gpu.py [--parts encode,search] [--json out.json]
-       [--corpus nave/corpus.jsonl] [--vectors 2000000] [--queries 20000]
+Usage: python bench/bench_retrieval_gpu.py [--parts encode,search,faiss] [--json out.json]
+       [--corpus nave/corpus.jsonl] [--vectors 2000000] [--dim 384] [--queries 20000]
+       [--factories Flat,IVF4096,SQ8,IVF4096,PQ48] [--devices cpu,gpu]
+Issue 35's figures: --parts search,faiss --vectors 1000000 --dim 768 --factories Flat,IVF4096,SQ8;
+then --vectors 10000000 --dim 384 where the GPU's memory allows.
 """
 
 from __future__ import annotations
@@ -98,7 +101,12 @@ def bench_encode(corpus: Path, cpu_passages: int, cpus: int) -> list[dict]:
     return rows
 
 
-def bench_search(n: int, dim: int, n_queries: int, k: int, factories: list[str], cpus: int) -> list[dict]:
+DEVICES = {"cpu": None, "gpu": SearcherConfig(use_gpu=True, searchers=1)}
+
+
+def bench_search(
+    n: int, dim: int, n_queries: int, k: int, factories: list[str], cpus: int, devices: list[str]
+) -> list[dict]:
     vectors, queries = clustered(n, dim, 0), clustered(n_queries, dim, 1)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -117,7 +125,8 @@ def bench_search(n: int, dim: int, n_queries: int, k: int, factories: list[str],
             build_s = time.perf_counter() - started
             row: dict = {"factory": factory, "vectors": n, "dim": dim, "queries": n_queries, "k": k}
             results = {}
-            for device, searchers in (("cpu", None), ("gpu", SearcherConfig(use_gpu=True, searchers=1))):
+            for device in devices:
+                searchers = DEVICES[device]
                 with ShardedIndex(f"{tmp}/index-{factory}", nprobe=32, searchers=searchers, threads=cpus) as index:
                     index.search(queries[:100], k)  # warm: actor up, shard loaded (and moved)
                     started = time.perf_counter()
@@ -128,17 +137,20 @@ def bench_search(n: int, dim: int, n_queries: int, k: int, factories: list[str],
                 row[f"{device}_on_gpu"] = stats["on_gpu"]
                 row[f"{device}_peak_rss_gib"] = round(stats["peak_rss_bytes"] / 2**30, 2)
                 results[device] = found
-            row["gpu_vs_cpu"] = round(row["gpu_queries_per_s"] / row["cpu_queries_per_s"], 1)
-            row["same_topk"] = round(
-                float(np.mean([len(set(a) & set(b)) / k for a, b in zip(results["cpu"], results["gpu"])])), 4
-            )
+            if len(results) == 2:
+                row["gpu_vs_cpu"] = round(row["gpu_queries_per_s"] / row["cpu_queries_per_s"], 1)
+                row["same_topk"] = round(
+                    float(np.mean([len(set(a) & set(b)) / k for a, b in zip(results["cpu"], results["gpu"])])), 4
+                )
             row["build_s"] = round(build_s, 1)
             rows.append(row)
             print(json.dumps({"search": row}), flush=True)
     return rows
 
 
-def bench_faiss(n: int, dim: int, n_queries: int, k: int, factories: list[str], cpus: int) -> list[dict]:
+def bench_faiss(
+    n: int, dim: int, n_queries: int, k: int, factories: list[str], cpus: int, devices: list[str]
+) -> list[dict]:
     """The searchers' own calls (build, move to the GPU, search) in this process, no Ray:
     the device figures alone, when Ray itself is in question."""
     import faiss
@@ -153,20 +165,23 @@ def bench_faiss(n: int, dim: int, n_queries: int, k: int, factories: list[str], 
         index = build_index_shard(
             vectors, np.arange(n), factory, train_vectors=sample_vectors(vectors, 200_000), use_gpu="never"
         )
-        row: dict = {"factory": factory, "vectors": n, "queries": n_queries, "k": k, "build_s": 0.0}
+        row: dict = {"factory": factory, "vectors": n, "dim": dim, "queries": n_queries, "k": k}
         row["build_s"] = round(time.perf_counter() - started, 1)
         found = {}
-        gpu_index, resources = searcher_to_gpu(index)
-        for device, searched in (("cpu", index), ("gpu", gpu_index)):
+        on_device = {"cpu": index}
+        if "gpu" in devices:
+            on_device["gpu"], resources = searcher_to_gpu(index)
+        for device, searched in on_device.items():
             search_shard(searched, queries[:100], k, 32)
             started = time.perf_counter()
             _, found[device] = search_shard(searched, queries, k, 32)
             row[f"{device}_queries_per_s"] = round(n_queries / (time.perf_counter() - started), 1)
-        row["gpu_vs_cpu"] = round(row["gpu_queries_per_s"] / row["cpu_queries_per_s"], 1)
-        row["same_topk"] = round(
-            float(np.mean([len(set(a) & set(b)) / k for a, b in zip(found["cpu"], found["gpu"])])), 4
-        )
-        del gpu_index, resources
+        if len(found) == 2:
+            row["gpu_vs_cpu"] = round(row["gpu_queries_per_s"] / row["cpu_queries_per_s"], 1)
+            row["same_topk"] = round(
+                float(np.mean([len(set(a) & set(b)) / k for a, b in zip(found["cpu"], found["gpu"])])), 4
+            )
+        del on_device
         rows.append(row)
         print(json.dumps({"faiss": row}), flush=True)
     return rows
@@ -181,25 +196,35 @@ def main() -> None:
     parser.add_argument("--vectors", type=int, default=2_000_000)
     parser.add_argument("--queries", type=int, default=20_000)
     parser.add_argument("--factories", default="Flat,IVF4096,SQ8,IVF4096,PQ48")
+    parser.add_argument("--dim", type=int, default=384, help="vector width of the search and faiss parts")
+    parser.add_argument(
+        "--devices", default="cpu,gpu", help="search and faiss parts: cpu alone checks the command on a CPU machine"
+    )
     args = parser.parse_args()
+    import faiss
     import ray
     import torch
 
-    if not torch.cuda.is_available():
-        sys.exit("bench_retrieval_gpu.py needs a CUDA device")
+    devices = args.devices.split(",")
+    if "gpu" in devices and not torch.cuda.is_available():
+        sys.exit("bench_retrieval_gpu.py needs a CUDA device (or --devices cpu --parts search,faiss)")
     cpus = os.cpu_count() or 1
     ray.init(num_cpus=cpus, num_gpus=torch.cuda.device_count(), log_to_driver="search" in args.parts)
-    results: dict = {"device": torch.cuda.get_device_name(0), "cpu_cores": cpus}
+    results: dict = {
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "cpu_cores": cpus,
+        "versions": {"faiss": faiss.__version__, "torch": torch.__version__, "ray": ray.__version__},
+    }
     parts = args.parts.split(",")
     if "encode" in parts:
         results["encode"] = bench_encode(Path(args.corpus), args.cpu_passages, cpus)
     if "search" in parts:
         # "IVF4096,SQ8" holds a comma: the list is split on the factories' known starts.
         factories = [f for f in args.factories.replace(",IVF", ";IVF").replace(",Flat", ";Flat").split(";") if f]
-        results["search"] = bench_search(args.vectors, 384, args.queries, 100, factories, cpus)
+        results["search"] = bench_search(args.vectors, args.dim, args.queries, 100, factories, cpus, devices)
     if "faiss" in parts:
         factories = [f for f in args.factories.replace(",IVF", ";IVF").replace(",Flat", ";Flat").split(";") if f]
-        results["faiss"] = bench_faiss(args.vectors, 384, args.queries, 100, factories, cpus)
+        results["faiss"] = bench_faiss(args.vectors, args.dim, args.queries, 100, factories, cpus, devices)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -13,6 +13,7 @@ from conftest import synthetic_docs
 from models.biencoder import load_biencoder
 from pipeline.core import model_ref, storage
 from pipeline.data.beir import positives, read_qrels
+from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.runs import read_negatives
 from pipeline.training.finetune import FinetuneConfig, run_finetuning
 from pipeline.training.group_training import prepare_group_training
@@ -131,8 +132,11 @@ def test_tevatron_training_file_with_its_own_passages(tiny_bert, tmp_path, share
     assert cfg.train.max_steps == 4 and len(prepared.examples) == 16  # 16 groups, 4 a step
     # Only the passages the file names: 16 positives and their negatives ids[1:21].
     assert prepared.manifest["num_docs"] == 21
-    assert [e.positives for e in prepared.examples] == [[ids[i]] for i in range(16)]
-    assert [e.negatives for e in prepared.examples] == [ids[i + 1 : i + 6] for i in range(16)]
+    # The driver keeps the examples as corpus rows, in the file's order.
+    corpus_ids = CorpusIds.read(cfg.corpus.output, prepared.manifest["shards"])
+    assert [corpus_ids.ids(e.positives) for e in prepared.examples] == [[ids[i]] for i in range(16)]
+    assert [corpus_ids.ids(e.negatives) for e in prepared.examples] == [ids[i + 1 : i + 6] for i in range(16)]
+    assert prepared.examples.query_ids == [f"q{i}" for i in range(16)]
 
     # With prefixes, every query is tokenized behind its prefix, and passages get the passage
     # prefix's token ids in front (the group stream's framing is tested in test_group_stream).
@@ -141,7 +145,7 @@ def test_tevatron_training_file_with_its_own_passages(tiny_bert, tmp_path, share
     tokenizer = load_tokenizer(tiny_bert)
     word = docs[ids[0]].split()[0]
     prefixed = prepare_group_training(cfg, 4, query_prefix=f"{word}: ", passage_prefix=f"{word} {word}: ")
-    want = tokenizer([f"{word}: {e.query}" for e in prefixed.examples], add_special_tokens=False)["input_ids"]
+    want = tokenizer([f"{word}: {e.query}" for e in examples], add_special_tokens=False)["input_ids"]
     assert [q.tolist() for q in prefixed.stream.query_ids] == [w[:8] for w in want]
     assert prefixed.stream.spec.passage_prefix == tuple(
         tokenizer(f"{word} {word}: ", add_special_tokens=False)["input_ids"]

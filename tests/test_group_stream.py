@@ -94,7 +94,8 @@ def test_the_stream_keeps_the_planned_order_across_epochs_and_resumes_with_the_r
     """Every epoch's groups come in their planned order, epochs one after another, and the
     stream rebuilt from a checkpoint's position is the rest of the whole one (what makes a
     resumed fine-tuning run equal an uninterrupted one)."""
-    from pipeline.data.group_stream import GroupStream, examples_as_rows
+    from pipeline.data.examples import ExampleRows
+    from pipeline.data.group_stream import GroupStream
     from pipeline.data.position import DataPosition, write_pointer
 
     uri, manifest, tokens = corpus
@@ -104,7 +105,7 @@ def test_the_stream_keeps_the_planned_order_across_epochs_and_resumes_with_the_r
         corpus=uri, group_size=3, query_max_len=8, passage_max_len=12, seed=5, cls_id=2, sep_id=3, pad_id=0
     )
     corpus_ids = CorpusIds.read(uri, manifest["shards"])
-    rows = examples_as_rows(examples, corpus_ids)
+    rows = ExampleRows.from_examples(examples, corpus_ids)
     queries = [np.arange(q + 1, dtype=np.int32) + 10 for q in range(20)]
     run_dir = str(tmp_path / "run")
 

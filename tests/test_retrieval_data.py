@@ -2,11 +2,13 @@ import gzip
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pipeline.core import storage
 from pipeline.core.errors import InputError
 from pipeline.data.beir import read_qrels, read_queries
+from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import (
     DataStats,
     TrainExample,
@@ -184,15 +186,16 @@ def test_beir_to_tevatron_round_trip(tmp_path):
     examples, _ = build_training_examples(queries, qrels, NEGATIVES)
     negatives = str(tmp_path / "beir" / "neg.jsonl")
     write_negatives([(q, [d for d in NEGATIVES[q]], None) for q in ("q1", "q4")], negatives)
-    assert (
-        load_training_examples(
-            str(tmp_path / "beir" / "queries.jsonl"),
-            str(tmp_path / "beir" / "qrels.tsv"),
-            negatives,
-            doc_ids={f"d{i}" for i in range(1, 6)},
-        )[0]
-        == examples
+    # Read from files, the same examples as corpus rows (and the same counts).
+    corpus_ids = CorpusIds.from_strings(f"d{i}" for i in range(1, 6))
+    rows, row_stats = load_training_examples(
+        str(tmp_path / "beir" / "queries.jsonl"), str(tmp_path / "beir" / "qrels.tsv"), negatives, corpus_ids
     )
+    assert [
+        TrainExample(e.query_id, e.query, corpus_ids.ids(e.positives), corpus_ids.ids(e.negatives)) for e in rows
+    ] == examples
+    assert row_stats == build_training_examples(queries, qrels, NEGATIVES)[1]
+    assert rows.negatives.dtype == np.int32 and len(rows.negatives) == 2
     lookup = passage_lookup(corpus)
     out = str(tmp_path / "tev" / "train.jsonl.gz")
     assert write_tevatron(examples, lookup, out) == 2

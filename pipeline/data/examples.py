@@ -8,14 +8,19 @@ Ray Data, so that no worker has to hold the whole corpus.
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
+import numpy as np
+
 from pipeline.core import storage
+from pipeline.core.errors import InputError
 from pipeline.data.beir import positives, read_qrels, read_queries
 from pipeline.data.corpus import MAX_SKIPPED_EXAMPLES
-from pipeline.data.runs import read_negatives, read_trec_run
+from pipeline.data.corpus_ids import CorpusIds, id_keys
+from pipeline.data.records import line_error
+from pipeline.data.runs import iter_negatives, iter_trec_run
 
 
 @dataclass
@@ -24,9 +29,8 @@ class TrainExample:
     trainer then relies on in-batch negatives).
 
     ``scores``, for distillation, holds a teacher's score of every passage, aligned with
-    ``[*positives, *negatives]``: a flat list (an array once the ids become corpus rows)
-    rather than a mapping, because millions of queries with hundreds of scored candidates
-    each must fit in the driver.
+    ``[*positives, *negatives]``. Jobs hold many examples as :class:`ExampleRows`, whose
+    items are these with corpus rows (arrays) for ids.
     """
 
     query_id: str
@@ -64,6 +68,195 @@ class DataStats:
         return asdict(self)
 
 
+# A corpus row: int32 holds 2 billion passages, and a third less of distillation's arrays
+# than int64 (MS MARCO: 101M scored candidates, 8 bytes each with their scores).
+ROW = np.int32
+
+
+class ExampleRows:
+    """Training examples with corpus rows for passage ids, in flat arrays: no Python object
+    per passage. Example ``i``'s positives are ``positives[positive_offsets[i]:positive_offsets[i + 1]]``,
+    its negatives likewise, and its teacher scores (distillation) the positives' then the
+    negatives' at ``positive_offsets[i] + negative_offsets[i]``. MS MARCO's distillation
+    (502k queries, 200 scored candidates each) holds 0.8 GB here, where lists of ids and
+    scores took about 10 GB. Indexing gives a :class:`TrainExample` of array views."""
+
+    def __init__(
+        self,
+        query_ids: list[str],
+        queries: list[str],
+        positive_offsets: np.ndarray,
+        positives: np.ndarray,
+        negative_offsets: np.ndarray,
+        negatives: np.ndarray,
+        scores: np.ndarray | None = None,
+    ):
+        self.query_ids, self.queries = query_ids, queries
+        self.positive_offsets, self.positives = positive_offsets, positives
+        self.negative_offsets, self.negatives = negative_offsets, negatives
+        self.scores = scores
+
+    def __len__(self) -> int:
+        return len(self.query_ids)
+
+    def __getitem__(self, i: int) -> TrainExample:
+        p0, p1 = self.positive_offsets[i], self.positive_offsets[i + 1]
+        n0, n1 = self.negative_offsets[i], self.negative_offsets[i + 1]
+        scores = None if self.scores is None else self.scores[p0 + n0 : p1 + n1]
+        query = self.queries[i] if self.queries else ""
+        return TrainExample(self.query_ids[i], query, self.positives[p0:p1], self.negatives[n0:n1], scores)
+
+    def __iter__(self) -> Iterator[TrainExample]:
+        return (self[i] for i in range(len(self)))
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.positive_offsets, self.positives, self.negative_offsets, self.negatives, self.scores)
+        return sum(a.nbytes for a in arrays if a is not None)
+
+    def without_text(self) -> "ExampleRows":
+        """The same examples without their query texts (once tokenized, a trainer needs none)."""
+        return ExampleRows(
+            self.query_ids,
+            [],
+            self.positive_offsets,
+            self.positives,
+            self.negative_offsets,
+            self.negatives,
+            self.scores,
+        )
+
+    def take(self, order: np.ndarray) -> "ExampleRows":
+        """The examples at ``order``, in that order."""
+        order = np.asarray(order, dtype=np.int64)  # (a builder reorders as it builds: ExampleRowsBuilder.build)
+        pos_offsets, pos = _gather(self.positive_offsets, self.positives, order)
+        neg_offsets, neg = _gather(self.negative_offsets, self.negatives, order)
+        scores = None
+        if self.scores is not None:
+            _, scores = _gather(self.positive_offsets + self.negative_offsets, self.scores, order)
+        queries = [self.queries[i] for i in order] if self.queries else []
+        return ExampleRows([self.query_ids[i] for i in order], queries, pos_offsets, pos, neg_offsets, neg, scores)
+
+    @classmethod
+    def from_examples(cls, examples: Iterable[TrainExample], corpus_ids: CorpusIds, source: str = "") -> "ExampleRows":
+        """Examples by passage id (read, or streamed one at a time) as corpus rows; an id
+        the corpus lacks is an error naming its query (and ``source``)."""
+        builder = ExampleRowsBuilder(corpus_ids)
+        where = f" ({source})" if source else ""
+        for ex in examples:
+            try:
+                pos, neg = corpus_ids.rows(list(ex.positives)), corpus_ids.rows(list(ex.negatives))
+            except KeyError as missing:
+                raise InputError(
+                    f"query {ex.query_id!r}{where}: passage {missing.args[0]!r} is not in the corpus"
+                ) from None
+            if ex.scores is not None and len(ex.scores) != len(pos) + len(neg):
+                raise InputError(
+                    f"query {ex.query_id!r}{where}: {len(ex.scores)} teacher scores for {len(pos) + len(neg)} passages"
+                )
+            builder.add(ex.query_id, ex.query, pos, neg, ex.scores)
+        return builder.build()
+
+
+def _gather(
+    offsets: np.ndarray, values: np.ndarray, order: np.ndarray, block: int = 1024
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ragged rows ``order`` of (offsets, values), as new (offsets, values). Gathered
+    ``block`` rows at a time: an index over every value would be the largest array here."""
+    if np.array_equal(order, np.arange(len(offsets) - 1)):
+        return offsets, values
+    lengths = (offsets[1:] - offsets[:-1])[order]
+    new_offsets = np.zeros(len(order) + 1, np.int64)
+    np.cumsum(lengths, out=new_offsets[1:])
+    out = np.empty(new_offsets[-1], values.dtype)
+    for a in range(0, len(order), block):
+        b = min(a + block, len(order))
+        shift = offsets[:-1][order[a:b]] - new_offsets[a:b]
+        out[new_offsets[a] : new_offsets[b]] = values[
+            np.repeat(shift, lengths[a:b]) + np.arange(new_offsets[a], new_offsets[b])
+        ]
+    return new_offsets, out
+
+
+class ExampleRowsBuilder:
+    """:class:`ExampleRows` one example at a time, the pending examples' arrays joined into
+    one chunk every ``CHUNK`` passages: few small arrays pending, and no more held twice."""
+
+    CHUNK = 65_536
+
+    def __init__(self, corpus_ids: CorpusIds):
+        if len(corpus_ids) > np.iinfo(ROW).max:
+            raise InputError(f"{corpus_ids.source}: {len(corpus_ids):,} passages, more than a corpus row can number")
+        self.query_ids: list[str] = []
+        self.queries: list[str] = []
+        self._chunks: list[tuple[np.ndarray, ...]] = []  # (pos lengths, pos, neg lengths, neg, scores)
+        self._pending: list[tuple] = []
+        self._pending_passages = 0
+        self._scored: bool | None = None
+
+    def add(self, query_id: str, query: str, positives: np.ndarray, negatives: np.ndarray, scores=None) -> None:
+        scored = scores is not None
+        if self._scored is None:
+            self._scored = scored
+        elif scored != self._scored:
+            raise InputError(
+                f"query {query_id!r} {'carries' if scored else 'lacks'} teacher scores, unlike the examples "
+                "before it: all or none must carry them"
+            )
+        self.query_ids.append(query_id)
+        self.queries.append(query)
+        self._pending.append((positives, negatives, scores))
+        self._pending_passages += len(positives) + len(negatives)
+        if self._pending_passages >= self.CHUNK:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        pos, neg, scores = zip(*self._pending)
+        self._chunks.append(
+            (
+                np.array([len(p) for p in pos], np.int64),
+                np.concatenate(pos).astype(ROW, copy=False),
+                np.array([len(n) for n in neg], np.int64),
+                np.concatenate(neg).astype(ROW, copy=False),
+                np.concatenate(scores).astype(np.float32, copy=False) if self._scored else None,
+            )
+        )
+        self._pending, self._pending_passages = [], 0
+
+    def build(self, order: np.ndarray | None = None) -> ExampleRows:
+        """The examples added, or those at ``order`` in that order (as :meth:`ExampleRows.take`,
+        without holding every array twice: each is joined, then reordered, one at a time)."""
+        self._flush()
+        chunks, self._chunks = [list(chunk) for chunk in self._chunks], []
+
+        def pop(i: int, dtype) -> np.ndarray:
+            parts = [chunk[i] for chunk in chunks]
+            for chunk in chunks:
+                chunk[i] = None
+            return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+
+        def offsets(lengths: np.ndarray) -> np.ndarray:
+            out = np.zeros(len(lengths) + 1, np.int64)
+            np.cumsum(lengths, out=out[1:])
+            return out
+
+        def ordered(offsets: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            return (offsets, values) if order is None else _gather(offsets, values, order)
+
+        positive_offsets, negative_offsets = offsets(pop(0, np.int64)), offsets(pop(2, np.int64))
+        scores = None
+        if self._scored:
+            _, scores = ordered(positive_offsets + negative_offsets, pop(4, np.float32))
+        positive_offsets, positives = ordered(positive_offsets, pop(1, ROW))
+        negative_offsets, negatives = ordered(negative_offsets, pop(3, ROW))
+        query_ids, queries = self.query_ids, self.queries
+        if order is not None:
+            query_ids, queries = [query_ids[i] for i in order], [queries[i] for i in order]
+        return ExampleRows(query_ids, queries, positive_offsets, positives, negative_offsets, negatives, scores)
+
+
 def build_training_examples(
     queries: dict[str, str],
     qrels: dict[str, dict[str, int]],
@@ -98,16 +291,39 @@ def _judged_queries(
 
 
 def load_training_examples(
-    queries: str,
-    qrels: str,
-    negatives: str = "",
-    doc_ids: Container[str] | None = None,
-) -> tuple[list[TrainExample], DataStats]:
-    """Read and validate BEIR queries + qrels (+ a negatives jsonl) and join them, as above.
-    With ``doc_ids``, qrels and negatives naming other documents are errors."""
+    queries: str, qrels: str, negatives: str, corpus_ids: CorpusIds
+) -> tuple[ExampleRows, DataStats]:
+    """Read and validate BEIR queries + qrels (+ a negatives jsonl, streamed a line at a time
+    into arrays) and join them as :func:`build_training_examples` does, as corpus rows: no
+    Python object per negative. Qrels and negatives naming documents outside the corpus
+    are errors at their line."""
     q = read_queries(queries)
-    judged = read_qrels(qrels, doc_ids, set(q))
-    return build_training_examples(q, judged, read_negatives(negatives, doc_ids, set(q)) if negatives else {})
+    judged = read_qrels(qrels, corpus_ids, set(q))
+    mined, mined_at = None, {}  # query id -> its place in mined
+    if negatives:
+        builder = ExampleRowsBuilder(corpus_ids)
+        none = np.zeros(0, ROW)
+        for source, number, qid, ids in iter_negatives(negatives, set(q)):
+            rows = corpus_ids.find(id_keys(ids)) if ids else none
+            unknown = np.flatnonzero(rows < 0)
+            if len(unknown):
+                raise line_error(source, number, f"unknown document id {ids[unknown[0]]!r} (not in the corpus)")
+            mined_at[qid] = len(builder.query_ids)
+            builder.add(qid, "", none, rows)
+        mined = builder.build()
+    stats = DataStats()
+    examples = ExampleRowsBuilder(corpus_ids)
+    for qid, text, pos in _judged_queries(q, judged, stats):
+        positive_rows = corpus_ids.rows(pos)
+        negative_rows = mined[mined_at[qid]].negatives if qid in mined_at else np.zeros(0, ROW)
+        judged_positive = np.isin(negative_rows, positive_rows)
+        for row in negative_rows[judged_positive]:
+            stats.count("dropped_negative_is_positive", f"{qid}:{corpus_ids.ids([row])[0]}")
+        if judged_positive.all():
+            stats.count("no_negatives", qid)
+        examples.add(qid, text, positive_rows, negative_rows[~judged_positive])
+    stats.examples = len(examples.query_ids)
+    return examples.build(), stats
 
 
 @dataclass
@@ -124,55 +340,84 @@ class DistillDataStats(DataStats):
 def build_distillation_examples(
     queries: dict[str, str],
     qrels: dict[str, dict[str, int]],
-    teacher_run: dict[str, list[tuple[str, float, int]]],
+    teacher_run: Iterable[tuple[str, list[tuple[str, float, int]]]],
+    corpus_ids: CorpusIds,
     depth: int = 0,
     source: str = "",
-) -> tuple[list[TrainExample], DistillDataStats]:
-    """One scored example per query (in ``queries`` order) with at least one positive.
+) -> tuple[ExampleRows, DistillDataStats]:
+    """One scored example per query (in ``queries`` order) with at least one positive, as
+    corpus rows.
 
-    ``teacher_run`` is :func:`read_trec_run`'s, best first. Positives come from the qrels;
-    negatives are the scored candidates that are not judged positive, best first by teacher
-    score, the first ``depth`` kept (0 = all); ``scores`` holds the teacher's score of every
-    positive and negative. Skipped and counted: a query without a positive, one absent from
-    the run (the teacher may score a sample of the queries), and one whose candidates are
-    all positives. A judged positive missing from its query's scores is an error: the
-    scoring stage scores every judged positive of a query it scores, so the run is one of
-    other qrels (``source`` names it).
+    ``teacher_run`` gives each query's candidates a query at a time, best first, as
+    :func:`iter_trec_run` streams them: (query id, [(doc id, score, line), ...]). Only one
+    query's candidates are ever held as Python objects; the kept ones go into arrays.
+    Positives come from the qrels; negatives are the scored candidates that are not judged
+    positive, best first by teacher score, the first ``depth`` kept (0 = all); ``scores``
+    holds the teacher's score of every positive and negative. Skipped and counted: a query
+    without a positive, one absent from the run (the teacher may score a sample of the
+    queries), and one whose candidates are all positives. Errors (``source`` names the run):
+    a candidate outside the corpus (at its line), and a judged positive missing from its
+    query's scores (the scoring stage scores every judged positive of a query it scores, so
+    the run is one of other qrels).
     """
-    stats = DistillDataStats()
-    examples = []
-    for qid, text, pos in _judged_queries(queries, qrels, stats):
-        ranked = teacher_run.get(qid)
-        if ranked is None:
-            stats.count("skipped_not_scored", qid)
-            continue
-        scored = {d: score for d, score, _ in ranked}
-        missing = [d for d in pos if d not in scored]
+    where = f" in {source}" if source else ""
+    builder = ExampleRowsBuilder(corpus_ids)
+    outcome: dict[str, int] = {}  # query id -> its example's place in the builder, -1 if no negative
+    for qid, ranked in teacher_run:
+        ids = [d for d, _, _ in ranked]
+        rows = corpus_ids.find(id_keys(ids))
+        unknown = np.flatnonzero(rows < 0)
+        if len(unknown):
+            first = min(unknown, key=lambda i: ranked[i][2])
+            raise line_error(source, ranked[first][2], f"unknown document id {ids[first]!r} (not in the corpus)")
+        pos = positives(qrels.get(qid, {}))
+        if not pos:
+            continue  # counted below, in the queries' order
+        scores = np.fromiter((score for _, score, _ in ranked), np.float32, len(ranked))
+        at = {d: i for i, d in enumerate(ids)}
+        missing = [d for d in pos if d not in at]
         if missing:
-            where = f" in {source}" if source else ""
             raise ValueError(
                 f"query {qid!r}: judged positive {missing[0]!r} has no teacher score{where} (the "
                 "scoring stage scores every judged positive: is the run of these qrels?)"
             )
-        judged = set(pos)
-        negatives = [d for d, _, _ in ranked if d not in judged][: depth or None]
-        if not negatives:
-            stats.count("skipped_no_scored_negative", qid)
+        judged = np.array([at[d] for d in pos], np.int64)
+        candidates = np.flatnonzero(~np.isin(np.arange(len(ids)), judged))[: depth or None]
+        if not len(candidates):
+            outcome[qid] = -1
             continue
-        examples.append(TrainExample(qid, text, pos, negatives, [scored[d] for d in pos + negatives]))
-    stats.examples = len(examples)
-    return examples, stats
+        outcome[qid] = len(builder.query_ids)
+        builder.add(
+            qid, queries[qid], rows[judged], rows[candidates], np.concatenate([scores[judged], scores[candidates]])
+        )
+
+    stats = DistillDataStats()
+    order = []
+    for qid, _, _ in _judged_queries(queries, qrels, stats):
+        kept = outcome.get(qid)
+        if kept is None:
+            stats.count("skipped_not_scored", qid)
+        elif kept < 0:
+            stats.count("skipped_no_scored_negative", qid)
+        else:
+            order.append(kept)
+    stats.examples = len(order)
+    return builder.build(np.array(order, np.int64)), stats
 
 
 def load_distillation_examples(
-    queries: str, qrels: str, teacher_scores: str, depth: int = 0, doc_ids: Container[str] | None = None
-) -> tuple[list[TrainExample], DistillDataStats]:
-    """Read and validate BEIR queries + qrels and the teacher's TREC run, and join them as in
-    :func:`build_distillation_examples`. With ``doc_ids``, ids outside the corpus are errors."""
+    queries: str, qrels: str, teacher_scores: str, corpus_ids: CorpusIds, depth: int = 0
+) -> tuple[ExampleRows, DistillDataStats]:
+    """Read and validate BEIR queries + qrels, stream the teacher's TREC run a query at a
+    time, and join them as in :func:`build_distillation_examples`: the driver's memory grows
+    with the kept candidates' arrays (8 bytes each), not with the run's lines as objects.
+    The run must list each query's lines together, as the scoring stage writes it."""
     q = read_queries(queries)
-    judged = read_qrels(qrels, doc_ids, set(q))
-    run = read_trec_run(teacher_scores, query_ids=set(q), doc_ids=doc_ids)
-    return build_distillation_examples(q, judged, run, depth, storage.resolve(teacher_scores).uri)
+    judged = read_qrels(qrels, corpus_ids, set(q))
+    source = storage.resolve(teacher_scores).uri
+    return build_distillation_examples(
+        q, judged, iter_trec_run(teacher_scores, query_ids=set(q)), corpus_ids, depth, source
+    )
 
 
 def clean_negatives(qid: str, negs: list[str], pos: set[str], stats: DataStats) -> list[str]:

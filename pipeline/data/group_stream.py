@@ -30,7 +30,7 @@ import ray
 from pipeline.core import storage
 from pipeline.core.errors import InputError
 from pipeline.data.corpus_ids import CorpusIds
-from pipeline.data.examples import TrainExample
+from pipeline.data.examples import ExampleRows, TrainExample
 from pipeline.data.groups import select_group_with_sources
 from pipeline.data.position import read_position
 from pipeline.data.shards import check_shards, load_manifest, shard_dataset
@@ -68,31 +68,8 @@ class EpochGroups:
     teacher_scores: np.ndarray | None = None  # (E, group_size) float32, aligned with corpus_rows
 
 
-def examples_as_rows(examples: list[TrainExample], corpus_ids: CorpusIds, source: str = "") -> list[TrainExample]:
-    """The examples with passage ids replaced by corpus rows (int64 arrays), so that epoch
-    plans need no id index: a corpus of millions of ids is looked up once, here."""
-    out = []
-    where = f" ({source})" if source else ""
-    for ex in examples:
-        try:
-            pos, neg = corpus_ids.rows(list(ex.positives)), corpus_ids.rows(list(ex.negatives))
-        except KeyError as missing:
-            raise InputError(
-                f"query {ex.query_id!r}{where}: passage {missing.args[0]!r} is not in the corpus"
-            ) from None
-        scores = None
-        if ex.scores is not None:
-            scores = np.asarray(ex.scores, dtype=np.float32)
-            if scores.shape != (len(pos) + len(neg),):
-                raise InputError(
-                    f"query {ex.query_id!r}{where}: {scores.size} teacher scores for {len(pos) + len(neg)} passages"
-                )
-        out.append(TrainExample(ex.query_id, "", pos, neg, scores))
-    return out
-
-
 def plan_epoch(
-    examples: list[TrainExample],
+    examples: ExampleRows | list[TrainExample],
     epoch: int,
     spec: GroupSpec,
     corpus_ids: CorpusIds | None = None,
@@ -102,12 +79,12 @@ def plan_epoch(
     """Every example's group for ``epoch`` (as corpus rows), in a seeded random order,
     leaving out the example rows in ``skip_rows`` (consumed before a resume).
 
-    Examples hold passage ids looked up in ``corpus_ids``, or (``corpus_ids=None``)
-    corpus rows already (:func:`examples_as_rows`), with ``num_rows`` the corpus size.
+    Examples are :class:`ExampleRows`, with ``num_rows`` the corpus size, or (with
+    ``corpus_ids``) examples by passage id, looked up there.
     When the examples carry teacher scores, so does the plan, aligned with its groups.
     """
     if corpus_ids is not None:
-        examples = examples_as_rows(examples, corpus_ids, spec.corpus)
+        examples = ExampleRows.from_examples(examples, corpus_ids, spec.corpus)
         num_rows = len(corpus_ids)
     rng = np.random.default_rng([spec.seed, epoch])
     order = rng.permutation(len(examples))
@@ -115,9 +92,9 @@ def plan_epoch(
         order = order[~np.isin(order, skip_rows)]
     # Queries without negatives draw from a seeded sample of the corpus.
     fallback = []
-    if any(not len(examples[row].negatives) for row in order):
+    if (np.diff(examples.negative_offsets)[order] == 0).any():
         fallback = rng.choice(num_rows, size=min(1000, num_rows), replace=False).tolist()
-    scored = _carry_scores(examples)
+    scored = examples.scores is not None
     groups = np.zeros((len(order), spec.group_size), dtype=np.int64)
     teacher = np.zeros((len(order), spec.group_size), dtype=np.float32) if scored else None
     for position, row in enumerate(order):
@@ -130,18 +107,6 @@ def plan_epoch(
                 )
             teacher[position] = np.asarray(example.scores)[sources]
     return EpochGroups(order.astype(np.int64), groups, teacher)
-
-
-def _carry_scores(examples: list[TrainExample]) -> bool:
-    """Whether the examples carry teacher scores: all of them, or none."""
-    scored = sum(ex.scores is not None for ex in examples)
-    if 0 < scored < len(examples):
-        unscored = next(ex.query_id for ex in examples if ex.scores is None)
-        raise InputError(
-            f"{scored} of {len(examples)} examples carry teacher scores, but query {unscored!r} "
-            "does not: all or none must"
-        )
-    return bool(scored)
 
 
 _RESOLVED: dict[str, object] = {}
@@ -263,11 +228,11 @@ class GroupStream:
     Like :class:`pipeline.data.stream.TrainingStream`, each call (first start, restart after a
     failure, re-run of the job) reads the data position of the checkpoint Ray Train will
     restore and builds every remaining epoch, leaving out the example rows it consumed.
-    It holds ids only: examples as corpus rows, and the query token ids.
+    It holds ids only: examples as corpus rows (:class:`ExampleRows`), and the query token ids.
     """
 
     def __init__(
-        self, spec: GroupSpec, examples: list[TrainExample], query_ids: list, epochs: int, num_rows: int, run_dir: str
+        self, spec: GroupSpec, examples: ExampleRows, query_ids: list, epochs: int, num_rows: int, run_dir: str
     ):
         self.spec, self.examples, self.query_ids = spec, examples, query_ids
         self.epochs, self.num_rows, self.run_dir = epochs, num_rows, run_dir
@@ -297,6 +262,6 @@ class GroupStream:
             "epoch": 0,
             "source_rows": np.zeros(0, np.int64),
         }
-        if _carry_scores(self.examples):
+        if self.examples.scores is not None:
             row["d_teacher_scores"] = np.zeros(g, np.float32)
         return ray.data.from_items([row]).limit(0)

@@ -29,6 +29,17 @@ def read_negatives(
 ) -> dict[str, list[str]]:
     """Negatives jsonl -> {query id: [doc id, ...]} in ranked order (``scores`` is not kept)."""
     negatives: dict[str, list[str]] = {}
+    for source, number, qid, ids in iter_negatives(uri, query_ids):
+        unknown = [d for d in ids if doc_ids is not None and d not in doc_ids]
+        if unknown:
+            raise line_error(source, number, f"unknown document id {unknown[0]!r} (not in the corpus)")
+        negatives[qid] = ids
+    return negatives
+
+
+def iter_negatives(uri: str, query_ids: set[str] | None = None) -> Iterator[tuple[str, int, str, list[str]]]:
+    """A negatives jsonl a line at a time: (file, line, query id, ranked doc ids), each line
+    checked (a query id outside ``query_ids`` or seen before, a negative listed twice)."""
     lines: dict[str, int] = {}
     for source, number, obj in json_lines(uri):
         qid = get_field(obj, "query_id", None, source, number)
@@ -41,11 +52,7 @@ def read_negatives(
         ]
         if len(set(ids)) != len(ids):
             raise line_error(source, number, f"query {qid!r} lists a negative twice")
-        unknown = [d for d in ids if doc_ids is not None and d not in doc_ids]
-        if unknown:
-            raise line_error(source, number, f"unknown document id {unknown[0]!r} (not in the corpus)")
-        negatives[qid] = ids
-    return negatives
+        yield source, number, qid, ids
 
 
 def negatives_record(qid: str, ids: list[str], scores: list[float] | None) -> dict:

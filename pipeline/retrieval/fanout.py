@@ -11,6 +11,7 @@ is exact. This module needs neither FAISS nor torch.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Callable, Iterator, Sequence
 
@@ -90,6 +91,13 @@ def read_qrels_of_corpus(
     return read_qrels(uri, doc_ids=holds(doc_ids), query_ids=query_ids)
 
 
+def _merged_then(work: Callable, k: int, metric: str, total: int, args: tuple, *answers):
+    """:meth:`ShardFanout.map_blocks`' task: the answers (Ray resolves the references passed
+    as arguments) merged, then handed to ``work``."""
+    scores, rows, ids = merge_topk(list(answers), k, metric, total)
+    return work(scores, rows, ids, *args)
+
+
 def ranked_ids(ids: np.ndarray) -> list[str]:
     """One query's result ids (a row of :meth:`ShardFanout.search_blocks`), padding dropped."""
     return [d.decode() for d in ids if d]
@@ -132,6 +140,16 @@ class ShardFanout(ShardActors):
     metric: str = "ip"
     total: int  # documents over all shards
     label: str = "search"  # the progress line's name
+    in_flight: int = BLOCKS_IN_FLIGHT
+    # Of the last search_blocks: its wall time, and the part the driver spent waiting for the
+    # actors' answers; the rest is the driver's own (merging, and the caller's writing).
+    searched_s: float = 0.0
+    waited_s: float = 0.0
+
+    def driver_share(self) -> float:
+        """The share of the last search's wall time that the driver was busy, not waiting on
+        the actors: near 1, the driver bounds the search."""
+        return round(1 - self.waited_s / self.searched_s, 4) if self.searched_s else 0.0
 
     def search_blocks(
         self, queries: Sequence, k: int, *, block: int | None = None, only: Sequence[int] | None = None, **options
@@ -154,20 +172,71 @@ class ShardFanout(ShardActors):
             part_ref = ray.put(part)  # once, shared by every actor
             return start, len(part), [a.search.remote(part_ref, k, **options) for a in self.actors]
 
-        # BLOCKS_IN_FLIGHT blocks are asked ahead, so the actors search the next ones while
-        # the driver merges and writes this one; answers are still taken in block order.
+        # in_flight blocks are asked ahead, so the actors search the next ones while the
+        # driver merges and writes this one; answers are still taken in block order.
         asked: deque = deque()
+        began, self.waited_s = time.perf_counter(), 0.0
         with progress(sum(len(queries[s : s + block]) for s in starts), self.label, "queries") as bar:
             for start in starts:
                 asked.append(ask(start))
-                if len(asked) == BLOCKS_IN_FLIGHT:
+                if len(asked) >= self.in_flight:
                     yield from self._answer(*asked.popleft(), k, bar)
             while asked:
                 yield from self._answer(*asked.popleft(), k, bar)
+        self.searched_s = time.perf_counter() - began
+
+    def map_blocks(
+        self,
+        queries: Sequence,
+        k: int,
+        work: Callable,
+        work_args: Callable[[int, int], tuple],
+        *,
+        block: int | None = None,
+        only: Sequence[int] | None = None,
+        task_options: dict | None = None,
+        **options,
+    ) -> Iterator[tuple[int, object]]:
+        """:meth:`search_blocks` with each block's merge and use off the driver: a Ray task
+        gets the actors' answers (by reference: they never pass through the driver), merges
+        them and returns ``work(scores, rows, doc ids, *work_args(start, size))``. Yields
+        (first query, that return value) in block order. The driver only asks and routes,
+        so at scale its merging and writing no longer bound the searchers; with
+        ``in_flight`` blocks asked ahead, up to that many tasks run beside the searches."""
+
+        block = block or query_block(len(self.actors))
+        check_k(k, self.total)
+        starts = range(0, len(queries), block) if only is None else [b * block for b in only]
+        merged_then = ray.remote(_merged_then).options(**{"num_cpus": 1, "max_retries": 3, **(task_options or {})})
+        asked: deque = deque()
+        began, self.waited_s = time.perf_counter(), 0.0
+        with progress(sum(len(queries[s : s + block]) for s in starts), self.label, "queries") as bar:
+
+            def finish(start: int, size: int, ref):
+                waiting = time.perf_counter()
+                result = ray.get(ref)
+                self.waited_s += time.perf_counter() - waiting
+                yield start, result
+                bar.update(size)
+
+            for start in starts:
+                part = queries[start : start + block]
+                part_ref = ray.put(part)
+                answers = [a.search.remote(part_ref, k, **options) for a in self.actors]
+                args = work_args(start, len(part))
+                asked.append((start, len(part), merged_then.remote(work, k, self.metric, self.total, args, *answers)))
+                if len(asked) >= self.in_flight:
+                    yield from finish(*asked.popleft())
+            while asked:
+                yield from finish(*asked.popleft())
+        self.searched_s = time.perf_counter() - began
 
     def _answer(self, start: int, size: int, refs: list, k: int, bar):
         """One asked block, merged over the actors' answers; counted once the caller is done with it."""
-        scores, rows, ids = merge_topk(ray.get(refs), k, self.metric, self.total)
+        waiting = time.perf_counter()
+        answers = ray.get(refs)
+        self.waited_s += time.perf_counter() - waiting
+        scores, rows, ids = merge_topk(answers, k, self.metric, self.total)
         yield start, scores, rows, ids
         bar.update(size)
 

@@ -105,6 +105,12 @@ class MineConfig:
         },
     )
     nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
+    write_in_tasks: bool = field(
+        default=True,
+        metadata={
+            "help": "merge each block's answers and write its files in a Ray task (1 CPU) beside the searches, not on the driver (always on the driver with --answers)"
+        },
+    )
     encoder: EncoderSettings = field(default_factory=EncoderSettings)
     pool: ActorConfig = field(default_factory=ActorConfig)  # the query encoders
     searchers: SearcherConfig = field(default_factory=SearcherConfig)
@@ -191,7 +197,8 @@ def positive_scores(
 def _made_by(cfg: MineConfig) -> dict:
     """What the mined files depend on: every setting but where they go and where it runs,
     and the stored versions of the index, the model, the queries and the judgments."""
-    settings = {k: v for k, v in asdict(cfg).items() if k not in ("output", "pool", "searchers", "ray")}
+    operational = ("output", "pool", "searchers", "ray", "write_in_tasks")
+    settings = {k: v for k, v in asdict(cfg).items() if k not in operational}
     versions = {
         "index": storage.version(storage.join(cfg.index, "manifest.json")),
         "queries": storage.version(cfg.queries),
@@ -202,8 +209,10 @@ def _made_by(cfg: MineConfig) -> dict:
     return {"settings": settings, "versions": versions}
 
 
-def _mine_block(cfg, output, block, queries, qids, qrels, answer_hits, scores, block_ids, ceilings) -> None:
-    """One block's results: its part of every output file, and its counts, each written whole."""
+def _mine_block(scores, rows, block_ids, cfg, output, block, queries, qids, qrels, answer_hits, ceilings) -> None:
+    """One block's results (``rows``, the corpus rows, unused: the files name doc ids): its
+    part of every output file, and its counts, each written whole. On the driver, or in
+    :meth:`ShardFanout.map_blocks`' task with the block's own queries, qrels and ceilings."""
     counts = dict.fromkeys(COUNTS, 0)
     with (
         storage.open_output(part_uri(output, block, "negatives.jsonl")) as neg_out,
@@ -259,13 +268,7 @@ def run_mining(cfg: MineConfig) -> dict:
     search_start = time.perf_counter()
     with ShardedIndex(cfg.index, nprobe=cfg.nprobe, searchers=cfg.searchers) as index:
         qrels = read_qrels_of_corpus(cfg.qrels, index.holds, set(queries))
-        answered = index.search_blocks(vectors, min(cfg.depth, index.total), block=block)
-        answer_hits: dict[str, set[str]] = {}
-        if cfg.answers:  # the filter reads the candidates' texts in one pass over the corpus first
-            answered = list(answered)
-            ranked = {q: ranked_ids(ids) for start, _, _, ids in answered for q, ids in zip(todo_qids[start:], ids)}
-            answer_hits = _answer_hits(cfg, queries, ranked)
-            del ranked
+        depth = min(cfg.depth, index.total)
         ceilings = [float("inf")] * len(todo_qids)
         if cfg.margins:
             ceilings = [
@@ -273,11 +276,41 @@ def run_mining(cfg: MineConfig) -> dict:
                 for p in positive_scores(cfg.index, todo_qids, vectors, qrels, cfg.margin_positive)
             ]
         # The todo blocks are whole blocks (only the last can be short), so the searched
-        # vectors' blocks are the todo blocks, in order.
-        for (start, scores, _, block_ids), b in zip(answered, todo):
-            block_qids = todo_qids[start : start + len(scores)]
-            block_ceilings = ceilings[start : start + len(scores)]
-            _mine_block(cfg, output, b, queries, block_qids, qrels, answer_hits, scores, block_ids, block_ceilings)
+        # vectors' blocks are the todo blocks, in order: a block's vectors start at
+        # (its place in todo) * block.
+        if cfg.write_in_tasks and not cfg.answers:
+
+            def block_args(start: int, size: int) -> tuple:
+                qids = todo_qids[start : start + size]
+                own_queries, own_qrels = {q: queries[q] for q in qids}, {q: qrels.get(q, {}) for q in qids}
+                return (
+                    cfg,
+                    output,
+                    todo[start // block],
+                    own_queries,
+                    qids,
+                    own_qrels,
+                    {},
+                    ceilings[start : start + size],
+                )
+
+            for _ in index.map_blocks(vectors, depth, _mine_block, block_args, block=block):
+                pass
+        else:
+            answered = index.search_blocks(vectors, depth, block=block)
+            answer_hits: dict[str, set[str]] = {}
+            if cfg.answers:  # the filter reads the candidates' texts in one pass over the corpus first
+                answered = list(answered)
+                ranked = {q: ranked_ids(ids) for start, _, _, ids in answered for q, ids in zip(todo_qids[start:], ids)}
+                answer_hits = _answer_hits(cfg, queries, ranked)
+                del ranked
+            for (start, scores, rows, block_ids), b in zip(answered, todo):
+                block_qids = todo_qids[start : start + len(scores)]
+                block_ceilings = ceilings[start : start + len(scores)]
+                _mine_block(
+                    scores, rows, block_ids, cfg, output, b, queries, block_qids, qrels, answer_hits, block_ceilings
+                )
+        driver_share = index.driver_share()
     search_s = time.perf_counter() - search_start
     counts = summed(output, blocks, "counts.json", COUNTS)
     for name in PART_FILES[:3]:
@@ -300,5 +333,6 @@ def run_mining(cfg: MineConfig) -> dict:
         "margin_dropped": counts["margin_dropped"],
         "depth": cfg.depth,
         "search_seconds": round(search_s, 2),  # search, selection and writing, streamed together
+        "search_driver_share": driver_share,  # of the search's wall time, the driver's merging and writing
         "seconds": round(time.perf_counter() - started, 2),
     }

@@ -25,7 +25,7 @@ from pipeline.core.errors import ArtifactError
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval import faiss_index
-from pipeline.retrieval.fanout import SERVER_RESTARTS, ShardFanout, merge_topk
+from pipeline.retrieval.fanout import BLOCKS_IN_FLIGHT, SERVER_RESTARTS, ShardFanout, merge_topk
 
 SEARCHER_CPUS = 0.01  # see plan_searchers
 PROCESS_BYTES = 512 * 2**20  # a searcher's own footprint besides its index (Python, FAISS, Ray)
@@ -50,10 +50,16 @@ class SearcherConfig:
     memory_gb: float = field(
         default=0, metadata={"help": "index memory per CPU searcher; 0 = half of the largest node's memory"}
     )
+    blocks_in_flight: int = field(
+        default=BLOCKS_IN_FLIGHT,
+        metadata={"help": "query blocks asked of the searchers ahead of the one the driver merges; 1 = none ahead"},
+    )
 
     def __post_init__(self):
         if self.searchers < 0 or self.memory_gb < 0:
             raise ValueError(f"searchers and memory_gb must be >= 0, got {self.searchers}, {self.memory_gb}")
+        if self.blocks_in_flight < 1:
+            raise ValueError(f"blocks_in_flight must be >= 1, got {self.blocks_in_flight}")
 
 
 class IndexSearcher:
@@ -168,7 +174,9 @@ class ShardedIndex(ShardFanout):
                 f"{storage.join(self.uri, stale[0])}: built before index shards recorded their embedding shards; "
                 "rebuild the index (jobs/index.py)"
             )
-        plan = plan_searchers(self.manifest, searchers or SearcherConfig())
+        searchers = searchers or SearcherConfig()
+        self.in_flight = searchers.blocks_in_flight
+        plan = plan_searchers(self.manifest, searchers)
         self.options = [options for _, options in plan]
         searcher = ray.remote(IndexSearcher)
         self.actors = [

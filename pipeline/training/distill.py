@@ -21,7 +21,7 @@ from pipeline.core.config import to_dict
 from pipeline.core.errors import ConfigError
 from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.data.corpus_ids import CorpusIds
-from pipeline.data.examples import DistillDataStats, load_distillation_examples
+from pipeline.data.examples import DistillDataStats, ExampleRows, load_distillation_examples
 from pipeline.retrieval.evaluate import EvalConfig
 from pipeline.training.group_training import (
     EncoderInit,
@@ -63,10 +63,11 @@ class DistillConfig:
     ray: RayConfig = field(default_factory=RayConfig)
 
 
-def load_scored_examples(cfg: DistillConfig, doc_ids: CorpusIds) -> tuple[list, DistillDataStats, None]:
-    """``prepare_group_training``'s loader: the examples with their teacher scores."""
+def load_scored_examples(cfg: DistillConfig, corpus_ids: CorpusIds) -> tuple[ExampleRows, DistillDataStats, None]:
+    """``prepare_group_training``'s loader: the examples with their teacher scores, the
+    teacher's run streamed a query at a time into arrays."""
     examples, stats = load_distillation_examples(
-        cfg.data.queries, cfg.data.qrels, cfg.data.teacher_scores, cfg.data.teacher_depth, doc_ids
+        cfg.data.queries, cfg.data.qrels, cfg.data.teacher_scores, corpus_ids, cfg.data.teacher_depth
     )
     return examples, stats, None
 

@@ -19,8 +19,8 @@ from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
 from pipeline.data.beir import read_qrels, read_queries
 from pipeline.data.corpus_ids import CorpusIds
-from pipeline.data.examples import DataStats, load_training_examples
-from pipeline.data.group_stream import GroupSpec, GroupStream, examples_as_rows
+from pipeline.data.examples import DataStats, ExampleRows, load_training_examples
+from pipeline.data.group_stream import GroupSpec, GroupStream
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
 from pipeline.data.tevatron import extract_tevatron_corpus, read_tevatron, tevatron_example
 from pipeline.data.tokenizer import load_tokenizer, prefix_token_ids
@@ -167,16 +167,16 @@ def _bm25_negatives(cfg) -> tuple[str, dict | None]:
     return uri, summary
 
 
-def load_examples(cfg, doc_ids: CorpusIds) -> tuple[list, DataStats, dict | None]:
-    """The training examples (by passage id) and what validation skipped or dropped."""
+def load_examples(cfg, corpus_ids: CorpusIds) -> tuple[ExampleRows, DataStats, dict | None]:
+    """The training examples (as corpus rows) and what validation skipped or dropped."""
     if cfg.data.tevatron:
         stats = DataStats()
-        examples = [tevatron_example(r) for r in read_tevatron(cfg.data.tevatron, stats)]
-        return examples, stats, None
+        records = (tevatron_example(r) for r in read_tevatron(cfg.data.tevatron, stats))
+        return ExampleRows.from_examples(records, corpus_ids, cfg.data.tevatron), stats, None
     negatives, bm25_summary = cfg.data.negatives, None
     if negatives == "bm25":
         negatives, bm25_summary = _bm25_negatives(cfg)
-    examples, stats = load_training_examples(cfg.data.queries, cfg.data.qrels, negatives, doc_ids)
+    examples, stats = load_training_examples(cfg.data.queries, cfg.data.qrels, negatives, corpus_ids)
     return examples, stats, bm25_summary
 
 
@@ -196,7 +196,7 @@ class GroupTraining:
 
     manifest: dict
     tokenizer_uri: str
-    examples: list
+    examples: ExampleRows
     stats: DataStats
     bm25: dict | None
     stream: GroupStream
@@ -231,20 +231,11 @@ def prepare_group_training(
 
     corpus_ids = CorpusIds.read(cfg.corpus.output, manifest["shards"])
     examples, stats, bm25_summary = (load or load_examples)(cfg, corpus_ids)
-    if not examples:
-        raise InputError("no training example: every query lacks a positive (see data_stats)")
-    source = getattr(cfg.data, "tevatron", "") or cfg.data.queries
-    example_rows = examples_as_rows(examples, corpus_ids, source)
     del corpus_ids
-    query_ids = [
-        np.asarray(ids, dtype=np.int32)
-        for ids in tokenizer(
-            [query_prefix + ex.query for ex in examples],
-            add_special_tokens=False,
-            truncation=True,
-            max_length=cfg.data.query_max_len - 2,
-        )["input_ids"]
-    ]
+    if not len(examples):
+        raise InputError("no training example: every query lacks a positive (see data_stats)")
+    query_ids = tokenize_queries(tokenizer, [query_prefix + text for text in examples.queries], cfg.data.query_max_len)
+    examples = examples.without_text()
 
     per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.train.num_workers
     warn_if_a_step_exceeds_an_epoch(cfg.train, len(examples), "training queries")
@@ -264,9 +255,22 @@ def prepare_group_training(
         passage_prefix=tuple(prefix_token_ids(tokenizer, passage_prefix)),
     )
     stream = GroupStream(
-        spec, example_rows, query_ids, epochs, manifest["num_docs"], storage.join(cfg.train.output, "checkpoints")
+        spec, examples, query_ids, epochs, manifest["num_docs"], storage.join(cfg.train.output, "checkpoints")
     )
     return GroupTraining(manifest, tokenizer_uri, examples, stats, bm25_summary, stream, epochs)
+
+
+def tokenize_queries(tokenizer, texts: list[str], max_len: int, chunk: int = 8192) -> list[np.ndarray]:
+    """Each query's token ids (int32, no special tokens, cut to fit ``[CLS] .. [SEP]`` in
+    ``max_len``), tokenized a chunk at a time: the tokenizer's lists of Python ints are held
+    for one chunk only."""
+    out = []
+    for start in range(0, len(texts), chunk):
+        encoded = tokenizer(
+            texts[start : start + chunk], add_special_tokens=False, truncation=True, max_length=max_len - 2
+        )["input_ids"]
+        out.extend(np.asarray(ids, dtype=np.int32) for ids in encoded)
+    return out
 
 
 def evaluation_job(cfg, export_dir: str) -> EvaluateJobConfig:
