@@ -430,7 +430,11 @@ def test_mining_killed_mid_way_resumes_from_its_finished_blocks(encoded, collect
         lambda s, texts, p, block: encoded_queries.append(len(texts)) or encode(s, texts, p, block),
     )
     resumed = mining.run_mining(dataclasses.replace(stopped, write_in_tasks=True))
-    assert written == [0, 1] and (resumed["blocks"], resumed["blocks_resumed"], encoded_queries) == (4, 2, [8])  # blocks 2 and 3
+    assert written == [0, 1] and (resumed["blocks"], resumed["blocks_resumed"], encoded_queries) == (
+        4,
+        2,
+        [8],
+    )  # blocks 2 and 3
     for name in ("negatives.jsonl", "train.tevatron.jsonl", "run.trec"):
         assert (tmp_path / "stopped" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
     assert not (tmp_path / "stopped" / "parts").exists()
