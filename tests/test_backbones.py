@@ -35,16 +35,17 @@ def backbone(request, tmp_path_factory):
     return folder, save_tiny_family(folder, request.param, sample_texts()), request.param
 
 
-def stream_arrays(tokenizer, texts: list[str], span_pairs: bool) -> dict[str, np.ndarray]:
-    """A micro-batch as the stream yields it: ``[CLS] ids [SEP]`` rows and their lengths;
-    coCondenser's as (b, 2, L) pairs of spans (each text's two halves)."""
+def stream_arrays(tokenizer, texts: list[str], span_pairs: bool, width: int = MAX_LEN) -> dict[str, np.ndarray]:
+    """A micro-batch as the stream yields it: ``[CLS] ids [SEP]`` rows (cut to MAX_LEN,
+    framed at ``width``) and their lengths; coCondenser's as (b, 2, width) pairs of spans
+    (each text's two halves)."""
     tokens = [np.asarray(t, np.int32) for t in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     if span_pairs:
         tokens = [half for t in tokens for half in np.array_split(t, 2)]
     chunks = [t[: MAX_LEN - 2] for t in tokens]
-    ids, lengths = frame(chunks, MAX_LEN, tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id)
+    ids, lengths = frame(chunks, width, tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id)
     if span_pairs:
-        return {"input_ids": ids.reshape(-1, 2, MAX_LEN), "length": lengths.reshape(-1, 2)}
+        return {"input_ids": ids.reshape(-1, 2, width), "length": lengths.reshape(-1, 2)}
     return {"input_ids": ids, "length": lengths}
 
 
@@ -112,6 +113,38 @@ def test_sdpa_attention_equals_eager_in_loss_and_gradients(backbone, method):
     default = loss_and_grads(model.lm.config._attn_implementation)
     assert len(default[1]) > 10
     assert_same_loss_and_gradients(default, loss_and_grads("eager"))
+
+
+def test_span_pairs_cut_to_their_longest_span_give_the_full_widths_loss_and_gradients(backbone):
+    """The stream frames coCondenser's spans at max_len (80-token spans in 128 by default);
+    ``make_batch`` cuts every row to the batch's longest span, rounded up to 8, so no layer
+    computes on columns that are padding in every row. The same spans, with the same
+    masked tokens, padded back to the full width, give the same loss and gradients."""
+    folder, tokenizer, _ = backbone
+    cfg = PretrainConfig()
+    cfg.cocondenser.head = ""
+    task = PretrainTask("cocondenser", cfg.cocondenser, BackboneConfig(init=folder), folder, len(tokenizer))
+    torch.manual_seed(0)
+    model = task.build_model().eval()  # no dropout: its draw depends on the width
+    width = 3 * MAX_LEN
+    arrays = stream_arrays(tokenizer, sample_texts(40)[20:28], span_pairs=True, width=width)
+    cut = task.make_batch(arrays, torch.Generator().manual_seed(0))
+    longest = int(arrays["length"].max())
+    assert cut["input_ids"].shape[1] == -(-longest // 8) * 8 < width
+    assert (cut["labels"] >= 0).any() and (arrays["length"] < longest).any()
+    fill = {"input_ids": tokenizer.pad_token_id, "attention_mask": 0, "labels": -100}
+    assert {k for k, v in cut.items() if v.dim() == 2} == set(fill)
+    padded = {
+        k: torch.nn.functional.pad(v, (0, width - v.shape[1]), value=fill[k]) if k in fill else v
+        for k, v in cut.items()
+    }
+
+    def loss_and_grads(batch):
+        model.zero_grad()
+        loss, _ = task.backward(PlainEngine(model), batch)
+        return float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    assert_same_loss_and_gradients(loss_and_grads(cut), loss_and_grads(padded))
 
 
 @pytest.mark.parametrize("skip_from", [1, 3])

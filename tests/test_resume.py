@@ -88,7 +88,8 @@ def test_pretraining_stopped_then_rerun_past_damaged_checkpoints_ends_with_the_u
     checkpoint (12) is then truncated (the listing shows it) and the one before (8) has a
     byte changed (only the worker's hashing shows it). Rerun with the same command, it
     passes both over, resumes from checkpoint 4, and ends with the same losses and weights,
-    its new checkpoints saved beside (not over) the folders Ray Train registered."""
+    its new checkpoints saved beside (not over) the folders Ray Train registered. Each next
+    micro-batch is masked in the collate thread, as on GPUs, which changes none of it."""
     raw = write_jsonl(tmp_path / "raw.jsonl", synthetic_docs(90, seed=7))
 
     def config(name: str) -> pretrain.PretrainConfig:
@@ -100,6 +101,7 @@ def test_pretraining_stopped_then_rerun_past_damaged_checkpoints_ends_with_the_u
         )
         cfg.train = train_settings(str(tmp_path / name), micro_batch_size=8, max_steps=20, checkpoint_every=4)
         cfg.train.log_every, cfg.train.keep_checkpoints, cfg.train.max_failures = 4, 3, 0
+        cfg.train.collate_ahead = "on"  # each next micro-batch masked in a thread: as on GPUs
         return cfg
 
     capfd.readouterr()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.training.deepspeed_config import deepspeed_config
-from pipeline.training.loop import _timed, linear_schedule, param_groups, step_seed
+from pipeline.training.loop import _timed, collated, linear_schedule, param_groups, step_seed
 from pipeline.training.train_config import TrainConfig
 
 IMPORT_PROBE = """
@@ -101,6 +101,37 @@ def test_input_wait_counts_the_time_next_blocks_not_the_consumers():
     elapsed = time.perf_counter() - started
     assert seen == [0, 1, 2]
     assert 0.3 <= waited[0] <= elapsed - 3 * 0.2
+
+
+def test_collating_ahead_gives_the_same_tensors_off_the_steps_critical_path():
+    """``collated`` seeds each micro-batch's generator by its micro-step, ahead or not; ahead,
+    the next batch is made (in a thread) while the step trains on this one."""
+    import threading
+    import time
+
+    events = []
+
+    def make_batch(batch, generator):
+        events.append(("made", batch, threading.current_thread().name))
+        time.sleep(0.05)
+        return {"noise": torch.rand(3, generator=generator)}
+
+    batches = list(range(5))
+    plain = [(b, t["noise"]) for b, t in collated(iter(batches), make_batch, lambda s: 100 + s, 7, ahead=False)]
+    want = [torch.rand(3, generator=torch.Generator().manual_seed(100 + 7 + i)) for i in range(5)]
+    assert [b for b, _ in plain] == batches and all(torch.equal(a, w) for (_, a), w in zip(plain, want))
+
+    events.clear()
+    ahead = []
+    for batch, tensors in collated(iter(batches), make_batch, lambda s: 100 + s, 7, ahead=True):
+        ahead.append((batch, tensors["noise"]))
+        time.sleep(0.05)  # the training step
+        events.append(("stepped", batch, threading.current_thread().name))
+    assert [b for b, _ in ahead] == batches and all(torch.equal(a, w) for (_, a), w in zip(ahead, want))
+    # In the collate thread, batch i + 1 was being made while the step on batch i ran.
+    order = [(what, batch) for what, batch, _ in events]
+    assert all(name.startswith("collate") for what, _, name in events if what == "made")
+    assert all(order.index(("made", i + 1)) < order.index(("stepped", i)) for i in range(4))
 
 
 def test_step_seeds_differ_across_ranks_and_steps():

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 import json
 import logging
@@ -29,6 +30,7 @@ import os
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -121,6 +123,32 @@ def training_batches(shard, train: TrainConfig):
     )
 
 
+def collated(batches, make_batch, seed_of, first_micro_step: int, ahead: bool):
+    """Each micro-batch with its tensors: ``make_batch(batch, generator)``, the generator
+    seeded by ``seed_of(micro_step)``, micro-steps counting from ``first_micro_step``. With
+    ``ahead``, the next batch is made in a thread while the caller trains on this one, so
+    masking and collation leave the step's critical path. The tensors are the same either
+    way: ``make_batch`` draws from its generator only."""
+
+    def make(batch, micro_step: int):
+        return make_batch(batch, torch.Generator().manual_seed(seed_of(micro_step)))
+
+    micro_steps = itertools.count(first_micro_step)
+    if not ahead:
+        for batch in batches:
+            yield batch, make(batch, next(micro_steps))
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="collate") as pool:
+        pending = None
+        for batch in batches:
+            made = pool.submit(make, batch, next(micro_steps))
+            if pending is not None:
+                yield pending[0], pending[1].result()
+            pending = (batch, made)
+        if pending is not None:
+            yield pending[0], pending[1].result()
+
+
 def _timed(batches, waited: list[float]):
     """``batches``, adding the time each ``next`` blocks to ``waited[0]``."""
     iterator = iter(batches)
@@ -156,10 +184,10 @@ def train_worker(config: dict) -> dict:
         return {"user_error": storage.read_json(marker)}
     try:
         run = WorkerRun(config)
-        for batch in run.batches():
+        for batch, tensors in run.batches():
             if run.state.step >= run.train.max_steps:
                 break
-            run.train_on(batch)
+            run.train_on(batch, tensors)
         return run.finish()
     except DETERMINISTIC as exc:
         storage.write_json(marker, {"kind": type(exc).__name__, "message": str(exc)})
@@ -263,24 +291,28 @@ class WorkerRun:
         self.epochs = np.zeros(0, dtype=np.int64)  # the last batch's epochs
 
     def batches(self):
-        """This worker's micro-batches, timed."""
+        """This worker's micro-batches with their tensors (:func:`collated`), the wait for
+        each timed."""
         batches = training_batches(ray.train.get_dataset_shard("train"), self.train)
         if self.config.get("replay_batches"):
             # Benchmark mode: hold the first N batches in memory and cycle them, so the same
             # loop can be timed without any ingest (bench/bench_pretrain.py).
             batches = itertools.cycle(list(itertools.islice(batches, self.config["replay_batches"])))
-        return _timed(batches, self.window.waited)
+        ahead = self.train.collate_ahead == "on" or (self.train.collate_ahead == "auto" and self.train.use_gpu)
+        seed_of = functools.partial(step_seed, self.train.seed, self.rank)
+        return _timed(
+            collated(batches, self.task.make_batch, seed_of, self.state.micro_step, ahead), self.window.waited
+        )
 
-    def train_on(self, batch: dict[str, np.ndarray]) -> None:
-        """One micro-batch: forward, backward, the optimiser at an accumulation boundary,
-        then the log line and the checkpoint when they are due."""
+    def train_on(self, batch: dict[str, np.ndarray], tensors: dict[str, torch.Tensor]) -> None:
+        """One micro-batch (its arrays, and its tensors as :func:`collated` made them):
+        forward, backward, the optimiser at an accumulation boundary, then the log line and
+        the checkpoint when they are due."""
         train, state, engine = self.train, self.state, self.engine
-        seed = step_seed(train.seed, self.rank, state.micro_step)
         # Dropout draws from the global generators: seeded per micro-step, like the task's
         # corruption, a resumed run draws what the uninterrupted one drew at that step.
-        torch.manual_seed(seed)
-        generator = torch.Generator().manual_seed(seed)
-        tensors = {k: v.to(engine.device) for k, v in self.task.make_batch(batch, generator).items()}
+        torch.manual_seed(step_seed(train.seed, self.rank, state.micro_step))
+        tensors = {k: v.to(engine.device) for k, v in tensors.items()}
         loss, self.extra = self.task.backward(engine, tensors)
         boundary = engine.is_gradient_accumulation_boundary()
         engine.step()

@@ -58,6 +58,12 @@ class TrainConfig:
         },
     )
     prefetch_batches: int = field(default=4, metadata={"help": "batches Ray Data prepares ahead of each worker"})
+    collate_ahead: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata={
+            "help": "mask and collate the next micro-batch in a thread while this one trains; auto = on with GPUs (on CPUs the step already uses every core)"
+        },
+    )
     data_trace: bool = field(
         default=False, metadata={"help": "write the corpus rows each worker consumed, per epoch (audit)"}
     )

@@ -35,6 +35,7 @@ OPERATIONAL_KEYS = frozenset(
         "keep_checkpoints",
         "max_failures",
         "prefetch_batches",
+        "collate_ahead",
         "data_trace",
         "tracker",
         "pool",
