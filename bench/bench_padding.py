@@ -39,6 +39,7 @@ from models.biencoder import BiEncoderConfig, ContrastiveObjective  # noqa: E402
 from models.method import PlainEngine  # noqa: E402
 from pipeline.core.sample import SAMPLE_CORPUS  # noqa: E402
 from pipeline.data.corpus import iter_documents  # noqa: E402
+from pipeline.data.records import json_lines  # noqa: E402
 from pipeline.data.stream import StreamSpec, frame, to_span_pairs  # noqa: E402
 from pipeline.data.tokenizer import load_tokenizer, train_wordpiece  # noqa: E402
 from pipeline.training.pretrain import PretrainConfig, PretrainTask  # noqa: E402
@@ -132,7 +133,7 @@ def bench_buckets(steps: int, group: int = 8, queries_per_batch: int = 16) -> di
     model_dir = str(get_model_path())
     tokenizer = load_tokenizer(model_dir)
     corpus = [doc.text for doc in iter_documents(str(NAVE / "corpus.jsonl.gz"))]
-    queries = [json.loads(line)["text"] for line in open_text(NAVE / "queries.train.jsonl.gz")]
+    queries = [obj["text"] for _, _, obj in json_lines(str(NAVE / "queries.train.jsonl.gz"))]
     rng = random.Random(0)
     batches = []
     for _ in range(steps):
@@ -170,12 +171,6 @@ def bench_buckets(steps: int, group: int = 8, queries_per_batch: int = 16) -> di
         "steps_per_s": {str(b): round(1 / s, 3) for b, s in results.items()},
         "vs_one_bucket": {str(b): round(results[1] / s, 3) for b, s in results.items()},
     }
-
-
-def open_text(path: Path):
-    import gzip
-
-    return gzip.open(path, "rt") if path.suffix == ".gz" else open(path)
 
 
 def frame_texts(tokenizer, texts: list[str], max_len: int) -> tuple[np.ndarray, np.ndarray]:

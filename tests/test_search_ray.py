@@ -409,7 +409,9 @@ def test_mining_killed_mid_way_resumes_from_its_finished_blocks(encoded, collect
     whole = mining.run_mining(mining.MineConfig(**job, output=str(tmp_path / "whole")))
     assert (whole["blocks"], whole["blocks_resumed"]) == (4, 0)
 
-    write_block, written = mining._mine_block, []
+    from pipeline.retrieval import mined_block
+
+    write_block, written = mined_block.write, []
 
     def stopped_after_two(*args):
         if len(written) == 2:
@@ -417,11 +419,11 @@ def test_mining_killed_mid_way_resumes_from_its_finished_blocks(encoded, collect
         write_block(*args)
         written.append(args[5])  # the block number
 
-    monkeypatch.setattr(mining, "_mine_block", stopped_after_two)
+    monkeypatch.setattr(mined_block, "write", stopped_after_two)
     stopped = mining.MineConfig(**job, output=str(tmp_path / "stopped"), write_in_tasks=False)
     with pytest.raises(KeyboardInterrupt):
         mining.run_mining(stopped)
-    monkeypatch.setattr(mining, "_mine_block", write_block)
+    monkeypatch.setattr(mined_block, "write", write_block)
     encoded_queries = []
     encode = mining.encode_queries
     monkeypatch.setattr(
@@ -441,10 +443,10 @@ def test_mining_killed_mid_way_resumes_from_its_finished_blocks(encoded, collect
 
     # Stopped again, then rerun with another count: nothing of the first setting is kept.
     written.clear()
-    monkeypatch.setattr(mining, "_mine_block", stopped_after_two)
+    monkeypatch.setattr(mined_block, "write", stopped_after_two)
     with pytest.raises(KeyboardInterrupt):
         mining.run_mining(mining.MineConfig(**job, output=str(tmp_path / "changed"), write_in_tasks=False))
-    monkeypatch.setattr(mining, "_mine_block", write_block)
+    monkeypatch.setattr(mined_block, "write", write_block)
     capsys.readouterr()
     job["count"] = 5
     changed = mining.run_mining(mining.MineConfig(**job, output=str(tmp_path / "changed")))

@@ -34,19 +34,18 @@ import ray
 from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.errors import ConfigError, InputError
-from pipeline.core.parts import claim, finished_blocks, join_parts, part_uri, remove_parts, summed
+from pipeline.core.parts import claim, finished_blocks, join_parts, remove_parts, summed
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
 from pipeline.data.beir import positives, read_queries
 from pipeline.data.corpus import iter_documents
-from pipeline.data.groups import margin_ceiling, select_negatives
-from pipeline.data.records import json_lines, write_json_line
-from pipeline.data.runs import negatives_record, write_trec_lines
-from pipeline.data.tevatron import tevatron_record
+from pipeline.data.groups import margin_ceiling
+from pipeline.data.records import json_lines
 from pipeline.retrieval import embeddings as emb
-from pipeline.retrieval import faiss_index
+from pipeline.retrieval import faiss_index, mined_block
 from pipeline.retrieval.encode import EncoderSettings, encode_queries
 from pipeline.retrieval.fanout import query_block, ranked_ids, read_qrels_of_corpus
+from pipeline.retrieval.mined_block import COUNTS, PART_FILES, Sampling
 from pipeline.retrieval.search import SearcherConfig, ShardedIndex
 
 
@@ -151,10 +150,6 @@ def _answer_hits(cfg: MineConfig, queries: dict, ranked: dict[str, list[str]]) -
     }
 
 
-PART_FILES = ("negatives.jsonl", "train.tevatron.jsonl", "run.trec", "counts.json")
-COUNTS = ("negatives", "positives_dropped", "answer_dropped", "margin_dropped", "short", "examples")
-
-
 def _pair_scores(folder: str, entry: dict, wanted: dict, vectors) -> tuple[np.ndarray, np.ndarray]:
     """(query index, score) of every (query, judged positive) pair whose positive lives in
     this embedding shard: the query's vector against the positive's stored embedding."""
@@ -209,40 +204,6 @@ def _made_by(cfg: MineConfig) -> dict:
     return {"settings": settings, "versions": versions}
 
 
-def _mine_block(scores, rows, block_ids, cfg, output, block, queries, qids, qrels, answer_hits, ceilings) -> None:
-    """One block's results (``rows``, the corpus rows, unused: the files name doc ids): its
-    part of every output file, and its counts, each written whole. On the driver, or in
-    :meth:`ShardFanout.map_blocks`' task with the block's own queries, qrels and ceilings."""
-    counts = dict.fromkeys(COUNTS, 0)
-    with (
-        storage.open_output(part_uri(output, block, "negatives.jsonl")) as neg_out,
-        storage.open_output(part_uri(output, block, "train.tevatron.jsonl")) as tev_out,
-        storage.open_output(part_uri(output, block, "run.trec")) as run_out,
-    ):
-        for qid, row_scores, row_ids, ceiling in zip(qids, scores, block_ids, ceilings):
-            ids = ranked_ids(row_ids)
-            write_trec_lines(run_out, qid, ids, row_scores[: len(ids)].tolist(), tag="mined")
-            judged = set(positives(qrels.get(qid, {})))
-            hits = answer_hits.get(qid, set())
-            counts["positives_dropped"] += sum(d in judged for d in ids)
-            counts["answer_dropped"] += sum(d in hits and d not in judged for d in ids)
-            ranked_scores = row_scores[: len(ids)].tolist()
-            counts["margin_dropped"] += int(
-                sum(
-                    d not in judged and d not in hits and s > ceiling
-                    for d, s in zip(ids[cfg.skip_top :], ranked_scores[cfg.skip_top :])
-                )
-            )
-            negs, neg_scores = select_negatives(qid, ids, ranked_scores, judged | hits, cfg, ceiling)
-            counts["negatives"] += len(negs)
-            counts["short"] += len(negs) < cfg.count
-            write_json_line(neg_out, negatives_record(qid, negs, neg_scores))
-            if judged:
-                counts["examples"] += 1
-                write_json_line(tev_out, tevatron_record(qid, queries[qid], sorted(judged), negs))
-    storage.write_json(part_uri(output, block, "counts.json"), counts)  # last: the block is done
-
-
 def run_mining(cfg: MineConfig) -> dict:
     """Mine every query block not yet mined into part files, then join them into the outputs.
 
@@ -259,6 +220,7 @@ def run_mining(cfg: MineConfig) -> dict:
     )
     blocks = list(range(-(-len(qids) // block)))
     done = finished_blocks(output, PART_FILES)
+    sampling = Sampling.of(cfg)
     todo = [b for b in blocks if b not in done]
     todo_qids = [q for b in todo for q in qids[b * block : (b + 1) * block]]
     # Encoded on the pool before the searchers start: the two never hold the GPUs at once.
@@ -284,7 +246,7 @@ def run_mining(cfg: MineConfig) -> dict:
                 qids = todo_qids[start : start + size]
                 own_queries, own_qrels = {q: queries[q] for q in qids}, {q: qrels.get(q, {}) for q in qids}
                 return (
-                    cfg,
+                    sampling,
                     output,
                     todo[start // block],
                     own_queries,
@@ -294,7 +256,7 @@ def run_mining(cfg: MineConfig) -> dict:
                     ceilings[start : start + size],
                 )
 
-            for _ in index.map_blocks(vectors, depth, _mine_block, block_args, block=block):
+            for _ in index.map_blocks(vectors, depth, mined_block.write, block_args, block=block):
                 pass
         else:
             answered = index.search_blocks(vectors, depth, block=block)
@@ -307,8 +269,18 @@ def run_mining(cfg: MineConfig) -> dict:
             for (start, scores, rows, block_ids), b in zip(answered, todo):
                 block_qids = todo_qids[start : start + len(scores)]
                 block_ceilings = ceilings[start : start + len(scores)]
-                _mine_block(
-                    scores, rows, block_ids, cfg, output, b, queries, block_qids, qrels, answer_hits, block_ceilings
+                mined_block.write(
+                    scores,
+                    rows,
+                    block_ids,
+                    sampling,
+                    output,
+                    b,
+                    queries,
+                    block_qids,
+                    qrels,
+                    answer_hits,
+                    block_ceilings,
                 )
         driver_share = index.driver_share()
     search_s = time.perf_counter() - search_start
