@@ -194,7 +194,6 @@ class ShardFanout(ShardActors):
         *,
         block: int | None = None,
         only: Sequence[int] | None = None,
-        task_options: dict | None = None,
         **options,
     ) -> Iterator[tuple[int, object]]:
         """:meth:`search_blocks` with each block's merge and use off the driver: a Ray task
@@ -207,7 +206,7 @@ class ShardFanout(ShardActors):
         block = block or query_block(len(self.actors))
         check_k(k, self.total)
         starts = range(0, len(queries), block) if only is None else [b * block for b in only]
-        merged_then = ray.remote(_merged_then).options(**{"num_cpus": 1, "max_retries": 3, **(task_options or {})})
+        merged_then = ray.remote(_merged_then).options(num_cpus=1, max_retries=3)
         asked: deque = deque()
         began, self.waited_s = time.perf_counter(), 0.0
         with progress(sum(len(queries[s : s + block]) for s in starts), self.label, "queries") as bar:
