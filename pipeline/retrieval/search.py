@@ -13,6 +13,7 @@ is asked of the searchers.
 from __future__ import annotations
 
 import math
+import os
 import resource
 from dataclasses import dataclass, field
 
@@ -76,7 +77,10 @@ class IndexSearcher:
         use_gpu: bool,
         metric: str,
     ):
-        faiss.omp_set_num_threads(max(1, threads))
+        # A searcher holds a share of the corpus that memory sized, not a core's worth: its
+        # FAISS threads are the node's cores unless told (one thread made a single CPU
+        # searcher of 88 shards search at 41 queries/s on 2 cores, one core idle).
+        faiss.omp_set_num_threads(max(1, threads or os.cpu_count() or 1))
         self.indexes = [faiss_index.load_index(storage.join(index_uri, entry["path"])) for entry in entries]
         shards = emb.load_manifest(embeddings)["shards"]
         # The run's embedding shards follow on without a gap: one id table for all.
@@ -161,9 +165,10 @@ def plan_searchers(manifest: dict, cfg: SearcherConfig, cluster: dict | None = N
 
 class ShardedIndex(ShardFanout):
     """The driver's handle on a persisted sharded index: its searcher actors, each holding
-    a run of shards and reserving what it holds (:func:`plan_searchers`)."""
+    a run of shards and reserving what it holds (:func:`plan_searchers`), searching with
+    ``threads`` FAISS threads (0: its node's cores)."""
 
-    def __init__(self, index_uri: str, nprobe: int = 32, searchers: SearcherConfig | None = None, threads: int = 1):
+    def __init__(self, index_uri: str, nprobe: int = 32, searchers: SearcherConfig | None = None, threads: int = 0):
         self.uri = storage.resolve(index_uri).uri
         self.manifest = faiss_index.load_index_manifest(self.uri)
         self.metric = self.manifest["metric"]
