@@ -30,6 +30,10 @@ from pipeline.retrieval.fanout import BLOCKS_IN_FLIGHT, SERVER_RESTARTS, ShardFa
 
 SEARCHER_CPUS = 0.01  # see plan_searchers
 PROCESS_BYTES = 512 * 2**20  # a searcher's own footprint besides its index (Python, FAISS, Ray)
+# A searcher's FAISS threads sleep between calls instead of spinning (OpenMP's default spins
+# for a while), which took cores from the encoders, block tasks and trainers beside it.
+# Read when OpenMP loads, so it goes in the process's environment.
+SEARCHER_ENV = {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}
 
 
 @dataclass
@@ -185,7 +189,7 @@ class ShardedIndex(ShardFanout):
         self.options = [options for _, options in plan]
         searcher = ray.remote(IndexSearcher)
         self.actors = [
-            searcher.options(**options, **SERVER_RESTARTS).remote(
+            searcher.options(**options, **SERVER_RESTARTS, runtime_env=SEARCHER_ENV).remote(
                 self.uri, self.manifest["embeddings"], entries, nprobe, threads, options["num_gpus"] > 0, self.metric
             )
             for entries, options in plan
