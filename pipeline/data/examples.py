@@ -126,17 +126,6 @@ class ExampleRows:
             self.scores,
         )
 
-    def take(self, order: np.ndarray) -> "ExampleRows":
-        """The examples at ``order``, in that order."""
-        order = np.asarray(order, dtype=np.int64)  # (a builder reorders as it builds: ExampleRowsBuilder.build)
-        pos_offsets, pos = _gather(self.positive_offsets, self.positives, order)
-        neg_offsets, neg = _gather(self.negative_offsets, self.negatives, order)
-        scores = None
-        if self.scores is not None:
-            _, scores = _gather(self.positive_offsets + self.negative_offsets, self.scores, order)
-        queries = [self.queries[i] for i in order] if self.queries else []
-        return ExampleRows([self.query_ids[i] for i in order], queries, pos_offsets, pos, neg_offsets, neg, scores)
-
     @classmethod
     def from_examples(cls, examples: Iterable[TrainExample], corpus_ids: CorpusIds, source: str = "") -> "ExampleRows":
         """Examples by passage id (read, or streamed one at a time) as corpus rows; an id
@@ -226,8 +215,8 @@ class ExampleRowsBuilder:
         self._pending, self._pending_passages = [], 0
 
     def build(self, order: np.ndarray | None = None) -> ExampleRows:
-        """The examples added, or those at ``order`` in that order (as :meth:`ExampleRows.take`,
-        without holding every array twice: each is joined, then reordered, one at a time)."""
+        """The examples added, or those at ``order`` in that order, without holding every
+        array twice: each is joined, then reordered, one at a time."""
         self._flush()
         chunks, self._chunks = [list(chunk) for chunk in self._chunks], []
 
