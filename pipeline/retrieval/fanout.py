@@ -141,7 +141,7 @@ class ShardFanout(ShardActors):
     total: int  # documents over all shards
     label: str = "search"  # the progress line's name
     in_flight: int = BLOCKS_IN_FLIGHT
-    # Of the last search_blocks: its wall time, and the part the driver spent waiting for the
+    # Of the last search (search_blocks or map_blocks): its wall time, and the part the driver spent waiting for the
     # actors' answers; the rest is the driver's own (merging, and the caller's writing).
     searched_s: float = 0.0
     waited_s: float = 0.0
@@ -163,27 +163,8 @@ class ShardFanout(ShardActors):
         ``QUERY_HITS // shards`` queries: the same memory whatever the number of shards
         (which grows with the corpus)."""
 
-        block = block or query_block(len(self.actors))
-        check_k(k, self.total)
-        starts = range(0, len(queries), block) if only is None else [b * block for b in only]
-
-        def ask(start: int) -> tuple[int, int, list]:
-            part = queries[start : start + block]
-            part_ref = ray.put(part)  # once, shared by every actor
-            return start, len(part), [a.search.remote(part_ref, k, **options) for a in self.actors]
-
-        # in_flight blocks are asked ahead, so the actors search the next ones while the
-        # driver merges and writes this one; answers are still taken in block order.
-        asked: deque = deque()
-        began, self.waited_s = time.perf_counter(), 0.0
-        with progress(sum(len(queries[s : s + block]) for s in starts), self.label, "queries") as bar:
-            for start in starts:
-                asked.append(ask(start))
-                if len(asked) >= self.in_flight:
-                    yield from self._answer(*asked.popleft(), k, bar)
-            while asked:
-                yield from self._answer(*asked.popleft(), k, bar)
-        self.searched_s = time.perf_counter() - began
+        for start, answers in self._asked_blocks(queries, k, block, only, lambda start, size, refs: refs, options):
+            yield start, *merge_topk(answers, k, self.metric, self.total)
 
     def map_blocks(
         self,
@@ -203,41 +184,44 @@ class ShardFanout(ShardActors):
         so at scale its merging and writing no longer bound the searchers; with
         ``in_flight`` blocks asked ahead, up to that many tasks run beside the searches."""
 
+        merged_then = ray.remote(_merged_then).options(num_cpus=1, max_retries=3)
+
+        def route(start: int, size: int, refs: list):
+            return merged_then.remote(work, k, self.metric, self.total, work_args(start, size), *refs)
+
+        yield from self._asked_blocks(queries, k, block, only, route, options)
+
+    def _asked_blocks(self, queries: Sequence, k: int, block: int | None, only, route: Callable, options: dict):
+        """The loop both searches share: each block put once and asked of every actor,
+        ``route(start, size, answer refs)`` giving what to wait for (the refs themselves, or
+        a task's), ``in_flight`` blocks ahead so the actors search the next ones while this
+        one is used; yields (first query, what was waited for) in block order, counted once
+        the caller is done with it. Times the wait (see :meth:`driver_share`)."""
         block = block or query_block(len(self.actors))
         check_k(k, self.total)
         starts = range(0, len(queries), block) if only is None else [b * block for b in only]
-        merged_then = ray.remote(_merged_then).options(num_cpus=1, max_retries=3)
         asked: deque = deque()
         began, self.waited_s = time.perf_counter(), 0.0
         with progress(sum(len(queries[s : s + block]) for s in starts), self.label, "queries") as bar:
 
-            def finish(start: int, size: int, ref):
+            def answered():
+                start, size, pending = asked.popleft()
                 waiting = time.perf_counter()
-                result = ray.get(ref)
+                result = ray.get(pending)
                 self.waited_s += time.perf_counter() - waiting
                 yield start, result
                 bar.update(size)
 
             for start in starts:
                 part = queries[start : start + block]
-                part_ref = ray.put(part)
-                answers = [a.search.remote(part_ref, k, **options) for a in self.actors]
-                args = work_args(start, len(part))
-                asked.append((start, len(part), merged_then.remote(work, k, self.metric, self.total, args, *answers)))
+                part_ref = ray.put(part)  # once, shared by every actor
+                refs = [a.search.remote(part_ref, k, **options) for a in self.actors]
+                asked.append((start, len(part), route(start, len(part), refs)))
                 if len(asked) >= self.in_flight:
-                    yield from finish(*asked.popleft())
+                    yield from answered()
             while asked:
-                yield from finish(*asked.popleft())
+                yield from answered()
         self.searched_s = time.perf_counter() - began
-
-    def _answer(self, start: int, size: int, refs: list, k: int, bar):
-        """One asked block, merged over the actors' answers; counted once the caller is done with it."""
-        waiting = time.perf_counter()
-        answers = ray.get(refs)
-        self.waited_s += time.perf_counter() - waiting
-        scores, rows, ids = merge_topk(answers, k, self.metric, self.total)
-        yield start, scores, rows, ids
-        bar.update(size)
 
     def holds(self, doc_ids: list[str]) -> set[str]:
         """Which of ``doc_ids`` the corpus holds, asked of the shards (each knows its own)."""
