@@ -18,7 +18,7 @@ each merged and written by a Ray task). Each reports the driver's share of the s
 wall time: the time it was busy rather than waiting (the goal: at most 0.2).
 
 Usage: python bench/bench_mining_scale.py [--sizes 1000000,3000000,10000000] [--queries 100000]
-       [--rows_per_shard 500000] [--compare_fanin] [--workdir /tmp/mining-scale] [--json out.json]
+       [--rows_per_shard 500000] [--compare_fanin [--old_searchers N]] [--workdir /tmp/mining-scale] [--json out.json]
 Disk: about 2 GB per million passages (vectors + index), removed after each size.
 """
 
@@ -161,6 +161,7 @@ def bench_size(
     factory: str,
     rows_per_shard: int,
     compare_fanin: bool,
+    old_searchers: int = 0,
 ) -> dict:
     folder = work / f"corpus-{n}"
     shutil.rmtree(folder, ignore_errors=True)
@@ -216,10 +217,12 @@ def bench_size(
             mine_args
             + ["--output", str(folder / "mined-per-shard"), "--searchers.blocks_in_flight", "1"]
             + ["--write_in_tasks", "false"]
-            + ["--searchers.searchers", str(index["summary"]["shards"])],
+            + ["--searchers.searchers", str(old_searchers or index["summary"]["shards"])],
             folder / "mine-per-shard.log",
         )
-        fanins["per_shard_unpipelined"] = per_shard["summary"]
+        # With old_searchers (where a process per shard would not fit), only the driver's
+        # side is as it was: the same merge and writes, nothing asked ahead.
+        fanins["unpipelined_driver_writes" if old_searchers else "per_shard_unpipelined"] = per_shard["summary"]
     mine = run_sampled(mine_args + ["--output", str(folder / "mined")], folder / "mine.log")
     fanins["planned_pipelined"] = mine["summary"]
     mined_lines = sum(1 for _ in open(folder / "mined" / "negatives.jsonl"))
@@ -271,6 +274,13 @@ def main() -> None:
         action="store_true",
         help="also mine with the old fan-in (a searcher per index shard, one block at a time), side by side",
     )
+    parser.add_argument(
+        "--old_searchers",
+        type=int,
+        default=0,
+        help="with --compare_fanin: searchers of the old run (0 = one per index shard, as it was; "
+        "set it where that many processes do not fit, and the old run keeps only the driver's side)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -282,7 +292,16 @@ def main() -> None:
     for n in sizes:
         rows.append(
             bench_size(
-                n, args.queries, work, model, queries, qrels, args.factory, args.rows_per_shard, args.compare_fanin
+                n,
+                args.queries,
+                work,
+                model,
+                queries,
+                qrels,
+                args.factory,
+                args.rows_per_shard,
+                args.compare_fanin,
+                args.old_searchers,
             )
         )
         print(json.dumps(rows[-1]), flush=True)

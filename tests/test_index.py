@@ -69,6 +69,29 @@ def test_ivf_recall_and_full_probe_is_exact():
     assert_exact_topk(q, x, scores, rows, "ip")
 
 
+def test_shards_from_one_trained_index_merge_into_one_that_answers_as_they_did():
+    x, q = clustered(6000), clustered(50, seed=1)
+    trained = ix.trained_index("IVF16,SQ8", DIM, "ip", ix.sample_vectors(x, 1500, seed=0), "never")
+    other = ix.trained_index("IVF16,SQ8", DIM, "ip", ix.sample_vectors(x, 1500, seed=1), "never")
+    key, other_key = ix.trained_key(faiss.serialize_index(trained)), ix.trained_key(faiss.serialize_index(other))
+    assert key == ix.trained_key(faiss.serialize_index(faiss.clone_index(trained))) and key != other_key
+    # Shards 0-2 share a quantiser; shard 3 has its own; shard 4 shares 0-2's but does not
+    # follow them; the Flat shard has none.
+    rows = np.array_split(np.arange(len(x)), 6)
+    made = [trained, trained, trained, other, trained]
+    shards = [ix.build_index_shard(x[r], r, "IVF16,SQ8", trained=t, use_gpu="never") for r, t in zip(rows, made)]
+    shards.append(ix.build_index_shard(x[rows[5]], rows[5], "Flat", use_gpu="never"))
+    keys = [key, key, key, other_key, key, None]
+    apart = ix.search_shards(shards, q, 20, "ip", nprobe=4)
+    merged = ix.merged_shards([faiss.clone_index(s) for s in shards], keys)
+    assert [m.ntotal for m in merged] == [3000, 1000, 1000, 1000]
+    scores, found = ix.search_shards(merged, q, 20, "ip", nprobe=4)
+    # The same lists probed with the same codes: the same scores, the same passages (ties aside).
+    np.testing.assert_allclose(scores, apart[0], rtol=1e-6, atol=1e-6)
+    assert (found == apart[1]).mean() > 0.99
+    assert [m.ntotal for m in ix.merged_shards([faiss.clone_index(s) for s in shards[:3]], [None] * 3)] == [1000] * 3
+
+
 def test_merge_drops_padding_and_orders_by_metric():
     a = (np.array([[0.9, 0.1, -3e38]], np.float32), np.array([[7, 3, -1]]))
     b = (np.array([[0.5, -3e38, -3e38]], np.float32), np.array([[11, -1, -1]]))

@@ -22,7 +22,7 @@ from pipeline.retrieval.encode import (
     EncoderSettings,
     run_encoding,
 )
-from pipeline.retrieval.faiss_index import IndexConfig, brute_force_topk
+from pipeline.retrieval.faiss_index import IndexConfig, brute_force_topk, load_index_manifest
 from pipeline.retrieval.fanout import ranked_ids, read_qrels_of_corpus
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
 from pipeline.retrieval.search import SearcherConfig, ShardedIndex
@@ -221,6 +221,10 @@ def test_sharded_search_equals_brute_force(encoded, collection, factory):
     # or 2 searchers holding 2 and 1 (merged by the driver as well).
     index = ShardedIndex(out, nprobe=4, searchers=SearcherConfig(searchers=1 if factory == "Flat" else 2))
     assert [s["shards"] for s in index.stats()] == ([3] if factory == "Flat" else [2, 1])
+    # IVF shards filled from the one trained quantiser are one index inside their searcher.
+    assert [s["indexes"] for s in index.stats()] == ([3] if factory == "Flat" else [1, 1])
+    keys = {shard["trained"] for shard in load_index_manifest(out)["shards"]}
+    assert keys == {None} if factory == "Flat" else (len(keys) == 1 and None not in keys)
     scores, found = index.search(queries, 10)
     # Streamed in blocks of 5, with the ids each searcher reads for its own rows (index shards
     # 1 and 2 start at corpus rows 40 and 80): the same hits, as the corpus's ids.

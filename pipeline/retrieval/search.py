@@ -85,7 +85,9 @@ class IndexSearcher:
         # FAISS threads are the node's cores unless told (one thread made a single CPU
         # searcher of 88 shards search at 41 queries/s on 2 cores, one core idle).
         faiss.omp_set_num_threads(max(1, threads or os.cpu_count() or 1))
-        self.indexes = [faiss_index.load_index(storage.join(index_uri, entry["path"])) for entry in entries]
+        loaded = [faiss_index.load_index(storage.join(index_uri, entry["path"])) for entry in entries]
+        self.indexes = faiss_index.merged_shards(loaded, [entry.get("trained") for entry in entries])
+        self.shards = len(entries)
         shards = emb.load_manifest(embeddings)["shards"]
         # The run's embedding shards follow on without a gap: one id table for all.
         self.ids = CorpusIds.read(embeddings, [shards[i] for entry in entries for i in entry["embedding_shards"]])
@@ -110,7 +112,8 @@ class IndexSearcher:
         its process (for sizing)."""
 
         return {
-            "shards": len(self.indexes),
+            "shards": self.shards,
+            "indexes": len(self.indexes),  # after merging the shards that share a quantiser
             "vectors": self.total,
             "id_bytes": int(self.ids.nbytes),
             "on_gpu": self._gpu is not None,
