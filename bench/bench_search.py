@@ -88,7 +88,12 @@ def bench_encode(n_passages: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.jsonl"
         corpus.write_text("\n".join(lines) + "\n")
-        for actors, precision in ((1, "fp32"), (2, "fp32"), (1, "bf16")):
+        for actors, precision, compiled in (
+            (1, "fp32", False),
+            (1, "fp32", True),
+            (2, "fp32", False),
+            (1, "bf16", False),
+        ):
             cfg = EncodeConfig(
                 corpus=str(corpus),
                 output=f"{tmp}/emb",
@@ -100,6 +105,7 @@ def bench_encode(n_passages: int) -> dict:
                     similarity="cos",
                     batch_size=64,
                     precision=precision,
+                    compile=compiled,
                 ),
                 pool=ActorConfig(actors=actors, cpus_per_actor=1),
             )
@@ -109,7 +115,7 @@ def bench_encode(n_passages: int) -> dict:
             else:  # the corpus is prepared (tokenized) once, outside any timing
                 prepared_corpus(str(corpus), str(get_model_path()), cfg.prepared, cfg.docs_per_shard)
             summary = run_encoding(cfg)
-            key = f"actors_{actors}_{precision}"
+            key = f"actors_{actors}_{precision}" + ("_compiled" if compiled else "")
             out[f"{key}_passages_per_s"] = round(_steady_passages_per_s(summary), 1)
             out[f"{key}_wall_passages_per_s"] = summary["passages_per_s"]
         torch.set_num_threads(1)
@@ -122,6 +128,7 @@ def bench_encode(n_passages: int) -> dict:
         torch.set_num_threads(2)
     st = out["sentence_transformers_fp32_passages_per_s"]
     out["ratio_1_actor_fp32_vs_st"] = round(out["actors_1_fp32_passages_per_s"] / st, 2)
+    out["ratio_1_actor_fp32_compiled_vs_st"] = round(out["actors_1_fp32_compiled_passages_per_s"] / st, 2)
     out["ratio_1_actor_bf16_vs_st"] = round(out["actors_1_bf16_passages_per_s"] / st, 2)
     out["scaling_2_vs_1"] = round(out["actors_2_fp32_passages_per_s"] / out["actors_1_fp32_passages_per_s"], 2)
     return out
@@ -248,6 +255,7 @@ def main() -> None:
     parser.add_argument("--parts", default="encode,search,recall,mine")
     parser.add_argument("--json", default="")
     parser.add_argument("--mine-passages", type=int, default=1_000_000)
+    parser.add_argument("--encode_passages", type=int, default=4000, help="Nave verses to encode (all: 37000)")
     args = parser.parse_args()
     import ray
 
@@ -255,7 +263,7 @@ def main() -> None:
     ray.init(num_cpus=4, log_to_driver=False)
     parts, results = args.parts.split(","), {}
     if "encode" in parts:
-        results["encode"] = bench_encode(4000)
+        results["encode"] = bench_encode(args.encode_passages)
         print(json.dumps({"encode": results["encode"]}), flush=True)
     if "search" in parts:
         results["search"] = bench_search(200_000, 384, 2000, 100)

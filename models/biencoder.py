@@ -110,7 +110,8 @@ class BiEncoder(nn.Module):
     def _encode_slice(self, encoder: nn.Module, input_ids, attention_mask) -> torch.Tensor:
         # Padding columns no sequence uses change nothing but the cost: drop them.
         width = max(1, int(attention_mask.sum(1).max()))
-        input_ids, attention_mask = input_ids[:, :width], attention_mask[:, :width]
+        # Contiguous: a compiled encoder (guarding on strides) would otherwise compile again.
+        input_ids, attention_mask = input_ids[:, :width].contiguous(), attention_mask[:, :width].contiguous()
         hidden = encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         reps = pool(hidden, attention_mask, self.cfg.pooling)
         return F.normalize(reps, dim=-1) if self.cfg.similarity == "cos" else reps

@@ -27,3 +27,26 @@ def test_inference_turns_off_autograd_and_autocasts():
     assert out.dtype == torch.bfloat16 and not out.requires_grad
     with inference("cpu", None):
         assert layer(torch.ones(2, 4)).dtype == torch.float32
+
+
+def test_a_compiled_encoder_gives_the_eager_embeddings_at_every_batch_width(tmp_path):
+    import torch._dynamo
+
+    from pipeline.retrieval.encode import EncoderSettings, local_encoder
+    from tests.helpers import generated_texts, save_tiny_bert
+
+    texts = generated_texts(40)
+    model = save_tiny_bert(str(tmp_path / "bert"), texts)
+    eager = local_encoder(EncoderSettings(model=model, pooling="mean", batch_size=8))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = local_encoder(EncoderSettings(model=model, pooling="mean", batch_size=8, compile=True))
+    # Passages cut to many lengths: the length-sorted batches come in five widths.
+    tokens = eager.tokenizer(texts, add_special_tokens=False)["input_ids"]
+    tokens = [t[: 2 + 3 * (i % 10)] for i, t in enumerate(tokens)]
+    expected = eager.encode_tokens(tokens, max_len=64)
+    got = compiled.encode_tokens(tokens, max_len=64)
+    # One graph for every width (it compiled, and only once).
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4)
+    assert np.abs(expected).max() > 0.1  # not vanishing vectors that would pass any tolerance

@@ -44,7 +44,7 @@ from pipeline.retrieval.embeddings import (
     write_manifest,
     write_shard,
 )
-from pipeline.retrieval.inference import autocast_dtype, inference, length_sorted_batches
+from pipeline.retrieval.inference import autocast_dtype, compile_in_place, inference, length_sorted_batches
 
 
 def _similarity_of_normalize(value) -> str:
@@ -79,6 +79,12 @@ class EncoderSettings:
     batch_size: int = field(default=256, metadata={"help": "passages per forward"})
     precision: Literal["auto", "fp32", "fp16", "bf16"] = field(
         default="auto", metadata={"help": "auto = fp16 on GPU, fp32 on CPU"}
+    )
+    compile: bool = field(
+        default=False,
+        metadata={
+            "help": "torch.compile the towers for batches of any width (one compile per process, ~20 s for MiniLM on a CPU core); embeddings within 1e-4 of eager"
+        },
     )
 
     query_prefix: str | None = field(
@@ -120,12 +126,17 @@ class Encoder:
         if model is None:
             path = model_ref.materialize(settings.model, "--encoder.model")
             model = load_biencoder(path, settings.overrides()).to(device).eval()
+        if settings.compile:
+            compile_in_place(model.query_encoder, model.passage_encoder)
         self.model = model
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.autocast_dtype = autocast_dtype(settings.precision, device)
         self.prefix_ids = {
             tower: prefix_token_ids(self.tokenizer, model.cfg.prefix(tower)) for tower in ("query", "passage")
         }
+        if settings.compile:  # compiled here, at start-up, rather than inside the first shard's timing
+            for tower in ("query", "passage"):
+                self._encode_framed([[self.tokenizer.cls_token_id] * 6] * 4, 8, tower)
 
     @property
     def normalized(self) -> bool:
