@@ -55,9 +55,16 @@ def s3_bucket(s3_endpoint):
     return name
 
 
-def _local_ray():
+# Which of the fixtures below the running local Ray belongs to: "shared", a module's name,
+# or None. One process has one Ray at a time; a fixture that finds another's starts its own.
+_ray_owner: dict[str, str | None] = {"owner": None}
+
+
+def _local_ray(owner: str, **resources):
     import ray
 
+    if _ray_owner["owner"] == owner and ray.is_initialized():
+        return ray
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     # Ray Data's Parquet reader lists files with 32 footer-reading actors by default: on 2
@@ -66,38 +73,64 @@ def _local_ray():
     # 4 logical CPUs on a 2-core machine: two 1-CPU trainers leave room for Ray Data's
     # read tasks, which otherwise starve and deadlock the run.
     # "local": a new instance even while another Ray runs on this machine (a test's own
-    # cluster); a bare init would join that one.
+    # cluster, or the other test process's); a bare init would join that one.
     if ray.is_initialized():
-        # A connection left by an earlier module (a test's own cluster, a Ray a library call
-        # auto-started): this fixture's Ray must be a fresh local one.
+        # Another fixture's Ray, or a connection left by an earlier module (a test's own
+        # cluster, a Ray a library call auto-started): this one must be a fresh local one.
         ray.shutdown()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
+    ray.init(address="local", **({"num_cpus": 4} | resources), include_dashboard=False, log_to_driver=True)
+    _ray_owner["owner"] = owner
     return ray
 
 
+def _shutdown_if_owner(owner: str) -> None:
+    import ray
+
+    if _ray_owner["owner"] == owner:
+        ray.shutdown()
+        _ray_owner["owner"] = None
+
+
 @pytest.fixture(scope="module")
-def ray_session(s3_endpoint):
+def ray_session(s3_endpoint, request):
     """A fresh local Ray per test module, for the modules that start Ray Train runs. One Ray
     for the whole session hung in CI: after ~8 minutes and many Ray Train runs, the driver's
     next remote-function export to the GCS never returned (not reproduced with any smaller
     set of modules)."""
-    ray = _local_ray()
+    ray = _local_ray(request.module.__name__)
     yield ray
-    ray.shutdown()
+    _shutdown_if_owner(request.module.__name__)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
+def fake_gpu_ray(request):
+    """A module's own local Ray that declares 2 GPUs on this CPU machine (placement tests)."""
+    ray = _local_ray(request.module.__name__, num_gpus=2)
+    yield ray
+    _shutdown_if_owner(request.module.__name__)
+
+
+@pytest.fixture(scope="module")
 def shared_ray(s3_endpoint):
     """One local Ray for the tests that start only tasks, actors and Ray Data (no Ray Train
-    run): starting a Ray per module cost 5-10 s each. Those tests run last (see
-    ``pytest_collection_modifyitems``), so this Ray never overlaps a module's own."""
-    ray = _local_ray()
+    run): starting a Ray per module cost 5-10 s each. It is kept from module to module and
+    started again only after a module's own Ray (``ray_session``) replaced it. Those tests
+    run last in each test process (see ``pytest_collection_modifyitems``), so that happens
+    only where one test file uses both fixtures."""
+    ray = _local_ray("shared")
     yield ray
-    ray.shutdown()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_the_shared_ray():
+    yield
+    _shutdown_if_owner("shared")
 
 
 def pytest_collection_modifyitems(session, config, items):
-    items.sort(key=lambda item: "shared_ray" in item.fixturenames)  # stable: the order is kept otherwise
+    # Tests that take minutes start first, so that the other test process runs the rest
+    # beside them; the shared Ray's tests run last. Stable: the order is kept otherwise.
+    items.sort(key=lambda item: ("shared_ray" in item.fixturenames, item.get_closest_marker("runs_long") is None))
 
 
 def write_jsonl(path, docs) -> str:

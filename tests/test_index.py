@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pipeline.core import storage
-from pipeline.core.errors import StorageError
+from pipeline.core.errors import ArtifactError, StorageError
 from pipeline.retrieval import faiss_index as ix
 from pipeline.retrieval.fanout import merge_topk
 
@@ -69,27 +69,40 @@ def test_ivf_recall_and_full_probe_is_exact():
     assert_exact_topk(q, x, scores, rows, "ip")
 
 
-def test_shards_from_one_trained_index_merge_into_one_that_answers_as_they_did():
+def test_shards_from_one_trained_index_load_as_one_that_answers_as_they_did(tmp_path):
     x, q = clustered(6000), clustered(50, seed=1)
     trained = ix.trained_index("IVF16,SQ8", DIM, "ip", ix.sample_vectors(x, 1500, seed=0), "never")
     other = ix.trained_index("IVF16,SQ8", DIM, "ip", ix.sample_vectors(x, 1500, seed=1), "never")
     key, other_key = ix.trained_key(faiss.serialize_index(trained)), ix.trained_key(faiss.serialize_index(other))
     assert key == ix.trained_key(faiss.serialize_index(faiss.clone_index(trained))) and key != other_key
     # Shards 0-2 share a quantiser; shard 3 has its own; shard 4 shares 0-2's but does not
-    # follow them; the Flat shard has none.
+    # follow them; the Flat shard has none. Saved with their records, as the build does.
     rows = np.array_split(np.arange(len(x)), 6)
     made = [trained, trained, trained, other, trained]
     shards = [ix.build_index_shard(x[r], r, "IVF16,SQ8", trained=t, use_gpu="never") for r, t in zip(rows, made)]
     shards.append(ix.build_index_shard(x[rows[5]], rows[5], "Flat", use_gpu="never"))
-    keys = [key, key, key, other_key, key, None]
+    entries = []
+    for i, (shard, trained_key) in enumerate(zip(shards, [key, key, key, other_key, key, None])):
+        entry = {"path": ix.index_shard_path(i), "trained": trained_key}
+        ix.save_index(shard, str(tmp_path / entry["path"]))
+        storage.write_json(str(tmp_path / (entry["path"] + ".json")), {**entry, "list_sizes": ix.list_sizes(shard)})
+        entries.append(entry)
     apart = ix.search_shards(shards, q, 20, "ip", nprobe=4)
-    merged = ix.merged_shards([faiss.clone_index(s) for s in shards], keys)
+    merged = ix.load_merged_shards(str(tmp_path), entries)
     assert [m.ntotal for m in merged] == [3000, 1000, 1000, 1000]
+    assert ix.list_sizes(merged[0]) == list(np.sum([ix.list_sizes(s) for s in shards[:3]], axis=0))
     scores, found = ix.search_shards(merged, q, 20, "ip", nprobe=4)
     # The same lists probed with the same codes: the same scores, the same passages (ties aside).
     np.testing.assert_allclose(scores, apart[0], rtol=1e-6, atol=1e-6)
     assert (found == apart[1]).mean() > 0.99
-    assert [m.ntotal for m in ix.merged_shards([faiss.clone_index(s) for s in shards[:3]], [None] * 3)] == [1000] * 3
+    # Without recorded sizes (an index built before they were), the shards stay apart.
+    storage.write_json(str(tmp_path / (entries[0]["path"] + ".json")), entries[0])
+    assert [m.ntotal for m in ix.load_merged_shards(str(tmp_path), entries[:3])] == [1000, 2000]
+    # A record whose sizes are not its shard's is an error naming the shard, not a bad copy.
+    wrong = {**entries[2], "list_sizes": ix.list_sizes(shards[0])}
+    storage.write_json(str(tmp_path / (entries[2]["path"] + ".json")), wrong)
+    with pytest.raises(ArtifactError, match=r"index-00002\.faiss: its inverted lists do not match its record"):
+        ix.load_merged_shards(str(tmp_path), [entries[1], entries[2]])
 
 
 def test_merge_drops_padding_and_orders_by_metric():

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import ray
 
 from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
@@ -22,13 +21,6 @@ from tests.helpers import save_tiny_bert
 pytestmark = pytest.mark.ray
 
 DIM, SHARDS, PER_SHARD = 16, 12, 20
-
-
-@pytest.fixture(scope="module")
-def fake_gpu_ray():
-    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

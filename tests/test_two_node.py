@@ -64,7 +64,7 @@ from tests.ray_cluster import (
     wait_for_nodes,
 )
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.runs_long]
 
 N_DOCS, N_TRAIN, N_DEV = 120, 40, 12
 WORKER_CACHE = "/tmp/raydense-node-cache"  # on the worker node's own /tmp

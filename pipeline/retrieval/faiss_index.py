@@ -437,23 +437,77 @@ def trained_key(trained: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(trained).tobytes()).hexdigest()[:16]
 
 
-def merged_shards(indexes: list, trained_keys: list[str | None]) -> list:
-    """Consecutive IVF shards filled from one trained index, merged into one index each.
+def list_sizes(index) -> list[int] | None:
+    """The number of entries in each inverted list of an IVF index (None for any other):
+    kept in each shard's record, so that a searcher can merge shards at their exact size."""
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is None:
+        return None
+    return [int(ivf.invlists.list_size(i)) for i in range(ivf.nlist)]
+
+
+def _mergeable_sizes(index_uri: str, entry: dict) -> list[int] | None:
+    """The list sizes the shard's record keeps, when the shard has a trained key (an IVF
+    shard built from the corpus's one trained index); None otherwise (nothing to merge by,
+    or built before sizes were recorded)."""
+    if not entry.get("trained"):
+        return None
+    record = storage.join(index_uri, entry["path"] + ".json")
+    return storage.read_json(record).get("list_sizes") if storage.exists(record) else None
+
+
+def load_merged_shards(index_uri: str, entries: list[dict]) -> list:
+    """The index shards of ``entries``, read one at a time, with each run of consecutive IVF
+    shards filled from one trained index (the same ``trained`` key) merged into one index.
 
     A query then ranks the quantiser's centroids once instead of once per shard (88 times at
-    8.8M passages in shards of 100k, which was most of a CPU searcher's time) and probes the
-    same lists, so the results are the per-shard top-k merged, ties aside. Shards with no
-    key (nothing to train, or built before keys were recorded) or with different ones stay
-    apart. A merged shard's lists move into the first one: no second copy.
+    8.8M passages in shards of 100k, most of a CPU searcher's time) and probes the same
+    lists, so the results are the per-shard top-k merged, ties aside. Each merged list is
+    sized once, from the sizes the shards' records keep, and each shard's entries are copied
+    in as it is read, then the shard is freed: the searcher holds the index plus one shard.
+    (Appending shard after shard would grow every list by doubling: twice the memory.)
     """
-    merged, keys = [], []
-    for index, key in zip(indexes, trained_keys, strict=True):
-        if key is not None and keys and keys[-1] == key and faiss.try_extract_index_ivf(index) is not None:
-            merged[-1].merge_from(index, 0)
+    groups: list[list[tuple[dict, list[int] | None]]] = []
+    for entry in entries:
+        sizes = _mergeable_sizes(index_uri, entry)
+        last = groups[-1][0] if groups else None
+        if sizes is not None and last is not None and last[1] is not None and last[0]["trained"] == entry["trained"]:
+            groups[-1].append((entry, sizes))
         else:
-            merged.append(index)
-            keys.append(key)
-    return merged
+            groups.append([(entry, sizes)])
+    return [index for group in groups for index in _load_merged(index_uri, group)]
+
+
+def _read_with_sizes(index_uri: str, entry: dict, sizes: list[int] | None):
+    uri = storage.join(index_uri, entry["path"])
+    index = load_index(uri)
+    if sizes is not None and list_sizes(index) != sizes:
+        raise ArtifactError(f"index shard {uri}: its inverted lists do not match its record ({uri}.json)")
+    return index
+
+
+def _load_merged(index_uri: str, group: list[tuple[dict, list[int] | None]]) -> list:
+    merged = _read_with_sizes(index_uri, *group[0])
+    ivf = faiss.try_extract_index_ivf(merged)
+    lists = None if ivf is None else faiss.downcast_InvertedLists(ivf.invlists)
+    if len(group) == 1 or not isinstance(lists, faiss.ArrayInvertedLists):  # (lists on disk: left apart)
+        return [merged, *(_read_with_sizes(index_uri, *member) for member in group[1:])]
+    filled = np.asarray(group[0][1], dtype=np.int64)
+    totals = np.sum([sizes for _, sizes in group], axis=0, dtype=np.int64)
+    for i in np.flatnonzero(totals > filled):
+        lists.resize(int(i), int(totals[i]))
+    for entry, sizes in group[1:]:
+        shard = _read_with_sizes(index_uri, entry, sizes)
+        source = faiss.extract_index_ivf(shard).invlists
+        for i in np.flatnonzero(sizes):
+            n = int(sizes[i])
+            lists.update_entries(int(i), int(filled[i]), n, source.get_ids(int(i)), source.get_codes(int(i)))
+            filled[i] += n
+        ivf.ntotal += shard.ntotal
+        if int(ivf.this) != int(merged.this):  # a wrapper (e.g. a pre-transform) counts its own
+            merged.ntotal += shard.ntotal
+        del shard, source
+    return [merged]
 
 
 def search_shard(index, queries: np.ndarray, k: int, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:

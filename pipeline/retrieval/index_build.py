@@ -94,7 +94,9 @@ def _build_one(
         "path": path,
         "vectors": int(index.ntotal),
         "embedding_shards": embedding_shards,
-        "trained": None if trained is None else faiss_index.trained_key(trained),  # one searcher merges equal ones
+        # A searcher merges the shards with one key into one index, sized by their list sizes.
+        "trained": None if trained is None else faiss_index.trained_key(trained),
+        "list_sizes": None if trained is None else faiss_index.list_sizes(index),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # what the build could use
     }
     storage.write_json(storage.join(output, path + ".json"), record)  # after the shard: it is done

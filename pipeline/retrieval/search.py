@@ -85,8 +85,7 @@ class IndexSearcher:
         # FAISS threads are the node's cores unless told (one thread made a single CPU
         # searcher of 88 shards search at 41 queries/s on 2 cores, one core idle).
         faiss.omp_set_num_threads(max(1, threads or os.cpu_count() or 1))
-        loaded = [faiss_index.load_index(storage.join(index_uri, entry["path"])) for entry in entries]
-        self.indexes = faiss_index.merged_shards(loaded, [entry.get("trained") for entry in entries])
+        self.indexes = faiss_index.load_merged_shards(index_uri, entries)
         self.shards = len(entries)
         shards = emb.load_manifest(embeddings)["shards"]
         # The run's embedding shards follow on without a gap: one id table for all.
