@@ -27,10 +27,14 @@ RAY = str(Path(sys.executable).parent / "ray")
 WORKING_DIR_EXCLUDES = ["runs/", ".git/", ".venv/", "*.egg-info/", "__pycache__/", "build/"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: all held open while they are chosen (one at a time, the
+    kernel handed the same port out twice, and a head failed on its own port clash)."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def ray_env(**extra: str) -> dict[str, str]:
@@ -54,7 +58,7 @@ class Head:
 def start_head(num_cpus: int, env: dict[str, str], extra_args: tuple[str, ...] = ()) -> Head:
     """A head node in its own session; ``extra_args`` go to ``ray start`` (an autoscaler)."""
     temp_dir = tempfile.mkdtemp(prefix="rdh-", dir="/tmp")  # short: Ray's socket paths have a length limit
-    port, dashboard = free_port(), free_port()
+    port, dashboard, agent, agent_grpc, metrics, runtime_env, client = free_ports(7)
     log = open(os.path.join(temp_dir, "head.log"), "w")
     process = subprocess.Popen(
         [
@@ -70,11 +74,11 @@ def start_head(num_cpus: int, env: dict[str, str], extra_args: tuple[str, ...] =
             "--include-dashboard=true",
             # Fresh ports for the head's agents: the suite's in-process Ray may already hold
             # the default ones, and then this head's job agent never comes up.
-            f"--dashboard-agent-listen-port={free_port()}",
-            f"--dashboard-agent-grpc-port={free_port()}",
-            f"--metrics-export-port={free_port()}",
-            f"--runtime-env-agent-port={free_port()}",
-            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={agent}",
+            f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--metrics-export-port={metrics}",
+            f"--runtime-env-agent-port={runtime_env}",
+            f"--ray-client-server-port={client}",
             *extra_args,
         ],
         env=env,
