@@ -35,6 +35,7 @@ from transformers import BertConfig, BertForMaskedLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.backbone import BackboneConfig, build_mlm
+from models.batches import to_device
 from models.cocondenser import CoCondenserConfig, CoCondenserMethod
 from models.condenser import CondenserConfig, CondenserMethod
 from models.masking import MaskingVocab
@@ -124,7 +125,7 @@ def bench_one(name, cls, cfg, size: str, batch: int, length: int, steps: int, de
         return method.corrupt_batch(ids, mask, rng)
 
     def step(cpu_batch):
-        tensors = {k: v.to(device, non_blocking=True) for k, v in cpu_batch.items()}
+        tensors = to_device(cpu_batch, device, non_blocking=True)
         with autocast:
             loss, _ = method.backward(engine, tensors)
         optimizer.step()

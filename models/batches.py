@@ -26,3 +26,9 @@ def ids_and_mask(ids: np.ndarray, lengths: np.ndarray) -> tuple[torch.Tensor, to
     tensor = torch.tensor(np.ascontiguousarray(ids[..., :used]), dtype=torch.long)
     tensor = tensor.reshape(-1, used)
     return tensor, (torch.arange(used)[None, :] < lengths[:, None]).long()
+
+
+def to_device(batch: dict, device, non_blocking: bool = False) -> dict:
+    """A made batch on ``device``: its tensors moved, its other values (a packed batch's
+    ``chunks``) as they are."""
+    return {k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

@@ -8,18 +8,29 @@ contrastive) averaged over the 2n spans (paper eq. 7).
 
 With ``chunk_size`` set, a step runs through the gradient cache of
 ``models/grad_cache.py``, so the span batch can be far larger than memory allows.
+
+Spans are short and of every length (capped at half their document, or drawn short), so a
+micro-batch's spans are packed several to a row (models/packing.py) rather than each padded
+to the longest: the losses are those of the padded batch.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from models.backbone import family
+from models.batches import LENGTH_MULTIPLE
 from models.condenser import Condenser, CondenserConfig, CondenserMethod
 from models.distributed import gather_with_grad, world_size
 from models.grad_cache import engine_grad_cache_backward
+from models.packing import chunk_of, pack
+
+DEFAULT_PACK_WIDTH = 128
 
 
 def partner_targets(n_spans: int, device=None) -> torch.Tensor:
@@ -75,6 +86,35 @@ class CoCondenserConfig(CondenserConfig):
         default=0,
         metadata={"help": "gradient cache: spans per forward chunk; 0 = no cache (the whole micro-batch in one graph)"},
     )
+    pack_spans: bool = field(
+        default=True,
+        metadata={
+            "help": "pack spans several to a row, each attending only to itself (BERT, RoBERTa; other families pad each span to the batch's longest)"
+        },
+    )
+    pack_width: int = field(
+        default=0,
+        metadata={
+            "help": "tokens per packed row; 0 = 128, or the longest span's frame (span_length + 2, rounded up to 8) where wider"
+        },
+    )
+
+    def __post_init__(self):
+        if self.pack_width and self.pack_width < self.span_length + 2:
+            raise ValueError(
+                f"cocondenser.pack_width {self.pack_width} is narrower than a span's frame "
+                f"(span_length {self.span_length} + [CLS] and [SEP])"
+            )
+
+    @property
+    def packed_row_width(self) -> int:
+        """Tokens per packed row, 0 without packing."""
+        if not self.pack_spans:
+            return 0
+        # 128 by measurement (bench_padding.py: 88, 128 and 256 wide, 128 the fastest).
+        return self.pack_width or max(
+            DEFAULT_PACK_WIDTH, -(-(self.span_length + 2) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
+        )
 
 
 # -- the method -------------------------------------------------------------------------
@@ -90,15 +130,39 @@ class CoCondenserMethod(CondenserMethod):
     name = "cocondenser"
     example_format = "span_pairs"
 
+    def __init__(self, cfg, vocab):
+        super().__init__(cfg, vocab)
+        self.pack_width = cfg.packed_row_width
+
     def build(self, mlm) -> Condenser:
+        if self.pack_width and not family(mlm).packs:
+            warnings.warn(
+                f"cocondenser.pack_spans: {mlm.config.model_type} cannot pack sequences; "
+                "each span is padded to its batch's longest instead",
+                stacklevel=2,
+            )
+            self.pack_width = 0
         model = Condenser(mlm, self.cfg.n_head_layers, self.cfg.skip_from)
         if self.cfg.head and self.cfg.head != "auto":
             model.load_head(self.cfg.head)
         return model
 
+    def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict:
+        """The span pairs (2b, L), masked, then packed into rows when packing is on."""
+        tensors = super().make_batch(batch, generator)
+        if not self.pack_width:
+            return tensors
+        lengths = tensors.pop("attention_mask").sum(dim=1)
+        return pack(tensors, lengths, self.pack_width, self.cfg.chunk_size)
+
+    @staticmethod
+    def _n_spans(batch: dict) -> int:
+        return batch["cls_index"].shape[0] if "cls_index" in batch else batch["input_ids"].shape[0]
+
     def _losses(self, model, batch: dict, n_local: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(late CLS, summed per-span MLM share of this chunk, detached parts)."""
-        out = model(batch["input_ids"], batch["attention_mask"], batch["labels"], per_sequence=True)
+        inputs = {k: v for k, v in batch.items() if k != "chunks"}
+        out = model(**inputs, per_sequence=True)
         local = out.loss / n_local
         parts = {
             "head_mlm_loss": out.head_mlm_loss.detach().sum() / n_local,
@@ -110,7 +174,7 @@ class CoCondenserMethod(CondenserMethod):
         """The loss to back-propagate on this worker. Its contrastive term is the global
         loss times the world size (see :func:`global_span_contrastive_loss`); the extras
         hold the true values, which is what gets logged."""
-        late_cls, local, parts = self._losses(model, batch, batch["input_ids"].shape[0])
+        late_cls, local, parts = self._losses(model, batch, self._n_spans(batch))
         contrastive = global_span_contrastive_loss(late_cls)
         return local + contrastive, self._extras(parts, local, contrastive)
 
@@ -119,17 +183,21 @@ class CoCondenserMethod(CondenserMethod):
         contrastive = scaled_contrastive.detach() / world_size()
         return {**parts, "contrastive_loss": contrastive, "loss": local.detach() + contrastive}
 
+    def _chunks(self, batch: dict) -> list[dict]:
+        """The gradient cache's chunks: packed ones as packing grouped them."""
+        if "chunks" in batch:
+            return [chunk_of(batch, c) for c in batch["chunks"]]
+        n_local, size = batch["input_ids"].shape[0], self.cfg.chunk_size or batch["input_ids"].shape[0]
+        return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, n_local, size)]
+
     def backward(self, engine, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One optimiser step's backward, through the gradient cache when ``chunk_size`` asks."""
-        n_local = batch["input_ids"].shape[0]
-        if not self.cfg.chunk_size or self.cfg.chunk_size >= n_local:
+        n_local = self._n_spans(batch)
+        chunks = self._chunks(batch)
+        if len(chunks) == 1:
             loss, extras = self.loss(engine, batch)
             engine.backward(loss)
             return extras.pop("loss"), extras
-        chunks = [
-            {k: v[i : i + self.cfg.chunk_size] for k, v in batch.items()}
-            for i in range(0, n_local, self.cfg.chunk_size)
-        ]
         parts: dict[str, torch.Tensor] = {}
 
         def encode(module, chunk):

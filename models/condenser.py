@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from models.backbone import export_backbone, family, load_module_state, save_module
 from models.masking import WholeWordMaskingMethod
 from models.mlm_losses import masked_lm_loss, sequence_mlm_losses
+from models.packing import packed_attention_mask
 
 
 @dataclass
@@ -69,10 +70,14 @@ class Condenser(nn.Module):
     def config(self):
         return self.lm.config
 
-    def backbone_states(self, input_ids, attention_mask):
+    def backbone_states(self, input_ids, attention_mask, position_ids=None):
         """(late hidden states, early token states)."""
         out = self.family.base(self.lm)(
-            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, return_dict=True
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            output_hidden_states=True,
+            return_dict=True,
         )
         return out.last_hidden_state, out.hidden_states[self.skip_from][:, 1:]
 
@@ -83,9 +88,15 @@ class Condenser(nn.Module):
         hidden = torch.cat([late_cls, early_tokens], dim=1)
         return self.family.run_layers(self.lm, self.head, hidden, attention_mask)
 
-    def forward(self, input_ids, attention_mask, labels, per_sequence: bool = False) -> CondenserOutput:
+    def forward(
+        self, input_ids, attention_mask=None, labels=None, per_sequence: bool = False, **packed
+    ) -> CondenserOutput:
         """Losses are token means over the batch, or with ``per_sequence`` one mean per
-        sequence ((B,) tensors; ``loss`` is then their sum over both losses)."""
+        sequence ((B,) tensors; ``loss`` is then their sum over both losses). A packed batch
+        (models/packing.py: ``segments``, ``position_ids``, ``sequence_index``,
+        ``cls_index``) is always per sequence, in ``cls_index``'s order."""
+        if packed:
+            return self._packed_forward(input_ids, labels, **packed)
         late, early_tokens = self.backbone_states(input_ids, attention_mask)
         head = self.head_states(late[:, :1], early_tokens, attention_mask)
         mlm_loss = sequence_mlm_losses if per_sequence else masked_lm_loss
@@ -93,6 +104,29 @@ class Condenser(nn.Module):
         late_loss = mlm_loss(self.lm, late, labels)
         loss = (head_loss + late_loss).sum() if per_sequence else head_loss + late_loss
         return CondenserOutput(loss, head_loss, late_loss, late[:, 0])
+
+    def _packed_forward(self, input_ids, labels, segments, position_ids, sequence_index, cls_index) -> CondenserOutput:
+        """Each packed sequence as it runs alone: the head reads every early token but, at
+        each sequence's [CLS], that sequence's late CLS (what ``[late CLS ; early tokens]``
+        is for a row of its own)."""
+        mask = packed_attention_mask(self.lm.config, segments, self.lm.dtype)
+        positions = self.family.packed_positions(self.lm, position_ids)
+        out = self.family.base(self.lm)(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            output_hidden_states=True,
+            return_dict=True,
+        )
+        late = out.last_hidden_state
+        late_cls = late.flatten(0, 1)[cls_index]
+        early = out.hidden_states[self.skip_from].flatten(0, 1)
+        head_input = early.index_copy(0, cls_index, late_cls.to(early.dtype)).view_as(late)
+        head = self.family.run_layers(self.lm, self.head, head_input, mask)
+        n = cls_index.shape[0]
+        head_loss = sequence_mlm_losses(self.lm, head, labels, sequence_index, n)
+        late_loss = sequence_mlm_losses(self.lm, late, labels, sequence_index, n)
+        return CondenserOutput((head_loss + late_loss).sum(), head_loss, late_loss, late_cls)
 
     # -- persistence -------------------------------------------------------------------
 

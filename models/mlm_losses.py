@@ -24,18 +24,29 @@ def masked_lm_loss(mlm: PreTrainedModel, states: torch.Tensor, labels: torch.Ten
     return F.cross_entropy(logits.float(), labels[picked])
 
 
-def sequence_mlm_losses(mlm: PreTrainedModel, states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """(B,) mean CE over each sequence's labelled positions (0 for a sequence with none).
+def sequence_mlm_losses(
+    mlm: PreTrainedModel,
+    states: torch.Tensor,
+    labels: torch.Tensor,
+    sequence_index: torch.Tensor | None = None,
+    n_sequences: int | None = None,
+) -> torch.Tensor:
+    """Mean CE over each sequence's labelled positions (0 for a sequence with none): (B,),
+    a row a sequence, or with ``sequence_index`` (each position's sequence, -1 for none; a
+    packed batch) ``(n_sequences,)``.
 
     coCondenser averages its losses per span (paper eq. 7), which also makes the loss of
     a batch split into chunks or across workers a plain sum of per-span terms.
     """
     picked = labels != IGNORE_INDEX
-    per_sequence = torch.zeros(labels.shape[0], dtype=torch.float32, device=states.device)
+    if sequence_index is None:
+        n_sequences = labels.shape[0]
+        sequence_index = torch.arange(n_sequences, device=labels.device)[:, None].expand_as(labels)
+    per_sequence = torch.zeros(n_sequences, dtype=torch.float32, device=states.device)
     if not picked.any():
         return per_sequence + states.sum() * 0.0
     logits = family(mlm).mlm_logits(mlm, states[picked])
     token_losses = F.cross_entropy(logits.float(), labels[picked], reduction="none")
-    rows = picked.nonzero()[:, 0]
-    counts = picked.sum(dim=1).clamp(min=1).float()
-    return per_sequence.index_add(0, rows, token_losses) / counts
+    sequences = sequence_index[picked]
+    counts = per_sequence.index_add(0, sequences, torch.ones_like(token_losses)).clamp(min=1)
+    return per_sequence.index_add(0, sequences, token_losses) / counts

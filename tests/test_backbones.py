@@ -5,12 +5,14 @@ trained on the bundled sample. The methods reach the family's internals only thr
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModel
 
-from models.backbone import BackboneConfig, build_mlm, family
+from models.backbone import FAMILIES, BackboneConfig, build_mlm, family
 from models.condenser import Condenser
 from models.masking import MaskingVocab, select_words, word_ids
 from models.method import PlainEngine
@@ -123,6 +125,7 @@ def test_span_pairs_cut_to_their_longest_span_give_the_full_widths_loss_and_grad
     folder, tokenizer, _ = backbone
     cfg = PretrainConfig()
     cfg.cocondenser.head = ""
+    cfg.cocondenser.pack_spans = False
     task = PretrainTask("cocondenser", cfg.cocondenser, BackboneConfig(init=folder), folder, len(tokenizer))
     torch.manual_seed(0)
     model = task.build_model().eval()  # no dropout: its draw depends on the width
@@ -145,6 +148,35 @@ def test_span_pairs_cut_to_their_longest_span_give_the_full_widths_loss_and_grad
         return float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     assert_same_loss_and_gradients(loss_and_grads(cut), loss_and_grads(padded))
+
+
+def test_packed_span_pairs_give_the_cut_span_pairs_loss_and_gradients(backbone):
+    """Packed several to a row (the default), a family's span pairs give the loss and
+    gradients of the same spans a row each; a family that cannot pack says so and cuts."""
+    folder, tokenizer, model_type = backbone
+    arrays = stream_arrays(tokenizer, sample_texts(40)[20:28], span_pairs=True)
+
+    def loss_and_grads(pack_spans: bool):
+        cfg = PretrainConfig()
+        cfg.cocondenser.head, cfg.cocondenser.pack_spans = "", pack_spans
+        task = PretrainTask("cocondenser", cfg.cocondenser, BackboneConfig(init=folder), folder, len(tokenizer))
+        torch.manual_seed(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = task.build_model().eval()
+        batch = task.make_batch(arrays, torch.Generator().manual_seed(0))
+        loss, _ = task.backward(PlainEngine(model), batch)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return (float(loss), grads), batch, [str(w.message) for w in caught]
+
+    cut, _, _ = loss_and_grads(False)
+    packed, batch, warned = loss_and_grads(True)
+    if FAMILIES[model_type].packs:
+        assert batch["input_ids"].shape[0] < 2 * len(arrays["length"])  # spans share rows
+        assert not any("cannot pack" in w for w in warned)
+    else:
+        assert "segments" not in batch and any("cannot pack" in w for w in warned)
+    assert_same_loss_and_gradients(packed, cut)
 
 
 @pytest.mark.parametrize("skip_from", [1, 3])

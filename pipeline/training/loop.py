@@ -40,6 +40,7 @@ import ray.train.torch
 import torch
 from ray.train.torch import TorchTrainer
 
+from models.batches import to_device
 from pipeline.core import storage
 from pipeline.core.config import to_dict
 from pipeline.core.errors import ArtifactError, ConfigError, InputError
@@ -312,7 +313,7 @@ class WorkerRun:
         # Dropout draws from the global generators: seeded per micro-step, like the task's
         # corruption, a resumed run draws what the uninterrupted one drew at that step.
         torch.manual_seed(step_seed(train.seed, self.rank, state.micro_step))
-        tensors = {k: v.to(engine.device) for k, v in tensors.items()}
+        tensors = to_device(tensors, engine.device)
         loss, self.extra = self.task.backward(engine, tensors)
         boundary = engine.is_gradient_accumulation_boundary()
         engine.step()
