@@ -24,13 +24,16 @@ import torch
 import torch.nn.functional as F
 
 from models.backbone import family
-from models.batches import LENGTH_MULTIPLE
+from models.batches import LENGTH_MULTIPLE, to_device
 from models.condenser import Condenser, CondenserConfig, CondenserMethod
 from models.distributed import gather_with_grad, world_size
-from models.grad_cache import engine_grad_cache_backward
+from models.grad_cache import engine_grad_cache_backward, fitting_chunk, saved_bytes
 from models.packing import chunk_of, pack
 
 DEFAULT_PACK_WIDTH = 128
+# The share of the free memory that a chunk's saved activations may take: the backward's
+# own transients (a layer's gradients at a time, the MLM logits) need the rest.
+ACTIVATION_SHARE = 0.5
 
 
 def partner_targets(n_spans: int, device=None) -> torch.Tensor:
@@ -84,7 +87,9 @@ class CoCondenserConfig(CondenserConfig):
     )
     chunk_size: int = field(
         default=0,
-        metadata={"help": "gradient cache: spans per forward chunk; 0 = no cache (the whole micro-batch in one graph)"},
+        metadata={
+            "help": "gradient cache: spans per forward chunk; 0 = as many as the device's free memory holds, measured at start-up (no cache when the whole micro-batch fits)"
+        },
     )
     pack_spans: bool = field(
         default=True,
@@ -133,6 +138,40 @@ class CoCondenserMethod(CondenserMethod):
     def __init__(self, cfg, vocab):
         super().__init__(cfg, vocab)
         self.pack_width = cfg.packed_row_width
+        self.chunk_size = cfg.chunk_size  # 0: no cache until fit_chunk sizes one
+
+    def fit_chunk(self, module, available_bytes: float, n_spans: int) -> int:
+        """With ``chunk_size`` 0, the gradient cache's chunk for micro-batches of ``n_spans``
+        spans on ``module``'s device, given its free memory: 0 (no cache) when the whole
+        micro-batch's activations fit in their share of it, else the largest chunk that
+        does beside the cache's fp32 gradient sums. The activations of full-length spans,
+        laid out as batches are, are measured by two forwards (4 and 8 pairs): a worst
+        case, as real batches hold shorter spans too."""
+        if self.cfg.chunk_size:
+            return self.chunk_size
+        device = next(module.parameters()).device
+        rng = np.random.default_rng(0)
+        tokens = self.vocab.replacement_ids.numpy()
+
+        def activations(pairs: int) -> int:
+            width = self.cfg.span_length + 2
+            arrays = {
+                "input_ids": rng.choice(tokens, (pairs, 2, width)).astype(np.int32),
+                "length": np.full((pairs, 2), width, np.int32),
+            }
+            batch = to_device(self.make_batch(arrays, torch.Generator().manual_seed(0)), device)
+            return saved_bytes(lambda: self._losses(module, batch, 2 * pairs), module)
+
+        small, large = activations(4), activations(8)
+        per_span = max(1.0, (large - small) / 8)
+        fixed = max(0.0, small - 8 * per_span)
+        budget = available_bytes * ACTIVATION_SHARE
+        if fitting_chunk(per_span, fixed, budget, n_spans) == 0:
+            self.chunk_size = 0
+        else:
+            sums = 4 * sum(p.numel() for p in module.parameters() if p.requires_grad)
+            self.chunk_size = min(n_spans, fitting_chunk(per_span, fixed + sums, budget, n_spans) or n_spans)
+        return self.chunk_size
 
     def build(self, mlm) -> Condenser:
         if self.pack_width and not family(mlm).packs:
@@ -153,7 +192,7 @@ class CoCondenserMethod(CondenserMethod):
         if not self.pack_width:
             return tensors
         lengths = tensors.pop("attention_mask").sum(dim=1)
-        return pack(tensors, lengths, self.pack_width, self.cfg.chunk_size)
+        return pack(tensors, lengths, self.pack_width, self.chunk_size)
 
     @staticmethod
     def _n_spans(batch: dict) -> int:
@@ -187,7 +226,7 @@ class CoCondenserMethod(CondenserMethod):
         """The gradient cache's chunks: packed ones as packing grouped them."""
         if "chunks" in batch:
             return [chunk_of(batch, c) for c in batch["chunks"]]
-        n_local, size = batch["input_ids"].shape[0], self.cfg.chunk_size or batch["input_ids"].shape[0]
+        n_local, size = batch["input_ids"].shape[0], self.chunk_size or batch["input_ids"].shape[0]
         return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, n_local, size)]
 
     def backward(self, engine, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

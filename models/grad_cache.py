@@ -121,6 +121,33 @@ class LocalGradients:
         return torch.stack(terms).sum()
 
 
+def saved_bytes(forward: Callable[[], object], module: torch.nn.Module) -> int:
+    """Bytes autograd keeps for the backward of ``forward()``, the module's own parameters
+    aside: what one chunk's activations hold between the forward and the backward. The
+    output is dropped, so nothing is kept."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    storages: dict[int, int] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        out = forward()
+    del out
+    return sum(storages.values())
+
+
+def fitting_chunk(per_item: float, fixed: float, available: float, n_items: int) -> int:
+    """The largest chunk whose activations (``fixed + per_item * chunk`` bytes) fit in
+    ``available``, or 0 when the whole batch fits: then no cache is needed."""
+    if fixed + per_item * n_items <= available:
+        return 0
+    return max(1, int((available - fixed) // max(per_item, 1.0)))
+
+
 def check_cacheable(engine) -> None:
     """The engine settings under which chunk gradients can be summed outside DeepSpeed."""
     stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0

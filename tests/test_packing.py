@@ -12,6 +12,7 @@ from transformers import RobertaConfig, RobertaForMaskedLM
 
 from models.cocondenser import CoCondenserConfig, CoCondenserMethod
 from models.condenser import Condenser
+from models.grad_cache import fitting_chunk, saved_bytes
 from models.method import PlainEngine
 from models.packing import first_fit_decreasing, pack
 from tests.helpers import CLS_ID, PAD_ID, SEP_ID, tiny_bert_config, tiny_masking_vocab, tiny_mlm, tiny_vocab
@@ -175,3 +176,51 @@ def test_a_row_narrower_than_a_span_is_refused():
     assert CoCondenserConfig(span_length=200).packed_row_width == 208
     assert CoCondenserConfig(span_length=80, pack_width=96).packed_row_width == 96
     assert CoCondenserConfig(span_length=80, pack_spans=False).packed_row_width == 0
+
+
+# -- the gradient cache's chunk, sized from free memory -----------------------------------
+
+
+def test_saved_bytes_counts_what_autograd_keeps_for_the_backward():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+    x = torch.randn(10, 16)
+    # Linear keeps its input (for the weight's gradient), tanh its output; weights aside.
+    assert saved_bytes(lambda: model(x), model) == 2 * 10 * 16 * 4
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_fitting_chunk_by_hand():
+    assert fitting_chunk(per_item=10, fixed=100, available=1000, n_items=90) == 0  # 1000 fits all
+    assert fitting_chunk(per_item=10, fixed=100, available=1000, n_items=91) == 90
+    assert fitting_chunk(per_item=10, fixed=100, available=105, n_items=50) == 1  # never below one
+
+
+def test_the_chunk_is_the_largest_whose_activations_fit():
+    method = CoCondenserMethod(CoCondenserConfig(head="", span_length=22), tiny_masking_vocab())
+    model = method.build(bert())
+    # Memory for all 64 spans: no cache.
+    assert method.fit_chunk(model, available_bytes=2**34, n_spans=64) == 0
+    assert method.make_batch(span_pairs(32, seed=0), torch.Generator())["chunks"][0][2:] == (0, 64)
+    # Memory for about a dozen: chunks of that many, and the batches are packed by them.
+    rng = np.random.default_rng(1)
+
+    def activations(spans: int) -> int:
+        arrays = {
+            "input_ids": rng.choice(method.vocab.replacement_ids.numpy(), (spans // 2, 2, 24)).astype(np.int32),
+            "length": np.full((spans // 2, 2), 24, np.int32),
+        }
+        batch = method.make_batch(arrays, torch.Generator().manual_seed(0))
+        return saved_bytes(lambda: method._losses(model, batch, spans), model)
+
+    method.chunk_size = 0
+    sums = 4 * sum(p.numel() for p in model.parameters())
+    budget = sums + activations(12) + 1
+    chunk = method.fit_chunk(model, available_bytes=budget / 0.5, n_spans=64)
+    assert 8 <= chunk <= 12
+    assert activations(chunk) + sums <= budget
+    assert [c[3] - c[2] for c in method.make_batch(span_pairs(32, seed=0), torch.Generator())["chunks"]][0] == chunk
+    assert all(p.grad is None for p in model.parameters())
+    # A fixed chunk_size is kept as it is.
+    fixed = CoCondenserMethod(CoCondenserConfig(head="", span_length=22, chunk_size=6), tiny_masking_vocab())
+    assert fixed.fit_chunk(model, available_bytes=2**34, n_spans=64) == 6

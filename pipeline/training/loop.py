@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import numpy as np
+import psutil
 import ray.train
 import ray.train.torch
 import torch
@@ -62,6 +63,10 @@ class TrainTask(Protocol):
         """Forward and ``engine.backward`` for one micro-batch; returns (loss to log, extras)."""
 
     def consumed_rows(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]: ...
+    def fit_to_memory(self, module: torch.nn.Module, available_bytes: int, micro_batch_size: int) -> dict:
+        """Settings the task sizes from the memory its worker has free once the engine is
+        up (coCondenser's gradient-cache chunk); returns them, to log."""
+
     def count_tokens(self, batch: dict[str, np.ndarray]) -> int: ...
 
     counter_names: tuple[str, ...]  # what counters() may return
@@ -101,6 +106,16 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             continue
         (no_decay if param.ndim < 2 or "LayerNorm" in name or name.endswith(".bias") else decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def free_memory(device, workers_on_node: int) -> int:
+    """Bytes a worker's activations may take: its GPU's free memory, with what torch's
+    allocator holds unused, or on CPUs its share of the node's available memory."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return psutil.virtual_memory().available // max(1, workers_on_node)
 
 
 def step_seed(seed: int, rank: int, micro_step: int) -> int:
@@ -277,6 +292,11 @@ class WorkerRun:
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.engine, self.scheduler = _build_engine(self.train, self.task, config["deepspeed"])
+        fitted = self.task.fit_to_memory(
+            self.engine.module, free_memory(self.engine.device, ctx.get_local_world_size()), self.train.micro_batch_size
+        )
+        if fitted and self.rank == 0:
+            log({"sized_from_memory": fitted})
         restored = _restore(self.engine, self.rank, self.run_dir)
         self.state, self.position = restored.state, restored.position
         self.checkpoint_suffix = restored.name_suffix  # after passing over damaged checkpoints

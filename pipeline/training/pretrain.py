@@ -131,6 +131,13 @@ class PretrainTask(Task):
     def count_tokens(self, batch: dict[str, np.ndarray]) -> int:
         return self.method.count_tokens(batch)
 
+    def fit_to_memory(self, module, available_bytes: int, micro_batch_size: int) -> dict:
+        if not hasattr(self.method, "fit_chunk"):
+            return {}
+        # A micro-batch of span pairs holds twice as many spans.
+        chunk = self.method.fit_chunk(module, available_bytes, 2 * micro_batch_size)
+        return {"grad_cache_chunk": chunk or None, "free_memory_gib": round(available_bytes / 2**30, 2)}
+
     def export(self, model: torch.nn.Module, out_dir: str) -> dict[str, str]:
         return self.method.export(model, out_dir, self.tokenizer_dir())
 

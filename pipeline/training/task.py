@@ -41,6 +41,9 @@ class Task:
     def consumed_rows(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         return consumed_source_rows(batch)
 
+    def fit_to_memory(self, module, available_bytes: int, micro_batch_size: int) -> dict:
+        return {}
+
     def tokenizer_dir(self) -> str:
         if getattr(self, "_tokenizer_dir", None) is None:  # needed until the final export
             self._tokenizer_dir = model_ref.materialize(self.tokenizer_uri, "tokenizer")
