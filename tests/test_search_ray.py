@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import re
+import time
 
 import numpy as np
 import pytest
@@ -56,7 +57,8 @@ def encoded(collection, tiny_bert, shared_ray):  # noqa: F811
         corpus=collection["corpus"],
         output=str(collection["root"] / "emb"),
         docs_per_shard=20,
-        encoder=EncoderSettings(model=tiny_bert, pooling="mean", batch_size=7),
+        # Two shards in flight per actor, as on GPUs: one encoded while another is read or written.
+        encoder=EncoderSettings(model=tiny_bert, pooling="mean", batch_size=7, shards_in_flight=2),
         pool=ActorConfig(actors=2),
     )
     return cfg, run_encoding(cfg)
@@ -152,23 +154,62 @@ class _Flaky:
         return task * 10
 
 
-def test_a_task_whose_actor_died_is_retried_on_a_fresh_actor(tmp_path, shared_ray):
+@pytest.mark.parametrize("calls_per_actor", [1, 2])
+def test_a_task_whose_actor_died_is_retried_on_a_fresh_actor(tmp_path, shared_ray, calls_per_actor):
     import sys
 
     import ray
     from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import a test module
-    remote = ray.remote(_Flaky).options(num_cpus=0.5, max_restarts=0)
+    remote = ray.remote(_Flaky).options(num_cpus=0.5, max_restarts=0, max_concurrency=calls_per_actor)
+    made = []
     results = run_actor_pool(
-        lambda: remote.remote(str(tmp_path)),
+        lambda: made.append(1) or remote.remote(str(tmp_path)),
         list(range(7)),
         lambda actor, t: actor.work.remote(t),
         max_retries=2,
         n_actors=2,
+        calls_per_actor=calls_per_actor,
     )
     assert results == [t * 10 for t in range(7)]  # every task exactly once, in order
     assert sorted(os.listdir(tmp_path)) == ["died-0", "died-3", "died-6"]
+    # One fresh actor per death, even when the dead actor had two calls in flight.
+    assert len(made) == 2 + 3
+
+
+class _Overlapping:
+    """A threaded actor that reports how many of its calls ran at once."""
+
+    def __init__(self):
+        import threading
+
+        self.lock, self.running, self.most = threading.Lock(), 0, 0
+
+    def work(self, task: int) -> tuple[int, int]:
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        time.sleep(0.3)
+        with self.lock:
+            self.running -= 1
+            return task, self.most
+
+
+@pytest.mark.parametrize("calls_per_actor", [1, 2])
+def test_an_actor_is_handed_calls_per_actor_tasks_at_once(shared_ray, calls_per_actor):
+    import sys
+
+    import ray
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    remote = ray.remote(_Overlapping).options(num_cpus=0.5, max_concurrency=calls_per_actor)
+    results = run_actor_pool(
+        remote.remote, list(range(6)), lambda a, t: a.work.remote(t), 0, n_actors=1, calls_per_actor=calls_per_actor
+    )
+    assert [task for task, _ in results] == list(range(6))
+    assert max(most for _, most in results) == calls_per_actor
 
 
 class _CannotStart:

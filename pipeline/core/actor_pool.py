@@ -66,14 +66,22 @@ def actor_device(pool: ActorConfig) -> str:
     return "cuda"
 
 
-def run_actor_pool(make_actor, tasks: list, call, max_retries: int, n_actors: int, on_done=None) -> list:
+def run_actor_pool(
+    make_actor, tasks: list, call, max_retries: int, n_actors: int, on_done=None, calls_per_actor: int = 1
+) -> list:
     """Every result of :func:`stream_actor_pool`, in task order."""
-    return [result for _, result in stream_actor_pool(make_actor, tasks, call, max_retries, n_actors, on_done)]
+    results = stream_actor_pool(make_actor, tasks, call, max_retries, n_actors, on_done, calls_per_actor)
+    return [result for _, result in results]
 
 
-def stream_actor_pool(make_actor, tasks: Iterable, call, max_retries: int, n_actors: int, on_done=None) -> Iterator:
+def stream_actor_pool(
+    make_actor, tasks: Iterable, call, max_retries: int, n_actors: int, on_done=None, calls_per_actor: int = 1
+) -> Iterator:
     """Run ``call(actor, task) -> ObjectRef`` for every task on ``n_actors`` actors and yield
     ``(task, result)`` in task order, as they are ready.
+
+    Each actor is handed up to ``calls_per_actor`` tasks at once: a threaded actor
+    (``max_concurrency``) then reads and writes one task's data while it computes another's.
 
     Tasks are drawn from the iterable only as actors free up, and at most ``4 * n_actors``
     tasks (results included) are held past the oldest unfinished one: a job streaming its
@@ -100,6 +108,8 @@ def stream_actor_pool(make_actor, tasks: Iterable, call, max_retries: int, n_act
 
     def fresh():
         created.append(make_actor())
+        # One entry per free call slot; the first is taken by the caller.
+        idle.extend([created[-1]] * (calls_per_actor - 1))
         return created[-1]
 
     def draw() -> int | None:
@@ -116,7 +126,7 @@ def stream_actor_pool(make_actor, tasks: Iterable, call, max_retries: int, n_act
         next_task += 1
         return next_task - 1
 
-    idle: list = []  # started actors with nothing to do
+    idle: list = []  # started actors' free call slots
     try:
         while True:
             while idle or len(created) < n_actors:
@@ -147,8 +157,10 @@ def stream_actor_pool(make_actor, tasks: Iterable, call, max_retries: int, n_act
                 if retries[i] > max_retries:
                     raise
                 retry.append(i)
-                created.remove(actor)
-                idle.append(fresh())  # the dead actor is gone: replace it
+                if any(a is actor for a in created):  # its other calls fail too, without a new actor each
+                    created[:] = [a for a in created if a is not actor]
+                    idle[:] = [a for a in idle if a is not actor]
+                    idle.append(fresh())  # the dead actor is gone: replace it
     finally:
         for actor in created:  # free their CPUs/GPUs for the next stage
             ray.kill(actor)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar, Literal
@@ -86,6 +87,12 @@ class EncoderSettings:
             "help": "torch.compile the towers for batches of any width (one compile per process, ~20 s for MiniLM on a CPU core); embeddings within 1e-4 of eager"
         },
     )
+    shards_in_flight: int = field(
+        default=0,
+        metadata={
+            "help": "corpus shards an encoding actor holds at once: one is encoded while the next is read and the last written; 0 = 2 on GPUs, 1 on CPUs (where the read and write would take the encoder's cores)"
+        },
+    )
 
     query_prefix: str | None = field(
         default=None,
@@ -94,6 +101,10 @@ class EncoderSettings:
     passage_prefix: str | None = field(
         default=None, metadata={"help": "text before every passage; none = the export's, likewise"}
     )
+
+    def __post_init__(self):
+        if self.shards_in_flight < 0:
+            raise ValueError(f"encoder.shards_in_flight must be >= 0, got {self.shards_in_flight}")
 
     def overrides(self) -> dict:
         """The retriever settings that replace the export's."""
@@ -202,20 +213,25 @@ class EncoderActor:
         if tokenizer_dir and model_tokenizer_dir(model_dir) != model_dir:
             # Two towers: passages come pre-tokenized, query text needs the query tokenizer.
             self.query_encoder = Encoder(settings, model_tokenizer_dir(model_dir), device, self.encoder.model)
+        # With several calls in flight (shards_in_flight), one encodes at a time while the
+        # others read their shard or write their vectors.
+        self.device_lock = threading.Lock()
 
     def pid(self) -> int:
         return os.getpid()
 
     def encode_queries(self, texts: list[str]) -> dict:
         started = time.perf_counter()
-        vectors = self.query_encoder.encode_texts(texts, self.encoder.settings.query_max_len, tower="query")
+        with self.device_lock:
+            vectors = self.query_encoder.encode_texts(texts, self.encoder.settings.query_max_len, tower="query")
         return {"vectors": vectors, "rows": len(texts), "seconds": time.perf_counter() - started, "pid": os.getpid()}
 
     def encode_shard(self, corpus_shard_uri: str, index: int, output: str) -> dict:
         started = time.perf_counter()
         table = storage.read_parquet(corpus_shard_uri, columns=["row", "doc_id", "input_ids"])
         tokens = table.column("input_ids").to_pylist()
-        vectors = self.encoder.encode_tokens(tokens, self.encoder.settings.passage_max_len)
+        with self.device_lock:
+            vectors = self.encoder.encode_tokens(tokens, self.encoder.settings.passage_max_len)
         entry = write_shard(output, index, table.column("row").to_numpy(), table.column("doc_id").to_pylist(), vectors)
         return {**entry, "seconds": time.perf_counter() - started, "pid": os.getpid()}
 
@@ -308,7 +324,8 @@ def run_encoding(cfg: EncodeConfig, query_texts: list[str] | None = None, before
     todo = [("shard", i, storage.join(corpus, s["path"])) for i, s in enumerate(shards) if i not in done]
     # The queries go to the same actors once the shards are handed out: no second model load.
     todo += [("queries", start, query_texts[start : start + QUERY_BLOCK]) for start in query_blocks(query_texts or [])]
-    remote = ray.remote(EncoderActor).options(**cfg.pool.remote_options(), max_restarts=0)
+    in_flight = cfg.encoder.shards_in_flight or (2 if cfg.pool.use_gpu else 1)
+    remote = ray.remote(EncoderActor).options(**cfg.pool.remote_options(), max_restarts=0, max_concurrency=in_flight)
 
     def call(actor, task):
         kind, key, payload = task
@@ -335,6 +352,7 @@ def run_encoding(cfg: EncodeConfig, query_texts: list[str] | None = None, before
             cfg.pool.max_retries,
             cfg.pool.actors,
             count,
+            calls_per_actor=in_flight,
         )
     query_results = [r for t, r in zip(todo, results) if t[0] == "queries"]
     results = [r for t, r in zip(todo, results) if t[0] == "shard"]
