@@ -28,6 +28,7 @@ import ray
 import torch
 
 from models.biencoder import load_biencoder
+from models.compiled import compile_in_place
 from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig, actor_device, run_actor_pool
 from pipeline.core.config import Renamed, truthy
@@ -45,7 +46,7 @@ from pipeline.retrieval.embeddings import (
     write_manifest,
     write_shard,
 )
-from pipeline.retrieval.inference import autocast_dtype, compile_in_place, inference, length_sorted_batches
+from pipeline.retrieval.inference import autocast_dtype, inference, length_sorted_batches
 
 
 def _similarity_of_normalize(value) -> str:

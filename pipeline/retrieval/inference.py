@@ -28,16 +28,6 @@ def inference(device: str, dtype: torch.dtype | None) -> Iterator[None]:
         yield
 
 
-def compile_in_place(*modules: torch.nn.Module | None) -> None:
-    """``torch.compile`` each module in place (its state dict keeps its keys), with dynamic
-    shapes: length-sorted batches come in many widths, and each new width must reuse the
-    one compiled graph, not compile again. A module compiled already (a tower two encoders
-    share) is left as it is."""
-    for module in {id(m): m for m in modules if m is not None}.values():
-        if getattr(module, "_compiled_call_impl", None) is None:
-            module.compile(dynamic=True)
-
-
 def length_sorted_batches(lengths: Sequence[int] | np.ndarray, batch_size: int) -> Iterator[np.ndarray]:
     """The items' indexes, longest first (ties in their order), ``batch_size`` at a time."""
     order = np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable")

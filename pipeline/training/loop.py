@@ -42,6 +42,7 @@ import torch
 from ray.train.torch import TorchTrainer
 
 from models.batches import to_device
+from models.compiled import compile_in_place
 from pipeline.core import storage
 from pipeline.core.config import to_dict
 from pipeline.core.errors import ArtifactError, ConfigError, InputError
@@ -228,6 +229,8 @@ def _build_engine(train: TrainConfig, task: TrainTask, deepspeed_settings: dict)
     torch.set_num_threads(max(1, int(train.cpus_per_worker)))
     torch.manual_seed(train.seed)  # identical initialisation on every rank
     model = task.build_model()
+    if train.compile:
+        compile_in_place(model)  # before DeepSpeed wraps it: the engine calls the compiled forward
     optimizer = torch.optim.AdamW(
         param_groups(model, train.weight_decay), lr=train.lr, eps=train.adam_eps, fused=train.use_gpu or None
     )

@@ -64,6 +64,12 @@ class TrainConfig:
             "help": "mask and collate the next micro-batch in a thread while this one trains; auto = on with GPUs (on CPUs the step already uses every core)"
         },
     )
+    compile: bool = field(
+        default=False,
+        metadata={
+            "help": "torch.compile the trained module in place, with dynamic shapes (one graph for every batch width), before DeepSpeed wraps it; same losses and gradients. Opt-in: its compile takes a minute or more on a CPU, and its gain on GPUs is not yet measured"
+        },
+    )
     data_trace: bool = field(
         default=False, metadata={"help": "write the corpus rows each worker consumed, per epoch (audit)"}
     )
