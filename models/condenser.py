@@ -70,8 +70,8 @@ class Condenser(nn.Module):
     def config(self):
         return self.lm.config
 
-    def backbone_states(self, input_ids, attention_mask, position_ids=None):
-        """(late hidden states, early token states)."""
+    def backbone_states(self, input_ids, attention_mask, position_ids=None, with_cls: bool = False):
+        """(late hidden states, early token states; with ``with_cls``, the early [CLS] too)."""
         out = self.family.base(self.lm)(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -79,7 +79,8 @@ class Condenser(nn.Module):
             output_hidden_states=True,
             return_dict=True,
         )
-        return out.last_hidden_state, out.hidden_states[self.skip_from][:, 1:]
+        early = out.hidden_states[self.skip_from]
+        return out.last_hidden_state, early if with_cls else early[:, 1:]
 
     def head_states(
         self, late_cls: torch.Tensor, early_tokens: torch.Tensor, attention_mask: torch.Tensor
@@ -111,16 +112,9 @@ class Condenser(nn.Module):
         is for a row of its own)."""
         mask = packed_attention_mask(self.lm.config, segments, self.lm.dtype)
         positions = self.family.packed_positions(self.lm, position_ids)
-        out = self.family.base(self.lm)(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            output_hidden_states=True,
-            return_dict=True,
-        )
-        late = out.last_hidden_state
+        late, early = self.backbone_states(input_ids, mask, positions, with_cls=True)
         late_cls = late.flatten(0, 1)[cls_index]
-        early = out.hidden_states[self.skip_from].flatten(0, 1)
+        early = early.flatten(0, 1)
         head_input = early.index_copy(0, cls_index, late_cls.to(early.dtype)).view_as(late)
         head = self.family.run_layers(self.lm, self.head, head_input, mask)
         n = cls_index.shape[0]
