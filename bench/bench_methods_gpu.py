@@ -3,7 +3,9 @@
     python bench/bench_methods_gpu.py                 # BERT-base and MiniLM sizes, bf16 autocast
     python bench/bench_methods_gpu.py --tiny --device cpu   # a smoke run of the same code
 
-Each method (plain MLM, Condenser, coCondenser with and without the gradient cache, SimLM)
+Each method (plain MLM, Condenser, coCondenser with and without the gradient cache, SimLM;
+and coCondenser on a batch 8x larger with the cache's chunk sized from the device's free
+memory, as jobs size it: its tokens/s against the no-cache row is issue 36's "within 1.3x")
 trains its own module through the method interface of ``models/method.py`` (``make_batch``
 then ``backward``) with torch's AdamW, on random token ids of full-length sequences (the
 models are randomly initialised: throughput does not depend on the weights). No Ray and no
@@ -76,12 +78,31 @@ def small_generator(vocab_size: int, folder: str) -> str:
     return folder
 
 
-def methods(generator_dir: str, batch: int):
-    yield "mlm", MLMMethod, MLMConfig()
-    yield "condenser", CondenserMethod, CondenserConfig()
-    yield "cocondenser", CoCondenserMethod, CoCondenserConfig(head="", chunk_size=0)
-    yield "cocondenser-gradcache", CoCondenserMethod, CoCondenserConfig(head="", chunk_size=batch // 4)
-    yield "simlm", SimLMMethod, SimLMConfig(generator=generator_dir)
+SIZED_BATCH_SCALE = 8  # the memory-sized cache's batch: 8x one that fits without the cache
+
+
+def methods(generator_dir: str, batch: int, length: int):
+    """(name, method class, config, batch scale, chunk sized from memory)."""
+    yield "mlm", MLMMethod, MLMConfig(), 1, False
+    yield "condenser", CondenserMethod, CondenserConfig(), 1, False
+    yield "cocondenser", CoCondenserMethod, CoCondenserConfig(head="", chunk_size=batch), 1, False
+    yield "cocondenser-gradcache", CoCondenserMethod, CoCondenserConfig(head="", chunk_size=batch // 4), 1, False
+    # The cache as jobs run it (chunk_size 0): the chunk sized from the device's free memory,
+    # on a batch too large for one graph; its spans as long as the rows (the probe's length).
+    sized = CoCondenserConfig(head="", chunk_size=0, span_length=length - 2)
+    yield "cocondenser-gradcache-sized", CoCondenserMethod, sized, SIZED_BATCH_SCALE, True
+    yield "simlm", SimLMMethod, SimLMConfig(generator=generator_dir), 1, False
+
+
+def free_bytes(device: str, pretend_gib: float = 0.0) -> int:
+    if pretend_gib:
+        return int(pretend_gib * 2**30)
+    if device != "cuda":
+        import psutil
+
+        return psutil.virtual_memory().available
+    free, _ = torch.cuda.mem_get_info()
+    return free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
 
 
 def matmul_ceiling(device: str) -> float:
@@ -99,7 +120,19 @@ def matmul_ceiling(device: str) -> float:
     return 2 * 8192**3 * n / (time.perf_counter() - start)
 
 
-def bench_one(name, cls, cfg, size: str, batch: int, length: int, steps: int, device: str, masking: MaskingVocab):
+def bench_one(
+    name,
+    cls,
+    cfg,
+    size: str,
+    batch: int,
+    length: int,
+    steps: int,
+    device: str,
+    masking: MaskingVocab,
+    sized: bool = False,
+    free_gib: float = 0.0,
+):
     hidden, layers, heads, inter = SIZES[size]
     torch.manual_seed(0)
     mlm = build_mlm(
@@ -119,6 +152,10 @@ def bench_one(name, cls, cfg, size: str, batch: int, length: int, steps: int, de
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=device == "cuda")
     rng = torch.Generator().manual_seed(0)
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16)
+    chunk = getattr(method, "chunk_size", None)
+    if sized:
+        with autocast:
+            chunk = method.fit_chunk(model, free_bytes(device, free_gib), batch)
 
     def make_batch():
         ids, mask = batch_ids(batch, length, masking.vocab_size, rng)
@@ -158,6 +195,7 @@ def bench_one(name, cls, cfg, size: str, batch: int, length: int, steps: int, de
         "batch": batch,
         "length": length,
         "params_m": round(trained / 1e6, 1),
+        "chunk": chunk,
         "step_ms": round(seconds * 1e3, 2),
         "make_batch_ms": round(make_batch_s * 1e3, 2),
         "tokens_per_s": round(batch * length / seconds),
@@ -175,6 +213,9 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tiny", action="store_true", help="tiny model, batch 8, 2 steps (smoke run)")
+    parser.add_argument(
+        "--free_gib", type=float, default=0.0, help="size the cache's chunk for this much free memory (smoke runs)"
+    )
     parser.add_argument("--json", default="", help="also write the rows here")
     args = parser.parse_args()
     if args.tiny:
@@ -193,8 +234,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         generator_dir = small_generator(masking.vocab_size, os.path.join(tmp, "generator"))
         for size in args.sizes.split(","):
-            for name, cls, cfg in methods(generator_dir, args.batch):
-                row = bench_one(name, cls, cfg, size, args.batch, args.length, args.steps, args.device, masking)
+            for name, cls, cfg, scale, sized in methods(generator_dir, args.batch, args.length):
+                row = bench_one(
+                    name,
+                    cls,
+                    cfg,
+                    size,
+                    args.batch * scale,
+                    args.length,
+                    args.steps,
+                    args.device,
+                    masking,
+                    sized,
+                    args.free_gib,
+                )
                 row["mfu_datasheet"] = round(row["achieved_tflop_s"] * 1e12 / datasheet, 3)
                 row["mfu_measured_matmul"] = round(row["achieved_tflop_s"] * 1e12 / ceiling, 3)
                 rows.append(row)
