@@ -110,6 +110,10 @@ def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path
             [job, *run, *init, "--train.num_workers", "2", "--train.cpus_per_worker", "3"],
             "--train.num_workers 2 x (--train.cpus_per_worker 3): 2 x CPU 3 do not fit on this cluster's nodes (CPU 4",
         )
+        cases[f"{job}: workers that leave no CPU for the ingest"] = (
+            [job, *run, *init, "--train.num_workers", "2", "--train.cpus_per_worker", "2"],
+            "--train.num_workers 2 x --train.cpus_per_worker 2 take 4 of this cluster's 4 CPUs, leaving none for Ray Data",
+        )
     cases["no steps and no epochs"] = (
         ["jobs.finetune", *run, "--train.max_steps", "0", "--train.epochs", "0"],
         "max_steps and epochs are both 0",

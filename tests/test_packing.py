@@ -224,3 +224,23 @@ def test_the_chunk_is_the_largest_whose_activations_fit():
     # A fixed chunk_size is kept as it is.
     fixed = CoCondenserMethod(CoCondenserConfig(head="", span_length=22, chunk_size=6), tiny_masking_vocab())
     assert fixed.fit_chunk(model, available_bytes=2**34, n_spans=64) == 6
+
+
+def test_the_worker_sizes_the_chunk_only_where_the_cache_can_run():
+    from models.backbone import BackboneConfig
+    from pipeline.training.pretrain import PretrainTask
+
+    cfg = CoCondenserConfig(head="", span_length=22)
+    task = PretrainTask("cocondenser", cfg, BackboneConfig(), "", len(tiny_vocab()))
+    task.method = CoCondenserMethod(cfg, tiny_masking_vocab())
+    engine = PlainEngine(task.method.build(bert()))
+    assert task.fit_to_memory(engine, 2**34, micro_batch_size=32) == {"grad_cache_chunk": None, "free_memory_gib": 16.0}
+    assert task.fit_to_memory(engine, 2**21, micro_batch_size=32)["grad_cache_chunk"] >= 1
+
+    class Zero3(PlainEngine):
+        def zero_optimization_stage(self) -> int:
+            return 3
+
+    task.method.chunk_size = 0
+    assert task.fit_to_memory(Zero3(engine.module), 2**21, micro_batch_size=32) == {}
+    assert task.method.chunk_size == 0  # no cache: ZeRO-3 could not run one

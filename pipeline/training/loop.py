@@ -64,7 +64,7 @@ class TrainTask(Protocol):
         """Forward and ``engine.backward`` for one micro-batch; returns (loss to log, extras)."""
 
     def consumed_rows(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]: ...
-    def fit_to_memory(self, module: torch.nn.Module, available_bytes: int, micro_batch_size: int) -> dict:
+    def fit_to_memory(self, engine, available_bytes: int, micro_batch_size: int) -> dict:
         """Settings the task sizes from the memory its worker has free once the engine is
         up (coCondenser's gradient-cache chunk); returns them, to log."""
 
@@ -296,7 +296,7 @@ class WorkerRun:
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.engine, self.scheduler = _build_engine(self.train, self.task, config["deepspeed"])
         fitted = self.task.fit_to_memory(
-            self.engine.module, free_memory(self.engine.device, ctx.get_local_world_size()), self.train.micro_batch_size
+            self.engine, free_memory(self.engine.device, ctx.get_local_world_size()), self.train.micro_batch_size
         )
         if fitted and self.rank == 0:
             log({"sized_from_memory": fitted})
@@ -516,6 +516,18 @@ def check_placement(train: TrainConfig) -> None:
             f"--train.num_workers {train.num_workers} x (--train.cpus_per_worker {train.cpus_per_worker:g}"
             f"{', a GPU' if train.use_gpu else ''}): {problem}"
         )
+    if ray.is_initialized() and not autoscales():
+        # Ray Data's ingest tasks need a CPU beside the workers: without one, every worker
+        # waits for its first batch for ever, silently.
+        total = ray.cluster_resources().get("CPU", 0.0)
+        taken = train.num_workers * train.cpus_per_worker
+        if total - taken < 1:
+            raise ConfigError(
+                f"--train.num_workers {train.num_workers} x --train.cpus_per_worker {train.cpus_per_worker:g} "
+                f"take {taken:g} of this cluster's {total:g} CPUs, leaving none for Ray Data's ingest tasks "
+                "(the workers would wait for data for ever): lower either, or give a local Ray more logical "
+                "CPUs (--ray.num_cpus)"
+            )
 
 
 def _raise_user_error(marker: str) -> None:

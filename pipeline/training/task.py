@@ -41,7 +41,7 @@ class Task:
     def consumed_rows(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         return consumed_source_rows(batch)
 
-    def fit_to_memory(self, module, available_bytes: int, micro_batch_size: int) -> dict:
+    def fit_to_memory(self, engine, available_bytes: int, micro_batch_size: int) -> dict:
         return {}
 
     def tokenizer_dir(self) -> str:
