@@ -166,11 +166,10 @@ class CoCondenserMethod(CondenserMethod):
         per_span = max(1.0, (large - small) / 8)
         fixed = max(0.0, small - 8 * per_span)
         budget = available_bytes * ACTIVATION_SHARE
-        if fitting_chunk(per_span, fixed, budget, n_spans) == 0:
-            self.chunk_size = 0
-        else:
+        self.chunk_size = fitting_chunk(per_span, fixed, budget, n_spans)
+        if self.chunk_size:  # the cache runs: its fp32 gradient sums take their place too
             sums = 4 * sum(p.numel() for p in module.parameters() if p.requires_grad)
-            self.chunk_size = min(n_spans, fitting_chunk(per_span, fixed + sums, budget, n_spans) or n_spans)
+            self.chunk_size = fitting_chunk(per_span, fixed + sums, budget, n_spans)
         return self.chunk_size
 
     def build(self, mlm) -> Condenser:

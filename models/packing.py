@@ -68,9 +68,9 @@ def pack(
         first_row += n_rows
     row = np.concatenate(rows_of) if rows_of else np.empty(0, np.int64)
     offset = np.concatenate(offsets_of) if offsets_of else np.empty(0, np.int64)
-    chunk_of = np.repeat(np.arange(len(chunks)), [c[3] - c[2] for c in chunks])
-    chunk_first_row = np.array([c[0] for c in chunks], dtype=np.int64)[chunk_of]
-    chunk_first_seq = np.array([c[2] for c in chunks], dtype=np.int64)[chunk_of]
+    sequence_chunk = np.repeat(np.arange(len(chunks)), [c[3] - c[2] for c in chunks])
+    chunk_first_row = np.array([c[0] for c in chunks], dtype=np.int64)[sequence_chunk]
+    chunk_first_seq = np.array([c[2] for c in chunks], dtype=np.int64)[sequence_chunk]
 
     # Every real token: its sequence, its place in that sequence, and where it goes.
     seq = np.repeat(np.arange(n), lengths_np)
