@@ -40,6 +40,7 @@ from models.backbone import BackboneConfig, build_mlm
 from models.batches import to_device
 from models.cocondenser import CoCondenserConfig, CoCondenserMethod
 from models.condenser import CondenserConfig, CondenserMethod
+from models.grad_cache import free_memory
 from models.masking import MaskingVocab
 from models.method import PlainEngine
 from models.mlm import MLMConfig, MLMMethod
@@ -95,14 +96,7 @@ def methods(generator_dir: str, batch: int, length: int):
 
 
 def free_bytes(device: str, pretend_gib: float = 0.0) -> int:
-    if pretend_gib:
-        return int(pretend_gib * 2**30)
-    if device != "cuda":
-        import psutil
-
-        return psutil.virtual_memory().available
-    free, _ = torch.cuda.mem_get_info()
-    return free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    return int(pretend_gib * 2**30) if pretend_gib else free_memory(device)
 
 
 def matmul_ceiling(device: str) -> float:

@@ -19,6 +19,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import psutil
 import torch
 
 
@@ -138,6 +139,16 @@ def saved_bytes(forward: Callable[[], object], module: torch.nn.Module) -> int:
         out = forward()
     del out
     return sum(storages.values())
+
+
+def free_memory(device, workers_on_node: int = 1) -> int:
+    """Bytes a worker's activations may take: its GPU's free memory, with what torch's
+    allocator holds unused, or on CPUs its share of the node's available memory."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return psutil.virtual_memory().available // max(1, workers_on_node)
 
 
 def fitting_chunk(per_item: float, fixed: float, available: float, n_items: int) -> int:

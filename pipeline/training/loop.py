@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import numpy as np
-import psutil
 import ray.train
 import ray.train.torch
 import torch
@@ -43,6 +42,7 @@ from ray.train.torch import TorchTrainer
 
 from models.batches import to_device
 from models.compiled import compile_in_place
+from models.grad_cache import free_memory
 from pipeline.core import storage
 from pipeline.core.config import to_dict
 from pipeline.core.errors import ArtifactError, ConfigError, InputError
@@ -107,16 +107,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             continue
         (no_decay if param.ndim < 2 or "LayerNorm" in name or name.endswith(".bias") else decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def free_memory(device, workers_on_node: int) -> int:
-    """Bytes a worker's activations may take: its GPU's free memory, with what torch's
-    allocator holds unused, or on CPUs its share of the node's available memory."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return psutil.virtual_memory().available // max(1, workers_on_node)
 
 
 def step_seed(seed: int, rank: int, micro_step: int) -> int:
