@@ -40,8 +40,8 @@ from models.backbone import BackboneConfig, build_mlm
 from models.batches import to_device
 from models.cocondenser import CoCondenserConfig, CoCondenserMethod
 from models.condenser import CondenserConfig, CondenserMethod
-from models.grad_cache import free_memory
 from models.masking import MaskingVocab
+from models.memory import free_memory
 from models.method import PlainEngine
 from models.mlm import MLMConfig, MLMMethod
 from models.simlm import SimLMConfig, SimLMMethod

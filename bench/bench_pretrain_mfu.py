@@ -72,6 +72,7 @@ def job_command(args, corpus: str, output: str) -> list[str]:
         "train.precision": args.precision,
         "train.zero_stage": 2,
         "train.micro_batch_size": args.micro_batch,
+        "train.grad_accum": args.grad_accum,
         "train.max_steps": args.steps,
         "train.log_every": LOG_EVERY,
         "train.checkpoint_every": args.steps + 1000,
@@ -138,6 +139,12 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=1, help="Ray Train workers, one GPU each; 0 = one CPU worker")
     parser.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
     parser.add_argument("--micro_batch", type=int, default=128)
+    parser.add_argument(
+        "--grad_accum",
+        type=int,
+        default=1,
+        help="rows per step = micro_batch x grad_accum; on GPUs the job splits them into the fewest micro-batches that fit (--train.size_micro_batch auto)",
+    )
     parser.add_argument("--max_len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--cpus_per_worker", type=float, default=4)
@@ -170,6 +177,8 @@ def main() -> None:
         "method": args.method,
         "precision": args.precision,
         "micro_batch": args.micro_batch,
+        "grad_accum": args.grad_accum,
+        "sized_micro_batch": [summary.get("micro_batch_size"), summary.get("grad_accum")],
         "max_len": args.max_len,
         "steps": args.steps,
         "versions": {"torch": torch.__version__},

@@ -27,13 +27,11 @@ from models.backbone import family
 from models.batches import LENGTH_MULTIPLE, to_device
 from models.condenser import Condenser, CondenserConfig, CondenserMethod
 from models.distributed import gather_with_grad, world_size
-from models.grad_cache import engine_grad_cache_backward, fitting_chunk, saved_bytes
+from models.grad_cache import engine_grad_cache_backward, fitting_chunk
+from models.memory import ACTIVATION_SHARE, measure_activations, saved_bytes
 from models.packing import chunk_of, pack
 
 DEFAULT_PACK_WIDTH = 128
-# The share of the free memory that a chunk's saved activations may take: the backward's
-# own transients (a layer's gradients at a time, the MLM logits) need the rest.
-ACTIVATION_SHARE = 0.5
 
 
 def partner_targets(n_spans: int, device=None) -> torch.Tensor:
@@ -140,6 +138,9 @@ class CoCondenserMethod(CondenserMethod):
         self.pack_width = cfg.packed_row_width
         self.chunk_size = cfg.chunk_size  # 0: no cache until fit_chunk sizes one
 
+    def activation_cost(self, model, width: int) -> None:
+        return None  # in-batch negatives: the gradient cache, sized by fit_chunk, splits the batch instead
+
     def fit_chunk(self, module, available_bytes: float, n_spans: int) -> int:
         """With ``chunk_size`` 0, the gradient cache's chunk for micro-batches of ``n_spans``
         spans on ``module``'s device, given its free memory: 0 (no cache) when the whole
@@ -153,23 +154,21 @@ class CoCondenserMethod(CondenserMethod):
         rng = np.random.default_rng(0)
         tokens = self.vocab.replacement_ids.numpy()
 
-        def activations(pairs: int) -> int:
-            width = self.cfg.span_length + 2
+        def activations(spans: int) -> int:
+            width, pairs = self.cfg.span_length + 2, spans // 2
             arrays = {
                 "input_ids": rng.choice(tokens, (pairs, 2, width)).astype(np.int32),
                 "length": np.full((pairs, 2), width, np.int32),
             }
             batch = to_device(self.make_batch(arrays, torch.Generator().manual_seed(0)), device)
-            return saved_bytes(lambda: self._losses(module, batch, 2 * pairs), module)
+            return saved_bytes(lambda: self._losses(module, batch, spans), module)
 
-        small, large = activations(4), activations(8)
-        per_span = max(1.0, (large - small) / 8)
-        fixed = max(0.0, small - 8 * per_span)
+        cost = measure_activations(activations, 8)
         budget = available_bytes * ACTIVATION_SHARE
-        self.chunk_size = fitting_chunk(per_span, fixed, budget, n_spans)
+        self.chunk_size = fitting_chunk(cost.per_item, cost.fixed, budget, n_spans)
         if self.chunk_size:  # the cache runs: its fp32 gradient sums take their place too
             sums = 4 * sum(p.numel() for p in module.parameters() if p.requires_grad)
-            self.chunk_size = fitting_chunk(per_span, fixed + sums, budget, n_spans)
+            self.chunk_size = fitting_chunk(cost.per_item, cost.fixed + sums, budget, n_spans)
         return self.chunk_size
 
     def build(self, mlm) -> Condenser:

@@ -19,7 +19,6 @@ import contextlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import psutil
 import torch
 
 
@@ -120,35 +119,6 @@ class LocalGradients:
         if not terms:
             raise RuntimeError("gradient cache: no parameter received a gradient")
         return torch.stack(terms).sum()
-
-
-def saved_bytes(forward: Callable[[], object], module: torch.nn.Module) -> int:
-    """Bytes autograd keeps for the backward of ``forward()``, the module's own parameters
-    aside: what one chunk's activations hold between the forward and the backward. The
-    output is dropped, so nothing is kept."""
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    storages: dict[int, int] = {}
-
-    def keep(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-        out = forward()
-    del out
-    return sum(storages.values())
-
-
-def free_memory(device, workers_on_node: int = 1) -> int:
-    """Bytes a worker's activations may take: its GPU's free memory, with what torch's
-    allocator holds unused, or on CPUs its share of the node's available memory."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return psutil.virtual_memory().available // max(1, workers_on_node)
 
 
 def fitting_chunk(per_item: float, fixed: float, available: float, n_items: int) -> int:

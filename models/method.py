@@ -11,14 +11,18 @@ What a method adds is its corruption of a (B, L) batch (``corrupt_batch``) and i
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from models.batches import ids_and_mask
+from models.batches import ids_and_mask, to_device
+from models.memory import ActivationCost, measure_activations, saved_bytes
+
+if TYPE_CHECKING:
+    from models.masking import MaskingVocab
 
 ExampleFormat = Literal["sequences", "span_pairs"]
 
@@ -27,6 +31,7 @@ class PretrainingMethod:
     name: str
     # What the stream yields: packed/truncated token sequences, or coCondenser's span pairs.
     example_format: ExampleFormat
+    vocab: "MaskingVocab"  # models/masking.py (which imports this module), set by each method
 
     def build(self, mlm: PreTrainedModel) -> nn.Module:
         """The trained module around ``mlm`` (head or decoder added, warm-started if configured)."""
@@ -57,6 +62,25 @@ class PretrainingMethod:
 
     def count_tokens(self, batch: dict[str, np.ndarray]) -> int:
         return int(np.asarray(batch["length"]).sum())
+
+    def activation_cost(self, model: nn.Module, width: int) -> ActivationCost | None:
+        """What a micro-batch keeps for its backward, per sequence of ``width`` tokens,
+        measured on ``model``'s device (models/memory.py): what sizes micro-batches from
+        memory. None for a loss that couples a micro-batch's sequences (coCondenser's
+        in-batch negatives): splitting its batch would change the loss."""
+        device = next(model.parameters()).device
+        tokens = self.vocab.replacement_ids.numpy()
+        rng = np.random.default_rng(0)
+
+        def activations(rows: int) -> int:
+            arrays = {
+                "input_ids": rng.choice(tokens, (rows, width)).astype(np.int32),
+                "length": np.full(rows, width, np.int32),
+            }
+            batch = to_device(self.make_batch(arrays, torch.Generator().manual_seed(0)), device)
+            return saved_bytes(lambda: self.loss(model, batch)[0], model)
+
+        return measure_activations(activations, 2)
 
     def export(self, model: nn.Module, out_dir: str, tokenizer_dir: str | None) -> dict[str, str]:
         """Write the backbone as a drop-in HF checkpoint (plus the method's own parts); returns paths."""

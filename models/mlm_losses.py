@@ -15,11 +15,20 @@ from models.backbone import family
 from models.masking import IGNORE_INDEX
 
 
+def _zero_through_the_head(mlm: PreTrainedModel, states: torch.Tensor) -> torch.Tensor:
+    """A zero loss (a batch with nothing masked) whose graph still reaches every parameter
+    of the MLM projection, so each gets a zero gradient, not none. Under ZeRO-2 a worker's
+    gradient reduction covers the parameters whose gradients it produced: had one worker
+    no gradient for the projection while another had one, their collectives would not
+    match (gloo aborts on the size mismatch)."""
+    return family(mlm).mlm_logits(mlm, states.reshape(-1, states.shape[-1])[:1]).float().sum() * 0.0
+
+
 def masked_lm_loss(mlm: PreTrainedModel, states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean CE over the labelled positions, projecting only those (vocab-sized logits are costly)."""
     picked = labels != IGNORE_INDEX
     if not picked.any():  # a batch with nothing masked contributes zero, not NaN
-        return states.sum() * 0.0
+        return _zero_through_the_head(mlm, states)
     logits = family(mlm).mlm_logits(mlm, states[picked])
     return F.cross_entropy(logits.float(), labels[picked])
 
@@ -44,7 +53,7 @@ def sequence_mlm_losses(
         sequence_index = torch.arange(n_sequences, device=labels.device)[:, None].expand_as(labels)
     per_sequence = torch.zeros(n_sequences, dtype=torch.float32, device=states.device)
     if not picked.any():
-        return per_sequence + states.sum() * 0.0
+        return per_sequence + _zero_through_the_head(mlm, states)
     logits = family(mlm).mlm_logits(mlm, states[picked])
     token_losses = F.cross_entropy(logits.float(), labels[picked], reduction="none")
     sequences = sequence_index[picked]

@@ -54,6 +54,24 @@ def test_loss_equals_hf_masked_lm_loss():
     assert extra == {}
 
 
+def test_a_batch_with_nothing_masked_gives_every_parameter_a_zero_gradient():
+    """Not none: under ZeRO-2, a worker without the MLM projection's gradients would reduce
+    other buckets than its peers (a gloo abort, seen with 1-row micro-batches)."""
+    from models.mlm_losses import sequence_mlm_losses
+
+    model = MLMMethod(MLMConfig(), tiny_masking_vocab()).build(tiny_mlm(V))
+    wb = random_word_batch(2, 16, seed=3)
+    labels = torch.full_like(wb.input_ids, IGNORE_INDEX)
+    loss = model(wb.input_ids, wb.attention_mask, labels)
+    states = model.lm.bert(wb.input_ids, wb.attention_mask).last_hidden_state
+    per_sequence = sequence_mlm_losses(model.lm, states, labels)
+    assert loss.item() == 0.0 and per_sequence.tolist() == [0.0, 0.0]
+    (loss + per_sequence.sum()).backward()
+    missing = [name for name, p in model.named_parameters() if p.grad is None]
+    assert not missing, missing
+    assert all(not p.grad.any() for p in model.parameters())
+
+
 def test_training_steps_lower_the_loss():
     method = MLMMethod(MLMConfig(mlm_probability=0.3), tiny_masking_vocab())
     model = method.build(tiny_mlm(V))

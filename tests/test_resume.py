@@ -143,6 +143,47 @@ def test_pretraining_stopped_then_rerun_past_damaged_checkpoints_ends_with_the_u
     assert (run_dir / "checkpoint_000000020-r1").is_dir()
 
 
+def test_a_step_sized_from_memory_trains_as_the_same_split_set_by_hand_and_a_resume_keeps_it(
+    tmp_path, monkeypatch, ray_session
+):
+    """MLM with dropout, 2 ZeRO-2 workers, 8 rows a step. Sized from (almost) no memory, a
+    step is split into 8 micro-batches of one row: the run equals one configured as 1 x 8 by
+    hand, losses and weights. Interrupted, then rerun on a worker with memory for the whole
+    step, it keeps its first attempt's split and still ends with the same weights."""
+    raw = write_jsonl(tmp_path / "raw.jsonl", synthetic_docs(60, seed=3))
+
+    def config(name: str, **train) -> pretrain.PretrainConfig:
+        cfg = pretrain.PretrainConfig()
+        cfg.method = "mlm"
+        cfg.corpus = PrepareConfig(input=raw, output=str(tmp_path / "corpus"), vocab_size=120, docs_per_shard=30)
+        cfg.data = pretrain.StreamConfig(max_len=24, pack=True)
+        cfg.model = BackboneConfig(
+            hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position=64, dropout=0.1
+        )
+        cfg.train = train_settings(
+            str(tmp_path / name), num_workers=2, zero_stage=2, max_steps=4, checkpoint_every=2, max_failures=0, **train
+        )
+        return cfg
+
+    by_hand = pretrain.run_pretraining(config("by_hand", micro_batch_size=1, grad_accum=8))
+    assert (by_hand["micro_batch_size"], by_hand["grad_accum"]) == (1, 8)
+
+    sized = dict(micro_batch_size=8, grad_accum=1, size_micro_batch="on")
+    # The marker counts both workers' micro-batches: the 41st falls in step 3, after checkpoint 2.
+    interrupted(monkeypatch, pretrain, at=40, marker=str(tmp_path / "stopped"))
+    with pytest.raises(Exception, match="interrupted between checkpoints"):
+        pretrain.run_pretraining(config("sized", memory_gib=1e-6, **sized))
+    monkeypatch.undo()
+    resumed = pretrain.run_pretraining(config("sized", memory_gib=64, **sized))  # 8 rows would fit now
+
+    assert (resumed["micro_batch_size"], resumed["grad_accum"]) == (1, 8)
+    (event,) = resumed["resumes"]
+    assert event["checkpoint"] == "checkpoint_000000002" and "micro_batch_resized" not in event
+    losses = [[h["loss"] for h in json.load(open(tmp_path / name / "history.json"))] for name in ("by_hand", "sized")]
+    assert len(losses[0]) == 2 and losses[0] == losses[1]
+    assert_identical(weights(by_hand["export_dir"]), weights(resumed["export_dir"]))
+
+
 def test_finetuning_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted_run(tmp_path, monkeypatch, ray_session):
     """The contrastive retriever with hard negatives sliding through each query's list and
     dropout: interrupted at micro-batch 6 of 8 (epoch 2 of 2), resumed from checkpoint 3."""

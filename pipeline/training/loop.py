@@ -42,7 +42,7 @@ from ray.train.torch import TorchTrainer
 
 from models.batches import to_device
 from models.compiled import compile_in_place
-from models.grad_cache import free_memory
+from models.memory import ACTIVATION_SHARE, OPTIMIZER_BYTES_PER_PARAM, ActivationCost, fitting_micro_batch, free_memory
 from pipeline.core import storage
 from pipeline.core.config import to_dict
 from pipeline.core.errors import ArtifactError, ConfigError, InputError
@@ -67,6 +67,10 @@ class TrainTask(Protocol):
     def fit_to_memory(self, engine, available_bytes: int, micro_batch_size: int) -> dict:
         """Settings the task sizes from the memory its worker has free once the engine is
         up (coCondenser's gradient-cache chunk); returns them, to log."""
+
+    def activation_cost(self, module: torch.nn.Module) -> ActivationCost | None:
+        """What a micro-batch keeps for its backward, per stream row at its widest (measured
+        on ``module``'s device); None where the micro-batch must not be split."""
 
     def count_tokens(self, batch: dict[str, np.ndarray]) -> int: ...
 
@@ -114,16 +118,52 @@ def step_seed(seed: int, rank: int, micro_step: int) -> int:
     return (seed * 1_000_003 + rank * 7_919 + micro_step) % (2**63 - 1)
 
 
+def size_micro_batch(engine, task: TrainTask, train: TrainConfig, available: int, kept: int) -> dict:
+    """With ``train.size_micro_batch``, split a worker's rows per step (micro_batch_size x
+    grad_accum) into the fewest equal micro-batches whose activations, measured by the task,
+    fit this worker's ``available`` bytes beside the optimiser state still to come; ``kept``
+    (a resumed run's micro-batch) stays while it fits. Every rank takes the smallest choice
+    of any rank: DeepSpeed steps them together. Sets the engine's micro-batch and
+    accumulation; returns them with the figures that chose them ({} when not sized)."""
+    enabled = train.size_micro_batch == "on" or (train.size_micro_batch == "auto" and train.use_gpu)
+    # ZeRO-3 partitions the module's parameters: a forward outside the engine's step, as
+    # the measuring is, is not checked there.
+    cost = task.activation_cost(engine.module) if enabled and engine.zero_optimization_stage() < 3 else None
+    if cost is None:
+        return {}
+    step_rows = train.micro_batch_size * train.grad_accum
+    trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+    shards = engine.dp_world_size if engine.zero_optimization_stage() >= 1 else 1
+    budget = available * ACTIVATION_SHARE - OPTIMIZER_BYTES_PER_PARAM * trainable / shards
+    fits = kept > 0 and step_rows % kept == 0 and cost.bytes(kept) <= budget
+    micro = torch.tensor([kept if fits else fitting_micro_batch(cost, budget, step_rows)], device=engine.device)
+    torch.distributed.all_reduce(micro, op=torch.distributed.ReduceOp.MIN)
+    micro = int(micro.item())
+    # DeepSpeed reads both from its config at every micro-step; its ZeRO optimiser keeps its
+    # own copy of the accumulation (for CPU offload).
+    engine.set_train_micro_batch_size(micro)
+    engine.set_train_batch_size(step_rows * engine.dp_world_size)
+    if hasattr(engine.optimizer, "gradient_accumulation_steps"):
+        engine.optimizer.gradient_accumulation_steps = step_rows // micro
+    return {
+        "micro_batch_size": micro,
+        "grad_accum": step_rows // micro,
+        "activation_mib_per_row": round(cost.per_item / 2**20, 3),
+        "activation_budget_gib": round(budget / 2**30, 3),
+        **({"kept_from": kept} if kept else {}),
+    }
+
+
 # -- the worker loop ---------------------------------------------------------------------
 
 
-def training_batches(shard, train: TrainConfig):
+def training_batches(shard, train: TrainConfig, micro_batch_size: int):
     """A worker's micro-batches from its stream shard (a Ray ``DataIterator``), in stream
     order: the stream orders its rows itself, as a function of the data alone, so that a
     resumed run sees the order an uninterrupted one does (a local shuffle buffer would
     shuffle what is left after a resume differently)."""
     return shard.iter_batches(
-        batch_size=train.micro_batch_size,
+        batch_size=micro_batch_size,
         batch_format="numpy",
         prefetch_batches=train.prefetch_batches,
         drop_last=False,
@@ -285,14 +325,10 @@ class WorkerRun:
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.engine, self.scheduler = _build_engine(self.train, self.task, config["deepspeed"])
-        fitted = self.task.fit_to_memory(
-            self.engine, free_memory(self.engine.device, ctx.get_local_world_size()), self.train.micro_batch_size
-        )
-        if fitted and self.rank == 0:
-            log({"sized_from_memory": fitted})
         restored = _restore(self.engine, self.rank, self.run_dir)
         self.state, self.position = restored.state, restored.position
         self.checkpoint_suffix = restored.name_suffix  # after passing over damaged checkpoints
+        self._fit_to_memory(ctx.get_local_world_size())
         hparams = config.get("hparams") or to_dict(self.train)
         self.run_log = (
             RunLog(self.train.output, self.train.tracker, hparams, self.state.history) if self.rank == 0 else None
@@ -304,10 +340,27 @@ class WorkerRun:
         self.extra: dict[str, torch.Tensor] = {}
         self.epochs = np.zeros(0, dtype=np.int64)  # the last batch's epochs
 
+    def _fit_to_memory(self, workers_on_node: int) -> None:
+        """Size what the task and the loop size from memory (coCondenser's chunk, the
+        micro-batch); the split is kept in the state, for this run's resumes."""
+        train, state = self.train, self.state
+        available = int(train.memory_gib * 2**30) or free_memory(self.engine.device, workers_on_node)
+        fitted = self.task.fit_to_memory(self.engine, available, train.micro_batch_size)
+        kept = state.micro_batch_size
+        sized = size_micro_batch(self.engine, self.task, train, available, kept)
+        micro = sized.get("micro_batch_size", train.micro_batch_size)
+        if kept and micro != kept and state.resumes:
+            # The kept split no longer fits this device, or the settings changed: the resumed
+            # run goes on with other micro-batches (the same rows per step when sized).
+            state.resumes[-1]["micro_batch_resized"] = [kept, micro]
+        state.micro_batch_size = micro
+        if (fitted or sized) and self.rank == 0:
+            log({"sized_from_memory": fitted | sized})
+
     def batches(self):
         """This worker's micro-batches with their tensors (:func:`collated`), the wait for
         each timed."""
-        batches = training_batches(ray.train.get_dataset_shard("train"), self.train)
+        batches = training_batches(ray.train.get_dataset_shard("train"), self.train, self.state.micro_batch_size)
         if self.config.get("replay_batches"):
             # Benchmark mode: hold the first N batches in memory and cycle them, so the same
             # loop can be timed without any ingest (bench/bench_pretrain.py).
@@ -418,6 +471,8 @@ class WorkerRun:
             "restarts": state.restarts,
             "resumes": state.resumes,
             "steps_this_attempt": state.step - self.start_step,
+            "micro_batch_size": state.micro_batch_size,
+            "grad_accum": self.engine.gradient_accumulation_steps(),
             "counters": counter_totals,
             **export,
         }

@@ -18,6 +18,7 @@ from models.cocondenser import CoCondenserConfig, CoCondenserMethod
 from models.condenser import CondenserConfig, CondenserMethod
 from models.grad_cache import check_cacheable
 from models.masking import MaskingVocab
+from models.memory import ActivationCost
 from models.method import PretrainingMethod
 from models.mlm import MLMConfig, MLMMethod
 from models.simlm import SimLMConfig, SimLMMethod
@@ -100,9 +101,11 @@ class PretrainTask(Task):
         tokenizer_uri: str,
         vocab_size: int,
         word_pieces: dict | None = None,
+        max_len: int = 128,
     ):
-        """``word_pieces``: the prepared corpus's word-start table (whole-word masking)."""
-        self.method_name, self.method_cfg, self.backbone = method, method_cfg, backbone
+        """``word_pieces``: the prepared corpus's word-start table (whole-word masking);
+        ``max_len``: the stream's row width."""
+        self.method_name, self.method_cfg, self.backbone, self.max_len = method, method_cfg, backbone, max_len
         self.tokenizer_uri, self.vocab_size, self.word_pieces = tokenizer_uri, vocab_size, word_pieces
 
     def build_model(self) -> torch.nn.Module:
@@ -142,6 +145,9 @@ class PretrainTask(Task):
         # A micro-batch of span pairs holds twice as many spans.
         chunk = self.method.fit_chunk(engine.module, available_bytes, 2 * micro_batch_size)
         return {"grad_cache_chunk": chunk or None, "free_memory_gib": round(available_bytes / 2**30, 2)}
+
+    def activation_cost(self, module: torch.nn.Module) -> ActivationCost | None:
+        return self.method.activation_cost(module, self.max_len)
 
     def export(self, model: torch.nn.Module, out_dir: str) -> dict[str, str]:
         return self.method.export(model, out_dir, self.tokenizer_dir())
@@ -309,7 +315,9 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
     )
     word_pieces = manifest.get("word_pieces")
     word_pieces = storage.read_json(storage.join(cfg.corpus.output, word_pieces)) if word_pieces else None
-    task = PretrainTask(cfg.method, method_cfg, cfg.model, tokenizer_uri, manifest["vocab_size"], word_pieces)
+    task = PretrainTask(
+        cfg.method, method_cfg, cfg.model, tokenizer_uri, manifest["vocab_size"], word_pieces, max_len=max_len
+    )
     write_run_files(cfg, cfg.train.output)
 
     result = fit(cfg.train, task, TrainingStream(spec), run_dir, replay_batches=replay_batches, hparams=to_dict(cfg))

@@ -9,7 +9,9 @@ are the summary every trainer writes as ``summary.json``.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
+from models.memory import ActivationCost
 from pipeline.core import model_ref, storage
 from pipeline.core.plots import plot_loss_curve
 from pipeline.training.loop import FitResult, consumed_source_rows
@@ -24,6 +26,8 @@ RUN_METRICS = (
     "restarts",
     "resumes",
     "steps_this_attempt",
+    "micro_batch_size",
+    "grad_accum",
 )
 
 
@@ -43,6 +47,9 @@ class Task:
 
     def fit_to_memory(self, engine, available_bytes: int, micro_batch_size: int) -> dict:
         return {}
+
+    def activation_cost(self, module: torch.nn.Module) -> ActivationCost | None:
+        return None  # not measured: the micro-batch stays as configured
 
     def tokenizer_dir(self) -> str:
         if getattr(self, "_tokenizer_dir", None) is None:  # needed until the final export

@@ -35,6 +35,18 @@ class TrainConfig:
     )
     micro_batch_size: int = field(default=32, metadata={"help": "sequences per worker per forward"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimiser step"})
+    size_micro_batch: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata={
+            "help": "keep each worker's sequences per step (micro_batch_size x grad_accum) but split them into the fewest equal micro-batches whose activations fit its device's memory, measured once the model is up; a resumed run keeps the first attempt's split while it fits. Only for losses that do not couple a batch's sequences (MLM, Condenser, SimLM) at ZeRO stage 0-2; coCondenser sizes its gradient cache's chunk instead. auto = on with GPUs"
+        },
+    )
+    memory_gib: float = field(
+        default=0.0,
+        metadata={
+            "help": "memory per worker that sizing (size_micro_batch, coCondenser's chunk_size 0) may plan with; 0 = measured: the GPU's free memory, or on CPUs the node's available memory over its workers"
+        },
+    )
     max_steps: int = field(default=300, metadata={"help": "optimiser steps"})
     epochs: int = field(default=0, metadata={"help": "epochs to stream; 0 = as many as max_steps needs"})
     lr: float = field(default=1e-4, metadata={"help": "peak learning rate (AdamW)"})
@@ -88,7 +100,7 @@ class TrainConfig:
         for name in at_least_one + ("keep_checkpoints",):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        at_least_zero = ("max_steps", "epochs", "max_failures", "prefetch_batches", "resource_wait_s")
+        at_least_zero = ("max_steps", "epochs", "max_failures", "prefetch_batches", "resource_wait_s", "memory_gib")
         for name in at_least_zero + ("weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

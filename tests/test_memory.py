@@ -1,0 +1,176 @@
+"""Sizing from memory (models/memory.py): what autograd keeps, the fitted cost of a batch,
+and the micro-batch the loop splits a step into (pipeline/training/loop.py). The gradient
+cache's chunk: tests/test_packing.py. On Ray Train, the sized run against the same split
+set by hand: tests/test_pretrain_ray.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from models.cocondenser import CoCondenserConfig, CoCondenserMethod
+from models.condenser import CondenserConfig, CondenserMethod
+from models.memory import (
+    ACTIVATION_SHARE,
+    OPTIMIZER_BYTES_PER_PARAM,
+    ActivationCost,
+    fitting_micro_batch,
+    measure_activations,
+    saved_bytes,
+)
+from models.method import PlainEngine
+from models.mlm import MLMConfig, MLMMethod
+from models.simlm import SimLMConfig, SimLMMethod
+from pipeline.training.loop import size_micro_batch
+from pipeline.training.train_config import TrainConfig
+from tests.helpers import tiny_masking_vocab, tiny_mlm, tiny_vocab
+
+WIDTH = 32
+
+
+def test_saved_bytes_counts_what_autograd_keeps_for_the_backward():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+    x = torch.randn(10, 16)
+    # Linear keeps its input (for the weight's gradient), tanh its output; weights aside.
+    assert saved_bytes(lambda: model(x), model) == 2 * 10 * 16 * 4
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_cost_is_fitted_from_two_forwards():
+    measured = []
+
+    def activations(n: int) -> int:
+        measured.append(n)
+        return 1000 + 64 * n
+
+    assert measure_activations(activations, 3) == ActivationCost(per_item=64, fixed=1000)
+    assert measured == [3, 6]
+    assert ActivationCost(per_item=64, fixed=1000).bytes(10) == 1640
+
+
+def test_the_micro_batch_is_the_largest_divisor_of_the_step_that_fits():
+    cost = ActivationCost(per_item=10, fixed=100)
+    assert fitting_micro_batch(cost, budget=1000, step_items=12) == 12
+    assert fitting_micro_batch(cost, budget=190, step_items=12) == 6  # 12 takes 220; 6 takes 160
+    assert fitting_micro_batch(cost, budget=139, step_items=12) == 3  # 4 takes 140
+    assert fitting_micro_batch(cost, budget=150, step_items=7) == 1  # a prime: all or one at a time
+    assert fitting_micro_batch(cost, budget=50, step_items=12) == 1  # never below one
+
+
+def _method(name: str, tmp_path):
+    vocab = tiny_masking_vocab()
+    if name == "simlm":
+        generator = str(tmp_path / "generator")
+        tiny_mlm(len(tiny_vocab()), seed=7, num_layers=1).save_pretrained(generator)
+        return SimLMMethod(SimLMConfig(generator=generator), vocab)
+    return {"mlm": MLMMethod(MLMConfig(), vocab), "condenser": CondenserMethod(CondenserConfig(), vocab)}[name]
+
+
+@pytest.mark.parametrize("name", ["mlm", "condenser", "simlm"])
+def test_a_methods_cost_predicts_a_larger_micro_batch(name, tmp_path):
+    method = _method(name, tmp_path)
+    model = method.build(tiny_mlm(seed=3))
+    cost = method.activation_cost(model, WIDTH)
+    assert cost is not None and cost.per_item > 0
+    # A batch three times the larger measuring one, from other tokens and another masking
+    # draw: the masked positions (the MLM logits) vary with the draw, the rest is exact.
+    rng = np.random.default_rng(5)
+    rows = 12
+    arrays = {
+        "input_ids": rng.choice(method.vocab.replacement_ids.numpy(), (rows, WIDTH)).astype(np.int32),
+        "length": np.full(rows, WIDTH, np.int32),
+    }
+    batch = method.make_batch(arrays, torch.Generator().manual_seed(11))
+    actual = saved_bytes(lambda: method.loss(model, batch)[0], model)
+    assert cost.bytes(rows) == pytest.approx(actual, rel=0.05)  # measured: within 3.3%
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_cocondenser_is_never_split():
+    """Its span-pair loss takes every other span of the micro-batch as a negative."""
+    method = CoCondenserMethod(CoCondenserConfig(head=""), tiny_masking_vocab())
+    assert method.activation_cost(method.build(tiny_mlm(seed=3)), WIDTH) is None
+
+
+class SizedEngine(PlainEngine):
+    """The engine surface :func:`size_micro_batch` uses, as DeepSpeed's one-worker engine has it."""
+
+    dp_world_size = 1
+    device = torch.device("cpu")
+
+    def __init__(self, module, micro: int, accum: int):
+        super().__init__(module)
+        self.micro, self.batch = micro, micro * accum
+        self.optimizer = type("ZeroOptimizer", (), {"gradient_accumulation_steps": accum})()
+
+    def set_train_micro_batch_size(self, micro: int) -> None:
+        self.micro, self.batch = micro, micro * (self.batch // self.micro)
+
+    def set_train_batch_size(self, batch: int) -> None:
+        assert batch % self.micro == 0
+        self.batch = batch
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.batch // self.micro
+
+
+class MethodTask:
+    def __init__(self, method):
+        self.method = method
+
+    def activation_cost(self, module):
+        return self.method.activation_cost(module, WIDTH)
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    """The ranks' agreement (an all-reduce of their choices) with one rank: its own choice."""
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, op=None: None)
+
+
+def test_the_step_is_split_into_the_fewest_micro_batches_that_fit(one_process):
+    method = MLMMethod(MLMConfig(), tiny_masking_vocab())
+    model = method.build(tiny_mlm(seed=3))
+    task, cost = MethodTask(method), method.activation_cost(model, WIDTH)
+    optimizer_state = OPTIMIZER_BYTES_PER_PARAM * sum(p.numel() for p in model.parameters())
+
+    def available_for(rows: float) -> int:  # the memory in which `rows` rows' activations just fit
+        return int((cost.bytes(rows) + optimizer_state) / ACTIVATION_SHARE) + 1
+
+    train = TrainConfig(micro_batch_size=8, grad_accum=1, size_micro_batch="on")
+    engine = SizedEngine(model, 8, 1)
+    sized = size_micro_batch(engine, task, train, available_for(3.5), kept=0)
+    assert (sized["micro_batch_size"], sized["grad_accum"]) == (2, 4)  # 4 would not fit; 2 x 4 keeps 8 a step
+    assert (engine.micro, engine.gradient_accumulation_steps(), engine.optimizer.gradient_accumulation_steps) == (
+        2,
+        4,
+        4,
+    )
+
+    # A step of 4 x 3 rows in memory for 12: one micro-batch.
+    train = TrainConfig(micro_batch_size=4, grad_accum=3, size_micro_batch="on")
+    engine = SizedEngine(model, 4, 3)
+    assert size_micro_batch(engine, task, train, available_for(12), kept=0)["micro_batch_size"] == 12
+    assert (engine.micro, engine.gradient_accumulation_steps()) == (12, 1)
+
+    # A resumed run keeps its first attempt's split while it fits, even where a larger one would.
+    sized = size_micro_batch(SizedEngine(model, 4, 3), task, train, available_for(12), kept=4)
+    assert (sized["micro_batch_size"], sized["kept_from"]) == (4, 4)
+    # ... and no longer once it does not (a smaller device): then the largest that does.
+    assert size_micro_batch(SizedEngine(model, 4, 3), task, train, available_for(3.5), kept=4)["micro_batch_size"] == 3
+
+
+def test_sizing_is_off_where_it_must_or_may_not_run(one_process):
+    method = MLMMethod(MLMConfig(), tiny_masking_vocab())
+    model = method.build(tiny_mlm(seed=3))
+    for setting in ("off", "auto"):  # auto: on with GPUs only
+        engine = SizedEngine(model, 8, 1)
+        assert size_micro_batch(engine, MethodTask(method), TrainConfig(size_micro_batch=setting), 10, kept=0) == {}
+        assert engine.micro == 8
+    cocondenser = CoCondenserMethod(CoCondenserConfig(head=""), tiny_masking_vocab())
+    engine = SizedEngine(cocondenser.build(tiny_mlm(seed=3)), 8, 1)
+    assert size_micro_batch(engine, MethodTask(cocondenser), TrainConfig(size_micro_batch="on"), 10, kept=0) == {}
+    with pytest.raises(ValueError, match="memory_gib"):
+        TrainConfig(memory_gib=-1)
