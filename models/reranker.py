@@ -27,6 +27,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from models.backbone import load_pretrained
+from models.batches import to_device
+from models.memory import ActivationCost, measure_activations, saved_bytes
 
 SETTINGS_FILE = "reranker.json"
 
@@ -222,6 +224,32 @@ class ListwiseObjective:
 
     def backward(self, engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return listwise_backward(engine, batch, self.group_size)
+
+    def activation_cost(self, model: CrossEncoder) -> ActivationCost:
+        """What a micro-batch keeps for its backward per query: its group of pairs, each at
+        full length (models/memory.py). A query's loss reads its own group only, so its
+        micro-batches may be split."""
+        device = next(model.parameters()).device
+        rng = np.random.default_rng(0)
+        vocab = model.model.config.vocab_size
+        lq, ld = self.lengths.query_max_len, self.lengths.passage_max_len
+
+        def activations(queries: int) -> int:
+            arrays = {
+                "q_input_ids": rng.integers(0, vocab, (queries, lq)),
+                "q_length": np.full(queries, lq),
+                "d_input_ids": rng.integers(0, vocab, (queries, self.group_size, ld)),
+                "d_length": np.full((queries, self.group_size), ld),
+            }
+            batch = to_device(self.make_batch(arrays, torch.Generator()), device)
+
+            def loss() -> torch.Tensor:
+                scores = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+                return listwise_loss(scores.view(-1, self.group_size))
+
+            return saved_bytes(loss, model)
+
+        return measure_activations(activations, 2)
 
     def count_tokens(self, batch: dict[str, np.ndarray]) -> int:
         q_len = np.asarray(batch["q_length"]).reshape(-1, 1).astype(np.int64)

@@ -152,6 +152,38 @@ def test_backward_gives_the_loss_and_gradients_of_a_plain_reference(tiny_reranke
     assert extras["accuracy"].item() == pytest.approx(sum(positive_wins) / 2)
 
 
+def test_the_activation_cost_per_query_predicts_a_larger_micro_batch(tiny_reranker):
+    """What sizes the re-ranker's micro-batches from memory (--train.size_micro_batch): a
+    query's group of full-length pairs. A retriever's in-batch negatives couple its
+    queries: its task has no cost, and its micro-batch is never split."""
+    from models.biencoder import ContrastiveObjective
+    from models.memory import saved_bytes
+    from pipeline.training.group_training import GroupTask
+
+    model, tokenizer = tiny_reranker
+    model = copy.deepcopy(model).train()  # dropout keeps its masks for the backward
+    lengths, group = model.lengths, 4
+    task = ListwiseObjective(group, lengths, tokenizer.sep_token_id, tokenizer.pad_token_id)
+    cost = GroupTask(task, "", "").activation_cost(model)
+    rng, queries = np.random.default_rng(9), 6
+    arrays = {
+        "q_input_ids": rng.integers(5, 100, (queries, lengths.query_max_len)),
+        "q_length": np.full(queries, lengths.query_max_len),
+        "d_input_ids": rng.integers(5, 100, (queries, group, lengths.passage_max_len)),
+        "d_length": np.full((queries, group), lengths.passage_max_len),
+    }
+    batch = task.make_batch(arrays, torch.Generator())
+    assert batch["input_ids"].shape == (queries * group, lengths.max_len)  # every pair cut at max_len
+
+    def loss():
+        return listwise_loss(
+            model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]).view(-1, group)
+        )
+
+    assert cost.bytes(queries) == pytest.approx(saved_bytes(loss, model), rel=1e-3)  # no draw changes a shape
+    assert GroupTask(ContrastiveObjective.__new__(ContrastiveObjective), "", "").activation_cost(model) is None
+
+
 def test_sdpa_attention_equals_eager_in_loss_and_gradients(tiny_reranker):
     """The cross-encoder reads its pairs through ``scaled_dot_product_attention``
     (transformers' default for BERT) and gives eager attention's loss and gradients."""

@@ -38,7 +38,7 @@ class TrainConfig:
     size_micro_batch: Literal["auto", "on", "off"] = field(
         default="auto",
         metadata={
-            "help": "keep each worker's sequences per step (micro_batch_size x grad_accum) but split them into the fewest equal micro-batches whose activations fit its device's memory, measured once the model is up; a resumed run keeps the first attempt's split while it fits. Only for losses that do not couple a batch's sequences (MLM, Condenser, SimLM) at ZeRO stage 0-2; coCondenser sizes its gradient cache's chunk instead. auto = on with GPUs"
+            "help": "keep each worker's rows per step (micro_batch_size x grad_accum: sequences, or the re-ranker's queries) but split them into the fewest equal micro-batches whose activations fit its device's memory, measured once the model is up; a resumed run keeps the first attempt's split while it fits. Only for losses that do not couple a batch's rows (MLM, Condenser, SimLM, the re-ranker) at ZeRO stage 0-2; coCondenser sizes its gradient cache's chunk instead. auto = on with GPUs"
         },
     )
     memory_gib: float = field(
