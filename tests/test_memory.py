@@ -130,7 +130,7 @@ def one_process(monkeypatch):
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, op=None: None)
 
 
-def test_the_step_is_split_into_the_fewest_micro_batches_that_fit(one_process):
+def test_the_step_is_split_into_the_fewest_micro_batches_that_fit(one_process, capsys):
     method = MLMMethod(MLMConfig(), tiny_masking_vocab())
     model = method.build(tiny_mlm(seed=3))
     task, cost = MethodTask(method), method.activation_cost(model, WIDTH)
@@ -160,6 +160,10 @@ def test_the_step_is_split_into_the_fewest_micro_batches_that_fit(one_process):
     assert (sized["micro_batch_size"], sized["kept_from"]) == (4, 4)
     # ... and no longer once it does not (a smaller device): then the largest that does.
     assert size_micro_batch(SizedEngine(model, 4, 3), task, train, available_for(3.5), kept=4)["micro_batch_size"] == 3
+    assert "exceed" not in capsys.readouterr().err
+    # Where not even one row fits: a row at a time, and the worker says so.
+    assert size_micro_batch(SizedEngine(model, 4, 3), task, train, available_for(0.5), kept=0)["micro_batch_size"] == 1
+    assert "exceed this worker's budget" in capsys.readouterr().err
 
 
 def test_sizing_is_off_where_it_must_or_may_not_run(one_process):

@@ -145,13 +145,20 @@ def size_micro_batch(engine, task: TrainTask, train: TrainConfig, available: int
     engine.set_train_batch_size(step_rows * engine.dp_world_size)
     if hasattr(engine.optimizer, "gradient_accumulation_steps"):
         engine.optimizer.gradient_accumulation_steps = step_rows // micro
-    return {
+    sized = {
         "micro_batch_size": micro,
         "grad_accum": step_rows // micro,
         "activation_mib_per_row": round(cost.per_item / 2**20, 3),
         "activation_budget_gib": round(budget / 2**30, 3),
         **({"kept_from": kept} if kept else {}),
     }
+    if cost.bytes(1) > budget:
+        log(
+            f"warning: one row's activations ({cost.bytes(1) / 2**20:.1f} MiB) exceed this worker's "
+            f"budget ({budget / 2**20:.1f} MiB, half its free memory less the optimiser state): it trains "
+            "a row at a time and may still run out of memory; shorten the rows or free memory"
+        )
+    return sized
 
 
 # -- the worker loop ---------------------------------------------------------------------
