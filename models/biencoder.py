@@ -119,8 +119,13 @@ class BiEncoder(nn.Module):
     def encode_query(self, input_ids, attention_mask) -> torch.Tensor:
         return self._encode(self.query_encoder, input_ids, attention_mask)
 
+    @property
+    def passage_tower(self) -> nn.Module:
+        """The encoder passages go through: the query's when the towers are shared."""
+        return self.passage_encoder or self.query_encoder
+
     def encode_passage(self, input_ids, attention_mask) -> torch.Tensor:
-        return self._encode(self.passage_encoder or self.query_encoder, input_ids, attention_mask)
+        return self._encode(self.passage_tower, input_ids, attention_mask)
 
     def compute_similarity(self, queries: torch.Tensor, passages: torch.Tensor) -> torch.Tensor:
         return (queries.float() @ passages.float().T) / self.cfg.temperature

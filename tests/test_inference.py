@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from pipeline.retrieval.inference import autocast_dtype, inference, length_sorted_batches
+from pipeline.retrieval.inference import autocast_dtype, inference, length_sorted_batches, resolved_precision
 
 
 def test_batches_are_longest_first_ties_in_order_and_cover_every_item_once():
@@ -14,10 +14,17 @@ def test_batches_are_longest_first_ties_in_order_and_cover_every_item_once():
     assert list(length_sorted_batches([], 4)) == []
 
 
-def test_precision_settings_per_device():
-    assert autocast_dtype("auto", "cpu") is None and autocast_dtype("fp32", "cuda:0") is None
-    assert autocast_dtype("auto", "cuda:0") == torch.float16
-    assert autocast_dtype("bf16", "cpu") == torch.bfloat16 and autocast_dtype("fp16", "cpu") == torch.float16
+def test_precision_settings_per_device_and_model_size():
+    # auto, as the H100 measured: fp16 paid for hidden 768 and cost hidden 384; fp32 on CPUs.
+    assert (
+        autocast_dtype("auto", "cuda:0", 768) == torch.float16
+        and autocast_dtype("auto", "cuda:0", 1024) == torch.float16
+    )
+    assert autocast_dtype("auto", "cuda:0", 384) is None and autocast_dtype("auto", "cpu", 768) is None
+    assert resolved_precision("auto", "cuda:0", 384) == "fp32" and resolved_precision("auto", "cuda", 768) == "fp16"
+    # A named precision is what it says, on any device and model.
+    assert autocast_dtype("fp32", "cuda:0", 768) is None and resolved_precision("bf16", "cpu", 384) == "bf16"
+    assert autocast_dtype("bf16", "cpu", 384) == torch.bfloat16 and autocast_dtype("fp16", "cpu", 384) == torch.float16
 
 
 def test_inference_turns_off_autograd_and_autocasts():
@@ -50,3 +57,29 @@ def test_a_compiled_encoder_gives_the_eager_embeddings_at_every_batch_width(tmp_
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4)
     assert np.abs(expected).max() > 0.1  # not vanishing vectors that would pass any tolerance
+
+
+def test_encodings_record_the_precision_auto_meant_on_their_devices(tmp_path):
+    """Vectors encoded in fp32 on CPUs are not reused by a GPU run that would encode in fp16
+    (made_by.json differs), while a small model, fp32 on both, keeps its vectors."""
+    from types import SimpleNamespace
+
+    from models.biencoder import BiEncoderConfig
+    from pipeline.retrieval.encode import EncodeConfig, _made_by
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "manifest.json").write_text("{}")
+
+    def made_by(use_gpu: bool, hidden: int) -> dict:
+        cfg = EncodeConfig()
+        cfg.pool.use_gpu = use_gpu
+        probe = SimpleNamespace(
+            cfg=BiEncoderConfig(), passage_tower=SimpleNamespace(config=SimpleNamespace(hidden_size=hidden))
+        )
+        return _made_by(cfg, str(tmp_path / "model"), probe, str(tmp_path / "corpus"), {"shards": []})
+
+    assert made_by(False, 768)["precision"] == "fp32" and made_by(True, 768)["precision"] == "fp16"
+    assert made_by(False, 768) != made_by(True, 768)
+    assert made_by(False, 384) == made_by(True, 384)

@@ -40,7 +40,7 @@ from pipeline.data.runs import count_run_queries, iter_trec_run, write_trec_line
 from pipeline.data.stream import frame
 from pipeline.data.text_shards import stage_text
 from pipeline.data.tokenizer import load_tokenizer
-from pipeline.retrieval.inference import autocast_dtype, inference, length_sorted_batches
+from pipeline.retrieval.inference import autocast_dtype, inference, length_sorted_batches, resolved_precision
 from pipeline.retrieval.metrics import JOB_MEASURES, StreamedMetrics, metrics_table
 from pipeline.retrieval.passages import PassageStore, fetch_texts
 
@@ -103,7 +103,10 @@ class RerankScoreConfig:
         default=2_000_000, metadata={"help": "corpus documents per passage server (a Ray actor holding their texts)"}
     )
     precision: Literal["auto", "fp32", "fp16", "bf16"] = field(
-        default="auto", metadata={"help": "auto = fp16 autocast on GPU, fp32 on CPU"}
+        default="auto",
+        metadata={
+            "help": "auto = fp16 autocast on a GPU for models of hidden size 768 and up, fp32 otherwise (as encoding measured)"
+        },
     )
     pool: ActorConfig = field(default_factory=ActorConfig)
     ray: RayConfig = field(default_factory=RayConfig)
@@ -132,7 +135,7 @@ class PairScorer:
         check_max_len(self.model.model.config, self.lengths.max_len, model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.batch_size, self.device = batch_size, device
-        self.autocast_dtype = autocast_dtype(precision, device)
+        self.autocast_dtype = autocast_dtype(precision, device, self.model.model.config.hidden_size)
 
     def _framed(self, texts: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         tok = self.tokenizer
@@ -256,11 +259,14 @@ def _made_by(cfg: RerankScoreConfig, model_uri: str, lengths: PairLengths) -> di
     settings that pick the pairs, and the stored versions of the run, queries, judgments
     and corpus."""
     inputs = {name: getattr(cfg, name) for name in ("run", "queries", "qrels", "corpus") if getattr(cfg, name)}
+    hidden = model_ref.read_config(model_uri, "--model").get("hidden_size", 0)
+    precision = resolved_precision(cfg.precision, "cuda" if cfg.pool.use_gpu else "cpu", hidden)
     return {
         "model": model_uri,
         "model_version": model_ref.version(model_uri, "--model"),
         "lengths": asdict(lengths),
-        "pairs": {k: getattr(cfg, k) for k in ("depth", "include_positives", "queries_per_task", "precision")},
+        "pairs": {k: getattr(cfg, k) for k in ("depth", "include_positives", "queries_per_task")}
+        | {"precision": precision},
         "versions": {name: storage.version(uri) for name, uri in inputs.items()},
     }
 
