@@ -149,7 +149,7 @@ def bench_one(
     chunk = getattr(method, "chunk_size", None)
     if sized:
         with autocast:
-            chunk = method.fit_chunk(model, free_bytes(device, free_gib), batch)
+            chunk = method.fit_chunk(model, free_bytes(device, free_gib), batch // 2)  # pairs
 
     def make_batch():
         ids, mask = batch_ids(batch, length, masking.vocab_size, rng)

@@ -29,6 +29,7 @@ from models.batches import ids_and_mask
 from models.distributed import gather_with_grad, world_size
 from models.grad_cache import engine_grad_cache_backward
 from models.lora import LoraSettings, merged, with_lora
+from models.memory import ACTIVATION_SHARE, measure_activations, saved_bytes
 
 SETTINGS_FILE = "retriever.json"
 
@@ -50,7 +51,9 @@ class BiEncoderConfig:
     )
     chunk_size: int = field(
         default=0,
-        metadata={"help": "gradient cache: sequences per forward chunk (queries and passages alike); 0 = no cache"},
+        metadata={
+            "help": "gradient cache: sequences per forward chunk (queries and passages alike); 0 = sized from each worker's free memory when training starts: no cache if the micro-batch fits"
+        },
     )
     # 4 by measurement (bench/bench_padding.py, MiniLM on Nave, 128 passages a batch, CPU):
     # steps/s 1.61x / 1.79x / 1.91x one bucket's with 2 / 4 / 8; 8 slices would be small for
@@ -332,8 +335,41 @@ class ContrastiveObjective:
     cross-worker and hard negatives. Batches are the group stream's arrays: queries
     ``(b, Lq)`` and their groups ``(b, n, Ld)``, with lengths."""
 
-    def __init__(self, cfg: BiEncoderConfig, passage_max_len: int | None = None):
-        self.cfg, self.passage_max_len = cfg, passage_max_len
+    def __init__(self, cfg: BiEncoderConfig, passage_max_len: int | None = None, query_max_len: int | None = None):
+        self.cfg, self.passage_max_len, self.query_max_len = cfg, passage_max_len, query_max_len
+        self.chunk_size = cfg.chunk_size  # 0: no cache unless fit_chunk sizes one
+
+    def fit_chunk(self, module: BiEncoder, available_bytes: float, micro_batch_size: int) -> int:
+        """With ``chunk_size`` 0, the gradient cache's chunk (in sequences) for micro-batches
+        of ``micro_batch_size`` queries and their groups, on ``module``'s device, given its
+        free memory: 0 (no cache) when the micro-batch's activations fit in their share of
+        it, else the most passages whose activations fit beside the cache's fp32 gradient
+        sums. Queries and passages at full length are measured apart (models/memory.py)."""
+        if self.cfg.chunk_size or not (self.passage_max_len and self.query_max_len):
+            return self.chunk_size
+        device = next(module.parameters()).device
+        vocab = module.query_encoder.config.vocab_size
+        rng = np.random.default_rng(0)
+
+        def cost(encode, width: int):
+            def activations(rows: int) -> int:
+                ids = torch.tensor(rng.integers(0, vocab, (rows, width)), device=device)
+                return saved_bytes(lambda: encode(ids, torch.ones_like(ids)), module)
+
+            return measure_activations(activations, 4)
+
+        queries, passages = (
+            cost(module.encode_query, self.query_max_len),
+            cost(module.encode_passage, self.passage_max_len),
+        )
+        budget = available_bytes * ACTIVATION_SHARE
+        n_passages = micro_batch_size * self.cfg.group_size
+        if queries.bytes(micro_batch_size) + passages.bytes(n_passages) <= budget:
+            self.chunk_size = 0
+        else:  # the cache runs: its fp32 gradient sums take their place too
+            sums = 4 * sum(p.numel() for p in module.parameters() if p.requires_grad)
+            self.chunk_size = max(1, min(n_passages, int((budget - passages.fixed - sums) // passages.per_item)))
+        return self.chunk_size
 
     def build(self, init_dir: str) -> BiEncoder:
         encoder = load_pretrained(AutoModel, init_dir)
@@ -352,7 +388,7 @@ class ContrastiveObjective:
         return {"q_input_ids": q_ids, "q_attention_mask": q_mask, "d_input_ids": d_ids, "d_attention_mask": d_mask}
 
     def backward(self, engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return contrastive_backward(engine, batch, self.cfg.group_size, self.cfg.chunk_size)
+        return contrastive_backward(engine, batch, self.cfg.group_size, self.chunk_size)
 
     def count_tokens(self, batch: dict[str, np.ndarray]) -> int:
         return int(np.asarray(batch["q_length"]).sum() + np.asarray(batch["d_length"]).sum())

@@ -141,9 +141,9 @@ class CoCondenserMethod(CondenserMethod):
     def activation_cost(self, model, width: int) -> None:
         return None  # in-batch negatives: the gradient cache, sized by fit_chunk, splits the batch instead
 
-    def fit_chunk(self, module, available_bytes: float, n_spans: int) -> int:
-        """With ``chunk_size`` 0, the gradient cache's chunk for micro-batches of ``n_spans``
-        spans on ``module``'s device, given its free memory: 0 (no cache) when the whole
+    def fit_chunk(self, module, available_bytes: float, micro_batch_size: int) -> int:
+        """With ``chunk_size`` 0, the gradient cache's chunk (in spans) for micro-batches of
+        ``micro_batch_size`` pairs on ``module``'s device, given its free memory: 0 (no cache) when the whole
         micro-batch's activations fit in their share of it, else the largest chunk that
         does beside the cache's fp32 gradient sums. The activations of full-length spans,
         laid out as batches are, are measured by two forwards (4 and 8 pairs): a worst
@@ -164,7 +164,7 @@ class CoCondenserMethod(CondenserMethod):
             return saved_bytes(lambda: self._losses(module, batch, spans), module)
 
         cost = measure_activations(activations, 8)
-        budget = available_bytes * ACTIVATION_SHARE
+        budget, n_spans = available_bytes * ACTIVATION_SHARE, 2 * micro_batch_size
         self.chunk_size = fitting_chunk(cost.per_item, cost.fixed, budget, n_spans)
         if self.chunk_size:  # the cache runs: its fp32 gradient sums take their place too
             sums = 4 * sum(p.numel() for p in module.parameters() if p.requires_grad)

@@ -104,8 +104,14 @@ def distillation_backward(
 class DistillationObjective(ContrastiveObjective):
     """The bi-encoder's objective with the teacher's scores in the batch: ``KL + alpha * CE``."""
 
-    def __init__(self, cfg: BiEncoderConfig, distill: DistillationConfig, passage_max_len: int | None = None):
-        super().__init__(cfg, passage_max_len)
+    def __init__(
+        self,
+        cfg: BiEncoderConfig,
+        distill: DistillationConfig,
+        passage_max_len: int | None = None,
+        query_max_len: int | None = None,
+    ):
+        super().__init__(cfg, passage_max_len, query_max_len)
         self.distill = distill
 
     def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -116,5 +122,5 @@ class DistillationObjective(ContrastiveObjective):
     def backward(self, engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg, distill = self.cfg, self.distill
         return distillation_backward(
-            engine, batch, cfg.group_size, distill.alpha, cfg.chunk_size, distill.teacher_temperature
+            engine, batch, cfg.group_size, distill.alpha, self.chunk_size, distill.teacher_temperature
         )

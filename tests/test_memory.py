@@ -178,3 +178,46 @@ def test_sizing_is_off_where_it_must_or_may_not_run(one_process):
     assert size_micro_batch(engine, MethodTask(cocondenser), TrainConfig(size_micro_batch="on"), 10, kept=0) == {}
     with pytest.raises(ValueError, match="memory_gib"):
         TrainConfig(memory_gib=-1)
+
+
+def test_the_retrievers_cache_chunk_is_sized_only_when_the_micro_batch_does_not_fit():
+    """The retriever's gradient cache (in-batch negatives couple its micro-batch, so the
+    cache, not a split, is what fits it in memory): no cache when the micro-batch fits, else
+    the most full-length passages that fit beside the cache's gradient sums; the chunked
+    step then has the whole batch's loss and gradients."""
+    from transformers import BertModel
+
+    from models.biencoder import BiEncoder, BiEncoderConfig, ContrastiveObjective
+    from tests.helpers import tiny_bert_config
+
+    torch.manual_seed(0)
+    cfg = BiEncoderConfig(group_size=4, pooling="mean")
+    model = BiEncoder(BertModel(tiny_bert_config(initializer_range=0.2)), None, cfg)
+    objective = ContrastiveObjective(cfg, passage_max_len=WIDTH, query_max_len=12)
+    assert objective.fit_chunk(model, available_bytes=2**34, micro_batch_size=8) == 0
+
+    def passage_bytes(rows: int) -> int:
+        ids = torch.randint(5, len(tiny_vocab()), (rows, WIDTH))
+        return saved_bytes(lambda: model.encode_passage(ids, torch.ones_like(ids)), model)
+
+    sums = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    budget = sums + passage_bytes(10) + 1
+    chunk = objective.fit_chunk(model, available_bytes=budget / ACTIVATION_SHARE, micro_batch_size=8)
+    assert 8 <= chunk <= 10 and passage_bytes(chunk) + sums <= budget
+
+    rng = np.random.default_rng(2)
+    arrays = {
+        "q_input_ids": rng.integers(5, len(tiny_vocab()), (8, 12)),
+        "q_length": rng.integers(4, 13, 8),
+        "d_input_ids": rng.integers(5, len(tiny_vocab()), (8, 4, WIDTH)),
+        "d_length": rng.integers(8, WIDTH + 1, (8, 4)),
+    }
+    batch = objective.make_batch(arrays, torch.Generator())
+    losses, grads = [], []
+    for chunk_size in (chunk, 0):
+        objective.chunk_size = chunk_size
+        model.zero_grad()
+        losses.append(objective.backward(PlainEngine(model), batch)[0])
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert losses[0].item() == pytest.approx(losses[1].item(), rel=1e-5)
+    assert ((grads[0] - grads[1]).norm() / grads[1].norm()).item() < 1e-5

@@ -192,7 +192,7 @@ def test_the_chunk_is_the_largest_whose_activations_fit():
     method = CoCondenserMethod(CoCondenserConfig(head="", span_length=22), tiny_masking_vocab())
     model = method.build(bert())
     # Memory for all 64 spans: no cache.
-    assert method.fit_chunk(model, available_bytes=2**34, n_spans=64) == 0
+    assert method.fit_chunk(model, available_bytes=2**34, micro_batch_size=32) == 0
     assert method.make_batch(span_pairs(32, seed=0), torch.Generator())["chunks"][0][2:] == (0, 64)
     # Memory for about a dozen: chunks of that many, and the batches are packed by them.
     rng = np.random.default_rng(1)
@@ -208,14 +208,14 @@ def test_the_chunk_is_the_largest_whose_activations_fit():
     method.chunk_size = 0
     sums = 4 * sum(p.numel() for p in model.parameters())
     budget = sums + activations(12) + 1
-    chunk = method.fit_chunk(model, available_bytes=budget / 0.5, n_spans=64)
+    chunk = method.fit_chunk(model, available_bytes=budget / 0.5, micro_batch_size=32)
     assert 8 <= chunk <= 12
     assert activations(chunk) + sums <= budget
     assert [c[3] - c[2] for c in method.make_batch(span_pairs(32, seed=0), torch.Generator())["chunks"]][0] == chunk
     assert all(p.grad is None for p in model.parameters())
     # A fixed chunk_size is kept as it is.
     fixed = CoCondenserMethod(CoCondenserConfig(head="", span_length=22, chunk_size=6), tiny_masking_vocab())
-    assert fixed.fit_chunk(model, available_bytes=2**34, n_spans=64) == 6
+    assert fixed.fit_chunk(model, available_bytes=2**34, micro_batch_size=32) == 6
 
 
 def test_the_worker_sizes_the_chunk_only_where_the_cache_can_run():

@@ -95,7 +95,7 @@ def run_distillation(cfg: DistillConfig) -> dict:
     )
     write_run_files(cfg, cfg.train.output)
     task = GroupTask(
-        DistillationObjective(cfg.retriever, cfg.distill, cfg.data.passage_max_len),
+        DistillationObjective(cfg.retriever, cfg.distill, cfg.data.passage_max_len, cfg.data.query_max_len),
         cfg.model.init,
         prepared.tokenizer_uri,
     )

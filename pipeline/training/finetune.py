@@ -49,7 +49,9 @@ def run_finetuning(cfg: FinetuneConfig) -> dict:
     )
     write_run_files(cfg, cfg.train.output)
     task = GroupTask(
-        ContrastiveObjective(cfg.retriever, cfg.data.passage_max_len), cfg.model.init, prepared.tokenizer_uri
+        ContrastiveObjective(cfg.retriever, cfg.data.passage_max_len, cfg.data.query_max_len),
+        cfg.model.init,
+        prepared.tokenizer_uri,
     )
     result = fit(cfg.train, task, prepared.stream, storage.join(cfg.train.output, "checkpoints"), hparams=to_dict(cfg))
     return finish_retriever_run(cfg, prepared, result, "finetune", "retriever fine-tuning", bm25=prepared.bm25)

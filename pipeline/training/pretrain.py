@@ -16,7 +16,6 @@ import yaml
 from models.backbone import FAMILIES, BackboneConfig, build_mlm
 from models.cocondenser import CoCondenserConfig, CoCondenserMethod
 from models.condenser import CondenserConfig, CondenserMethod
-from models.grad_cache import check_cacheable
 from models.masking import MaskingVocab
 from models.memory import ActivationCost
 from models.method import PretrainingMethod
@@ -135,16 +134,9 @@ class PretrainTask(Task):
     def count_tokens(self, batch: dict[str, np.ndarray]) -> int:
         return self.method.count_tokens(batch)
 
-    def fit_to_memory(self, engine, available_bytes: int, micro_batch_size: int) -> dict:
-        if not hasattr(self.method, "fit_chunk"):
-            return {}
-        try:
-            check_cacheable(engine)
-        except ValueError:  # ZeRO-3 or fp16: no cache unless one is asked for (then refused)
-            return {}
-        # A micro-batch of span pairs holds twice as many spans.
-        chunk = self.method.fit_chunk(engine.module, available_bytes, 2 * micro_batch_size)
-        return {"grad_cache_chunk": chunk or None, "free_memory_gib": round(available_bytes / 2**30, 2)}
+    @property
+    def objective(self) -> PretrainingMethod:
+        return self.method
 
     def activation_cost(self, module: torch.nn.Module) -> ActivationCost | None:
         return self.method.activation_cost(module, self.max_len)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from models.grad_cache import check_cacheable
 from models.memory import ActivationCost
 from pipeline.core import model_ref, storage
 from pipeline.core.plots import plot_loss_curve
@@ -45,8 +46,20 @@ class Task:
     def consumed_rows(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         return consumed_source_rows(batch)
 
+    objective: object  # what computes the loss: a pre-training method, a retriever's or re-ranker's objective
+
     def fit_to_memory(self, engine, available_bytes: int, micro_batch_size: int) -> dict:
-        return {}
+        """The gradient cache's chunk, for an objective that has one (coCondenser's, the
+        retriever's) and an engine under which it can run (not ZeRO-3 or fp16)."""
+        fit_chunk = getattr(self.objective, "fit_chunk", None)
+        if fit_chunk is None:
+            return {}
+        try:
+            check_cacheable(engine)
+        except ValueError:  # ZeRO-3 or fp16: no cache unless one is asked for (then refused)
+            return {}
+        chunk = fit_chunk(engine.module, available_bytes, micro_batch_size)
+        return {"grad_cache_chunk": chunk or None, "free_memory_gib": round(available_bytes / 2**30, 2)}
 
     def activation_cost(self, module: torch.nn.Module) -> ActivationCost | None:
         return None  # not measured: the micro-batch stays as configured

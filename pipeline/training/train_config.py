@@ -44,7 +44,7 @@ class TrainConfig:
     memory_gib: float = field(
         default=0.0,
         metadata={
-            "help": "memory per worker that sizing (size_micro_batch, coCondenser's chunk_size 0) may plan with; 0 = measured: the GPU's free memory, or on CPUs the node's available memory over its workers"
+            "help": "memory per worker that sizing (size_micro_batch; the gradient cache's chunk_size 0 of coCondenser and the retriever) may plan with; 0 = measured: the GPU's free memory, or on CPUs the node's available memory over its workers"
         },
     )
     max_steps: int = field(default=300, metadata={"help": "optimiser steps"})
