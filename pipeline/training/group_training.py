@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from models.memory import ActivationCost
 from pipeline.core import model_ref, storage
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
@@ -104,12 +103,6 @@ class GroupTask(Task):
 
     def count_tokens(self, batch: dict[str, np.ndarray]) -> int:
         return self.objective.count_tokens(batch)
-
-    def activation_cost(self, module: torch.nn.Module) -> ActivationCost | None:
-        # Only an objective whose loss reads each query's group alone (the re-ranker's) has one:
-        # in-batch negatives couple a micro-batch's queries.
-        measure = getattr(self.objective, "activation_cost", None)
-        return measure(module) if measure else None
 
     def export(self, model: torch.nn.Module, out_dir: str) -> dict[str, str]:
         return self.objective.export(model, out_dir, self.tokenizer_dir())

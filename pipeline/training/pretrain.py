@@ -139,7 +139,7 @@ class PretrainTask(Task):
         return self.method
 
     def activation_cost(self, module: torch.nn.Module) -> ActivationCost | None:
-        return self.method.activation_cost(module, self.max_len)
+        return self.method.activation_cost(module, self.max_len)  # a method measures rows of the stream's width
 
     def export(self, model: torch.nn.Module, out_dir: str) -> dict[str, str]:
         return self.method.export(model, out_dir, self.tokenizer_dir())

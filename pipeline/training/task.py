@@ -34,19 +34,19 @@ RUN_METRICS = (
 
 class Task:
     """The defaults of a task (the loop's ``TrainTask``): no event counters, the consumed rows
-    that the stream lists per example, and the tokenizer fetched once per worker for the
-    export. Built on each worker from picklable settings."""
+    that the stream lists per example, what its objective sizes from memory, and the
+    tokenizer fetched once per worker for the export. Built on each worker from picklable
+    settings."""
 
     counter_names: tuple[str, ...] = ()
     tokenizer_uri: str
+    objective: object  # what computes the loss: a pre-training method, a retriever's or re-ranker's objective
 
     def counters(self, batch: dict[str, np.ndarray]) -> dict[str, int]:
         return {}
 
     def consumed_rows(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         return consumed_source_rows(batch)
-
-    objective: object  # what computes the loss: a pre-training method, a retriever's or re-ranker's objective
 
     def fit_to_memory(self, engine, available_bytes: int, micro_batch_size: int) -> dict:
         """The gradient cache's chunk, for an objective that has one (coCondenser's, the
@@ -62,7 +62,10 @@ class Task:
         return {"grad_cache_chunk": chunk or None, "free_memory_gib": round(available_bytes / 2**30, 2)}
 
     def activation_cost(self, module: torch.nn.Module) -> ActivationCost | None:
-        return None  # not measured: the micro-batch stays as configured
+        # Only an objective whose loss reads each row alone has one (the re-ranker's): in-batch
+        # negatives couple a micro-batch's rows, which then stays as configured.
+        measure = getattr(self.objective, "activation_cost", None)
+        return measure(module) if measure else None
 
     def tokenizer_dir(self) -> str:
         if getattr(self, "_tokenizer_dir", None) is None:  # needed until the final export
