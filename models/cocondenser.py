@@ -143,9 +143,9 @@ class CoCondenserMethod(CondenserMethod):
 
     def fit_chunk(self, module, available_bytes: float, micro_batch_size: int) -> int:
         """With ``chunk_size`` 0, the gradient cache's chunk (in spans) for micro-batches of
-        ``micro_batch_size`` pairs on ``module``'s device, given its free memory: 0 (no cache) when the whole
-        micro-batch's activations fit in their share of it, else the largest chunk that
-        does beside the cache's fp32 gradient sums. The activations of full-length spans,
+        ``micro_batch_size`` pairs on ``module``'s device, given its free memory: 0 (no
+        cache) when the whole micro-batch's activations fit in their share of it, else the
+        largest chunk that does beside the cache's fp32 gradient sums. The activations of full-length spans,
         laid out as batches are, are measured by two forwards (4 and 8 pairs): a worst
         case, as real batches hold shorter spans too."""
         if self.cfg.chunk_size:
