@@ -27,7 +27,7 @@ from transformers import AutoModel
 from models.backbone import export_backbone, load_pretrained
 from models.batches import ids_and_mask
 from models.distributed import gather_with_grad, world_size
-from models.grad_cache import engine_grad_cache_backward
+from models.grad_cache import engine_grad_cache_backward, fitting_chunk
 from models.lora import LoraSettings, merged, with_lora
 from models.memory import ACTIVATION_SHARE, measure_activations, saved_bytes
 
@@ -368,7 +368,8 @@ class ContrastiveObjective:
             self.chunk_size = 0
         else:  # the cache runs: its fp32 gradient sums take their place too
             sums = 4 * sum(p.numel() for p in module.parameters() if p.requires_grad)
-            self.chunk_size = max(1, min(n_passages, int((budget - passages.fixed - sums) // passages.per_item)))
+            # 0 where every passage fits beside the sums: one chunk of all, which is no cache
+            self.chunk_size = fitting_chunk(passages.per_item, passages.fixed + sums, budget, n_passages)
         return self.chunk_size
 
     def build(self, init_dir: str) -> BiEncoder:
