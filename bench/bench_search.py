@@ -2,7 +2,8 @@
 
   encode   passages/s of jobs/encode.py's actor pool (1 and 2 one-core actors; fp32, and bf16
            on one) against sentence-transformers `encode` on one core, same model (MiniLM)
-           and passages (Nave verses)
+           and passages (Nave verses); with onnxruntime / openvino installed, also against
+           the runtimes of sentence-transformers' ONNX and OpenVINO backends (fp32, one thread)
   search   sharded exact search (2 and 4 Flat shards on Ray actors, merged) time / one IndexFlatIP
   recall   IVF recall@100 against exact search, on the same vectors
   mine     one mining run over 1M synthetic 768-d passages (4 Flat shards): time and peak
@@ -66,6 +67,87 @@ def _steady_passages_per_s(summary: dict) -> float:
     return summary["passages"] / max(busy.values())
 
 
+def _exported_runtimes(model_dir: str, tmp: str) -> dict:
+    """The runtimes behind sentence-transformers' ``backend="onnx"`` and ``"openvino"``, each
+    as an ``encode(ids, mask) -> token states`` on one thread in fp32; those not installed are
+    left out. sentence-transformers reaches them through ``optimum``, which does not import
+    with the pinned transformers (5.x), so the model is exported here with ``torch.onnx`` and
+    each runtime is driven directly: the graph and the runtime are those the backends run.
+    "onnxruntime_fused" is the graph after onnxruntime's BERT fusions (attention, LayerNorm,
+    GELU), as in sentence-transformers' ``export_optimized_onnx_model`` at O3."""
+    import torch
+    from transformers import AutoModel
+
+    class TokenStates(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids, mask):
+            return self.model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    model = AutoModel.from_pretrained(model_dir, attn_implementation="eager").eval()
+    graph = os.path.join(tmp, "model.onnx")
+    example = (torch.ones(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long))
+    axes = {0: "batch", 1: "width"}
+    torch.onnx.export(
+        TokenStates(model),
+        example,
+        graph,
+        input_names=["ids", "mask"],
+        output_names=["states"],
+        dynamic_axes={"ids": axes, "mask": axes, "states": axes},
+        opset_version=17,
+        dynamo=False,
+    )
+    runtimes: dict = {}
+    try:
+        import onnxruntime as ort
+        from onnxruntime.transformers.optimizer import optimize_model
+    except ImportError:
+        ort = None
+    if ort is not None:
+        fused = os.path.join(tmp, "model_fused.onnx")
+        cfg = model.config
+        optimize_model(graph, "bert", cfg.num_attention_heads, cfg.hidden_size).save_model_to_file(fused)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = options.inter_op_num_threads = 1
+        for name, path in (("onnxruntime", graph), ("onnxruntime_fused", fused)):
+            session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+            runtimes[name] = lambda ids, mask, s=session: s.run(None, {"ids": ids, "mask": mask})[0]
+    try:
+        import openvino
+    except ImportError:
+        openvino = None
+    if openvino is not None:
+        # f32 named: on a CPU with bf16 units OpenVINO would otherwise infer in bf16.
+        compiled = openvino.Core().compile_model(
+            graph, "CPU", {"INFERENCE_NUM_THREADS": 1, "INFERENCE_PRECISION_HINT": "f32"}
+        )
+        runtimes["openvino"] = lambda ids, mask, c=compiled: c({"ids": ids, "mask": mask})[0]
+    return runtimes
+
+
+def _runtime_passages_per_s(encode, tokenizer, texts: list[str], batch_size: int = 64) -> tuple[float, np.ndarray]:
+    """Passages/s of ``encode`` as sentence-transformers' ``encode`` drives a backend: texts
+    tokenized inside the timing, length-sorted batches, mean pooling, unit length."""
+    order = np.argsort([-len(t) for t in texts], kind="stable")
+    out = np.zeros((len(texts), 0), dtype=np.float32)
+    batch = tokenizer(texts[:batch_size], truncation=True, max_length=128, padding=True, return_tensors="np")
+    encode(batch["input_ids"], batch["attention_mask"])  # warm-up, as for sentence-transformers
+    start = time.perf_counter()
+    for s in range(0, len(texts), batch_size):
+        idx = order[s : s + batch_size]
+        batch = tokenizer([texts[i] for i in idx], truncation=True, max_length=128, padding=True, return_tensors="np")
+        mask = batch["attention_mask"]
+        states = encode(batch["input_ids"], mask)
+        pooled = (states * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
+        if out.shape[1] == 0:
+            out = np.zeros((len(texts), pooled.shape[1]), dtype=np.float32)
+        out[idx] = pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
+    return len(texts) / (time.perf_counter() - start), out
+
+
 def bench_encode(n_passages: int) -> dict:
     """One thread per worker throughout: an actor with one CPU against sentence-transformers
     with torch limited to one thread, so "per worker" means per core, and 2 actors on the
@@ -123,10 +205,19 @@ def bench_encode(n_passages: int) -> dict:
         model.max_seq_length = 128
         model.encode(texts[:64], batch_size=64)  # warm-up, as our actors' first batch is inside their timing
         start = time.perf_counter()
-        model.encode(texts, batch_size=64, normalize_embeddings=True)
+        reference = model.encode(texts, batch_size=64, normalize_embeddings=True)
         out["sentence_transformers_fp32_passages_per_s"] = round(len(texts) / (time.perf_counter() - start), 1)
+        for name, encode in _exported_runtimes(str(get_model_path()), tmp).items():
+            rate, vectors = _runtime_passages_per_s(encode, model.tokenizer, texts)
+            out[f"{name}_fp32_passages_per_s"] = round(rate, 1)
+            out[f"{name}_max_abs_diff_vs_st"] = float(np.abs(vectors - reference).max())
         torch.set_num_threads(2)
     st = out["sentence_transformers_fp32_passages_per_s"]
+    for name in ("onnxruntime", "onnxruntime_fused", "openvino"):
+        if f"{name}_fp32_passages_per_s" in out:
+            out[f"ratio_1_actor_fp32_compiled_vs_{name}"] = round(
+                out["actors_1_fp32_compiled_passages_per_s"] / out[f"{name}_fp32_passages_per_s"], 2
+            )
     out["ratio_1_actor_fp32_vs_st"] = round(out["actors_1_fp32_passages_per_s"] / st, 2)
     out["ratio_1_actor_fp32_compiled_vs_st"] = round(out["actors_1_fp32_compiled_passages_per_s"] / st, 2)
     out["ratio_1_actor_bf16_vs_st"] = round(out["actors_1_bf16_passages_per_s"] / st, 2)
