@@ -99,19 +99,21 @@ def free_bytes(device: str, pretend_gib: float = 0.0) -> int:
     return int(pretend_gib * 2**30) if pretend_gib else free_memory(device)
 
 
-def matmul_ceiling(device: str) -> float:
-    if device != "cuda":
-        return float("nan")
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+def matmul_ceiling(device: str, precision: str) -> float:
+    """FLOP/s of a large matrix product on this device, in the job's precision."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    n = 8192 if device == "cuda" else 1024
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(3):
         a @ b
-    torch.cuda.synchronize()
-    start, n = time.perf_counter(), 20
-    for _ in range(n):
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start, repeats = time.perf_counter(), 20
+    for _ in range(repeats):
         a @ b
-    torch.cuda.synchronize()
-    return 2 * 8192**3 * n / (time.perf_counter() - start)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n**3 * repeats / (time.perf_counter() - start)
 
 
 def bench_one(
@@ -218,7 +220,7 @@ def main() -> None:
     masking = vocab(30522 if not args.tiny else 200)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     datasheet = next((v for k, v in DATASHEET_BF16.items() if k in device_name), float("nan"))
-    ceiling = matmul_ceiling(args.device)
+    ceiling = matmul_ceiling(args.device, "bf16")
     print(
         f"device: {device_name}; bf16 matmul ceiling measured {ceiling / 1e12:.0f} TFLOP/s, "
         f"datasheet {datasheet / 1e12:.0f}",

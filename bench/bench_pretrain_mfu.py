@@ -40,7 +40,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench_methods_gpu import DATASHEET_BF16, SIZES  # noqa: E402
+from bench_methods_gpu import DATASHEET_BF16, SIZES, matmul_ceiling  # noqa: E402
 from bench_pretrain import steady_state  # noqa: E402
 
 from models.backbone import BackboneConfig, build_mlm  # noqa: E402
@@ -113,23 +113,6 @@ def flops_per_token(args, tokenizer_dir: str, device: str) -> float:
     with FlopCounterMode(display=False) as counter, autocast:
         method.backward(PlainEngine(model), batch)
     return counter.get_total_flops() / (rows * width)
-
-
-def matmul_ceiling(device: str, precision: str) -> float:
-    """FLOP/s of a large matrix product on this device, in the job's precision."""
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    n = 8192 if device == "cuda" else 1024
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start, repeats = time.perf_counter(), 20
-    for _ in range(repeats):
-        a @ b
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return 2 * n**3 * repeats / (time.perf_counter() - start)
 
 
 def main() -> None:

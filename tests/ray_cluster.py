@@ -193,19 +193,26 @@ def wait_for_nodes(head: Head, count: int, log: str, timeout_s: float = 120) -> 
     script = "import ray; ray.init(address='auto'); print(sum(n['Alive'] for n in ray.nodes()))"
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        probe = subprocess.run(
-            [sys.executable, "-c", script],
-            env=dict(head.env, RAY_ADDRESS=head.gcs_address),
-            capture_output=True,
-            text=True,
-            cwd="/",
-        )
+        # A head that died after it answered (Ray's "node timed out during startup" on an
+        # overloaded machine) leaves ray.init retrying forever: fail with its log instead.
+        if head.process.poll() is not None:
+            raise RuntimeError(f"the head exited: {open(os.path.join(head.temp_dir, 'head.log')).read()[-3000:]}")
+        try:
+            probe = subprocess.run(
+                [sys.executable, "-c", script],
+                env=dict(head.env, RAY_ADDRESS=head.gcs_address),
+                capture_output=True,
+                text=True,
+                cwd="/",
+                timeout=max(1.0, min(60.0, deadline - time.time())),
+            )
+        except subprocess.TimeoutExpired:
+            continue
         if probe.returncode == 0 and probe.stdout.strip().splitlines()[-1:] == [str(count)]:
             return
         time.sleep(2)
-    raise RuntimeError(
-        f"fewer than {count} nodes joined: {open(os.path.join(head.temp_dir, 'worker-node.log')).read()}"
-    )
+    tail = Path(log).read_text()[-3000:] if os.path.exists(log) else f"({log} was not written)"
+    raise RuntimeError(f"fewer than {count} nodes joined: {tail}")
 
 
 def submit_job(head: Head, entrypoint: list[str], env_vars: dict[str, str] | None = None, timeout_s: float = 900):

@@ -133,6 +133,8 @@ def _config(data: dict, init: str, output: str) -> RecipeConfig:
     for stage in (cfg.round1, cfg.round2, cfg.distill):
         stage.retriever.group_size, stage.train = 4, steps(8)
     cfg.reranker.group_size, cfg.reranker.max_len, cfg.reranker.train = 4, 44, steps(4)
+    # Its 4 queries a step sized from (almost) no memory: trained one query at a time, 4 accumulated.
+    cfg.reranker.train.size_micro_batch, cfg.reranker.train.memory_gib = "on", 1e-6
     cfg.reranker.dev_depth, cfg.reranker.teacher_depth, cfg.reranker.teacher_queries = 10, 8, 24
     cfg.reranker.pool.actors = cfg.eval.pool.actors = 1
     cfg.mine.depth, cfg.mine.count, cfg.mine.bm25_depth, cfg.mine.bm25_count = 20, 5, 20, 5
@@ -385,6 +387,10 @@ def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp
     direct = scorer.score([queries[q] for q in qids], [[d for d, _, _ in teacher[q]] for q in qids], passages)
     for qid, values in zip(qids, direct):
         assert [s for _, s, _ in teacher[qid]] == pytest.approx(values.tolist(), abs=1e-4)
+
+    # The re-ranker's micro-batch was sized on the worker node: the step's 4 queries as 1 x 4.
+    sized = records["reranker"]["summary"]
+    assert (sized["micro_batch_size"], sized["grad_accum"]) == (1, 4)
 
     # The re-ranker learned: its encoder tensors moved away from the export it started from.
     initial = AutoModel.from_pretrained(model_ref.materialize(export)).state_dict()
