@@ -89,7 +89,12 @@ def start_head(num_cpus: int, env: dict[str, str], extra_args: tuple[str, ...] =
     head = Head(process, f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard}", temp_dir, env)
     deadline = time.time() + 120
     while time.time() < deadline:
-        probe = subprocess.run([RAY, "job", "list", "--address", head.job_address], env=env, capture_output=True)
+        try:
+            probe = subprocess.run(
+                [RAY, "job", "list", "--address", head.job_address], env=env, capture_output=True, timeout=60
+            )
+        except subprocess.TimeoutExpired:  # a dashboard that stopped answering: try again while time is left
+            continue
         if probe.returncode == 0:
             return head
         if process.poll() is not None:
