@@ -132,9 +132,9 @@ def _runtime_passages_per_s(encode, tokenizer, texts: list[str], batch_size: int
     """Passages/s of ``encode`` as sentence-transformers' ``encode`` drives a backend: texts
     tokenized inside the timing, length-sorted batches, mean pooling, unit length."""
     order = np.argsort([-len(t) for t in texts], kind="stable")
-    out = np.zeros((len(texts), 0), dtype=np.float32)
     batch = tokenizer(texts[:batch_size], truncation=True, max_length=128, padding=True, return_tensors="np")
-    encode(batch["input_ids"], batch["attention_mask"])  # warm-up, as for sentence-transformers
+    width = encode(batch["input_ids"], batch["attention_mask"]).shape[-1]  # warm-up, as for sentence-transformers
+    out = np.zeros((len(texts), width), dtype=np.float32)
     start = time.perf_counter()
     for s in range(0, len(texts), batch_size):
         idx = order[s : s + batch_size]
@@ -142,8 +142,6 @@ def _runtime_passages_per_s(encode, tokenizer, texts: list[str], batch_size: int
         mask = batch["attention_mask"]
         states = encode(batch["input_ids"], mask)
         pooled = (states * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
-        if out.shape[1] == 0:
-            out = np.zeros((len(texts), pooled.shape[1]), dtype=np.float32)
         out[idx] = pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
     return len(texts) / (time.perf_counter() - start), out
 
