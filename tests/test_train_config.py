@@ -1,16 +1,21 @@
-"""The loop's pure helpers: DeepSpeed config filling, LR schedule, parameter groups, seeds."""
+"""The loop's pure helpers: DeepSpeed config filling, LR schedule, parameter groups, seeds,
+and the workers' config as it travels through Ray Train's controller."""
 
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from models.backbone import BackboneConfig
+from models.mlm import MLMConfig
 from pipeline.training.deepspeed_config import deepspeed_config
-from pipeline.training.loop import _timed, collated, linear_schedule, param_groups, step_seed
+from pipeline.training.loop import _sealed_for_workers, _timed, collated, linear_schedule, param_groups, step_seed
+from pipeline.training.pretrain import PretrainTask
 from pipeline.training.train_config import TrainConfig
 
 IMPORT_PROBE = """
@@ -37,6 +42,32 @@ def test_deepspeed_is_imported_without_mlflow_which_stays_importable():
         "autotuner_has_mlflow": False,
         "mlflow_after": "mlflow",
     }
+
+
+# What Ray Train's controller does with train_loop_config: unpickle it, in a process that
+# has imported only Ray. The task inside must not be unpickled there.
+CONTROLLER_PROBE = """
+import pickle, sys
+config = pickle.loads(sys.stdin.buffer.read())
+heavy = [m for m in ("torch", "transformers", "deepspeed", "models", "pipeline") if m in sys.modules]
+print(sorted(config), heavy)
+"""
+
+
+def test_the_workers_config_passes_the_controller_unopened_and_reaches_the_workers_whole():
+    train = TrainConfig(micro_batch_size=4, max_steps=3)
+    task = PretrainTask("mlm", MLMConfig(), BackboneConfig(hidden_size=32), "tokenizer/", 120, None, max_len=24)
+    config = {"train": train, "task": task, "run_dir": "runs/x", "deepspeed": deepspeed_config(train, 1)}
+    sealed = _sealed_for_workers(config)
+    done = subprocess.run(
+        [sys.executable, "-c", CONTROLLER_PROBE], input=pickle.dumps(sealed), capture_output=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert done.stdout.decode().split() == ["['pickled']", "[]"]
+    # A worker unseals it (train_worker does): the same settings and task.
+    opened = pickle.loads(pickle.loads(pickle.dumps(sealed))["pickled"])
+    assert opened["train"] == train and opened["deepspeed"] == config["deepspeed"]
+    assert type(opened["task"]) is PretrainTask and vars(opened["task"]).keys() == vars(task).keys()
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

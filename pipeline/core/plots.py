@@ -9,21 +9,28 @@ from __future__ import annotations
 import contextlib
 import io
 
-from matplotlib.figure import Figure
-
 from pipeline.core import storage
 
 
 @contextlib.contextmanager
 def png_figure(uri: str, size: tuple[float, float], dpi: int = 100):
     """Yield a fresh axes; on exit, save the figure as PNG to ``uri`` (local or s3://)."""
-    fig = Figure(figsize=size)
+    fig = new_figure(size)
     ax = fig.subplots()
     yield ax
     save_png(fig, uri, dpi)
 
 
-def save_png(fig: Figure, uri: str, dpi: int) -> None:
+def new_figure(size: tuple[float, float]):
+    """A matplotlib Figure, not tied to any pyplot backend."""
+    # Imported here: every training worker imports this module through its task, but only
+    # drivers draw, and matplotlib costs each worker ~0.5 s of its start.
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=size)
+
+
+def save_png(fig, uri: str, dpi: int) -> None:
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
@@ -52,7 +59,7 @@ def plot_metrics(rows: dict[str, dict[str, float]], metrics: tuple[str, ...], ur
     written on it: the tables of ``results.md`` / ``metrics.json`` at a glance."""
     labels = list(rows)
     metrics = tuple(m for m in metrics if any(m in values for values in rows.values())) or metrics[:1]
-    fig = Figure(figsize=(max(4.0, 1.1 * len(labels)) * len(metrics) / 2 + 1, 3.6))
+    fig = new_figure((max(4.0, 1.1 * len(labels)) * len(metrics) / 2 + 1, 3.6))
     axes = fig.subplots(1, len(metrics), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
         values = [rows[label].get(metric, 0.0) for label in labels]
@@ -109,7 +116,7 @@ def plot_method_comparison(rows: list[dict], metrics: tuple[str, ...], uri: str)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     sizes = list(dict.fromkeys((r["train_size"], r["train_queries"]) for r in rows))
     width = 0.8 / len(sizes)
-    fig = Figure(figsize=(4.2 * len(metrics), 3.8))
+    fig = new_figure((4.2 * len(metrics), 3.8))
     axes = fig.subplots(1, len(metrics), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
         for j, (size, n_queries) in enumerate(sizes):
