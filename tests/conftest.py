@@ -114,9 +114,10 @@ def fake_gpu_ray(request):
 def shared_ray(s3_endpoint):
     """One local Ray for the tests that start only tasks, actors and Ray Data (no Ray Train
     run): starting a Ray per module cost 5-10 s each. It is kept from module to module and
-    started again only after a module's own Ray (``ray_session``) replaced it. Those tests
-    run last in each test process (see ``pytest_collection_modifyitems``), so that happens
-    only where one test file uses both fixtures."""
+    started again only after a module's own Ray (``ray_session``) replaced it. In one test
+    process those tests run last (see ``pytest_collection_modifyitems``), so that happens
+    only where one test file uses both fixtures; under xdist, whenever a process goes from a
+    file with its own Ray to one with the shared Ray."""
     ray = _local_ray("shared")
     yield ray
 
@@ -128,8 +129,10 @@ def _stop_the_shared_ray():
 
 
 def pytest_collection_modifyitems(session, config, items):
-    # Tests that take minutes start first, so that the other test process runs the rest
-    # beside them; the shared Ray's tests run last. Stable: the order is kept otherwise.
+    # In one process (-n 0), tests that take minutes start first and the shared Ray's tests
+    # run last. Under xdist (--dist loadfile) this orders only the tests inside a file and
+    # files with as many tests: xdist hands out the files by their number of tests. (Starting
+    # the longest files first there was slower: they slowed each other down; limitations.md.)
     items.sort(key=lambda item: ("shared_ray" in item.fixturenames, item.get_closest_marker("runs_long") is None))
 
 

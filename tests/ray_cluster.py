@@ -167,13 +167,17 @@ def kill_session(process: subprocess.Popen) -> None:
     """SIGKILL every process of the session ``process`` leads (a node that
     :func:`start_isolated_worker` started), as a lost spot instance ends: its raylet, object
     store and every worker process at once. Ray gives each worker process a process group of
-    its own, so a node's processes are found by session, not by group."""
-    subprocess.run(["pkill", "-KILL", "-s", str(process.pid)], check=False)
-    process.wait()
+    its own, so a node's processes are found by session, not by group. Killed again until
+    none is left: a process forked while pkill ran (a worker the raylet was starting) is
+    missed by it, and lived on once in CI."""
+    session = str(process.pid)
+    subprocess.run(["pkill", "-KILL", "-s", session], check=False)
+    process.wait()  # the session's leader is this process's child: reaped here, not by init
     deadline = time.time() + 10  # SIGKILLed processes take a moment to exit and be reaped
-    while subprocess.run(["pgrep", "-s", str(process.pid)], capture_output=True).returncode == 0:
+    while subprocess.run(["pkill", "-KILL", "-s", session], check=False).returncode == 0:
         if time.time() > deadline:
-            raise RuntimeError(f"processes of the killed node (session {process.pid}) still alive")
+            alive = subprocess.run(["pgrep", "-a", "-s", session], capture_output=True, text=True).stdout
+            raise RuntimeError(f"processes of the killed node (session {session}) still alive:\n{alive}")
         time.sleep(0.1)
 
 

@@ -211,6 +211,13 @@ def _lose_the_node_mid_stage(cluster: TwoNodeCluster, out: str, stages: list[str
     mid-way however fast it runs here; SIGKILL every process of the worker node (its server
     actors among them); let the driver go on, and start a fresh, empty node 3 s later, as an
     autoscaler replaces a lost spot node. What it saw goes in ``seen``."""
+    try:
+        _lose_it_at_each(cluster, out, stages, seen)
+    except Exception as exc:  # shown by the test's assertion on `seen`, not only as a warning
+        seen["error"] = repr(exc)
+
+
+def _lose_it_at_each(cluster: TwoNodeCluster, out: str, stages: list[str], seen: dict) -> None:
     for stage in stages:
         parts, deadline = f"{out}/{stage}/parts", time.time() + 600
         while not storage.list_files(parts) or not _driver_pids(stage):
