@@ -212,8 +212,14 @@ def main() -> None:
     parser.add_argument(
         "--free_gib", type=float, default=0.0, help="size the cache's chunk for this much free memory (smoke runs)"
     )
+    parser.add_argument(
+        "--methods",
+        default="",
+        help="comma-separated rows to run (e.g. cocondenser,cocondenser-gradcache-sized); empty = all",
+    )
     parser.add_argument("--json", default="", help="also write the rows here")
     args = parser.parse_args()
+    chosen = set(args.methods.split(",")) if args.methods else None
     if args.tiny:
         args.sizes, args.batch, args.length, args.steps = "tiny", 8, 32, 2
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -231,6 +237,8 @@ def main() -> None:
         generator_dir = small_generator(masking.vocab_size, os.path.join(tmp, "generator"))
         for size in args.sizes.split(","):
             for name, cls, cfg, scale, sized in methods(generator_dir, args.batch, args.length):
+                if chosen is not None and name not in chosen:
+                    continue
                 row = bench_one(
                     name,
                     cls,

@@ -77,6 +77,7 @@ def job_command(args, corpus: str, output: str) -> list[str]:
         "train.log_every": LOG_EVERY,
         "train.checkpoint_every": args.steps + 1000,
         "train.max_failures": 0,
+        "train.compile": str(args.compile).lower(),
     }
     if args.gpus == 0:
         settings["ray.num_cpus"] = max(4, os.cpu_count() or 1)
@@ -115,6 +116,16 @@ def flops_per_token(args, tokenizer_dir: str, device: str) -> float:
     return counter.get_total_flops() / (rows * width)
 
 
+def versions() -> dict:
+    import deepspeed
+    import ray
+    import transformers
+
+    found = {"torch": torch.__version__, "transformers": transformers.__version__}
+    found |= {"ray": ray.__version__, "deepspeed": deepspeed.__version__, "cuda": torch.version.cuda}
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="bert-base", choices=sorted(SIZES))
@@ -131,6 +142,11 @@ def main() -> None:
     parser.add_argument("--max_len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--cpus_per_worker", type=float, default=4)
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="--train.compile: torch.compile the trained module (its compile falls before the steady window)",
+    )
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     device = "cuda" if args.gpus > 0 else "cpu"
@@ -161,10 +177,11 @@ def main() -> None:
         "precision": args.precision,
         "micro_batch": args.micro_batch,
         "grad_accum": args.grad_accum,
+        "compiled": args.compile,
         "sized_micro_batch": [summary.get("micro_batch_size"), summary.get("grad_accum")],
         "max_len": args.max_len,
         "steps": args.steps,
-        "versions": {"torch": torch.__version__},
+        "versions": versions(),
         "job_wall_s": round(wall, 1),
         "job_tokens_per_s": summary.get("tokens_per_s"),
         "steady_tokens_per_s_per_worker": round(steady["tokens_per_s"], 1),

@@ -12,6 +12,7 @@ same work on the node's CPU, measured side by side in one run.
 Usage: python bench/bench_retrieval_gpu.py [--parts encode,search,faiss] [--json out.json]
        [--corpus nave/corpus.jsonl] [--vectors 2000000] [--dim 384] [--queries 20000]
        [--factories Flat,IVF4096,SQ8,IVF4096,PQ48] [--devices cpu,gpu]
+       [--encode-runs bert-base:gpu:fp16:1024:compiled,minilm:gpu:fp32:256,...]
 Issue 35's figures: --parts search,faiss --vectors 1000000 --dim 768 --factories Flat,IVF4096,SQ8;
 then --vectors 10000000 --dim 384 where the GPU's memory allows.
 """
@@ -33,7 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench_search import NAVE, _steady_passages_per_s, clustered, write_vectors  # noqa: E402
+from bench_search import NAVE, _device_passages_per_s, _steady_passages_per_s, clustered, write_vectors  # noqa: E402
 
 from pipeline.core.actor_pool import ActorConfig  # noqa: E402
 from pipeline.data.tokenizer import train_wordpiece  # noqa: E402
@@ -57,7 +58,35 @@ def random_bert(folder: str, texts: list[str], size: str) -> str:
     return folder
 
 
-def bench_encode(corpus: Path, cpu_passages: int, cpus: int) -> list[dict]:
+DEFAULT_ENCODE_RUNS = ",".join(
+    f"{size}:{device}:{precision}:256"
+    for size in SIZES
+    for device, precision in (("gpu", "fp16"), ("gpu", "bf16"), ("gpu", "fp32"), ("cpu", "fp32"))
+)
+
+
+def encode_runs(spec: str) -> list[dict]:
+    """``size:device:precision:batch[:compiled]`` items, comma-separated."""
+    runs = []
+    for item in spec.split(","):
+        parts = item.split(":")
+        if len(parts) not in (4, 5) or parts[0] not in SIZES or parts[1] not in ("gpu", "cpu"):
+            raise SystemExit(f"--encode-runs: {item!r} is not size:gpu|cpu:precision:batch[:compiled]")
+        if len(parts) == 5 and parts[4] != "compiled":
+            raise SystemExit(f"--encode-runs: {item!r} ends in {parts[4]!r}, not 'compiled'")
+        runs.append(
+            {
+                "size": parts[0],
+                "device": parts[1],
+                "precision": parts[2],
+                "batch": int(parts[3]),
+                "compiled": len(parts) == 5,
+            }
+        )
+    return runs
+
+
+def bench_encode(corpus: Path, cpu_passages: int, cpus: int, runs: list[dict]) -> list[dict]:
     lines = (
         gzip.decompress(corpus.read_bytes()).decode().splitlines()
         if corpus.suffix == ".gz"
@@ -70,34 +99,41 @@ def bench_encode(corpus: Path, cpu_passages: int, cpus: int) -> list[dict]:
         full.write_text("\n".join(lines) + "\n")
         small = Path(tmp) / "small.jsonl"
         small.write_text("\n".join(lines[:cpu_passages]) + "\n")
-        for size in SIZES:
-            model = random_bert(f"{tmp}/{size}", texts, size)
-            runs = [("gpu", "fp16", full), ("gpu", "bf16", full), ("gpu", "fp32", full), ("cpu", "fp32", small)]
-            for device, precision, source in runs:
-                out = f"{tmp}/emb-{size}-{device}-{precision}"
-                prepared = f"{tmp}/prepared-{size}-{source.stem}"
-                docs_per_shard = max(1, sum(1 for _ in source.open()) // 8)
-                prepared_corpus(str(source), model, prepared, docs_per_shard)  # tokenized once, outside timing
-                gpu = device == "gpu"
-                summary = run_encoding(
-                    EncodeConfig(
-                        corpus=prepared,
-                        output=out,
-                        encoder=EncoderSettings(model=model, pooling="cls", batch_size=256, precision=precision),
-                        pool=ActorConfig(actors=1, use_gpu=gpu, cpus_per_actor=4 if gpu else cpus),
-                    )
+        models: dict[str, str] = {}
+        for run in runs:
+            size, device = run["size"], run["device"]
+            if size not in models:
+                models[size] = random_bert(f"{tmp}/{size}", texts, size)
+            model, source, gpu = models[size], full if device == "gpu" else small, device == "gpu"
+            out = f"{tmp}/emb-{len(rows)}"
+            prepared = f"{tmp}/prepared-{size}-{source.stem}"
+            if not Path(prepared).exists():  # tokenized once, outside timing
+                prepared_corpus(str(source), model, prepared, max(1, sum(1 for _ in source.open()) // 8))
+            encoder = EncoderSettings(
+                model=model, pooling="cls", batch_size=run["batch"], precision=run["precision"], compile=run["compiled"]
+            )
+            summary = run_encoding(
+                EncodeConfig(
+                    corpus=prepared,
+                    output=out,
+                    encoder=encoder,
+                    pool=ActorConfig(actors=1, use_gpu=gpu, cpus_per_actor=4 if gpu else cpus),
                 )
-                row = {
-                    "model": size,
-                    "device": device,
-                    "precision": precision,
-                    "cpu_threads": 4 if gpu else cpus,
-                    "passages": summary["passages"],
-                    "passages_per_s": round(_steady_passages_per_s(summary), 1),
-                    "wall_passages_per_s": summary["passages_per_s"],
-                }
-                rows.append(row)
-                print(json.dumps({"encode": row}), flush=True)
+            )
+            row = {
+                "model": size,
+                "device": device,
+                "precision": run["precision"],
+                "batch": run["batch"],
+                "compiled": run["compiled"],
+                "cpu_threads": 4 if gpu else cpus,
+                "passages": summary["passages"],
+                "passages_per_s": round(_steady_passages_per_s(summary), 1),
+                "device_passages_per_s": round(_device_passages_per_s(summary), 1),
+                "wall_passages_per_s": summary["passages_per_s"],
+            }
+            rows.append(row)
+            print(json.dumps({"encode": row}), flush=True)
     return rows
 
 
@@ -193,6 +229,11 @@ def main() -> None:
     parser.add_argument("--json", default="")
     parser.add_argument("--corpus", default=str(NAVE / "corpus.jsonl.gz"))
     parser.add_argument("--cpu-passages", type=int, default=2000)
+    parser.add_argument(
+        "--encode-runs",
+        default=DEFAULT_ENCODE_RUNS,
+        help="encode part: size:gpu|cpu:precision:batch[:compiled], comma-separated (gpu runs read the whole corpus, cpu runs --cpu-passages of it)",
+    )
     parser.add_argument("--vectors", type=int, default=2_000_000)
     parser.add_argument("--queries", type=int, default=20_000)
     parser.add_argument("--factories", default="Flat,IVF4096,SQ8,IVF4096,PQ48")
@@ -217,7 +258,7 @@ def main() -> None:
     }
     parts = args.parts.split(",")
     if "encode" in parts:
-        results["encode"] = bench_encode(Path(args.corpus), args.cpu_passages, cpus)
+        results["encode"] = bench_encode(Path(args.corpus), args.cpu_passages, cpus, encode_runs(args.encode_runs))
     if "search" in parts:
         # "IVF4096,SQ8" holds a comma: the list is split on the factories' known starts.
         factories = [f for f in args.factories.replace(",IVF", ";IVF").replace(",Flat", ";Flat").split(";") if f]

@@ -58,12 +58,23 @@ def clustered(n: int, dim: int, seed: int) -> np.ndarray:
 
 
 def _steady_passages_per_s(summary: dict) -> float:
-    """Passages/s of a pool once its actors are up: rows over the busiest actor's time
-    inside ``encode_shard`` (read, encode, write), so actor start-up and the model load
-    are left out, as they are from the sentence-transformers timing."""
+    """Passages/s of a pool once its actors are up: rows over the busiest actor's span of
+    ``encode_shard`` calls (read, encode, write), so actor start-up and the model load are
+    left out, as they are from the sentence-transformers timing."""
+    spans: dict[int, tuple[float, float]] = {}
+    for shard in summary["shard_results"]:
+        first, last = spans.get(shard["pid"], (shard["started_at"], shard["finished_at"]))
+        spans[shard["pid"]] = (min(first, shard["started_at"]), max(last, shard["finished_at"]))
+    # An actor's span, from its first shard's start to its last one's end: with shards in
+    # flight their own seconds overlap, and summing them would count the waits twice.
+    return summary["passages"] / max(last - first for first, last in spans.values())
+
+
+def _device_passages_per_s(summary: dict) -> float:
+    """Passages/s of the encoder alone: rows over the time the shards held the device."""
     busy: dict[int, float] = {}
     for shard in summary["shard_results"]:
-        busy[shard["pid"]] = busy.get(shard["pid"], 0.0) + shard["seconds"]
+        busy[shard["pid"]] = busy.get(shard["pid"], 0.0) + shard["device_seconds"]
     return summary["passages"] / max(busy.values())
 
 

@@ -15,13 +15,12 @@ def test_batches_are_longest_first_ties_in_order_and_cover_every_item_once():
 
 
 def test_precision_settings_per_device_and_model_size():
-    # auto, as the H100 measured: fp16 paid for hidden 768 and cost hidden 384; fp32 on CPUs.
-    assert (
-        autocast_dtype("auto", "cuda:0", 768) == torch.float16
-        and autocast_dtype("auto", "cuda:0", 1024) == torch.float16
-    )
-    assert autocast_dtype("auto", "cuda:0", 384) is None and autocast_dtype("auto", "cpu", 768) is None
-    assert resolved_precision("auto", "cuda:0", 384) == "fp32" and resolved_precision("auto", "cuda", 768) == "fp16"
+    # auto, as the GPUs measured (H200, 2026-11-26): fp32 on every device and model size.
+    for device in ("cuda:0", "cuda", "cpu"):
+        for hidden in (384, 768, 1024):
+            assert (
+                autocast_dtype("auto", device, hidden) is None and resolved_precision("auto", device, hidden) == "fp32"
+            )
     # A named precision is what it says, on any device and model.
     assert autocast_dtype("fp32", "cuda:0", 768) is None and resolved_precision("bf16", "cpu", 384) == "bf16"
     assert autocast_dtype("bf16", "cpu", 384) == torch.bfloat16 and autocast_dtype("fp16", "cpu", 384) == torch.float16
@@ -60,8 +59,8 @@ def test_a_compiled_encoder_gives_the_eager_embeddings_at_every_batch_width(tmp_
 
 
 def test_encodings_record_the_precision_auto_meant_on_their_devices(tmp_path):
-    """Vectors encoded in fp32 on CPUs are not reused by a GPU run that would encode in fp16
-    (made_by.json differs), while a small model, fp32 on both, keeps its vectors."""
+    """made_by.json holds the precision a setting resolved to: auto's fp32 vectors of a CPU
+    run are reused by a GPU run of auto (fp32 there too), not by one asked for fp16."""
     from types import SimpleNamespace
 
     from models.biencoder import BiEncoderConfig
@@ -72,14 +71,30 @@ def test_encodings_record_the_precision_auto_meant_on_their_devices(tmp_path):
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "manifest.json").write_text("{}")
 
-    def made_by(use_gpu: bool, hidden: int) -> dict:
+    def made_by(use_gpu: bool, hidden: int, precision: str = "auto") -> dict:
         cfg = EncodeConfig()
-        cfg.pool.use_gpu = use_gpu
+        cfg.pool.use_gpu, cfg.encoder.precision = use_gpu, precision
         probe = SimpleNamespace(
             cfg=BiEncoderConfig(), passage_tower=SimpleNamespace(config=SimpleNamespace(hidden_size=hidden))
         )
         return _made_by(cfg, str(tmp_path / "model"), probe, str(tmp_path / "corpus"), {"shards": []})
 
-    assert made_by(False, 768)["precision"] == "fp32" and made_by(True, 768)["precision"] == "fp16"
-    assert made_by(False, 768) != made_by(True, 768)
-    assert made_by(False, 384) == made_by(True, 384)
+    assert made_by(False, 768)["precision"] == made_by(True, 768)["precision"] == "fp32"
+    assert made_by(False, 768) == made_by(True, 768) and made_by(False, 384) == made_by(True, 384)
+    assert made_by(True, 768, "fp16")["precision"] == "fp16" and made_by(True, 768, "fp16") != made_by(False, 768)
+
+
+def test_half_precision_on_gpus_keeps_attention_off_cudnn():
+    """Autocast on a GPU runs attention on kernels that take any batch width (cuDNN's builds a
+    graph per width); fp32 and CPUs keep PyTorch's choice, and leaving restores it."""
+    import warnings
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # autocast on "cuda" warns on a machine without one
+        with inference("cuda:0", torch.float16):
+            assert not torch.backends.cuda.cudnn_sdp_enabled()
+            assert torch.backends.cuda.mem_efficient_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+    with inference("cuda:0", None), inference("cpu", torch.bfloat16):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before

@@ -9,22 +9,23 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# What ``auto`` picks, by measurement (bench/README.md, bench_retrieval_gpu.py, one H100,
-# 2026-11-23): fp16 autocast paid for a BERT-base-sized encoder (hidden 768: 6,474
-# passages/s against 5,005 in fp32) but cost a MiniLM-sized one (hidden 384: 3,607 against
-# 17,644 in fp32), whose small matrix products gain little from half precision while
-# autocast adds a cast per op to a step bound by the host. bf16 measured within 4% of fp16
-# at both sizes; fp16 keeps 3 more mantissa bits, so vectors nearer fp32's.
-HALF_PRECISION_FROM_HIDDEN = 768
+# What ``auto`` picks, by measurement (bench/README.md, bench_retrieval_gpu.py): fp32. On
+# one H200 (2026-11-26, batch 1024, Nave's verses) a BERT-base-sized encoder ran 5,740
+# passages/s in fp32 against 3,198 under fp16 autocast and 2,868 under bf16; a MiniLM-sized
+# one 19,414 in fp32; on one H100 (2026-11-23, batch 256) MiniLM's fp16 was 3,607 against
+# 17,644 in fp32. Half precision should win by far at these sizes, so something in the
+# autocast path is slow (see HALF_PRECISION_ATTENTION); until a measurement shows it
+# paying, auto stays fp32.
 
 
 def resolved_precision(precision: str, device: str, hidden_size: int) -> str:
     """The precision ``precision`` means for a model of ``hidden_size`` on ``device``: auto
-    is fp16 on a GPU from hidden size 768 up, fp32 otherwise (by measurement, above)."""
-    if precision != "auto":
-        return precision
-    return "fp16" if device.startswith("cuda") and hidden_size >= HALF_PRECISION_FROM_HIDDEN else "fp32"
+    is fp32 everywhere (by measurement, above); device and width are the inputs a later
+    measurement may split it on."""
+    del device, hidden_size
+    return "fp32" if precision == "auto" else precision
 
 
 def autocast_dtype(precision: str, device: str, hidden_size: int) -> torch.dtype | None:
@@ -32,13 +33,24 @@ def autocast_dtype(precision: str, device: str, hidden_size: int) -> torch.dtype
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(resolved_precision(precision, device, hidden_size))
 
 
+# Attention kernels for half precision on GPUs. Length-sorted batches change width from one
+# batch to the next; cuDNN's attention, which PyTorch may pick for fp16/bf16 on Hopper,
+# builds a graph per new shape, the leading suspect for the slow half-precision rows above
+# (not yet measured apart). The memory-efficient kernel takes any width and the padding mask.
+HALF_PRECISION_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
 @contextlib.contextmanager
 def inference(device: str, dtype: torch.dtype | None) -> Iterator[None]:
-    """No autograd, and autocast to ``dtype`` when one is given."""
-    autocast = (
-        torch.autocast(device_type=device.split(":")[0], dtype=dtype) if dtype is not None else contextlib.nullcontext()
-    )
-    with torch.inference_mode(), autocast:
+    """No autograd, and autocast to ``dtype`` when one is given (on GPUs, with the
+    attention kernels of HALF_PRECISION_ATTENTION)."""
+    kind = device.split(":")[0]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.inference_mode())
+        if dtype is not None:
+            stack.enter_context(torch.autocast(device_type=kind, dtype=dtype))
+            if kind == "cuda":
+                stack.enter_context(sdpa_kernel(HALF_PRECISION_ATTENTION))
         yield
 
 
