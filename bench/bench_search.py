@@ -30,6 +30,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from pipeline.retrieval import embeddings as emb
+from pipeline.retrieval.encode import actor_spans
 from pipeline.retrieval.faiss_index import brute_force_topk, plan_memory
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
 from pipeline.retrieval.search import ShardedIndex
@@ -61,13 +62,7 @@ def _steady_passages_per_s(summary: dict) -> float:
     """Passages/s of a pool once its actors are up: rows over the busiest actor's span of
     ``encode_shard`` calls (read, encode, write), so actor start-up and the model load are
     left out, as they are from the sentence-transformers timing."""
-    spans: dict[int, tuple[float, float]] = {}
-    for shard in summary["shard_results"]:
-        first, last = spans.get(shard["pid"], (shard["started_at"], shard["finished_at"]))
-        spans[shard["pid"]] = (min(first, shard["started_at"]), max(last, shard["finished_at"]))
-    # An actor's span, from its first shard's start to its last one's end: with shards in
-    # flight their own seconds overlap, and summing them would count the waits twice.
-    return summary["passages"] / max(last - first for first, last in spans.values())
+    return summary["passages"] / max(actor_spans(summary["shard_results"]).values())
 
 
 def _device_passages_per_s(summary: dict) -> float:

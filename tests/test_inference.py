@@ -98,3 +98,16 @@ def test_half_precision_on_gpus_keeps_attention_off_cudnn():
     with inference("cuda:0", None), inference("cpu", torch.bfloat16):
         assert torch.backends.cuda.cudnn_sdp_enabled() == before
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+def test_an_actors_busy_time_is_its_span_not_the_sum_of_overlapping_calls():
+    """Two shards in flight on one actor: [0, 4] (waited for the device) and [1, 3]; another
+    actor's one call [2, 7]. Busy time is 4 and 5 s, where summing calls would give 6 for the first."""
+    from pipeline.retrieval.encode import actor_spans
+
+    calls = [
+        {"pid": 1, "started_at": 100.0, "finished_at": 104.0},
+        {"pid": 1, "started_at": 101.0, "finished_at": 103.0},
+        {"pid": 2, "started_at": 102.0, "finished_at": 107.0},
+    ]
+    assert actor_spans(calls) == {1: 4.0, 2: 5.0}

@@ -149,9 +149,8 @@ class Encoder:
         self.prefix_ids = {
             tower: prefix_token_ids(self.tokenizer, model.cfg.prefix(tower)) for tower in ("query", "passage")
         }
-        if (
-            settings.compile or device != "cpu"
-        ):  # compiled (or CUDA's libraries loaded) here, at start-up, not in the first shard
+        # Compiled (or CUDA's libraries loaded) here, at start-up, not inside the first shard.
+        if settings.compile or device != "cpu":
             for tower in ("query", "passage"):
                 self._encode_framed([[self.tokenizer.cls_token_id] * 6] * 4, 8, tower)
 
@@ -384,7 +383,6 @@ def run_encoding(cfg: EncodeConfig, query_texts: list[str] | None = None, before
         made_by=made_by,
     )
     seconds = time.perf_counter() - started
-    encode_seconds = sum(r["seconds"] for r in results)
     return {
         "job": "encode",
         "output": cfg.output,
@@ -398,13 +396,24 @@ def run_encoding(cfg: EncodeConfig, query_texts: list[str] | None = None, before
         "actors": cfg.pool.actors,
         "seconds": round(seconds, 2),
         "passages_per_s": round(sum(r["rows"] for r in results) / max(seconds, 1e-9), 1),
-        "actor_seconds": round(encode_seconds, 2),
+        "actor_seconds": round(sum(actor_spans(results).values()), 2),
         "shard_results": [
             {k: r[k] for k in ("index", "rows", "seconds", "device_seconds", "started_at", "finished_at", "pid")}
             for r in results
         ],
         **({"query_vectors": _stack(query_results, dim)} if query_texts is not None else {}),
     }
+
+
+def actor_spans(shard_results: list[dict]) -> dict[int, float]:
+    """Each actor's (pid's) busy seconds: its first shard call's start to its last one's end.
+    With shards in flight the calls' own seconds overlap (each holds its wait for the
+    device), so their sum would count that wait twice."""
+    spans: dict[int, tuple[float, float]] = {}
+    for shard in shard_results:
+        first, last = spans.get(shard["pid"], (shard["started_at"], shard["finished_at"]))
+        spans[shard["pid"]] = (min(first, shard["started_at"]), max(last, shard["finished_at"]))
+    return {pid: last - first for pid, (first, last) in spans.items()}
 
 
 def _stack(results: list[dict], dim: int) -> np.ndarray:
