@@ -4,10 +4,13 @@ dropout draws, the optimiser and the schedule all continue as if nothing had hap
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
+import threading
 import time
+from typing import Callable
 
 import pytest
 import torch
@@ -31,8 +34,10 @@ class StopOnce:
     micro-batch of the run: a worker dying between checkpoints, or a bad record. The marker
     file counts every micro-batch given to any attempt, one line each."""
 
-    def __init__(self, task, at: int, marker: str, error: BaseException | None = None):
+    def __init__(self, task, at: int, marker: str, error: BaseException | Callable | None = None):
         self.task, self.at, self.marker = task, at, marker
+        # An exception, or what makes one in the worker (one that does not unpickle
+        # cannot be sent there)
         self.error = error or RuntimeError("interrupted between checkpoints (test)")
 
     def __getattr__(self, name):
@@ -44,11 +49,11 @@ class StopOnce:
         with open(self.marker, "a") as f:
             f.write("micro-batch\n")
         if open(self.marker).read().count("\n") == self.at + 1:
-            raise self.error
+            raise self.error() if callable(self.error) else self.error
         return self.task.backward(engine, batch)
 
 
-def interrupted(monkeypatch, module, at: int, marker: str, error: BaseException | None = None) -> None:
+def interrupted(monkeypatch, module, at: int, marker: str, error: BaseException | Callable | None = None) -> None:
     """Make ``module``'s runs fail once at micro-batch ``at``."""
     from ray import cloudpickle
 
@@ -170,7 +175,9 @@ def test_a_step_sized_from_memory_trains_as_the_same_split_set_by_hand_and_a_res
 
     sized = dict(micro_batch_size=8, grad_accum=1, size_micro_batch="on")
     # The marker counts both workers' micro-batches: the 41st falls in step 3, after checkpoint 2.
-    interrupted(monkeypatch, pretrain, at=40, marker=str(tmp_path / "stopped"))
+    # The error raised there does not unpickle: its message still reaches the driver (WorkerError).
+    error = functools.partial(NeedsTwoArguments, "interrupted between checkpoints (test)", {})
+    interrupted(monkeypatch, pretrain, at=40, marker=str(tmp_path / "stopped"), error=error)
     with pytest.raises(Exception, match="interrupted between checkpoints"):
         pretrain.run_pretraining(config("sized", memory_gib=1e-6, **sized))
     monkeypatch.undo()
@@ -203,10 +210,12 @@ def test_finetuning_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted_
         )
     )
 
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", docs)  # once: a rewritten input is prepared again
+
     def config(name: str) -> finetune.FinetuneConfig:
         cfg = finetune.FinetuneConfig()
         cfg.data.queries, cfg.data.qrels, cfg.data.negatives = str(queries), str(qrels), str(negatives)
-        cfg.corpus.input, cfg.corpus.docs_per_shard = write_jsonl(tmp_path / "corpus.jsonl", docs), 30
+        cfg.corpus.input, cfg.corpus.docs_per_shard = corpus, 30
         cfg.corpus.output = str(tmp_path / "prepared")  # shared by the runs: prepared once
         cfg.data.query_max_len, cfg.data.passage_max_len = 12, 24
         cfg.model.init = model
@@ -244,3 +253,43 @@ def test_a_user_error_in_a_worker_stops_the_next_attempt_at_its_start(tmp_path, 
     }
     with pytest.raises(InputError, match="line 6: a bad record"):
         loop._raise_user_error(os.path.join(run_dir, loop.USER_ERROR))  # what fit() does then
+
+
+class NeedsTwoArguments(AssertionError):
+    """Pickles, but does not unpickle: rebuilt from ``args`` alone, it misses ``config``."""
+
+    def __init__(self, message, config):
+        super().__init__(message)
+        self.config = config
+
+
+class HoldsALock(AssertionError):
+    """Does not pickle at all."""
+
+    def __init__(self, message):
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+@pytest.mark.parametrize("error", [NeedsTwoArguments("tiling split", {}), HoldsALock("tiling split")])
+def test_a_worker_error_that_cannot_reach_the_controller_is_raised_as_text(tmp_path, monkeypatch, error):
+    """A worker's exception goes to Ray Train's controller pickled; one that does not come
+    back whole (torch 2.11's Inductor raised such an AssertionError) is raised as a
+    WorkerError carrying its type, message and traceback, which does."""
+    from ray import cloudpickle
+
+    from pipeline.training import loop
+
+    def build(config):
+        raise error
+
+    monkeypatch.setattr(loop, "WorkerRun", build)
+    with pytest.raises(loop.WorkerError) as raised:
+        loop.train_worker({"run_dir": str(tmp_path)})
+    text = str(raised.value)
+    assert text.startswith(f"{type(error).__name__}: tiling split\n") and "in build" in text
+    assert str(cloudpickle.loads(cloudpickle.dumps(raised.value))) == text
+
+    monkeypatch.setattr(loop, "WorkerRun", lambda config: (_ for _ in ()).throw(AssertionError("plain")))
+    with pytest.raises(AssertionError, match="plain"):  # one that round-trips is raised as it was
+        loop.train_worker({"run_dir": str(tmp_path)})

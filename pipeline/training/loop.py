@@ -30,6 +30,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
@@ -250,6 +251,26 @@ def train_worker(config: dict) -> dict:
     except DETERMINISTIC as exc:
         storage.write_json(marker, {"kind": type(exc).__name__, "message": str(exc)})
         raise
+    except Exception as exc:
+        if _round_trips(exc):
+            raise
+        # Ray Train hands a worker's exception to its controller pickled; one that does not
+        # come back (torch 2.11's Inductor raised such an AssertionError on an H200) reached
+        # the driver as "a worker health check failed", its type and message lost.
+        raise WorkerError(f"{type(exc).__name__}: {exc}\n{''.join(traceback.format_exception(exc))}") from None
+
+
+class WorkerError(RuntimeError):
+    """A worker's exception that could not be sent to Ray Train's controller as it was: its
+    type, message and traceback as text."""
+
+
+def _round_trips(exc: BaseException) -> bool:
+    try:
+        cloudpickle.loads(cloudpickle.dumps(exc))
+    except Exception:
+        return False
+    return True
 
 
 def _quiet_ray_train_reports() -> None:
