@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from models.backbone import BackboneConfig
 from pipeline.core import model_ref
-from pipeline.core.errors import InputError
+from pipeline.core.errors import ConfigError, InputError
 from pipeline.data.prepare import PrepareConfig
 from pipeline.training import finetune, pretrain
 from pipeline.training.loop import fit
@@ -293,3 +293,32 @@ def test_a_worker_error_that_cannot_reach_the_controller_is_raised_as_text(tmp_p
     monkeypatch.setattr(loop, "WorkerRun", lambda config: (_ for _ in ()).throw(AssertionError("plain")))
     with pytest.raises(AssertionError, match="plain"):  # one that round-trips is raised as it was
         loop.train_worker({"run_dir": str(tmp_path)})
+
+
+def test_a_failed_compile_is_the_users_error_and_not_retried(tmp_path, monkeypatch):
+    """With --train.compile, torch.compile's failure (here a backend raising, as torch 2.11's
+    Inductor did on an H200) is a ConfigError naming the flag: written down, so Ray Train's
+    next attempt stops at its start instead of compiling again."""
+    from pipeline.training import loop
+
+    def failing_backend(graph, example_inputs):
+        raise AssertionError("tiling split")
+
+    doubled = torch.compile(lambda x: x * 2, backend=failing_backend)
+
+    class Compiling:
+        def __init__(self, config):
+            doubled(torch.ones(3))
+
+    run_dir = str(tmp_path / "checkpoints")
+    monkeypatch.setattr(loop, "WorkerRun", Compiling)
+    with pytest.raises(ConfigError, match=r"--train.compile: torch .* could not compile the model .*tiling split"):
+        loop.train_worker({"run_dir": run_dir, "train": TrainConfig(compile=True)})
+    monkeypatch.setattr(loop, "WorkerRun", lambda config: pytest.fail("the next attempt compiled again"))
+    assert loop.train_worker({"run_dir": run_dir})["user_error"]["kind"] == "ConfigError"
+
+    # Without --train.compile the same error is no user error (not what compile_in_place made).
+    monkeypatch.setattr(loop, "WorkerRun", Compiling)
+    with pytest.raises(Exception, match="tiling split") as raised:
+        loop.train_worker({"run_dir": str(tmp_path / "eager"), "train": TrainConfig(compile=False)})
+    assert not isinstance(raised.value, ConfigError)

@@ -249,9 +249,13 @@ def train_worker(config: dict) -> dict:
             run.train_on(batch, tensors)
         return run.finish()
     except DETERMINISTIC as exc:
-        storage.write_json(marker, {"kind": type(exc).__name__, "message": str(exc)})
+        _write_user_error(marker, exc)
         raise
     except Exception as exc:
+        failed_compile = _compile_error(exc, config.get("train"))
+        if failed_compile is not None:
+            _write_user_error(marker, failed_compile)
+            raise failed_compile from exc
         if _round_trips(exc):
             raise
         # Ray Train hands a worker's exception to its controller pickled; one that does not
@@ -260,9 +264,32 @@ def train_worker(config: dict) -> dict:
         raise WorkerError(f"{type(exc).__name__}: {exc}\n{''.join(traceback.format_exception(exc))}") from None
 
 
+def _write_user_error(marker: str, exc: BaseException) -> None:
+    storage.write_json(marker, {"kind": type(exc).__name__, "message": str(exc)})
+
+
 class WorkerError(RuntimeError):
     """A worker's exception that could not be sent to Ray Train's controller as it was: its
     type, message and traceback as text."""
+
+
+def _compile_error(exc: BaseException, train: TrainConfig | None) -> ConfigError | None:
+    """With --train.compile, a failure of torch.compile as the user's error: the same model,
+    shapes and torch fail the same way, so Ray Train's retries would only repeat it (as
+    torch 2.11's Inductor did on an H200, in its tiling analysis)."""
+    if train is None or not train.compile:
+        return None
+    from torch._dynamo.exc import TorchDynamoException
+
+    if not isinstance(exc, TorchDynamoException):
+        return None
+    cause = getattr(exc, "inner_exception", None) or exc  # what the backend (Inductor) raised
+    lines = str(cause).strip().splitlines()
+    return ConfigError(
+        f"--train.compile: torch {torch.__version__} could not compile the model "
+        f"({type(exc).__name__}, {type(cause).__name__}: {lines[0][:400] if lines else ''}); "
+        "train without --train.compile, or with another torch version"
+    )
 
 
 def _round_trips(exc: BaseException) -> bool:
