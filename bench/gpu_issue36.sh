@@ -61,8 +61,9 @@ if [ "${SMOKE:-0}" = 1 ]; then
 fi
 
 # What the H200 lease of 2026-11-26 left open, cheapest and most telling first.
-# Encoding BERT-base over Nave's 37k verses: fp16 with cuDNN's attention kept out (the code
-# since that lease; fp16 ran 1.8x slower than fp32 there), compiled, and MiniLM in fp16.
+# Encoding BERT-base over Nave's 37k verses: fp16 as the code runs it since that lease (fp16
+# autocast ran 1.8x slower than fp32 there): the model held in fp16, cuDNN's attention kept
+# out; compiled; and MiniLM in fp16.
 step encode 150 $PY bench/bench_retrieval_gpu.py --parts encode --cpu-passages 0 --encode-runs \
     bert-base:gpu:fp16:1024,bert-base:gpu:fp32:1024:compiled,bert-base:gpu:fp16:1024:compiled,minilm:gpu:fp16:1024 \
     --json "$OUT/encode.json"
@@ -71,8 +72,9 @@ step encode 150 $PY bench/bench_retrieval_gpu.py --parts encode --cpu-passages 0
 step bare_512 90 $PY bench/bench_methods_gpu.py --sizes bert-base --batch 512 --steps 10 \
     --methods condenser --json "$OUT/bare_512.json"
 mfu=(--size bert-base --gpus 1 --steps 50 --cpus_per_worker 8)
-# Compiled through the job, with torch 2.11's failing Inductor pass (the coalescing tiling
-# analysis, where get_pw_red_splits asserted) turned off; since 2026-11-27 a failed compile
+# Compiled through the job: since 2026-11-27 by blocks (each BERT layer and the embeddings;
+# the H200 lease compiled the whole module), with torch 2.11's failing Inductor pass (the
+# coalescing tiling analysis, where get_pw_red_splits asserted) turned off; a failed compile
 # ends the job at once with a ConfigError.
 step mfu_512_compiled 200 env TORCHINDUCTOR_COALESCE_TILING_ANALYSIS=0 $PY bench/bench_pretrain_mfu.py \
     "${mfu[@]}" --grad_accum 4 --compile --json "$OUT/mfu_512_compiled.json"

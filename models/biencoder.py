@@ -80,9 +80,12 @@ class BiEncoderConfig:
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
+    """The sequence's vector, in fp32 whatever the encoder's precision: a mean over up to
+    hundreds of bf16 states, then its norm, would lose digits the similarity keeps."""
     if pooling == "cls":
-        return hidden[:, 0]
+        return hidden[:, 0].float()
     if pooling == "mean":
+        hidden = hidden.float()
         mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
         return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
     raise ValueError(f"pooling {pooling!r}: expected 'cls' or 'mean'")

@@ -120,9 +120,9 @@ def test_export_is_a_drop_in_bert_with_its_mlm_head(exported):
 
 
 def test_a_compiled_training_step_gives_the_eager_loss_and_gradients():
-    """``--train.compile``: the module compiled in place (what the loop does before DeepSpeed
-    wraps it) gives the eager step's loss and gradients, and a new batch width compiles no
-    new graph (the loss's selection of masked positions splits the forward into a few)."""
+    """``--train.compile``: the module's blocks compiled in place (what the loop does before
+    DeepSpeed wraps it) give the eager step's loss and gradients, and a new batch width
+    compiles no new graph."""
     import numpy as np
 
     from models.compiled import compile_in_place
@@ -130,10 +130,13 @@ def test_a_compiled_training_step_gives_the_eager_loss_and_gradients():
 
     def steps(compiled: bool) -> list:
         method = MLMMethod(MLMConfig(), tiny_masking_vocab())
-        model = method.build(tiny_mlm(seed=1, num_layers=1))
+        model = method.build(tiny_mlm(seed=1, num_layers=2))
         if compiled:
-            compile_in_place(model)
-            compile_in_place(model)  # a second call leaves it as it is
+            compile_in_place(model, blocks=True)
+            compile_in_place(model, blocks=True)  # a second call leaves it as it is
+            # The embeddings and each layer, not the whole model with its loss.
+            compiled_now = [type(m).__name__ for m in model.modules() if m._compiled_call_impl is not None]
+            assert sorted(compiled_now) == ["BertEmbeddings", "BertLayer", "BertLayer"], compiled_now
         rng, out = np.random.default_rng(0), []
         for width in (16, 24):
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])

@@ -7,7 +7,7 @@ whose actor died is handed to a fresh actor. The manifest is written last, once 
 shard exists, so the result holds every passage exactly once.
 
 Inside an actor, a shard's passages are sorted by length and encoded in batches padded
-only to their own longest passage; on GPU under fp16 or bf16 autocast.
+only to their own longest passage; in half precision, the model is held in fp16 or bf16.
 
 Queries are encoded on actors too, in blocks (:func:`encode_queries`, or the same pool
 right after the corpus with ``run_encoding(cfg, query_texts)``): never in the driver,
@@ -46,7 +46,7 @@ from pipeline.retrieval.embeddings import (
     write_manifest,
     write_shard,
 )
-from pipeline.retrieval.inference import autocast_dtype, inference, length_sorted_batches, resolved_precision
+from pipeline.retrieval.inference import held_in, inference, inference_dtype, length_sorted_batches, made_in
 
 
 def _similarity_of_normalize(value) -> str:
@@ -82,7 +82,7 @@ class EncoderSettings:
     precision: Literal["auto", "fp32", "fp16", "bf16"] = field(
         default="auto",
         metadata={
-            "help": "auto = fp32 on every device (fp16/bf16 autocast measured slower than fp32 on an H200 at BERT-base size and on an H100 at MiniLM size)"
+            "help": "fp16/bf16 hold the model in that precision (pooling in fp32); auto = fp32 on every device (fp16/bf16 autocast measured slower than fp32 on an H200 at BERT-base size and on an H100 at MiniLM size)"
         },
     )
     compile: bool = field(
@@ -141,11 +141,12 @@ class Encoder:
         if model is None:
             path = model_ref.materialize(settings.model, "--encoder.model")
             model = load_biencoder(path, settings.overrides()).to(device).eval()
+        self.dtype = inference_dtype(settings.precision, device, model.passage_tower.config.hidden_size)
+        model = held_in(model, self.dtype)  # a model given (the other tower's Encoder) is held so already
         if settings.compile:
             compile_in_place(model.query_encoder, model.passage_encoder)
         self.model = model
         self.tokenizer = load_tokenizer(tokenizer_dir)
-        self.autocast_dtype = autocast_dtype(settings.precision, device, model.passage_tower.config.hidden_size)
         self.prefix_ids = {
             tower: prefix_token_ids(self.tokenizer, model.cfg.prefix(tower)) for tower in ("query", "passage")
         }
@@ -176,7 +177,7 @@ class Encoder:
         tok = self.tokenizer
         encode = self.model.encode_passage if tower == "passage" else self.model.encode_query
         out = np.zeros((len(token_lists), self.dim), dtype=np.float32)
-        with inference(self.device, self.autocast_dtype):
+        with inference(self.device, self.dtype):
             for idx in length_sorted_batches([len(t) for t in token_lists], self.settings.batch_size):
                 ids, mask = _frame_batch(
                     [token_lists[i] for i in idx], max_len, tok.cls_token_id, tok.sep_token_id, tok.pad_token_id
@@ -287,7 +288,7 @@ def _made_by(cfg: EncodeConfig, model_dir: str, probe, corpus: str, manifest: di
         "model_version": storage.version(model_dir),
         "retriever": asdict(probe.cfg),
         "passage_max_len": cfg.encoder.passage_max_len,
-        "precision": resolved_precision(cfg.encoder.precision, device, probe.passage_tower.config.hidden_size),
+        **made_in(cfg.encoder.precision, device, probe.passage_tower.config.hidden_size),
         "corpus": corpus,
         "corpus_version": storage.version(storage.join(corpus, MANIFEST)),
         "corpus_shards": [(s["first_row"], s["rows"]) for s in manifest["shards"]],

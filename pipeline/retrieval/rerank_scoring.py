@@ -40,7 +40,7 @@ from pipeline.data.runs import count_run_queries, iter_trec_run, write_trec_line
 from pipeline.data.stream import frame
 from pipeline.data.text_shards import stage_text
 from pipeline.data.tokenizer import load_tokenizer
-from pipeline.retrieval.inference import autocast_dtype, inference, length_sorted_batches, resolved_precision
+from pipeline.retrieval.inference import held_in, inference, inference_dtype, length_sorted_batches, made_in
 from pipeline.retrieval.metrics import JOB_MEASURES, StreamedMetrics, metrics_table
 from pipeline.retrieval.passages import PassageStore, fetch_texts
 
@@ -105,7 +105,7 @@ class RerankScoreConfig:
     precision: Literal["auto", "fp32", "fp16", "bf16"] = field(
         default="auto",
         metadata={
-            "help": "auto = fp32 on every device (encoding measured fp16/bf16 autocast slower than fp32 on an H200 and an H100)"
+            "help": "fp16/bf16 hold the model in that precision; auto = fp32 on every device (encoding measured fp16/bf16 autocast slower than fp32 on an H200 and an H100)"
         },
     )
     pool: ActorConfig = field(default_factory=ActorConfig)
@@ -130,12 +130,13 @@ class PairScorer:
         device: str = "cpu",
     ):
         self.model = load_reranker(model_dir).to(device)
+        self.dtype = inference_dtype(precision, device, self.model.model.config.hidden_size)
+        held_in(self.model, self.dtype)
         self.lengths = lengths or self.model.lengths
         self.lengths.check()
         check_max_len(self.model.model.config, self.lengths.max_len, model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.batch_size, self.device = batch_size, device
-        self.autocast_dtype = autocast_dtype(precision, device, self.model.model.config.hidden_size)
 
     def _framed(self, texts: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         tok = self.tokenizer
@@ -158,7 +159,7 @@ class PairScorer:
         pair_len = torch.clamp(q_len[pair_q] + d_len[pair_d] - 1, max=self.lengths.max_len)
         scores = torch.zeros(len(pair_q), dtype=torch.float32)
         sep, pad = self.tokenizer.sep_token_id, self.tokenizer.pad_token_id
-        with inference(self.device, self.autocast_dtype):
+        with inference(self.device, self.dtype):
             for batch_rows in length_sorted_batches(pair_len.numpy(), self.batch_size):
                 idx = torch.from_numpy(batch_rows)
                 qi, di = pair_q[idx], pair_d[idx]
@@ -260,13 +261,12 @@ def _made_by(cfg: RerankScoreConfig, model_uri: str, lengths: PairLengths) -> di
     and corpus."""
     inputs = {name: getattr(cfg, name) for name in ("run", "queries", "qrels", "corpus") if getattr(cfg, name)}
     hidden = model_ref.read_config(model_uri, "--model").get("hidden_size", 0)
-    precision = resolved_precision(cfg.precision, "cuda" if cfg.pool.use_gpu else "cpu", hidden)
+    precision = made_in(cfg.precision, "cuda" if cfg.pool.use_gpu else "cpu", hidden)
     return {
         "model": model_uri,
         "model_version": model_ref.version(model_uri, "--model"),
         "lengths": asdict(lengths),
-        "pairs": {k: getattr(cfg, k) for k in ("depth", "include_positives", "queries_per_task")}
-        | {"precision": precision},
+        "pairs": {k: getattr(cfg, k) for k in ("depth", "include_positives", "queries_per_task")} | precision,
         "versions": {name: storage.version(uri) for name, uri in inputs.items()},
     }
 

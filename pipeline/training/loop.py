@@ -319,7 +319,7 @@ def _build_engine(train: TrainConfig, task: TrainTask, deepspeed_settings: dict)
     torch.manual_seed(train.seed)  # identical initialisation on every rank
     model = task.build_model()
     if train.compile:
-        compile_in_place(model)  # before DeepSpeed wraps it: the engine calls the compiled forward
+        compile_in_place(model, blocks=True)  # before DeepSpeed wraps it: the engine calls the compiled blocks
     optimizer = torch.optim.AdamW(
         param_groups(model, train.weight_decay), lr=train.lr, eps=train.adam_eps, fused=train.use_gpu or None
     )
