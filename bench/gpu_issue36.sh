@@ -56,7 +56,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
         "${mfu[@]}" --compile --json "$OUT/mfu_compiled.json"
     step bare 200 $PY bench/bench_methods_gpu.py --tiny --device cpu --methods condenser --json "$OUT/bare.json"
     step encode 300 $PY bench/bench_retrieval_gpu.py --parts encode --devices cpu --cpu-passages 300 \
-        --encode-runs minilm:cpu:fp32:64,minilm:cpu:fp32:64:compiled --json "$OUT/encode.json"
+        --encode-runs minilm:cpu:fp32:64,minilm:cpu:fp32:64:compiled,minilm:cpu:bf16:64 --json "$OUT/encode.json"
     exit 0
 fi
 
