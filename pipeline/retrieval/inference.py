@@ -45,9 +45,9 @@ def made_in(precision: str, device: str, hidden_size: int) -> dict:
 def held_in(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """``model`` with its weights cast to ``dtype``, in place. Half precision holds the model
     in it rather than autocasting an fp32 one: no cast of each weight and activation at every
-    layer, half the weight reads. MiniLM with one thread on an AMX CPU encoded 435 Nave
-    verses/s held in bf16 against 329 under bf16 autocast (2026-11-27), its vectors within
-    cosine 0.9999 of fp32 either way. Pooling and normalization still run in fp32
+    layer, half the weight reads. MiniLM with one thread on an AMX CPU encoded 414 Nave
+    verses/s held in bf16 against 292 under bf16 autocast (2026-11-27, bench_search.py), its
+    vectors within cosine 0.9999 of fp32 either way. Pooling and normalization still run in fp32
     (:func:`models.biencoder.pool`)."""
     return model if dtype == torch.float32 else model.to(dtype)
 
