@@ -48,9 +48,18 @@ class StopOnce:
     def backward(self, engine, batch):
         with open(self.marker, "a") as f:
             f.write("micro-batch\n")
-        if open(self.marker).read().count("\n") == self.at + 1:
+        # Past the count, the first to claim the failure raises it: with two workers, both can
+        # append before either reads, so an equality test on the count missed it (CI, once).
+        if open(self.marker).read().count("\n") > self.at and self._claim():
             raise self.error() if callable(self.error) else self.error
         return self.task.backward(engine, batch)
+
+    def _claim(self) -> bool:
+        try:
+            os.close(os.open(self.marker + ".failed", os.O_CREAT | os.O_EXCL))  # atomic: one process wins
+            return True
+        except FileExistsError:
+            return False
 
 
 def interrupted(monkeypatch, module, at: int, marker: str, error: BaseException | Callable | None = None) -> None:

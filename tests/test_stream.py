@@ -15,7 +15,7 @@ from pipeline.data.position import (
     read_position,
     write_pointer,
 )
-from pipeline.data.stream import StreamSpec, build_stream, to_sequences
+from pipeline.data.stream import StreamSpec, build_stream, configure_data_context, to_sequences
 
 CLS, SEP, PAD = 2, 3, 0
 
@@ -261,6 +261,10 @@ def test_stream_leaves_out_consumed_rows_of_the_resumed_epoch_only(tmp_path, sha
         )
     )
     manifest = load_manifest(corpus)
+    # As every process that builds a training stream does (TrainingStream): without it Ray
+    # Data may hand out the shards' blocks out of order, which failed this test in CI once
+    # other tests loaded the machine (it passed when an earlier test in its process had set it).
+    configure_data_context()
     position = DataPosition()
     consumed = list(range(0, 30)) + list(range(60, 70))  # shard 0 whole, shard 1 partly, an island
     position.add(0, consumed)
