@@ -249,15 +249,14 @@ def test_pair_scorer_in_bf16_holds_the_model_in_bf16_and_scores_as_fp32_does(tin
     )
     half = PairScorer(str(tmp_path), batch_size=4, precision="bf16")
     assert {p.dtype for p in half.model.parameters()} == {torch.bfloat16}
-    got = np.concatenate(half.score(queries, candidates, docs))
-    expected = np.concatenate(PairScorer(str(tmp_path), batch_size=4).score(queries, candidates, docs))
+    half_parts = half.score(queries, candidates, docs)
+    full_parts = PairScorer(str(tmp_path), batch_size=4).score(queries, candidates, docs)
+    got, expected = np.concatenate(half_parts), np.concatenate(full_parts)
     assert got.dtype == np.float32 and not np.array_equal(got, expected)  # really computed in bf16
     # bf16 keeps 8 bits: this random, large-weighted model's scores move by up to ~3% of their
     # range (as under bf16 autocast, measured beside it), and keep their order.
     np.testing.assert_allclose(got, expected, rtol=0, atol=0.05 * np.abs(expected).max())
-    for part, full in zip(
-        half.score(queries, candidates, docs), PairScorer(str(tmp_path)).score(queries, candidates, docs)
-    ):
+    for part, full in zip(half_parts, full_parts):
         assert np.argmax(part) == np.argmax(full)
 
 
