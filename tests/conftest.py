@@ -60,16 +60,20 @@ def s3_bucket(s3_endpoint):
 _ray_owner: dict[str, str | None] = {"owner": None}
 
 
-def _local_ray(owner: str, **resources):
-    import ray
-
-    if _ray_owner["owner"] == owner and ray.is_initialized():
-        return ray
+def _ray_environment() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     # Ray Data's Parquet reader lists files with 32 footer-reading actors by default: on 2
     # cores, starting them costs more than the tests' few shards (the workers inherit this).
     os.environ.setdefault("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", "2")
+
+
+def _local_ray(owner: str, **resources):
+    import ray
+
+    if _ray_owner["owner"] == owner and ray.is_initialized():
+        return ray
+    _ray_environment()
     # 4 logical CPUs on a 2-core machine: two 1-CPU trainers leave room for Ray Data's
     # read tasks, which otherwise starve and deadlock the run.
     # "local": a new instance even while another Ray runs on this machine (a test's own
@@ -108,6 +112,25 @@ def fake_gpu_ray(request):
     ray = _local_ray(request.module.__name__, num_gpus=2)
     yield ray
     _shutdown_if_owner(request.module.__name__)
+
+
+@pytest.fixture
+def local_cluster():
+    """A Ray cluster of nodes started by this process (Ray's ``cluster_utils``): a head with
+    no CPUs, where the driver runs, and the nodes the test adds, drains or removes. They share
+    this machine's disk."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    _ray_environment()
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    ray.init(address=cluster.address, log_to_driver=True)
+    _ray_owner["owner"] = "local_cluster"
+    yield cluster
+    _shutdown_if_owner("local_cluster")
+    cluster.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -305,6 +305,26 @@ def read_trace_entries(run_dir: str) -> dict[str, list[tuple[int, int, list[int]
     return entries
 
 
+def rows_in_the_final_model(
+    entries: dict[str, list[tuple[int, int, list[int]]]], restored_step: int
+) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """From the data trace of a run restarted once (:func:`read_trace_entries`), with one
+    micro-step per step: {epoch: rows} the final model trained on (attempt 0's micro-batches
+    before the restored checkpoint's step, the resumed attempt's from it; attempt 0's later
+    ones died with it), and {epoch: rows} attempt 0 trained on before that checkpoint."""
+    trained: dict[int, list[int]] = {}
+    before_checkpoint: dict[int, list[int]] = {}
+    for name, logged in entries.items():
+        for micro_step, epoch, rows in logged:
+            if name.endswith("attempt1"):
+                assert micro_step >= restored_step
+                trained.setdefault(epoch, []).extend(rows)
+            elif micro_step < restored_step:
+                trained.setdefault(epoch, []).extend(rows)
+                before_checkpoint.setdefault(epoch, []).extend(rows)
+    return trained, before_checkpoint
+
+
 def read_traces(run_dir: str) -> dict[str, dict[int, list[int]]]:
     """``rank<r>-attempt<a>`` -> {epoch: rows it trained on}."""
     traces = {}

@@ -229,6 +229,10 @@ def test_kuberay_raycluster_autoscales_gpu_groups():
         (container,) = pod["containers"]
         res = container["resources"]
         assert res["requests"] == res["limits"], name  # Ray sizes the node from the limits
+        # On SIGTERM (a reclaimed spot node drained) the pod's Ray node is marked preempted
+        # with this deadline, inside EC2's 2 minutes and before Kubernetes kills the pod.
+        drain_s = float({e["name"]: e["value"] for e in container["env"]}["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"])
+        assert 30 <= drain_s < pod["terminationGracePeriodSeconds"] <= 120, name
         gpus[name] = int(res["limits"].get("nvidia.com/gpu", 0))
         if gpus[name]:
             assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"]
@@ -541,3 +545,107 @@ def test_deepspeed_templates_load_from_a_non_editable_install(tmp_path):
     ).stdout.splitlines()
     assert out[0].startswith(str(target))
     assert json.loads(out[1])["zero_optimization"]["stage"] == 2
+
+
+class FakeInstanceMetadata:
+    """EC2's instance metadata service (IMDSv2) on loopback: a token for a PUT, and the spot
+    interruption notice (404 until ``notice`` is set) for a GET that carries it."""
+
+    TOKEN = "imds-token"
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        fake = self
+        self.notice: dict | None = None
+        self.asks: list[str | None] = []  # the token each ask for the notice carried
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _reply(self, code: int, body: bytes = b"") -> None:
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_PUT(self):
+                ok = self.path == "/latest/api/token" and self.headers["X-aws-ec2-metadata-token-ttl-seconds"]
+                self._reply(200, fake.TOKEN.encode()) if ok else self._reply(400)
+
+            def do_GET(self):
+                if self.path != "/latest/meta-data/spot/instance-action":
+                    return self._reply(404)
+                fake.asks.append(self.headers["X-aws-ec2-metadata-token"])
+                if self.headers["X-aws-ec2-metadata-token"] != fake.TOKEN:
+                    return self._reply(401)
+                self._reply(200, json.dumps(fake.notice).encode()) if fake.notice else self._reply(404)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_aws_workers_start_the_spot_notice_watcher_with_the_heads_address():
+    config = load(AWS_YAML)
+    mount = next(remote for remote, local in config["file_mounts"].items() if local == ".")
+    start = config["worker_start_ray_commands"]
+    assert any(f"{mount}/cluster/spot_notice.py --address=$RAY_HEAD_IP:6379" in c for c in start)
+    assert start.index(next(c for c in start if "spot_notice.py" in c)) > start.index(
+        next(c for c in start if "ray start" in c)
+    )
+
+
+@pytest.mark.ray
+def test_a_spot_interruption_notice_drains_the_instances_ray_nodes_until_its_time(local_cluster, tmp_path):
+    """cluster/spot_notice.py as a worker node runs it: while the metadata service has no
+    notice, nothing is drained; once it has one, every Ray worker node of this instance
+    (here the one worker node: the head shares the machine's IP) is drained for preemption,
+    with the notice's time as the deadline, and the watcher exits."""
+    import datetime as dt
+
+    import ray
+    from ray._private.state import state
+
+    local_cluster.add_node(num_cpus=1)
+
+    @ray.remote(num_cpus=1)
+    class Work:  # keeps the node busy: an idle drained node ends itself at once
+        def node(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+    work = Work.remote()
+    worker_node = ray.get(work.node.remote())
+    imds = FakeInstanceMetadata()
+    log = open(tmp_path / "spot_notice.log", "w")
+    watcher = subprocess.Popen(
+        [
+            sys.executable,
+            "cluster/spot_notice.py",
+            "--address",
+            local_cluster.address,
+            "--imds",
+            imds.url,
+            "--poll_s",
+            "0.1",
+        ],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.time() + 60
+        while len(imds.asks) < 3 and time.time() < deadline:
+            time.sleep(0.1)
+        assert watcher.poll() is None and len(imds.asks) >= 3, (tmp_path / "spot_notice.log").read_text()
+        assert set(imds.asks) == {FakeInstanceMetadata.TOKEN}  # IMDSv2: every ask with the token
+        assert state.get_draining_nodes() == {}
+        goes_at = dt.datetime.now(dt.timezone.utc).replace(microsecond=0) + dt.timedelta(seconds=90)
+        imds.notice = {"action": "terminate", "time": goes_at.strftime("%Y-%m-%dT%H:%M:%SZ")}
+        assert watcher.wait(timeout=60) == 0, (tmp_path / "spot_notice.log").read_text()
+    finally:
+        watcher.kill()
+        imds.server.shutdown()
+    assert state.get_draining_nodes() == {worker_node: int(goes_at.timestamp() * 1000)}

@@ -3,6 +3,7 @@ streaming one epoch from S3, every document once, run in the two-node recipe tes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ from pipeline.data.position import DataPosition, restorable_checkpoint
 from pipeline.data.prepare import PrepareConfig
 from pipeline.training.pretrain import PretrainConfig, StreamConfig, run_pretraining
 from pipeline.training.train_config import TrainConfig
-from tests.helpers import read_trace_entries
+from tests.helpers import read_trace_entries, rows_in_the_final_model
 
 pytestmark = pytest.mark.ray
 
@@ -103,16 +104,7 @@ def test_killed_worker_resumes_from_checkpoint_without_losing_documents(tmp_path
     assert sorted(entries) == ["rank0-attempt0", "rank0-attempt1", "rank1-attempt0", "rank1-attempt1"]
     # Each worker's rows are shuffled within its buffer (the default, larger than this
     # corpus), so the order is no help: only the sets are checked.
-    trained: dict[int, list[int]] = {}
-    before_checkpoint: dict[int, list[int]] = {}
-    for name, logged in entries.items():
-        for micro_step, epoch, rows in logged:
-            if name.endswith("attempt1"):
-                assert micro_step >= restored_step
-                trained.setdefault(epoch, []).extend(rows)
-            elif micro_step < restored_step:  # later attempt-0 micro-batches died with the worker
-                trained.setdefault(epoch, []).extend(rows)
-                before_checkpoint.setdefault(epoch, []).extend(rows)
+    trained, before_checkpoint = rows_in_the_final_model(entries, restored_step)
     for epoch in range(2):  # 72 docs / 12 per step = 6 steps an epoch; 12 steps = 2 epochs
         assert sorted(trained[epoch]) == list(range(72)), f"epoch {epoch}: documents lost or repeated"
     assert all(len(set(rows)) == len(rows) for rows in trained.values())
@@ -146,6 +138,77 @@ def test_killed_worker_resumes_from_checkpoint_without_losing_documents(tmp_path
     assert "config/text_summary" in events.Tags()["tensors"]  # the run config, as text
 
     # (A finished run rerun with a larger budget continues: tests/test_resume.py.)
+
+
+def _drain(cluster, node, deadline_s: float) -> None:
+    """Tell Ray the node will be taken away in ``deadline_s``, as the autoscaler (or KubeRay)
+    does when the cloud reclaims a spot instance (``ray drain-node`` makes the same call)."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    deadline_ms = int((time.time() + deadline_s) * 1000)
+    reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+    gcs = ray._raylet.GcsClient(address=cluster.address)
+    accepted, why = gcs.drain_node(node.node_id, reason, "spot instance reclaimed (test)", deadline_ms)
+    assert accepted, why
+
+
+def test_a_preemption_notice_saves_a_checkpoint_the_restarted_run_resumes_from(tmp_path, local_cluster, monkeypatch):
+    """The node both workers train on is drained with a 4 s deadline, as the autoscaler
+    drains a spot node the cloud takes back, and a fresh node joins. On the notice every
+    worker saves a checkpoint at that step (none was due: checkpoint_every is past the run);
+    at the deadline Ray Train restarts the workers on the new node, and they resume from the
+    notice's checkpoint: no step before it is trained twice, no document lost or repeated.
+    With max_failures 0: a preemption is not a failure."""
+    monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.2")  # Ray Train's default: 5 s
+    spot = local_cluster.add_node(num_cpus=4)
+    docs = synthetic_docs(72, seed=5)
+    out = str(tmp_path / "run")
+    cfg = tiny_config(
+        write_jsonl(tmp_path / "raw.jsonl", docs),
+        str(tmp_path / "corpus"),
+        out,
+        micro_batch_size=6,
+        max_steps=180,  # 30 epochs of 6 steps
+        checkpoint_every=1000,
+        max_failures=0,
+        preemption_check_every=1,  # seen within a step of the notice, however slow the host
+    )
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(run_pretraining(cfg)), daemon=True)
+    runner.start()
+    history, deadline = os.path.join(out, "history.json"), time.time() + 300
+    while runner.is_alive() and time.time() < deadline:  # rank 0 rewrites it at each log step
+        with contextlib.suppress(OSError, ValueError):
+            if json.load(open(history))[-1]["step"] >= 10:
+                break
+        time.sleep(0.1)
+    assert runner.is_alive(), result
+    _drain(local_cluster, spot, deadline_s=4)
+    local_cluster.add_node(num_cpus=4)
+    runner.join(timeout=400)
+    assert not runner.is_alive() and result, "the run did not finish after the preemption"
+
+    (notice,) = result["preemptions"]
+    step = notice["step"]
+    assert 10 <= step < 180 and notice["nodes"] == [spot.node_id] and notice["ranks"] == [0, 1]
+    assert 0 < notice["deadline_in_s"] <= 4
+    assert (result["steps"], result["restarts"]) == (180, 1)
+    (resume,) = result["resumes"]
+    assert resume == {
+        "checkpoint": f"checkpoint_{step:09d}",
+        "step": step,
+        "stream_from": f"checkpoint_{step:09d}",
+        "rows_repeated": 0,
+        "rows_skipped": 0,
+    }
+    assert result["steps_this_attempt"] == 180 - step  # the steps after the notice, once
+    entries = read_trace_entries(os.path.join(out, "checkpoints"))
+    assert sorted(entries) == ["rank0-attempt0", "rank0-attempt1", "rank1-attempt0", "rank1-attempt1"]
+    trained, _ = rows_in_the_final_model(entries, step)
+    assert sorted(trained) == list(range(30))
+    for epoch, rows in trained.items():
+        assert sorted(rows) == list(range(72)), f"epoch {epoch}: documents lost or repeated"
 
 
 def test_simlm_without_a_generator_trains_one_first_then_reuses_it(tmp_path, monkeypatch, capsys):

@@ -42,6 +42,7 @@ class TrainState:
     history: list[dict] = field(default_factory=list)
     restarts: int = 0
     resumes: list[dict] = field(default_factory=list)  # one entry per restore: where from, rows repeated/skipped
+    preemptions: list[dict] = field(default_factory=list)  # one entry per preemption notice: its step, nodes, deadline
     counters: dict[str, int] = field(default_factory=dict)  # this rank's share of task.counters since the start
     micro_batch_size: int = 0  # the micro-batch the run trains with: a resume keeps a sized one (0: not yet chosen)
 

@@ -396,6 +396,7 @@ class WorkerRun:
         self.trace: list[list] = []  # [micro_step, epoch, rows] per micro-batch, with train.data_trace
         self.started, self.start_tokens, self.start_step = time.perf_counter(), self.state.tokens, self.state.step
         self.last_saved = self.state.step
+        self.preemption_seen = None  # the last preemption notice acted on
         self.extra: dict[str, torch.Tensor] = {}
         self.epochs = np.zeros(0, dtype=np.int64)  # the last batch's epochs
 
@@ -448,8 +449,34 @@ class WorkerRun:
         state.step += 1
         if state.step % train.log_every == 0 or state.step == train.max_steps:
             self._log()
-        if state.step % train.checkpoint_every == 0 and state.step < train.max_steps:
+        noticed = self._preemption_notice()  # a collective: asked on every rank, whatever else is due
+        if state.step < train.max_steps and (noticed or state.step % train.checkpoint_every == 0):
             self._save({"step": state.step})
+
+    def _preemption_notice(self) -> bool:
+        """Whether Ray Train has had word, since the last notice, that a node of this worker
+        group is about to be taken away (drained with a deadline: a spot reclaim, a
+        scale-down). Ray Train restarts the group once the deadline passes; the checkpoint
+        saved on the notice is what the restart resumes from, so the steps trained before it
+        are not redone. A collective: every rank asks at the same steps."""
+        every, state = self.train.preemption_check_every, self.state
+        if not every or state.step % every:
+            return False
+        notice = ray.train.get_preemption_info()
+        if notice is None or notice == self.preemption_seen:
+            return False
+        self.preemption_seen = notice
+        deadline_in_s = round(notice.deadline_ms / 1000 - time.time(), 1) if notice.deadline_ms else None
+        event = {
+            "step": state.step,
+            "nodes": notice.preempted_node_ids,
+            "ranks": notice.preempted_ranks,
+            "deadline_in_s": deadline_in_s,
+        }
+        state.preemptions.append(event)
+        if self.rank == 0:
+            log({"event": "preemption_notice", **event, "saving": "checkpoint"})
+        return True
 
     def _record(self, batch: dict[str, np.ndarray], loss: torch.Tensor) -> None:
         """What the micro-batch consumed (the data position, the trace), counted and summed."""
@@ -529,6 +556,7 @@ class WorkerRun:
             "tokens_per_s_per_worker": rate / self.world,
             "restarts": state.restarts,
             "resumes": state.resumes,
+            "preemptions": state.preemptions,
             "steps_this_attempt": state.step - self.start_step,
             "micro_batch_size": state.micro_batch_size,
             "grad_accum": self.engine.gradient_accumulation_steps(),

@@ -26,6 +26,7 @@ RUN_METRICS = (
     "tokens_per_s_per_worker",
     "restarts",
     "resumes",
+    "preemptions",
     "steps_this_attempt",
     "micro_batch_size",
     "grad_accum",

@@ -62,7 +62,18 @@ class TrainConfig:
         default=100, metadata={"help": "steps between checkpoints (also the most work a failure can lose)"}
     )
     keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept in storage"})
-    max_failures: int = field(default=3, metadata={"help": "worker-group restarts Ray Train may do before giving up"})
+    max_failures: int = field(
+        default=3,
+        metadata={
+            "help": "worker-group restarts Ray Train may do before giving up (a node lost after a preemption notice is not counted: Ray Train restarts those without limit)"
+        },
+    )
+    preemption_check_every: int = field(
+        default=10,
+        metadata={
+            "help": "steps between asks whether a node of the run was told it will be preempted (a node drained with a deadline: a spot reclaim); on a notice every worker saves a checkpoint at once, so the restarted run redoes none of the steps before it. An ask is one call to Ray Train's synchronization actor (3.4 ms on 2 CPU cores): keep the steps between asks well inside the drain window (Ray's default on SIGTERM: 30 s). 0 = never ask (a lost node then costs the steps since the last checkpoint)"
+        },
+    )
     resource_wait_s: float = field(
         default=120.0,
         metadata={
@@ -100,7 +111,15 @@ class TrainConfig:
         for name in at_least_one + ("keep_checkpoints",):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        at_least_zero = ("max_steps", "epochs", "max_failures", "prefetch_batches", "resource_wait_s", "memory_gib")
+        at_least_zero = (
+            "max_steps",
+            "epochs",
+            "max_failures",
+            "preemption_check_every",
+            "prefetch_batches",
+            "resource_wait_s",
+            "memory_gib",
+        )
         for name in at_least_zero + ("weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -34,6 +34,7 @@ OPERATIONAL_KEYS = frozenset(
         "checkpoint_every",
         "keep_checkpoints",
         "max_failures",
+        "preemption_check_every",
         "prefetch_batches",
         "collate_ahead",
         "data_trace",

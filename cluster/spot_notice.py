@@ -1,0 +1,96 @@
+"""An EC2 spot node's interruption notice, turned into a Ray node drain.
+
+EC2 warns a spot instance 2 minutes before it takes it back, on the instance metadata
+service (IMDSv2: ``/latest/meta-data/spot/instance-action``). Ray learns of a coming loss
+only from a drain: this watcher, started next to ``ray start`` on every worker node
+(``cluster/aws.yaml``), polls the notice and drains each Ray node of this instance with
+reason PREEMPTION and the notice's time as the deadline (what ``ray drain-node`` does).
+Ray Train then tells the training workers, which save a checkpoint at once
+(``train.preemption_check_every``), and restarts them elsewhere at the deadline; Ray stops
+scheduling new work on the node. On an on-demand instance the notice never comes.
+
+On Kubernetes this is not needed: the node's drain sends the pod SIGTERM, and ``ray start
+--block`` drains its Ray node itself (``cluster/kuberay``).
+
+    python cluster/spot_notice.py --address $RAY_HEAD_IP:6379
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+
+IMDS = "http://169.254.169.254"
+TOKEN_TTL_S = 21600
+
+log = logging.getLogger("spot_notice")
+
+
+def interruption_time(imds: str) -> dt.datetime | None:
+    """The time of this instance's spot interruption notice, or None while there is none."""
+    request = urllib.request.Request(
+        f"{imds}/latest/api/token", method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": str(TOKEN_TTL_S)}
+    )
+    with urllib.request.urlopen(request, timeout=2) as reply:
+        token = reply.read().decode()
+    request = urllib.request.Request(
+        f"{imds}/latest/meta-data/spot/instance-action", headers={"X-aws-ec2-metadata-token": token}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=2) as reply:
+            notice = json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        if err.code == 404:  # no interruption scheduled
+            return None
+        raise
+    return dt.datetime.strptime(notice["time"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
+
+
+def drain_this_instance(address: str, deadline: dt.datetime, why: str) -> list[str]:
+    """Drain every alive Ray worker node of this instance (its IP) until ``deadline``; their
+    ids. (A head node is left alone: this watcher runs on worker nodes, and the head, which
+    is on demand, shares an instance with none.)"""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+    from ray.core.generated.gcs_pb2 import GcsNodeInfo
+
+    gcs = ray._raylet.GcsClient(address=address)
+    ip = ray.util.get_node_ip_address()
+    alive = gcs.get_all_node_info(timeout=30, state_filter=GcsNodeInfo.GcsNodeState.ALIVE)
+    ours = [node.hex() for node, info in alive.items() if info.node_manager_address == ip and not info.is_head_node]
+    reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+    deadline_ms = int(deadline.timestamp() * 1000)
+    for node_id in ours:
+        accepted, rejection = gcs.drain_node(node_id, reason, why, deadline_ms)
+        log.warning("drained Ray node %s until %s: %s", node_id, deadline.isoformat(), accepted or rejection)
+    return ours
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--address", required=True, help="the head's GCS, host:port")
+    parser.add_argument("--imds", default=IMDS, help="the instance metadata service")
+    parser.add_argument("--poll_s", type=float, default=5.0, help="seconds between looks at the notice")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    while True:
+        try:
+            when = interruption_time(args.imds)
+        except (OSError, ValueError) as err:  # the service unreachable for a moment: look again
+            log.info("no answer from the metadata service: %s", err)
+            when = None
+        if when is not None:
+            drain_this_instance(
+                args.address, when, f"EC2 spot interruption notice: the instance goes at {when:%H:%M:%S}Z"
+            )
+            return
+        time.sleep(args.poll_s)
+
+
+if __name__ == "__main__":
+    main()
