@@ -243,6 +243,59 @@ def test_an_actor_that_cannot_start_fails_the_run_at_once(shared_ray):
     assert len(started) == 2  # the first two actors; none started to retry a task on
 
 
+class _Placed:
+    """An actor whose calls say which node ran them."""
+
+    def work(self, task: int) -> tuple[int, str]:
+        import ray
+
+        time.sleep(0.3)
+        return task, ray.get_runtime_context().get_node_id()
+
+
+def test_actors_on_a_drained_node_get_no_new_task_and_are_replaced_on_a_node_that_stays(local_cluster, monkeypatch):
+    """Two actors on a node that is drained (a spot node's preemption notice, 60 s ahead)
+    after their third task, while a fresh node joins: every task handed out once the pool
+    has seen the drain runs on the new node, none fails or runs twice, and two actors
+    replace the two."""
+    import sys
+
+    import ray
+    from ray import cloudpickle
+    from ray.core.generated import autoscaler_pb2
+
+    from pipeline.core import actor_pool
+
+    monkeypatch.setattr(actor_pool, "DRAIN_CHECK_S", 0.0)  # asked at every returned call
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    doomed = local_cluster.add_node(num_cpus=2)
+    remote = ray.remote(_Placed).options(num_cpus=1, max_restarts=0)
+    made, handed, drained_at = [], [], []
+
+    def call(actor, task):
+        handed.append((task, time.monotonic()))
+        return actor.work.remote(task)
+
+    def on_done(task, result):
+        if task == 2:
+            reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+            gcs = ray._raylet.GcsClient(address=local_cluster.address)
+            accepted, why = gcs.drain_node(doomed.node_id, reason, "test", int((time.time() + 60) * 1000))
+            assert accepted, why
+            drained_at.append(time.monotonic())
+            local_cluster.add_node(num_cpus=2)
+
+    results = run_actor_pool(
+        lambda: made.append(1) or remote.remote(), list(range(12)), call, max_retries=0, n_actors=2, on_done=on_done
+    )
+    assert [task for task, _ in results] == list(range(12))  # every task once, none retried
+    ran_on = dict(results)
+    assert {ran_on[t] for t in range(3)} == {doomed.node_id}
+    after = [t for t, at in handed if at > drained_at[0]]
+    assert after and all(ran_on[t] != doomed.node_id for t in after), (after, ran_on)
+    assert len(made) == 4
+
+
 @pytest.mark.parametrize("factory", ["Flat", "IVF4,Flat"])
 def test_sharded_search_equals_brute_force(encoded, collection, factory):
     cfg, _ = encoded

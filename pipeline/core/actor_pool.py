@@ -1,12 +1,20 @@
-"""A pool of Ray actors working through a task list, surviving the death of actors."""
+"""A pool of Ray actors working through a task list, surviving the death of actors and
+moving off nodes that are about to go."""
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import ray
 from ray.exceptions import RayActorError
+
+log = logging.getLogger(__name__)
+
+# How often the pool asks Ray which nodes are being drained (one call to the GCS).
+DRAIN_CHECK_S = 2.0
 
 
 @dataclass
@@ -66,6 +74,43 @@ def actor_device(pool: ActorConfig) -> str:
     return "cuda"
 
 
+def _node_of_actor(instance) -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+class _Draining:
+    """The nodes Ray is draining (a preempted spot node, a scale-down), asked at most every
+    ``DRAIN_CHECK_S``; and which node each of the pool's actors is on."""
+
+    def __init__(self):
+        self.asked_at, self.nodes = -float("inf"), frozenset()
+        self.actor_nodes: list = []  # (actor, ObjectRef of its node id)
+
+    def started(self, actor) -> None:
+        self.actor_nodes.append((actor, actor.__ray_call__.remote(_node_of_actor)))
+
+    def holds(self, actor) -> bool:
+        """Whether ``actor``'s node is being drained."""
+        if time.monotonic() - self.asked_at >= DRAIN_CHECK_S:
+            from ray._private.state import state  # what Ray Train's preemption watcher reads
+
+            try:
+                self.nodes = frozenset(state.get_draining_nodes())
+            except Exception as exc:  # no answer this time: the actors stay where they are
+                log.warning("could not ask Ray which nodes are draining: %s", exc)
+            self.asked_at = time.monotonic()
+        if not self.nodes:
+            return False
+        ref = next(ref for a, ref in self.actor_nodes if a is actor)
+        try:
+            return ray.get(ref) in self.nodes
+        except RayActorError:  # gone already
+            return True
+
+    def forget(self, actor) -> None:
+        self.actor_nodes = [(a, ref) for a, ref in self.actor_nodes if a is not actor]
+
+
 def run_actor_pool(
     make_actor, tasks: list, call, max_retries: int, n_actors: int, on_done=None, calls_per_actor: int = 1
 ) -> list:
@@ -91,6 +136,9 @@ def stream_actor_pool(
     back in the queue for a fresh actor, up to ``max_retries`` times per task; other
     errors (bad input) propagate. An actor whose constructor failed (a bad model
     reference, an import error) would fail again: that error ends the run at once.
+    An actor whose node is being drained (a spot node's preemption notice) is given no new
+    task: a fresh actor takes its place on a node that stays, and it is let go once its
+    calls have returned, so the node's loss costs no task.
     ``on_done(task, result)`` is called as each task finishes, in the order they finish
     (progress counters).
     """
@@ -104,13 +152,31 @@ def stream_actor_pool(
     next_task = next_result = 0
     exhausted = False
     created: list = []
+    retired: list = []  # on a draining node: no new task; killed once their calls are back
     running: dict = {}
+    draining = _Draining()
 
     def fresh():
         created.append(make_actor())
+        draining.started(created[-1])
         # One entry per free call slot; the first is taken by the caller.
         idle.extend([created[-1]] * (calls_per_actor - 1))
         return created[-1]
+
+    def is_retired(actor) -> bool:
+        return any(a is actor for a in retired)
+
+    def retire(actor) -> None:
+        """``actor``'s node is going: no new task for it (a fresh actor takes its place), and
+        it is let go once its calls are back."""
+        if not is_retired(actor):
+            retired.append(actor)
+            created[:] = [a for a in created if a is not actor]  # below n_actors: a fresh one starts
+            idle[:] = [a for a in idle if a is not actor]
+        if not any(a is actor for _, a in running.values()):
+            ray.kill(actor)
+            retired[:] = [a for a in retired if a is not actor]
+            draining.forget(actor)
 
     def draw() -> int | None:
         nonlocal next_task, exhausted
@@ -130,11 +196,17 @@ def stream_actor_pool(
     try:
         while True:
             while idle or len(created) < n_actors:
+                actor = idle.pop() if idle else None
+                if actor is not None and draining.holds(actor):
+                    retire(actor)
+                    continue
                 i = draw()
                 if i is None:
+                    if actor is not None:
+                        idle.append(actor)
                     break
                 # Actors start as tasks arrive: never more of them than tasks.
-                actor = idle.pop() if idle else fresh()
+                actor = actor or fresh()
                 running[call(actor, held[i])] = (i, actor)
             while next_result in results:
                 yield held.pop(next_result), results.pop(next_result)
@@ -147,7 +219,10 @@ def stream_actor_pool(
             i, actor = running.pop(done[0])
             try:
                 results[i] = ray.get(done[0])
-                idle.append(actor)
+                if is_retired(actor):
+                    retire(actor)
+                else:
+                    idle.append(actor)
                 if on_done is not None:
                     on_done(held[i], results[i])
             except RayActorError as exc:
@@ -157,10 +232,12 @@ def stream_actor_pool(
                 if retries[i] > max_retries:
                     raise
                 retry.append(i)
+                draining.forget(actor)
+                retired[:] = [a for a in retired if a is not actor]
                 if any(a is actor for a in created):  # its other calls fail too, without a new actor each
                     created[:] = [a for a in created if a is not actor]
                     idle[:] = [a for a in idle if a is not actor]
                     idle.append(fresh())  # the dead actor is gone: replace it
     finally:
-        for actor in created:  # free their CPUs/GPUs for the next stage
+        for actor in created + retired:  # free their CPUs/GPUs for the next stage
             ray.kill(actor)
