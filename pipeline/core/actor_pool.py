@@ -102,6 +102,11 @@ class _Draining:
         if not self.nodes:
             return False
         ref = next(ref for a, ref in self.actor_nodes if a is actor)
+        if not ray.wait([ref], timeout=0)[0]:
+            # Not started yet (waiting for a node, loading its model): not worth stalling the
+            # pool for. Ray places no new actor on a draining node; one placed just before is
+            # caught at its next free slot.
+            return False
         try:
             return ray.get(ref) in self.nodes
         except RayActorError:  # gone already
