@@ -325,6 +325,23 @@ def rows_in_the_final_model(
     return trained, before_checkpoint
 
 
+def drain_for_preemption(address: str, node_id: str, deadline_s: float) -> None:
+    """Tell Ray the node will be taken away in ``deadline_s``, as the autoscaler (or KubeRay,
+    or cluster/spot_notice.py) does when the cloud reclaims a spot instance; ``ray
+    drain-node`` makes the same call."""
+    import time
+
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+    deadline_ms = int((time.time() + deadline_s) * 1000)
+    accepted, why = ray._raylet.GcsClient(address=address).drain_node(
+        node_id, reason, "spot reclaim (test)", deadline_ms
+    )
+    assert accepted, why
+
+
 def read_traces(run_dir: str) -> dict[str, dict[int, list[int]]]:
     """``rank<r>-attempt<a>`` -> {epoch: rows it trained on}."""
     traces = {}

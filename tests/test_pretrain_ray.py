@@ -18,7 +18,7 @@ from pipeline.data.position import DataPosition, restorable_checkpoint
 from pipeline.data.prepare import PrepareConfig
 from pipeline.training.pretrain import PretrainConfig, StreamConfig, run_pretraining
 from pipeline.training.train_config import TrainConfig
-from tests.helpers import read_trace_entries, rows_in_the_final_model
+from tests.helpers import drain_for_preemption, read_trace_entries, rows_in_the_final_model
 
 pytestmark = pytest.mark.ray
 
@@ -140,19 +140,6 @@ def test_killed_worker_resumes_from_checkpoint_without_losing_documents(tmp_path
     # (A finished run rerun with a larger budget continues: tests/test_resume.py.)
 
 
-def _drain(cluster, node, deadline_s: float) -> None:
-    """Tell Ray the node will be taken away in ``deadline_s``, as the autoscaler (or KubeRay)
-    does when the cloud reclaims a spot instance (``ray drain-node`` makes the same call)."""
-    import ray
-    from ray.core.generated import autoscaler_pb2
-
-    deadline_ms = int((time.time() + deadline_s) * 1000)
-    reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
-    gcs = ray._raylet.GcsClient(address=cluster.address)
-    accepted, why = gcs.drain_node(node.node_id, reason, "spot instance reclaimed (test)", deadline_ms)
-    assert accepted, why
-
-
 def test_a_preemption_notice_saves_a_checkpoint_the_restarted_run_resumes_from(tmp_path, local_cluster, monkeypatch):
     """The node both workers train on is drained with a 4 s deadline, as the autoscaler
     drains a spot node the cloud takes back, and a fresh node joins. On the notice every
@@ -184,7 +171,7 @@ def test_a_preemption_notice_saves_a_checkpoint_the_restarted_run_resumes_from(t
                 break
         time.sleep(0.1)
     assert runner.is_alive(), result
-    _drain(local_cluster, spot, deadline_s=4)
+    drain_for_preemption(local_cluster.address, spot.node_id, deadline_s=4)
     local_cluster.add_node(num_cpus=4)
     runner.join(timeout=400)
     assert not runner.is_alive() and result, "the run did not finish after the preemption"

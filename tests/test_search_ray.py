@@ -27,6 +27,7 @@ from pipeline.retrieval.faiss_index import IndexConfig, brute_force_topk, load_i
 from pipeline.retrieval.fanout import ranked_ids, read_qrels_of_corpus
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
 from pipeline.retrieval.search import SearcherConfig, ShardedIndex
+from tests.helpers import drain_for_preemption
 
 pytestmark = pytest.mark.ray
 
@@ -262,7 +263,6 @@ def test_actors_on_a_drained_node_get_no_new_task_and_are_replaced_on_a_node_tha
 
     import ray
     from ray import cloudpickle
-    from ray.core.generated import autoscaler_pb2
 
     from pipeline.core import actor_pool
 
@@ -278,10 +278,7 @@ def test_actors_on_a_drained_node_get_no_new_task_and_are_replaced_on_a_node_tha
 
     def on_done(task, result):
         if task == 2:
-            reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
-            gcs = ray._raylet.GcsClient(address=local_cluster.address)
-            accepted, why = gcs.drain_node(doomed.node_id, reason, "test", int((time.time() + 60) * 1000))
-            assert accepted, why
+            drain_for_preemption(local_cluster.address, doomed.node_id, deadline_s=60)
             drained_at.append(time.monotonic())
             local_cluster.add_node(num_cpus=2)
 

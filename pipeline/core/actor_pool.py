@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import ray
+from ray._private.state import state as cluster_state  # what Ray Train's preemption watcher reads
 from ray.exceptions import RayActorError
 
 log = logging.getLogger(__name__)
@@ -92,10 +93,8 @@ class _Draining:
     def holds(self, actor) -> bool:
         """Whether ``actor``'s node is being drained."""
         if time.monotonic() - self.asked_at >= DRAIN_CHECK_S:
-            from ray._private.state import state  # what Ray Train's preemption watcher reads
-
             try:
-                self.nodes = frozenset(state.get_draining_nodes())
+                self.nodes = frozenset(cluster_state.get_draining_nodes())
             except Exception as exc:  # no answer this time: the actors stay where they are
                 log.warning("could not ask Ray which nodes are draining: %s", exc)
             self.asked_at = time.monotonic()
