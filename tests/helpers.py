@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -329,8 +330,6 @@ def drain_for_preemption(address: str, node_id: str, deadline_s: float) -> None:
     """Tell Ray the node will be taken away in ``deadline_s``, as the autoscaler (or KubeRay,
     or cluster/spot_notice.py) does when the cloud reclaims a spot instance; ``ray
     drain-node`` makes the same call."""
-    import time
-
     import ray
     from ray.core.generated import autoscaler_pb2
 

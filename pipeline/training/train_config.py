@@ -71,7 +71,7 @@ class TrainConfig:
     preemption_check_every: int = field(
         default=10,
         metadata={
-            "help": "steps between asks whether a node of the run was told it will be preempted (a node drained with a deadline: a spot reclaim); on a notice every worker saves a checkpoint at once, so the restarted run redoes none of the steps before it. An ask is one call to Ray Train's synchronization actor (3.4 ms on 2 CPU cores): keep the steps between asks well inside the drain window (Ray's default on SIGTERM: 30 s). 0 = never ask (a lost node then costs the steps since the last checkpoint)"
+            "help": "steps between asks whether a node of the run was told it will be preempted (a node drained with a deadline: a spot reclaim); on a notice every worker saves a checkpoint at once, so the restarted run redoes none of the steps before it. An ask is one call to Ray Train's synchronization actor (3.2-3.4 ms on 2 CPU cores): keep the steps between asks well inside the drain window (Ray's default on SIGTERM: 30 s). 0 = never ask (a lost node then costs the steps since the last checkpoint)"
         },
     )
     resource_wait_s: float = field(
