@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -51,6 +52,7 @@ from pipeline.data.tokenizer import load_tokenizer  # noqa: E402
 from pipeline.training.pretrain import METHODS, PretrainConfig  # noqa: E402
 
 LOG_EVERY = 5
+EXIT_GRACE_S = 30.0
 
 
 def job_command(args, corpus: str, output: str) -> list[str]:
@@ -116,6 +118,58 @@ def flops_per_token(args, tokenizer_dir: str, device: str) -> float:
     return counter.get_total_flops() / (rows * width)
 
 
+class Deadline(Exception):
+    """SIGTERM from the caller's time limit: report what the job has logged so far."""
+
+
+def _on_sigterm(signum, frame):
+    raise Deadline
+
+
+def watch_job(job: subprocess.Popen, history_path: Path, steps: int) -> tuple[str, list[dict]]:
+    """Watches the job's ``history.json`` (rewritten as it grows) until the job exits, or
+    EXIT_GRACE_S after its last step is logged (Ray Train's final checkpoint, export and
+    shutdown took over 20 s on the H200), or the caller's deadline. The figures come from the
+    log entries, so a job slow to exit or cut short still gives them."""
+    history, trained_at = [], None
+    try:
+        while True:
+            time.sleep(1.0)
+            if history_path.exists():
+                try:
+                    history = json.loads(history_path.read_text())
+                except json.JSONDecodeError:  # caught mid-rewrite
+                    pass
+            if trained_at is None and history and history[-1]["step"] >= steps:
+                trained_at = time.perf_counter()
+            if job.poll() is not None:
+                return f"exited {job.returncode}", history
+            if trained_at is not None and time.perf_counter() - trained_at > EXIT_GRACE_S:
+                return f"stopped {EXIT_GRACE_S:.0f} s after its last step", history
+    except Deadline:
+        # The caller's SIGKILL follows within seconds: no graceful stop, so that no Ray
+        # process of the job outlives this one and holds the GPU for the next bench.
+        os.killpg(job.pid, signal.SIGKILL)
+        return "stopped by the caller's deadline", history
+
+
+def stop(job: subprocess.Popen) -> str:
+    """The job's stdout, once it and its process group are gone: SIGTERM first (the driver
+    then shuts its Ray down), SIGKILL after 10 s."""
+    if job.poll() is None:
+        os.killpg(job.pid, signal.SIGTERM)
+    try:
+        return job.communicate(timeout=10)[0] or ""
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        return job.communicate()[0] or ""
+    finally:
+        try:  # the Ray processes left in the group after the driver exited
+            os.killpg(job.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def versions() -> dict:
     import deepspeed
     import ray
@@ -156,14 +210,20 @@ def main() -> None:
         corpus, output = f"{tmp}/corpus", f"{tmp}/run"
         command = job_command(args, corpus, output)
         print("running:", " ".join(command), file=sys.stderr, flush=True)
+        signal.signal(signal.SIGTERM, _on_sigterm)
         started = time.perf_counter()
-        job = subprocess.run(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+        # Its own process group, so that stopping it stops the Ray processes it started.
+        job = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        job_exit, history = watch_job(job, Path(output, "history.json"), args.steps)
         wall = time.perf_counter() - started
-        if job.returncode:
-            raise SystemExit(f"jobs/pretrain.py exited {job.returncode}")
-        summary = json.loads(job.stdout.strip().splitlines()[-1])
-        history = json.loads(Path(output, "history.json").read_text())
+        print(f"job {job_exit} after {wall:.0f} s, {len(history)} log entries", file=sys.stderr, flush=True)
+        if job_exit.startswith("exited") and job.returncode:
+            raise SystemExit(f"jobs/pretrain.py {job_exit}")
         steady = steady_state(history)
+        if args.json:  # the job's own figures first: a deadline may cut what follows
+            Path(args.json).write_text(json.dumps({"job_exit": job_exit, "steady": steady}, indent=2))
+        lines = stop(job).strip().splitlines()
+        summary = json.loads(lines[-1]) if job.returncode == 0 and lines else {}
         per_token = flops_per_token(args, f"{corpus}/tokenizer", device)
     achieved = steady["tokens_per_s"] * per_token  # per worker: rank 0's log entries
     ceiling = matmul_ceiling(device, args.precision)
@@ -183,6 +243,7 @@ def main() -> None:
         "steps": args.steps,
         "versions": versions(),
         "job_wall_s": round(wall, 1),
+        "job_exit": job_exit,
         "job_tokens_per_s": summary.get("tokens_per_s"),
         "steady_tokens_per_s_per_worker": round(steady["tokens_per_s"], 1),
         "steady_steps_per_s": round(steady["steps_per_s"], 3),
