@@ -86,12 +86,37 @@ def encode_runs(spec: str) -> list[dict]:
     return runs
 
 
-def bench_encode(corpus: Path, cpu_passages: int, cpus: int, runs: list[dict]) -> list[dict]:
+def full_length(records: list[dict], min_words: int) -> list[dict]:
+    """As many passages, each record's text followed by the next ones' until it has
+    ``min_words`` words: rows the encoder cuts at its passage length (Nave's verses average
+    24 words, ~32 tokens, far from the 128 of a typical passage)."""
+    texts, passages = [r["text"] for r in records], []
+    for i, record in enumerate(records):
+        words, j = [], i
+        while len(words) < min_words:
+            words += texts[j % len(texts)].split()
+            j += 1
+        passages.append({"_id": record["_id"], "text": " ".join(words)})
+    return passages
+
+
+def mean_tokens(model: str, texts: list[str], max_len: int) -> float:
+    """Tokens a passage holds as the encoder sees it ([CLS] and [SEP] in, cut at max_len)."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model)(texts, truncation=True, max_length=max_len)["input_ids"]
+    return float(np.mean([len(row) for row in ids]))
+
+
+def bench_encode(corpus: Path, cpu_passages: int, cpus: int, runs: list[dict], min_words: int = 0) -> list[dict]:
     lines = (
         gzip.decompress(corpus.read_bytes()).decode().splitlines()
         if corpus.suffix == ".gz"
         else corpus.read_text().splitlines()
     )
+    verses = [json.loads(line)["text"] for line in lines]  # the tokenizers' training text
+    if min_words:
+        lines = [json.dumps(r) for r in full_length([json.loads(line) for line in lines], min_words)]
     texts = [json.loads(line)["text"] for line in lines]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,11 +125,15 @@ def bench_encode(corpus: Path, cpu_passages: int, cpus: int, runs: list[dict]) -
         small = Path(tmp) / "small.jsonl"
         small.write_text("\n".join(lines[:cpu_passages]) + "\n")
         models: dict[str, str] = {}
+        tokens: dict[tuple, float] = {}
         for run in runs:
             size, device = run["size"], run["device"]
             if size not in models:
-                models[size] = random_bert(f"{tmp}/{size}", texts, size)
+                models[size] = random_bert(f"{tmp}/{size}", verses, size)
             model, source, gpu = models[size], full if device == "gpu" else small, device == "gpu"
+            if (size, device) not in tokens:
+                counted = texts if gpu else texts[:cpu_passages]
+                tokens[size, device] = mean_tokens(model, counted, EncoderSettings.passage_max_len)
             out = f"{tmp}/emb-{len(rows)}"
             prepared = f"{tmp}/prepared-{size}-{source.stem}"
             if not Path(prepared).exists():  # tokenized once, outside timing
@@ -128,6 +157,7 @@ def bench_encode(corpus: Path, cpu_passages: int, cpus: int, runs: list[dict]) -
                 "compiled": run["compiled"],
                 "cpu_threads": 4 if gpu else cpus,
                 "passages": summary["passages"],
+                "mean_tokens": round(tokens[size, device], 1),
                 "passages_per_s": round(_steady_passages_per_s(summary), 1),
                 "device_passages_per_s": round(_device_passages_per_s(summary), 1),
                 "wall_passages_per_s": summary["passages_per_s"],
@@ -234,6 +264,12 @@ def main() -> None:
         default=DEFAULT_ENCODE_RUNS,
         help="encode part: size:gpu|cpu:precision:batch[:compiled], comma-separated (gpu runs read the whole corpus, cpu runs --cpu-passages of it)",
     )
+    parser.add_argument(
+        "--min-words",
+        type=int,
+        default=0,
+        help="encode part: each verse joined to the next ones until it has this many words (130: rows of the full 128 tokens); 0 = the verses as they are",
+    )
     parser.add_argument("--vectors", type=int, default=2_000_000)
     parser.add_argument("--queries", type=int, default=20_000)
     parser.add_argument("--factories", default="Flat,IVF4096,SQ8,IVF4096,PQ48")
@@ -258,7 +294,9 @@ def main() -> None:
     }
     parts = args.parts.split(",")
     if "encode" in parts:
-        results["encode"] = bench_encode(Path(args.corpus), args.cpu_passages, cpus, encode_runs(args.encode_runs))
+        results["encode"] = bench_encode(
+            Path(args.corpus), args.cpu_passages, cpus, encode_runs(args.encode_runs), args.min_words
+        )
     if "search" in parts:
         # "IVF4096,SQ8" holds a comma: the list is split on the factories' known starts.
         factories = [f for f in args.factories.replace(",IVF", ";IVF").replace(",Flat", ";Flat").split(";") if f]

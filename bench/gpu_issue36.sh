@@ -57,16 +57,21 @@ if [ "${SMOKE:-0}" = 1 ]; then
     step bare 200 $PY bench/bench_methods_gpu.py --tiny --device cpu --methods condenser --json "$OUT/bare.json"
     step encode 300 $PY bench/bench_retrieval_gpu.py --parts encode --devices cpu --cpu-passages 300 \
         --encode-runs minilm:cpu:fp32:64,minilm:cpu:fp32:64:compiled,minilm:cpu:bf16:64 --json "$OUT/encode.json"
+    step encode_128 200 $PY bench/bench_retrieval_gpu.py --parts encode --devices cpu --cpu-passages 100 \
+        --min-words 130 --encode-runs minilm:cpu:fp32:64 --json "$OUT/encode_128.json"
     exit 0
 fi
 
-# What the H200 lease of 2026-11-26 left open, cheapest and most telling first.
-# Encoding BERT-base over Nave's 37k verses: fp16 as the code runs it since that lease (fp16
-# autocast ran 1.8x slower than fp32 there): the model held in fp16, cuDNN's attention kept
-# out; compiled; and MiniLM in fp16.
-step encode 150 $PY bench/bench_retrieval_gpu.py --parts encode --cpu-passages 0 --encode-runs \
-    bert-base:gpu:fp16:1024,bert-base:gpu:fp32:1024:compiled,bert-base:gpu:fp16:1024:compiled,minilm:gpu:fp16:1024 \
+# Encoding over Nave's 37k verses (~32 tokens each), the model held in fp16 as the code runs it
+# since 2026-11-27 (14,285 passages/s for BERT-base on the H100 lease of 2026-11-27, the only
+# run): again, beside fp32 in the same run (what precision: auto should pick on GPUs), a
+# larger batch, and MiniLM. Compiled encoding is left out: 1,345/s in fp32 on that lease.
+step encode 130 $PY bench/bench_retrieval_gpu.py --parts encode --cpu-passages 0 --encode-runs \
+    bert-base:gpu:fp16:1024,bert-base:gpu:fp32:1024,bert-base:gpu:fp16:4096,minilm:gpu:fp16:1024,minilm:gpu:fp32:1024 \
     --json "$OUT/encode.json"
+# The same at the full 128 tokens a row (each verse joined to the next ones up to 130 words).
+step encode_128 80 $PY bench/bench_retrieval_gpu.py --parts encode --cpu-passages 0 --min-words 130 \
+    --encode-runs bert-base:gpu:fp16:1024,bert-base:gpu:fp32:1024 --json "$OUT/encode_128.json"
 # The bare Condenser step at the 512 rows the job ran as one micro-batch (0.221 MFU through
 # the job): what the job's path costs on top of the model's own step.
 step bare_512 90 $PY bench/bench_methods_gpu.py --sizes bert-base --batch 512 --steps 10 \
