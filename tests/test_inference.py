@@ -1,9 +1,17 @@
 """The inference helper the encoder and the pair scorer share."""
 
 import numpy as np
+import pytest
 import torch
 
-from pipeline.retrieval.inference import inference, inference_dtype, length_sorted_batches, made_in, resolved_precision
+from pipeline.retrieval.inference import (
+    check_finite,
+    inference,
+    inference_dtype,
+    length_sorted_batches,
+    made_in,
+    resolved_precision,
+)
 
 
 def test_batches_are_longest_first_ties_in_order_and_cover_every_item_once():
@@ -14,13 +22,27 @@ def test_batches_are_longest_first_ties_in_order_and_cover_every_item_once():
     assert list(length_sorted_batches([], 4)) == []
 
 
+def test_a_token_budget_gives_long_items_fewer_rows_a_batch():
+    lengths = [10, 3, 10, 4, 2, 8, 25]
+    batches = [b.tolist() for b in length_sorted_batches(lengths, 3, max_tokens=20)]
+    # 25 alone (one row however long), then 2 rows of 10, 2 of <= 8, and 3 short ones.
+    assert batches == [[6], [0, 2], [5, 3], [1, 4]]
+    assert all(len(b) * lengths[b[0]] <= 20 for b in batches[1:])
+    # The same order as without a budget: only the cuts move.
+    flat = [i for b in batches for i in b]
+    assert flat == [i for b in length_sorted_batches(lengths, 3) for i in b.tolist()]
+
+
 def test_precision_settings_per_device_and_model_size():
-    # auto, as the GPUs measured (H200, 2026-11-26): fp32 on every device and model size.
-    for device in ("cuda:0", "cuda", "cpu"):
-        for hidden in (384, 768, 1024):
-            assert inference_dtype("auto", device, hidden) == torch.float32
-            assert resolved_precision("auto", device, hidden) == "fp32"
-            assert made_in("auto", device, hidden) == {"precision": "fp32"}  # as recorded before half weights
+    # auto, as measured (H100, 2026-11-27: BERT-base held in fp16 2.5x fp32): fp16 on GPUs,
+    # fp32 on CPUs, for every model size.
+    for hidden in (384, 768, 1024):
+        for device in ("cuda:0", "cuda"):
+            assert inference_dtype("auto", device, hidden) == torch.float16
+            assert resolved_precision("auto", device, hidden) == "fp16"
+            assert made_in("auto", device, hidden) == made_in("fp16", device, hidden)
+        assert inference_dtype("auto", "cpu", hidden) == torch.float32
+        assert made_in("auto", "cpu", hidden) == {"precision": "fp32"}  # as recorded before half weights
     # A named precision is what it says, on any device and model.
     assert inference_dtype("fp32", "cuda:0", 768) == torch.float32 and resolved_precision("bf16", "cpu", 384) == "bf16"
     assert (
@@ -28,6 +50,16 @@ def test_precision_settings_per_device_and_model_size():
     )
     # Half precision is now the model held in it, not autocast: its records say so.
     assert made_in("fp16", "cuda", 768) == {"precision": "fp16", "half_precision": "weights"}
+
+
+def test_non_finite_outputs_stop_with_the_rows_and_a_precision_to_try():
+    check_finite(np.ones((3, 4), dtype=np.float32), torch.float16, "passage vectors")
+    values = np.ones((5, 4), dtype=np.float32)
+    values[1, 2], values[3, 0] = np.inf, np.nan
+    with pytest.raises(FloatingPointError, match=r"passage vectors: 2 of 5 rows .* set precision bf16 or fp32"):
+        check_finite(values, torch.float16, "passage vectors")
+    with pytest.raises(FloatingPointError, match=r"re-ranker scores: 1 of 2 rows .*check the model"):
+        check_finite(np.array([0.5, np.nan], dtype=np.float32), torch.float32, "re-ranker scores")
 
 
 def test_inference_turns_off_autograd_and_leaves_the_dtype_to_the_model():
@@ -90,8 +122,8 @@ def test_a_compiled_encoder_gives_the_eager_embeddings_at_every_batch_width(tmp_
 
 
 def test_encodings_record_the_precision_auto_meant_on_their_devices(tmp_path):
-    """made_by.json holds the precision a setting resolved to: auto's fp32 vectors of a CPU
-    run are reused by a GPU run of auto (fp32 there too), not by one asked for fp16."""
+    """made_by.json holds the precision a setting resolved to: auto's vectors of a GPU run are
+    fp16's, and not taken for a CPU run's fp32 ones (nor the reverse)."""
     from types import SimpleNamespace
 
     from models.biencoder import BiEncoderConfig
@@ -110,11 +142,55 @@ def test_encodings_record_the_precision_auto_meant_on_their_devices(tmp_path):
         )
         return _made_by(cfg, str(tmp_path / "model"), probe, str(tmp_path / "corpus"), {"shards": []})
 
-    assert made_by(False, 768)["precision"] == made_by(True, 768)["precision"] == "fp32"
-    assert made_by(False, 768) == made_by(True, 768) and made_by(False, 384) == made_by(True, 384)
-    assert made_by(True, 768, "fp16")["precision"] == "fp16" and made_by(True, 768, "fp16") != made_by(False, 768)
+    assert made_by(False, 768)["precision"] == "fp32" and made_by(True, 768)["precision"] == "fp16"
+    assert made_by(False, 768) != made_by(True, 768) and made_by(False, 768) == made_by(True, 768, "fp32")
+    assert made_by(True, 768) == made_by(True, 768, "fp16") and made_by(True, 384) == made_by(True, 384, "fp16")
     # Vectors from the autocast days (no half_precision key) are not taken for held-in-fp16 ones.
-    assert made_by(True, 768, "fp16")["half_precision"] == "weights" and "half_precision" not in made_by(True, 768)
+    assert made_by(True, 768, "fp16")["half_precision"] == "weights" and "half_precision" not in made_by(False, 768)
+
+
+def test_encoder_batches_resolve_per_device_and_a_token_budget_leaves_the_vectors_alone(tmp_path):
+    from pipeline.retrieval.encode import EncoderSettings, local_encoder
+    from tests.helpers import generated_texts, save_tiny_bert
+
+    assert EncoderSettings().batch_limits("cpu") == (256, 0)
+    assert EncoderSettings().batch_limits("cuda:0") == (4096, 131_072)
+    assert EncoderSettings(batch_size=8, batch_tokens=100).batch_limits("cuda") == (8, 100)
+    with pytest.raises(ValueError, match="encoder.batch_tokens must be >= 0"):
+        EncoderSettings(batch_tokens=-1)
+
+    texts = generated_texts(30)
+    model = save_tiny_bert(str(tmp_path / "bert"), texts)
+    plain = local_encoder(EncoderSettings(model=model, pooling="mean", batch_size=16))
+    budget = local_encoder(EncoderSettings(model=model, pooling="mean", batch_size=16, batch_tokens=60))
+    tokens = plain.tokenizer(texts, add_special_tokens=False)["input_ids"]
+    tokens = [t[: 3 + 2 * (i % 12)] for i, t in enumerate(tokens)]  # widths 5 to 27 framed
+    seen = []
+    forward = budget.model.encode_passage
+    budget.model.encode_passage = lambda ids, mask: seen.append(ids.shape) or forward(ids, mask)
+    got = budget.encode_tokens(tokens, max_len=64)
+    assert all(rows * width <= 60 for rows, width in seen) and len(seen) > 2
+    np.testing.assert_allclose(got, plain.encode_tokens(tokens, max_len=64), rtol=0, atol=1e-5)
+    assert np.abs(got).max() > 0.1
+
+
+def test_an_encoder_stops_on_vectors_its_precision_overflowed(tmp_path):
+    from pipeline.retrieval.encode import EncoderSettings, local_encoder
+    from tests.helpers import generated_texts, save_tiny_bert
+
+    texts = generated_texts(6)
+    encoder = local_encoder(EncoderSettings(model=save_tiny_bert(str(tmp_path / "bert"), texts), pooling="mean"))
+    forward = encoder.model.encode_passage
+
+    def overflowing(ids, mask):  # what an fp16 model whose activations pass 65,504 returns
+        reps = forward(ids, mask)
+        reps[0, 0] = float("inf")
+        return reps
+
+    encoder.model.encode_passage = overflowing
+    tokens = encoder.tokenizer(texts, add_special_tokens=False)["input_ids"]
+    with pytest.raises(FloatingPointError, match="passage vectors: 1 of 6 rows are not finite in torch.float32"):
+        encoder.encode_tokens(tokens, max_len=32)
 
 
 def test_half_precision_on_gpus_keeps_attention_off_cudnn():

@@ -11,21 +11,24 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# What ``auto`` picks, by measurement (bench/README.md, bench_retrieval_gpu.py): fp32. On
-# one H200 (2026-11-26, batch 1024, Nave's verses) a BERT-base-sized encoder ran 5,740
-# passages/s in fp32 against 3,198 under fp16 autocast and 2,868 under bf16; a MiniLM-sized
-# one 19,414 in fp32; on one H100 (2026-11-23, batch 256) MiniLM's fp16 was 3,607 against
-# 17,644 in fp32. Half precision should win by far at these sizes, so something in that
-# autocast path was slow (see HALF_PRECISION_ATTENTION; the model is now held in half
-# precision instead of autocast, below); until a measurement shows it paying, auto stays fp32.
+# What ``auto`` picks, by measurement (bench/README.md, bench_retrieval_gpu.py): fp16 held in
+# the model on GPUs, fp32 on CPUs. On one H100 (2026-11-27, Nave's verses, batch 1,024, one
+# run) a BERT-base-sized encoder held in fp16 ran 14,930 passages/s against 5,885 in fp32,
+# and a MiniLM-sized one 24,616 (17,644 in fp32 on an H100 on 2026-11-23, batch 256). fp16
+# *autocast* had been the slower one (3,198 against 5,740 on an H200): the cast of every
+# weight and activation at every layer, and cuDNN's attention (HALF_PRECISION_ATTENTION).
+# fp16 rather than bf16: its 10 mantissa bits keep vectors closer to fp32's, and a BERT's
+# activations stay far inside its range; a model that overflows it is stopped by the
+# encoder's check (non-finite vectors), which names precision: bf16 or fp32.
+AUTO_PRECISION = {"cuda": "fp16", "cpu": "fp32"}
 
 
 def resolved_precision(precision: str, device: str, hidden_size: int) -> str:
     """The precision ``precision`` means for a model of ``hidden_size`` on ``device``: auto
-    is fp32 everywhere (by measurement, above); device and width are the inputs a later
-    measurement may split it on."""
-    del device, hidden_size
-    return "fp32" if precision == "auto" else precision
+    is fp16 on GPUs and fp32 elsewhere (by measurement, above); the width is an input a
+    later measurement may split it on."""
+    del hidden_size
+    return AUTO_PRECISION.get(device.split(":")[0], "fp32") if precision == "auto" else precision
 
 
 def inference_dtype(precision: str, device: str, hidden_size: int) -> torch.dtype:
@@ -71,8 +74,28 @@ def inference(device: str, dtype: torch.dtype) -> Iterator[None]:
         yield
 
 
-def length_sorted_batches(lengths: Sequence[int] | np.ndarray, batch_size: int) -> Iterator[np.ndarray]:
-    """The items' indexes, longest first (ties in their order), ``batch_size`` at a time."""
+def length_sorted_batches(
+    lengths: Sequence[int] | np.ndarray, batch_size: int, max_tokens: int = 0
+) -> Iterator[np.ndarray]:
+    """The items' indexes, longest first (ties in their order), at most ``batch_size`` at a
+    time and, where ``max_tokens`` is set, at most ``max_tokens`` padded tokens (rows x the
+    batch's longest, which is its first; one row however long)."""
     order = np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable")
-    for start in range(0, len(order), batch_size):
-        yield order[start : start + batch_size]
+    start = 0
+    while start < len(order):
+        rows = batch_size
+        if max_tokens:
+            rows = min(rows, max(1, max_tokens // max(1, int(lengths[order[start]]))))
+        yield order[start : start + rows]
+        start += rows
+
+
+def check_finite(values: np.ndarray, dtype: torch.dtype, what: str) -> None:
+    """Stops on a non-finite output: a model whose activations overflow the precision it is
+    held in (fp16's range ends at 65,504) would otherwise write NaN vectors or scores that
+    search and mining then take as real."""
+    if np.isfinite(values).all():
+        return
+    bad = int((~np.isfinite(values.reshape(len(values), -1))).any(1).sum())
+    where = "its activations overflow it: set precision bf16 or fp32" if dtype == torch.float16 else "check the model"
+    raise FloatingPointError(f"{what}: {bad} of {len(values)} rows are not finite in {dtype}; {where}")

@@ -59,7 +59,7 @@ class EvalStage:
     precision: Literal["auto", "fp32", "fp16", "bf16"] = field(
         default="auto",
         metadata={
-            "help": "encoding precision: auto (fp32 on every device, by measurement), fp32, or the model held in fp16 or bf16 (bf16 also speeds up CPUs with AMX)"
+            "help": "encoding precision: auto (the model held in fp16 on GPUs, fp32 on CPUs, by measurement), fp32, fp16 or bf16 (bf16 also speeds up CPUs with AMX)"
         },
     )
     pool: ActorConfig = field(default_factory=ActorConfig)  # the encoders
