@@ -116,6 +116,21 @@ def matmul_ceiling(device: str, precision: str) -> float:
     return 2 * n**3 * repeats / (time.perf_counter() - start)
 
 
+def profiled(step, batches: list, device: str) -> str:
+    """Where a step's time goes: torch.profiler over ``batches`` (after the timed steps),
+    the operators' and kernels' own device time, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for cpu_batch in batches:
+            loss = step(cpu_batch)
+        float(loss)
+    table = prof.key_averages()
+    sort_by = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    return f"{len(batches)} steps\n" + table.table(sort_by=sort_by, row_limit=60, max_name_column_width=70)
+
+
 def bench_one(
     name,
     cls,
@@ -128,6 +143,7 @@ def bench_one(
     masking: MaskingVocab,
     sized: bool = False,
     free_gib: float = 0.0,
+    profile: str = "",
 ):
     hidden, layers, heads, inter = SIZES[size]
     torch.manual_seed(0)
@@ -184,6 +200,8 @@ def bench_one(
     float(loss)  # waits for the device
     seconds = (time.perf_counter() - start) / steps
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+    if profile:
+        Path(profile).write_text(profiled(step, batches[:3], device))
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {
         "method": name,
@@ -218,6 +236,9 @@ def main() -> None:
         help="comma-separated rows to run (e.g. cocondenser,cocondenser-gradcache-sized); empty = all",
     )
     parser.add_argument("--json", default="", help="also write the rows here")
+    parser.add_argument(
+        "--profile", default="", help="write each row's torch.profiler table (3 steps) to PREFIX-<size>-<method>.txt"
+    )
     args = parser.parse_args()
     chosen = set(args.methods.split(",")) if args.methods else None
     if args.tiny:
@@ -251,6 +272,7 @@ def main() -> None:
                     masking,
                     sized,
                     args.free_gib,
+                    f"{args.profile}-{size}-{name}.txt" if args.profile else "",
                 )
                 row["mfu_datasheet"] = round(row["achieved_tflop_s"] * 1e12 / datasheet, 3)
                 row["mfu_measured_matmul"] = round(row["achieved_tflop_s"] * 1e12 / ceiling, 3)

@@ -154,6 +154,7 @@ def bench_encode(corpus: Path, cpu_passages: int, cpus: int, runs: list[dict], m
                 "device": device,
                 "precision": run["precision"],
                 "batch": run["batch"],
+                "batch_tokens": encoder.batch_limits("cuda" if gpu else "cpu")[1],
                 "compiled": run["compiled"],
                 "cpu_threads": 4 if gpu else cpus,
                 "passages": summary["passages"],

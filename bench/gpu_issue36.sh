@@ -54,7 +54,8 @@ if [ "${SMOKE:-0}" = 1 ]; then
     mfu=(--size tiny --gpus 0 --steps 20 --precision fp32 --micro_batch 16 --cpus_per_worker 2)
     step mfu_compiled 400 env TORCHINDUCTOR_COALESCE_TILING_ANALYSIS=0 $PY bench/bench_pretrain_mfu.py \
         "${mfu[@]}" --compile --json "$OUT/mfu_compiled.json"
-    step bare 200 $PY bench/bench_methods_gpu.py --tiny --device cpu --methods condenser --json "$OUT/bare.json"
+    step bare 200 $PY bench/bench_methods_gpu.py --tiny --device cpu --methods condenser --json "$OUT/bare.json" \
+        --profile "$OUT/profile"
     step encode 300 $PY bench/bench_retrieval_gpu.py --parts encode --devices cpu --cpu-passages 300 \
         --encode-runs minilm:cpu:fp32:64,minilm:cpu:fp32:64:compiled,minilm:cpu:bf16:64 --json "$OUT/encode.json"
     step encode_128 200 $PY bench/bench_retrieval_gpu.py --parts encode --devices cpu --cpu-passages 100 \
@@ -62,20 +63,21 @@ if [ "${SMOKE:-0}" = 1 ]; then
     exit 0
 fi
 
-# Encoding over Nave's 37k verses (~32 tokens each), the model held in fp16 as the code runs it
-# since 2026-11-27 (14,285 passages/s for BERT-base on the H100 lease of 2026-11-27, the only
-# run): again, beside fp32 in the same run (what precision: auto should pick on GPUs), a
-# larger batch, and MiniLM. Compiled encoding is left out: 1,345/s in fp32 on that lease.
+# Encoding at the full 128 tokens a row (each verse joined to the next ones up to 130 words),
+# which the H100 lease of 2026-11-27 did not reach in 66 s (start-up, the longer rows'
+# preparation): the GPU defaults (fp16 held, 4,096 rows capped at 131,072 tokens: 1,024 rows
+# of 128) against fp32 at the same rows.
+step encode_128 170 $PY bench/bench_retrieval_gpu.py --parts encode --cpu-passages 0 --min-words 130 \
+    --encode-runs bert-base:gpu:fp16:4096,bert-base:gpu:fp32:1024 --json "$OUT/encode_128.json"
+# Over Nave's 37k verses (~31 tokens each; 23,695 passages/s for BERT-base in fp16 at 4,096 on
+# that lease): MiniLM in fp32 and fp16 at the GPU default, bf16 held beside fp16.
 step encode 130 $PY bench/bench_retrieval_gpu.py --parts encode --cpu-passages 0 --encode-runs \
-    bert-base:gpu:fp16:1024,bert-base:gpu:fp32:1024,bert-base:gpu:fp16:4096,minilm:gpu:fp16:1024,minilm:gpu:fp32:1024 \
+    minilm:gpu:fp32:4096,minilm:gpu:fp16:4096,bert-base:gpu:bf16:4096,bert-base:gpu:fp16:4096 \
     --json "$OUT/encode.json"
-# The same at the full 128 tokens a row (each verse joined to the next ones up to 130 words).
-step encode_128 80 $PY bench/bench_retrieval_gpu.py --parts encode --cpu-passages 0 --min-words 130 \
-    --encode-runs bert-base:gpu:fp16:1024,bert-base:gpu:fp32:1024 --json "$OUT/encode_128.json"
-# The bare Condenser step at the 512 rows the job ran as one micro-batch (0.221 MFU through
-# the job): what the job's path costs on top of the model's own step.
+# The bare Condenser step at the 512 rows the job ran as one micro-batch: 0.242 MFU on that
+# H100 against the job's 0.203; with a profile of 3 steps (where the model step's time goes).
 step bare_512 90 $PY bench/bench_methods_gpu.py --sizes bert-base --batch 512 --steps 10 \
-    --methods condenser --json "$OUT/bare_512.json"
+    --methods condenser --json "$OUT/bare_512.json" --profile "$OUT/profile"
 mfu=(--size bert-base --gpus 1 --steps 50 --cpus_per_worker 8)
 # Compiled through the job: since 2026-11-27 by blocks (each BERT layer and the embeddings;
 # the H200 lease compiled the whole module), with torch 2.11's failing Inductor pass (the

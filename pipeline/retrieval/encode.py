@@ -132,10 +132,11 @@ class EncoderSettings:
     def batch_limits(self, device: str) -> tuple[int, int]:
         """(passages, padded tokens) per forward on ``device``, auto resolved. On one H100
         (2026-11-27, BERT-base held in fp16, Nave's verses of ~31 tokens) batches of 4,096
-        ran 23,695 passages/s against 14,930 at 1,024: a forward of ~30k tokens leaves the
-        GPU waiting on launches. 131,072 tokens is what 4,096 of those verses padded to
-        ~32 hold; the cap keeps longer passages to as many tokens a forward (1,024 rows of
-        128), whose memory is what was measured."""
+        ran 23,695 passages/s against 14,930 at 1,024: a forward of ~32k tokens is too small
+        to keep that GPU busy. 131,072 tokens is what 4,096 of those verses, padded to ~32,
+        hold; the cap keeps longer passages to that many tokens a forward (1,024 rows of
+        128), so that a corpus of long passages asks no more memory a forward than the
+        measured setting did."""
         gpu = device.split(":")[0] == "cuda"
         rows = self.batch_size or (AUTO_GPU_BATCH if gpu else AUTO_CPU_BATCH)
         tokens = self.batch_tokens or (AUTO_GPU_BATCH_TOKENS if gpu else 0)
