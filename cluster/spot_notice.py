@@ -31,24 +31,43 @@ TOKEN_TTL_S = 21600
 log = logging.getLogger("spot_notice")
 
 
-def interruption_time(imds: str) -> dt.datetime | None:
-    """The time of this instance's spot interruption notice, or None while there is none."""
-    request = urllib.request.Request(
-        f"{imds}/latest/api/token", method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": str(TOKEN_TTL_S)}
-    )
-    with urllib.request.urlopen(request, timeout=2) as reply:
-        token = reply.read().decode()
-    request = urllib.request.Request(
-        f"{imds}/latest/meta-data/spot/instance-action", headers={"X-aws-ec2-metadata-token": token}
-    )
-    try:
+class InstanceMetadata:
+    """IMDSv2: a session token, asked for once and reused for its life (TOKEN_TTL_S; asked
+    again a minute before it ends, or when the service refuses it), then the notice."""
+
+    def __init__(self, url: str = IMDS):
+        self.url, self.token, self.token_until = url, "", 0.0
+
+    def _fresh_token(self) -> str:
+        request = urllib.request.Request(
+            f"{self.url}/latest/api/token",
+            method="PUT",
+            headers={"X-aws-ec2-metadata-token-ttl-seconds": str(TOKEN_TTL_S)},
+        )
         with urllib.request.urlopen(request, timeout=2) as reply:
-            notice = json.loads(reply.read())
-    except urllib.error.HTTPError as err:
-        if err.code == 404:  # no interruption scheduled
-            return None
-        raise
-    return dt.datetime.strptime(notice["time"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
+            self.token = reply.read().decode()
+        self.token_until = time.monotonic() + TOKEN_TTL_S - 60
+        return self.token
+
+    def interruption_time(self) -> dt.datetime | None:
+        """The time of this instance's spot interruption notice, or None while there is none."""
+        if not self.token or time.monotonic() >= self.token_until:
+            self._fresh_token()
+        for last_try in (False, True):
+            request = urllib.request.Request(
+                f"{self.url}/latest/meta-data/spot/instance-action", headers={"X-aws-ec2-metadata-token": self.token}
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=2) as reply:
+                    notice = json.loads(reply.read())
+                break
+            except urllib.error.HTTPError as err:
+                if err.code == 404:  # no interruption scheduled
+                    return None
+                if err.code != 401 or last_try:
+                    raise
+                self._fresh_token()  # refused (expired early, or the service restarted)
+        return dt.datetime.strptime(notice["time"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
 
 
 def drain_this_instance(address: str, deadline: dt.datetime, why: str) -> list[str]:
@@ -78,9 +97,10 @@ def main() -> None:
     parser.add_argument("--poll_s", type=float, default=5.0, help="seconds between looks at the notice")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    metadata = InstanceMetadata(args.imds)
     while True:
         try:
-            when = interruption_time(args.imds)
+            when = metadata.interruption_time()
         except (OSError, ValueError) as err:  # the service unreachable for a moment: look again
             log.info("no answer from the metadata service: %s", err)
             when = None

@@ -549,15 +549,15 @@ def test_deepspeed_templates_load_from_a_non_editable_install(tmp_path):
 
 class FakeInstanceMetadata:
     """EC2's instance metadata service (IMDSv2) on loopback: a token for a PUT, and the spot
-    interruption notice (404 until ``notice`` is set) for a GET that carries it."""
-
-    TOKEN = "imds-token"
+    interruption notice (404 until ``notice`` is set) for a GET that carries it (401 for
+    any other token: set ``token`` to refuse the ones issued before)."""
 
     def __init__(self):
         import http.server
         import threading
 
         fake = self
+        self.token, self.tokens_issued = "imds-token", 0
         self.notice: dict | None = None
         self.asks: list[str | None] = []  # the token each ask for the notice carried
 
@@ -570,13 +570,14 @@ class FakeInstanceMetadata:
 
             def do_PUT(self):
                 ok = self.path == "/latest/api/token" and self.headers["X-aws-ec2-metadata-token-ttl-seconds"]
-                self._reply(200, fake.TOKEN.encode()) if ok else self._reply(400)
+                fake.tokens_issued += bool(ok)
+                self._reply(200, fake.token.encode()) if ok else self._reply(400)
 
             def do_GET(self):
                 if self.path != "/latest/meta-data/spot/instance-action":
                     return self._reply(404)
                 fake.asks.append(self.headers["X-aws-ec2-metadata-token"])
-                if self.headers["X-aws-ec2-metadata-token"] != fake.TOKEN:
+                if self.headers["X-aws-ec2-metadata-token"] != fake.token:
                     return self._reply(401)
                 self._reply(200, json.dumps(fake.notice).encode()) if fake.notice else self._reply(404)
 
@@ -586,6 +587,34 @@ class FakeInstanceMetadata:
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_the_spot_watcher_reuses_its_metadata_token_and_asks_again_when_refused():
+    import datetime as dt
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("spot_notice", REPO / "cluster" / "spot_notice.py")
+    spot_notice = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(spot_notice)
+    imds = FakeInstanceMetadata()
+    try:
+        metadata = spot_notice.InstanceMetadata(imds.url)
+        assert [metadata.interruption_time() for _ in range(3)] == [None, None, None]
+        assert imds.tokens_issued == 1 and imds.asks == ["imds-token"] * 3
+        imds.token = "rotated"  # the service restarted: the token it issued before is refused
+        goes_at = dt.datetime(2026, 11, 27, 10, 0, 5, tzinfo=dt.timezone.utc)
+        imds.notice = {"action": "terminate", "time": "2026-11-27T10:00:05Z"}
+        assert metadata.interruption_time() == goes_at
+        assert imds.tokens_issued == 2 and imds.asks[-2:] == ["imds-token", "rotated"]
+        metadata.token_until = 0.0  # a minute before the token's life ends
+        assert metadata.interruption_time() == goes_at and imds.tokens_issued == 3
+        imds.token = "refused-again"
+        metadata.token = "stale"  # refused twice in a row: an error, not a loop
+        imds.server.RequestHandlerClass.do_PUT = lambda handler: handler._reply(200, b"also-refused")
+        with pytest.raises(spot_notice.urllib.error.HTTPError, match="401"):
+            metadata.interruption_time()
+    finally:
+        imds.server.shutdown()
 
 
 def test_aws_workers_start_the_spot_notice_watcher_with_the_heads_address():
@@ -640,7 +669,7 @@ def test_a_spot_interruption_notice_drains_the_instances_ray_nodes_until_its_tim
         while len(imds.asks) < 3 and time.time() < deadline:
             time.sleep(0.1)
         assert watcher.poll() is None and len(imds.asks) >= 3, (tmp_path / "spot_notice.log").read_text()
-        assert set(imds.asks) == {FakeInstanceMetadata.TOKEN}  # IMDSv2: every ask with the token
+        assert set(imds.asks) == {imds.token} and imds.tokens_issued == 1  # IMDSv2: one token, every ask with it
         assert state.get_draining_nodes() == {}
         goes_at = dt.datetime.now(dt.timezone.utc).replace(microsecond=0) + dt.timedelta(seconds=90)
         imds.notice = {"action": "terminate", "time": goes_at.strftime("%Y-%m-%dT%H:%M:%SZ")}
