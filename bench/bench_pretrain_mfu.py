@@ -81,6 +81,7 @@ def job_command(args, corpus: str, output: str) -> list[str]:
         "train.checkpoint_every": args.steps + 1000,
         "train.max_failures": 0,
         "train.compile": str(args.compile).lower(),
+        "train.profile_steps": 3 if args.profile else 0,
     }
     if args.gpus == 0:
         settings["ray.num_cpus"] = max(4, os.cpu_count() or 1)
@@ -204,6 +205,11 @@ def main() -> None:
         help="--train.compile: torch.compile the trained module (its compile falls before the steady window)",
     )
     parser.add_argument("--json", default="")
+    parser.add_argument(
+        "--profile",
+        default="",
+        help="profile 3 of the job's steps after its warm-up (--train.profile_steps) and copy rank 0's table here",
+    )
     args = parser.parse_args()
     device = "cuda" if args.gpus > 0 else "cpu"
     if args.gpus == 0:
@@ -225,6 +231,9 @@ def main() -> None:
         if args.json:  # the job's own figures first: a deadline may cut what follows
             Path(args.json).write_text(json.dumps({"job_exit": job_exit, "steady": steady}, indent=2))
         lines = stop(job).strip().splitlines()
+        table = Path(output, "profile", "rank0.txt")
+        if args.profile and table.exists():
+            Path(args.profile).write_text(table.read_text())
         summary = json.loads(lines[-1]) if job.returncode == 0 and lines else {}
         per_token = flops_per_token(args, f"{corpus}/tokenizer", device)
     achieved = steady["tokens_per_s"] * per_token  # per worker: rank 0's log entries

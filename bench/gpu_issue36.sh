@@ -53,7 +53,7 @@ step() {  # step NAME SECONDS COMMAND...: runs within both its own limit and the
 if [ "${SMOKE:-0}" = 1 ]; then
     mfu=(--size tiny --gpus 0 --steps 20 --precision fp32 --micro_batch 16 --cpus_per_worker 2)
     step mfu_compiled 400 env TORCHINDUCTOR_COALESCE_TILING_ANALYSIS=0 $PY bench/bench_pretrain_mfu.py \
-        "${mfu[@]}" --compile --json "$OUT/mfu_compiled.json"
+        "${mfu[@]}" --compile --json "$OUT/mfu_compiled.json" --profile "$OUT/profile-job.txt"
     step bare 200 $PY bench/bench_methods_gpu.py --tiny --device cpu --methods condenser --json "$OUT/bare.json" \
         --profile "$OUT/profile"
     step encode 300 $PY bench/bench_retrieval_gpu.py --parts encode --devices cpu --cpu-passages 300 \
@@ -87,5 +87,7 @@ step mfu_512_compiled 200 env TORCHINDUCTOR_COALESCE_TILING_ANALYSIS=0 $PY bench
     "${mfu[@]}" --grad_accum 4 --compile --json "$OUT/mfu_512_compiled.json"
 # The eager job at the same 512 rows, beside the bare step above on the same GPU (the H200's
 # 0.221 had no bare step beside it).
-step mfu_512 150 $PY bench/bench_pretrain_mfu.py "${mfu[@]}" --grad_accum 4 --json "$OUT/mfu_512.json"
+# Its steps 11-13 profiled where they run (--train.profile_steps): what the job adds.
+step mfu_512 150 $PY bench/bench_pretrain_mfu.py "${mfu[@]}" --grad_accum 4 --json "$OUT/mfu_512.json" \
+    --profile "$OUT/profile-job.txt"
 echo "== done in ${SECONDS}s" | tee -a "$LOG"

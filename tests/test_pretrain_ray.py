@@ -4,6 +4,7 @@ streaming one epoch from S3, every document once, run in the two-node recipe tes
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
 import signal
@@ -73,6 +74,7 @@ def test_killed_worker_resumes_from_checkpoint_without_losing_documents(tmp_path
         keep_checkpoints=100,
         max_failures=2,
         tracker=["tensorboard"],
+        profile_steps=2,
     )
     assert cfg.train.data_trace and cfg.train.grad_accum == 1  # one micro-step per step below
     result: dict = {}
@@ -136,6 +138,14 @@ def test_killed_worker_resumes_from_checkpoint_without_losing_documents(tmp_path
     logged = {e.step: e.value for e in events.Scalars("train/loss")}
     assert logged == pytest.approx({e["step"]: e["loss"] for e in history}, rel=1e-6)
     assert "config/text_summary" in events.Tags()["tensors"]  # the run config, as text
+
+    # The profile of the run's last 2 steps, which the resumed attempt trained, by rank 0 only:
+    # the operators by their own time, and a trace that Perfetto reads.
+    table = open(os.path.join(out, "profile", "rank0.txt")).read()
+    assert table.startswith("optimizer steps 11-12\n") and "aten::linear" in table
+    trace = json.loads(gzip.decompress(open(os.path.join(out, "profile", "rank0.trace.json.gz"), "rb").read()))
+    assert any(e.get("name") == "aten::linear" for e in trace["traceEvents"])
+    assert sorted(os.listdir(os.path.join(out, "profile"))) == ["rank0.trace.json.gz", "rank0.txt"]
 
     # (A finished run rerun with a larger budget continues: tests/test_resume.py.)
 

@@ -53,6 +53,7 @@ from pipeline.data.position import read_position, restorable_checkpoint
 from pipeline.data.stream import configure_data_context
 from pipeline.training.checkpoints import Restored, TrainState, restore_checkpoint, save_checkpoint
 from pipeline.training.deepspeed_config import deepspeed_config, import_deepspeed, skip_inference_comm_op
+from pipeline.training.profiling import StepProfiler
 from pipeline.training.tracking import RunLog
 from pipeline.training.train_config import TrainConfig
 
@@ -399,6 +400,14 @@ class WorkerRun:
         self.preemption_seen = None  # the last preemption notice acted on
         self.extra: dict[str, torch.Tensor] = {}
         self.epochs = np.zeros(0, dtype=np.int64)  # the last batch's epochs
+        self.profiler = StepProfiler(
+            self.train.profile_steps if self.rank == 0 else 0,
+            self.train.max_steps,
+            self.engine.device,
+            self.train.output,
+            self.rank,
+        )
+        self.profiler.before_training(self.state.step)
 
     def _fit_to_memory(self, workers_on_node: int) -> None:
         """Size what the task and the loop size from memory (coCondenser's chunk, the
@@ -447,6 +456,7 @@ class WorkerRun:
         if not boundary:
             return
         state.step += 1
+        self.profiler.after_step(state.step)
         if state.step % train.log_every == 0 or state.step == train.max_steps:
             self._log()
         noticed = self._preemption_notice()  # a collective: asked on every rank, whatever else is due

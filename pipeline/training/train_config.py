@@ -74,6 +74,12 @@ class TrainConfig:
             "help": "steps between asks whether a node of the run was told it will be preempted (a node drained with a deadline: a spot reclaim); on a notice every worker saves a checkpoint at once, so the restarted run redoes none of the steps before it. An ask is one call to Ray Train's synchronization actor (3.2-3.4 ms on 2 CPU cores): keep the steps between asks well inside the drain window (Ray's default on SIGTERM: 30 s). 0 = never ask (a lost node then costs the steps since the last checkpoint)"
         },
     )
+    profile_steps: int = field(
+        default=0,
+        metadata={
+            "help": "optimizer steps to profile with torch.profiler on rank 0, after 10 steps of warm-up (the run's last ones when it is shorter): <output>/profile/rank0.txt lists the operators and kernels by their own device time, rank0.trace.json.gz is a Chrome/Perfetto trace. 0 = none"
+        },
+    )
     resource_wait_s: float = field(
         default=120.0,
         metadata={
@@ -116,6 +122,7 @@ class TrainConfig:
             "epochs",
             "max_failures",
             "preemption_check_every",
+            "profile_steps",
             "prefetch_batches",
             "resource_wait_s",
             "memory_gib",

@@ -35,6 +35,7 @@ OPERATIONAL_KEYS = frozenset(
         "keep_checkpoints",
         "max_failures",
         "preemption_check_every",
+        "profile_steps",
         "prefetch_batches",
         "collate_ahead",
         "data_trace",

@@ -1,0 +1,83 @@
+"""Where a training step's time goes: ``torch.profiler`` over a few optimizer steps of a real
+run (``--train.profile_steps``), on rank 0, written next to the run's history.
+
+MFU through ``jobs/pretrain.py`` on an H100 was 0.88 of the bare model step's (bench/README.md,
+2026-11-27): the job's own steps, profiled where they run (Ray Train, DeepSpeed, the stream),
+show what the difference is spent on, which a bare benchmark cannot.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from pipeline.core import storage
+
+PROFILE_AFTER = 10  # steps of warm-up (compilation, allocator growth, the stream's start) first
+TABLE_ROWS = 60
+
+
+def profiled_window(steps: int, max_steps: int) -> tuple[int, int]:
+    """(first, last) optimizer step profiled: ``steps`` of them after PROFILE_AFTER, or the
+    run's last ``steps`` when it is shorter; (0, 0) for none."""
+    if steps <= 0:
+        return 0, 0
+    first = max(1, min(PROFILE_AFTER + 1, max_steps - steps + 1))
+    return first, min(max_steps, first + steps - 1)
+
+
+class StepProfiler:
+    """Profiles the optimizer steps ``first..last`` (1-based, as ``TrainState.step`` counts
+    them): started once step ``first - 1`` is done, stopped once ``last`` is, then writes
+    ``<output>/profile/rank<r>.txt`` (operators and kernels by their own device time, or CPU
+    time on a CPU) and ``rank<r>.trace.json.gz`` (a Chrome/Perfetto trace)."""
+
+    def __init__(self, steps: int, max_steps: int, device: torch.device, output: str, rank: int):
+        self.first, self.last = profiled_window(steps, max_steps)
+        self.on_gpu = device.type == "cuda"
+        self.output, self.rank = output, rank
+        self.session: profile | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.last > 0
+
+    def before_training(self, step: int) -> None:
+        """Starts at once when the window opens at the run's first step (or a resumed step)."""
+        self._open_if_due(step)
+
+    def after_step(self, step: int) -> None:
+        """Called once optimizer step ``step`` is done."""
+        if self.session is not None and step >= self.last:
+            self._close(step)
+        self._open_if_due(step)
+
+    def _open_if_due(self, done: int) -> None:
+        if self.enabled and self.session is None and done == self.first - 1:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_gpu else [])
+            self.session = profile(activities=activities, record_shapes=False)
+            self.session.__enter__()
+
+    def _close(self, step: int) -> None:
+        session, self.session = self.session, None
+        if self.on_gpu:
+            torch.cuda.synchronize()  # the window's kernels end inside it
+        session.__exit__(None, None, None)
+        self.last = 0  # once per attempt
+        sort_by = "self_device_time_total" if self.on_gpu else "self_cpu_time_total"
+        table = session.key_averages().table(sort_by=sort_by, row_limit=TABLE_ROWS, max_name_column_width=80)
+        steps = f"optimizer steps {self.first}-{step}"
+        folder = storage.join(self.output, "profile")
+        storage.write_bytes(storage.join(folder, f"rank{self.rank}.txt"), f"{steps}\n{table}\n".encode())
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = os.path.join(tmp, "trace.json")
+            session.export_chrome_trace(trace)
+            with (
+                open(trace, "rb") as src,
+                storage.open_output(storage.join(folder, f"rank{self.rank}.trace.json.gz")) as out,
+            ):
+                while chunk := src.read(1 << 20):
+                    out.write(chunk)
