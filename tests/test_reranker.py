@@ -221,20 +221,43 @@ def test_export_loads_as_an_hf_classifier_and_a_sentence_transformers_cross_enco
     assert len(set(np.round(ours, 5))) == 3  # a random head that still tells passages apart
 
 
+def saved_with_candidates(tiny_reranker, folder) -> tuple[dict, list[str], list[list[str]]]:
+    """The re-ranker saved in ``folder``, and (texts, queries, each query's candidates): pairs
+    of many lengths."""
+    model, tokenizer = tiny_reranker
+    model.save(str(folder), tokenizer.name_or_path)
+    docs = {d["_id"]: d["text"] for d in synthetic_docs(10, seed=13)}
+    queries = ["moses egypt", "the lord said unto moses and aaron in", "tenth day"]
+    return docs, queries, [["d0", "d1", "d2", "d3"], ["d4", "d0"], ["d5", "d6", "d7", "d8", "d9"]]
+
+
 def test_pair_scorer_batches_equal_scoring_one_pair_at_a_time(tiny_reranker, tmp_path):
     from pipeline.retrieval.rerank_scoring import PairScorer
 
     model, tokenizer = tiny_reranker
-    model.save(str(tmp_path), tokenizer.name_or_path)
-    docs = {d["_id"]: d["text"] for d in synthetic_docs(10, seed=13)}
-    queries = ["moses egypt", "the lord said unto moses and aaron in", "tenth day"]
-    candidates = [["d0", "d1", "d2", "d3"], ["d4", "d0"], ["d5", "d6", "d7", "d8", "d9"]]
+    docs, queries, candidates = saved_with_candidates(tiny_reranker, tmp_path)
     scores = PairScorer(str(tmp_path), batch_size=3).score(queries, candidates, docs)
     assert [len(s) for s in scores] == [4, 2, 5]
     with torch.no_grad():
         for q, docs_of_q, got in zip(queries, candidates, scores):
             direct = [model(**hf_pair(tokenizer, q, docs[d], model.lengths)).item() for d in docs_of_q]
             assert np.allclose(got, direct, atol=1e-5)
+
+
+def test_pair_scorer_under_a_token_budget_scores_as_without_one_and_keeps_to_it(tiny_reranker, tmp_path):
+    from pipeline.retrieval.rerank_scoring import PairScorer
+
+    docs, queries, candidates = saved_with_candidates(tiny_reranker, tmp_path)
+    plain = PairScorer(str(tmp_path))
+    assert plain.batch_limits == (64, 0)  # auto on a CPU: 64 pairs, no cap
+    budget = PairScorer(str(tmp_path), batch_tokens=60)
+    shapes = []
+    budget.model.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    got = np.concatenate(budget.score(queries, candidates, docs))
+    assert len(shapes) > 2 and all(rows * width <= 60 or rows == 1 for rows, width in shapes)
+    np.testing.assert_allclose(got, np.concatenate(plain.score(queries, candidates, docs)), rtol=0, atol=1e-5)
 
 
 def test_pair_scorer_in_bf16_holds_the_model_in_bf16_and_scores_as_fp32_does(tiny_reranker, tmp_path):

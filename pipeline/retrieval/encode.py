@@ -47,6 +47,7 @@ from pipeline.retrieval.embeddings import (
     write_shard,
 )
 from pipeline.retrieval.inference import (
+    batch_limits,
     check_finite,
     held_in,
     inference,
@@ -55,8 +56,7 @@ from pipeline.retrieval.inference import (
     made_in,
 )
 
-# Batch limits where encoder.batch_size and encoder.batch_tokens are 0 (EncoderSettings.batch_limits).
-AUTO_GPU_BATCH, AUTO_GPU_BATCH_TOKENS, AUTO_CPU_BATCH = 4096, 131_072, 256
+CPU_BATCH = 256  # passages a forward on CPUs where encoder.batch_size is 0
 
 
 def _similarity_of_normalize(value) -> str:
@@ -130,17 +130,9 @@ class EncoderSettings:
                 raise ValueError(f"encoder.{name} must be >= 0, got {getattr(self, name)}")
 
     def batch_limits(self, device: str) -> tuple[int, int]:
-        """(passages, padded tokens) per forward on ``device``, auto resolved. On one H100
-        (2026-11-27, BERT-base held in fp16, Nave's verses of ~31 tokens) batches of 4,096
-        ran 23,695 passages/s against 14,930 at 1,024: a forward of ~32k tokens is too small
-        to keep that GPU busy. 131,072 tokens is what 4,096 of those verses, padded to ~32,
-        hold; the cap keeps longer passages to that many tokens a forward (1,024 rows of
-        128), so that a corpus of long passages asks no more memory a forward than the
-        measured setting did."""
-        gpu = device.split(":")[0] == "cuda"
-        rows = self.batch_size or (AUTO_GPU_BATCH if gpu else AUTO_CPU_BATCH)
-        tokens = self.batch_tokens or (AUTO_GPU_BATCH_TOKENS if gpu else 0)
-        return rows, tokens
+        """(passages, padded tokens) per forward on ``device``, auto resolved
+        (:func:`pipeline.retrieval.inference.batch_limits`)."""
+        return batch_limits(device, self.batch_size, self.batch_tokens, CPU_BATCH)
 
     def overrides(self) -> dict:
         """The retriever settings that replace the export's."""

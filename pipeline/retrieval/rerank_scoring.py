@@ -41,6 +41,7 @@ from pipeline.data.stream import frame
 from pipeline.data.text_shards import stage_text
 from pipeline.data.tokenizer import load_tokenizer
 from pipeline.retrieval.inference import (
+    batch_limits,
     check_finite,
     held_in,
     inference,
@@ -101,7 +102,16 @@ class RerankScoreConfig:
         default=0, metadata={"help": "pair tokens; 0 = the export's reranker.json (192 for a plain checkpoint)"}
     )
     batch_size: int = field(
-        default=64, metadata={"help": "pairs per forward (length-sorted, each batch padded to its longest)"}
+        default=0,
+        metadata={
+            "help": "pairs per forward at most (length-sorted, each batch padded to its longest); 0 = auto: 4,096 on GPUs, 64 on CPUs"
+        },
+    )
+    batch_tokens: int = field(
+        default=0,
+        metadata={
+            "help": "padded pair tokens per forward at most (rows x the batch's longest); 0 = auto: 131,072 on GPUs (as the encoder measured it), none on CPUs"
+        },
     )
     queries_per_task: int = field(
         default=64, metadata={"help": "queries per actor task (the unit of retry after an actor died)"}
@@ -119,9 +129,15 @@ class RerankScoreConfig:
     ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self):
-        for name in ("depth", "batch_size", "queries_per_task", "docs_per_server"):
+        for name in ("depth", "queries_per_task", "docs_per_server"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("batch_size", "batch_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+CPU_PAIRS = 64  # pairs a forward on CPUs where batch_size is 0
 
 
 class PairScorer:
@@ -132,9 +148,10 @@ class PairScorer:
         self,
         model_dir: str,
         lengths: PairLengths | None = None,
-        batch_size: int = 64,
+        batch_size: int = 0,
         precision: str = "auto",
         device: str = "cpu",
+        batch_tokens: int = 0,
     ):
         self.model = load_reranker(model_dir).to(device)
         self.dtype = inference_dtype(precision, device, self.model.model.config.hidden_size)
@@ -143,7 +160,7 @@ class PairScorer:
         self.lengths.check()
         check_max_len(self.model.model.config, self.lengths.max_len, model_dir)
         self.tokenizer = load_tokenizer(model_dir)
-        self.batch_size, self.device = batch_size, device
+        self.batch_limits, self.device = batch_limits(device, batch_size, batch_tokens, CPU_PAIRS), device
 
     def _framed(self, texts: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         tok = self.tokenizer
@@ -167,7 +184,7 @@ class PairScorer:
         scores = torch.zeros(len(pair_q), dtype=torch.float32)
         sep, pad = self.tokenizer.sep_token_id, self.tokenizer.pad_token_id
         with inference(self.device, self.dtype):
-            for batch_rows in length_sorted_batches(pair_len.numpy(), self.batch_size):
+            for batch_rows in length_sorted_batches(pair_len.numpy(), *self.batch_limits):
                 idx = torch.from_numpy(batch_rows)
                 qi, di = pair_q[idx], pair_d[idx]
                 batch = pair_inputs(q_ids[qi], q_len[qi], d_ids[di], d_len[di], self.lengths.max_len, sep, pad)
@@ -181,12 +198,12 @@ class RerankerActor:
     """A Ray actor holding one :class:`PairScorer`; scores blocks of queries, joining their
     candidates' ids to texts through the passage servers."""
 
-    def __init__(
-        self, model_uri: str, lengths: PairLengths, batch_size: int, precision: str, pool: ActorConfig, servers: list
-    ):
-        torch.set_num_threads(max(1, int(pool.cpus_per_actor)))
+    def __init__(self, model_uri: str, lengths: PairLengths, cfg: RerankScoreConfig, servers: list):
+        torch.set_num_threads(max(1, int(cfg.pool.cpus_per_actor)))
         model_dir = model_ref.materialize(model_uri, "--model")
-        self.scorer = PairScorer(model_dir, lengths, batch_size, precision, actor_device(pool))
+        self.scorer = PairScorer(
+            model_dir, lengths, cfg.batch_size, cfg.precision, actor_device(cfg.pool), cfg.batch_tokens
+        )
         self.servers = servers
 
     def pid(self) -> int:
@@ -336,7 +353,7 @@ def run_scoring(cfg: RerankScoreConfig) -> dict:
     ) as passages:
 
         def make_actor():
-            return remote.remote(model_uri, lengths, cfg.batch_size, cfg.precision, cfg.pool, passages.actors)
+            return remote.remote(model_uri, lengths, cfg, passages.actors)
 
         score_start = time.perf_counter()
         results = stream_actor_pool(
