@@ -45,6 +45,7 @@ from models.memory import free_memory
 from models.method import PlainEngine
 from models.mlm import MLMConfig, MLMMethod
 from models.simlm import SimLMConfig, SimLMMethod
+from pipeline.training.profiling import device_profile, time_table
 
 SIZES = {  # hidden, layers, heads, intermediate
     "bert-base": (768, 12, 12, 3072),
@@ -119,16 +120,11 @@ def matmul_ceiling(device: str, precision: str) -> float:
 def profiled(step, batches: list, device: str) -> str:
     """Where a step's time goes: torch.profiler over ``batches`` (after the timed steps),
     the operators' and kernels' own device time, largest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with device_profile(device == "cuda") as session:
         for cpu_batch in batches:
             loss = step(cpu_batch)
         float(loss)
-    table = prof.key_averages()
-    sort_by = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
-    return f"{len(batches)} steps\n" + table.table(sort_by=sort_by, row_limit=60, max_name_column_width=70)
+    return f"{len(batches)} steps\n" + time_table(session, device == "cuda")
 
 
 def bench_one(

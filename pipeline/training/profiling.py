@@ -20,6 +20,18 @@ PROFILE_AFTER = 10  # steps of warm-up (compilation, allocator growth, the strea
 TABLE_ROWS = 60
 
 
+def device_profile(on_gpu: bool) -> profile:
+    """A ``torch.profiler`` session for the CPU, and the GPU's kernels where there is one."""
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else []))
+
+
+def time_table(session: profile, on_gpu: bool) -> str:
+    """A finished session's operators and kernels by their own time (the device's on a GPU,
+    the CPU's otherwise), largest first."""
+    sort_by = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    return session.key_averages().table(sort_by=sort_by, row_limit=TABLE_ROWS, max_name_column_width=80)
+
+
 def profiled_window(steps: int, max_steps: int) -> tuple[int, int]:
     """(first, last) optimizer step profiled: ``steps`` of them after PROFILE_AFTER, or the
     run's last ``steps`` when it is shorter; (0, 0) for none."""
@@ -57,8 +69,7 @@ class StepProfiler:
 
     def _open_if_due(self, done: int) -> None:
         if self.enabled and self.session is None and done == self.first - 1:
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_gpu else [])
-            self.session = profile(activities=activities, record_shapes=False)
+            self.session = device_profile(self.on_gpu)
             self.session.__enter__()
 
     def _close(self, step: int) -> None:
@@ -67,8 +78,7 @@ class StepProfiler:
             torch.cuda.synchronize()  # the window's kernels end inside it
         session.__exit__(None, None, None)
         self.last = 0  # once per attempt
-        sort_by = "self_device_time_total" if self.on_gpu else "self_cpu_time_total"
-        table = session.key_averages().table(sort_by=sort_by, row_limit=TABLE_ROWS, max_name_column_width=80)
+        table = time_table(session, self.on_gpu)
         steps = f"optimizer steps {self.first}-{step}"
         folder = storage.join(self.output, "profile")
         storage.write_bytes(storage.join(folder, f"rank{self.rank}.txt"), f"{steps}\n{table}\n".encode())
