@@ -16,8 +16,8 @@ from models.backbone import FAMILIES, BackboneConfig, build_mlm, family
 from models.condenser import Condenser
 from models.masking import MaskingVocab, select_words, word_ids
 from models.method import PlainEngine
+from pipeline.data.shard_tokenizing import continuation_table, word_piece_counts
 from pipeline.data.stream import frame
-from pipeline.data.tokenizer import continuation_table, word_piece_counts
 from pipeline.training.pretrain import METHODS, PretrainConfig, PretrainTask
 from tests.helpers import (
     FAMILY_TOKENIZERS,
@@ -245,7 +245,9 @@ def test_whole_word_masking_groups_the_pieces_the_tokenizer_calls_one_word(kind,
     piece would be a word."""
     texts = sample_texts(600)
     tokenizer = train_tokenizer(str(tmp_path), kind, texts[:400])
-    table = continuation_table(word_piece_counts(tokenizer(texts[:400], add_special_tokens=False), len(tokenizer)))
+    table = continuation_table(
+        word_piece_counts(tokenizer(texts[:400], add_special_tokens=False).encodings, len(tokenizer))
+    )
     learned, marker_only = MaskingVocab.from_tokenizer(tokenizer, table), MaskingVocab.from_tokenizer(tokenizer)
 
     def agreement(vocab: MaskingVocab) -> float:

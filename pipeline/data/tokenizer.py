@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
-import numpy as np
 from tokenizers import BertWordPieceTokenizer
 from transformers import AutoTokenizer, BertTokenizerFast, PreTrainedTokenizerBase
 
@@ -58,36 +57,3 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 def prefix_token_ids(tokenizer: PreTrainedTokenizerBase, prefix: str) -> list[int]:
     """The token ids a retriever prefix (``"query: "``) puts before a pre-tokenized text."""
     return tokenizer(prefix, add_special_tokens=False)["input_ids"] if prefix else []
-
-
-def word_piece_counts(encodings, vocab_size: int) -> np.ndarray | None:
-    """(2, vocab) counts of how often each token id starts a word (row 0) and continues one
-    (row 1) in ``encodings`` (a fast tokenizer's batch, without special tokens), with word
-    boundaries from the tokenizer's own ``word_ids``. None for a tokenizer without them."""
-    ids, continues = [], []
-    for i, doc_ids in enumerate(encodings["input_ids"]):
-        try:
-            words = encodings.word_ids(i)
-        except ValueError:  # a slow (Python) tokenizer: no word ids
-            return None
-        if doc_ids:
-            words = np.asarray([-1 if w is None else w for w in words])
-            ids.append(np.asarray(doc_ids))
-            continues.append(np.r_[False, (words[1:] == words[:-1]) & (words[1:] >= 0)])
-    if not ids:
-        return np.zeros((2, vocab_size), dtype=np.int64)
-    ids, continues = np.concatenate(ids), np.concatenate(continues)
-    return np.stack(
-        [np.bincount(ids[~continues], minlength=vocab_size), np.bincount(ids[continues], minlength=vocab_size)]
-    ).astype(np.int64)
-
-
-def continuation_table(counts: np.ndarray) -> dict[str, list[int]]:
-    """The ids seen mostly continuing a word, and those seen mostly starting one: what
-    whole-word masking needs (``models.masking.MaskingVocab``)."""
-    seen = counts.sum(0) > 0
-    continues = counts[1] > counts[0]
-    return {
-        "continuation_ids": np.flatnonzero(seen & continues).tolist(),
-        "start_ids": np.flatnonzero(seen & ~continues).tolist(),
-    }

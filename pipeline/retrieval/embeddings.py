@@ -211,3 +211,18 @@ def read_shard(
     if entry is not None and len(embeddings) != entry["rows"]:
         raise ArtifactError(f"embedding shard {uri}: {len(embeddings)} rows, manifest says {entry['rows']}")
     return rows, doc_ids, embeddings
+
+
+def pair_scores(
+    folder: str, entry: dict, wanted: dict[str, list[int]], vectors: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(query index, score) of every (query, stored passage) pair ``wanted`` asks for
+    (doc id -> the indexes of its queries in ``vectors``) whose passage lives in this
+    shard: the query's vector against the passage's stored embedding (inner product)."""
+    _, doc_ids, embeddings = read_shard(folder, entry)
+    queries, scores = [], []
+    for i, doc_id in enumerate(doc_ids):
+        for q in wanted.get(doc_id, ()):
+            queries.append(q)
+            scores.append(float(vectors[q] @ embeddings[i]))
+    return np.asarray(queries, dtype=np.int64), np.asarray(scores, dtype=np.float32)

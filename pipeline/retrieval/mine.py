@@ -150,18 +150,6 @@ def _answer_hits(cfg: MineConfig, queries: dict, ranked: dict[str, list[str]]) -
     }
 
 
-def _pair_scores(folder: str, entry: dict, wanted: dict, vectors) -> tuple[np.ndarray, np.ndarray]:
-    """(query index, score) of every (query, judged positive) pair whose positive lives in
-    this embedding shard: the query's vector against the positive's stored embedding."""
-    _, doc_ids, embeddings = emb.read_shard(folder, entry)
-    queries, scores = [], []
-    for i, doc_id in enumerate(doc_ids):
-        for q in wanted.get(doc_id, ()):
-            queries.append(q)
-            scores.append(float(vectors[q] @ embeddings[i]))
-    return np.asarray(queries, dtype=np.int64), np.asarray(scores, dtype=np.float32)
-
-
 def positive_scores(
     index_uri: str, qids: list[str], vectors: np.ndarray, qrels: dict, which: str = "hardest"
 ) -> np.ndarray:
@@ -177,7 +165,8 @@ def positive_scores(
     for q, qid in enumerate(qids):
         for doc_id in positives(qrels.get(qid, {})):
             wanted.setdefault(doc_id, []).append(q)
-    score = ray.remote(_pair_scores).options(num_cpus=1, max_retries=3)
+    # A task from the embeddings module: a worker that runs it imports no torch or transformers.
+    score = ray.remote(emb.pair_scores).options(num_cpus=1, max_retries=3)
     wanted_ref, vectors_ref = ray.put(wanted), ray.put(np.ascontiguousarray(vectors, dtype=np.float32))
     hardest = which == "hardest"
     out = np.full(len(qids), np.inf if hardest else -np.inf, dtype=np.float32)
