@@ -12,17 +12,14 @@ tokenizer) is loaded through transformers in the task instead.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer
 
 from pipeline.core import model_ref, storage
-from pipeline.core.errors import StorageError
 from pipeline.data.shards import SHARD_SCHEMA
 from pipeline.data.text_shards import read_text_shard
 
@@ -75,7 +72,8 @@ def tokenize_shard(item: dict, tokenizer: ShardTokenizer, output: str) -> tuple[
         schema=SHARD_SCHEMA,
     )
     path = f"shards/part-{item['index']:05d}.parquet"
-    _write_table(storage.join(output, path), shard)
+    with storage.open_output(storage.join(output, path)) as f:  # the shard appears whole or not at all
+        pq.write_table(shard, f, row_group_size=4096)
     entry = {
         "index": item["index"],
         "path": path,
@@ -84,16 +82,6 @@ def tokenize_shard(item: dict, tokenizer: ShardTokenizer, output: str) -> tuple[
         "tokens": int(sum(len(e) for e in encoded)),
     }
     return entry, word_piece_counts(encodings, tokenizer.vocab_size)
-
-
-def _write_table(uri: str, table: pa.Table) -> None:
-    loc = storage.resolve(uri)
-    try:
-        if isinstance(loc.fs, pafs.LocalFileSystem):
-            os.makedirs(os.path.dirname(loc.path), exist_ok=True)
-        pq.write_table(table, loc.path, filesystem=loc.fs, row_group_size=4096)
-    except Exception as exc:
-        raise StorageError(f"cannot write {loc.describe()}: {exc}") from exc
 
 
 def word_piece_counts(encodings: list | None, vocab_size: int) -> np.ndarray | None:
