@@ -151,12 +151,42 @@ def _stop_the_shared_ray():
     _shutdown_if_owner("shared")
 
 
+# The test files that take minutes, as xdist names them. Their tests are also marked
+# `runs_long` (for -m), which is what the ordering below reads; the scheduler below runs in
+# xdist's controller, which collects no tests and so sees no markers.
+RUNS_LONG = frozenset({"tests/test_two_node.py"})
+
+
 def pytest_collection_modifyitems(session, config, items):
     # In one process (-n 0), tests that take minutes start first and the shared Ray's tests
     # run last. Under xdist (--dist loadfile) this orders only the tests inside a file and
     # files with as many tests: xdist hands out the files by their number of tests. (Starting
     # the longest files first there was slower: they slowed each other down; limitations.md.)
+    marked = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("runs_long")}
+    if not marked <= RUNS_LONG:
+        raise pytest.UsageError(f"tests/conftest.py: add {sorted(marked - RUNS_LONG)} to RUNS_LONG")
     items.sort(key=lambda item: ("shared_ray" in item.fixturenames, item.get_closest_marker("runs_long") is None))
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: `-p no:xdist` runs without it
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's ``loadfile``, except that the process given a long file takes no other file
+    after it. xdist gives a process its next file while it still has up to 2 tests to run
+    (a process runs a test only once it knows the next), so a one-test long file, handed
+    out late, kept two more files waiting behind it while the other process ran out of
+    work: 61 s of tests, in a suite of 15 min 49 s (2026-11-27)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LongFileLast(LoadFileScheduling):
+        def _assign_work_unit(self, node) -> None:
+            scope = next(iter(self.workqueue))
+            super()._assign_work_unit(node)
+            if scope in RUNS_LONG and any(other is not node and not other.shutting_down for other in self.nodes):
+                node.shutdown()  # it runs what it holds, the long file last, then stops
+
+    return LongFileLast(config, log)
 
 
 def write_jsonl(path, docs) -> str:
