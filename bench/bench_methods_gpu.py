@@ -39,13 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models.backbone import BackboneConfig, build_mlm
 from models.batches import to_device
 from models.cocondenser import CoCondenserConfig, CoCondenserMethod
+from models.compiled import repeated_blocks
 from models.condenser import CondenserConfig, CondenserMethod
 from models.masking import MaskingVocab
 from models.memory import free_memory
 from models.method import PlainEngine
 from models.mlm import MLMConfig, MLMMethod
 from models.simlm import SimLMConfig, SimLMMethod
-from pipeline.training.profiling import device_profile, time_table
+from pipeline.training.profiling import busy_line, device_profile, time_table
 
 SIZES = {  # hidden, layers, heads, intermediate
     "bert-base": (768, 12, 12, 3072),
@@ -119,12 +120,32 @@ def matmul_ceiling(device: str, precision: str) -> float:
 
 def profiled(step, batches: list, device: str) -> str:
     """Where a step's time goes: torch.profiler over ``batches`` (after the timed steps),
-    the operators' and kernels' own device time, largest first."""
+    how busy the device was, then the operators' and kernels' own device time, largest first."""
+    start = time.perf_counter()
     with device_profile(device == "cuda") as session:
         for cpu_batch in batches:
             loss = step(cpu_batch)
         float(loss)
-    return f"{len(batches)} steps\n" + time_table(session, device == "cuda")
+    busy = busy_line(session, time.perf_counter() - start, len(batches), device == "cuda")
+    return f"{busy}\n" + time_table(session, device == "cuda")
+
+
+VARIANTS = ("autocast", "held", "blocks", "whole", "auto")
+
+
+def parse_variant(variant: str) -> dict:
+    """``autocast`` (fp32 weights, bf16 autocast, as before) or ``held`` (the module held in
+    bf16, as DeepSpeed's bf16 runs it in the job), with ``+blocks`` or ``+whole`` for
+    torch.compile of the transformer blocks or the whole module, with dynamic shapes, or with
+    ``+auto`` torch's default: static until a shape changes (training's rows are of one
+    width; the MLM loss's count of masked positions changes every step): e.g.
+    ``held+whole+auto``."""
+    parts = variant.split("+")
+    unknown = set(parts) - set(VARIANTS)
+    if unknown or not {"autocast", "held"} & set(parts):
+        raise SystemExit(f"--variants: {variant!r} is not autocast|held[+blocks|+whole][+auto]")
+    compile_ = "blocks" if "blocks" in parts else "whole" if "whole" in parts else ""
+    return {"held": "held" in parts, "compile": compile_, "dynamic": None if "auto" in parts else True}
 
 
 def bench_one(
@@ -140,6 +161,7 @@ def bench_one(
     sized: bool = False,
     free_gib: float = 0.0,
     profile: str = "",
+    variant: str = "autocast",
 ):
     hidden, layers, heads, inter = SIZES[size]
     torch.manual_seed(0)
@@ -155,11 +177,19 @@ def bench_one(
         masking.vocab_size,
     )
     method = cls(cfg, masking)
+    how = parse_variant(variant)
     model = method.build(mlm).to(device).train()
+    if how["held"]:
+        model.to(torch.bfloat16)
+    if how["compile"] == "blocks":
+        for block in repeated_blocks(model):
+            block.compile(dynamic=how["dynamic"])
+    elif how["compile"] == "whole":
+        model.compile(dynamic=how["dynamic"])
     engine = PlainEngine(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=device == "cuda")
     rng = torch.Generator().manual_seed(0)
-    autocast = torch.autocast(device_type=device, dtype=torch.bfloat16)
+    autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=not how["held"])
     chunk = getattr(method, "chunk_size", None)
     if sized:
         with autocast:
@@ -177,8 +207,11 @@ def bench_one(
         optimizer.zero_grad(set_to_none=True)
         return loss
 
+    warm_start = time.perf_counter()
     for _ in range(3):
         step(make_batch())
+    float(step(make_batch()))
+    warm_s = time.perf_counter() - warm_start  # a compiled variant's compile time is in here
     with FlopCounterMode(display=False) as counter:
         step(make_batch())
     flops = counter.get_total_flops()
@@ -201,6 +234,8 @@ def bench_one(
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {
         "method": name,
+        "variant": variant,
+        "warm_s": round(warm_s, 1),
         "size": size,
         "batch": batch,
         "length": length,
@@ -231,6 +266,11 @@ def main() -> None:
         default="",
         help="comma-separated rows to run (e.g. cocondenser,cocondenser-gradcache-sized); empty = all",
     )
+    parser.add_argument(
+        "--variants",
+        default="autocast",
+        help="comma-separated ways to run each row: autocast|held[+blocks|+whole][+auto] (parse_variant)",
+    )
     parser.add_argument("--json", default="", help="also write the rows here")
     parser.add_argument(
         "--profile", default="", help="write each row's torch.profiler table (3 steps) to PREFIX-<size>-<method>.txt"
@@ -256,32 +296,48 @@ def main() -> None:
             for name, cls, cfg, scale, sized in methods(generator_dir, args.batch, args.length):
                 if chosen is not None and name not in chosen:
                     continue
-                row = bench_one(
-                    name,
-                    cls,
-                    cfg,
-                    size,
-                    args.batch * scale,
-                    args.length,
-                    args.steps,
-                    args.device,
-                    masking,
-                    sized,
-                    args.free_gib,
-                    f"{args.profile}-{size}-{name}.txt" if args.profile else "",
-                )
-                row["mfu_datasheet"] = round(row["achieved_tflop_s"] * 1e12 / datasheet, 3)
-                row["mfu_measured_matmul"] = round(row["achieved_tflop_s"] * 1e12 / ceiling, 3)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                for variant in args.variants.split(","):
+                    tag = name if variant == "autocast" else f"{name}-{variant.replace('+', '_')}"
+                    try:
+                        row = bench_one(
+                            name,
+                            cls,
+                            cfg,
+                            size,
+                            args.batch * scale,
+                            args.length,
+                            args.steps,
+                            args.device,
+                            masking,
+                            sized,
+                            args.free_gib,
+                            f"{args.profile}-{size}-{tag}.txt" if args.profile else "",
+                            variant,
+                        )
+                    except Exception as exc:  # a variant that fails (a compile) leaves the others
+                        print(f"{size} {tag} failed: {type(exc).__name__}: {exc}"[:2000], flush=True)
+                        continue
+                    finally:
+                        if args.device == "cuda":
+                            torch.cuda.empty_cache()
+                    row["mfu_datasheet"] = round(row["achieved_tflop_s"] * 1e12 / datasheet, 3)
+                    row["mfu_measured_matmul"] = round(row["achieved_tflop_s"] * 1e12 / ceiling, 3)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    if args.json:  # after each row: a deadline keeps those done
+                        Path(args.json).write_text(
+                            json.dumps(
+                                {"device": device_name, "matmul_tflop_s": ceiling / 1e12, "rows": rows}, indent=1
+                            )
+                        )
     print(
-        "\n| size | method | trained params (M) | device step (ms) | CPU masking (ms) | tokens/s | TFLOP/step "
+        "\n| size | method | variant | trained params (M) | device step (ms) | CPU masking (ms) | tokens/s | TFLOP/step "
         "| TFLOP/s | MFU (datasheet) | MFU (measured matmul) | peak GiB |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['size']} | {r['method']} | {r['params_m']} | {r['step_ms']} | {r['make_batch_ms']} | "
+            f"| {r['size']} | {r['method']} | {r['variant']} | {r['params_m']} | {r['step_ms']} | {r['make_batch_ms']} | "
             f"{r['tokens_per_s']:,} | "
             f"{r['step_tflops']} | {r['achieved_tflop_s']} | {r['mfu_datasheet']} | {r['mfu_measured_matmul']} | "
             f"{r['peak_gib']} |"

@@ -121,8 +121,9 @@ def test_export_is_a_drop_in_bert_with_its_mlm_head(exported):
 
 def test_a_compiled_training_step_gives_the_eager_loss_and_gradients():
     """``--train.compile``: the module's blocks compiled in place (what the loop does before
-    DeepSpeed wraps it) give the eager step's loss and gradients, and a new batch width
-    compiles no new graph."""
+    DeepSpeed wraps it) give the eager step's loss and gradients. Shapes are static until
+    one changes: the second batch width compiles the blocks once more, with dynamic shapes,
+    and a third width reuses those graphs."""
     import numpy as np
 
     from models.compiled import compile_in_place
@@ -138,7 +139,7 @@ def test_a_compiled_training_step_gives_the_eager_loss_and_gradients():
             compiled_now = [type(m).__name__ for m in model.modules() if m._compiled_call_impl is not None]
             assert sorted(compiled_now) == ["BertEmbeddings", "BertLayer", "BertLayer"], compiled_now
         rng, out = np.random.default_rng(0), []
-        for width in (16, 24):
+        for width in (16, 24, 20):
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
             arrays = {"input_ids": rng.integers(5, len(tiny_vocab()), (4, width)), "length": np.full(4, width)}
             batch = method.make_batch(arrays, torch.Generator().manual_seed(0))
@@ -152,8 +153,9 @@ def test_a_compiled_training_step_gives_the_eager_loss_and_gradients():
     graphs: list[int] = []
     (eager, eager_keys), (compiled, compiled_keys) = steps(False), steps(True)
     graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-    assert graphs[:2] == [0, 0] and graphs[3] > 0  # eager compiles nothing; compiled, at its first width
-    assert graphs[4] == graphs[3]  # the second width reuses them
+    assert graphs[:4] == [0, 0, 0, 0] and graphs[4] > 0  # eager compiles nothing; compiled, at its first width
+    assert graphs[5] > graphs[4]  # the second width: dynamic graphs
+    assert graphs[6] == graphs[5]  # the third reuses them
     assert compiled_keys == eager_keys  # checkpoints and exports keep their keys
     for (loss, grads), (loss_c, grads_c) in zip(eager, compiled):
         assert loss_c == pytest.approx(loss, rel=1e-6)

@@ -83,11 +83,18 @@ def test_shipped_templates_get_every_auto_filled(stage):
     assert cfg["bf16"]["enabled"] is True and cfg["fp16"]["enabled"] is False
 
 
-def test_one_worker_skips_zero_partitioning_but_keeps_stage_3():
+def test_one_worker_skips_zero_partitioning_but_keeps_stage_3_and_bf16_runs_its_optimizer():
     assert deepspeed_config(TrainConfig(zero_stage=2), world_size=1)["zero_optimization"]["stage"] == 0
     assert deepspeed_config(TrainConfig(zero_stage=1), world_size=1)["zero_optimization"]["stage"] == 0
     assert deepspeed_config(TrainConfig(zero_stage=3), world_size=1)["zero_optimization"]["stage"] == 3
     assert deepspeed_config(TrainConfig(zero_stage=2), world_size=2)["zero_optimization"]["stage"] == 2
+    # One bf16 worker: stage 1 with fp32 gradient accumulation (DeepSpeed's BF16_Optimizer,
+    # tests/test_bf16_worker.py); several keep their stage and DeepSpeed's own accumulation.
+    one = deepspeed_config(TrainConfig(zero_stage=2, precision="bf16"), world_size=1)
+    assert one["zero_optimization"]["stage"] == 1 and one["data_types"] == {"grad_accum_dtype": "fp32"}
+    several = deepspeed_config(TrainConfig(zero_stage=2, precision="bf16"), world_size=2)
+    assert several["zero_optimization"]["stage"] == 2 and "data_types" not in several
+    assert "data_types" not in deepspeed_config(TrainConfig(zero_stage=3, precision="bf16"), world_size=1)
 
 
 def test_explicit_values_in_a_user_config_win(tmp_path):

@@ -47,10 +47,27 @@ def skip_inference_comm_op() -> None:
 def effective_zero_stage(train: TrainConfig, world_size: int) -> int:
     """ZeRO partitions optimiser state across workers; with one worker there is nothing to
     partition, and its gradient hooks cost ~4% of a step (bench/bench_pretrain.py), so a
-    single worker uses stage 0. Stage 3 is kept: it also shards parameters for offload."""
+    single fp32 or fp16 worker uses stage 0. A single bf16 worker uses stage 1 with fp32
+    gradient accumulation (:func:`single_bf16_worker`), which DeepSpeed runs with its
+    ``BF16_Optimizer``: one partition, no gradient hooks. Stage 3 is kept: it also shards
+    parameters for offload."""
+    if single_bf16_worker(train, world_size):
+        return 1
     if world_size == 1 and train.zero_stage in (1, 2):
         return 0
     return train.zero_stage
+
+
+def single_bf16_worker(train: TrainConfig, world_size: int) -> bool:
+    """Whether the run is one bf16 worker at stage 0-2, which DeepSpeed would otherwise run
+    at stage 0 with gradients accumulated in bf16 through ``FP16_UnfusedOptimizer``. That
+    optimizer checks each parameter's gradient for overflow on the host, one device sync per
+    tensor (234 for a BERT-base Condenser), which leaves a GPU idle while the host works
+    through its per-tensor loops: the job ran at 0.72 of the bare model step on an H100
+    (bench/README.md). ``BF16_Optimizer`` keeps fp32 master weights
+    and fp32 gradients in flat buffers and syncs once, on the global norm; accumulating
+    micro-batches in fp32 also stops bf16 from rounding each sum."""
+    return world_size == 1 and train.precision == "bf16" and train.zero_stage in (1, 2)
 
 
 def deepspeed_config(train: TrainConfig, world_size: int) -> dict:
@@ -76,4 +93,6 @@ def deepspeed_config(train: TrainConfig, world_size: int) -> dict:
             section["enabled"] = train.precision == name
     if not train.deepspeed_config:
         cfg.setdefault("zero_optimization", {})["stage"] = stage
+        if single_bf16_worker(train, world_size):
+            cfg.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
     return cfg

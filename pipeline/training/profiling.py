@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from pipeline.core import storage
@@ -30,6 +32,20 @@ def time_table(session: profile, on_gpu: bool) -> str:
     the CPU's otherwise), largest first."""
     sort_by = "self_device_time_total" if on_gpu else "self_cpu_time_total"
     return session.key_averages().table(sort_by=sort_by, row_limit=TABLE_ROWS, max_name_column_width=80)
+
+
+def busy_line(session: profile, wall_s: float, steps: int, on_gpu: bool) -> str:
+    """How much of a window's wall time the device computed at all (its kernels' and copies'
+    own time, summed as the table's "Self CUDA time total" sums them), and the kernels
+    launched a step: a device idle for much of the window waits on the host, which no
+    faster kernel fixes."""
+    events = session.key_averages()
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    line = f"{steps} steps in {wall_s * 1e3:.1f} ms of wall (profiled)"
+    if not on_gpu:
+        return line
+    busy_s = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e6
+    return f"{line}; device busy {busy_s * 1e3:.1f} ms ({busy_s / wall_s:.0%}); {launches / steps:.0f} kernel launches a step"
 
 
 def profiled_window(steps: int, max_steps: int) -> tuple[int, int]:
@@ -52,6 +68,7 @@ class StepProfiler:
         self.on_gpu = device.type == "cuda"
         self.output, self.rank = output, rank
         self.session: profile | None = None
+        self.opened = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -71,15 +88,18 @@ class StepProfiler:
         if self.enabled and self.session is None and done == self.first - 1:
             self.session = device_profile(self.on_gpu)
             self.session.__enter__()
+            self.opened = time.perf_counter()
 
     def _close(self, step: int) -> None:
         session, self.session = self.session, None
         if self.on_gpu:
             torch.cuda.synchronize()  # the window's kernels end inside it
         session.__exit__(None, None, None)
+        wall_s = time.perf_counter() - self.opened
         self.last = 0  # once per attempt
         table = time_table(session, self.on_gpu)
-        steps = f"optimizer steps {self.first}-{step}"
+        busy = busy_line(session, wall_s, step - self.first + 1, self.on_gpu)
+        steps = f"optimizer steps {self.first}-{step}: {busy}"
         folder = storage.join(self.output, "profile")
         storage.write_bytes(storage.join(folder, f"rank{self.rank}.txt"), f"{steps}\n{table}\n".encode())
         with tempfile.TemporaryDirectory() as tmp:
