@@ -65,6 +65,8 @@ if [ "${SMOKE:-0}" = 1 ]; then
     step mfu_512_compiled 400 $PY bench/bench_pretrain_mfu.py "${mfu[@]}" --compile --json "$OUT/mfu_512_compiled.json"
     step mfu_512_profiled 300 $PY bench/bench_pretrain_mfu.py "${mfu[@]}" --json "$OUT/mfu_512_profiled.json" \
         --profile "$PROFILES/profile-job.txt"
+    step gradcache 300 $PY bench/bench_methods_gpu.py --tiny --device cpu --free_gib 0.05 \
+        --methods cocondenser-sized-batch,cocondenser-gradcache-sized --json "$OUT/gradcache.json"
     exit 0
 fi
 
@@ -87,4 +89,8 @@ step mfu_512_compiled 170 env TORCHINDUCTOR_COALESCE_TILING_ANALYSIS=0 $PY bench
 # and the bare step.
 step mfu_512_profiled 150 $PY bench/bench_pretrain_mfu.py "${mfu[@]}" --json "$OUT/mfu_512_profiled.json" \
     --profile "$PROFILES/profile-job.txt"
+# coCondenser's gradient cache at the chunk sized from free memory against the same batch
+# (8 x 128 spans of 126 tokens) in one graph without it, where memory holds that.
+step gradcache 150 $PY bench/bench_methods_gpu.py --sizes bert-base --methods \
+    cocondenser-sized-batch,cocondenser-gradcache-sized --json "$OUT/gradcache.json"
 echo "== done in ${SECONDS}s" | tee -a "$LOG"

@@ -150,7 +150,8 @@ class _Flaky:
     def work(self, task: int) -> int:
         marker = os.path.join(self.marker_dir, f"died-{task}")
         if task % 3 == 0 and not os.path.exists(marker):
-            open(marker, "w").close()
+            with open(marker, "w") as f:
+                f.write(str(os.getpid()))
             os._exit(1)
         return task * 10
 
@@ -175,8 +176,11 @@ def test_a_task_whose_actor_died_is_retried_on_a_fresh_actor(tmp_path, shared_ra
     )
     assert results == [t * 10 for t in range(7)]  # every task exactly once, in order
     assert sorted(os.listdir(tmp_path)) == ["died-0", "died-3", "died-6"]
-    # One fresh actor per death, even when the dead actor had two calls in flight.
-    assert len(made) == 2 + 3
+    # One fresh actor per death, even when the dead actor had two calls in flight. With two
+    # calls at once, both of an actor's calls may be marked tasks that mark and exit the one
+    # process: the deaths are the processes that exited.
+    deaths = {(tmp_path / name).read_text() for name in os.listdir(tmp_path)}
+    assert len(deaths) >= 2 and len(made) == 2 + len(deaths)
 
 
 class _Overlapping:
