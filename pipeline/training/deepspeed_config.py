@@ -64,9 +64,9 @@ def single_bf16_worker(train: TrainConfig, world_size: int) -> bool:
     optimizer checks each parameter's gradient for overflow on the host, one device sync per
     tensor (234 for a BERT-base Condenser), which leaves a GPU idle while the host works
     through its per-tensor loops: the job ran at 0.72 of the bare model step on an H100
-    (bench/README.md). ``BF16_Optimizer`` keeps fp32 master weights
-    and fp32 gradients in flat buffers and syncs once, on the global norm; accumulating
-    micro-batches in fp32 also stops bf16 from rounding each sum."""
+    (bench/README.md). ``BF16_Optimizer`` keeps fp32 master weights and fp32 gradients in
+    flat buffers and syncs once, on the global norm; accumulating micro-batches in fp32 also
+    stops bf16 from rounding each sum."""
     return world_size == 1 and train.precision == "bf16" and train.zero_stage in (1, 2)
 
 
