@@ -294,6 +294,12 @@ def main() -> None:
         flush=True,
     )
     rows = []
+
+    def save() -> None:  # after each row: a deadline keeps those done
+        if args.json:
+            summary = {"device": device_name, "matmul_tflop_s": ceiling / 1e12, "rows": rows}
+            Path(args.json).write_text(json.dumps(summary, indent=1))
+
     with tempfile.TemporaryDirectory() as tmp:
         generator_dir = small_generator(masking.vocab_size, os.path.join(tmp, "generator"))
         for size in args.sizes.split(","):
@@ -328,12 +334,7 @@ def main() -> None:
                     row["mfu_measured_matmul"] = round(row["achieved_tflop_s"] * 1e12 / ceiling, 3)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-                    if args.json:  # after each row: a deadline keeps those done
-                        Path(args.json).write_text(
-                            json.dumps(
-                                {"device": device_name, "matmul_tflop_s": ceiling / 1e12, "rows": rows}, indent=1
-                            )
-                        )
+                    save()
     print(
         "\n| size | method | variant | trained params (M) | device step (ms) | CPU masking (ms) | tokens/s | TFLOP/step "
         "| TFLOP/s | MFU (datasheet) | MFU (measured matmul) | peak GiB |"
@@ -346,10 +347,7 @@ def main() -> None:
             f"{r['step_tflops']} | {r['achieved_tflop_s']} | {r['mfu_datasheet']} | {r['mfu_measured_matmul']} | "
             f"{r['peak_gib']} |"
         )
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps({"device": device_name, "matmul_tflop_s": ceiling / 1e12, "rows": rows}, indent=1)
-        )
+    save()
 
 
 if __name__ == "__main__":
