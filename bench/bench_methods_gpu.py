@@ -36,6 +36,7 @@ from transformers import BertConfig, BertForMaskedLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from models import backbone
 from models.backbone import BackboneConfig, build_mlm
 from models.batches import to_device
 from models.cocondenser import CoCondenserConfig, CoCondenserMethod
@@ -134,7 +135,8 @@ def profiled(step, batches: list, device: str) -> str:
     return f"{busy}\n" + time_table(session, device == "cuda")
 
 
-VARIANTS = ("autocast", "held", "blocks", "whole", "auto")
+VARIANTS = ("autocast", "held", "blocks", "whole", "auto", "unpadded")
+PADDED_VOCAB = backbone.VOCAB_MULTIPLE["cuda"]  # before any variant sets it
 
 
 def parse_variant(variant: str) -> dict:
@@ -143,13 +145,19 @@ def parse_variant(variant: str) -> dict:
     torch.compile of the transformer blocks or the whole module, with dynamic shapes, or with
     ``+auto`` torch's default: static until a shape changes (training's rows are of one
     width; the MLM loss's count of masked positions changes every step): e.g.
-    ``held+whole+auto``."""
+    ``held+whole+auto``. ``+unpadded``: the MLM projection on the vocabulary as it is, not
+    padded to a multiple of 64 rows (``models.backbone.VOCAB_MULTIPLE``, 2026-11-27 late)."""
     parts = variant.split("+")
     unknown = set(parts) - set(VARIANTS)
     if unknown or not {"autocast", "held"} & set(parts):
-        raise SystemExit(f"--variants: {variant!r} is not autocast|held[+blocks|+whole][+auto]")
+        raise SystemExit(f"--variants: {variant!r} is not autocast|held[+blocks|+whole][+auto][+unpadded]")
     compile_ = "blocks" if "blocks" in parts else "whole" if "whole" in parts else ""
-    return {"held": "held" in parts, "compile": compile_, "dynamic": None if "auto" in parts else True}
+    return {
+        "held": "held" in parts,
+        "compile": compile_,
+        "dynamic": None if "auto" in parts else True,
+        "vocab_multiple": 1 if "unpadded" in parts else PADDED_VOCAB,
+    }
 
 
 def bench_one(
@@ -182,6 +190,7 @@ def bench_one(
     )
     method = cls(cfg, masking)
     how = parse_variant(variant)
+    backbone.VOCAB_MULTIPLE[device] = how["vocab_multiple"]  # each variant sets its own
     model = method.build(mlm).to(device).train()
     if how["held"]:
         model.to(torch.bfloat16)
@@ -273,7 +282,7 @@ def main() -> None:
     parser.add_argument(
         "--variants",
         default="autocast",
-        help="comma-separated ways to run each row: autocast|held[+blocks|+whole][+auto] (parse_variant)",
+        help="comma-separated ways to run each row: autocast|held[+blocks|+whole][+auto][+unpadded] (parse_variant)",
     )
     parser.add_argument("--json", default="", help="also write the rows here")
     parser.add_argument(

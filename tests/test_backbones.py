@@ -277,3 +277,76 @@ def test_whole_word_masking_groups_the_pieces_the_tokenizer_calls_one_word(kind,
     words = word_ids(ids, learned)[0]
     for word in words.unique().tolist():
         assert selected[words == word].unique().numel() == 1
+
+
+@pytest.mark.parametrize("multiple", [1, 7, 64])
+def test_the_vocabulary_projection_padded_gives_the_heads_own_logits_and_gradients(backbone, multiple):
+    """On a GPU the MLM projection runs on a vocabulary padded to a multiple of 64 (aligned
+    rows for its fast kernels): the logits must be the head's own, unpadded, and the
+    gradients of a loss on them those of the head's own forward."""
+    folder, tokenizer, model_type = backbone
+    torch.manual_seed(0)
+    mlm = build_mlm(BackboneConfig(init=folder), len(tokenizer)).eval()
+    adapter = family(mlm)
+    ids = torch.tensor([tokenizer("in the beginning God created the heaven and the earth")["input_ids"]] * 3)
+    labels = torch.randint(0, mlm.config.vocab_size, (ids.numel(),))
+
+    def logits_and_grads(padded: bool):
+        mlm.zero_grad()
+        states = adapter.base(mlm)(input_ids=ids).last_hidden_state.flatten(0, 1)
+        logits = adapter.mlm_logits(mlm, states, multiple) if padded else mlm(input_ids=ids).logits.flatten(0, 1)
+        torch.nn.functional.cross_entropy(logits.float(), labels).backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in mlm.named_parameters() if p.grad is not None}
+
+    (padded, padded_grads), (own, own_grads) = logits_and_grads(True), logits_and_grads(False)
+    assert padded.shape == own.shape == (ids.numel(), mlm.config.vocab_size)
+    torch.testing.assert_close(padded, own, rtol=0, atol=1e-5)
+    assert padded_grads.keys() == own_grads.keys() and len(own_grads) > 10
+    for name, grad in own_grads.items():
+        torch.testing.assert_close(padded_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_gpu_pads_the_vocabulary_projection_and_a_cpu_does_not(monkeypatch):
+    """What the vocabulary projection's shape is, per device: padded to 64 rows on CUDA
+    only (spied on with CPU standing in for CUDA, as this machine has no GPU)."""
+    from models import backbone as backbone_module
+
+    assert backbone_module.VOCAB_MULTIPLE == {"cuda": 64}
+    mlm = build_mlm(BackboneConfig(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32), 100)
+    shapes = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(
+        torch.nn.functional, "linear", lambda x, w, b=None: shapes.append(tuple(w.shape)) or real(x, w, b)
+    )
+    states = torch.randn(5, 16)
+    assert family(mlm).mlm_logits(mlm, states).shape == (5, 100)
+    monkeypatch.setitem(backbone_module.VOCAB_MULTIPLE, "cpu", 64)
+    assert family(mlm).mlm_logits(mlm, states).shape == (5, 100)
+    assert [shape for shape in shapes if shape[0] >= 100] == [(100, 16), (128, 16)]
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_has_the_same_loss_and_gradients_with_the_vocabulary_padded(backbone, method, monkeypatch):
+    """The methods' losses (masked positions only, per sequence, a batch with none) with the
+    projection padded as a GPU runs it, against unpadded, on this CPU."""
+    from models import backbone as backbone_module
+
+    folder, tokenizer, _ = backbone
+    cfg = PretrainConfig()
+    method_cfg = getattr(cfg, method)
+    if method == "simlm":
+        method_cfg.generator = folder
+    task = PretrainTask(method, method_cfg, BackboneConfig(init=folder), folder, len(tokenizer))
+    torch.manual_seed(0)
+    model = task.build_model().eval()
+    arrays = stream_arrays(tokenizer, sample_texts(40)[20:28], method == "cocondenser")
+
+    def loss_and_grads():
+        model.zero_grad()
+        batch = task.make_batch(arrays, torch.Generator().manual_seed(0))
+        loss, _ = task.backward(PlainEngine(model), batch)
+        return float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    unpadded = loss_and_grads()
+    monkeypatch.setitem(backbone_module.VOCAB_MULTIPLE, "cpu", 64 if len(tokenizer) % 64 else 7)
+    assert_same_loss_and_gradients(unpadded, loss_and_grads())

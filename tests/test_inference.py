@@ -10,6 +10,8 @@ from pipeline.retrieval.inference import (
     inference_dtype,
     length_sorted_batches,
     made_in,
+    on_device,
+    overlapped,
     resolved_precision,
 )
 
@@ -31,6 +33,29 @@ def test_a_token_budget_gives_long_items_fewer_rows_a_batch():
     # The same order as without a budget: only the cuts move.
     flat = [i for b in batches for i in b]
     assert flat == [i for b in length_sorted_batches(lengths, 3) for i in b.tolist()]
+
+
+def test_each_next_batch_is_launched_before_the_last_ones_output_is_read():
+    """The order that lets a GPU run one batch while the host frames the next: forward(b)
+    comes before the output of b - 1 is handed back, and every output comes back once, in
+    order, as fp32 numpy."""
+    calls = []
+
+    def forward(batch):
+        calls.append(f"forward {batch}")
+        return torch.full((2, 3), float(batch), dtype=torch.float16)
+
+    for batch, output in overlapped(iter([1, 2, 3]), forward):
+        calls.append(f"output {batch}")
+        assert output.dtype == np.float32 and (output == batch).all()
+    assert calls == ["forward 1", "forward 2", "output 1", "forward 3", "output 2", "output 3"]
+    assert list(overlapped([], forward)) == []
+
+
+def test_inputs_stay_as_they_are_on_a_cpu():
+    batch = {"ids": torch.arange(6).reshape(2, 3), "mask": torch.ones(2, 3, dtype=torch.long)}
+    moved = on_device(batch, "cpu")
+    assert moved.keys() == batch.keys() and all(torch.equal(moved[k], batch[k]) for k in batch)
 
 
 def test_precision_settings_per_device_and_model_size():

@@ -54,6 +54,8 @@ from pipeline.retrieval.inference import (
     inference_dtype,
     length_sorted_batches,
     made_in,
+    on_device,
+    overlapped,
 )
 
 CPU_BATCH = 256  # passages a forward on CPUs where encoder.batch_size is 0
@@ -202,14 +204,18 @@ class Encoder:
         tok = self.tokenizer
         encode = self.model.encode_passage if tower == "passage" else self.model.encode_query
         out = np.zeros((len(token_lists), self.dim), dtype=np.float32)
+
+        def forward(idx: np.ndarray) -> torch.Tensor:
+            ids, mask = _frame_batch(
+                [token_lists[i] for i in idx], max_len, tok.cls_token_id, tok.sep_token_id, tok.pad_token_id
+            )
+            inputs = on_device({"ids": ids, "mask": mask}, self.device)
+            return encode(inputs["ids"], inputs["mask"])
+
         with inference(self.device, self.dtype):
             framed_lengths = [min(len(t), max_len - 2) + 2 for t in token_lists]
-            for idx in length_sorted_batches(framed_lengths, *self.batch_limits):
-                ids, mask = _frame_batch(
-                    [token_lists[i] for i in idx], max_len, tok.cls_token_id, tok.sep_token_id, tok.pad_token_id
-                )
-                reps = encode(ids.to(self.device), mask.to(self.device))
-                out[idx] = reps.float().cpu().numpy()
+            for idx, reps in overlapped(length_sorted_batches(framed_lengths, *self.batch_limits), forward):
+                out[idx] = reps
         check_finite(out, self.dtype, f"{tower} vectors")
         return out
 

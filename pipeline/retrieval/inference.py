@@ -5,7 +5,8 @@ so that each batch is padded only to its own longest item."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -104,6 +105,52 @@ def length_sorted_batches(
             rows = min(rows, max(1, max_tokens // max(1, int(lengths[order[start]]))))
         yield order[start : start + rows]
         start += rows
+
+
+def on_device(tensors: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+    """A batch's inputs on ``device``. To a GPU from pinned memory, without blocking: a
+    blocking copy to a GPU returns only once every kernel queued before it has run, so the
+    next batch could not be queued behind the one running."""
+    if device.split(":")[0] != "cuda":
+        return {name: tensor.to(device) for name, tensor in tensors.items()}
+    return {name: tensor.pin_memory().to(device, non_blocking=True) for name, tensor in tensors.items()}
+
+
+Batch = TypeVar("Batch")
+
+
+def overlapped(
+    batches: Iterable[Batch], forward: Callable[[Batch], torch.Tensor]
+) -> Iterator[tuple[Batch, np.ndarray]]:
+    """``(batch, forward(batch) as fp32 on the host)`` for each of ``batches``, in order, each
+    next batch made and launched before the output of the one before it is waited for.
+
+    ``forward`` does the host's part (framing the batch, :func:`on_device`) and queues the
+    device's. On a GPU its output is copied to pinned memory behind its own kernels and read
+    once that copy is done: while the host waits for one batch, the next is queued behind
+    it, and the host framed it while the device ran the one before. Before 2026-11-27 each
+    batch was framed only once the last one's output was back, with the GPU idle."""
+    pending = None
+    for batch in batches:
+        output = forward(batch).float()
+        done = None
+        if output.is_cuda:
+            host = torch.empty(output.shape, dtype=output.dtype, pin_memory=True)
+            host.copy_(output, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            output = host
+        if pending is not None:
+            yield _host_output(*pending)
+        pending = batch, output, done
+    if pending is not None:
+        yield _host_output(*pending)
+
+
+def _host_output(batch, output: torch.Tensor, done) -> tuple:
+    if done is not None:
+        done.synchronize()
+    return batch, output.numpy()
 
 
 def check_finite(values: np.ndarray, dtype: torch.dtype, what: str) -> None:

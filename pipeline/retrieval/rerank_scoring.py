@@ -48,6 +48,8 @@ from pipeline.retrieval.inference import (
     inference_dtype,
     length_sorted_batches,
     made_in,
+    on_device,
+    overlapped,
 )
 from pipeline.retrieval.metrics import JOB_MEASURES, StreamedMetrics, metrics_table
 from pipeline.retrieval.passages import PassageStore, fetch_texts
@@ -183,13 +185,18 @@ class PairScorer:
         pair_len = torch.clamp(q_len[pair_q] + d_len[pair_d] - 1, max=self.lengths.max_len)
         scores = torch.zeros(len(pair_q), dtype=torch.float32)
         sep, pad = self.tokenizer.sep_token_id, self.tokenizer.pad_token_id
+
+        def forward(batch_rows: np.ndarray) -> torch.Tensor:
+            idx = torch.from_numpy(batch_rows)
+            qi, di = pair_q[idx], pair_d[idx]
+            batch = pair_inputs(q_ids[qi], q_len[qi], d_ids[di], d_len[di], self.lengths.max_len, sep, pad)
+            return self.model(**on_device(batch, self.device))
+
         with inference(self.device, self.dtype):
-            for batch_rows in length_sorted_batches(pair_len.numpy(), *self.batch_limits):
-                idx = torch.from_numpy(batch_rows)
-                qi, di = pair_q[idx], pair_d[idx]
-                batch = pair_inputs(q_ids[qi], q_len[qi], d_ids[di], d_len[di], self.lengths.max_len, sep, pad)
-                batch = {k: v.to(self.device) for k, v in batch.items()}
-                scores[idx] = self.model(**batch).float().cpu()
+            for batch_rows, batch_scores in overlapped(
+                length_sorted_batches(pair_len.numpy(), *self.batch_limits), forward
+            ):
+                scores[torch.from_numpy(batch_rows)] = torch.from_numpy(batch_scores)
         check_finite(scores.numpy(), self.dtype, "re-ranker scores")
         return [part.numpy() for part in scores.split([len(docs) for docs in candidates])]
 
