@@ -135,24 +135,30 @@ def profiled(step, batches: list, device: str) -> str:
     return f"{busy}\n" + time_table(session, device == "cuda")
 
 
-VARIANTS = ("autocast", "held", "blocks", "whole", "auto", "unpadded")
+VARIANTS = ("autocast", "held", "fp32", "blocks", "whole", "auto", "unpadded", "fullfirst")
 PADDED_VOCAB = backbone.VOCAB_MULTIPLE["cuda"]  # before any variant sets it
 
 
 def parse_variant(variant: str) -> dict:
-    """``autocast`` (fp32 weights, bf16 autocast, as before) or ``held`` (the module held in
-    bf16, as DeepSpeed's bf16 runs it in the job), with ``+blocks`` or ``+whole`` for
+    """``autocast`` (fp32 weights, bf16 autocast, as before), ``held`` (the module held in
+    bf16, as DeepSpeed's bf16 runs it in the job) or ``fp32``, with ``+blocks`` or ``+whole`` for
     torch.compile of the transformer blocks or the whole module, with dynamic shapes, or with
     ``+auto`` torch's default: static until a shape changes (training's rows are of one
     width; the MLM loss's count of masked positions changes every step): e.g.
     ``held+whole+auto``. ``+unpadded``: the MLM projection on the vocabulary as it is, not
-    padded to a multiple of 64 rows (``models.backbone.VOCAB_MULTIPLE``, 2026-11-27 late)."""
+    padded to a multiple of 64 rows (``models.backbone.VOCAB_MULTIPLE``, 2026-11-27 late).
+    ``+fullfirst``: coCondenser's gradient cache with its first pass through the whole model
+    (head and MLM losses too), as before 2026-11-27 (late), not the backbone alone."""
     parts = variant.split("+")
     unknown = set(parts) - set(VARIANTS)
-    if unknown or not {"autocast", "held"} & set(parts):
-        raise SystemExit(f"--variants: {variant!r} is not autocast|held[+blocks|+whole][+auto][+unpadded]")
+    if unknown or len({"autocast", "held", "fp32"} & set(parts)) != 1:
+        raise SystemExit(
+            f"--variants: {variant!r} is not autocast|held|fp32[+blocks|+whole][+auto][+unpadded][+fullfirst]"
+        )
     compile_ = "blocks" if "blocks" in parts else "whole" if "whole" in parts else ""
     return {
+        "autocast": "autocast" in parts,
+        "full_first_pass": "fullfirst" in parts,
         "held": "held" in parts,
         "compile": compile_,
         "dynamic": None if "auto" in parts else True,
@@ -194,6 +200,8 @@ def bench_one(
     model = method.build(mlm).to(device).train()
     if how["held"]:
         model.to(torch.bfloat16)
+    if how["full_first_pass"]:  # the gradient cache's first pass as it was: the whole forward
+        model.late_cls = lambda **batch: model(**batch, per_sequence=True).late_cls
     if how["compile"] == "blocks":
         for block in repeated_blocks(model):
             block.compile(dynamic=how["dynamic"])
@@ -202,7 +210,7 @@ def bench_one(
     engine = PlainEngine(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=device == "cuda")
     rng = torch.Generator().manual_seed(0)
-    autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=not how["held"])
+    autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=how["autocast"])
     chunk = getattr(method, "chunk_size", None)
     if sized:
         with autocast:
@@ -282,7 +290,7 @@ def main() -> None:
     parser.add_argument(
         "--variants",
         default="autocast",
-        help="comma-separated ways to run each row: autocast|held[+blocks|+whole][+auto][+unpadded] (parse_variant)",
+        help="comma-separated ways to run each row: autocast|held|fp32[+blocks|+whole][+auto][+unpadded][+fullfirst] (parse_variant)",
     )
     parser.add_argument("--json", default="", help="also write the rows here")
     parser.add_argument(

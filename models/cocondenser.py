@@ -239,11 +239,13 @@ class CoCondenserMethod(CondenserMethod):
 
         def encode(module, chunk):
             late_cls, local, chunk_parts = self._losses(module, chunk, n_local)
-            if torch.is_grad_enabled():  # the replay, not the no-grad first pass
-                for k, v in chunk_parts.items():
-                    parts[k] = parts.get(k, 0) + v
+            for k, v in chunk_parts.items():
+                parts[k] = parts.get(k, 0) + v
             return late_cls, local
 
-        contrastive, local = engine_grad_cache_backward(engine, chunks, encode, global_span_contrastive_loss)
+        def represent(module, chunk):
+            return module.late_cls(**{k: v for k, v in chunk.items() if k != "chunks"})
+
+        contrastive, local = engine_grad_cache_backward(engine, chunks, encode, global_span_contrastive_loss, represent)
         extras = self._extras(parts, local, contrastive)
         return extras.pop("loss"), extras

@@ -106,6 +106,20 @@ class Condenser(nn.Module):
         loss = (head_loss + late_loss).sum() if per_sequence else head_loss + late_loss
         return CondenserOutput(loss, head_loss, late_loss, late[:, 0])
 
+    def late_cls(self, input_ids, attention_mask=None, segments=None, position_ids=None, cls_index=None, **_):
+        """The late CLS vectors alone, as :meth:`forward` returns them (in ``cls_index``'s order
+        for a packed batch): the backbone's layers, not the head's nor the MLM losses. The
+        gradient cache's first pass needs only these. The backbone draws its dropout as in
+        :meth:`forward`, so a replay of the forward from the same RNG state gives the same
+        vectors."""
+        base = self.family.base(self.lm)
+        if segments is None:
+            return base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, 0]
+        mask = packed_attention_mask(self.lm.config, segments, self.lm.dtype)
+        positions = self.family.packed_positions(self.lm, position_ids)
+        late = base(input_ids=input_ids, attention_mask=mask, position_ids=positions).last_hidden_state
+        return late.flatten(0, 1)[cls_index]
+
     def _packed_forward(self, input_ids, labels, segments, position_ids, sequence_index, cls_index) -> CondenserOutput:
         """Each packed sequence as it runs alone: the head reads every early token but, at
         each sequence's [CLS], that sequence's late CLS (what ``[late CLS ; early tokens]``

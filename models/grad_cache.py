@@ -57,21 +57,24 @@ def grad_cache_backward(
     encode: Encode,
     coupled_loss: Callable[[torch.Tensor], torch.Tensor],
     backward: Callable[[torch.Tensor], None],
+    represent: Callable[[dict], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accumulate into the parameters' ``.grad`` the gradient of
     ``coupled_loss(cat(reps)) + sum(local losses)`` over all chunks.
 
     ``encode(chunk)`` returns ``(reps, local_loss)``: the chunk's representations (b, H)
     and the part of the loss that does not couple examples (e.g. MLM), already weighted
-    as the caller wants it summed. Returns the detached coupled loss and the summed
-    local loss.
+    as the caller wants it summed. ``represent(chunk)``, where given, returns the same
+    reps without the local loss, for the first pass (coCondenser's skips its head and MLM
+    losses: a sixth of a BERT-base forward); it must draw its dropout as ``encode`` does up
+    to the reps. Returns the detached coupled loss and the summed local loss.
     """
+    represent = represent or (lambda chunk: encode(chunk)[0])
     states, reps = [], []
     with torch.no_grad():
         for chunk in chunks:
             states.append(RngState.capture())
-            rep, _ = encode(chunk)
-            reps.append(rep)
+            reps.append(represent(chunk))
     sizes = [r.shape[0] for r in reps]
     all_reps = torch.cat(reps).detach().requires_grad_(True)
     coupled = coupled_loss(all_reps)
@@ -144,16 +147,24 @@ def engine_grad_cache_backward(
     chunks: Sequence[dict],
     encode: Callable[[torch.nn.Module, dict], tuple],
     coupled_loss: Callable[[torch.Tensor], torch.Tensor],
+    represent: Callable[[torch.nn.Module, dict], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`grad_cache_backward` as one DeepSpeed backward: one reduction, one step.
 
-    ``encode(module, chunk)`` runs on the bare module (``engine.module``): DeepSpeed's own
-    forward adds backward hooks on outputs that must only run for the final
-    ``engine.backward``. Returns (coupled loss, summed local loss), detached.
+    ``encode(module, chunk)`` and ``represent(module, chunk)`` run on the bare module
+    (``engine.module``): DeepSpeed's own forward adds backward hooks on outputs that must
+    only run for the final ``engine.backward``. Returns (coupled loss, summed local loss),
+    detached.
     """
     check_cacheable(engine)
     module = getattr(engine, "module", engine)
     grads = LocalGradients(module.parameters())
-    coupled, local = grad_cache_backward(chunks, lambda chunk: encode(module, chunk), coupled_loss, grads.add)
+    coupled, local = grad_cache_backward(
+        chunks,
+        lambda chunk: encode(module, chunk),
+        coupled_loss,
+        grads.add,
+        None if represent is None else lambda chunk: represent(module, chunk),
+    )
     engine.backward(grads.surrogate())
     return coupled, local

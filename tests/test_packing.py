@@ -134,6 +134,40 @@ def test_packed_spans_give_the_padded_spans_loss_and_gradients(model_factory, at
         torch.testing.assert_close(packed_grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("pack_spans", [True, False], ids=["packed", "padded"])
+def test_the_caches_first_pass_runs_the_backbone_alone_and_the_replay_gives_its_late_cls(pack_spans):
+    """coCondenser's gradient cache needs only the late CLS vectors in its first pass: the
+    head and the MLM losses run once per chunk (in the replay), not twice, and under
+    dropout the replay's vectors are the first pass's, bit for bit."""
+    cfg = CoCondenserConfig(head="", span_length=22, pack_spans=pack_spans, pack_width=64 if pack_spans else 0)
+    cfg.chunk_size = 6
+    method = CoCondenserMethod(cfg, tiny_masking_vocab())
+    model = method.build(tiny_mlm(seed=3, initializer_range=0.2, dropout=0.2)).train()
+    first_pass, replays, head_calls = [], [], []
+    late_cls, forward = model.late_cls, model.forward
+    model.late_cls = lambda *a, **k: first_pass.append(late_cls(*a, **k)) or first_pass[-1]
+    model.forward = lambda *a, **k: replays.append(forward(*a, **k)) or replays[-1]
+    model.head[0].register_forward_hook(lambda *_: head_calls.append(1))
+    batch = method.make_batch(span_pairs(8, seed=2), torch.Generator().manual_seed(7))
+    torch.manual_seed(0)
+    method.backward(PlainEngine(model), batch)
+    assert len(first_pass) == len(replays) == len(head_calls) == 3  # 16 spans in chunks of 6
+    for first, replay in zip(first_pass, replays):
+        assert torch.equal(first, replay.late_cls.detach())
+
+
+@pytest.mark.parametrize("pack_spans", [True, False], ids=["packed", "padded"])
+def test_the_gradient_cache_gives_the_whole_batchs_loss_and_gradients(pack_spans):
+    width = {"pack_spans": pack_spans, "pack_width": 64 if pack_spans else 0}
+    pairs = span_pairs(8, seed=2)
+    whole = step(bert, "sdpa", CoCondenserConfig(head="", span_length=22, chunk_size=0, **width), pairs)
+    cached = step(bert, "sdpa", CoCondenserConfig(head="", span_length=22, chunk_size=6, **width), pairs)
+    assert cached[0] == pytest.approx(whole[0], rel=1e-5, abs=1e-6)
+    assert set(cached[1]) == set(whole[1])
+    for name, grad in whole[1].items():
+        torch.testing.assert_close(cached[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_packed_late_cls_is_each_span_alone():
     """A span's late CLS does not depend on the spans packed beside it."""
     model = Condenser(bert(), 2).eval()
