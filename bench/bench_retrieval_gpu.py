@@ -114,7 +114,43 @@ def mean_tokens(prepared: str, max_len: int) -> float:
     return float(np.mean(np.minimum(np.concatenate(lengths), max_len - 2) + 2))
 
 
-def bench_encode(corpus: Path, cpu_passages: int, cpus: int, runs: list[dict], min_words: int = 0) -> list[dict]:
+def profile_encoder(model: str, run: dict, texts: list[str], path: str) -> dict:
+    """The encoder of ``run`` in this process, without the pool: passages/s over ``texts``
+    (the second of two passes), and a ``torch.profiler`` table of one more pass written to
+    ``path``: where a forward's time goes, and how long the device waits on the host."""
+    import torch
+
+    from pipeline.retrieval.encode import local_encoder
+    from pipeline.retrieval.inference import length_sorted_batches
+    from pipeline.training.profiling import busy_line, device_profile, time_table
+
+    on_gpu = run["device"] == "gpu"
+    settings = EncoderSettings(
+        model=model, pooling="cls", batch_size=run["batch"], precision=run["precision"], compile=run["compiled"]
+    )
+    encoder = local_encoder(settings, "cuda" if on_gpu else "cpu")
+    tokens = encoder.tokenizer(texts, add_special_tokens=False, truncation=True, max_length=126)["input_ids"]
+    max_len = settings.passage_max_len
+    encoder.encode_tokens(tokens, max_len)
+    start = time.perf_counter()
+    encoder.encode_tokens(tokens, max_len)
+    rate = len(tokens) / (time.perf_counter() - start)
+    with device_profile(on_gpu) as session:
+        start = time.perf_counter()
+        encoder.encode_tokens(tokens, max_len)
+        if on_gpu:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    framed = [min(len(t), max_len - 2) + 2 for t in tokens]
+    batches = sum(1 for _ in length_sorted_batches(framed, *encoder.batch_limits))
+    header = busy_line(session, wall, batches, on_gpu).replace("steps", "batches").replace("a step", "a batch")
+    Path(path).write_text(f"{run}\n{header}\n{time_table(session, on_gpu)}\n")
+    return {"in_process_passages_per_s": round(rate, 1), "profiled_passages": len(tokens)}
+
+
+def bench_encode(
+    corpus: Path, cpu_passages: int, cpus: int, runs: list[dict], min_words: int = 0, profile: str = ""
+) -> list[dict]:
     lines = (
         gzip.decompress(corpus.read_bytes()).decode().splitlines()
         if corpus.suffix == ".gz"
@@ -165,6 +201,9 @@ def bench_encode(corpus: Path, cpu_passages: int, cpus: int, runs: list[dict], m
                 "device_passages_per_s": round(_device_passages_per_s(summary), 1),
                 "wall_passages_per_s": summary["passages_per_s"],
             }
+            if profile and not any("in_process_passages_per_s" in r for r in rows):  # the first run alone
+                texts = [json.loads(line)["text"] for line in lines[: 4 * run["batch"] if gpu else cpu_passages]]
+                row |= profile_encoder(model, run, texts, profile)
             rows.append(row)
             print(json.dumps({"encode": row}), flush=True)
     return rows
@@ -273,6 +312,11 @@ def main() -> None:
         default=0,
         help="encode part: each verse joined to the next ones until it has this many words (130: rows of the full 128 tokens); 0 = the verses as they are",
     )
+    parser.add_argument(
+        "--profile",
+        default="",
+        help="encode part: the first run's encoder in this process too (passages/s without the pool), with a torch.profiler table written here",
+    )
     parser.add_argument("--vectors", type=int, default=2_000_000)
     parser.add_argument("--queries", type=int, default=20_000)
     parser.add_argument("--factories", default="Flat,IVF4096,SQ8,IVF4096,PQ48")
@@ -298,7 +342,7 @@ def main() -> None:
     parts = args.parts.split(",")
     if "encode" in parts:
         results["encode"] = bench_encode(
-            Path(args.corpus), args.cpu_passages, cpus, encode_runs(args.encode_runs), args.min_words
+            Path(args.corpus), args.cpu_passages, cpus, encode_runs(args.encode_runs), args.min_words, args.profile
         )
     if "search" in parts:
         # "IVF4096,SQ8" holds a comma: the list is split on the factories' known starts.

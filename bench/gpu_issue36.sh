@@ -70,7 +70,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
     step bare_512 300 $PY bench/bench_methods_gpu.py --tiny --device cpu --methods condenser \
         --variants held,held+unpadded,held+blocks+auto --json "$OUT/bare_512.json" --profile "$PROFILES/profile"
     step encode_128 300 $PY bench/bench_retrieval_gpu.py --parts encode --devices cpu --cpu-passages 300 --min-words 130 \
-        --encode-runs minilm:cpu:fp32:64 --json "$OUT/encode_128.json"
+        --encode-runs minilm:cpu:fp32:64 --json "$OUT/encode_128.json" --profile "$PROFILES/profile-encode.txt"
     step gradcache 300 $PY bench/bench_methods_gpu.py --tiny --device cpu --free_gib 0.05 \
         --methods cocondenser-sized-batch,cocondenser-gradcache-sized --json "$OUT/gradcache.json"
     step mfu_512_profiled 300 $PY bench/bench_pretrain_mfu.py "${mfu[@]}" --json "$OUT/mfu_512_profiled.json" \
@@ -100,9 +100,12 @@ step mfu_512_profiled 110 $PY bench/bench_pretrain_mfu.py "${mfu[@]}" --steps 16
     --profile "$PROFILES/profile-job.txt"
 # Encoding at the full 128 tokens a row (10,938 passages/s on the last lease, 15,000 asked),
 # now with the next batch framed and queued while the GPU runs the one before; eager, then
-# compiled (rows of one width: one graph).
+# compiled (rows of one width: one graph). The eager encoder also runs in this process
+# without the pool, profiled: a hand count puts its kernels near 50 ms a batch of 1,024,
+# the last lease's device rate was 88 ms.
 step encode_128 150 $PY bench/bench_retrieval_gpu.py --parts encode --cpu-passages 0 --min-words 130 \
-    --encode-runs bert-base:gpu:fp16:4096,bert-base:gpu:fp16:4096:compiled --json "$OUT/encode_128.json"
+    --encode-runs bert-base:gpu:fp16:4096,bert-base:gpu:fp16:4096:compiled --json "$OUT/encode_128.json" \
+    --profile "$PROFILES/profile-encode.txt"
 # coCondenser's gradient cache at the chunk sized from free memory against the same batch
 # (8 x 128 spans of 126 tokens) in one graph without it, where memory holds that.
 step gradcache 150 $PY bench/bench_methods_gpu.py --sizes bert-base --methods \
