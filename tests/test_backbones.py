@@ -51,16 +51,30 @@ def stream_arrays(tokenizer, texts: list[str], span_pairs: bool, width: int = MA
     return {"input_ids": ids, "length": lengths}
 
 
+def method_task(folder: str, tokenizer, method: str) -> PretrainTask:
+    """``method`` on the family's tiny checkpoint, from scratch (no Condenser head to warm
+    start coCondenser); SimLM's frozen generator is that same random MLM (any with the
+    corpus's vocabulary will do)."""
+    method_cfg = getattr(PretrainConfig(), method)
+    if method == "cocondenser":
+        method_cfg.head = ""
+    if method == "simlm":
+        method_cfg.generator = folder
+    return PretrainTask(method, method_cfg, BackboneConfig(init=folder), folder, len(tokenizer))
+
+
+def loss_and_gradients(task: PretrainTask, model, arrays: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    """One backward of the stream's ``arrays`` from zeroed gradients: (loss, gradients)."""
+    model.zero_grad()
+    batch = task.make_batch(arrays, torch.Generator().manual_seed(0))
+    loss, _ = task.backward(PlainEngine(model), batch)
+    return float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_every_method_trains_on_the_family_and_exports_a_checkpoint_automodel_loads(backbone, method, tmp_path):
     folder, tokenizer, model_type = backbone
-    cfg = PretrainConfig()
-    method_cfg = getattr(cfg, method)
-    if method == "cocondenser":
-        method_cfg.head = ""
-    if method == "simlm":  # any frozen MLM with the corpus's vocabulary: this random one
-        method_cfg.generator = folder
-    task = PretrainTask(method, method_cfg, BackboneConfig(init=folder), folder, len(tokenizer))
+    task = method_task(folder, tokenizer, method)
     torch.manual_seed(0)
     model = task.build_model()
     assert type(model.lm).__name__.lower().startswith(model_type.replace("-", ""))  # XLMRobertaForMaskedLM, ...
@@ -93,11 +107,7 @@ def test_sdpa_attention_equals_eager_in_loss_and_gradients(backbone, method):
     and on padded rows it gives eager attention's loss and gradients. DeBERTa-v2 has only
     its own (eager) attention."""
     folder, tokenizer, model_type = backbone
-    cfg = PretrainConfig()
-    method_cfg = getattr(cfg, method)
-    if method == "simlm":
-        method_cfg.generator = folder
-    task = PretrainTask(method, method_cfg, BackboneConfig(init=folder), folder, len(tokenizer))
+    task = method_task(folder, tokenizer, method)
     torch.manual_seed(0)
     model = task.build_model().eval()  # no dropout: eager and SDPA would draw it differently
     assert model.lm.config._attn_implementation == ("eager" if model_type == "deberta-v2" else "sdpa")
@@ -105,16 +115,10 @@ def test_sdpa_attention_equals_eager_in_loss_and_gradients(backbone, method):
     arrays = stream_arrays(tokenizer, texts, method == "cocondenser")
     assert (arrays["length"] < MAX_LEN).any()  # padded rows: the masks are exercised
 
-    def loss_and_grads(attention: str):
-        model.lm.set_attn_implementation(attention)
-        model.zero_grad()
-        batch = task.make_batch(arrays, torch.Generator().manual_seed(0))
-        loss, _ = task.backward(PlainEngine(model), batch)
-        return float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    default = loss_and_grads(model.lm.config._attn_implementation)
+    default = loss_and_gradients(task, model, arrays)
     assert len(default[1]) > 10
-    assert_same_loss_and_gradients(default, loss_and_grads("eager"))
+    model.lm.set_attn_implementation("eager")
+    assert_same_loss_and_gradients(default, loss_and_gradients(task, model, arrays))
 
 
 def test_span_pairs_cut_to_their_longest_span_give_the_full_widths_loss_and_gradients(backbone):
@@ -332,21 +336,10 @@ def test_every_method_has_the_same_loss_and_gradients_with_the_vocabulary_padded
     from models import backbone as backbone_module
 
     folder, tokenizer, _ = backbone
-    cfg = PretrainConfig()
-    method_cfg = getattr(cfg, method)
-    if method == "simlm":
-        method_cfg.generator = folder
-    task = PretrainTask(method, method_cfg, BackboneConfig(init=folder), folder, len(tokenizer))
+    task = method_task(folder, tokenizer, method)
     torch.manual_seed(0)
     model = task.build_model().eval()
     arrays = stream_arrays(tokenizer, sample_texts(40)[20:28], method == "cocondenser")
-
-    def loss_and_grads():
-        model.zero_grad()
-        batch = task.make_batch(arrays, torch.Generator().manual_seed(0))
-        loss, _ = task.backward(PlainEngine(model), batch)
-        return float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    unpadded = loss_and_grads()
+    unpadded = loss_and_gradients(task, model, arrays)
     monkeypatch.setitem(backbone_module.VOCAB_MULTIPLE, "cpu", 64 if len(tokenizer) % 64 else 7)
-    assert_same_loss_and_gradients(unpadded, loss_and_grads())
+    assert_same_loss_and_gradients(unpadded, loss_and_gradients(task, model, arrays))
