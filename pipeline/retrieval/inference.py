@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from models.batches import to_device
+
 # What ``auto`` picks, by measurement (bench/README.md, bench_retrieval_gpu.py): fp16 held in
 # the model on GPUs, fp32 on CPUs. On one H100 (2026-11-27, Nave's verses, batch 1,024, one
 # run) a BERT-base-sized encoder held in fp16 ran 14,930 passages/s against 5,885 in fp32,
@@ -112,8 +114,8 @@ def on_device(tensors: dict[str, torch.Tensor], device: str) -> dict[str, torch.
     blocking copy to a GPU returns only once every kernel queued before it has run, so the
     next batch could not be queued behind the one running."""
     if device.split(":")[0] != "cuda":
-        return {name: tensor.to(device) for name, tensor in tensors.items()}
-    return {name: tensor.pin_memory().to(device, non_blocking=True) for name, tensor in tensors.items()}
+        return to_device(tensors, device)
+    return to_device({name: tensor.pin_memory() for name, tensor in tensors.items()}, device, non_blocking=True)
 
 
 Batch = TypeVar("Batch")
