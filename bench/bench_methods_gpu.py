@@ -196,7 +196,7 @@ def bench_one(
     )
     method = cls(cfg, masking)
     how = parse_variant(variant)
-    backbone.VOCAB_MULTIPLE[device] = how["vocab_multiple"]  # each variant sets its own
+    backbone.VOCAB_MULTIPLE["cuda"] = how["vocab_multiple"]  # each variant sets its own; CPUs keep theirs (none)
     model = method.build(mlm).to(device).train()
     if how["held"]:
         model.to(torch.bfloat16)
