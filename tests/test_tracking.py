@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import time
 
 import pytest
 
@@ -14,6 +15,18 @@ from pipeline.training.tracking import RunLog
 
 ENTRIES = [{"step": s, "loss": 5.0 / s, "lr": 1e-4 * s, "tokens_per_s": 1000.0 + s} for s in (2, 4, 6)]
 HPARAMS = {"train": {"lr": 1e-4, "tracker": ["tensorboard"]}, "s3": {"aws_secret_access_key": "hunter2"}}
+
+
+def written(path: str, last: bytes, seconds: float = 30.0) -> bytes:
+    """The bytes of a file that W&B's service process writes, once they hold ``last`` (or
+    as they are after ``seconds``, for the assertions to judge): in one CI run the file held
+    only its 7-byte header when read right after ``run.finish()`` returned."""
+    deadline = time.monotonic() + seconds
+    while True:
+        records = open(path, "rb").read()
+        if last in records or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
 
 
 def test_every_tracker_gets_every_entry_and_the_redacted_config(tmp_path, monkeypatch):
@@ -53,7 +66,7 @@ def test_every_tracker_gets_every_entry_and_the_redacted_config(tmp_path, monkey
     # W&B offline: the run file it would sync holds every step's loss and the redacted config,
     # never the secret. (This wandb has no public reader for offline files: bytes are searched.)
     (offline,) = glob.glob(str(tmp_path / "wandb" / "**" / "offline-run-*" / "run-*.wandb"), recursive=True)
-    records = open(offline, "rb").read()
+    records = written(offline, json.dumps(ENTRIES[-1]["loss"]).encode())
     assert b"hunter2" not in records and b"aws_secret_access_key" in records
     assert all(json.dumps(e["loss"]).encode() in records for e in ENTRIES)  # history values, as JSON
     assert wandb_run.config["s3"]["aws_secret_access_key"] == "***" and wandb_run.config["train"]["lr"] == 1e-4
