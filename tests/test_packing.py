@@ -139,8 +139,9 @@ def test_the_caches_first_pass_runs_the_backbone_alone_and_the_replay_gives_its_
     """coCondenser's gradient cache needs only the late CLS vectors in its first pass: the
     head and the MLM losses run once per chunk (in the replay), not twice, and under
     dropout the replay's vectors are the first pass's, bit for bit."""
-    cfg = CoCondenserConfig(head="", span_length=22, pack_spans=pack_spans, pack_width=64 if pack_spans else 0)
-    cfg.chunk_size = 6
+    cfg = CoCondenserConfig(
+        head="", span_length=22, chunk_size=6, pack_spans=pack_spans, pack_width=64 if pack_spans else 0
+    )
     method = CoCondenserMethod(cfg, tiny_masking_vocab())
     model = method.build(tiny_mlm(seed=3, initializer_range=0.2, dropout=0.2)).train()
     first_pass, replays, head_calls = [], [], []
