@@ -199,6 +199,26 @@ def encoder_gflop(config, token_counts: list[int]) -> float:
     return layers * sum(per_layer) / 1e9
 
 
+def packed_linear_rate(n: int = 1024, repeats: int = 20) -> float:
+    """FLOP/s of an fp32 n-square product through oneDNN's packed linear
+    (:mod:`models.packed_linears`) on the threads torch has; the counterpart of
+    ``matmul_ceiling``'s, which goes through MKL."""
+    import torch
+
+    from models.packed_linears import pack_linears
+
+    layer = torch.nn.Linear(n, n, bias=False)
+    pack_linears(layer)
+    x = torch.randn(n, n)
+    with torch.inference_mode():
+        for _ in range(3):
+            layer(x)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            layer(x)
+    return 2 * n**3 * repeats / (time.perf_counter() - start)
+
+
 def bench_encode(n_passages: int) -> dict:
     """One thread per worker throughout: an actor with one CPU against sentence-transformers
     with torch limited to one thread, so "per worker" means per core, and 2 actors on the
@@ -222,11 +242,12 @@ def bench_encode(n_passages: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.jsonl"
         corpus.write_text("\n".join(lines) + "\n")
-        for actors, precision, compiled in (
-            (1, "fp32", False),
-            (1, "fp32", True),
-            (2, "fp32", False),
-            (1, "bf16", False),
+        for actors, precision, compiled, cpu_linears in (
+            (1, "fp32", False, "onednn"),
+            (1, "fp32", False, "blas"),
+            (1, "fp32", True, "blas"),
+            (2, "fp32", False, "onednn"),
+            (1, "bf16", False, "onednn"),
         ):
             cfg = EncodeConfig(
                 corpus=str(corpus),
@@ -240,6 +261,7 @@ def bench_encode(n_passages: int) -> dict:
                     batch_size=64,
                     precision=precision,
                     compile=compiled,
+                    cpu_linears=cpu_linears,
                 ),
                 pool=ActorConfig(actors=actors, cpus_per_actor=1),
             )
@@ -249,7 +271,7 @@ def bench_encode(n_passages: int) -> dict:
             else:  # the corpus is prepared (tokenized) once, outside any timing
                 prepared_corpus(str(corpus), str(get_model_path()), cfg.prepared, cfg.docs_per_shard)
             summary = run_encoding(cfg)
-            key = f"actors_{actors}_{precision}" + ("_compiled" if compiled else "")
+            key = f"actors_{actors}_{precision}" + ("_compiled" if compiled else "_blas" * (cpu_linears == "blas"))
             out[f"{key}_passages_per_s"] = round(_steady_passages_per_s(summary), 1)
             out[f"{key}_wall_passages_per_s"] = summary["passages_per_s"]
         torch.set_num_threads(1)
@@ -270,24 +292,30 @@ def bench_encode(n_passages: int) -> dict:
         counts = [len(ids) for ids in model.tokenizer(texts, truncation=True, max_length=128)["input_ids"]]
         gflop = encoder_gflop(model[0].auto_model.config, counts)
         out["mean_tokens"] = round(sum(counts) / len(counts), 1)
-        out["fp32_gemm_ceiling_gflop_s"] = round(matmul_ceiling("cpu", "fp32") / 1e9, 1)  # one thread
+        out["fp32_gemm_ceiling_gflop_s"] = round(matmul_ceiling("cpu", "fp32") / 1e9, 1)  # one thread, MKL
+        out["fp32_onednn_ceiling_gflop_s"] = round(packed_linear_rate() / 1e9, 1)
         torch.set_num_threads(2)
     st = out["sentence_transformers_fp32_passages_per_s"]
     for name in ("onnxruntime", "onnxruntime_fused", "openvino"):
         if f"{name}_fp32_passages_per_s" in out:
-            out[f"ratio_1_actor_fp32_compiled_vs_{name}"] = round(
-                out["actors_1_fp32_compiled_passages_per_s"] / out[f"{name}_fp32_passages_per_s"], 2
+            out[f"ratio_1_actor_fp32_vs_{name}"] = round(
+                out["actors_1_fp32_passages_per_s"] / out[f"{name}_fp32_passages_per_s"], 2
             )
     out["ratio_1_actor_fp32_vs_st"] = round(out["actors_1_fp32_passages_per_s"] / st, 2)
+    out["ratio_1_actor_fp32_blas_vs_st"] = round(out["actors_1_fp32_blas_passages_per_s"] / st, 2)
+    out["ratio_onednn_vs_blas_fp32"] = round(
+        out["actors_1_fp32_passages_per_s"] / out["actors_1_fp32_blas_passages_per_s"], 2
+    )
     out["ratio_1_actor_fp32_compiled_vs_st"] = round(out["actors_1_fp32_compiled_passages_per_s"] / st, 2)
     out["ratio_1_actor_bf16_vs_st"] = round(out["actors_1_bf16_passages_per_s"] / st, 2)
     out["scaling_2_vs_1"] = round(out["actors_2_fp32_passages_per_s"] / out["actors_1_fp32_passages_per_s"], 2)
     per_passage = gflop / len(texts)
-    for key in ("sentence_transformers_fp32", "actors_1_fp32", "actors_1_fp32_compiled"):
+    for key in ("sentence_transformers_fp32", "actors_1_fp32", "actors_1_fp32_blas", "actors_1_fp32_compiled"):
         out[f"{key}_model_gflop_s"] = round(out[f"{key}_passages_per_s"] * per_passage, 1)
-    out["ratio_ceiling_fp32_vs_st"] = round(
-        out["fp32_gemm_ceiling_gflop_s"] / out["sentence_transformers_fp32_model_gflop_s"], 2
-    )
+    for ceiling in ("gemm", "onednn"):
+        out[f"ratio_{ceiling}_ceiling_fp32_vs_st"] = round(
+            out[f"fp32_{ceiling}_ceiling_gflop_s"] / out["sentence_transformers_fp32_model_gflop_s"], 2
+        )
     return out
 
 

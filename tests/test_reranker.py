@@ -480,3 +480,17 @@ def test_a_passage_server_killed_between_fetches_serves_its_texts_again(tmp_path
         killed = kill_process_of(passages.actors[1])
         assert fetch_texts(passages.actors, ids) == want
         assert pid_of(passages.actors[1]) != killed
+
+
+def test_pair_scorer_with_packed_linears_scores_as_the_blas_path(tiny_reranker, tmp_path):
+    """cpu_linears=onednn (the default on CPUs) against PyTorch's own path."""
+    from models.packed_linears import PackedLinear
+    from pipeline.retrieval.rerank_scoring import PairScorer
+
+    docs, queries, candidates = saved_with_candidates(tiny_reranker, tmp_path)
+    scorers = {way: PairScorer(str(tmp_path), batch_size=4, cpu_linears=way) for way in ("onednn", "blas")}
+    assert any(type(m) is PackedLinear for m in scorers["onednn"].model.modules())
+    assert not any(type(m) is PackedLinear for m in scorers["blas"].model.modules())
+    got, expected = (np.concatenate(s.score(queries, candidates, docs)) for s in scorers.values())
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
+    assert np.abs(expected).max() > 0.1

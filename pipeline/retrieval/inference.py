@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import field
 from typing import TypeVar
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from models.batches import to_device
+from models.packed_linears import pack_linears
 
 # What ``auto`` picks, by measurement (bench/README.md, bench_retrieval_gpu.py): fp16 held in
 # the model on GPUs, fp32 on CPUs. On one H100 (2026-11-27, Nave's verses, batch 1,024, one
@@ -56,6 +58,25 @@ def held_in(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     vectors within cosine 0.9999 of fp32 either way. Pooling and normalization still run in fp32
     (:func:`models.biencoder.pool`)."""
     return model if dtype == torch.float32 else model.to(dtype)
+
+
+def cpu_linears_field():
+    """The ``cpu_linears`` setting of the encoder's and the re-ranker's configs."""
+    return field(
+        default="onednn",
+        metadata={
+            "help": "linear layers on CPUs: onednn = weights packed once for oneDNN's kernels (AVX-512 where the core has it; MiniLM in fp32 1.95x PyTorch's MKL path on a Zen 5 core, vectors within 3e-7), blas = PyTorch's default; ignored with compile, which traces the plain layers"
+        },
+    )
+
+
+def with_cpu_linears(model: torch.nn.Module, device: str, cpu_linears: str) -> torch.nn.Module:
+    """``model`` with its linear layers packed for oneDNN (``cpu_linears="onednn"``) when it
+    runs on a CPU, in place (:mod:`models.packed_linears`: MiniLM in fp32 1.95x MKL's path on
+    a Zen 5 core); ``"blas"`` keeps PyTorch's default."""
+    if device.split(":")[0] == "cpu" and cpu_linears == "onednn":
+        pack_linears(model)
+    return model
 
 
 # Attention kernels for half precision on GPUs. Length-sorted batches change width from one

@@ -43,6 +43,7 @@ from pipeline.data.tokenizer import load_tokenizer
 from pipeline.retrieval.inference import (
     batch_limits,
     check_finite,
+    cpu_linears_field,
     held_in,
     inference,
     inference_dtype,
@@ -50,6 +51,7 @@ from pipeline.retrieval.inference import (
     made_in,
     on_device,
     overlapped,
+    with_cpu_linears,
 )
 from pipeline.retrieval.metrics import JOB_MEASURES, StreamedMetrics, metrics_table
 from pipeline.retrieval.passages import PassageStore, fetch_texts
@@ -127,6 +129,7 @@ class RerankScoreConfig:
             "help": "fp16/bf16 hold the model in that precision; auto = fp16 on GPUs, fp32 on CPUs (as the encoder measured it: BERT-base held in fp16 2.5x fp32 on an H100)"
         },
     )
+    cpu_linears: Literal["onednn", "blas"] = cpu_linears_field()
     pool: ActorConfig = field(default_factory=ActorConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
@@ -154,10 +157,11 @@ class PairScorer:
         precision: str = "auto",
         device: str = "cpu",
         batch_tokens: int = 0,
+        cpu_linears: str = "onednn",
     ):
         self.model = load_reranker(model_dir).to(device)
         self.dtype = inference_dtype(precision, device, self.model.model.config.hidden_size)
-        held_in(self.model, self.dtype)
+        with_cpu_linears(held_in(self.model, self.dtype), device, cpu_linears)
         self.lengths = lengths or self.model.lengths
         self.lengths.check()
         check_max_len(self.model.model.config, self.lengths.max_len, model_dir)
@@ -209,7 +213,13 @@ class RerankerActor:
         torch.set_num_threads(max(1, int(cfg.pool.cpus_per_actor)))
         model_dir = model_ref.materialize(model_uri, "--model")
         self.scorer = PairScorer(
-            model_dir, lengths, cfg.batch_size, cfg.precision, actor_device(cfg.pool), cfg.batch_tokens
+            model_dir,
+            lengths,
+            cfg.batch_size,
+            cfg.precision,
+            actor_device(cfg.pool),
+            cfg.batch_tokens,
+            cfg.cpu_linears,
         )
         self.servers = servers
 
