@@ -46,6 +46,7 @@ from models.masking import MaskingVocab
 from models.memory import free_memory
 from models.method import PlainEngine
 from models.mlm import MLMConfig, MLMMethod
+from models.packed_linears import pack_linears
 from models.simlm import SimLMConfig, SimLMMethod
 from pipeline.training.profiling import busy_line, device_profile, time_table
 
@@ -106,20 +107,28 @@ def free_bytes(device: str, pretend_gib: float = 0.0) -> int:
     return int(pretend_gib * 2**30) if pretend_gib else free_memory(device)
 
 
-def matmul_ceiling(device: str, precision: str) -> float:
-    """FLOP/s of a large matrix product on this device, in the job's precision."""
+def matmul_ceiling(device: str, precision: str, packed: bool = False) -> float:
+    """FLOP/s of a large matrix product on this device, in the job's precision. ``packed``:
+    through oneDNN's packed linear (:mod:`models.packed_linears`, what CPU inference runs),
+    where PyTorch's own product on a CPU goes through MKL."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     n = 8192 if device == "cuda" else 1024
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start, repeats = time.perf_counter(), 20
-    for _ in range(repeats):
-        a @ b
-    if device == "cuda":
-        torch.cuda.synchronize()
+    product = lambda: a @ b  # noqa: E731
+    if packed:
+        layer = torch.nn.Linear(n, n, bias=False, device=device, dtype=dtype)
+        pack_linears(layer)
+        product = lambda: layer(a)  # noqa: E731
+    with torch.inference_mode():
+        for _ in range(3):
+            product()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start, repeats = time.perf_counter(), 20
+        for _ in range(repeats):
+            product()
+        if device == "cuda":
+            torch.cuda.synchronize()
     return 2 * n**3 * repeats / (time.perf_counter() - start)
 
 

@@ -199,26 +199,6 @@ def encoder_gflop(config, token_counts: list[int]) -> float:
     return layers * sum(per_layer) / 1e9
 
 
-def packed_linear_rate(n: int = 1024, repeats: int = 20) -> float:
-    """FLOP/s of an fp32 n-square product through oneDNN's packed linear
-    (:mod:`models.packed_linears`) on the threads torch has; the counterpart of
-    ``matmul_ceiling``'s, which goes through MKL."""
-    import torch
-
-    from models.packed_linears import pack_linears
-
-    layer = torch.nn.Linear(n, n, bias=False)
-    pack_linears(layer)
-    x = torch.randn(n, n)
-    with torch.inference_mode():
-        for _ in range(3):
-            layer(x)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            layer(x)
-    return 2 * n**3 * repeats / (time.perf_counter() - start)
-
-
 def bench_encode(n_passages: int) -> dict:
     """One thread per worker throughout: an actor with one CPU against sentence-transformers
     with torch limited to one thread, so "per worker" means per core, and 2 actors on the
@@ -293,7 +273,7 @@ def bench_encode(n_passages: int) -> dict:
         gflop = encoder_gflop(model[0].auto_model.config, counts)
         out["mean_tokens"] = round(sum(counts) / len(counts), 1)
         out["fp32_gemm_ceiling_gflop_s"] = round(matmul_ceiling("cpu", "fp32") / 1e9, 1)  # one thread, MKL
-        out["fp32_onednn_ceiling_gflop_s"] = round(packed_linear_rate() / 1e9, 1)
+        out["fp32_onednn_ceiling_gflop_s"] = round(matmul_ceiling("cpu", "fp32", packed=True) / 1e9, 1)
         torch.set_num_threads(2)
     st = out["sentence_transformers_fp32_passages_per_s"]
     for name in ("onnxruntime", "onnxruntime_fused", "openvino"):
