@@ -2,10 +2,10 @@
 
 PyTorch runs an fp32 ``nn.Linear`` on a CPU through MKL's sgemm, and on AMD's cores MKL
 takes its AVX2 path. oneDNN, which PyTorch also ships, picks its kernels by the core's
-instruction set: on one Zen 5 core (AVX-512) a MiniLM-shaped product (2,048 x 384 x 1,536)
-ran at ~105 GFLOP/s through MKL and ~255 through oneDNN, and MiniLM encoded Nave's verses
-1.95x as fast with its linears packed (2026-11-28, bench/bench_search.py). The outputs are
-fp32 products summed in another order: within 3e-7 of MKL's on those vectors.
+instruction set: on one Zen 5 core (AVX-512) a 1,024-square fp32 product ran at 105.8
+GFLOP/s through MKL and 233.2 through oneDNN, and MiniLM encoded Nave's verses 1.95x as fast
+with its linears packed (2026-11-28, ``bench/bench_search.py --parts encode``). The outputs
+are fp32 products summed in another order: within 3e-7 of MKL's on those vectors.
 
 oneDNN's packed linear has no backward, and Inductor cannot trace its packed weight, so a
 packed layer takes the plain path whenever autograd needs it or the input is not a CPU
