@@ -341,6 +341,23 @@ def drain_for_preemption(address: str, node_id: str, deadline_s: float) -> None:
     assert accepted, why
 
 
+def is_killed(actor, within_s: float = 30.0) -> bool:
+    """Whether ``actor`` is dead within ``within_s``: ``ray.kill`` returns before the actor
+    is, so a call made just after it may still be answered."""
+    import ray
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
+        except ray.exceptions.RayActorError:
+            return True
+        except ray.exceptions.GetTimeoutError:
+            return False
+        time.sleep(0.2)
+    return False
+
+
 def read_traces(run_dir: str) -> dict[str, dict[int, list[int]]]:
     """``rank<r>-attempt<a>`` -> {epoch: rows it trained on}."""
     traces = {}

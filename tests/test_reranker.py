@@ -482,6 +482,67 @@ def test_a_passage_server_killed_between_fetches_serves_its_texts_again(tmp_path
         assert pid_of(passages.actors[1]) != killed
 
 
+def _slow_texts(servers: list, ids: list[str]) -> list:
+    """What a scorer does with the servers a call hands it, slowly enough that calls are
+    still out when a server is replaced."""
+    import time
+
+    from pipeline.retrieval.passages import fetch_texts
+
+    time.sleep(0.4)
+    return fetch_texts(servers, ids)
+
+
+def test_passage_servers_on_a_drained_node_move_while_every_call_is_served(local_cluster, monkeypatch, tmp_path):
+    """Both passage servers sit on a node that is drained (60 s ahead) after the third call,
+    while a fresh node joins: each server is copied there, the calls made once a copy has
+    loaded are handed the copy, the calls handed a replaced server still get every text
+    (it is let go only once they are back), and then it is killed."""
+    import sys
+    import time
+
+    import ray
+    from conftest import write_jsonl
+    from ray import cloudpickle
+
+    from pipeline.core import draining
+    from pipeline.data.text_shards import stage_text
+    from pipeline.retrieval.passages import PassageStore
+    from tests.helpers import drain_for_preemption, is_killed
+
+    monkeypatch.setattr(draining, "DRAIN_CHECK_S", 0.0)
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    doomed = local_cluster.add_node(num_cpus=2)
+    docs = synthetic_docs(30, seed=5)
+    ids = [d["_id"] for d in docs[::2]]
+    want = [d["text"] for d in docs[::2]]
+    task = ray.remote(_slow_texts).options(num_cpus=0.5, max_retries=0)
+
+    def node_of(actor) -> str:
+        return ray.get(actor.__ray_call__.remote(lambda instance: ray.get_runtime_context().get_node_id()))
+
+    staged = stage_text(write_jsonl(tmp_path / "corpus.jsonl", docs), str(tmp_path / "text"), 15)
+    with PassageStore(staged, docs_per_server=15) as passages:
+        placed = list(passages.actors)
+        assert len(placed) == 2 and {node_of(a) for a in placed} == {doomed.node_id}
+        calls, handed = [], []
+        for call in range(60):
+            calls.append(passages.call_with_servers(lambda servers: task.remote(servers, ids)))
+            handed.append(list(passages.actors))
+            if call == 2:
+                drain_for_preemption(local_cluster.address, doomed.node_id, deadline_s=60)
+                fresh = local_cluster.add_node(num_cpus=2)
+            elif len(passages.moves) == 2:
+                break
+            time.sleep(0.2)
+        assert all(texts == want for texts in ray.get(calls))
+        assert sorted(m["shard"] for m in passages.moves) == [0, 1]
+        assert {node_of(a) for a in passages.actors} == {fresh.node_id}
+        assert any(set(map(id, servers)) == set(map(id, placed)) for servers in handed[3:])  # out at the move
+        passages.call_with_servers(lambda servers: task.remote(servers, ids))  # lets the replaced ones go
+        assert all(is_killed(actor) for actor in placed)
+
+
 def test_pair_scorer_with_packed_linears_scores_as_the_blas_path(tiny_reranker, tmp_path):
     """cpu_linears=onednn (the default on CPUs) against PyTorch's own path."""
     from models.packed_linears import PackedLinear

@@ -27,7 +27,7 @@ from pipeline.retrieval.faiss_index import IndexConfig, brute_force_topk, load_i
 from pipeline.retrieval.fanout import ranked_ids, read_qrels_of_corpus
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
 from pipeline.retrieval.search import SearcherConfig, ShardedIndex
-from tests.helpers import drain_for_preemption
+from tests.helpers import drain_for_preemption, is_killed
 
 pytestmark = pytest.mark.ray
 
@@ -268,9 +268,9 @@ def test_actors_on_a_drained_node_get_no_new_task_and_are_replaced_on_a_node_tha
     import ray
     from ray import cloudpickle
 
-    from pipeline.core import actor_pool
+    from pipeline.core import draining
 
-    monkeypatch.setattr(actor_pool, "DRAIN_CHECK_S", 0.0)  # asked at every returned call
+    monkeypatch.setattr(draining, "DRAIN_CHECK_S", 0.0)  # asked at every returned call
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     doomed = local_cluster.add_node(num_cpus=2)
     remote = ray.remote(_Placed).options(num_cpus=1, max_restarts=0)
@@ -295,6 +295,91 @@ def test_actors_on_a_drained_node_get_no_new_task_and_are_replaced_on_a_node_tha
     after = [t for t, at in handed if at > drained_at[0]]
     assert after and all(ran_on[t] != doomed.node_id for t in after), (after, ran_on)
     assert len(made) == 4
+
+
+class _VectorShard:
+    """A fan-out server over a slice of a matrix, writing a line to ``log_dir`` for each
+    start and each block it answers (with its node), as a searcher would answer."""
+
+    def __init__(self, vectors: np.ndarray, rows: np.ndarray, shard: int, log_dir: str):
+        import ray
+
+        self.vectors, self.rows, self.shard, self.log_dir = vectors, rows, shard, log_dir
+        self.node = ray.get_runtime_context().get_node_id()
+        self._note("start", -1)
+
+    def _note(self, what: str, block: int) -> None:
+        with open(os.path.join(self.log_dir, f"{what}_{self.shard}_{block}_{self.node}_{time.time_ns()}"), "w"):
+            pass
+
+    def search(self, block: np.ndarray, k: int):
+        time.sleep(0.25)  # longer than the caller takes a block: blocks are out at the move
+        scores = block @ self.vectors.T
+        top = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+        rows = self.rows[top]
+        self._note("search", int(block[0, 0] * 1000))  # the block's first query, by its tag
+        return np.take_along_axis(scores, top, 1), rows, np.array([[b"d%d" % r for r in row] for row in rows])
+
+
+def test_fanout_servers_on_a_drained_node_move_to_a_node_that_stays(local_cluster, monkeypatch, tmp_path):
+    """Both servers of a fan-out sit on a node that is drained (a spot node's preemption
+    notice, 60 s ahead) after the third block, while a fresh node joins: each server is
+    copied to the new node while the search goes on, the copies answer the blocks asked once
+    they have loaded, and the servers left behind are killed once their calls are back.
+    Every block is answered exactly once by each shard, and the merged results are the
+    brute-force top-k."""
+    import functools
+    import sys
+
+    import ray
+    from ray import cloudpickle
+
+    from pipeline.core import draining
+    from pipeline.retrieval.fanout import SERVER_RESTARTS, ShardFanout
+
+    monkeypatch.setattr(draining, "DRAIN_CHECK_S", 0.0)
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    doomed = local_cluster.add_node(num_cpus=2)
+    rng = np.random.default_rng(3)
+    vectors = rng.standard_normal((60, 8)).astype(np.float32)
+    queries = rng.standard_normal((40, 8)).astype(np.float32)
+    queries[:, 0] = np.arange(40) / 1000  # each block's first value tags it in the servers' log
+    server = ray.remote(_VectorShard).options(num_cpus=1, **SERVER_RESTARTS)
+    fanout = ShardFanout()
+    fanout.total = len(vectors)
+    halves = np.array_split(np.arange(len(vectors)), 2)
+    fanout._serve([functools.partial(server.remote, vectors[h], h, i, str(tmp_path)) for i, h in enumerate(halves)])
+    placed = list(fanout.actors)
+
+    def node_of(actor) -> str:
+        return ray.get(actor.__ray_call__.remote(lambda instance: instance.node))
+
+    assert {node_of(a) for a in placed} == {doomed.node_id}
+    found, drained_at = [], []
+    for start, scores, rows, _ in fanout.search_blocks(queries, 5, block=1):
+        found.append((scores, rows))
+        if start == 2:
+            drain_for_preemption(local_cluster.address, doomed.node_id, deadline_s=60)
+            drained_at.append(time.time_ns())
+            fresh = local_cluster.add_node(num_cpus=2)
+        elif start > 2 and len(fanout.moves) < 2:
+            time.sleep(0.05)  # time for the copies to start on the new node while blocks remain
+    assert sorted(m["shard"] for m in fanout.moves) == [0, 1]
+    assert {node_of(a) for a in fanout.actors} == {fresh.node_id}
+    ref_scores, ref_rows = brute_force_topk(queries, vectors, 5)
+    assert np.array_equal(np.concatenate([r for _, r in found]), ref_rows)
+    np.testing.assert_allclose(np.concatenate([s for s, _ in found]), ref_scores, rtol=1e-5)
+    # The servers left behind were killed (their node, idle and drained, then ends itself),
+    # not restarted by Ray: one start on each node per shard, and no block asked twice.
+    assert all(is_killed(actor) for actor in placed)
+    notes = [name.split("_") for name in os.listdir(tmp_path)]
+    starts = sorted((int(shard), node) for what, shard, _, node, _ in notes if what == "start")
+    assert starts == sorted((shard, node) for shard in (0, 1) for node in (doomed.node_id, fresh.node_id))
+    answered = sorted((int(shard), int(block)) for what, shard, block, _, _ in notes if what == "search")
+    assert answered == sorted((shard, block) for shard in (0, 1) for block in range(40))  # each once
+    late = [(node, int(at)) for what, _, _, node, at in notes if what == "search" and int(at) > drained_at[0]]
+    assert any(node == fresh.node_id for node, _ in late)
+    fanout.close()
 
 
 @pytest.mark.parametrize("factory", ["Flat", "IVF4,Flat"])

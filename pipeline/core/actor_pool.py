@@ -4,18 +4,15 @@ moving off nodes that are about to go."""
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import ray
-from ray._private.state import state as cluster_state  # what Ray Train's preemption watcher reads
 from ray.exceptions import RayActorError
 
-log = logging.getLogger(__name__)
+from pipeline.core.draining import DrainingNodes
 
-# How often the pool asks Ray which nodes are being drained (one call to the GCS).
-DRAIN_CHECK_S = 2.0
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,46 +72,6 @@ def actor_device(pool: ActorConfig) -> str:
     return "cuda"
 
 
-def _node_of_actor(instance) -> str:
-    return ray.get_runtime_context().get_node_id()
-
-
-class _Draining:
-    """The nodes Ray is draining (a preempted spot node, a scale-down), asked at most every
-    ``DRAIN_CHECK_S``; and which node each of the pool's actors is on."""
-
-    def __init__(self):
-        self.asked_at, self.nodes = -float("inf"), frozenset()
-        self.actor_nodes: list = []  # (actor, ObjectRef of its node id)
-
-    def started(self, actor) -> None:
-        self.actor_nodes.append((actor, actor.__ray_call__.remote(_node_of_actor)))
-
-    def holds(self, actor) -> bool:
-        """Whether ``actor``'s node is being drained."""
-        if time.monotonic() - self.asked_at >= DRAIN_CHECK_S:
-            try:
-                self.nodes = frozenset(cluster_state.get_draining_nodes())
-            except Exception as exc:  # no answer this time: the actors stay where they are
-                log.warning("could not ask Ray which nodes are draining: %s", exc)
-            self.asked_at = time.monotonic()
-        if not self.nodes:
-            return False
-        ref = next(ref for a, ref in self.actor_nodes if a is actor)
-        if not ray.wait([ref], timeout=0)[0]:
-            # Not started yet (waiting for a node, loading its model): not worth stalling the
-            # pool for. Ray places no new actor on a draining node; one placed just before is
-            # caught at its next free slot.
-            return False
-        try:
-            return ray.get(ref) in self.nodes
-        except RayActorError:  # gone already
-            return True
-
-    def forget(self, actor) -> None:
-        self.actor_nodes = [(a, ref) for a, ref in self.actor_nodes if a is not actor]
-
-
 def run_actor_pool(
     make_actor, tasks: list, call, max_retries: int, n_actors: int, on_done=None, calls_per_actor: int = 1
 ) -> list:
@@ -158,7 +115,7 @@ def stream_actor_pool(
     created: list = []
     retired: list = []  # on a draining node: no new task; killed once their calls are back
     running: dict = {}
-    draining = _Draining()
+    draining = DrainingNodes()
 
     def fresh():
         created.append(make_actor())

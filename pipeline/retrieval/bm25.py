@@ -25,6 +25,7 @@ out before the next block is asked for.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import resource
@@ -318,12 +319,19 @@ class ShardedBm25(ShardFanout):
         avgdl = sum(tokens for _, tokens in counts) / self.total
         corpus_terms, vocab_size = ray.remote(_merge_term_stats).options(num_returns=2).remote(*tables)
         actor = ray.remote(Bm25Shard)
-        self.actors = [
-            actor.options(num_cpus=SHARD_CPUS, memory=m, **SERVER_RESTARTS).remote(
-                load, scoring, corpus_terms, self.total, avgdl
-            )
-            for load, m in zip(loads, memory)
-        ]
+        self._serve(
+            [
+                functools.partial(
+                    actor.options(num_cpus=SHARD_CPUS, memory=m, **SERVER_RESTARTS).remote,
+                    load,
+                    scoring,
+                    corpus_terms,
+                    self.total,
+                    avgdl,
+                )
+                for load, m in zip(loads, memory)
+            ]
+        )
         self.shards = ray.get([a.stats.remote() for a in self.actors])
         self.vocab_size = ray.get(vocab_size)
         self.seconds = time.perf_counter() - started

@@ -11,6 +11,7 @@ is exact. This module needs neither FAISS nor torch.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import Callable, Iterator, Sequence
@@ -18,10 +19,13 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import ray
 
+from pipeline.core.draining import DrainingNodes
 from pipeline.core.errors import ConfigError
 from pipeline.core.progress import progress
 from pipeline.data.beir import read_qrels
 from pipeline.data.corpus_ids import id_keys
+
+log = logging.getLogger(__name__)
 
 QUERY_HITS = 4096  # queries x shards whose top-k the driver merges at once (see search_blocks)
 
@@ -119,9 +123,62 @@ def query_block(shards: int) -> int:
 
 
 class ShardActors:
-    """Actors that each serve one shard of the corpus, killed on :meth:`close` (or ``with``)."""
+    """Actors that each serve one shard of the corpus, started by :meth:`_serve` and killed
+    on :meth:`close` (or ``with``).
+
+    A server whose node is being drained (a spot node's preemption notice, a scale-down) is
+    copied before the node goes: whenever its servers are about to be asked (a query block
+    of :class:`ShardFanout`, a scoring call handed the passage servers),
+    :meth:`_move_off_draining` starts a copy of it, which Ray places on a node that stays;
+    once the copy has loaded its shard it takes the server's place, and the server is let go
+    once the calls asked of it are back. Left to Ray, the server would be restarted only once
+    its node is gone, and every block would wait for it to load its shard again."""
 
     actors: list
+    label: str = "search"  # the progress line's name, and the log's
+
+    def _serve(self, starts: Sequence[Callable[[], object]]) -> None:
+        """Start one server per shard, ``starts[i]()`` starting shard i's (again, for a copy)."""
+        self._starts = list(starts)
+        self.actors = [start() for start in self._starts]
+        self._draining = DrainingNodes()
+        for server in self.actors:
+            self._draining.started(server)
+        self._copies: dict[int, tuple] = {}  # shard -> (its copy, the copy's ready ref, when started)
+        self._leaving: list[tuple] = []  # (a replaced server, the calls it still owes)
+        self.moves: list[dict] = []  # one per server moved off a draining node
+
+    def _move_off_draining(self, in_flight: Sequence[tuple[list, list]]) -> None:
+        """Copy the servers on draining nodes, and put each copy that has loaded in its
+        server's place. ``in_flight``: (servers, their refs) of every call asked and not yet
+        used, whose answers a replaced server still owes before it is let go."""
+        for shard, server in enumerate(self.actors):
+            if shard not in self._copies and self._draining.holds(server):
+                copy = self._starts[shard]()
+                self._draining.started(copy)
+                self._copies[shard] = (copy, copy.__ray_ready__.remote(), time.monotonic())
+        for shard, (copy, ready, since) in list(self._copies.items()):
+            if not ray.wait([ready], timeout=0)[0]:
+                continue  # still loading: the server answers meanwhile
+            ray.get(ready)  # a copy whose constructor failed stops the search here
+            server, self.actors[shard] = self.actors[shard], copy
+            del self._copies[shard]
+            self._draining.forget(server)
+            owed = [ref for servers, refs in in_flight for s, ref in zip(servers, refs) if s is server]
+            self._leaving.append((server, owed))
+            self.moves.append({"shard": shard, "copy_ready_s": round(time.monotonic() - since, 3)})
+            log.info("%s: shard %d's server moved off a draining node", self.label, shard)
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Kill the replaced servers whose calls are all back."""
+        owing = []
+        for server, owed in self._leaving:
+            if len(ray.wait(owed, num_returns=len(owed), timeout=0)[0]) < len(owed):
+                owing.append((server, owed))
+            else:
+                ray.kill(server)
+        self._leaving = owing
 
     def __enter__(self):
         return self
@@ -130,7 +187,8 @@ class ShardActors:
         self.close()
 
     def close(self) -> None:
-        for actor in self.actors:
+        copies = [copy for copy, _, _ in self._copies.values()]
+        for actor in self.actors + copies + [server for server, _ in self._leaving]:
             ray.kill(actor)
 
 
@@ -139,7 +197,6 @@ class ShardFanout(ShardActors):
 
     metric: str = "ip"
     total: int  # documents over all shards
-    label: str = "search"  # the progress line's name
     in_flight: int = BLOCKS_IN_FLIGHT
     # Of the last search (search_blocks or map_blocks): its wall time, and the part the driver spent waiting for the
     # actors' answers; the rest is the driver's own (merging, and the caller's writing).
@@ -205,7 +262,7 @@ class ShardFanout(ShardActors):
         with progress(sum(len(queries[s : s + block]) for s in starts), self.label, "queries") as bar:
 
             def answered():
-                start, size, pending = asked.popleft()
+                start, size, pending, _, _ = asked.popleft()
                 waiting = time.perf_counter()
                 result = ray.get(pending)
                 self.waited_s += time.perf_counter() - waiting
@@ -213,14 +270,17 @@ class ShardFanout(ShardActors):
                 bar.update(size)
 
             for start in starts:
+                self._move_off_draining([(servers, refs) for _, _, _, servers, refs in asked])
                 part = queries[start : start + block]
                 part_ref = ray.put(part)  # once, shared by every actor
-                refs = [a.search.remote(part_ref, k, **options) for a in self.actors]
-                asked.append((start, len(part), route(start, len(part), refs)))
+                servers = list(self.actors)
+                refs = [a.search.remote(part_ref, k, **options) for a in servers]
+                asked.append((start, len(part), route(start, len(part), refs), servers, refs))
                 if len(asked) >= self.in_flight:
                     yield from answered()
             while asked:
                 yield from answered()
+        self._let_go()
         self.searched_s = time.perf_counter() - began
 
     def holds(self, doc_ids: list[str]) -> set[str]:

@@ -11,7 +11,9 @@ that memory from Ray. A worker asks every server for a block's ids
 
 from __future__ import annotations
 
+import functools
 import resource
+from typing import Callable
 
 import numpy as np
 import ray
@@ -64,16 +66,41 @@ def fetch_texts(servers: list, doc_ids: list[str]) -> list[str | None]:
 
 class PassageStore(ShardActors):
     """The driver's handle on a staged corpus (``text``: the manifest of ``stage_text``), one
-    :class:`PassageServer` per ``docs_per_server`` documents. Close it (or use ``with``)."""
+    :class:`PassageServer` per ``docs_per_server`` documents. Close it (or use ``with``).
+
+    Workers are handed the servers with each call (:meth:`call_with_servers`), not once
+    for their lifetime: a server copied off a draining node then serves every call made
+    after its copy has loaded."""
+
+    label = "passages"
 
     def __init__(self, text: dict, docs_per_server: int = 2_000_000):
         server = ray.remote(PassageServer)
-        self.actors = [
-            server.options(
-                num_cpus=SERVER_CPUS,
-                memory=PROCESS_BYTES + TEXT_OVERHEAD * sum(i["text_bytes"] for i in load),
-                **SERVER_RESTARTS,
-            ).remote(load)
-            for load in group_shards(text["shards"], docs_per_server)
-        ]
+        self._serve(
+            [
+                functools.partial(
+                    server.options(
+                        num_cpus=SERVER_CPUS,
+                        memory=PROCESS_BYTES + TEXT_OVERHEAD * sum(i["text_bytes"] for i in load),
+                        **SERVER_RESTARTS,
+                    ).remote,
+                    load,
+                )
+                for load in group_shards(text["shards"], docs_per_server)
+            ]
+        )
         self.shards = ray.get([s.stats.remote() for s in self.actors])  # every server has read its load
+        self._calls: list[tuple[list, list]] = []  # (the servers a call was given, its ref per server)
+
+    def call_with_servers(self, call: Callable[[list], ray.ObjectRef]) -> ray.ObjectRef:
+        """``call(servers)``, a remote call whose worker reads texts from ``servers``, made
+        with the servers as they are now (moved off draining nodes first); returns its ref.
+        A server replaced meanwhile is let go only once the calls given it are back."""
+        pending = [ref for _, refs in self._calls for ref in refs[:1]]
+        done = set(ray.wait(pending, num_returns=len(pending), timeout=0)[0]) if pending else set()
+        self._calls = [(servers, refs) for servers, refs in self._calls if refs[0] not in done]
+        self._move_off_draining(self._calls)
+        servers = list(self.actors)
+        ref = call(servers)
+        self._calls.append((servers, [ref] * len(servers)))
+        return ref

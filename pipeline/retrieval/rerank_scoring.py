@@ -207,9 +207,9 @@ class PairScorer:
 
 class RerankerActor:
     """A Ray actor holding one :class:`PairScorer`; scores blocks of queries, joining their
-    candidates' ids to texts through the passage servers."""
+    candidates' ids to texts through the passage servers each call is given."""
 
-    def __init__(self, model_uri: str, lengths: PairLengths, cfg: RerankScoreConfig, servers: list):
+    def __init__(self, model_uri: str, lengths: PairLengths, cfg: RerankScoreConfig):
         torch.set_num_threads(max(1, int(cfg.pool.cpus_per_actor)))
         model_dir = model_ref.materialize(model_uri, "--model")
         self.scorer = PairScorer(
@@ -221,15 +221,14 @@ class RerankerActor:
             cfg.batch_tokens,
             cfg.cpu_linears,
         )
-        self.servers = servers
 
     def pid(self) -> int:
         return os.getpid()
 
-    def score(self, block: dict) -> dict:
+    def score(self, block: dict, servers: list) -> dict:
         started = time.perf_counter()
         doc_ids = list(dict.fromkeys(d for docs in block["candidates"] for d in docs))
-        found = fetch_texts(self.servers, doc_ids)
+        found = fetch_texts(servers, doc_ids)
         missing = [d for d, text in zip(doc_ids, found) if text is None]
         if missing:
             raise InputError(
@@ -369,12 +368,12 @@ def run_scoring(cfg: RerankScoreConfig) -> dict:
         cfg.docs_per_server,
     ) as passages:
 
-        def make_actor():
-            return remote.remote(model_uri, lengths, cfg, passages.actors)
+        def score(actor, block: dict):
+            return passages.call_with_servers(lambda servers: actor.score.remote(block, servers))
 
         score_start = time.perf_counter()
         results = stream_actor_pool(
-            make_actor, todo(), lambda actor, block: actor.score.remote(block), cfg.pool.max_retries, cfg.pool.actors
+            lambda: remote.remote(model_uri, lengths, cfg), todo(), score, cfg.pool.max_retries, cfg.pool.actors
         )
         with progress(run_queries, "rerank", "queries") as bar:
             # In block order: each block (ids, first-stage scores) with its scores, to its part.

@@ -12,6 +12,7 @@ is asked of the searchers.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import resource
@@ -190,12 +191,21 @@ class ShardedIndex(ShardFanout):
         plan = plan_searchers(self.manifest, searchers)
         self.options = [options for _, options in plan]
         searcher = ray.remote(IndexSearcher)
-        self.actors = [
-            searcher.options(**options, **SERVER_RESTARTS, runtime_env=SEARCHER_ENV).remote(
-                self.uri, self.manifest["embeddings"], entries, nprobe, threads, options["num_gpus"] > 0, self.metric
-            )
-            for entries, options in plan
-        ]
+        self._serve(
+            [
+                functools.partial(
+                    searcher.options(**options, **SERVER_RESTARTS, runtime_env=SEARCHER_ENV).remote,
+                    self.uri,
+                    self.manifest["embeddings"],
+                    entries,
+                    nprobe,
+                    threads,
+                    options["num_gpus"] > 0,
+                    self.metric,
+                )
+                for entries, options in plan
+            ]
+        )
 
     def search_blocks(self, queries: np.ndarray, k: int, **kwargs):
         """:meth:`ShardFanout.search_blocks` over query vectors."""
