@@ -608,19 +608,19 @@ def test_mining_killed_mid_way_resumes_from_its_finished_blocks(encoded, collect
     with pytest.raises(KeyboardInterrupt):
         mining.run_mining(stopped)
     monkeypatch.setattr(mined_block, "write", write_block)
-    encoded_queries = []
-    encode = mining.encode_queries
-    monkeypatch.setattr(
-        mining,
-        "encode_queries",
-        lambda s, texts, p, block: encoded_queries.append(len(texts)) or encode(s, texts, p, block),
-    )
+    asked, encoded = [], []
+    store = mining.store_query_vectors
+
+    def counted(settings, texts_of, pool, vectors):
+        asked.append(sorted(texts_of))
+        encoded.append(store(settings, texts_of, pool, vectors))
+        return encoded[-1]
+
+    monkeypatch.setattr(mining, "store_query_vectors", counted)
     resumed = mining.run_mining(dataclasses.replace(stopped, write_in_tasks=True))
-    assert written == [0, 1] and (resumed["blocks"], resumed["blocks_resumed"], encoded_queries) == (
-        4,
-        2,
-        [8],
-    )  # blocks 2 and 3
+    assert written == [0, 1] and (resumed["blocks"], resumed["blocks_resumed"]) == (4, 2)
+    # Blocks 2 and 3 are searched, with the vectors the stopped run stored for them.
+    assert (asked, encoded) == ([[2, 3]], [0])
     for name in ("negatives.jsonl", "train.tevatron.jsonl", "run.trec"):
         assert (tmp_path / "stopped" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
     assert not (tmp_path / "stopped" / "parts").exists()
@@ -794,6 +794,68 @@ def _synthetic_corpus_index(folder, n: int, dim: int) -> str:
     return f"{folder}/index"
 
 
+def _fixed_query_vectors(vectors: np.ndarray):
+    """A stand-in for the query encoder's pool: stores ``vectors``' rows as each block's."""
+    from pipeline.retrieval.query_vectors import write_vectors
+
+    def store(settings, texts_of, pool, stored) -> int:
+        for b, texts in texts_of.items():
+            write_vectors(stored.uri_of(b), vectors[b * stored.block : b * stored.block + len(texts)])
+        return len(texts_of)
+
+    return store
+
+
+def test_mining_drivers_memory_does_not_grow_with_the_query_vectors(tmp_path, monkeypatch, tiny_bert, shared_ray):  # noqa: F811
+    """The driver's Python-heap peak (tracemalloc) mining 200 and 2,000 queries of 1,024-wide
+    vectors in blocks of 64: the vectors stay in storage, a block read when it is searched, so
+    1,800 more queries add their ids, texts and judgments (under 1 KB each), not their 7.4 MB
+    of vectors. The mined files are those of a search over the vectors held in memory."""
+    import tracemalloc
+
+    from pipeline.retrieval import mine as mining
+    from pipeline.retrieval.mine import MineConfig, run_mining
+
+    dim, n_docs = 1024, 3000
+    index = _synthetic_corpus_index(tmp_path / "corpus", n_docs, dim)
+    vectors = np.random.default_rng(9).standard_normal((2000, dim)).astype(np.float32)
+    monkeypatch.setattr(mining, "store_query_vectors", _fixed_query_vectors(vectors))
+    peaks = {}
+    for n in (200, 2000):
+        queries = write_jsonl(
+            tmp_path / f"q{n}" / "queries.jsonl", [{"_id": f"q{i}", "text": f"query {i}"} for i in range(n)]
+        )
+        qrels = tmp_path / f"q{n}" / "qrels.tsv"
+        qrels.write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\tdoc-{i % n_docs:07d}\t1\n" for i in range(n)))
+        mine = MineConfig(
+            index=index,
+            queries=queries,
+            qrels=str(qrels),
+            output=str(tmp_path / f"mined{n}"),
+            depth=20,
+            count=5,
+            sample="top",
+            query_block=64,
+            encoder=EncoderSettings(model=tiny_bert),  # unused: the vectors are fixed
+            pool=ActorConfig(actors=1),
+        )
+        tracemalloc.start()
+        try:
+            result = run_mining(mine)
+            peaks[n] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert result["examples"] == n and result["blocks"] == -(-n // 64)
+    assert peaks[2000] - peaks[200] < 3 * 2**20, peaks
+    # The first 200 queries' negatives against brute force over the same vectors.
+    _, _, corpus = read_all(str(tmp_path / "corpus" / "emb"))
+    _, top = brute_force_topk(vectors[:200], corpus, 20)
+    mined = [json.loads(line) for line in open(tmp_path / "mined200" / "negatives.jsonl")]
+    for i, record in enumerate(mined):
+        expected = [f"doc-{r:07d}" for r in top[i] if r != i % n_docs][:5]
+        assert record["query_id"] == f"q{i}" and record["negatives"] == expected, i
+
+
 def test_mining_drivers_memory_does_not_grow_with_the_corpus(encoded, collection, tmp_path, monkeypatch):
     """The driver's Python-heap peak during a mining run (tracemalloc: numpy arrays included)
     over 20k and over 200k passages, same queries: the corpus's ids stay on the searchers
@@ -807,7 +869,7 @@ def test_mining_drivers_memory_does_not_grow_with_the_corpus(encoded, collection
     cfg, summary = encoded
     # The query encoder is not what is measured (its pool is tested above): fixed vectors.
     vectors = np.random.default_rng(5).standard_normal((20, summary["dim"])).astype(np.float32)
-    monkeypatch.setattr(mining, "encode_queries", lambda settings, texts, pool, block: vectors[: len(texts)])
+    monkeypatch.setattr(mining, "store_query_vectors", _fixed_query_vectors(vectors))
     qrels = tmp_path / "qrels.tsv"
     qrels.write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\tdoc-{i:07d}\t1\n" for i in range(20)))
     peaks = {}

@@ -11,7 +11,9 @@ only to their own longest passage; in half precision, the model is held in fp16 
 
 Queries are encoded on actors too, in blocks (:func:`encode_queries`, or the same pool
 right after the corpus with ``run_encoding(cfg, query_texts)``): never in the driver,
-which at MS MARCO scale would encode half a million queries on the head's CPUs.
+which at MS MARCO scale would encode half a million queries on the head's CPUs. Mining's
+are written to storage by the actors a block at a time (:func:`store_query_vectors`), so
+not even their vectors pass through the driver.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from pipeline.retrieval.inference import (
     overlapped,
     with_cpu_linears,
 )
+from pipeline.retrieval.query_vectors import StoredQueryVectors, write_vectors
 
 CPU_BATCH = 256  # passages a forward on CPUs where encoder.batch_size is 0
 
@@ -264,11 +267,16 @@ class EncoderActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def encode_queries(self, texts: list[str]) -> dict:
+    def encode_queries(self, texts: list[str], destination: str = "") -> dict:
+        """A block of queries' vectors, returned, or written to ``destination``
+        (:func:`pipeline.retrieval.query_vectors.write_vectors`) and not returned."""
         started = time.perf_counter()
         with self.device_lock:
             vectors = self.query_encoder.encode_texts(texts, self.encoder.settings.query_max_len, tower="query")
-        return {"vectors": vectors, "rows": len(texts), "seconds": time.perf_counter() - started, "pid": os.getpid()}
+        if destination:
+            write_vectors(destination, vectors)
+        returned = {} if destination else {"vectors": vectors}
+        return {**returned, "rows": len(texts), "seconds": time.perf_counter() - started, "pid": os.getpid()}
 
     def encode_shard(self, corpus_shard_uri: str, index: int, output: str) -> dict:
         # With calls in flight, "seconds" overlap: a call's wait for the device is in it.
@@ -465,18 +473,34 @@ def encode_queries(
     """(n, dim) float32 query vectors, in order, encoded in blocks of ``block`` on a pool of
     actors. A block's vectors depend on that block's texts only (it is batched within
     itself), so a caller that resumes by blocks gets bit-identical vectors for them."""
+    blocks = [("", texts[start : start + block]) for start in query_blocks(texts, block)]
+    results = _encoded_query_blocks(settings, pool, blocks)
+    return _stack(results, results[0]["vectors"].shape[1] if results else 0)
 
+
+def store_query_vectors(
+    settings: EncoderSettings, texts_of: dict[int, list[str]], pool: ActorConfig, stored: StoredQueryVectors
+) -> int:
+    """Encode each block of ``texts_of`` (block number -> its queries' texts) that ``stored``
+    lacks on a pool of actors, each writing the block's vectors there: none pass through
+    this process. A block already stored is kept (the caller's claim on the folder says it
+    was made as it would be now). Returns the blocks encoded."""
+    blocks = [(stored.uri_of(b), texts) for b, texts in sorted(texts_of.items()) if not stored.stored(b)]
+    _encoded_query_blocks(settings, pool, blocks)
+    return len(blocks)
+
+
+def _encoded_query_blocks(settings: EncoderSettings, pool: ActorConfig, blocks: list[tuple[str, list[str]]]) -> list:
+    """Each (destination, texts) block encoded on a pool of actors: its actor's result, in
+    order (with the vectors where the destination is empty)."""
     settings = dataclasses.replace(settings, model=model_ref.check(settings.model, "--encoder.model"))
     remote = ray.remote(EncoderActor).options(**pool.remote_options(), max_restarts=0)
-    blocks = [texts[start : start + block] for start in query_blocks(texts, block)]
-    with progress(len(texts), "encode", "queries") as bar:
-        results = run_actor_pool(
+    with progress(sum(len(texts) for _, texts in blocks), "encode", "queries") as bar:
+        return run_actor_pool(
             lambda: remote.remote(settings, "", pool),
             blocks,
-            lambda actor, block: actor.encode_queries.remote(block),
+            lambda actor, block: actor.encode_queries.remote(block[1], block[0]),
             pool.max_retries,
             pool.actors,
-            lambda block, _: bar.update(len(block)),
+            lambda block, _: bar.update(len(block[1])),
         )
-    dim = results[0]["vectors"].shape[1] if results else 0
-    return _stack(results, dim)

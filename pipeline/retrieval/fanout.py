@@ -259,7 +259,7 @@ class ShardFanout(ShardActors):
         starts = range(0, len(queries), block) if only is None else [b * block for b in only]
         asked: deque = deque()
         began, self.waited_s = time.perf_counter(), 0.0
-        with progress(sum(len(queries[s : s + block]) for s in starts), self.label, "queries") as bar:
+        with progress(sum(min(block, len(queries) - s) for s in starts), self.label, "queries") as bar:
 
             def answered():
                 start, size, pending, _, _ = asked.popleft()

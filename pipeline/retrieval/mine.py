@@ -24,6 +24,7 @@ from the blocks it finished.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
@@ -34,7 +35,7 @@ import ray
 from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.errors import ConfigError, InputError
-from pipeline.core.parts import claim, finished_blocks, join_parts, remove_parts, summed
+from pipeline.core.parts import claim, finished_blocks, join_parts, part_uri, remove_parts, summed
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
 from pipeline.data.beir import positives, read_queries
@@ -43,10 +44,13 @@ from pipeline.data.groups import margin_ceiling
 from pipeline.data.records import json_lines
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval import faiss_index, mined_block
-from pipeline.retrieval.encode import EncoderSettings, encode_queries
+from pipeline.retrieval.encode import EncoderSettings, store_query_vectors
 from pipeline.retrieval.fanout import query_block, ranked_ids, read_qrels_of_corpus
 from pipeline.retrieval.mined_block import COUNTS, PART_FILES, Sampling
+from pipeline.retrieval.query_vectors import StoredQueryVectors
 from pipeline.retrieval.search import SearcherConfig, ShardedIndex
+
+QUERY_VECTORS = "query_vectors.npy"  # each todo block's, beside its parts until the join
 
 
 @dataclass
@@ -211,65 +215,72 @@ def run_mining(cfg: MineConfig) -> dict:
     done = finished_blocks(output, PART_FILES)
     sampling = Sampling.of(cfg)
     todo = [b for b in blocks if b not in done]
-    todo_qids = [q for b in todo for q in qids[b * block : (b + 1) * block]]
     # Encoded on the pool before the searchers start: the two never hold the GPUs at once.
-    # One search block per encoding call: a resumed run encodes each block it lacks exactly
-    # as the uninterrupted run did (the length-sorted batches of a block are its own).
-    vectors = encode_queries(cfg.encoder, [queries[q] for q in todo_qids], cfg.pool, block=block)
+    # The actors write each search block's vectors beside its parts, and the search reads a
+    # block when it asks it: the driver never holds every query's vector. A block encodes
+    # alone (its length-sorted batches are its own), so its vectors are those of an
+    # uninterrupted run, and a resumed run reuses the blocks it stored (the claim above).
+    vectors = StoredQueryVectors(functools.partial(part_uri, output, name=QUERY_VECTORS), len(qids), block)
+    texts_of = {b: [queries[q] for q in qids[b * block : (b + 1) * block]] for b in todo}
+    store_query_vectors(cfg.encoder, texts_of, cfg.pool, vectors)
+    del texts_of
     search_start = time.perf_counter()
     with ShardedIndex(cfg.index, nprobe=cfg.nprobe, searchers=cfg.searchers) as index:
         qrels = read_qrels_of_corpus(cfg.qrels, index.holds, set(queries))
         depth = min(cfg.depth, index.total)
-        ceilings = [float("inf")] * len(todo_qids)
-        if cfg.margins:
-            ceilings = [
-                margin_ceiling(float(p), cfg.absolute_margin, cfg.relative_margin)
-                for p in positive_scores(cfg.index, todo_qids, vectors, qrels, cfg.margin_positive)
-            ]
-        # The todo blocks are whole blocks (only the last can be short), so the searched
-        # vectors' blocks are the todo blocks, in order: a block's vectors start at
-        # (its place in todo) * block.
+        ceilings = np.full(len(qids), np.inf, dtype=np.float32)
+        if cfg.margins and todo:
+            # One task per embedding shard scores the pairs whose positive it holds, for every
+            # query at once: the todo blocks' vectors are held here meanwhile (one pass over
+            # the embeddings, where a pass per block would read them once a block).
+            todo_rows = np.concatenate([np.arange(b * block, min((b + 1) * block, len(qids))) for b in todo])
+            scores = positive_scores(
+                cfg.index,
+                [qids[r] for r in todo_rows],
+                np.concatenate([vectors.read(b) for b in todo]),
+                qrels,
+                cfg.margin_positive,
+            )
+            ceilings[todo_rows] = [margin_ceiling(float(p), cfg.absolute_margin, cfg.relative_margin) for p in scores]
         if cfg.write_in_tasks and not cfg.answers:
 
             def block_args(start: int, size: int) -> tuple:
-                qids = todo_qids[start : start + size]
-                own_queries, own_qrels = {q: queries[q] for q in qids}, {q: qrels.get(q, {}) for q in qids}
+                own_qids = qids[start : start + size]
+                own_queries, own_qrels = {q: queries[q] for q in own_qids}, {q: qrels.get(q, {}) for q in own_qids}
                 return (
                     sampling,
                     output,
-                    todo[start // block],
+                    start // block,
                     own_queries,
-                    qids,
+                    own_qids,
                     own_qrels,
                     {},
-                    ceilings[start : start + size],
+                    ceilings[start : start + size].tolist(),
                 )
 
-            for _ in index.map_blocks(vectors, depth, mined_block.write, block_args, block=block):
+            for _ in index.map_blocks(vectors, depth, mined_block.write, block_args, block=block, only=todo):
                 pass
         else:
-            answered = index.search_blocks(vectors, depth, block=block)
+            answered = index.search_blocks(vectors, depth, block=block, only=todo)
             answer_hits: dict[str, set[str]] = {}
             if cfg.answers:  # the filter reads the candidates' texts in one pass over the corpus first
                 answered = list(answered)
-                ranked = {q: ranked_ids(ids) for start, _, _, ids in answered for q, ids in zip(todo_qids[start:], ids)}
+                ranked = {q: ranked_ids(ids) for start, _, _, ids in answered for q, ids in zip(qids[start:], ids)}
                 answer_hits = _answer_hits(cfg, queries, ranked)
                 del ranked
-            for (start, scores, rows, block_ids), b in zip(answered, todo):
-                block_qids = todo_qids[start : start + len(scores)]
-                block_ceilings = ceilings[start : start + len(scores)]
+            for start, scores, rows, block_ids in answered:
                 mined_block.write(
                     scores,
                     rows,
                     block_ids,
                     sampling,
                     output,
-                    b,
+                    start // block,
                     queries,
-                    block_qids,
+                    qids[start : start + len(scores)],
                     qrels,
                     answer_hits,
-                    block_ceilings,
+                    ceilings[start : start + len(scores)].tolist(),
                 )
         driver_share = index.driver_share()
     search_s = time.perf_counter() - search_start

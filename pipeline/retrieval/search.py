@@ -28,6 +28,7 @@ from pipeline.data.corpus_ids import CorpusIds
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval import faiss_index
 from pipeline.retrieval.fanout import BLOCKS_IN_FLIGHT, SERVER_RESTARTS, ShardFanout, merge_topk
+from pipeline.retrieval.query_vectors import StoredQueryVectors
 
 SEARCHER_CPUS = 0.01  # see plan_searchers
 PROCESS_BYTES = 512 * 2**20  # a searcher's own footprint besides its index (Python, FAISS, Ray)
@@ -207,9 +208,12 @@ class ShardedIndex(ShardFanout):
             ]
         )
 
-    def search_blocks(self, queries: np.ndarray, k: int, **kwargs):
-        """:meth:`ShardFanout.search_blocks` over query vectors."""
-        return super().search_blocks(np.ascontiguousarray(queries, dtype=np.float32), k, **kwargs)
+    def search_blocks(self, queries: np.ndarray | StoredQueryVectors, k: int, **kwargs):
+        """:meth:`ShardFanout.search_blocks` over query vectors (an array, or stored by block:
+        read a block at a time)."""
+        if not isinstance(queries, StoredQueryVectors):
+            queries = np.ascontiguousarray(queries, dtype=np.float32)
+        return super().search_blocks(queries, k, **kwargs)
 
     def search(self, queries: np.ndarray, k: int, block: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Exact merge of every shard's top-k: (scores (q, k), corpus rows (q, k)), all

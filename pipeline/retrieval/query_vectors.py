@@ -1,0 +1,55 @@
+"""Query vectors kept in storage, a block of queries to a file, for a search over more
+queries than a driver should hold: the encoder actors write each block's vectors
+(:func:`write_vectors`), and the search reads a block only when it asks it
+(:class:`StoredQueryVectors`). The driver then holds the blocks in flight, not every
+query's vector (BERT-base's for MS MARCO's 502k training queries: 1.5 GB)."""
+
+from __future__ import annotations
+
+import io
+from typing import Callable
+
+import numpy as np
+
+from pipeline.core import storage
+
+
+def write_vectors(uri: str, vectors: np.ndarray) -> None:
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(vectors, dtype=np.float32))
+    storage.write_bytes(uri, buffer.getvalue())  # appears whole or not at all
+
+
+def read_vectors(uri: str) -> np.ndarray:
+    return np.load(io.BytesIO(storage.read_bytes(uri)), allow_pickle=False)
+
+
+class StoredQueryVectors:
+    """The vectors of ``rows`` queries, block ``b`` (queries ``b * block`` up to ``(b + 1) *
+    block``) stored at ``uri_of(b)``. Sliced like an array of rows, as a shard fan-out slices
+    its queries, it reads only the blocks the slice covers."""
+
+    def __init__(self, uri_of: Callable[[int], str], rows: int, block: int):
+        self.uri_of, self.rows, self.block = uri_of, rows, block
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        if not isinstance(rows, slice):
+            raise TypeError("stored query vectors are read by slices of rows")
+        start, stop, step = rows.indices(self.rows)
+        if step != 1:
+            raise ValueError("stored query vectors are read by contiguous slices")
+        first, end = start // self.block, -(-stop // self.block)
+        parts = [self.read(b) for b in range(first, end)] if stop > start else []
+        if not parts:
+            return np.zeros((0, 0), np.float32)
+        offset = start - first * self.block
+        return np.concatenate(parts)[offset : offset + stop - start]
+
+    def stored(self, b: int) -> bool:
+        return storage.exists(self.uri_of(b))
+
+    def read(self, b: int) -> np.ndarray:
+        return read_vectors(self.uri_of(b))
