@@ -794,6 +794,20 @@ def _synthetic_corpus_index(folder, n: int, dim: int) -> str:
     return f"{folder}/index"
 
 
+def _mining_peak(mine) -> tuple[dict, int]:
+    """A mining run's summary and its driver's Python-heap peak (tracemalloc: numpy arrays
+    included)."""
+    import tracemalloc
+
+    from pipeline.retrieval.mine import run_mining
+
+    tracemalloc.start()
+    try:
+        return run_mining(mine), tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def _fixed_query_vectors(vectors: np.ndarray):
     """A stand-in for the query encoder's pool: stores ``vectors``' rows as each block's."""
     from pipeline.retrieval.query_vectors import write_vectors
@@ -811,10 +825,8 @@ def test_mining_drivers_memory_does_not_grow_with_the_query_vectors(tmp_path, mo
     vectors in blocks of 64: the vectors stay in storage, a block read when it is searched, so
     1,800 more queries add their ids, texts and judgments (under 1 KB each), not their 7.4 MB
     of vectors. The mined files are those of a search over the vectors held in memory."""
-    import tracemalloc
-
     from pipeline.retrieval import mine as mining
-    from pipeline.retrieval.mine import MineConfig, run_mining
+    from pipeline.retrieval.mine import MineConfig
 
     dim, n_docs = 1024, 3000
     index = _synthetic_corpus_index(tmp_path / "corpus", n_docs, dim)
@@ -839,12 +851,7 @@ def test_mining_drivers_memory_does_not_grow_with_the_query_vectors(tmp_path, mo
             encoder=EncoderSettings(model=tiny_bert),  # unused: the vectors are fixed
             pool=ActorConfig(actors=1),
         )
-        tracemalloc.start()
-        try:
-            result = run_mining(mine)
-            peaks[n] = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
+        result, peaks[n] = _mining_peak(mine)
         assert result["examples"] == n and result["blocks"] == -(-n // 64)
     assert peaks[2000] - peaks[200] < 3 * 2**20, peaks
     # The first 200 queries' negatives against brute force over the same vectors.
@@ -861,10 +868,8 @@ def test_mining_drivers_memory_does_not_grow_with_the_corpus(encoded, collection
     over 20k and over 200k passages, same queries: the corpus's ids stay on the searchers
     and results stream, so 180k more passages may add at most 1 MB. Holding the ids here as
     CorpusIds would add ~5 MB, as a dict ~25 MB."""
-    import tracemalloc
-
     from pipeline.retrieval import mine as mining
-    from pipeline.retrieval.mine import MineConfig, run_mining
+    from pipeline.retrieval.mine import MineConfig
 
     cfg, summary = encoded
     # The query encoder is not what is measured (its pool is tested above): fixed vectors.
@@ -885,11 +890,6 @@ def test_mining_drivers_memory_does_not_grow_with_the_corpus(encoded, collection
             encoder=cfg.encoder,
             pool=ActorConfig(actors=1),
         )
-        tracemalloc.start()
-        try:
-            result = run_mining(mine)
-            peaks[n] = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
+        result, peaks[n] = _mining_peak(mine)
         assert result["negatives_per_query"] == 10 and result["examples"] == 20
     assert peaks[200_000] - peaks[20_000] < 2**20, peaks
