@@ -228,7 +228,7 @@ def run_mining(cfg: MineConfig) -> dict:
     with ShardedIndex(cfg.index, nprobe=cfg.nprobe, searchers=cfg.searchers) as index:
         qrels = read_qrels_of_corpus(cfg.qrels, index.holds, set(queries))
         depth = min(cfg.depth, index.total)
-        ceilings = np.full(len(qids), np.inf, dtype=np.float32)
+        ceilings = np.full(len(qids), np.inf)  # float64: margin_ceiling's own values, unrounded
         if cfg.margins and todo:
             # One task per embedding shard scores the pairs whose positive it holds, for every
             # query at once: the todo blocks' vectors are held here meanwhile (one pass over
