@@ -12,9 +12,10 @@ import pytest
 from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.retrieval import embeddings as emb
-from pipeline.retrieval.encode import EncoderSettings, encode_queries
+from pipeline.retrieval.encode import EncoderSettings, store_query_vectors
 from pipeline.retrieval.faiss_index import IndexConfig, brute_force_topk, load_index_manifest, plan_memory
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
+from pipeline.retrieval.query_vectors import StoredQueryVectors
 from pipeline.retrieval.search import PROCESS_BYTES, SEARCHER_CPUS, SearcherConfig, ShardedIndex, plan_searchers
 from tests.helpers import save_tiny_bert
 
@@ -113,5 +114,6 @@ def test_index_builds_reserve_the_gpu_they_may_use_or_see_none(index_of_shards, 
 def test_an_encoder_pool_asks_for_the_gpus_its_config_names(tmp_path, fake_gpu_ray):
     model = save_tiny_bert(str(tmp_path / "model"), ["a few words to train a tokenizer on"] * 4)
     pool = ActorConfig(actors=2, use_gpu=True, gpus_per_actor=1)
+    stored = StoredQueryVectors(lambda b: str(tmp_path / f"queries-{b}.npy"), 3, 3)
     with pytest.raises(Exception, match=r"reserved GPU \[.\d.\] \(pool.use_gpu\) but torch sees no CUDA device"):
-        encode_queries(EncoderSettings(model=model), ["a query"] * 3, pool)
+        store_query_vectors(EncoderSettings(model=model), {0: ["a query"] * 3}, pool, stored)

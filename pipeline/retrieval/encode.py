@@ -9,11 +9,11 @@ shard exists, so the result holds every passage exactly once.
 Inside an actor, a shard's passages are sorted by length and encoded in batches padded
 only to their own longest passage; in half precision, the model is held in fp16 or bf16.
 
-Queries are encoded on actors too, in blocks (:func:`encode_queries`, or the same pool
-right after the corpus with ``run_encoding(cfg, query_texts)``): never in the driver,
-which at MS MARCO scale would encode half a million queries on the head's CPUs. Mining's
-are written to storage by the actors a block at a time (:func:`store_query_vectors`), so
-not even their vectors pass through the driver.
+Queries are encoded on actors too, in blocks: never in the driver, which at MS MARCO scale
+would encode half a million queries on the head's CPUs. Mining's are written to storage by
+the actors a block at a time (:func:`store_query_vectors`), so not even their vectors pass
+through the driver; evaluation's go to the same pool right after the corpus
+(``run_encoding(cfg, query_texts)``).
 """
 
 from __future__ import annotations
@@ -467,36 +467,20 @@ def _stack(results: list[dict], dim: int) -> np.ndarray:
     return np.concatenate([r["vectors"] for r in results]) if results else np.zeros((0, dim), np.float32)
 
 
-def encode_queries(
-    settings: EncoderSettings, texts: list[str], pool: ActorConfig, block: int = QUERY_BLOCK
-) -> np.ndarray:
-    """(n, dim) float32 query vectors, in order, encoded in blocks of ``block`` on a pool of
-    actors. A block's vectors depend on that block's texts only (it is batched within
-    itself), so a caller that resumes by blocks gets bit-identical vectors for them."""
-    blocks = [("", texts[start : start + block]) for start in query_blocks(texts, block)]
-    results = _encoded_query_blocks(settings, pool, blocks)
-    return _stack(results, results[0]["vectors"].shape[1] if results else 0)
-
-
 def store_query_vectors(
     settings: EncoderSettings, texts_of: dict[int, list[str]], pool: ActorConfig, stored: StoredQueryVectors
 ) -> int:
     """Encode each block of ``texts_of`` (block number -> its queries' texts) that ``stored``
     lacks on a pool of actors, each writing the block's vectors there: none pass through
-    this process. A block already stored is kept (the caller's claim on the folder says it
-    was made as it would be now). Returns the blocks encoded."""
+    this process. A block's vectors depend on its texts only (it is batched within itself),
+    so a caller that resumes by blocks gets bit-identical vectors. A block already stored is
+    kept (the caller's claim on the folder says it was made as it would be now). Returns the
+    blocks encoded."""
     blocks = [(stored.uri_of(b), texts) for b, texts in sorted(texts_of.items()) if not stored.stored(b)]
-    _encoded_query_blocks(settings, pool, blocks)
-    return len(blocks)
-
-
-def _encoded_query_blocks(settings: EncoderSettings, pool: ActorConfig, blocks: list[tuple[str, list[str]]]) -> list:
-    """Each (destination, texts) block encoded on a pool of actors: its actor's result, in
-    order (with the vectors where the destination is empty)."""
     settings = dataclasses.replace(settings, model=model_ref.check(settings.model, "--encoder.model"))
     remote = ray.remote(EncoderActor).options(**pool.remote_options(), max_restarts=0)
     with progress(sum(len(texts) for _, texts in blocks), "encode", "queries") as bar:
-        return run_actor_pool(
+        run_actor_pool(
             lambda: remote.remote(settings, "", pool),
             blocks,
             lambda actor, block: actor.encode_queries.remote(block[1], block[0]),
@@ -504,3 +488,4 @@ def _encoded_query_blocks(settings: EncoderSettings, pool: ActorConfig, blocks: 
             pool.actors,
             lambda block, _: bar.update(len(block[1])),
         )
+    return len(blocks)
