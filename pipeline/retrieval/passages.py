@@ -90,17 +90,18 @@ class PassageStore(ShardActors):
             ]
         )
         self.shards = ray.get([s.stats.remote() for s in self.actors])  # every server has read its load
-        self._calls: list[tuple[list, list]] = []  # (the servers a call was given, its ref per server)
+        self._calls: list[tuple[list, ray.ObjectRef]] = []  # (the servers a call was given, its ref)
 
     def call_with_servers(self, call: Callable[[list], ray.ObjectRef]) -> ray.ObjectRef:
         """``call(servers)``, a remote call whose worker reads texts from ``servers``, made
         with the servers as they are now (moved off draining nodes first); returns its ref.
         A server replaced meanwhile is let go only once the calls given it are back."""
-        pending = [ref for _, refs in self._calls for ref in refs[:1]]
-        done = set(ray.wait(pending, num_returns=len(pending), timeout=0)[0]) if pending else set()
-        self._calls = [(servers, refs) for servers, refs in self._calls if refs[0] not in done]
-        self._move_off_draining(self._calls)
+        refs = [ref for _, ref in self._calls]
+        done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        self._calls = [(servers, ref) for servers, ref in self._calls if ref not in done]
+        # Each call reads from every server it was given: it is owed by each of them.
+        self._move_off_draining([(servers, [ref] * len(servers)) for servers, ref in self._calls])
         servers = list(self.actors)
         ref = call(servers)
-        self._calls.append((servers, [ref] * len(servers)))
+        self._calls.append((servers, ref))
         return ref
