@@ -3,7 +3,6 @@ moving off nodes that are about to go."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
@@ -11,8 +10,6 @@ import ray
 from ray.exceptions import RayActorError
 
 from pipeline.core.draining import DrainingNodes
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
