@@ -162,6 +162,7 @@ def bench_size(
     rows_per_shard: int,
     compare_fanin: bool,
     old_searchers: int = 0,
+    mine_extra: tuple[str, ...] = (),
 ) -> dict:
     folder = work / f"corpus-{n}"
     shutil.rmtree(folder, ignore_errors=True)
@@ -208,6 +209,7 @@ def bench_size(
         "200",
         "--count",
         "30",
+        *mine_extra,
     ]
     fanins = {}
     if compare_fanin:
@@ -242,6 +244,7 @@ def bench_size(
         "searcher_peak_gib": sorted(mine["peak_gib"].get("IndexSearcher", [])),
         "negatives_lines": mined_lines,
         "negatives_per_query": mine["summary"]["negatives_per_query"],
+        "margin_dropped": mine["summary"]["margin_dropped"],
         "searchers": len(mine["peak_gib"].get("IndexSearcher", [])),
         # Of the search's wall time, the share the driver spent merging and writing rather
         # than waiting on the searchers, for each fan-in run on the same index and queries.
@@ -281,6 +284,11 @@ def main() -> None:
         help="with --compare_fanin: searchers of the old run (0 = one per index shard, as it was; "
         "set it where that many processes do not fit, and the old run keeps only the driver's side)",
     )
+    parser.add_argument(
+        "--mine_args",
+        default="",
+        help="more options of jobs/mine.py, space-separated (e.g. '--relative_margin 0.05': margin mining)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -302,6 +310,7 @@ def main() -> None:
                 args.rows_per_shard,
                 args.compare_fanin,
                 args.old_searchers,
+                tuple(args.mine_args.split()),
             )
         )
         print(json.dumps(rows[-1]), flush=True)

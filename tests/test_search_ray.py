@@ -15,7 +15,7 @@ from test_finetune_ray import tiny_bert  # noqa: F401  (fixture)
 
 from pipeline.core.actor_pool import ActorConfig, run_actor_pool
 from pipeline.core.errors import ArtifactError, InputError
-from pipeline.data.beir import read_qrels
+from pipeline.data.beir import read_qrels, read_queries
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval.encode import (
     EncodeConfig,
@@ -797,18 +797,22 @@ def _synthetic_corpus_index(folder, n: int, dim: int) -> str:
     return f"{folder}/index"
 
 
-def _mining_peak(mine) -> tuple[dict, int]:
-    """A mining run's summary and its driver's Python-heap peak (tracemalloc: numpy arrays
-    included)."""
+def _driver_peak(run, cfg) -> tuple[dict, int]:
+    """``run(cfg)``'s summary and this driver's Python-heap peak meanwhile (tracemalloc:
+    numpy arrays included)."""
     import tracemalloc
-
-    from pipeline.retrieval.mine import run_mining
 
     tracemalloc.start()
     try:
-        return run_mining(mine), tracemalloc.get_traced_memory()[1]
+        return run(cfg), tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
+
+
+def _mining_peak(mine) -> tuple[dict, int]:
+    from pipeline.retrieval.mine import run_mining
+
+    return _driver_peak(run_mining, mine)
 
 
 def _fixed_query_vectors(vectors: np.ndarray):
@@ -823,11 +827,20 @@ def _fixed_query_vectors(vectors: np.ndarray):
     return store
 
 
-def test_mining_drivers_memory_does_not_grow_with_the_query_vectors(tmp_path, monkeypatch, tiny_bert, shared_ray):  # noqa: F811
+@pytest.mark.parametrize("margin", [None, 0.0], ids=["plain", "margin"])
+def test_mining_drivers_memory_does_not_grow_with_the_query_vectors(
+    margin,
+    tmp_path,
+    monkeypatch,
+    tiny_bert,  # noqa: F811
+    shared_ray,
+):
     """The driver's Python-heap peak (tracemalloc) mining 200 and 2,000 queries of 1,024-wide
     vectors in blocks of 64: the vectors stay in storage, a block read when it is searched, so
     1,800 more queries add their ids, texts and judgments (under 1 KB each), not their 7.4 MB
-    of vectors. The mined files are those of a search over the vectors held in memory."""
+    of vectors. With a margin, the positives are scored first by tasks that read the vectors
+    themselves. The mined files are those of a search over the vectors held in memory, and
+    the margin drops exactly the candidates scoring above each query's positive."""
     from pipeline.retrieval import mine as mining
     from pipeline.retrieval.mine import MineConfig
 
@@ -851,6 +864,7 @@ def test_mining_drivers_memory_does_not_grow_with_the_query_vectors(tmp_path, mo
             count=5,
             sample="top",
             query_block=64,
+            absolute_margin=margin,
             encoder=EncoderSettings(model=tiny_bert),  # unused: the vectors are fixed
             pool=ActorConfig(actors=1),
         )
@@ -859,11 +873,78 @@ def test_mining_drivers_memory_does_not_grow_with_the_query_vectors(tmp_path, mo
     assert peaks[2000] - peaks[200] < 3 * 2**20, peaks
     # The first 200 queries' negatives against brute force over the same vectors.
     _, _, corpus = read_all(str(tmp_path / "corpus" / "emb"))
-    _, top = brute_force_topk(vectors[:200], corpus, 20)
+    scores, top = brute_force_topk(vectors[:200], corpus, 20)
     mined = [json.loads(line) for line in open(tmp_path / "mined200" / "negatives.jsonl")]
+    dropped = 0
     for i, record in enumerate(mined):
-        expected = [f"doc-{r:07d}" for r in top[i] if r != i % n_docs][:5]
+        positive = float(vectors[i] @ corpus[i % n_docs])
+        kept = [r for r, score in zip(top[i], scores[i]) if margin is None or score <= positive - margin]
+        dropped += len(top[i]) - len(kept)
+        expected = [f"doc-{r:07d}" for r in kept if r != i % n_docs][:5]
         assert record["query_id"] == f"q{i}" and record["negatives"] == expected, i
+    assert (dropped > 0) == (margin is not None)  # the margin dropped some, so it was tested
+
+
+def test_evaluations_driver_memory_does_not_grow_with_the_query_vectors(collection, tmp_path, monkeypatch, shared_ray):
+    """The driver's Python-heap peak evaluating 200 and 2,000 queries with a 1,024-wide
+    encoder, in search blocks of 64: the encoders store each block's vectors and the search
+    reads a block as it asks it, so 1,800 more queries add their ids, texts, judgments and
+    run lines, not their 7.4 MB of vectors. The metrics are ir_measures' over a brute-force
+    run of vectors encoded in the test."""
+    import ir_measures
+
+    from pipeline.retrieval import evaluate as evaluation
+    from pipeline.retrieval.encode import local_encoder
+    from pipeline.retrieval.metrics import JOB_MEASURES
+    from tests.helpers import save_tiny_bert
+
+    wide = save_tiny_bert(
+        str(tmp_path / "wide"),
+        [d["text"] for d in collection["docs"]],
+        hidden_size=1024,
+        num_layers=1,
+        num_heads=4,
+        intermediate_size=64,
+    )
+    monkeypatch.setattr(evaluation, "query_block", lambda shards: 64)
+    docs = collection["docs"]
+    peaks, summaries = {}, {}
+    # The first run in a process imports and loads what later ones reuse (plotting, the
+    # tokenizer): an untraced one first, so that the two traced runs differ by their queries.
+    for n, traced in ((200, False), (200, True), (2000, True)):
+        picked = np.random.default_rng(n).integers(0, N_DOCS, n)
+        queries = [{"_id": f"q{i}", "text": " ".join(docs[d]["text"].split()[:5])} for i, d in enumerate(picked)]
+        qrels = tmp_path / f"q{n}" / "qrels.tsv"
+        write_jsonl(tmp_path / f"q{n}" / "queries.jsonl", queries)
+        qrels.write_text(
+            "query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\t{docs[d]['_id']}\t1\n" for i, d in enumerate(picked))
+        )
+        job = evaluation.EvaluateJobConfig(
+            encoder=EncoderSettings(model=wide, pooling="cls"),
+            corpus=collection["corpus"],
+            queries=str(tmp_path / f"q{n}" / "queries.jsonl"),
+            qrels=str(qrels),
+            k=10,
+            docs_per_shard=45,
+            output=str(tmp_path / f"eval{n}-{traced}"),
+            pool=ActorConfig(actors=1),
+        )
+        if not traced:
+            evaluation.run_evaluation(job)
+            continue
+        summaries[n], peaks[n] = _driver_peak(evaluation.run_evaluation, job)
+        assert summaries[n]["search_blocks"] == -(-n // 64) and summaries[n]["judged_queries"] == n
+    assert peaks[2000] - peaks[200] < 3 * 2**20, peaks
+    assert not os.path.exists(tmp_path / "eval200-True" / "search")  # the stored vectors went with the parts
+    # The 200 queries' metrics against ir_measures over brute force of this test's encoding.
+    encoder = local_encoder(EncoderSettings(model=wide, pooling="cls"))
+    _, doc_ids, corpus = read_all(str(tmp_path / "eval200-True" / "embeddings"))
+    queries = read_queries(str(tmp_path / "q200" / "queries.jsonl"))
+    scores, top = brute_force_topk(encoder.encode_texts(list(queries.values()), 32), corpus, 10)
+    run = {q: {doc_ids[r]: float(v) for r, v in zip(top[i], scores[i])} for i, q in enumerate(queries)}
+    measures = {name: ir_measures.parse_measure(m) for name, m in JOB_MEASURES.items()}
+    expected = ir_measures.calc_aggregate(measures.values(), read_qrels(str(tmp_path / "q200" / "qrels.tsv")), run)
+    assert summaries[200]["metrics"] == pytest.approx({name: expected[m] for name, m in measures.items()}, abs=1e-6)
 
 
 def test_mining_drivers_memory_does_not_grow_with_the_corpus(encoded, collection, tmp_path, monkeypatch):

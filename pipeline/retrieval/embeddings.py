@@ -214,15 +214,19 @@ def read_shard(
 
 
 def pair_scores(
-    folder: str, entry: dict, wanted: dict[str, list[int]], vectors: np.ndarray
+    folder: str, entry: dict, wanted: dict[str, list[int]], *vector_blocks: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """(query index, score) of every (query, stored passage) pair ``wanted`` asks for
-    (doc id -> the indexes of its queries in ``vectors``) whose passage lives in this
-    shard: the query's vector against the passage's stored embedding (inner product)."""
+    (doc id -> the indexes of its queries) whose passage lives in this shard: the query's
+    vector against the passage's stored embedding (inner product). Query ``q``'s vector is
+    row ``q`` of ``vector_blocks`` laid end to end (they are not joined: a copy of every
+    query's vector per task)."""
     _, doc_ids, embeddings = read_shard(folder, entry)
+    starts = np.cumsum([0] + [len(block) for block in vector_blocks])
     queries, scores = [], []
     for i, doc_id in enumerate(doc_ids):
         for q in wanted.get(doc_id, ()):
+            b = int(np.searchsorted(starts, q, side="right")) - 1
             queries.append(q)
-            scores.append(float(vectors[q] @ embeddings[i]))
+            scores.append(float(vector_blocks[b][q - starts[b]] @ embeddings[i]))
     return np.asarray(queries, dtype=np.int64), np.asarray(scores, dtype=np.float32)

@@ -10,10 +10,9 @@ Inside an actor, a shard's passages are sorted by length and encoded in batches 
 only to their own longest passage; in half precision, the model is held in fp16 or bf16.
 
 Queries are encoded on actors too, in blocks: never in the driver, which at MS MARCO scale
-would encode half a million queries on the head's CPUs. Mining's are written to storage by
-the actors a block at a time (:func:`store_query_vectors`), so not even their vectors pass
-through the driver; evaluation's go to the same pool right after the corpus
-(``run_encoding(cfg, query_texts)``).
+would encode half a million queries on the head's CPUs. The actors write each block's
+vectors to storage (:func:`store_query_vectors`), so not even the vectors pass through the
+driver: mining and evaluation read a block when they search it.
 """
 
 from __future__ import annotations
@@ -267,16 +266,14 @@ class EncoderActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def encode_queries(self, texts: list[str], destination: str = "") -> dict:
-        """A block of queries' vectors, returned, or written to ``destination``
-        (:func:`pipeline.retrieval.query_vectors.write_vectors`) and not returned."""
+    def encode_queries(self, texts: list[str], destination: str) -> dict:
+        """A block of queries' vectors, written to ``destination``
+        (:func:`pipeline.retrieval.query_vectors.write_vectors`), not returned."""
         started = time.perf_counter()
         with self.device_lock:
             vectors = self.query_encoder.encode_texts(texts, self.encoder.settings.query_max_len, tower="query")
-        if destination:
-            write_vectors(destination, vectors)
-        returned = {} if destination else {"vectors": vectors}
-        return {**returned, "rows": len(texts), "seconds": time.perf_counter() - started, "pid": os.getpid()}
+        write_vectors(destination, vectors)
+        return {"rows": len(texts), "seconds": time.perf_counter() - started, "pid": os.getpid()}
 
     def encode_shard(self, corpus_shard_uri: str, index: int, output: str) -> dict:
         # With calls in flight, "seconds" overlap: a call's wait for the device is in it.
@@ -341,19 +338,11 @@ def _made_by(cfg: EncodeConfig, model_dir: str, probe, corpus: str, manifest: di
     }
 
 
-QUERY_BLOCK = 4096  # queries per actor call: a few MB of text and vectors each way
-
-
-def query_blocks(texts, block: int = QUERY_BLOCK) -> range:
-    return range(0, len(texts), block)
-
-
-def run_encoding(cfg: EncodeConfig, query_texts: list[str] | None = None, before_work=None) -> dict:
+def run_encoding(cfg: EncodeConfig, before_work=None) -> dict:
     """Encode every shard not yet written, on ``cfg.pool.actors`` actors; write the manifest.
-    With ``query_texts``, the same actors then encode them: ``summary["query_vectors"]``,
-    (n, dim) float32 in the given order (not stored). ``before_work(dim, corpus, manifest)``:
-    the caller's checks of what it will do with the vectors, once the prepared corpus and the
-    vectors' width are known and before anything is encoded."""
+    ``before_work(dim, corpus, manifest)``: the caller's checks of what it will do with the
+    vectors, once the prepared corpus and the vectors' width are known and before anything
+    is encoded."""
 
     started = time.perf_counter()
     cfg.output = storage.resolve(cfg.output).uri
@@ -380,41 +369,19 @@ def run_encoding(cfg: EncodeConfig, query_texts: list[str] | None = None, before
 
     shards = manifest["shards"]
     done = finished_shards(cfg.output)
-    todo = [("shard", i, storage.join(corpus, s["path"])) for i, s in enumerate(shards) if i not in done]
-    # The queries go to the same actors once the shards are handed out: no second model load.
-    todo += [("queries", start, query_texts[start : start + QUERY_BLOCK]) for start in query_blocks(query_texts or [])]
+    todo = [(i, storage.join(corpus, s["path"])) for i, s in enumerate(shards) if i not in done]
     in_flight = cfg.encoder.shards_in_flight or (2 if cfg.pool.use_gpu else 1)
     remote = ray.remote(EncoderActor).options(**cfg.pool.remote_options(), max_restarts=0, max_concurrency=in_flight)
-
-    def call(actor, task):
-        kind, key, payload = task
-        if kind == "queries":
-            return actor.encode_queries.remote(payload)
-        return actor.encode_shard.remote(payload, key, cfg.output)
-
-    to_encode = sum(shards[key]["rows"] for kind, key, _ in todo if kind == "shard")
-    with (
-        progress(to_encode, "encode", "passages") as passages,
-        progress(len(query_texts or []), "encode", "queries") as queries,
-    ):
-
-        def count(task, result) -> None:
-            if task[0] == "shard":
-                passages.update(result["rows"])
-            else:
-                queries.update(len(task[2]))
-
+    with progress(sum(shards[i]["rows"] for i, _ in todo), "encode", "passages") as passages:
         results = run_actor_pool(
             lambda: remote.remote(cfg.encoder, tokenizer_uri, cfg.pool),
             todo,
-            call,
+            lambda actor, task: actor.encode_shard.remote(task[1], task[0], cfg.output),
             cfg.pool.max_retries,
             cfg.pool.actors,
-            count,
+            lambda task, result: passages.update(result["rows"]),
             calls_per_actor=in_flight,
         )
-    query_results = [r for t, r in zip(todo, results) if t[0] == "queries"]
-    results = [r for t, r in zip(todo, results) if t[0] == "shard"]
     entries = [
         {"index": i, "path": shard_path(i), "rows": s["rows"], "first_row": s["first_row"]}
         for i, s in enumerate(shards)
@@ -448,7 +415,6 @@ def run_encoding(cfg: EncodeConfig, query_texts: list[str] | None = None, before
             {k: r[k] for k in ("index", "rows", "seconds", "device_seconds", "started_at", "finished_at", "pid")}
             for r in results
         ],
-        **({"query_vectors": _stack(query_results, dim)} if query_texts is not None else {}),
     }
 
 
@@ -461,10 +427,6 @@ def actor_spans(shard_results: list[dict]) -> dict[int, float]:
         first, last = spans.get(shard["pid"], (shard["started_at"], shard["finished_at"]))
         spans[shard["pid"]] = (min(first, shard["started_at"]), max(last, shard["finished_at"]))
     return {pid: last - first for pid, (first, last) in spans.items()}
-
-
-def _stack(results: list[dict], dim: int) -> np.ndarray:
-    return np.concatenate([r["vectors"] for r in results]) if results else np.zeros((0, dim), np.float32)
 
 
 def store_query_vectors(

@@ -8,10 +8,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
-from pipeline.core import storage
+from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.config import Renamed, truthy
 from pipeline.core.errors import ConfigError, InputError
@@ -22,11 +22,12 @@ from pipeline.core.sample import SAMPLE_CORPUS, SAMPLE_DEV_QRELS, SAMPLE_DEV_QUE
 from pipeline.data.beir import read_qrels, read_queries
 from pipeline.data.runs import write_trec_lines
 from pipeline.data.shards import held_ids
-from pipeline.retrieval.encode import EncodeConfig, EncoderSettings, run_encoding
-from pipeline.retrieval.faiss_index import IndexConfig, validate_factory
+from pipeline.retrieval.encode import EncodeConfig, EncoderSettings, run_encoding, store_query_vectors
+from pipeline.retrieval.faiss_index import IndexConfig, load_index_manifest, validate_factory
 from pipeline.retrieval.fanout import query_block, ranked_ids, read_qrels_of_corpus
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
 from pipeline.retrieval.metrics import JOB_MEASURES, StreamedMetrics, metrics_markdown, metrics_table
+from pipeline.retrieval.query_vectors import StoredQueryVectors
 from pipeline.retrieval.search import SearcherConfig, ShardedIndex
 
 
@@ -192,7 +193,6 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
         holds = functools.partial(held_ids, corpus, manifest)
         qrels.update(read_qrels_of_corpus(qrels_uri, holds, set(queries), judged))
 
-    # The encoder actors encode the queries too, after the corpus: nothing runs a model here.
     encoded = run_encoding(
         EncodeConfig(
             corpus=cfg.corpus,
@@ -201,7 +201,6 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
             encoder=cfg.encoder,
             pool=cfg.pool,
         ),
-        [queries[q] for q in qids],
         before_work,
     )
     indexed = run_indexing(
@@ -213,23 +212,35 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
     )
     run_uri = storage.join(output, "run.trec")
     searched = storage.join(output, "search")  # the run's blocks, kept until every one is written
-    # The stored blocks hold metric sums too: the judgments are part of what made them.
+    # The stored blocks hold metric sums too: the judgments are part of what made them; and
+    # the queries' vectors, which the encoder's query settings and the model make.
     versions = {name: storage.version(uri) for name, uri in (("queries", cfg.queries), ("qrels", qrels_uri))}
-    claim(searched, {"index": indexed["version"], **versions, "k": cfg.k})
+    encoder = {
+        "encoder": asdict(cfg.encoder),
+        "model_version": model_ref.version(cfg.encoder.model, "--encoder.model"),
+        "device": "cuda" if cfg.pool.use_gpu else "cpu",
+    }
+    claim(searched, {"index": indexed["version"], **versions, "k": cfg.k, **encoder})
     scored = StreamedMetrics(qrels, JOB_MEASURES.values())
+    # By the index's shards, not its searchers (which follow the cluster): the stored blocks
+    # of a resumed evaluation keep their layout on another cluster.
+    block = query_block(len(load_index_manifest(indexed["output"])["shards"]))
+    blocks = list(range(-(-len(qids) // block)))
+    done = finished_blocks(searched, ("run.trec", "sums.json"))
+    for b in done:
+        scored.add_sums(storage.read_json(part_uri(searched, b, "sums.json")))
+    todo = [b for b in blocks if b not in done]
+    # The encoders write each block's query vectors beside its parts before the searchers
+    # start (the two never hold the GPUs at once); the search reads a block as it asks it,
+    # so the driver never holds every query's vector.
+    vectors = StoredQueryVectors.in_parts(searched, len(qids), block)
+    texts_of = {b: [queries[q] for q in qids[b * block : (b + 1) * block]] for b in todo}
+    store_query_vectors(cfg.encoder, texts_of, cfg.pool, vectors)
+    del texts_of
     # Each block's run lines and metric sums are written as the searchers answer it: a rerun
     # searches only the blocks it lacks.
     with ShardedIndex(indexed["output"], nprobe=cfg.nprobe, searchers=cfg.searchers) as index:
-        # By the index's shards, not its searchers (which follow the cluster): the stored
-        # blocks of a resumed evaluation keep their layout on another cluster.
-        block = query_block(len(index.manifest["shards"]))
-        blocks = list(range(-(-len(qids) // block)))
-        done = finished_blocks(searched, ("run.trec", "sums.json"))
-        for b in done:
-            scored.add_sums(storage.read_json(part_uri(searched, b, "sums.json")))
         search_start = time.perf_counter()
-        vectors = encoded.pop("query_vectors")
-        todo = [b for b in blocks if b not in done]
         for start, scores, _, ids in index.search_blocks(vectors, cfg.k, block=block, only=todo):
             run_block = {}
             with storage.open_output(part_uri(searched, start // block, "run.trec")) as out:

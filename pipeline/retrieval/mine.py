@@ -15,16 +15,15 @@ Outputs, under ``output``:
 - ``run.trec``: the full top-depth run, for ``ir_measures``.
 
 All three are written a block of queries at a time as the searchers answer, with the
-results already as doc ids: the driver holds the queries, their vectors and one block of
-results, never the corpus's ids nor the whole run. The answer filter is the exception: it
-holds every candidate id (and their texts) before the first line is written. Each block
-goes to part files first (:mod:`pipeline.core.parts`), so a run killed mid-way resumes
-from the blocks it finished.
+results already as doc ids: the driver holds the queries and the blocks in flight, never
+the queries' vectors (stored by block), the corpus's ids nor the whole run. The answer
+filter is the exception: it holds every candidate id (and their texts) before the first
+line is written. Each block goes to part files first (:mod:`pipeline.core.parts`), so a
+run killed mid-way resumes from the blocks it finished.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
@@ -35,7 +34,7 @@ import ray
 from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.errors import ConfigError, InputError
-from pipeline.core.parts import claim, finished_blocks, join_parts, part_uri, remove_parts, summed
+from pipeline.core.parts import claim, finished_blocks, join_parts, remove_parts, summed
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
 from pipeline.data.beir import positives, read_queries
@@ -47,10 +46,10 @@ from pipeline.retrieval import faiss_index, mined_block
 from pipeline.retrieval.encode import EncoderSettings, store_query_vectors
 from pipeline.retrieval.fanout import query_block, ranked_ids, read_qrels_of_corpus
 from pipeline.retrieval.mined_block import COUNTS, PART_FILES, Sampling
-from pipeline.retrieval.query_vectors import StoredQueryVectors
+from pipeline.retrieval.query_vectors import StoredQueryVectors, read_blocks
 from pipeline.retrieval.search import SearcherConfig, ShardedIndex
 
-QUERY_VECTORS = "query_vectors.npy"  # each todo block's, beside its parts until the join
+POSITIVE_ROWS = 65536  # queries' vectors an object of margin scoring: BERT-base's, 200 MB
 
 
 @dataclass
@@ -155,12 +154,14 @@ def _answer_hits(cfg: MineConfig, queries: dict, ranked: dict[str, list[str]]) -
 
 
 def positive_scores(
-    index_uri: str, qids: list[str], vectors: np.ndarray, qrels: dict, which: str = "hardest"
+    index_uri: str, qids: list[str], vector_blocks: list, qrels: dict, which: str = "hardest"
 ) -> np.ndarray:
     """Each query's score of its hardest (lowest-scoring) or easiest (highest-scoring)
     judged positive, as the index scores it (inner product with the positive's stored
-    embedding); +inf for a query with no judged positive. One Ray task per embedding shard, each answering the pairs whose
-    positive it holds: the driver holds one float per query, not the positives' vectors."""
+    embedding); +inf for a query with no judged positive. ``vector_blocks``: the queries'
+    vectors in consecutive blocks, arrays or Ray object refs. One Ray task per embedding
+    shard, each answering the pairs whose positive it holds: the driver holds one float per
+    query, not the positives' vectors (nor, given refs, the queries')."""
     manifest = faiss_index.load_index_manifest(index_uri)
     if manifest["metric"] != "ip":
         raise ConfigError("--absolute_margin / --relative_margin need an inner-product index (metric ip)")
@@ -171,11 +172,12 @@ def positive_scores(
             wanted.setdefault(doc_id, []).append(q)
     # A task from the embeddings module: a worker that runs it imports no torch or transformers.
     score = ray.remote(emb.pair_scores).options(num_cpus=1, max_retries=3)
-    wanted_ref, vectors_ref = ray.put(wanted), ray.put(np.ascontiguousarray(vectors, dtype=np.float32))
+    wanted_ref = ray.put(wanted)
+    blocks = [b if isinstance(b, ray.ObjectRef) else ray.put(np.asarray(b, np.float32)) for b in vector_blocks]
     hardest = which == "hardest"
     out = np.full(len(qids), np.inf if hardest else -np.inf, dtype=np.float32)
     for queries, scores in ray.get(
-        [score.remote(folder, entry, wanted_ref, vectors_ref) for entry in emb.load_manifest(folder)["shards"]]
+        [score.remote(folder, entry, wanted_ref, *blocks) for entry in emb.load_manifest(folder)["shards"]]
     ):
         (np.minimum if hardest else np.maximum).at(out, queries, scores)
     out[np.isneginf(out)] = np.inf  # no judged positive: no ceiling
@@ -220,7 +222,7 @@ def run_mining(cfg: MineConfig) -> dict:
     # block when it asks it: the driver never holds every query's vector. A block encodes
     # alone (its length-sorted batches are its own), so its vectors are those of an
     # uninterrupted run, and a resumed run reuses the blocks it stored (the claim above).
-    vectors = StoredQueryVectors(functools.partial(part_uri, output, name=QUERY_VECTORS), len(qids), block)
+    vectors = StoredQueryVectors.in_parts(output, len(qids), block)
     texts_of = {b: [queries[q] for q in qids[b * block : (b + 1) * block]] for b in todo}
     store_query_vectors(cfg.encoder, texts_of, cfg.pool, vectors)
     del texts_of
@@ -231,13 +233,16 @@ def run_mining(cfg: MineConfig) -> dict:
         ceilings = np.full(len(qids), np.inf)  # float64: margin_ceiling's own values, unrounded
         if cfg.margins and todo:
             # One task per embedding shard scores the pairs whose positive it holds, for every
-            # query at once: the todo blocks' vectors are held here meanwhile (one pass over
-            # the embeddings, where a pass per block would read them once a block).
+            # query at once (one pass over the embeddings, where a pass per block would read
+            # them once a block). Tasks read the todo blocks' vectors into the object store,
+            # POSITIVE_ROWS queries an object: the driver holds their refs only.
             todo_rows = np.concatenate([np.arange(b * block, min((b + 1) * block, len(qids))) for b in todo])
+            read = ray.remote(read_blocks).options(num_cpus=1, max_retries=3)
+            per_read = max(1, POSITIVE_ROWS // block)
             scores = positive_scores(
                 cfg.index,
                 [qids[r] for r in todo_rows],
-                np.concatenate([vectors.read(b) for b in todo]),
+                [read.remote(vectors, todo[i : i + per_read]) for i in range(0, len(todo), per_read)],
                 qrels,
                 cfg.margin_positive,
             )

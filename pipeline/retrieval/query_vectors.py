@@ -6,12 +6,16 @@ query's vector (BERT-base's for MS MARCO's 502k training queries: 1.5 GB)."""
 
 from __future__ import annotations
 
+import functools
 import io
 from typing import Callable
 
 import numpy as np
 
 from pipeline.core import storage
+from pipeline.core.parts import part_uri
+
+QUERY_VECTORS = "query_vectors.npy"  # a block's file among a stage's parts
 
 
 def write_vectors(uri: str, vectors: np.ndarray) -> None:
@@ -31,6 +35,12 @@ class StoredQueryVectors:
 
     def __init__(self, uri_of: Callable[[int], str], rows: int, block: int):
         self.uri_of, self.rows, self.block = uri_of, rows, block
+
+    @classmethod
+    def in_parts(cls, folder: str, rows: int, block: int) -> StoredQueryVectors:
+        """Each block's vectors beside the block's other part files in ``folder``
+        (:mod:`pipeline.core.parts`): claimed, resumed and removed with them."""
+        return cls(functools.partial(part_uri, folder, name=QUERY_VECTORS), rows, block)
 
     def __len__(self) -> int:
         return self.rows
@@ -53,3 +63,9 @@ class StoredQueryVectors:
 
     def read(self, b: int) -> np.ndarray:
         return read_vectors(self.uri_of(b))
+
+
+def read_blocks(stored: StoredQueryVectors, blocks: list[int]) -> np.ndarray:
+    """``blocks``' vectors laid end to end: a Ray task's, so that they land in a worker
+    node's object store, not on the driver."""
+    return np.concatenate([stored.read(b) for b in blocks])
