@@ -783,6 +783,20 @@ def test_an_evaluation_rerun_reuses_its_encoding_index_and_searched_blocks(
     (tmp_path / "fewer.tsv").write_text("\n".join(judgments[:21]) + "\n")
     rejudged = evaluation.run_evaluation(dataclasses.replace(stopped, qrels=str(tmp_path / "fewer.tsv")))
     assert rejudged["search_blocks_resumed"] == 0 and rejudged["judged_queries"] == 10
+    # Stopped again, rerun with shorter queries: the stored blocks' vectors (and the run lines
+    # searched with them) were made with the old length, so none is kept, and the metrics
+    # are those of an evaluation never stopped at that length.
+    lines.clear()
+    monkeypatch.setattr(evaluation, "write_trec_lines", stopped_in_the_third_block)
+    with pytest.raises(KeyboardInterrupt):
+        evaluation.run_evaluation(stopped)
+    monkeypatch.setattr(evaluation, "write_trec_lines", write_lines)
+    short = dataclasses.replace(job.encoder, query_max_len=4)
+    shortened = evaluation.run_evaluation(dataclasses.replace(stopped, encoder=short))
+    assert shortened["search_blocks_resumed"] == 0
+    whole_short = evaluation.run_evaluation(dataclasses.replace(job, encoder=short, output=str(tmp_path / "short")))
+    assert shortened["metrics"] == pytest.approx(whole_short["metrics"])
+    assert whole_short["metrics"] != pytest.approx(whole["metrics"])  # the length matters here
 
 
 def _synthetic_corpus_index(folder, n: int, dim: int) -> str:
