@@ -77,6 +77,7 @@ def write_queries(folder: Path, n_queries: int, judged_range: int, seed: int = 1
 def random_encoder(folder: Path, texts_file: str) -> str:
     """A 2-layer BERT of width 384 with random weights and a WordPiece vocabulary of the queries:
     its vectors are as wide as the corpus's, which is all the search needs."""
+    import torch
     from transformers import BertConfig, BertModel
 
     from pipeline.data.tokenizer import train_wordpiece
@@ -91,6 +92,7 @@ def random_encoder(folder: Path, texts_file: str) -> str:
         intermediate_size=4 * DIM,
         max_position_embeddings=64,
     )
+    torch.manual_seed(0)  # the same weights every run: two runs' mined counts compare
     BertModel(config).save_pretrained(str(folder))
     return str(folder)
 

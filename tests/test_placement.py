@@ -116,4 +116,4 @@ def test_an_encoder_pool_asks_for_the_gpus_its_config_names(tmp_path, fake_gpu_r
     pool = ActorConfig(actors=2, use_gpu=True, gpus_per_actor=1)
     stored = StoredQueryVectors(lambda b: str(tmp_path / f"queries-{b}.npy"), 3, 3)
     with pytest.raises(Exception, match=r"reserved GPU \[.\d.\] \(pool.use_gpu\) but torch sees no CUDA device"):
-        store_query_vectors(EncoderSettings(model=model), {0: ["a query"] * 3}, pool, stored)
+        store_query_vectors(EncoderSettings(model=model), lambda b: ["a query"] * 3, [0], pool, stored)

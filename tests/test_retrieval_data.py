@@ -98,6 +98,65 @@ def test_read_qrels_errors(tmp_path, text, message):
         read_qrels(write(tmp_path / "a.tsv", text), doc_ids={"d1", "d2"}, query_ids={"q1"})
 
 
+def test_the_earliest_bad_judgment_is_reported_whatever_its_kind(tmp_path):
+    """Unknown ids and repeated pairs are found once the file is read: the one reported is
+    the earliest line, as when each line was checked as it was read."""
+    lines = ["q1\td1\t1", "q1\td2\t1", "q1\tnope\t1", "q1\td1\t0", "q9\td1\t1"]
+    with fails(r"line 3: unknown document id 'nope'"):
+        read_qrels(write(tmp_path / "a.tsv", "\n".join(lines) + "\n"), doc_ids={"d1", "d2"}, query_ids={"q1"})
+    with fails(r"line 4: duplicate judgment \('q1', 'd1'\) \(first at line 1\)"):
+        read_qrels(write(tmp_path / "b.tsv", "\n".join(lines) + "\n"), query_ids={"q1"})
+    with fails(r"line 4: unknown query id 'q9'"):
+        read_qrels(write(tmp_path / "c.tsv", "\n".join(lines[:3] + lines[4:]) + "\n"), query_ids={"q1"})
+
+
+def test_queries_and_judgments_are_held_in_arrays_in_file_order(tmp_path):
+    """20,000 queries of one or two judgments, read as a job's driver reads them: the same
+    mappings as dicts of Python strings built from the files by hand (file order kept), in
+    under a third of their bytes (tracemalloc: what the readers keep), and a peak while
+    reading of under 2.5x what they keep."""
+    import random
+    import tracemalloc
+
+    rng = random.Random(0)
+    words = "how do plants grow in the dark under deep water when light is rare".split()
+    n = 20_000
+    ids = [str(rng.randrange(10**9)) + f"-{i}" for i in range(n)]
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 9))) for _ in ids]
+    judged = [
+        (q, f"p{rng.randrange(9_000_000)}", rng.choice([0, 1, 2])) for q in ids for _ in range(rng.choice([1, 1, 2]))
+    ]
+    queries_path = write(tmp_path / "q.jsonl", jsonl(*({"_id": q, "text": t} for q, t in zip(ids, texts))))
+    qrels_path = write(tmp_path / "q.tsv", "".join(f"{q}\t{d}\t{s}\n" for q, d, s in judged))
+
+    tracemalloc.start()
+    queries = read_queries(queries_path)
+    qrels = read_qrels(qrels_path, query_ids=queries)
+    held, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    tracemalloc.start()  # the dicts of Python strings the readers returned before
+    by_hand: dict = {}
+    for line in open(queries_path, encoding="utf-8"):
+        query = json.loads(line)
+        by_hand[query["_id"]] = query["text"]
+    judgments: dict = {}
+    for line in open(qrels_path, encoding="utf-8"):
+        q, d, score = line.split("\t")
+        judgments.setdefault(q, {})[d] = int(score)
+    dict_bytes = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+
+    assert list(queries.items()) == list(zip(ids, texts)) and list(queries) == ids
+    assert list(queries.items()) == list(by_hand.items())
+    assert list(qrels) == list(judgments) and all(qrels[q] == judgments[q] for q in ids[::97])
+    assert dict(qrels.items()) == judgments and qrels.get("not-a-query", {}) == {}
+    assert queries.ids(5, 8) == ids[5:8] and queries.texts(n - 2, n + 5) == texts[-2:]
+    assert queries.text_rows[10:12] == texts[10:12] and queries[ids[123]] == texts[123]
+    assert ids[77] in queries and "nope" not in queries and len(queries) == n and len(qrels) == n
+    assert held < dict_bytes / 3, (held / n, dict_bytes / n)
+    assert peak < 2.5 * held, (peak / n, held / n)
+
+
 # ---------------------------------------------------------------- negatives
 
 

@@ -417,7 +417,8 @@ def test_sharded_search_equals_brute_force(encoded, collection, factory):
     assert [b[0] for b in blocks] == [0, 5, 10]
     assert np.array_equal(np.concatenate([b[2] for b in blocks]), found)
     assert [ranked_ids(r) for b in blocks for r in b[3]] == [[doc_ids[r] for r in row] for row in found]
-    assert index.holds(["not-a-doc", doc_ids[0], doc_ids[-1], doc_ids[45]]) == {doc_ids[0], doc_ids[-1], doc_ids[45]}
+    asked = np.array([d.encode() for d in ("not-a-doc", doc_ids[0], doc_ids[-1], doc_ids[45])])
+    assert index.holds(asked).tolist() == [False, True, True, True]
     # Qrels are checked against the corpus by the searchers, and an unknown passage is
     # still reported at its line.
     lines = open(collection["qrels"]).read().splitlines()
@@ -614,9 +615,9 @@ def test_mining_killed_mid_way_resumes_from_its_finished_blocks(encoded, collect
     asked, encoded = [], []
     store = mining.store_query_vectors
 
-    def counted(settings, texts_of, pool, vectors):
-        asked.append(sorted(texts_of))
-        encoded.append(store(settings, texts_of, pool, vectors))
+    def counted(settings, texts_of, blocks, pool, vectors):
+        asked.append(sorted(blocks))
+        encoded.append(store(settings, texts_of, blocks, pool, vectors))
         return encoded[-1]
 
     monkeypatch.setattr(mining, "store_query_vectors", counted)
@@ -698,7 +699,7 @@ def test_evaluate_job_matches_ir_measures_on_a_brute_force_run(encoded, collecti
             q: {c["docs"][j]["_id"]: float(s) for s, j in zip(srow, irow)}
             for q, srow, irow in zip(queries, scores, idx)
         }
-        expected = ir_measures.calc_aggregate(measures, read_qrels(c["qrels"]), run)
+        expected = ir_measures.calc_aggregate(measures, dict(read_qrels(c["qrels"]).items()), run)
         for name, measure in (("MRR@10", measures[0]), ("R@10", measures[1]), ("nDCG@10", measures[2])):
             assert result["metrics"][name] == pytest.approx(expected[measure], abs=1e-6)
     for metric, value in summary["metrics"].items():
@@ -833,10 +834,10 @@ def _fixed_query_vectors(vectors: np.ndarray):
     """A stand-in for the query encoder's pool: stores ``vectors``' rows as each block's."""
     from pipeline.retrieval.query_vectors import write_vectors
 
-    def store(settings, texts_of, pool, stored) -> int:
-        for b, texts in texts_of.items():
-            write_vectors(stored.uri_of(b), vectors[b * stored.block : b * stored.block + len(texts)])
-        return len(texts_of)
+    def store(settings, texts_of, blocks, pool, stored) -> int:
+        for b in blocks:
+            write_vectors(stored.uri_of(b), vectors[b * stored.block : b * stored.block + len(texts_of(b))])
+        return len(blocks)
 
     return store
 
@@ -957,7 +958,9 @@ def test_evaluations_driver_memory_does_not_grow_with_the_query_vectors(collecti
     scores, top = brute_force_topk(encoder.encode_texts(list(queries.values()), 32), corpus, 10)
     run = {q: {doc_ids[r]: float(v) for r, v in zip(top[i], scores[i])} for i, q in enumerate(queries)}
     measures = {name: ir_measures.parse_measure(m) for name, m in JOB_MEASURES.items()}
-    expected = ir_measures.calc_aggregate(measures.values(), read_qrels(str(tmp_path / "q200" / "qrels.tsv")), run)
+    expected = ir_measures.calc_aggregate(
+        measures.values(), dict(read_qrels(str(tmp_path / "q200" / "qrels.tsv")).items()), run
+    )
     assert summaries[200]["metrics"] == pytest.approx({name: expected[m] for name, m in measures.items()}, abs=1e-6)
 
 

@@ -463,7 +463,7 @@ def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp
     assert teacher_summary["positives_added"] == added > 0
     assert teacher_summary["pairs"] == sum(len(scored) for scored in teacher.values())
     fair = {q: {d: s for d, s, _ in scored if d in first_stage[q]} for q, scored in teacher.items()}
-    judged = read_qrels(local["train_qrels"])
+    judged = dict(read_qrels(local["train_qrels"]).items())  # ir_measures reads a dict
     # Recall only: the file's rounded scores can tie where the job's did not, which moves
     # RR and nDCG, but 8 candidates sit inside every recall cut-off in any order. An added
     # positive would lift recall to 1 for its query.

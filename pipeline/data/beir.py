@@ -11,10 +11,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Container
+from array import array
+from collections.abc import Callable, Container, ItemsView, Iterator, Mapping, Sequence
 
+import numpy as np
+
+from pipeline.core import storage
+from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.records import (
-    check_new,
     get_field,
     json_lines,
     line_error,
@@ -22,32 +26,267 @@ from pipeline.data.records import (
 )
 
 QRELS_HEADER = ("query-id", "corpus-id", "score")
+CHUNK = 65536  # strings made Python objects at once while a column becomes a numpy array
 
 
-def read_queries(uri: str) -> dict[str, str]:
-    """BEIR queries.jsonl -> {query id: text}, in file order."""
-    queries: dict[str, str] = {}
-    lines: dict[str, int] = {}
+class _Strings:
+    """UTF-8 strings appended one at a time into one byte buffer and their end offsets: a
+    column of a file held without a Python object per value."""
+
+    def __init__(self):
+        self.data, self.ends = bytearray(), array("q")
+
+    def append(self, value: str) -> None:
+        self.data += value.encode()
+        self.ends.append(len(self.data))
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def get(self, i: int) -> str:
+        return self.data[self.ends[i - 1] if i else 0 : self.ends[i]].decode()
+
+    def slice(self, start: int, stop: int) -> list[str]:
+        return [self.get(i) for i in range(start, stop)]
+
+    def fixed_width(self) -> np.ndarray:
+        """The strings as a numpy bytes array (the longest's width), made a chunk at a time."""
+        chunks = [
+            np.array(
+                [
+                    bytes(self.data[self.ends[i - 1] if i else 0 : self.ends[i]])
+                    for i in range(s, min(s + CHUNK, len(self)))
+                ],
+                dtype=bytes,
+            )
+            for s in range(0, len(self), CHUNK)
+        ]
+        return np.concatenate(chunks) if chunks else np.zeros(0, "S1")
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data) + self.ends.itemsize * len(self.ends)
+
+
+def _first_repeat(keys: np.ndarray, lines: np.ndarray) -> tuple[int, int] | None:
+    """(index of the earliest-lined repeat of a key, index of that key's first occurrence),
+    or None when every key differs."""
+    order = np.lexsort((lines, keys))
+    same = np.flatnonzero(keys[order][1:] == keys[order][:-1])
+    if not len(same):
+        return None
+    later = order[same + 1]
+    pick = int(np.argmin(lines[later]))
+    first = keys[order] == keys[later[pick]]
+    return int(later[pick]), int(order[np.flatnonzero(first)[0]])
+
+
+def _held(container, keys: np.ndarray) -> np.ndarray:
+    """Which of ``keys`` (bytes) ``container`` holds: by its own lookup where it has one
+    (:class:`Queries`, :class:`CorpusIds`), else one membership test per key."""
+    if hasattr(container, "holds"):
+        return container.holds(keys)
+    return np.fromiter((k.decode() in container for k in keys), bool, len(keys))
+
+
+class _Items(ItemsView):
+    """A mapping's items, iterated in one pass over its arrays rather than a lookup a key."""
+
+    def __init__(self, mapping: Mapping, pairs: Callable[[], Iterator]):
+        super().__init__(mapping)
+        self._pairs = pairs
+
+    def __iter__(self) -> Iterator:
+        return self._pairs()
+
+
+class TextRows(Sequence[str]):
+    """Texts by row, read as they are indexed or sliced."""
+
+    def __init__(self, texts: _Strings):
+        self._texts = texts
+
+    def __len__(self) -> int:
+        return len(self._texts)
+
+    def __getitem__(self, rows):
+        if isinstance(rows, slice):
+            return self._texts.slice(*rows.indices(len(self))[:2])
+        return self._texts.get(range(len(self))[rows])
+
+
+class Queries(Mapping[str, str]):
+    """BEIR queries: query id -> text in file order, held as numpy arrays and one text buffer
+    (2 x the longest id + the text + 16 bytes a query), not as a dict of Python strings
+    (~100 bytes more a query than its text and id), with lookups by id and slices by row:
+    a job's driver holds a job's queries, and there may be millions."""
+
+    def __init__(self, source: str, ids: np.ndarray, texts: _Strings):
+        self.source, self._ids, self._texts = source, CorpusIds(ids, source), texts
+
+    def __len__(self) -> int:
+        return len(self._texts)
+
+    def __iter__(self) -> Iterator[str]:
+        for start in range(0, len(self), CHUNK):
+            yield from self.ids(start, start + CHUNK)
+
+    def __contains__(self, qid: object) -> bool:
+        return qid in self._ids
+
+    def items(self) -> ItemsView[str, str]:
+        return _Items(
+            self, lambda: zip(self, (t for s in range(0, len(self), CHUNK) for t in self.texts(s, s + CHUNK)))
+        )
+
+    def __getitem__(self, qid: str) -> str:
+        row = (
+            int(self._ids.find(np.array([qid.encode()], dtype=bytes))[0]) if isinstance(qid, str) and len(self) else -1
+        )
+        if row < 0:
+            raise KeyError(qid)
+        return self._texts.get(row)
+
+    @classmethod
+    def of(cls, queries: Mapping[str, str], source: str = "the queries") -> Queries:
+        """``queries`` as :class:`Queries` (itself if it is one)."""
+        if isinstance(queries, Queries):
+            return queries
+        ids, texts = _Strings(), _Strings()
+        for qid, text in queries.items():
+            ids.append(qid)
+            texts.append(text)
+        return cls(source, ids.fixed_width(), texts)
+
+    @property
+    def text_rows(self) -> TextRows:
+        """The texts as a sequence of rows that reads only the slices asked of it (a shard
+        fan-out slices its queries a block at a time)."""
+        return TextRows(self._texts)
+
+    def ids(self, start: int = 0, stop: int | None = None) -> list[str]:
+        """The ids of rows ``start`` up to ``stop`` (file order)."""
+        stop = len(self) if stop is None else min(stop, len(self))
+        return self._ids.ids(np.arange(start, max(start, stop)))
+
+    def texts(self, start: int = 0, stop: int | None = None) -> list[str]:
+        stop = len(self) if stop is None else min(stop, len(self))
+        return self._texts.slice(start, max(start, stop))
+
+    def holds(self, keys: np.ndarray) -> np.ndarray:
+        return self._ids.holds(keys)
+
+    @property
+    def nbytes(self) -> int:
+        return self._ids.nbytes + self._texts.nbytes
+
+
+class Judgments(Mapping[str, dict[str, int]]):
+    """BEIR qrels: query id -> {doc id: score}, queries in the order they first appear and
+    each query's documents in file order, held as numpy arrays (the longest doc id + 16
+    bytes a judgment, 2 x the longest query id + 16 a judged query), not as a dict of dicts
+    of Python strings (~300 bytes a query of one judgment). A lookup builds that query's
+    dict. ``ir_measures`` reads dicts only: give it ``dict(judgments.items())``."""
+
+    def __init__(self, source: str, qids: np.ndarray, docs: np.ndarray, scores: np.ndarray, lines: np.ndarray):
+        self.source = source
+        judged, first, inverse = np.unique(qids, return_index=True, return_inverse=True)
+        appearance = np.argsort(np.argsort(first, kind="stable"), kind="stable")  # sorted id -> order of first use
+        by_query = np.argsort(appearance[inverse], kind="stable")  # file order within a query
+        self._queries = CorpusIds(judged[np.argsort(first, kind="stable")], source)
+        self._starts = np.searchsorted(appearance[inverse][by_query], np.arange(len(judged) + 1))
+        self.docs, self.scores, self.lines = docs[by_query], scores[by_query], lines[by_query]
+
+    def __len__(self) -> int:
+        return len(self._queries)
+
+    def __iter__(self) -> Iterator[str]:
+        for start in range(0, len(self), CHUNK):
+            yield from self._queries.ids(np.arange(start, min(start + CHUNK, len(self))))
+
+    def __contains__(self, qid: object) -> bool:
+        return qid in self._queries
+
+    def items(self) -> ItemsView[str, dict[str, int]]:
+        return _Items(self, lambda: ((qid, self._judged(q)) for q, qid in enumerate(self)))
+
+    def _judged(self, q: int) -> dict[str, int]:
+        at = slice(self._starts[q], self._starts[q + 1])
+        return {d.decode(): int(s) for d, s in zip(self.docs[at], self.scores[at])}
+
+    def __getitem__(self, qid: str) -> dict[str, int]:
+        judged = self.get(qid)
+        if judged is None:
+            raise KeyError(qid)
+        return judged
+
+    def get(self, qid: str, default=None):
+        """One lookup where ``Mapping.get`` made two: mining and evaluation ask it of every query."""
+        if not isinstance(qid, str) or not len(self):
+            return default
+        row = int(self._queries.find(np.array([qid.encode()], dtype=bytes))[0])
+        return default if row < 0 else self._judged(row)
+
+    def of(self, qids: Sequence[str]) -> dict[str, dict[str, int]]:
+        """The judgments of those of ``qids`` that are judged, found in one search: what a
+        block of queries takes along to the task that writes it."""
+        if not len(qids) or not len(self):
+            return {}
+        rows = self._queries.find(np.array([q.encode() for q in qids], dtype=bytes))
+        return {qid: self._judged(int(row)) for qid, row in zip(qids, rows) if row >= 0}
+
+    def doc_ids(self) -> np.ndarray:
+        """Every judged document id once, as a bytes array."""
+        return np.unique(self.docs)
+
+    def check_documents(self, holds: Callable[[np.ndarray], np.ndarray]) -> None:
+        """An :class:`InputError` at the first line whose document ``holds`` (bytes ids ->
+        which are held) says is not in the corpus."""
+        unique, inverse = np.unique(self.docs, return_inverse=True)
+        unknown = ~np.asarray(holds(unique), bool)[inverse]
+        if unknown.any():
+            at = int(np.flatnonzero(unknown)[np.argmin(self.lines[unknown])])
+            raise line_error(
+                self.source, int(self.lines[at]), f"unknown document id {self.docs[at].decode()!r} (not in the corpus)"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.docs, self.scores, self.lines, self._starts)) + self._queries.nbytes
+
+
+def read_queries(uri: str) -> Queries:
+    """BEIR queries.jsonl -> :class:`Queries` (id -> text, in file order)."""
+    source = storage.resolve(uri).uri
+    ids, texts, lines = _Strings(), _Strings(), array("q")
     for source, number, obj in json_lines(uri):
         qid = get_field(obj, "_id", None, source, number)
         text = get_field(obj, "text", str, source, number)
         if not text.strip():
             raise line_error(source, number, f"empty text (query {qid})")
-        check_new(lines, qid, "query id", source, number)
-        queries[qid] = text
-    return queries
+        ids.append(qid)
+        texts.append(text)
+        lines.append(number)
+    id_bytes = ids.fixed_width()
+    del ids
+    repeat = _first_repeat(id_bytes, np.asarray(lines))
+    if repeat is not None:
+        again, first = repeat
+        raise line_error(
+            source, lines[again], f"duplicate query id {id_bytes[again].decode()!r} (first at line {lines[first]})"
+        )
+    return Queries(source, id_bytes, texts)
 
 
-def read_qrels(
-    uri: str, doc_ids: Container[str] | None = None, query_ids: set[str] | None = None
-) -> dict[str, dict[str, int]]:
-    """BEIR qrels TSV -> {query id: {doc id: score}} (every judgment, including score <= 0).
+def read_qrels(uri: str, doc_ids: Container[str] | None = None, query_ids: Container[str] | None = None) -> Judgments:
+    """BEIR qrels TSV -> :class:`Judgments` (query id -> {doc id: score}, every judgment,
+    including score <= 0).
 
-    With ``doc_ids`` / ``query_ids`` a judgment naming a document / query outside them is an error:
-    it means the qrels belong to another corpus or split.
-    """
-    qrels: dict[str, dict[str, int]] = {}
-    first_line: dict[tuple[str, str], int] = {}
+    With ``doc_ids`` / ``query_ids`` a judgment naming a document / query outside them is an
+    error: it means the qrels belong to another corpus or split. The first such line (or
+    repeated judgment) in the file is the one reported."""
+    source = storage.resolve(uri).uri
+    qids, docs, scores, lines = _Strings(), _Strings(), array("q"), array("q")
     header_checked = False
     for source, number, text in read_lines(uri):
         cols = text.split("\t") if "\t" in text else text.split()
@@ -74,17 +313,37 @@ def read_qrels(
             raise line_error(source, number, f"score must be an integer, got {score_text!r}")
         if not qid or not did:
             raise line_error(source, number, "empty query id or document id")
-        if query_ids is not None and qid not in query_ids:
-            raise line_error(source, number, f"unknown query id {qid!r} (not in the queries)")
-        if doc_ids is not None and did not in doc_ids:
-            raise line_error(source, number, f"unknown document id {did!r} (not in the corpus)")
-        if (qid, did) in first_line:
-            raise line_error(
-                source, number, f"duplicate judgment ({qid!r}, {did!r}) (first at line {first_line[qid, did]})"
-            )
-        first_line[qid, did] = number
-        qrels.setdefault(qid, {})[did] = score
-    return qrels
+        qids.append(qid)
+        docs.append(did)
+        scores.append(score)
+        lines.append(number)
+    line_of = np.asarray(lines, dtype=np.int64)
+    qid_bytes, doc_bytes = qids.fixed_width(), docs.fixed_width()
+    del qids, docs
+    errors = []  # (line, message) of each kind of error's first line; the earliest is raised
+    if query_ids is not None:
+        unique, inverse = np.unique(qid_bytes, return_inverse=True)
+        bad = ~_held(query_ids, unique)[inverse]
+        if bad.any():
+            at = int(np.flatnonzero(bad)[0])
+            errors.append((line_of[at], f"unknown query id {qid_bytes[at].decode()!r} (not in the queries)"))
+    if doc_ids is not None:
+        unique, inverse = np.unique(doc_bytes, return_inverse=True)
+        bad = ~_held(doc_ids, unique)[inverse]
+        if bad.any():
+            at = int(np.flatnonzero(bad)[0])
+            errors.append((line_of[at], f"unknown document id {doc_bytes[at].decode()!r} (not in the corpus)"))
+    # A pair as one key: the query id, a byte no id holds, the document id.
+    pairs = np.char.add(np.char.add(qid_bytes, b"\x00"), doc_bytes) if len(qid_bytes) else qid_bytes
+    repeat = _first_repeat(pairs, line_of)
+    if repeat is not None:
+        again, first = repeat
+        pair = (qid_bytes[again].decode(), doc_bytes[again].decode())
+        errors.append((line_of[again], f"duplicate judgment {pair!r} (first at line {line_of[first]})"))
+    if errors:
+        line, message = min(errors)
+        raise line_error(source, int(line), message)
+    return Judgments(source, qid_bytes, doc_bytes, np.asarray(scores, dtype=np.int32), line_of.astype(np.int32))
 
 
 def positives(judged: dict[str, int]) -> list[str]:

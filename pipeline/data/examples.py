@@ -287,7 +287,7 @@ def load_training_examples(
     Python object per negative. Qrels and negatives naming documents outside the corpus
     are errors at their line."""
     q = read_queries(queries)
-    judged = read_qrels(qrels, corpus_ids, set(q))
+    judged = read_qrels(qrels, corpus_ids, q)
     mined, mined_at = None, {}  # query id -> its place in mined
     if negatives:
         builder = ExampleRowsBuilder(corpus_ids)
@@ -402,7 +402,7 @@ def load_distillation_examples(
     with the kept candidates' arrays (8 bytes each), not with the run's lines as objects.
     The run must list each query's lines together, as the scoring stage writes it."""
     q = read_queries(queries)
-    judged = read_qrels(qrels, corpus_ids, set(q))
+    judged = read_qrels(qrels, corpus_ids, q)
     source = storage.resolve(teacher_scores).uri
     return build_distillation_examples(
         q, judged, iter_trec_run(teacher_scores, query_ids=set(q)), corpus_ids, depth, source

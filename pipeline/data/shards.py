@@ -106,19 +106,20 @@ def shard_dataset(items: list[dict], fn: Callable, fn_kwargs: dict):
     )
 
 
-def _held_in_shard(uri: str, ids: list[str]) -> list[str]:
-    present = pc.is_in(pa.array(ids, pa.string()), value_set=storage.read_parquet(uri, ["doc_id"])["doc_id"])
-    return [i for i, held in zip(ids, present.to_pylist()) if held]
+def _held_in_shard(uri: str, ids: np.ndarray) -> np.ndarray:
+    doc_ids = storage.read_parquet(uri, ["doc_id"])["doc_id"].cast(pa.binary())
+    return pc.is_in(pa.array(ids, pa.binary()), value_set=doc_ids).to_numpy(zero_copy_only=False)
 
 
-def held_ids(corpus_uri: str, manifest: dict, ids: list[str]) -> set[str]:
-    """Which of ``ids`` the prepared corpus holds, answered by one Ray task per shard (each
-    reads its ``doc_id`` column), so a judged id is checked before any encoding without the
-    corpus's ids on the driver."""
-    if not ids:
-        return set()
-    ids_ref = ray.put(list(ids))
+def held_ids(corpus_uri: str, manifest: dict, ids: np.ndarray) -> np.ndarray:
+    """Which of ``ids`` (bytes) the prepared corpus holds, answered by one Ray task per shard
+    (each reads its ``doc_id`` column), so a judged id is checked before any encoding without
+    the corpus's ids on the driver: a bool mask."""
+    found = np.zeros(len(ids), bool)
+    if not len(ids):
+        return found
+    ids_ref = ray.put(np.asarray(ids))
     lookup = ray.remote(_held_in_shard).options(num_cpus=0.5, max_retries=3)
-    return {
-        i for found in ray.get([lookup.remote(u, ids_ref) for u in shard_uris(corpus_uri, manifest)]) for i in found
-    }
+    for mask in ray.get([lookup.remote(u, ids_ref) for u in shard_uris(corpus_uri, manifest)]):
+        found |= mask
+    return found

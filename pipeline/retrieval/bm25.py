@@ -30,6 +30,7 @@ import itertools
 import os
 import resource
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Literal
 
@@ -44,7 +45,7 @@ from pipeline.core.errors import StorageError
 from pipeline.core.parts import claim, finished_blocks, join_parts, part_uri, summed
 from pipeline.core.progress import get_counted
 from pipeline.core.runtime import RayConfig
-from pipeline.data.beir import positives, read_qrels, read_queries
+from pipeline.data.beir import Queries, positives, read_qrels, read_queries
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import build_training_examples
 from pipeline.data.groups import select_negatives
@@ -370,14 +371,23 @@ def build_index(
 
 
 def search(
-    index: ShardedBm25, queries: dict[str, str], depth: int, *, batch_size: int | None = None, threads: int = 1
+    index: ShardedBm25,
+    queries: Mapping[str, str],
+    depth: int,
+    *,
+    batch_size: int | None = None,
+    threads: int = 1,
+    only: Sequence[int] | None = None,
 ) -> Iterator[tuple[str, list[str], list[float]]]:
     """(query id, doc ids best first, scores) of the top ``depth`` of every query, in
-    ``queries`` order; documents with score 0 (no query term in common) are left out."""
-    qids = list(queries)
+    ``queries`` order; documents with score 0 (no query term in common) are left out.
+    ``only``: the blocks of ``batch_size`` queries to search (a resumed run's missing ones).
+    The texts of a block are read as it is asked (:class:`Queries` holds them compactly)."""
+    queries = Queries.of(queries)
     k = min(depth, index.total)
-    for start, scores, _, ids in index.search_blocks([queries[q] for q in qids], k, block=batch_size, threads=threads):
-        for qid, row_scores, row_ids in zip(qids[start:], scores, ids):
+    asked = index.search_blocks(queries.text_rows, k, block=batch_size, only=only, threads=threads)
+    for start, scores, _, ids in asked:
+        for qid, row_scores, row_ids in zip(queries.ids(start, start + len(scores)), scores, ids):
             ranked = ranked_ids(row_ids)
             yield qid, ranked, row_scores[: len(ranked)].astype(float).tolist()
 
@@ -472,27 +482,26 @@ def mine_negatives(cfg: Bm25Config) -> dict:
         if not storage.exists(uri):
             raise StorageError(f"{uri}: no such file or directory")
     queries = read_queries(cfg.queries)
-    qids = list(queries)
     folder = _parts_folder(cfg)
     claim(folder, _made_by(cfg), what="retrieved blocks' files")
     text = stage_text(cfg.corpus, _text_folder(cfg), cfg.docs_per_shard)
     block = cfg.batch_size or query_block(len(group_shards(text["shards"], cfg.docs_per_shard)))
-    blocks = list(range(-(-len(qids) // block)))
+    blocks = list(range(-(-len(queries) // block)))
     todo = [b for b in blocks if b not in finished_blocks(folder, PART_FILES)]
     retrieve_s = 0.0
     if todo:
         scoring = {k: getattr(cfg, k) for k in ("k1", "b", "method", "lowercase", "stopwords", "stemmer")}
         with build_index(text, **scoring, docs_per_shard=cfg.docs_per_shard) as index:
             storage.write_json(storage.join(folder, "index.json"), _index_summary(index))
-            qrels = read_qrels_of_corpus(cfg.qrels, index.holds, set(queries))
+            qrels = read_qrels_of_corpus(cfg.qrels, index.holds, queries)
             retrieve_start = time.perf_counter()
-            todo_queries = {q: queries[q] for b in todo for q in qids[b * block : (b + 1) * block]}
-            hits = search(index, todo_queries, cfg.depth, batch_size=block, threads=cfg.threads)
+            hits = search(index, queries, cfg.depth, batch_size=block, threads=cfg.threads, only=todo)
             for b in todo:
-                _retrieve_block(cfg, folder, b, itertools.islice(hits, len(qids[b * block : (b + 1) * block])), qrels)
+                size = min(block, len(queries) - b * block)
+                _retrieve_block(cfg, folder, b, itertools.islice(hits, size), qrels)
             retrieve_s = time.perf_counter() - retrieve_start
     else:
-        qrels = read_qrels(cfg.qrels, query_ids=set(queries))  # its documents were checked when retrieved
+        qrels = read_qrels(cfg.qrels, query_ids=queries)  # its documents were checked when retrieved
     counts = summed(folder, blocks, "counts.json", COUNTS)
     join_parts(folder, blocks, "negatives.jsonl", cfg.output)
     run_uri = cfg.run_uri()

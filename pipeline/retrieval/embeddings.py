@@ -214,19 +214,23 @@ def read_shard(
 
 
 def pair_scores(
-    folder: str, entry: dict, wanted: dict[str, list[int]], *vector_blocks: np.ndarray
+    folder: str, entry: dict, wanted_docs: np.ndarray, wanted_queries: np.ndarray, *vector_blocks: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(query index, score) of every (query, stored passage) pair ``wanted`` asks for
-    (doc id -> the indexes of its queries) whose passage lives in this shard: the query's
-    vector against the passage's stored embedding (inner product). Query ``q``'s vector is
-    row ``q`` of ``vector_blocks`` laid end to end (they are not joined: a copy of every
-    query's vector per task)."""
+    """(query index, score) of every (query, stored passage) pair asked for whose passage
+    lives in this shard: pair ``i`` is query ``wanted_queries[i]`` and passage
+    ``wanted_docs[i]`` (bytes ids, sorted), scored as the query's vector against the
+    passage's stored embedding (inner product). Query ``q``'s vector is row ``q`` of
+    ``vector_blocks`` laid end to end (they are not joined: a copy of every query's vector
+    per task)."""
     _, doc_ids, embeddings = read_shard(folder, entry)
+    keys = np.array([d.encode() for d in doc_ids], dtype=bytes) if doc_ids else np.zeros(0, "S1")
+    first = np.searchsorted(wanted_docs, keys, side="left")
+    counts = np.searchsorted(wanted_docs, keys, side="right") - first
+    passage = np.repeat(np.arange(len(keys)), counts)
+    # Pair j of passage p is wanted pair first[p] + j.
+    pairs = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(first, counts)
+    queries = wanted_queries[pairs].astype(np.int64)
     starts = np.cumsum([0] + [len(block) for block in vector_blocks])
-    queries, scores = [], []
-    for i, doc_id in enumerate(doc_ids):
-        for q in wanted.get(doc_id, ()):
-            b = int(np.searchsorted(starts, q, side="right")) - 1
-            queries.append(q)
-            scores.append(float(vector_blocks[b][q - starts[b]] @ embeddings[i]))
-    return np.asarray(queries, dtype=np.int64), np.asarray(scores, dtype=np.float32)
+    owner = np.searchsorted(starts, queries, side="right") - 1
+    scores = [float(vector_blocks[b][q - starts[b]] @ embeddings[i]) for q, b, i in zip(queries, owner, passage)]
+    return queries, np.asarray(scores, dtype=np.float32)

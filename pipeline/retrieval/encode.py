@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar, Literal
+from typing import Callable, ClassVar, Iterable, Literal
 
 import numpy as np
 import ray
@@ -31,7 +31,7 @@ import torch
 from models.biencoder import load_biencoder
 from models.compiled import compile_in_place
 from pipeline.core import model_ref, storage
-from pipeline.core.actor_pool import ActorConfig, actor_device, run_actor_pool
+from pipeline.core.actor_pool import ActorConfig, actor_device, run_actor_pool, stream_actor_pool
 from pipeline.core.config import Renamed, truthy
 from pipeline.core.progress import progress
 from pipeline.core.runtime import RayConfig
@@ -430,24 +430,31 @@ def actor_spans(shard_results: list[dict]) -> dict[int, float]:
 
 
 def store_query_vectors(
-    settings: EncoderSettings, texts_of: dict[int, list[str]], pool: ActorConfig, stored: StoredQueryVectors
+    settings: EncoderSettings,
+    texts_of: Callable[[int], list[str]],
+    blocks: Iterable[int],
+    pool: ActorConfig,
+    stored: StoredQueryVectors,
 ) -> int:
-    """Encode each block of ``texts_of`` (block number -> its queries' texts) that ``stored``
+    """Encode each of ``blocks`` (block ``b``: the queries ``texts_of(b)``) that ``stored``
     lacks on a pool of actors, each writing the block's vectors there: none pass through
-    this process. A block's vectors depend on its texts only (it is batched within itself),
-    so a caller that resumes by blocks gets bit-identical vectors. A block already stored is
-    kept (the caller's claim on the folder says it was made as it would be now). Returns the
-    blocks encoded."""
-    blocks = [(stored.uri_of(b), texts) for b, texts in sorted(texts_of.items()) if not stored.stored(b)]
+    this process, and a block's texts are read only as an actor is free to take it (the
+    pool holds a window of blocks, never every query's text). A block's vectors depend on
+    its texts only (it is batched within itself), so a caller that resumes by blocks gets
+    bit-identical vectors. A block already stored is kept (the caller's claim on the folder
+    says it was made as it would be now). Returns the blocks encoded."""
+    todo = [b for b in blocks if not stored.stored(b)]
     settings = dataclasses.replace(settings, model=model_ref.check(settings.model, "--encoder.model"))
     remote = ray.remote(EncoderActor).options(**pool.remote_options(), max_restarts=0)
-    with progress(sum(len(texts) for _, texts in blocks), "encode", "queries") as bar:
-        run_actor_pool(
+    rows = sum(min(stored.block, stored.rows - b * stored.block) for b in todo)
+    with progress(rows, "encode", "queries") as bar:
+        for _ in stream_actor_pool(
             lambda: remote.remote(settings, "", pool),
-            blocks,
+            ((stored.uri_of(b), texts_of(b)) for b in todo),
             lambda actor, block: actor.encode_queries.remote(block[1], block[0]),
             pool.max_retries,
             pool.actors,
             lambda block, _: bar.update(len(block[1])),
-        )
-    return len(blocks)
+        ):
+            pass
+    return len(todo)

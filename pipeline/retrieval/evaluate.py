@@ -24,7 +24,7 @@ from pipeline.data.runs import write_trec_lines
 from pipeline.data.shards import held_ids
 from pipeline.retrieval.encode import EncodeConfig, EncoderSettings, run_encoding, store_query_vectors
 from pipeline.retrieval.faiss_index import IndexConfig, load_index_manifest, validate_factory
-from pipeline.retrieval.fanout import query_block, ranked_ids, read_qrels_of_corpus
+from pipeline.retrieval.fanout import query_block, ranked_ids
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
 from pipeline.retrieval.metrics import JOB_MEASURES, StreamedMetrics, metrics_markdown, metrics_table
 from pipeline.retrieval.query_vectors import StoredQueryVectors
@@ -144,7 +144,7 @@ def _evaluate_collections(cfg: EvaluateJobConfig) -> dict:
     started = time.perf_counter()
     collections = _collections(cfg)
     for c in collections:  # every collection's queries and judgments are read before any work
-        read_qrels(c.qrels, query_ids=set(read_queries(c.queries)))
+        read_qrels(c.qrels, query_ids=read_queries(c.queries))
     output = storage.resolve(cfg.output).uri
     results = {}
     for c in collections:
@@ -180,18 +180,15 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
     started = time.perf_counter()
     output = storage.resolve(cfg.output).uri
     queries = read_queries(storage.resolve(cfg.queries).uri)  # duplicate ids fail here, before any work
-    qids = list(queries)
     qrels_uri = storage.resolve(cfg.qrels).uri
-    judged = read_qrels(qrels_uri, query_ids=set(queries))  # its format and query ids: before any work
-    qrels: dict[str, dict[str, int]] = {}
+    qrels = read_qrels(qrels_uri, query_ids=queries)  # its format and query ids: before any work
 
     def before_work(dim: int, corpus: str, manifest: dict) -> None:
         """What can fail later, checked once the corpus is prepared, before it is encoded."""
         if cfg.k > manifest["num_docs"]:
             raise ConfigError(f"--k {cfg.k} is larger than the corpus ({manifest['num_docs']} passages)")
         validate_factory(cfg.index, dim)
-        holds = functools.partial(held_ids, corpus, manifest)
-        qrels.update(read_qrels_of_corpus(qrels_uri, holds, set(queries), judged))
+        qrels.check_documents(functools.partial(held_ids, corpus, manifest))
 
     encoded = run_encoding(
         EncodeConfig(
@@ -225,7 +222,7 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
     # By the index's shards, not its searchers (which follow the cluster): the stored blocks
     # of a resumed evaluation keep their layout on another cluster.
     block = query_block(len(load_index_manifest(indexed["output"])["shards"]))
-    blocks = list(range(-(-len(qids) // block)))
+    blocks = list(range(-(-len(queries) // block)))
     done = finished_blocks(searched, ("run.trec", "sums.json"))
     for b in done:
         scored.add_sums(storage.read_json(part_uri(searched, b, "sums.json")))
@@ -233,10 +230,8 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
     # The encoders write each block's query vectors beside its parts before the searchers
     # start (the two never hold the GPUs at once); the search reads a block as it asks it,
     # so the driver never holds every query's vector.
-    vectors = StoredQueryVectors.in_parts(searched, len(qids), block)
-    texts_of = {b: [queries[q] for q in qids[b * block : (b + 1) * block]] for b in todo}
-    store_query_vectors(cfg.encoder, texts_of, cfg.pool, vectors)
-    del texts_of
+    vectors = StoredQueryVectors.in_parts(searched, len(queries), block)
+    store_query_vectors(cfg.encoder, lambda b: queries.texts(b * block, (b + 1) * block), todo, cfg.pool, vectors)
     # Each block's run lines and metric sums are written as the searchers answer it: a rerun
     # searches only the blocks it lacks.
     with ShardedIndex(indexed["output"], nprobe=cfg.nprobe, searchers=cfg.searchers) as index:
@@ -244,7 +239,7 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
         for start, scores, _, ids in index.search_blocks(vectors, cfg.k, block=block, only=todo):
             run_block = {}
             with storage.open_output(part_uri(searched, start // block, "run.trec")) as out:
-                for qid, row_scores, row_ids in zip(qids[start:], scores, ids):
+                for qid, row_scores, row_ids in zip(queries.ids(start, start + len(scores)), scores, ids):
                     ranked = ranked_ids(row_ids)
                     write_trec_lines(out, qid, ranked, row_scores[: len(ranked)].tolist(), tag="raydense")
                     run_block[qid] = dict(zip(ranked, map(float, row_scores)))
@@ -258,7 +253,7 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
     summary = {
         "job": "evaluate",
         "metrics": metrics,
-        "queries": len(qids),
+        "queries": len(queries),
         "judged_queries": len(qrels),
         "passages": encoded["passages"],
         "index": cfg.index,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Container, Iterator, Sequence
 
 import numpy as np
 import ray
@@ -22,8 +22,7 @@ import ray
 from pipeline.core.draining import DrainingNodes
 from pipeline.core.errors import ConfigError
 from pipeline.core.progress import progress
-from pipeline.data.beir import read_qrels
-from pipeline.data.corpus_ids import id_keys
+from pipeline.data.beir import Judgments, read_qrels
 
 log = logging.getLogger(__name__)
 
@@ -72,27 +71,29 @@ def merge_topk(
     return tuple(np.take_along_axis(column, top, 1) for column in merged)
 
 
-def held_by(actors: list, doc_ids: list[str]) -> set[str]:
-    """Which of ``doc_ids`` some shard actor holds (each answers ``holds(keys)`` for its own)."""
-    keys = id_keys(doc_ids)
-    found = np.zeros(len(keys), bool)
-    for mask in ray.get([a.holds.remote(keys) for a in actors]):
+def held_by(actors: list, doc_ids: np.ndarray) -> np.ndarray:
+    """Which of ``doc_ids`` (a bytes array) some shard actor holds, each answering
+    ``holds(keys)`` for its own: a bool mask."""
+    found = np.zeros(len(doc_ids), bool)
+    for mask in ray.get([a.holds.remote(doc_ids) for a in actors]):
         found |= mask
-    return {d for d, hit in zip(doc_ids, found) if hit}
+    return found
 
 
 def read_qrels_of_corpus(
-    uri: str, holds: Callable[[list[str]], set[str]], query_ids: set[str], judged: dict | None = None
-) -> dict[str, dict[str, int]]:
-    """``read_qrels`` with its unknown-document check answered by ``holds`` (a shard fan-out's
-    ``holds``, or the prepared corpus's tasks): the file is read for its ids (or ``judged``,
-    a reading already made without that check), which ``holds`` looks up, then again with
-    that answer, so an unknown id is reported at its line as always, without the corpus's ids
-    on the driver."""
+    uri: str,
+    holds: Callable[[np.ndarray], np.ndarray],
+    query_ids: Container[str],
+    judged: Judgments | None = None,
+) -> Judgments:
+    """``read_qrels`` with its unknown-document check answered by ``holds`` (bytes ids ->
+    which are held: a shard fan-out's ``holds``, or the prepared corpus's tasks), given the
+    judged documents once each, so an unknown id is reported at its line as always, without
+    the corpus's ids on the driver. ``judged``: a reading already made without that check."""
 
     judged = read_qrels(uri, query_ids=query_ids) if judged is None else judged
-    doc_ids = sorted({d for docs in judged.values() for d in docs})
-    return read_qrels(uri, doc_ids=holds(doc_ids), query_ids=query_ids)
+    judged.check_documents(holds)
+    return judged
 
 
 def _merged_then(work: Callable, k: int, metric: str, total: int, args: tuple, *answers):
@@ -283,6 +284,7 @@ class ShardFanout(ShardActors):
         self._let_go()
         self.searched_s = time.perf_counter() - began
 
-    def holds(self, doc_ids: list[str]) -> set[str]:
-        """Which of ``doc_ids`` the corpus holds, asked of the shards (each knows its own)."""
+    def holds(self, doc_ids: np.ndarray) -> np.ndarray:
+        """Which of ``doc_ids`` (bytes) the corpus holds, asked of the shards (each knows its
+        own): a bool mask."""
         return held_by(self.actors, doc_ids)

@@ -16,7 +16,8 @@ def evaluate(
     """Aggregate metrics over the judged queries (a query missing from the run scores 0)."""
 
     parsed = [ir_measures.parse_measure(m) for m in measures]
-    values = ir_measures.calc_aggregate(parsed, qrels, run)
+    # ir_measures reads a dict of dicts, not any mapping (read_qrels' Judgments).
+    values = ir_measures.calc_aggregate(parsed, dict(qrels.items()), run)
     return {str(m): float(values[m]) for m in parsed}
 
 
@@ -31,7 +32,7 @@ class StreamedMetrics:
         self.sums = {m: 0.0 for m in self.measures}
 
     def add(self, run_block: dict[str, dict[str, float]]) -> None:
-        judged = {q: self.qrels[q] for q in run_block if q in self.qrels}
+        judged = {q: j for q in run_block if (j := self.qrels.get(q)) is not None}
         if not judged:
             return
         for value in ir_measures.iter_calc(self.measures, judged, {q: run_block[q] for q in judged}):

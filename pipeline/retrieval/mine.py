@@ -15,8 +15,9 @@ Outputs, under ``output``:
 - ``run.trec``: the full top-depth run, for ``ir_measures``.
 
 All three are written a block of queries at a time as the searchers answer, with the
-results already as doc ids: the driver holds the queries and the blocks in flight, never
-the queries' vectors (stored by block), the corpus's ids nor the whole run. The answer
+results already as doc ids: the driver holds the queries and their judgments as arrays
+(:class:`pipeline.data.beir.Queries`, ``Judgments``) and the blocks in flight, never the
+queries' vectors (stored by block), the corpus's ids nor the whole run. The answer
 filter is the exception: it holds every candidate id (and their texts) before the first
 line is written. Each block goes to part files first (:mod:`pipeline.core.parts`), so a
 run killed mid-way resumes from the blocks it finished.
@@ -25,6 +26,8 @@ run killed mid-way resumes from the blocks it finished.
 from __future__ import annotations
 
 import time
+from array import array
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -154,30 +157,37 @@ def _answer_hits(cfg: MineConfig, queries: dict, ranked: dict[str, list[str]]) -
 
 
 def positive_scores(
-    index_uri: str, qids: list[str], vector_blocks: list, qrels: dict, which: str = "hardest"
+    index_uri: str, qids: Iterable[str], vector_blocks: list, qrels: Mapping, which: str = "hardest"
 ) -> np.ndarray:
     """Each query's score of its hardest (lowest-scoring) or easiest (highest-scoring)
     judged positive, as the index scores it (inner product with the positive's stored
-    embedding); +inf for a query with no judged positive. ``vector_blocks``: the queries'
-    vectors in consecutive blocks, arrays or Ray object refs. One Ray task per embedding
-    shard, each answering the pairs whose positive it holds: the driver holds one float per
-    query, not the positives' vectors (nor, given refs, the queries')."""
+    embedding); +inf for a query with no judged positive. ``vector_blocks``: Ray object refs
+    of the queries' vectors in consecutive blocks. One Ray task per embedding shard, each
+    answering the pairs whose positive it holds: the driver holds one float per query and
+    the (positive, query) pairs as two arrays, not the positives' vectors nor the queries'."""
     manifest = faiss_index.load_index_manifest(index_uri)
     if manifest["metric"] != "ip":
         raise ConfigError("--absolute_margin / --relative_margin need an inner-product index (metric ip)")
     folder = manifest["embeddings"]
-    wanted: dict[str, list[int]] = {}
-    for q, qid in enumerate(qids):
+    docs, owners, rows = [], array("q"), 0
+    for rows, qid in enumerate(qids, 1):
         for doc_id in positives(qrels.get(qid, {})):
-            wanted.setdefault(doc_id, []).append(q)
+            docs.append(doc_id.encode())
+            owners.append(rows - 1)
+    order = np.argsort(np.array(docs, dtype=bytes), kind="stable") if docs else np.zeros(0, np.int64)
+    wanted_docs = np.array(docs, dtype=bytes)[order] if docs else np.zeros(0, "S1")
+    wanted_queries = np.asarray(owners, dtype=np.int64)[order]
+    del docs, owners
     # A task from the embeddings module: a worker that runs it imports no torch or transformers.
     score = ray.remote(emb.pair_scores).options(num_cpus=1, max_retries=3)
-    wanted_ref = ray.put(wanted)
-    blocks = [b if isinstance(b, ray.ObjectRef) else ray.put(np.asarray(b, np.float32)) for b in vector_blocks]
+    docs_ref, queries_ref = ray.put(wanted_docs), ray.put(wanted_queries)
     hardest = which == "hardest"
-    out = np.full(len(qids), np.inf if hardest else -np.inf, dtype=np.float32)
+    out = np.full(rows, np.inf if hardest else -np.inf, dtype=np.float32)
     for queries, scores in ray.get(
-        [score.remote(folder, entry, wanted_ref, *blocks) for entry in emb.load_manifest(folder)["shards"]]
+        [
+            score.remote(folder, entry, docs_ref, queries_ref, *vector_blocks)
+            for entry in emb.load_manifest(folder)["shards"]
+        ]
     ):
         (np.minimum if hardest else np.maximum).at(out, queries, scores)
     out[np.isneginf(out)] = np.inf  # no judged positive: no ceiling
@@ -208,12 +218,11 @@ def run_mining(cfg: MineConfig) -> dict:
     started = time.perf_counter()
     output = storage.resolve(cfg.output).uri
     queries = read_queries(cfg.queries)
-    qids = list(queries)
     claim(output, _made_by(cfg), what="mined blocks' files")
     block = cfg.query_block or query_block(
         len(faiss_index.load_index_manifest(storage.resolve(cfg.index).uri)["shards"])
     )
-    blocks = list(range(-(-len(qids) // block)))
+    blocks = list(range(-(-len(queries) // block)))
     done = finished_blocks(output, PART_FILES)
     sampling = Sampling.of(cfg)
     todo = [b for b in blocks if b not in done]
@@ -222,26 +231,24 @@ def run_mining(cfg: MineConfig) -> dict:
     # block when it asks it: the driver never holds every query's vector. A block encodes
     # alone (its length-sorted batches are its own), so its vectors are those of an
     # uninterrupted run, and a resumed run reuses the blocks it stored (the claim above).
-    vectors = StoredQueryVectors.in_parts(output, len(qids), block)
-    texts_of = {b: [queries[q] for q in qids[b * block : (b + 1) * block]] for b in todo}
-    store_query_vectors(cfg.encoder, texts_of, cfg.pool, vectors)
-    del texts_of
+    vectors = StoredQueryVectors.in_parts(output, len(queries), block)
+    store_query_vectors(cfg.encoder, lambda b: queries.texts(b * block, (b + 1) * block), todo, cfg.pool, vectors)
     search_start = time.perf_counter()
     with ShardedIndex(cfg.index, nprobe=cfg.nprobe, searchers=cfg.searchers) as index:
-        qrels = read_qrels_of_corpus(cfg.qrels, index.holds, set(queries))
+        qrels = read_qrels_of_corpus(cfg.qrels, index.holds, queries)
         depth = min(cfg.depth, index.total)
-        ceilings = np.full(len(qids), np.inf)  # float64: margin_ceiling's own values, unrounded
+        ceilings = np.full(len(queries), np.inf)  # float64: margin_ceiling's own values, unrounded
         if cfg.margins and todo:
             # One task per embedding shard scores the pairs whose positive it holds, for every
             # query at once (one pass over the embeddings, where a pass per block would read
             # them once a block). Tasks read the todo blocks' vectors into the object store,
             # POSITIVE_ROWS queries an object: the driver holds their refs only.
-            todo_rows = np.concatenate([np.arange(b * block, min((b + 1) * block, len(qids))) for b in todo])
+            todo_rows = np.concatenate([np.arange(b * block, min((b + 1) * block, len(queries))) for b in todo])
             read = ray.remote(read_blocks).options(num_cpus=1, max_retries=3)
             per_read = max(1, POSITIVE_ROWS // block)
             scores = positive_scores(
                 cfg.index,
-                [qids[r] for r in todo_rows],
+                (qid for b in todo for qid in queries.ids(b * block, (b + 1) * block)),
                 [read.remote(vectors, todo[i : i + per_read]) for i in range(0, len(todo), per_read)],
                 qrels,
                 cfg.margin_positive,
@@ -250,8 +257,9 @@ def run_mining(cfg: MineConfig) -> dict:
         if cfg.write_in_tasks and not cfg.answers:
 
             def block_args(start: int, size: int) -> tuple:
-                own_qids = qids[start : start + size]
-                own_queries, own_qrels = {q: queries[q] for q in own_qids}, {q: qrels.get(q, {}) for q in own_qids}
+                own_qids = queries.ids(start, start + size)
+                own_queries = dict(zip(own_qids, queries.texts(start, start + size)))
+                own_qrels = qrels.of(own_qids)
                 return (
                     sampling,
                     output,
@@ -270,7 +278,11 @@ def run_mining(cfg: MineConfig) -> dict:
             answer_hits: dict[str, set[str]] = {}
             if cfg.answers:  # the filter reads the candidates' texts in one pass over the corpus first
                 answered = list(answered)
-                ranked = {q: ranked_ids(ids) for start, _, _, ids in answered for q, ids in zip(qids[start:], ids)}
+                ranked = {
+                    q: ranked_ids(ids)
+                    for start, _, _, ids in answered
+                    for q, ids in zip(queries.ids(start, start + len(ids)), ids)
+                }
                 answer_hits = _answer_hits(cfg, queries, ranked)
                 del ranked
             for start, scores, rows, block_ids in answered:
@@ -282,7 +294,7 @@ def run_mining(cfg: MineConfig) -> dict:
                     output,
                     start // block,
                     queries,
-                    qids[start : start + len(scores)],
+                    queries.ids(start, start + len(scores)),
                     qrels,
                     answer_hits,
                     ceilings[start : start + len(scores)].tolist(),
@@ -299,11 +311,11 @@ def run_mining(cfg: MineConfig) -> dict:
         "negatives": storage.join(output, "negatives.jsonl"),
         "tevatron": storage.join(output, "train.tevatron.jsonl"),
         "run": storage.join(output, "run.trec"),
-        "queries": len(qids),
+        "queries": len(queries),
         "blocks": len(blocks),
         "blocks_resumed": len(blocks) - len(todo),
         "examples": counts["examples"],
-        "negatives_per_query": round(counts["negatives"] / max(len(qids), 1), 3),
+        "negatives_per_query": round(counts["negatives"] / max(len(queries), 1), 3),
         "queries_short": counts["short"],
         "positives_dropped": counts["positives_dropped"],
         "answer_dropped": counts["answer_dropped"],

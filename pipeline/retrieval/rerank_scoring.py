@@ -269,7 +269,7 @@ def _blocks(cfg: RerankScoreConfig, run_uri: str, qrels_uri: str, queries: dict,
         return {"query_ids": [], "query_texts": [], "candidates": [], "first_stage": [], "named": {}}
 
     block = empty()
-    for qid, ranked in iter_trec_run(run_uri, cfg.depth, query_ids=set(queries)):
+    for qid, ranked in iter_trec_run(run_uri, cfg.depth, query_ids=queries):
         candidates = [d for d, _, _ in ranked]
         named = {d: f"{run_uri} line {line}" for d, _, line in ranked}
         if cfg.include_positives:
@@ -339,7 +339,7 @@ def run_scoring(cfg: RerankScoreConfig) -> dict:
     lengths = _pair_lengths(cfg, model_uri)
     run_uri, qrels_uri = storage.resolve(cfg.run).uri, storage.resolve(cfg.qrels).uri if cfg.qrels else ""
     queries = read_queries(storage.resolve(cfg.queries).uri)
-    qrels = read_qrels(qrels_uri, query_ids=set(queries)) if qrels_uri else {}
+    qrels = read_qrels(qrels_uri, query_ids=queries) if qrels_uri else {}
     # Both runs are evaluated over the first-stage candidates only: added positives would
     # inflate the re-ranked run's recall.
     reranked_metrics = StreamedMetrics(qrels, JOB_MEASURES.values())

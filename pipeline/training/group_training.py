@@ -137,7 +137,7 @@ def _resolve_paths(cfg) -> None:
         if value and value != "bm25":
             setattr(section, name, storage.resolve(value).uri)
     if cfg.eval.queries:  # read now, not after training: a bad line fails in seconds
-        read_qrels(cfg.eval.qrels, query_ids=set(read_queries(cfg.eval.queries)))
+        read_qrels(cfg.eval.qrels, query_ids=read_queries(cfg.eval.queries))
     if getattr(cfg.data, "tevatron", "") and not cfg.corpus.input:
         # The Tevatron file carries its passages: they become the corpus.
         cfg.corpus.input = storage.join(cfg.train.output, "tevatron_corpus.jsonl")

@@ -441,7 +441,7 @@ def _judged_training_queries(queries: str, qrels: str):
     query is, as the trainers' reader (``retrieval_data.positives``) defines it."""
 
     texts = read_queries(queries)
-    judged = read_qrels(qrels, query_ids=set(texts))
+    judged = read_qrels(qrels, query_ids=texts)
     return texts, judged, sorted(q for q in texts if positives(judged.get(q, {})))
 
 
@@ -455,7 +455,7 @@ def sample_training_queries(queries: str, qrels: str, negatives: str, n: int, se
             f"{len(eligible)} with a judged positive"
         )
     keep = sorted(np.random.default_rng(seed).permutation(eligible)[:n].tolist())
-    mined = read_negatives(negatives, query_ids=set(texts))
+    mined = read_negatives(negatives, query_ids=texts)
     paths = {
         "queries": storage.join(folder, "queries.jsonl"),
         "qrels": storage.join(folder, "qrels.tsv"),

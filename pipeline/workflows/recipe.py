@@ -231,7 +231,7 @@ def stage_bm25(ctx: StageContext) -> dict:
         run = bm25_run(index, queries, depth=ctx.eval_k())
     run_uri = storage.join(ctx.folder("bm25"), "run.trec")
     write_trec_run(run, run_uri, tag="bm25")
-    values = evaluate(read_qrels(cfg.data.dev_qrels, query_ids=set(queries)), run, JOB_MEASURES.values())
+    values = evaluate(read_qrels(cfg.data.dev_qrels, query_ids=queries), run, JOB_MEASURES.values())
     return {"outputs": {"run": run_uri}, "metrics": {n: values[m] for n, m in JOB_MEASURES.items()}}
 
 
