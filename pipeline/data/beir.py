@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 from array import array
 from collections.abc import Callable, Container, ItemsView, Iterator, Mapping, Sequence
 
@@ -87,6 +88,18 @@ def _held(container, keys: np.ndarray) -> np.ndarray:
     if hasattr(container, "holds"):
         return container.holds(keys)
     return np.fromiter((k.decode() in container for k in keys), bool, len(keys))
+
+
+def _known(keys: np.ndarray, holds: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """Which of ``keys`` ``holds`` says are known, asking it each distinct key once."""
+    unique, inverse = np.unique(keys, return_inverse=True)
+    return np.asarray(holds(unique), bool)[inverse]
+
+
+def _first_unknown(keys: np.ndarray, holds: Callable[[np.ndarray], np.ndarray]) -> int | None:
+    """Index of the first of ``keys`` (in file order) that ``holds`` does not know."""
+    unknown = np.flatnonzero(~_known(keys, holds))
+    return int(unknown[0]) if len(unknown) else None
 
 
 class _Items(ItemsView):
@@ -242,8 +255,7 @@ class Judgments(Mapping[str, dict[str, int]]):
     def check_documents(self, holds: Callable[[np.ndarray], np.ndarray]) -> None:
         """An :class:`InputError` at the first line whose document ``holds`` (bytes ids ->
         which are held) says is not in the corpus."""
-        unique, inverse = np.unique(self.docs, return_inverse=True)
-        unknown = ~np.asarray(holds(unique), bool)[inverse]
+        unknown = ~_known(self.docs, holds)
         if unknown.any():
             at = int(np.flatnonzero(unknown)[np.argmin(self.lines[unknown])])
             raise line_error(
@@ -321,18 +333,13 @@ def read_qrels(uri: str, doc_ids: Container[str] | None = None, query_ids: Conta
     qid_bytes, doc_bytes = qids.fixed_width(), docs.fixed_width()
     del qids, docs
     errors = []  # (line, message) of each kind of error's first line; the earliest is raised
-    if query_ids is not None:
-        unique, inverse = np.unique(qid_bytes, return_inverse=True)
-        bad = ~_held(query_ids, unique)[inverse]
-        if bad.any():
-            at = int(np.flatnonzero(bad)[0])
-            errors.append((line_of[at], f"unknown query id {qid_bytes[at].decode()!r} (not in the queries)"))
-    if doc_ids is not None:
-        unique, inverse = np.unique(doc_bytes, return_inverse=True)
-        bad = ~_held(doc_ids, unique)[inverse]
-        if bad.any():
-            at = int(np.flatnonzero(bad)[0])
-            errors.append((line_of[at], f"unknown document id {doc_bytes[at].decode()!r} (not in the corpus)"))
+    for ids, known, what, where in (
+        (qid_bytes, query_ids, "query", "queries"),
+        (doc_bytes, doc_ids, "document", "corpus"),
+    ):
+        at = None if known is None else _first_unknown(ids, functools.partial(_held, known))
+        if at is not None:
+            errors.append((line_of[at], f"unknown {what} id {ids[at].decode()!r} (not in the {where})"))
     # A pair as one key: the query id, a byte no id holds, the document id.
     pairs = np.char.add(np.char.add(qid_bytes, b"\x00"), doc_bytes) if len(qid_bytes) else qid_bytes
     repeat = _first_repeat(pairs, line_of)
