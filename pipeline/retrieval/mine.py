@@ -174,9 +174,9 @@ def positive_scores(
         for doc_id in positives(qrels.get(qid, {})):
             docs.append(doc_id.encode())
             owners.append(rows - 1)
-    order = np.argsort(np.array(docs, dtype=bytes), kind="stable") if docs else np.zeros(0, np.int64)
-    wanted_docs = np.array(docs, dtype=bytes)[order] if docs else np.zeros(0, "S1")
-    wanted_queries = np.asarray(owners, dtype=np.int64)[order]
+    doc_keys = np.array(docs, dtype=bytes) if docs else np.zeros(0, "S1")
+    order = np.argsort(doc_keys, kind="stable")
+    wanted_docs, wanted_queries = doc_keys[order], np.asarray(owners, dtype=np.int64)[order]
     del docs, owners
     # A task from the embeddings module: a worker that runs it imports no torch or transformers.
     score = ray.remote(emb.pair_scores).options(num_cpus=1, max_retries=3)
