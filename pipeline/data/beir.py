@@ -18,7 +18,7 @@ from collections.abc import Callable, Container, ItemsView, Iterator, Mapping, S
 import numpy as np
 
 from pipeline.core import storage
-from pipeline.data.corpus_ids import CorpusIds
+from pipeline.data.corpus_ids import CorpusIds, id_keys
 from pipeline.data.records import (
     get_field,
     json_lines,
@@ -44,8 +44,11 @@ class _Strings:
     def __len__(self) -> int:
         return len(self.ends)
 
+    def raw(self, i: int) -> bytes:
+        return bytes(self.data[self.ends[i - 1] if i else 0 : self.ends[i]])
+
     def get(self, i: int) -> str:
-        return self.data[self.ends[i - 1] if i else 0 : self.ends[i]].decode()
+        return self.raw(i).decode()
 
     def slice(self, start: int, stop: int) -> list[str]:
         return [self.get(i) for i in range(start, stop)]
@@ -54,19 +57,12 @@ class _Strings:
         """The strings as a numpy bytes array (the longest's width), made a chunk at a time."""
         chunks = [
             np.array(
-                [
-                    bytes(self.data[self.ends[i - 1] if i else 0 : self.ends[i]])
-                    for i in range(s, min(s + CHUNK, len(self)))
-                ],
+                [self.raw(i) for i in range(s, min(s + CHUNK, len(self)))],
                 dtype=bytes,
             )
             for s in range(0, len(self), CHUNK)
         ]
         return np.concatenate(chunks) if chunks else np.zeros(0, "S1")
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.data) + self.ends.itemsize * len(self.ends)
 
 
 def _first_repeat(keys: np.ndarray, lines: np.ndarray) -> tuple[int, int] | None:
@@ -153,9 +149,7 @@ class Queries(Mapping[str, str]):
         )
 
     def __getitem__(self, qid: str) -> str:
-        row = (
-            int(self._ids.find(np.array([qid.encode()], dtype=bytes))[0]) if isinstance(qid, str) and len(self) else -1
-        )
+        row = int(self._ids.find(id_keys([qid]))[0]) if isinstance(qid, str) and len(self) else -1
         if row < 0:
             raise KeyError(qid)
         return self._texts.get(row)
@@ -188,10 +182,6 @@ class Queries(Mapping[str, str]):
 
     def holds(self, keys: np.ndarray) -> np.ndarray:
         return self._ids.holds(keys)
-
-    @property
-    def nbytes(self) -> int:
-        return self._ids.nbytes + self._texts.nbytes
 
 
 class Judgments(Mapping[str, dict[str, int]]):
@@ -237,7 +227,7 @@ class Judgments(Mapping[str, dict[str, int]]):
         """One lookup where ``Mapping.get`` made two: mining and evaluation ask it of every query."""
         if not isinstance(qid, str) or not len(self):
             return default
-        row = int(self._queries.find(np.array([qid.encode()], dtype=bytes))[0])
+        row = int(self._queries.find(id_keys([qid]))[0])
         return default if row < 0 else self._judged(row)
 
     def of(self, qids: Sequence[str]) -> dict[str, dict[str, int]]:
@@ -245,12 +235,8 @@ class Judgments(Mapping[str, dict[str, int]]):
         block of queries takes along to the task that writes it."""
         if not len(qids) or not len(self):
             return {}
-        rows = self._queries.find(np.array([q.encode() for q in qids], dtype=bytes))
+        rows = self._queries.find(id_keys(qids))
         return {qid: self._judged(int(row)) for qid, row in zip(qids, rows) if row >= 0}
-
-    def doc_ids(self) -> np.ndarray:
-        """Every judged document id once, as a bytes array."""
-        return np.unique(self.docs)
 
     def check_documents(self, holds: Callable[[np.ndarray], np.ndarray]) -> None:
         """An :class:`InputError` at the first line whose document ``holds`` (bytes ids ->
@@ -261,10 +247,6 @@ class Judgments(Mapping[str, dict[str, int]]):
             raise line_error(
                 self.source, int(self.lines[at]), f"unknown document id {self.docs[at].decode()!r} (not in the corpus)"
             )
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.docs, self.scores, self.lines, self._starts)) + self._queries.nbytes
 
 
 def read_queries(uri: str) -> Queries:

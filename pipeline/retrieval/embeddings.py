@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 
 from pipeline.core import parts, storage
 from pipeline.core.errors import ArtifactError, StorageError
+from pipeline.data.corpus_ids import id_keys
 from pipeline.data.shards import check_parquet_shard
 
 MANIFEST = "manifest.json"
@@ -223,7 +224,7 @@ def pair_scores(
     ``vector_blocks`` laid end to end (they are not joined: a copy of every query's vector
     per task)."""
     _, doc_ids, embeddings = read_shard(folder, entry)
-    keys = np.array([d.encode() for d in doc_ids], dtype=bytes) if doc_ids else np.zeros(0, "S1")
+    keys = id_keys(doc_ids)
     first = np.searchsorted(wanted_docs, keys, side="left")
     counts = np.searchsorted(wanted_docs, keys, side="right") - first
     passage = np.repeat(np.arange(len(keys)), counts)
