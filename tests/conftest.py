@@ -170,23 +170,22 @@ def pytest_collection_modifyitems(session, config, items):
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: `-p no:xdist` runs without it
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's ``loadfile``, except that the process given a long file takes no other file
-    after it. xdist gives a process its next file while it still has up to 2 tests to run
-    (a process runs a test only once it knows the next), so a one-test long file, handed
-    out late, kept two more files waiting behind it while the other process ran out of
-    work: 61 s of tests, in a suite of 15 min 49 s (2026-11-27)."""
+    """xdist's ``loadfile``, except that the long files go out first, each to a process of its
+    own that goes on with other files afterwards. In xdist's order (files by their number of
+    tests) the one-test two-node file went out late, and the other process then sat idle for
+    the last ~140 s of the suite while it ran (2026-11-28 timeline: gw1 done at 653 s, the
+    two-node test from 476 s to 796 s)."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    class LongFileLast(LoadFileScheduling):
+    class LongFilesFirst(LoadFileScheduling):
         def _assign_work_unit(self, node) -> None:
-            scope = next(iter(self.workqueue))
+            for scope in RUNS_LONG & self.workqueue.keys():
+                self.workqueue.move_to_end(scope, last=False)
             super()._assign_work_unit(node)
-            if scope in RUNS_LONG and any(other is not node and not other.shutting_down for other in self.nodes):
-                node.shutdown()  # it runs what it holds, the long file last, then stops
 
-    return LongFileLast(config, log)
+    return LongFilesFirst(config, log)
 
 
 def write_jsonl(path, docs) -> str:

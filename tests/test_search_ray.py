@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import time
 
 import numpy as np
@@ -766,6 +767,16 @@ def test_an_evaluation_rerun_reuses_its_encoding_index_and_searched_blocks(
     with pytest.raises(KeyboardInterrupt):
         evaluation.run_evaluation(stopped)
     monkeypatch.setattr(evaluation, "write_trec_lines", write_lines)
+    # The stopped state, kept to be put back for the reruns below: a stop is deterministic,
+    # so this is what stopping again would leave (copy2 keeps the modification times that
+    # local files' versions are made of, and the same path keeps the claims' paths).
+    snapshot = tmp_path / "snapshot"
+    shutil.copytree(tmp_path / "stopped", snapshot)
+
+    def stopped_again() -> None:
+        shutil.rmtree(tmp_path / "stopped")
+        shutil.copytree(snapshot, tmp_path / "stopped")
+
     capsys.readouterr()
     resumed = evaluation.run_evaluation(stopped)
     assert (resumed["search_blocks"], resumed["search_blocks_resumed"]) == (4, 2)
@@ -775,27 +786,24 @@ def test_an_evaluation_rerun_reuses_its_encoding_index_and_searched_blocks(
     assert resumed["index_shards_built"] == 0
     # Stopped again, rerun with other judgments: the stored blocks' metric sums were made with
     # the old ones, so none is kept.
-    lines.clear()
-    monkeypatch.setattr(evaluation, "write_trec_lines", stopped_in_the_third_block)
-    with pytest.raises(KeyboardInterrupt):
-        evaluation.run_evaluation(stopped)
-    monkeypatch.setattr(evaluation, "write_trec_lines", write_lines)
+    stopped_again()
     judgments = open(collection["qrels"]).read().splitlines()
     (tmp_path / "fewer.tsv").write_text("\n".join(judgments[:21]) + "\n")
     rejudged = evaluation.run_evaluation(dataclasses.replace(stopped, qrels=str(tmp_path / "fewer.tsv")))
     assert rejudged["search_blocks_resumed"] == 0 and rejudged["judged_queries"] == 10
+    # The put-back state was whole: its vectors and index reused, its blocks dropped for the qrels.
+    assert rejudged["index_shards_built"] == 0 and "parts made otherwise (other qrels)" in capsys.readouterr().err
     # Stopped again, rerun with shorter queries: the stored blocks' vectors (and the run lines
     # searched with them) were made with the old length, so none is kept, and the metrics
     # are those of an evaluation never stopped at that length.
-    lines.clear()
-    monkeypatch.setattr(evaluation, "write_trec_lines", stopped_in_the_third_block)
-    with pytest.raises(KeyboardInterrupt):
-        evaluation.run_evaluation(stopped)
-    monkeypatch.setattr(evaluation, "write_trec_lines", write_lines)
+    stopped_again()
     short = dataclasses.replace(job.encoder, query_max_len=4)
     shortened = evaluation.run_evaluation(dataclasses.replace(stopped, encoder=short))
-    assert shortened["search_blocks_resumed"] == 0
-    whole_short = evaluation.run_evaluation(dataclasses.replace(job, encoder=short, output=str(tmp_path / "short")))
+    assert shortened["search_blocks_resumed"] == 0 and "parts made otherwise (other encoder)" in capsys.readouterr().err
+    # Never stopped: the whole evaluation again at that length (its passage vectors and index,
+    # which the query length does not make, are reused).
+    whole_short = evaluation.run_evaluation(dataclasses.replace(job, encoder=short, output=str(tmp_path / "whole")))
+    assert whole_short["search_blocks_resumed"] == 0 and whole_short["index_shards_built"] == 0
     assert shortened["metrics"] == pytest.approx(whole_short["metrics"])
     assert whole_short["metrics"] != pytest.approx(whole["metrics"])  # the length matters here
 
@@ -926,6 +934,8 @@ def test_evaluations_driver_memory_does_not_grow_with_the_query_vectors(collecti
     peaks, summaries = {}, {}
     # The first run in a process imports and loads what later ones reuse (plotting, the
     # tokenizer): an untraced one first, so that the two traced runs differ by their queries.
+    # All three write to one folder: the traced ones reuse its passage vectors and index,
+    # so their peaks are reached with the queries.
     for n, traced in ((200, False), (200, True), (2000, True)):
         picked = np.random.default_rng(n).integers(0, N_DOCS, n)
         queries = [{"_id": f"q{i}", "text": " ".join(docs[d]["text"].split()[:5])} for i, d in enumerate(picked)]
@@ -941,7 +951,7 @@ def test_evaluations_driver_memory_does_not_grow_with_the_query_vectors(collecti
             qrels=str(qrels),
             k=10,
             docs_per_shard=45,
-            output=str(tmp_path / f"eval{n}-{traced}"),
+            output=str(tmp_path / "eval"),
             pool=ActorConfig(actors=1),
         )
         if not traced:
@@ -949,11 +959,12 @@ def test_evaluations_driver_memory_does_not_grow_with_the_query_vectors(collecti
             continue
         summaries[n], peaks[n] = _driver_peak(evaluation.run_evaluation, job)
         assert summaries[n]["search_blocks"] == -(-n // 64) and summaries[n]["judged_queries"] == n
+        assert summaries[n]["index_shards_built"] == 0 and summaries[n]["search_blocks_resumed"] == 0
+        assert not os.path.exists(tmp_path / "eval" / "search")  # the stored vectors went with the parts
     assert peaks[2000] - peaks[200] < 3 * 2**20, peaks
-    assert not os.path.exists(tmp_path / "eval200-True" / "search")  # the stored vectors went with the parts
     # The 200 queries' metrics against ir_measures over brute force of this test's encoding.
     encoder = local_encoder(EncoderSettings(model=wide, pooling="cls"))
-    _, doc_ids, corpus = read_all(str(tmp_path / "eval200-True" / "embeddings"))
+    _, doc_ids, corpus = read_all(str(tmp_path / "eval" / "embeddings"))
     queries = read_queries(str(tmp_path / "q200" / "queries.jsonl"))
     scores, top = brute_force_topk(encoder.encode_texts(list(queries.values()), 32), corpus, 10)
     run = {q: {doc_ids[r]: float(v) for r, v in zip(top[i], scores[i])} for i, q in enumerate(queries)}
