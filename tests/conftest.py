@@ -160,8 +160,8 @@ RUNS_LONG = frozenset({"tests/test_two_node.py"})
 def pytest_collection_modifyitems(session, config, items):
     # In one process (-n 0), tests that take minutes start first and the shared Ray's tests
     # run last. Under xdist (--dist loadfile) this orders only the tests inside a file and
-    # files with as many tests: xdist hands out the files by their number of tests. (Starting
-    # the longest files first there was slower: they slowed each other down; limitations.md.)
+    # files with as many tests: the scheduler below hands out the files in RUNS_LONG first,
+    # then the others by their number of tests.
     marked = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("runs_long")}
     if not marked <= RUNS_LONG:
         raise pytest.UsageError(f"tests/conftest.py: add {sorted(marked - RUNS_LONG)} to RUNS_LONG")
