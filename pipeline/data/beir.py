@@ -194,10 +194,13 @@ class Judgments(Mapping[str, dict[str, int]]):
     def __init__(self, source: str, qids: np.ndarray, docs: np.ndarray, scores: np.ndarray, lines: np.ndarray):
         self.source = source
         judged, first, inverse = np.unique(qids, return_index=True, return_inverse=True)
-        appearance = np.argsort(np.argsort(first, kind="stable"), kind="stable")  # sorted id -> order of first use
-        by_query = np.argsort(appearance[inverse], kind="stable")  # file order within a query
-        self._queries = CorpusIds(judged[np.argsort(first, kind="stable")], source)
-        self._starts = np.searchsorted(appearance[inverse][by_query], np.arange(len(judged) + 1))
+        in_use_order = np.argsort(first, kind="stable")  # the sorted ids, in order of first use
+        appearance = np.empty_like(in_use_order)
+        appearance[in_use_order] = np.arange(len(in_use_order))  # sorted id -> order of first use
+        query_of = appearance[inverse]  # each judgment's query, by order of first use
+        by_query = np.argsort(query_of, kind="stable")  # file order within a query
+        self._queries = CorpusIds(judged[in_use_order], source)
+        self._starts = np.searchsorted(query_of[by_query], np.arange(len(judged) + 1))
         self.docs, self.scores, self.lines = docs[by_query], scores[by_query], lines[by_query]
 
     def __len__(self) -> int:

@@ -80,18 +80,13 @@ def held_by(actors: list, doc_ids: np.ndarray) -> np.ndarray:
     return found
 
 
-def read_qrels_of_corpus(
-    uri: str,
-    holds: Callable[[np.ndarray], np.ndarray],
-    query_ids: Container[str],
-    judged: Judgments | None = None,
-) -> Judgments:
+def read_qrels_of_corpus(uri: str, holds: Callable[[np.ndarray], np.ndarray], query_ids: Container[str]) -> Judgments:
     """``read_qrels`` with its unknown-document check answered by ``holds`` (bytes ids ->
     which are held: a shard fan-out's ``holds``, or the prepared corpus's tasks), given the
     judged documents once each, so an unknown id is reported at its line as always, without
-    the corpus's ids on the driver. ``judged``: a reading already made without that check."""
+    the corpus's ids on the driver."""
 
-    judged = read_qrels(uri, query_ids=query_ids) if judged is None else judged
+    judged = read_qrels(uri, query_ids=query_ids)
     judged.check_documents(holds)
     return judged
 
