@@ -487,3 +487,25 @@ def save_tiny_family(out_dir: str, model_type: str, texts: list[str], seed: int 
     torch.manual_seed(seed)
     AutoModelForMaskedLM.from_config(tiny_family_config(model_type, tokenizer)).save_pretrained(out_dir)
     return tokenizer
+
+
+def index_of_random_vectors(root, shards: int, per_shard: int, dim: int, factory: str):
+    """Random vectors as an embeddings folder of ``shards`` shards (doc ids ``d<row>``) and
+    their index of ``factory`` (built on Ray), under ``root``: (index URI, vectors, rows)."""
+    import numpy as np
+
+    from pipeline.retrieval import embeddings as emb
+    from pipeline.retrieval.faiss_index import IndexConfig
+    from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
+
+    vectors = np.random.default_rng(0).standard_normal((shards * per_shard, dim)).astype(np.float32)
+    rows = np.arange(len(vectors))
+    entries = [
+        emb.write_shard(str(root / "emb"), i, rows[s], [f"d{r}" for r in rows[s]], vectors[s])
+        for i, s in enumerate(np.split(rows, shards))
+    ]
+    emb.write_manifest(str(root / "emb"), dim, entries, normalized=False, similarity="dot", model="m")
+    run_indexing(
+        IndexJobConfig(embeddings=str(root / "emb"), output=str(root / "index"), index=IndexConfig(factory=factory))
+    )
+    return str(root / "index"), vectors, rows

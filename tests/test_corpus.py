@@ -111,7 +111,7 @@ def test_directory_mixed_files_sorted(tmp_path):
     write(root / "sub" / "c.jsonl.gz", gzip.compress(jsonl({"_id": "c1", "text": "C one"}).encode()))
     write(root / "a2.txt.gz", gzip.compress(b"A2 zero\n"))
     write(root / "README.md", "not a corpus file\n")
-    write(root / "ids.tsv", "x\ty\n")
+    write(root / "ids.csv", "x\ty\n")
     docs = list(iter_documents(str(root)))
     assert [(d.doc_id, d.text, Path(d.source).name, d.line) for d in docs] == [
         ("a:0", "A zero", "a.txt", 1),

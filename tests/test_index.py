@@ -148,7 +148,7 @@ def test_plan_over_the_limit_names_the_shard():
     with pytest.raises(
         ValueError,
         match=r"index shard 1 needs 12\.9 GiB, more than the 8\.0 GiB limit: use more "
-        r"shards or a compressed factory such as IVF8192,PQ64",
+        r"shards or a compressed factory such as IVF8192,SQ8 or IVF8192,PQ64",
     ):
         ix.check_plan(plan, 8 * 2**30)
     table = ix.format_plan(plan)

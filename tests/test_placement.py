@@ -11,13 +11,15 @@ import pytest
 
 from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
-from pipeline.retrieval import embeddings as emb
+from pipeline.core.errors import ConfigError
 from pipeline.retrieval.encode import EncoderSettings, store_query_vectors
 from pipeline.retrieval.faiss_index import IndexConfig, brute_force_topk, load_index_manifest, plan_memory
+from pipeline.retrieval.fanout import query_block
+from pipeline.retrieval.gpu_search import FAULT_VAR
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
 from pipeline.retrieval.query_vectors import StoredQueryVectors
 from pipeline.retrieval.search import PROCESS_BYTES, SEARCHER_CPUS, SearcherConfig, ShardedIndex, plan_searchers
-from tests.helpers import save_tiny_bert
+from tests.helpers import index_of_random_vectors, save_tiny_bert
 
 pytestmark = pytest.mark.ray
 
@@ -26,37 +28,30 @@ DIM, SHARDS, PER_SHARD = 16, 12, 20
 
 @pytest.fixture(scope="module")
 def index_of_shards(tmp_path_factory, fake_gpu_ray):
-    root = tmp_path_factory.mktemp("placement")
-    vectors = np.random.default_rng(0).standard_normal((SHARDS * PER_SHARD, DIM)).astype(np.float32)
-    rows = np.arange(len(vectors))
-    entries = [
-        emb.write_shard(str(root / "emb"), i, rows[s], [f"d{r}" for r in rows[s]], vectors[s])
-        for i, s in enumerate(np.split(rows, SHARDS))
-    ]
-    emb.write_manifest(str(root / "emb"), DIM, entries, normalized=False, similarity="dot", model="m")
-    run_indexing(
-        IndexJobConfig(embeddings=str(root / "emb"), output=str(root / "index"), index=IndexConfig(factory="IVF4,Flat"))
-    )
-    return str(root / "index"), vectors, rows
+    return index_of_random_vectors(tmp_path_factory.mktemp("placement"), SHARDS, PER_SHARD, DIM, "IVF4,Flat")
 
 
-def test_one_searcher_per_gpu_holds_a_run_of_shards_and_reserves_its_memory(index_of_shards):
-    """12 index shards on a cluster of 2 GPUs: 2 searchers, one GPU each, 6 shards each,
-    reserving their shards' planned memory and a token CPU; the merged top-k is the
-    brute-force one (IVF with every list probed)."""
+def test_gpu_searchers_hold_a_run_of_shards_one_gpu_each_and_reserve_their_memory(index_of_shards, monkeypatch):
+    """12 index shards, 2 GPU searchers: one GPU each, 6 shards each, reserving their
+    shards' planned memory and a token CPU; the merged top-k is the brute-force one (IVF
+    with every list probed). FAISS's GPU path is the tests' stand-in (no CUDA here)."""
     index_uri, vectors, rows = index_of_shards
-    with ShardedIndex(index_uri, nprobe=4, searchers=SearcherConfig(use_gpu=True)) as index:
+    monkeypatch.setenv(FAULT_VAR, "none")
+    searchers = SearcherConfig(use_gpu=True, gpu_memory_gb=16, searchers=2)
+    with ShardedIndex(index_uri, nprobe=4, searchers=searchers) as index:
         stats = index.stats()
         queries = vectors[:5] + 0.01
         scores, found = index.search(queries, 10)
-    planned = [p["bytes"] for p in plan_memory("IVF4,Flat", DIM, [PER_SHARD] * SHARDS)]
+    # The quantiser once a searcher (its shards merge into one index), each shard's lists.
+    quantiser, shard = (p["bytes"] for p in plan_memory("IVF4,Flat", DIM, [0, PER_SHARD]))
     assert [s["shards"] for s in stats] == [SHARDS // 2] * 2
     assert sum(s["vectors"] for s in stats) == len(vectors)
-    for i, searcher in enumerate(stats):
+    for searcher in stats:
         reserved = searcher["reserved"]
         assert reserved["GPU"] == 1 and reserved["CPU"] == pytest.approx(SEARCHER_CPUS)
-        assert reserved["memory"] == sum(planned[i * 6 : (i + 1) * 6]) + PROCESS_BYTES
-        assert not searcher["on_gpu"]  # faiss-cpu and no CUDA: served from host memory
+        assert reserved["memory"] == quantiser + 6 * (shard - quantiser) + PROCESS_BYTES
+        assert searcher["indexes"] == 1
+        assert searcher["search"] == "faiss-gpu"
     ref_scores, ref_rows = brute_force_topk(queries, vectors, 10, rows=rows)
     assert np.allclose(scores, ref_scores, atol=1e-4) and (found == ref_rows).all()
 
@@ -69,21 +64,89 @@ def test_one_searcher_per_gpu_holds_a_run_of_shards_and_reserves_its_memory(inde
         assert np.array_equal(index.search(queries, 10)[1], ref_rows)
 
 
-def test_searchers_follow_the_configuration_not_the_shards_when_no_gpu_is_up():
-    """An autoscaling cluster with no GPU node up yet: the searchers asked for each request
-    one GPU (the autoscaler adds that many), never one per shard; on CPUs, as many as the
-    memory per searcher needs, never more than the shards."""
-    manifest = {"factory": "Flat", "dim": 768, "metric": "ip", "shards": [{"vectors": 100_000}] * 88}
-    plan = plan_searchers(manifest, SearcherConfig(use_gpu=True), cluster={"CPU": 8})
-    assert [opts["num_gpus"] for _, opts in plan] == [1.0] and len(plan[0][0]) == 88
-    plan = plan_searchers(manifest, SearcherConfig(use_gpu=True, searchers=4), cluster={"CPU": 8})
-    assert [opts["num_gpus"] for _, opts in plan] == [1.0] * 4 and [len(e) for e, _ in plan] == [22] * 4
-    plan = plan_searchers(manifest, SearcherConfig(use_gpu=True, searchers=4), cluster={"GPU": 2})
-    assert [opts["num_gpus"] for _, opts in plan] == [0.5] * 4  # all four up at once on 2 GPUs
+def _manifest(shard_vectors: list[int], factory: str = "Flat") -> dict:
+    return {"factory": factory, "dim": 768, "metric": "ip", "shards": [{"vectors": n} for n in shard_vectors]}
+
+
+GIB = 2**30
+MSMARCO, CORPUS_50M = _manifest([100_000] * 88), _manifest([100_000] * 500)
+
+
+@pytest.mark.parametrize(
+    "manifest,gpu_gb,searchers",
+    # A 768-d Flat vector on a GPU: 1,536 bytes in fp16 + an 8-byte id = 1,544 (3,080 in fp32
+    # on the host). A searcher may use 0.9 of its card less 1.25 GiB (CUDA context, scratch):
+    # 20.35 GiB of 24, 34.75 of 40, 70.75 of 80. MS MARCO (12.65 GiB) fits one of each;
+    # 50M (71.9 GiB) needs 4 of 24 GiB (18.0 each), 3 of 40 (24.0), 2 of 80 (36.0).
+    [
+        (MSMARCO, 24, 1),
+        (MSMARCO, 40, 1),
+        (MSMARCO, 80, 1),
+        (CORPUS_50M, 24, 4),
+        (CORPUS_50M, 40, 3),
+        (CORPUS_50M, 80, 2),
+    ],
+)
+def test_gpu_searchers_are_as_few_as_hold_the_index_whatever_gpus_are_up(manifest, gpu_gb, searchers):
+    """The plan comes from the index's bytes against one GPU's memory, the same with 0, 1,
+    4, 8 or 128 GPUs up (an autoscaler is asked for what it needs); one GPU a searcher,
+    never more searchers than the memory asks (88 of 0.3 GB each, before). Mutation: the
+    count from the GPUs up (``max(1, int(gpus))``) gives 1, 4, 8 and 88 searchers."""
+    plans = [
+        plan_searchers(manifest, SearcherConfig(use_gpu=True, gpu_memory_gb=gpu_gb), cluster={"GPU": gpus, "CPU": 64})
+        for gpus in (0, 1, 4, 8, 128)
+    ]
+    assert all(plan == plans[0] for plan in plans)
+    plan = plans[0]
+    assert len(plan) == searchers and all(opts["num_gpus"] == 1.0 for _, opts in plan)
+    shards = len(manifest["shards"])
+    assert [len(entries) for entries, _ in plan] == [len(run) for run in np.array_split(range(shards), searchers)]
+    budget = 0.9 * gpu_gb * GIB - 1.25 * GIB
+    assert max(len(entries) for entries, _ in plan) * 100_000 * 1544 <= budget
+    if searchers > 1:  # one searcher fewer would not hold its share
+        assert -(-shards // (searchers - 1)) * 100_000 * 1544 > budget
+    for entries, opts in plan:  # host memory: the fp32 shards the searcher reads, and the process
+        assert opts["memory"] == pytest.approx(len(entries) * 100_000 * 3080 + PROCESS_BYTES, rel=1e-4)
+    # A query block's answers stay near 256 MiB: thousands of queries, at most 500 blocks for
+    # MS MARCO's 502k training queries at depth 200.
+    block = query_block(searchers, 200, 768)
+    assert 1000 <= block <= 16384 and -(-502_000 // block) <= 500
+
+
+def test_gpu_memory_comes_from_the_accelerator_type_and_an_index_no_gpu_holds_is_refused():
+    """Without gpu_memory_gb, an L4 node up (Ray's ``accelerator_type:L4``) sizes the plan
+    as 24 GB does; with no GPU node of a known type up, the setting is asked for. A shard
+    larger than a GPU fails before any work, with the sizes and factories that fit."""
+    by_type = plan_searchers(CORPUS_50M, SearcherConfig(use_gpu=True), cluster={"GPU": 8, "accelerator_type:L4": 1})
+    assert by_type == plan_searchers(CORPUS_50M, SearcherConfig(use_gpu=True, gpu_memory_gb=24), cluster={})
+    with pytest.raises(ConfigError, match=r"set --searchers.gpu_memory_gb \(no GPU node of a known type is up"):
+        plan_searchers(CORPUS_50M, SearcherConfig(use_gpu=True), cluster={"GPU": 8})
+    big = _manifest([20_000_000, 20_000_000, 10_000_000])  # 28.8 GiB a shard in fp16
+    with pytest.raises(
+        ConfigError,
+        match=r"index shard 0 needs 28\.8 GiB on a GPU \(SQfp16\), more than the 20\.3 GiB a searcher has of a "
+        r"24\.0 GiB GPU: .* such as IVF16384,SQ8 or IVF16384,PQ64",
+    ):
+        plan_searchers(big, SearcherConfig(use_gpu=True, gpu_memory_gb=24), cluster={})
+    assert len(plan_searchers(big, SearcherConfig(use_gpu=True, gpu_memory_gb=40), cluster={})) == 3
+    with pytest.raises(ConfigError, match=r"1 searchers hold 71\.9 GiB each on a GPU, more than the 70\.8 GiB"):
+        plan_searchers(CORPUS_50M, SearcherConfig(use_gpu=True, gpu_memory_gb=80, searchers=1), cluster={})
+    # IVF-PQ codes stay as they are on a GPU: 50M at PQ64 fit one 24 GB card.
+    assert (
+        len(
+            plan_searchers(
+                _manifest([100_000] * 500, "IVF65536,PQ64"), SearcherConfig(use_gpu=True, gpu_memory_gb=24), cluster={}
+            )
+        )
+        == 1
+    )
+
+
+def test_cpu_searchers_follow_the_memory_per_searcher_never_more_than_the_shards():
     shard_bytes = plan_memory("Flat", 768, [100_000])[0]["bytes"]
-    plan = plan_searchers(manifest, SearcherConfig(memory_gb=10 * shard_bytes / 2**30), cluster={"CPU": 8})
+    plan = plan_searchers(MSMARCO, SearcherConfig(memory_gb=10 * shard_bytes / 2**30), cluster={"CPU": 8})
     assert [len(e) for e, _ in plan] == [10] * 7 + [9] * 2 and all(o["num_gpus"] == 0 for _, o in plan)
-    assert len(plan_searchers(manifest, SearcherConfig(searchers=500), cluster={})) == 88
+    assert len(plan_searchers(MSMARCO, SearcherConfig(searchers=500), cluster={})) == 88
 
 
 def test_index_builds_reserve_the_gpu_they_may_use_or_see_none(index_of_shards, tmp_path):

@@ -339,7 +339,7 @@ def test_fanout_servers_on_a_drained_node_move_to_a_node_that_stays(local_cluste
     from ray import cloudpickle
 
     from pipeline.core import draining
-    from pipeline.retrieval.fanout import SERVER_RESTARTS, ShardFanout
+    from pipeline.retrieval.fanout import ServerLimits, ShardFanout
 
     monkeypatch.setattr(draining, "DRAIN_CHECK_S", 0.0)
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -348,7 +348,7 @@ def test_fanout_servers_on_a_drained_node_move_to_a_node_that_stays(local_cluste
     vectors = rng.standard_normal((60, 8)).astype(np.float32)
     queries = rng.standard_normal((40, 8)).astype(np.float32)
     queries[:, 0] = np.arange(40) / 1000  # each block's first value tags it in the servers' log
-    server = ray.remote(_VectorShard).options(num_cpus=1, **SERVER_RESTARTS)
+    server = ray.remote(_VectorShard).options(num_cpus=1, **ServerLimits().actor_options())
     fanout = ShardFanout()
     fanout.total = len(vectors)
     halves = np.array_split(np.arange(len(vectors)), 2)
@@ -592,7 +592,7 @@ def test_mining_killed_mid_way_resumes_from_its_finished_blocks(encoded, collect
     cfg, _ = encoded
     index_dir = str(tmp_path / "index")
     run_indexing(IndexJobConfig(embeddings=cfg.output, output=index_dir))
-    monkeypatch.setattr(mining, "query_block", lambda shards: 6)  # 20 queries: 4 blocks
+    monkeypatch.setattr(mining, "query_block_of", lambda index, searchers, k: 6)  # 20 queries: 4 blocks
     settings = dict(index=index_dir, queries=collection["queries"], qrels=collection["qrels"], depth=40, count=6)
     job = dict(**settings, encoder=cfg.encoder, pool=ActorConfig(actors=1))
     whole = mining.run_mining(mining.MineConfig(**job, output=str(tmp_path / "whole")))
@@ -742,7 +742,7 @@ def test_an_evaluation_rerun_reuses_its_encoding_index_and_searched_blocks(
     metrics as an evaluation never stopped."""
     from pipeline.retrieval import evaluate as evaluation
 
-    monkeypatch.setattr(evaluation, "query_block", lambda shards: 5)
+    monkeypatch.setattr(evaluation, "query_block_of", lambda index, searchers, k: 5)
     job = evaluation.EvaluateJobConfig(
         encoder=EncoderSettings(model=tiny_bert, pooling="mean"),
         corpus=collection["corpus"],
@@ -929,7 +929,7 @@ def test_evaluations_driver_memory_does_not_grow_with_the_query_vectors(collecti
         num_heads=4,
         intermediate_size=64,
     )
-    monkeypatch.setattr(evaluation, "query_block", lambda shards: 64)
+    monkeypatch.setattr(evaluation, "query_block_of", lambda index, searchers, k: 64)
     docs = collection["docs"]
     peaks, summaries = {}, {}
     # The first run in a process imports and loads what later ones reuse (plotting, the

@@ -235,3 +235,11 @@ def test_ctrl_c_stops_a_job_with_one_line_saying_how_to_resume(monkeypatch, caps
         run_job(Job, interrupted, "a job")
     assert exited.value.code == 130
     assert capsys.readouterr().err == "interrupted: rerun the same command to resume\n"
+
+
+def test_ray_trains_health_checks_slow_down_with_the_worker_group():
+    """0.1 s a worker for a couple of workers (a short run ends sooner); then the group is
+    polled about 20 times a second, not 10 times a second per worker (1,280 at 128)."""
+    from pipeline.training.loop import health_check_interval
+
+    assert [health_check_interval(n) for n in (1, 2, 8, 64, 128, 1024)] == [0.1, 0.1, 0.4, 3.2, 6.4, 10.0]

@@ -47,10 +47,11 @@ def run_job(
         error = user_error(exc)
         if argv is not None or error is None or os.environ.get("RAYDENSE_DEBUG") == "1":
             raise
-        # The user's mistake, named by our own error: one line, no traceback, exit 2 (as a
-        # bad option). A crash keeps its traceback.
+        # The user's mistake, or a failure that repeats, named by our own error: one line, no
+        # traceback; exit 2 for the user's (as a bad option), 1 for a server's. A crash keeps
+        # its traceback.
         print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(error.exit_code)
     if report is not None:
         report(summary)
     print_summary(summary)

@@ -5,7 +5,9 @@
     ├── InputError          user data: a corpus, queries, qrels, runs, negatives (file and line)
     ├── ArtifactError       something raydense wrote earlier is missing, unfinished or corrupt
     │                       (corpus, embedding or index shards, manifests, checkpoints)
-    └── StorageError        a path or URI cannot be read or written (missing, denied, bad scheme)
+    ├── StorageError        a path or URI cannot be read or written (missing, denied, bad scheme)
+    └── ServerError         a server actor kept dying, never came up, or stopped answering
+                            (names the server, its node and the cause; exit 1, not 2)
 
 ``InputError`` and ``ConfigError`` are also ``ValueError`` and ``StorageError`` is also an
 ``OSError``, so callers written against the built-in kinds keep working.
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 class RaydenseError(Exception):
     """Base of raydense's own errors. ``source`` and ``line`` say where, when known."""
+
+    exit_code = 2  # a job's exit status for it: 2 is the user's to mend, as a bad option
 
     def __init__(self, message: str, *, source: str | None = None, line: int | None = None):
         super().__init__(message)
@@ -45,3 +49,11 @@ class ArtifactError(RaydenseError):
 
 class StorageError(RaydenseError, OSError):
     """A path or URI cannot be reached, read or written."""
+
+
+class ServerError(RaydenseError):
+    """A server actor (a searcher, a BM25 shard, a passage server) died past its restarts,
+    was not up within its timeout, or answered no block within the stall timeout. Not the
+    user's input, but a failure that repeats: the job ends with this one line."""
+
+    exit_code = 1

@@ -56,6 +56,17 @@ def part_uri(folder: str, block: int, name: str) -> str:
     return storage.join(folder, PARTS, f"{block:06d}.{name}")
 
 
+def recorded_block(folder: str, proposed: int) -> int:
+    """The query block of the work in ``folder``: the size its parts were made with, when
+    an earlier run left any, else ``proposed``, recorded now. A default block follows the
+    servers a run starts, so a run resumed on another cluster keeps its own blocks."""
+    record = storage.join(folder, PARTS, "block.json")
+    if storage.exists(record):
+        return int(storage.read_json(record)["queries"])
+    storage.write_json(record, {"queries": int(proposed)})
+    return int(proposed)
+
+
 def finished_blocks(folder: str, names: tuple[str, ...]) -> set[int]:
     """The blocks whose every file in ``names`` is written (each appears only complete)."""
     found: dict[int, set[str]] = {}

@@ -1,12 +1,15 @@
 """BEIR queries and qrels.
 
-- queries, ``queries.jsonl``: ``{"_id": str|number, "text": str}`` per line. Empty text and
-  duplicate ids are errors.
+- queries, ``queries.jsonl``: ``{"_id": str|number, "text": str}`` per line; or MS MARCO's
+  ``queries.*.tsv``: ``id<TAB>text`` per line, no header. Empty text and duplicate ids are
+  errors.
 - qrels, ``qrels/*.tsv``: ``query-id<TAB>corpus-id<TAB>score`` with an integer score; score > 0
   marks a positive, score <= 0 a judged non-relevant document. The header line ``query-id corpus-id
   score`` is expected; a file whose first row already has an integer score is read as having no
   header (TREC-style tools write such files), and any other first row is an error. Whitespace other
-  than a tab also separates columns when a line has no tab. A pair judged twice is an error.
+  than a tab also separates columns when a line has no tab. TREC's four columns
+  ``query-id iteration corpus-id score`` (MS MARCO's ``qrels.*.tsv``) are read too, the
+  iteration ignored. A pair judged twice is an error.
 """
 
 from __future__ import annotations
@@ -165,6 +168,20 @@ class Queries(Mapping[str, str]):
             texts.append(text)
         return cls(source, ids.fixed_width(), texts)
 
+    def judged_only(self, judged: Container[str]) -> Queries:
+        """The queries that ``judged`` (a :class:`Judgments`) has, in file order: itself when
+        that is every one. Read a chunk at a time: no Python string per query is kept."""
+        ids, texts, kept = [], _Strings(), 0
+        for start in range(0, len(self), CHUNK):
+            for qid, text in zip(self.ids(start, start + CHUNK), self.texts(start, start + CHUNK)):
+                if qid in judged:
+                    ids.append(qid.encode())
+                    texts.append(text)
+                    kept += 1
+        if kept == len(self):
+            return self
+        return Queries(self.source, np.array(ids, dtype=bytes) if ids else np.zeros(0, "S1"), texts)
+
     @property
     def text_rows(self) -> TextRows:
         """The texts as a sequence of rows that reads only the slices asked of it (a shard
@@ -256,9 +273,7 @@ def read_queries(uri: str) -> Queries:
     """BEIR queries.jsonl -> :class:`Queries` (id -> text, in file order)."""
     source = storage.resolve(uri).uri
     ids, texts, lines = _Strings(), _Strings(), array("q")
-    for source, number, obj in json_lines(uri):
-        qid = get_field(obj, "_id", None, source, number)
-        text = get_field(obj, "text", str, source, number)
+    for source, number, qid, text in _query_lines(uri):
         if not text.strip():
             raise line_error(source, number, f"empty text (query {qid})")
         ids.append(qid)
@@ -275,6 +290,20 @@ def read_queries(uri: str) -> Queries:
     return Queries(source, id_bytes, texts)
 
 
+def _query_lines(uri: str) -> Iterator[tuple[str, int, str, str]]:
+    """(file, line, id, text) of each query of a BEIR jsonl or an MS MARCO tsv file."""
+    name = uri.removesuffix(".gz")
+    if name.endswith(".tsv"):
+        for source, number, text in read_lines(uri):
+            qid, tab, query = text.rstrip("\r\n").partition("\t")
+            if not tab or "\t" in query or not qid.strip():
+                raise line_error(source, number, "expected 2 tab-separated columns (query id, text)")
+            yield source, number, qid.strip(), query
+        return
+    for source, number, obj in json_lines(uri):
+        yield source, number, get_field(obj, "_id", None, source, number), get_field(obj, "text", str, source, number)
+
+
 def read_qrels(uri: str, doc_ids: Container[str] | None = None, query_ids: Container[str] | None = None) -> Judgments:
     """BEIR qrels TSV -> :class:`Judgments` (query id -> {doc id: score}, every judgment,
     including score <= 0).
@@ -288,8 +317,12 @@ def read_qrels(uri: str, doc_ids: Container[str] | None = None, query_ids: Conta
     for source, number, text in read_lines(uri):
         cols = text.split("\t") if "\t" in text else text.split()
         cols = [c.strip() for c in cols]
+        if len(cols) == 4:  # TREC qrels: query-id, iteration, corpus-id, score
+            cols = [cols[0], cols[2], cols[3]]
         if len(cols) != 3:
-            raise line_error(source, number, f"expected 3 columns (query-id, corpus-id, score), got {len(cols)}")
+            raise line_error(
+                source, number, f"expected 3 columns (query-id, corpus-id, score) or TREC's 4, got {len(cols)}"
+            )
         qid, did, score_text = cols
         try:
             score = int(score_text)

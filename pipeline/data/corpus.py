@@ -1,12 +1,13 @@
 """Reading and validating raw corpora.
 
 A corpus is a local path or an ``s3://`` URI naming either one file or a directory (an S3
-prefix), in which case every ``*.jsonl``, ``*.jsonl.gz``, ``*.txt`` and ``*.txt.gz`` file
-below it is read, in sorted order. Two formats, chosen by suffix:
+prefix), in which case every ``*.jsonl``, ``*.tsv`` and ``*.txt`` file (each also ``.gz``)
+below it is read, in sorted order. Three formats, chosen by suffix:
 
 - ``.jsonl``: BEIR corpus lines ``{"_id": str, "title": optional str, "text": str}``; extra
   keys are allowed, blank lines are ignored. The document text is ``f"{title}\\n{text}"``
   when the title is non-empty, else ``text``.
+- ``.tsv``: MS MARCO's ``collection.tsv``, ``id<TAB>text`` a line, no header.
 - ``.txt``: plain text, documents separated by one or more blank lines; the id of the n-th
   document (from 0) of ``notes.txt`` is ``"notes:n"``.
 
@@ -23,7 +24,7 @@ import json
 import math
 import posixpath
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -32,7 +33,7 @@ from pipeline.core import storage
 from pipeline.core.errors import InputError
 from pipeline.data.records import decode_line, json_type, line_error, numbered_lines
 
-SUFFIXES = (".jsonl", ".jsonl.gz", ".txt", ".txt.gz")
+SUFFIXES = (".jsonl", ".jsonl.gz", ".tsv", ".tsv.gz", ".txt", ".txt.gz")
 ON_EMPTY = ("skip", "error")
 MAX_SKIPPED_EXAMPLES = 20
 
@@ -97,7 +98,7 @@ def _iter_documents(uri: str, on_empty: str, stats: CorpusStats) -> Iterator[Doc
     files = corpus_files(uri)
     seen = _IdHashes()
     for source in files:
-        parse = _parse_jsonl if _suffix(source).startswith(".jsonl") else _parse_txt
+        parse = _parser(source)
         for doc in parse(source):
             seen.add(doc.doc_id)
             if not doc.text.strip():
@@ -148,7 +149,7 @@ def _raise_duplicate(files: list[str], repeated: set[int]) -> None:
     """Raise for the first id that occurs twice among those whose hash is ``repeated``."""
     first: dict[str, tuple[str, int]] = {}
     for source in files:
-        parse = _parse_jsonl if _suffix(source).startswith(".jsonl") else _parse_txt
+        parse = _parser(source)
         for doc in parse(source):
             if _id_hash(doc.doc_id) not in repeated:
                 continue
@@ -180,6 +181,26 @@ def _stem(source: str) -> str:
 
 
 # ---------------------------------------------------------------- formats
+
+
+def _parser(source: str) -> Callable[[str], Iterator[Document]]:
+    return {".jsonl": _parse_jsonl, ".tsv": _parse_tsv, ".txt": _parse_txt}[_suffix(source).removesuffix(".gz")]
+
+
+def _parse_tsv(source: str) -> Iterator[Document]:
+    """MS MARCO's collection.tsv: ``id<TAB>text`` a line, no header."""
+    for number, raw in numbered_lines(source):
+        line = decode_line(source, number, raw).rstrip("\r\n")
+        if not line.strip():
+            continue
+        doc_id, tab, text = line.partition("\t")
+        if not tab or "\t" in text:
+            raise line_error(
+                source, number, f"expected 2 tab-separated columns (id, text), got {line.count(chr(9)) + 1}"
+            )
+        if not doc_id.strip():
+            raise line_error(source, number, "empty id")
+        yield Document(doc_id.strip(), text, source, number)
 
 
 def _parse_jsonl(source: str) -> Iterator[Document]:

@@ -42,7 +42,7 @@ import ray
 
 from pipeline.core import storage
 from pipeline.core.errors import StorageError
-from pipeline.core.parts import claim, finished_blocks, join_parts, part_uri, summed
+from pipeline.core.parts import claim, finished_blocks, join_parts, part_uri, recorded_block, summed
 from pipeline.core.progress import get_counted
 from pipeline.core.runtime import RayConfig
 from pipeline.data.beir import Queries, positives, read_qrels, read_queries
@@ -53,7 +53,7 @@ from pipeline.data.records import write_json_line
 from pipeline.data.runs import negatives_record, read_negatives, write_trec_lines
 from pipeline.data.tevatron import passage_lookup, write_tevatron
 from pipeline.data.text_shards import group_shards, read_text_load, stage_text
-from pipeline.retrieval.fanout import SERVER_RESTARTS, ShardFanout, query_block, ranked_ids, read_qrels_of_corpus
+from pipeline.retrieval.fanout import ShardFanout, query_block, ranked_ids, read_qrels_of_corpus
 
 
 @dataclass
@@ -323,7 +323,7 @@ class ShardedBm25(ShardFanout):
         self._serve(
             [
                 functools.partial(
-                    actor.options(num_cpus=SHARD_CPUS, memory=m, **SERVER_RESTARTS).remote,
+                    actor.options(num_cpus=SHARD_CPUS, memory=m, **self.limits.actor_options()).remote,
                     load,
                     scoring,
                     corpus_terms,
@@ -485,7 +485,9 @@ def mine_negatives(cfg: Bm25Config) -> dict:
     folder = _parts_folder(cfg)
     claim(folder, _made_by(cfg), what="retrieved blocks' files")
     text = stage_text(cfg.corpus, _text_folder(cfg), cfg.docs_per_shard)
-    block = cfg.batch_size or query_block(len(group_shards(text["shards"], cfg.docs_per_shard)))
+    block = recorded_block(
+        folder, cfg.batch_size or query_block(len(group_shards(text["shards"], cfg.docs_per_shard)), cfg.depth)
+    )
     blocks = list(range(-(-len(queries) // block)))
     todo = [b for b in blocks if b not in finished_blocks(folder, PART_FILES)]
     retrieve_s = 0.0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
@@ -15,7 +16,7 @@ from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.config import Renamed, truthy
 from pipeline.core.errors import ConfigError, InputError
-from pipeline.core.parts import claim, finished_blocks, join_parts, part_uri
+from pipeline.core.parts import claim, finished_blocks, join_parts, part_uri, recorded_block
 from pipeline.core.plots import plot_metrics
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS, SAMPLE_DEV_QRELS, SAMPLE_DEV_QUERIES
@@ -23,12 +24,12 @@ from pipeline.data.beir import read_qrels, read_queries
 from pipeline.data.runs import write_trec_lines
 from pipeline.data.shards import held_ids
 from pipeline.retrieval.encode import EncodeConfig, EncoderSettings, run_encoding, store_query_vectors
-from pipeline.retrieval.faiss_index import IndexConfig, load_index_manifest, validate_factory
-from pipeline.retrieval.fanout import query_block, ranked_ids
+from pipeline.retrieval.faiss_index import IndexConfig, validate_factory
+from pipeline.retrieval.fanout import ranked_ids
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
 from pipeline.retrieval.metrics import JOB_MEASURES, StreamedMetrics, metrics_markdown, metrics_table
 from pipeline.retrieval.query_vectors import StoredQueryVectors
-from pipeline.retrieval.search import SearcherConfig, ShardedIndex
+from pipeline.retrieval.search import SearcherConfig, ShardedIndex, query_block_of
 
 
 @dataclass
@@ -182,6 +183,19 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
     queries = read_queries(storage.resolve(cfg.queries).uri)  # duplicate ids fail here, before any work
     qrels_uri = storage.resolve(cfg.qrels).uri
     qrels = read_qrels(qrels_uri, query_ids=queries)  # its format and query ids: before any work
+    # BEIR's queries.jsonl holds every split's queries: only the ones the qrels judge are
+    # evaluated (MS MARCO's would be 509,962 for its 6,980 dev ones), and that is said.
+    judged = queries.judged_only(qrels)
+    if not len(judged):
+        raise InputError(f"{qrels_uri}: judges none of the {len(queries)} queries of {queries.source}")
+    if len(judged) < len(queries):
+        print(
+            f"evaluate: {len(queries) - len(judged)} of the {len(queries)} queries in {queries.source} have no "
+            f"judgment in {qrels_uri}: evaluating the {len(judged)} judged ones",
+            file=sys.stderr,
+            flush=True,
+        )
+    queries = judged
 
     def before_work(dim: int, corpus: str, manifest: dict) -> None:
         """What can fail later, checked once the corpus is prepared, before it is encoded."""
@@ -219,9 +233,8 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
     }
     claim(searched, {"index": indexed["version"], **versions, "k": cfg.k, **encoder})
     scored = StreamedMetrics(qrels, JOB_MEASURES.values())
-    # By the index's shards, not its searchers (which follow the cluster): the stored blocks
-    # of a resumed evaluation keep their layout on another cluster.
-    block = query_block(len(load_index_manifest(indexed["output"])["shards"]))
+    # Recorded with the first block: a resumed evaluation keeps its blocks on another cluster.
+    block = recorded_block(searched, query_block_of(indexed["output"], cfg.searchers, cfg.k))
     blocks = list(range(-(-len(queries) // block)))
     done = finished_blocks(searched, ("run.trec", "sums.json"))
     for b in done:
@@ -246,6 +259,7 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
             storage.write_json(part_uri(searched, start // block, "sums.json"), scored.block_sums(run_block))
         search_s = time.perf_counter() - search_start
         searchers = index.stats()
+        search_mode, fallback = index.search_mode, index.fallback
     join_parts(searched, blocks, "run.trec", run_uri)
     storage.delete_dir(searched)
     values = scored.result()
@@ -267,6 +281,8 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
         "search_blocks_resumed": len(done),
         # Where each index shard was served from, what it reserved and its peak memory.
         "searchers": searchers,
+        "search": search_mode,  # faiss-gpu, torch or faiss-cpu
+        "gpu_fallback": fallback,  # why the search left FAISS's GPU path, when it did
         "seconds": round(time.perf_counter() - started, 2),
     }
     summary["metrics_png"] = plot_metrics(

@@ -180,16 +180,22 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
+def compressed_factory(vectors: int, dim: int) -> str:
+    """A factory that holds ``vectors`` in a fraction of Flat's memory: IVF-SQ8 (a quarter)
+    with about 4 sqrt(n) lists, or IVF-PQ (a 48th at 768-d) for the largest."""
+    nlist = min(65536, max(16, 2 ** round(math.log2(4 * math.sqrt(max(vectors, 1))))))
+    m = next(m for m in (64, 48, 32, 16, 8, 4, 2, 1) if dim % m == 0)
+    return f"IVF{nlist},SQ8 or IVF{nlist},PQ{m}"
+
+
 def check_plan(plan: list[dict], limit_bytes: int) -> None:
     """Refuse, before anything is built, a shard that would not fit in ``limit_bytes``."""
     for row in plan:
         if row["bytes"] > limit_bytes:
-            nlist = min(65536, max(16, 2 ** round(math.log2(4 * math.sqrt(max(row["vectors"], 1))))))
-            m = next(m for m in (64, 48, 32, 16, 8, 4, 2, 1) if row["dim"] % m == 0)
             raise ConfigError(
                 f"index shard {row['shard']} needs {_gib(row['bytes'])}, more than the "
                 f"{_gib(limit_bytes)} limit: use more shards or a compressed factory "
-                f"such as IVF{nlist},PQ{m}"
+                f"such as {compressed_factory(row['vectors'], row['dim'])}"
             )
 
 
@@ -230,30 +236,28 @@ def to_gpu(index):
 SEARCH_TEMP_BYTES = 256 * 2**20  # FAISS's GPU scratch per searcher (its default is 1.5 GiB)
 
 
-def searcher_to_gpu(index, resources=None):
+def searcher_to_gpu(index, resources=None, fp16: bool = False):
     """(index, gpu resources) with the index on this process's first visible GPU, for
     searching: Flat, IVF-Flat, IVF-SQ and IVF-PQ all move (PQ lookup tables in fp16, which
-    lets codes of up to 96 bytes fit in shared memory). ``resources``: the ones a searcher's
-    other shards already use (one scratch space per process). (index, None) when FAISS has
-    no GPU build and no CUDA device is visible (Ray's GPU resources declared on a CPU
-    machine); an error when a CUDA device is there but FAISS cannot use it."""
-    if hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0:
-        if resources is None:
-            resources = faiss.StandardGpuResources()
-            resources.setTempMemory(SEARCH_TEMP_BYTES)
-        options = faiss.GpuClonerOptions()
-        options.useFloat16LookupTables = True
-        try:
-            return faiss.index_cpu_to_gpu(resources, 0, index, options), resources
-        except RuntimeError as exc:
-            raise ValueError(f"FAISS cannot move {type(index).__name__} to the GPU: {_reason(exc)}") from exc
-    import torch  # only to tell a CPU-only machine from a GPU node without faiss-gpu
-
-    if torch.cuda.is_available():
+    lets codes of up to 96 bytes fit in shared memory; with ``fp16``, flat vectors too, at
+    half the memory). ``resources``: the ones a searcher's other shards already use (one
+    scratch space per process). A clear error when FAISS has no GPU build or sees no
+    CUDA device: a searcher that reserved a GPU never searches on the CPU unsaid."""
+    if not (hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0):
         raise ConfigError(
-            "this searcher reserved a GPU but FAISS has no GPU support: install the gpu extra (faiss-gpu) on the GPU nodes"
+            "this searcher reserved a GPU but FAISS sees none (faiss-cpu is installed, or no CUDA device is "
+            "visible): install the gpu extra (faiss-gpu) on the GPU nodes, or set --searchers.gpu_fallback"
         )
-    return index, None
+    if resources is None:
+        resources = faiss.StandardGpuResources()
+        resources.setTempMemory(SEARCH_TEMP_BYTES)
+    options = faiss.GpuClonerOptions()
+    options.useFloat16LookupTables = True
+    options.useFloat16 = fp16
+    try:
+        return faiss.index_cpu_to_gpu(resources, 0, index, options), resources
+    except RuntimeError as exc:
+        raise ValueError(f"FAISS cannot move {type(index).__name__} to the GPU: {_reason(exc)}") from exc
 
 
 def _on_gpu(index) -> bool:

@@ -12,21 +12,21 @@ is exact. This module needs neither FAISS nor torch.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable, Container, Iterator, Sequence
 
 import numpy as np
 import ray
 
 from pipeline.core.draining import DrainingNodes
-from pipeline.core.errors import ConfigError
+from pipeline.core.errors import ConfigError, ServerError
 from pipeline.core.progress import progress
 from pipeline.data.beir import Judgments, read_qrels
 
 log = logging.getLogger(__name__)
-
-QUERY_HITS = 4096  # queries x shards whose top-k the driver merges at once (see search_blocks)
 
 
 def check_metric(metric: str) -> None:
@@ -107,20 +107,106 @@ def ranked_ids(ids: np.ndarray) -> list[str]:
 # memory, loaded from storage by its constructor. When its process or node dies, Ray runs the
 # constructor again, on another node if its own is gone, and re-sends the calls that were in
 # flight: a query block asked of a dead server is answered once, by its successor. Only
-# system failures are retried: an exception raised by the server's own code fails the call.
-SERVER_RESTARTS = {"max_restarts": -1, "max_task_retries": -1}
+# system failures are retried, and only ``ServerLimits.restarts`` times a stage: a server
+# whose constructor or search crashes its process (a FAISS/CUDA abort, the OOM killer) would
+# otherwise be restarted for ever while the stage waits. An exception raised by the server's
+# own code fails the call.
 BLOCKS_IN_FLIGHT = 3  # query blocks asked of the searchers ahead of the one being merged
 
+# A query block is the unit searched, written, resumed and redone after a lost node. Its
+# answers (every server's top-k of it) and its vectors are held at once by the task that
+# merges it: sized so that they take about BLOCK_BYTES, the fewer objects the better.
+BLOCK_BYTES = 256 * 2**20
+HIT_BYTES = 4 + 8 + 32  # a hit in a server's answer: score, corpus row, doc id (up to 32 bytes)
+MIN_BLOCK, MAX_BLOCK = 64, 16384
 
-def query_block(shards: int) -> int:
-    """Queries per block when ``shards`` shards answer each: the driver then holds about
-    ``QUERY_HITS`` shard answers at once, whatever the corpus's size."""
-    return max(64, QUERY_HITS // shards)
+
+def query_block(servers: int, k: int, dim: int = 0) -> int:
+    """Queries per block when ``servers`` servers each answer a block with their top ``k``
+    (and a query vector is ``dim`` floats): as many as fit ``BLOCK_BYTES`` in the task that
+    merges the block, within [MIN_BLOCK, MAX_BLOCK]. 16,384 queries a block at MS MARCO's
+    depth 200 on one searcher (31 blocks for 502k queries), 3,600 on eight."""
+    per_query = max(1, servers) * max(1, k) * HIT_BYTES + 4 * dim
+    return int(min(MAX_BLOCK, max(MIN_BLOCK, BLOCK_BYTES // per_query)))
+
+
+@dataclass
+class ServerLimits:
+    """How long a stage waits on its server actors (searchers, BM25 shards, passage
+    servers) before it fails, naming the server, its node and the cause."""
+
+    restarts: int = field(
+        default=3,
+        metadata={
+            "help": "times Ray restarts a server whose process or node died, per server and stage; past it the stage fails"
+        },
+    )
+    ready_timeout_s: float = field(
+        default=900.0,
+        metadata={
+            "help": "seconds the servers (and a GPU canary) may take to come up, an autoscaler's new nodes included"
+        },
+    )
+    stall_timeout_s: float = field(
+        default=1800.0, metadata={"help": "seconds a query block may go unanswered before the stage fails"}
+    )
+
+    def __post_init__(self):
+        if self.restarts < 0 or self.ready_timeout_s <= 0 or self.stall_timeout_s <= 0:
+            raise ValueError(
+                f"restarts must be >= 0 and the timeouts > 0, got {self.restarts}, "
+                f"{self.ready_timeout_s}, {self.stall_timeout_s}"
+            )
+
+    def actor_options(self) -> dict:
+        """Ray's options for a server: restarted ``restarts`` times, its calls re-sent to the
+        restarted server meanwhile (and failed once it is dead for good)."""
+        return {"max_restarts": self.restarts, "max_task_retries": -1}
+
+
+def death_cause(exc: BaseException) -> str:
+    """Ray's reason for an actor's death, in one line (its message runs to a paragraph of
+    troubleshooting advice)."""
+    text = str(getattr(exc, "error_msg", "") or exc)
+    because = re.search(r"The actor is dead because (.*)", text, re.S)
+    reason = because.group(1) if because else text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    reason = reason.split(" Some common causes", 1)[0]
+    return " ".join(reason.split()).rstrip(".")
+
+
+def actor_node(actor) -> str:
+    """Where ``actor`` ran last: its node id (short) and address, as the GCS records it."""
+    try:
+        from ray._private import state  # the GCS's actor table, no dashboard needed
+
+        address = state.actors(actor._actor_id.hex()).get("Address") or {}
+    except Exception:  # the table is Ray's internals: a missing field leaves the node unnamed
+        return "an unknown node"
+    node = address.get("NodeID") or ""
+    return f"node {node[:12]} ({address.get('IPAddress', '?')})" if node else "an unknown node"
+
+
+def failed_server(refs: Sequence) -> tuple[int, BaseException] | None:
+    """(index, error) of the first of ``refs`` (a call to each server) that is back with
+    its server dead; None when none is."""
+    for i, ref in enumerate(refs):
+        if ray.wait([ref], timeout=0)[0]:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                return i, exc
+    return None
 
 
 class ShardActors:
     """Actors that each serve one shard of the corpus, started by :meth:`_serve` and killed
     on :meth:`close` (or ``with``).
+
+    A stage never waits on them for ever: :meth:`_serve` returns once every server is up,
+    or fails when one dies past its restarts or is not up within ``limits.ready_timeout_s``
+    (:class:`ServerLimits`); a block whose servers answer neither fails the stage after
+    ``limits.stall_timeout_s``. Each failure is a :class:`ServerError` naming the server,
+    its node and Ray's cause.
 
     A server whose node is being drained (a spot node's preemption notice, a scale-down) is
     copied before the node goes: whenever its servers are about to be asked (a query block
@@ -132,9 +218,11 @@ class ShardActors:
 
     actors: list
     label: str = "search"  # the progress line's name, and the log's
+    limits: ServerLimits = ServerLimits()
 
     def _serve(self, starts: Sequence[Callable[[], object]]) -> None:
-        """Start one server per shard, ``starts[i]()`` starting shard i's (again, for a copy)."""
+        """Start one server per shard, ``starts[i]()`` starting shard i's (again, for a copy),
+        each given ``self.limits.actor_options()``; return once all are up."""
         self._starts = list(starts)
         self.actors = [start() for start in self._starts]
         self._draining = DrainingNodes()
@@ -143,6 +231,48 @@ class ShardActors:
         self._copies: dict[int, tuple] = {}  # shard -> (its copy, the copy's ready ref, when started)
         self._leaving: list[tuple] = []  # (a replaced server, the calls it still owes)
         self.moves: list[dict] = []  # one per server moved off a draining node
+        try:
+            self._await_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def server_name(self, shard: int) -> str:
+        """How errors name server ``shard``."""
+        return f"server {shard} of {len(self.actors)}"
+
+    def _await_ready(self) -> None:
+        """Wait until every server's constructor has returned: a server that died past its
+        restarts, or is not up in time (no node can hold it, an autoscaler that never
+        brings one), fails the stage here, before any block is asked."""
+        pending = {server.__ray_ready__.remote(): shard for shard, server in enumerate(self.actors)}
+        deadline = time.monotonic() + self.limits.ready_timeout_s
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                waiting = sorted(pending.values())
+                raise ServerError(
+                    f"{self.label}: {self.server_name(waiting[0])}"
+                    f"{f' and {len(waiting) - 1} more' if len(waiting) > 1 else ''} not up after "
+                    f"{self.limits.ready_timeout_s:g} s (no node could hold it, or it is still loading): "
+                    "see `ray status`; --searchers.ready_timeout_s waits longer"
+                )
+            shard = pending.pop(done[0])
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayActorError as exc:
+                raise self._died(shard, exc) from None
+
+    def _died(self, shard: int, exc: BaseException, server=None) -> BaseException:
+        """The error to end the stage with, for server ``shard`` dead past its restarts:
+        the server's own error when its code raised one (a bad index, say), else a
+        :class:`ServerError` naming the server, its node and Ray's cause."""
+        if isinstance(getattr(exc, "cause", None), BaseException):
+            return exc  # an exception the constructor raised: the job reports it as it is
+        return ServerError(
+            f"{self.label}: {self.server_name(shard)} died past its {self.limits.restarts} restarts, last on "
+            f"{actor_node(server or self.actors[shard])}: {death_cause(exc)}"
+        )
 
     def _move_off_draining(self, in_flight: Sequence[tuple[list, list]]) -> None:
         """Copy the servers on draining nodes, and put each copy that has loaded in its
@@ -183,8 +313,8 @@ class ShardActors:
         self.close()
 
     def close(self) -> None:
-        copies = [copy for copy, _, _ in self._copies.values()]
-        for actor in self.actors + copies + [server for server, _ in self._leaving]:
+        copies = [copy for copy, _, _ in getattr(self, "_copies", {}).values()]
+        for actor in self.actors + copies + [server for server, _ in getattr(self, "_leaving", [])]:
             ray.kill(actor)
 
 
@@ -193,6 +323,7 @@ class ShardFanout(ShardActors):
 
     metric: str = "ip"
     total: int  # documents over all shards
+    dim: int = 0  # a query's floats, when queries are vectors (sizes the default block)
     in_flight: int = BLOCKS_IN_FLIGHT
     # Of the last search (search_blocks or map_blocks): its wall time, and the part the driver spent waiting for the
     # actors' answers; the rest is the driver's own (merging, and the caller's writing).
@@ -212,9 +343,8 @@ class ShardFanout(ShardActors):
         (fewer than k hits) is row -1 and id b"". ``only``: the block numbers to search (a
         resumed stage's missing ones); ``options`` go to every actor's ``search``.
 
-        The driver holds every shard's top-k of a block at once, so by default a block is
-        ``QUERY_HITS // shards`` queries: the same memory whatever the number of shards
-        (which grows with the corpus)."""
+        By default a block is :func:`query_block` queries: every server's answers to it take
+        about ``BLOCK_BYTES``, whatever the number of servers."""
 
         for start, answers in self._asked_blocks(queries, k, block, only, lambda start, size, refs: refs, options):
             yield start, *merge_topk(answers, k, self.metric, self.total)
@@ -244,34 +374,73 @@ class ShardFanout(ShardActors):
 
         yield from self._asked_blocks(queries, k, block, only, route, options)
 
+    def _recover(self, failure: BaseException) -> bool:
+        """Whether the servers were replaced after ``failure`` (a server dead past its
+        restarts), so that the blocks in flight can be asked again: never, here; a fan-out
+        with a fallback (GPU searchers) says yes once it has one up."""
+        return False
+
     def _asked_blocks(self, queries: Sequence, k: int, block: int | None, only, route: Callable, options: dict):
         """The loop both searches share: each block put once and asked of every actor,
         ``route(start, size, answer refs)`` giving what to wait for (the refs themselves, or
         a task's), ``in_flight`` blocks ahead so the actors search the next ones while this
         one is used; yields (first query, what was waited for) in block order, counted once
-        the caller is done with it. Times the wait (see :meth:`driver_share`)."""
-        block = block or query_block(len(self.actors))
+        the caller is done with it. Times the wait (see :meth:`driver_share`).
+
+        A block unanswered for ``limits.stall_timeout_s`` ends the search; so does a server
+        dead past its restarts, unless :meth:`_recover` replaces the servers, when every
+        block in flight is asked again of the new ones."""
+        block = block or query_block(len(self.actors), k, self.dim)
         check_k(k, self.total)
         starts = range(0, len(queries), block) if only is None else [b * block for b in only]
-        asked: deque = deque()
+        asked: deque = deque()  # [start, size, block ref, what to wait for, servers, their refs]
         began, self.waited_s = time.perf_counter(), 0.0
+
+        def ask(entry: list) -> None:
+            entry[4] = list(self.actors)
+            entry[5] = [a.search.remote(entry[2], k, **options) for a in entry[4]]
+            entry[3] = route(entry[0], entry[1], entry[5])
+
         with progress(sum(min(block, len(queries) - s) for s in starts), self.label, "queries") as bar:
 
             def answered():
-                start, size, pending, _, _ = asked.popleft()
-                waiting = time.perf_counter()
-                result = ray.get(pending)
-                self.waited_s += time.perf_counter() - waiting
+                while True:
+                    start, size, _, pending, servers, refs = asked[0]
+                    waiting = time.perf_counter()
+                    try:
+                        result = ray.get(pending, timeout=self.limits.stall_timeout_s)
+                        break
+                    except ray.exceptions.GetTimeoutError:
+                        silent = [i for i, r in enumerate(refs) if not ray.wait([r], timeout=0)[0]]
+                        raise ServerError(
+                            f"{self.label}: queries {start}-{start + size - 1} (block {start // block}) unanswered "
+                            f"after {self.limits.stall_timeout_s:g} s by "
+                            + (
+                                ", ".join(f"{self.server_name(i)} on {actor_node(servers[i])}" for i in silent)
+                                or "its merge task"
+                            )
+                        ) from None
+                    except ray.exceptions.RayError:
+                        dead = failed_server(refs)
+                        if dead is None:
+                            raise  # the merge task's own failure
+                        failure = self._died(dead[0], dead[1], servers[dead[0]])
+                        if not self._recover(failure):
+                            raise failure from None
+                        for entry in asked:
+                            ask(entry)
+                    finally:
+                        self.waited_s += time.perf_counter() - waiting
+                asked.popleft()
                 yield start, result
                 bar.update(size)
 
             for start in starts:
-                self._move_off_draining([(servers, refs) for _, _, _, servers, refs in asked])
+                self._move_off_draining([(entry[4], entry[5]) for entry in asked])
                 part = queries[start : start + block]
-                part_ref = ray.put(part)  # once, shared by every actor
-                servers = list(self.actors)
-                refs = [a.search.remote(part_ref, k, **options) for a in servers]
-                asked.append((start, len(part), route(start, len(part), refs), servers, refs))
+                entry = [start, len(part), ray.put(part), None, None, None]  # the block put once, shared by every actor
+                ask(entry)
+                asked.append(entry)
                 if len(asked) >= self.in_flight:
                     yield from answered()
             while asked:

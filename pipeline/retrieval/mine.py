@@ -37,7 +37,7 @@ import ray
 from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.errors import ConfigError, InputError
-from pipeline.core.parts import claim, finished_blocks, join_parts, remove_parts, summed
+from pipeline.core.parts import claim, finished_blocks, join_parts, recorded_block, remove_parts, summed
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
 from pipeline.data.beir import positives, read_queries
@@ -47,10 +47,10 @@ from pipeline.data.records import json_lines
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval import faiss_index, mined_block
 from pipeline.retrieval.encode import EncoderSettings, store_query_vectors
-from pipeline.retrieval.fanout import query_block, ranked_ids, read_qrels_of_corpus
+from pipeline.retrieval.fanout import ranked_ids, read_qrels_of_corpus
 from pipeline.retrieval.mined_block import COUNTS, PART_FILES, Sampling
 from pipeline.retrieval.query_vectors import StoredQueryVectors, read_blocks
-from pipeline.retrieval.search import SearcherConfig, ShardedIndex
+from pipeline.retrieval.search import SearcherConfig, ShardedIndex, query_block_of
 
 POSITIVE_ROWS = 65536  # queries' vectors an object of margin scoring: BERT-base's, 200 MB
 
@@ -106,7 +106,7 @@ class MineConfig:
     query_block: int = field(
         default=0,
         metadata={
-            "help": "queries per search block: the unit written, resumed and redone after a lost node; 0 = as many as keep the driver's merge near a fixed size"
+            "help": "queries per search block: the unit written, resumed and redone after a lost node; 0 = as many as keep a block's answers near 256 MiB (thousands), recorded for a resumed run"
         },
     )
     nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
@@ -219,9 +219,7 @@ def run_mining(cfg: MineConfig) -> dict:
     output = storage.resolve(cfg.output).uri
     queries = read_queries(cfg.queries)
     claim(output, _made_by(cfg), what="mined blocks' files")
-    block = cfg.query_block or query_block(
-        len(faiss_index.load_index_manifest(storage.resolve(cfg.index).uri)["shards"])
-    )
+    block = recorded_block(output, cfg.query_block or query_block_of(cfg.index, cfg.searchers, cfg.depth))
     blocks = list(range(-(-len(queries) // block)))
     done = finished_blocks(output, PART_FILES)
     sampling = Sampling.of(cfg)
@@ -300,6 +298,7 @@ def run_mining(cfg: MineConfig) -> dict:
                     ceilings[start : start + len(scores)].tolist(),
                 )
         driver_share = index.driver_share()
+        search_mode, fallback = index.search_mode, index.fallback
     search_s = time.perf_counter() - search_start
     counts = summed(output, blocks, "counts.json", COUNTS)
     for name in PART_FILES[:3]:
@@ -323,5 +322,7 @@ def run_mining(cfg: MineConfig) -> dict:
         "depth": cfg.depth,
         "search_seconds": round(search_s, 2),  # search, selection and writing, streamed together
         "search_driver_share": driver_share,  # of the search's wall time, the driver's merging and writing
+        "search": search_mode,  # faiss-gpu, torch or faiss-cpu
+        "gpu_fallback": fallback,  # why the search left FAISS's GPU path, when it did
         "seconds": round(time.perf_counter() - started, 2),
     }

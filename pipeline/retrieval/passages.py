@@ -21,7 +21,7 @@ import ray
 from pipeline.core import storage
 from pipeline.data.corpus_ids import CorpusIds, id_keys
 from pipeline.data.text_shards import group_shards, read_text_load
-from pipeline.retrieval.fanout import SERVER_RESTARTS, ShardActors
+from pipeline.retrieval.fanout import ShardActors
 
 SERVER_CPUS = 0.01  # a token share, as searchers take (see pipeline.retrieval.search.plan_searchers)
 PROCESS_BYTES = 512 * 2**20
@@ -82,7 +82,7 @@ class PassageStore(ShardActors):
                     server.options(
                         num_cpus=SERVER_CPUS,
                         memory=PROCESS_BYTES + TEXT_OVERHEAD * sum(i["text_bytes"] for i in load),
-                        **SERVER_RESTARTS,
+                        **self.limits.actor_options(),
                     ).remote,
                     load,
                 )
