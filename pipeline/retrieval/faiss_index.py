@@ -176,7 +176,7 @@ def memory_limit_bytes(limit_gb: float = 0) -> int:
     return int(psutil.virtual_memory().available)
 
 
-def _gib(n: float) -> str:
+def gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
@@ -193,8 +193,8 @@ def check_plan(plan: list[dict], limit_bytes: int) -> None:
     for row in plan:
         if row["bytes"] > limit_bytes:
             raise ConfigError(
-                f"index shard {row['shard']} needs {_gib(row['bytes'])}, more than the "
-                f"{_gib(limit_bytes)} limit: use more shards or a compressed factory "
+                f"index shard {row['shard']} needs {gib(row['bytes'])}, more than the "
+                f"{gib(limit_bytes)} limit: use more shards or a compressed factory "
                 f"such as {compressed_factory(row['vectors'], row['dim'])}"
             )
 

@@ -168,10 +168,6 @@ def _largest_node_memory() -> float:
     return max((n["Resources"].get("memory", 0) for n in ray.nodes() if n["Alive"]), default=0)
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
-
-
 def plan_searchers(
     manifest: dict, cfg: SearcherConfig, cluster: dict | None = None, mode: str | None = None
 ) -> list[tuple[list[dict], dict]]:
@@ -203,8 +199,8 @@ def plan_searchers(
         shard = int(np.argmax(held.per_shard))
         if held.of([shard]) > budget:
             raise ConfigError(
-                f"index shard {shard} needs {_gib(held.of([shard]))} on a GPU ({held.factory}), more than the "
-                f"{_gib(budget)} a searcher has of a {_gib(card)} GPU: build smaller index shards "
+                f"index shard {shard} needs {faiss_index.gib(held.of([shard]))} on a GPU ({held.factory}), more than the "
+                f"{faiss_index.gib(budget)} a searcher has of a {faiss_index.gib(card)} GPU: build smaller index shards "
                 "(--embedding_shards_per_index), or a compressed factory such as "
                 f"{faiss_index.compressed_factory(shards[shard]['vectors'], manifest['dim'])}"
             )
@@ -217,7 +213,7 @@ def plan_searchers(
     runs = np.array_split(np.arange(len(shards)), max(1, min(count, len(shards))))
     if on_gpu and max(map(held.of, runs)) > budget:
         raise ConfigError(
-            f"{len(runs)} searchers hold {_gib(max(map(held.of, runs)))} each on a GPU, more than the {_gib(budget)} "
+            f"{len(runs)} searchers hold {faiss_index.gib(max(map(held.of, runs)))} each on a GPU, more than the {faiss_index.gib(budget)} "
             "a searcher has: ask for more (--searchers.searchers) or leave it 0 to size them by memory"
         )
     options = {"num_cpus": SEARCHER_CPUS, "num_gpus": 1.0 if on_gpu else 0.0}
