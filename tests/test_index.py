@@ -204,3 +204,31 @@ def test_gpu_settings_on_a_cpu_build():
         ix.resolve_gpu("always")
     with pytest.raises(ValueError, match="use_gpu='sometimes'"):
         ix.resolve_gpu("sometimes")
+
+
+def test_the_quantisers_sample_is_sized_by_its_factory_and_read_from_a_spread_of_shards(tmp_path, monkeypatch):
+    """40 embedding shards of 50 vectors: a sample of 100 reads the 8 shards that hold 4x it
+    (not all 40, as reading the whole corpus would), drawn in proportion from each, seeded;
+    an IVF of 64 lists asks 64 vectors a list. Mutation: every shard read (the former
+    loop) fails the count of shards read."""
+    from pipeline.retrieval import embeddings as emb
+    from pipeline.retrieval import index_build
+
+    rows = np.arange(40 * 50)
+    vectors = np.random.default_rng(0).standard_normal((len(rows), 8)).astype(np.float32)
+    entries = [
+        emb.write_shard(str(tmp_path), i, rows[s], [f"d{r}" for r in rows[s]], vectors[s])
+        for i, s in enumerate(np.split(rows, 40))
+    ]
+    emb.write_manifest(str(tmp_path), 8, entries, normalized=False, similarity="dot", model="m")
+    manifest = emb.load_manifest(str(tmp_path))
+    read, reader = [], emb.read_shard
+    monkeypatch.setattr(emb, "read_shard", lambda folder, entry: read.append(entry["index"]) or reader(folder, entry))
+    sample = index_build._train_sample(str(tmp_path), manifest, 100, seed=0)
+    assert len(read) == 8 and len(set(read)) == 8 and sample.shape == (104, 8)  # 13 from each of 8
+    assert {tuple(v) for v in sample} <= {tuple(v) for v in vectors[np.isin(rows // 50, read)]}
+    again = index_build._train_sample(str(tmp_path), manifest, 100, seed=0)
+    assert np.array_equal(sample, again)
+    assert index_build.training_size("IVF64,Flat", 100) == 4096
+    assert index_build.training_size("OPQ16,IVF65536,PQ16", 100_000) == 64 * 65536
+    assert index_build.training_size("Flat", 100_000) == 100_000

@@ -39,7 +39,10 @@ class IndexConfig:
     )
     metric: Literal["ip", "l2"] = field(default="ip", metadata={"help": "ip (inner product) or l2"})
     train_sample: int = field(
-        default=100_000, metadata={"help": "vectors sampled (seeded) to train indexes that need training"}
+        default=100_000,
+        metadata={
+            "help": "vectors sampled (seeded, from a spread of the shards) to train indexes that need training; at least 64 per IVF list"
+        },
     )
     nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
     memory_limit_gb: float = field(
@@ -75,6 +78,12 @@ def _new_index(factory: str, dim: int, metric: str):
     if faiss.try_extract_index_ivf(index) is None and not isinstance(index, (faiss.IndexIDMap, faiss.IndexIDMap2)):
         index = faiss.IndexIDMap(index)
     return index
+
+
+def ivf_lists(factory: str) -> int:
+    """The coarse quantiser's lists of an IVF factory (0 for others)."""
+    m = re.search(r"(?:^|,)IVF(\d+)", factory.strip())
+    return int(m.group(1)) if m else 0
 
 
 def needs_training(factory: str, dim: int, metric: str = "ip") -> bool:

@@ -2,8 +2,8 @@
 
 Embedding shards are grouped into index shards (``embedding_shards_per_index`` at a time);
 a memory plan is printed and checked before anything is built; each index shard is built
-by its own Ray task from one quantiser, trained once (in a task) on a seeded sample of the
-whole corpus, and persisted with a manifest. A task reserves the GPU it builds on, or sees
+by its own Ray task from one quantiser, trained once (in a task) on a seeded sample drawn
+across a spread of the shards (sized by the factory), and persisted with a manifest. A task reserves the GPU it builds on, or sees
 none.
 """
 
@@ -42,12 +42,30 @@ def _groups(n_shards: int, per_index: int) -> list[list[int]]:
     return [list(range(i, min(n_shards, i + per_index))) for i in range(0, n_shards, max(1, per_index))]
 
 
+SAMPLED_SHARDS_MIN = 8  # shards a training sample is drawn from, at the least (all, when fewer)
+SAMPLE_SPREAD = 4  # the shards read hold this many times the sample
+
+
+def training_size(factory: str, train_sample: int) -> int:
+    """Vectors to train ``factory`` on: ``train_sample``, or 64 a centroid of an IVF's
+    coarse quantiser when that is more (FAISS warns below 39; IVF65536 takes 4.2M)."""
+    nlist = faiss_index.ivf_lists(factory)
+    return max(train_sample, 64 * nlist)
+
+
 def _train_sample(folder: str, manifest: dict, n: int, seed: int) -> np.ndarray:
-    """A seeded sample of ~n vectors drawn across all shards (each shard in proportion)."""
-    total = manifest["count"]
+    """A seeded sample of ~n vectors drawn across a seeded spread of the shards: as few as
+    hold ``SAMPLE_SPREAD`` x n vectors, at least ``SAMPLED_SHARDS_MIN``, each in proportion
+    to its rows. Reading every shard would be the whole corpus (154 GB at 50M x 768)."""
     rng = np.random.default_rng(seed)
+    shards = manifest["shards"]
+    mean_rows = max(1, manifest["count"] // max(len(shards), 1))
+    wanted = max(SAMPLED_SHARDS_MIN, -(-SAMPLE_SPREAD * n // mean_rows))
+    chosen = sorted(rng.permutation(len(shards))[:wanted]) if wanted < len(shards) else range(len(shards))
+    total = sum(shards[i]["rows"] for i in chosen)
     parts = []
-    for entry in manifest["shards"]:
+    for i in chosen:
+        entry = shards[i]
         take = min(entry["rows"], int(np.ceil(n * entry["rows"] / max(total, 1))))
         if take:
             _, _, vectors = emb.read_shard(folder, entry)
@@ -63,7 +81,7 @@ NO_GPU = {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}
 def _train_quantizer(folder: str, manifest: dict, cfg: IndexConfig) -> np.ndarray:
     """The empty index trained once, in a task, on a seeded sample of the whole corpus, as
     FAISS serializes it: every shard's build starts from it (one quantiser for all)."""
-    sample = _train_sample(folder, manifest, cfg.train_sample, cfg.seed)
+    sample = _train_sample(folder, manifest, training_size(cfg.factory, cfg.train_sample), cfg.seed)
     trained = faiss_index.trained_index(cfg.factory, manifest["dim"], cfg.metric, sample, cfg.use_gpu)
     return faiss.serialize_index(trained)
 
