@@ -7,9 +7,10 @@ new, side by side (no Ray, no data: the planners alone, in seconds).
                that fits the card (0.9 of it less 1.25 GiB).
   blocks       old: max(64, 4096 // index shards) queries; new: ``query_block`` (a block's
                answers near 256 MiB). Printed for 502k training queries at depth 200,
-               with the objects a mining stage writes (5 a block: vectors, negatives,
-               training file, run, counts) and reads back on the driver to join them (3 a
-               block).
+               with the objects a mining stage writes (old: 5 a block, vectors, negatives,
+               training file, run and counts; new: 2, vectors and one results object) and
+               the driver's reads to join them (old: 3 a block, one after another; new:
+               none, three Ray tasks read their own section of each block).
 
 These are plans, not measurements: what a run on such a cluster would start and write.
 
@@ -36,7 +37,7 @@ from pipeline.retrieval.search import SearcherConfig, plan_searchers  # noqa: E4
 GIB = 2**30
 CORPORA = {"msmarco_8.8m": 8_800_000, "corpus_50m": 50_000_000}
 SHARD_VECTORS, DIM, QUERIES, DEPTH = 100_000, 768, 502_000, 200
-MINING_OBJECTS_WRITTEN, MINING_OBJECTS_JOINED = 5, 3
+OLD_OBJECTS_WRITTEN, NEW_OBJECTS_WRITTEN, OLD_DRIVER_JOIN_GETS = 5, 2, 3
 
 
 def old_plan(shards: int, gpus_up: int) -> tuple[int, float]:
@@ -79,10 +80,10 @@ def main() -> None:
                     "new_block": new_block,
                     "old_blocks": old_blocks,
                     "new_blocks": new_blocks,
-                    "old_objects_written": old_blocks * MINING_OBJECTS_WRITTEN,
-                    "new_objects_written": new_blocks * MINING_OBJECTS_WRITTEN,
-                    "old_driver_join_gets": old_blocks * MINING_OBJECTS_JOINED,
-                    "new_driver_join_gets": new_blocks * MINING_OBJECTS_JOINED,
+                    "old_objects_written": old_blocks * OLD_OBJECTS_WRITTEN,
+                    "new_objects_written": new_blocks * NEW_OBJECTS_WRITTEN,
+                    "old_driver_join_gets": old_blocks * OLD_DRIVER_JOIN_GETS,
+                    "new_driver_join_gets": 0,
                 }
                 rows.append(row)
     header = f"{'corpus':<13}{'GPU':>5}{'up':>5} | {'old srch':>8}{'GiB':>7}{'fits':>6} | {'new srch':>8}{'GiB':>7}{'fits':>6} | {'blocks old/new':>15} | {'objects old/new':>16}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -613,6 +614,11 @@ def test_mining_killed_mid_way_resumes_from_its_finished_blocks(encoded, collect
     with pytest.raises(KeyboardInterrupt):
         mining.run_mining(stopped)
     monkeypatch.setattr(mined_block, "write", write_block)
+    # At most two objects a block: its results (negatives, training file, run and counts in
+    # one) and its query vectors. (Five before: one per file.)
+    names = os.listdir(tmp_path / "stopped" / "parts")
+    per_block = collections.Counter(name.split(".")[0] for name in names if name[0].isdigit())
+    assert per_block == {"000000": 2, "000001": 2, "000002": 1, "000003": 1}, sorted(names)
     asked, encoded = [], []
     store = mining.store_query_vectors
 

@@ -2,12 +2,16 @@
 
 A stage that streams blocks of work (query blocks searched, corpus shards encoded) writes
 each block's results as part files under ``<folder>/parts/``, each appearing under its final
-name only once complete (:func:`pipeline.core.storage.open_output`). Before the first
+name only once complete (:func:`pipeline.core.storage.open_output`). A query block's results
+are one object (:class:`BlockFiles`): a JSON header line (what the block counted, and the
+length of each of its files) followed by the files' bytes, so a block is one PUT whatever
+the number of outputs it feeds. Before the first
 block, :func:`claim` compares ``made_by.json`` (everything the results depend on: the
 settings, the model and the inputs' stored versions) with what the stage would make now:
 the parts are kept when it matches and deleted when it does not, so a rerun resumes its own
-work and never mixes in another's. Once every block is done, the parts are joined into the
-stage's output files in block order (:func:`join_parts`) and removed.
+work and never mixes in another's. Once every block is done, its files are joined into the
+stage's output files in block order, one Ray task per output file reading only its own
+section of each block (:func:`join_blocks`), never a loop on the driver, and removed.
 """
 
 from __future__ import annotations
@@ -15,9 +19,13 @@ from __future__ import annotations
 import json
 import posixpath
 import re
+import shutil
 import sys
+import tempfile
+from typing import BinaryIO
 
 import pyarrow.fs as pafs
+import ray
 
 from pipeline.core import storage
 
@@ -67,7 +75,32 @@ def recorded_block(folder: str, proposed: int) -> int:
     return int(proposed)
 
 
-def finished_blocks(folder: str, names: tuple[str, ...]) -> set[int]:
+BLOCK = "block"  # a query block's one results object (BlockFiles)
+JOIN_CHUNK = 16 * 2**20  # bytes a join reads at once (one ranged GET on S3)
+
+
+class BlockFiles:
+    """One query block's files (``names``), written as they are made into spooled temporary
+    files (memory up to 64 MiB each, then disk), and :meth:`commit`-ted as one object with
+    what the block counted (``meta``): a header line, then the files in ``names`` order."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.files = {name: tempfile.SpooledTemporaryFile(max_size=64 * 2**20) for name in names}
+
+    def __getitem__(self, name: str) -> BinaryIO:
+        return self.files[name]
+
+    def commit(self, folder: str, block: int, meta: dict) -> None:
+        lengths = {name: f.tell() for name, f in self.files.items()}
+        with storage.open_output(part_uri(folder, block, BLOCK)) as out:
+            out.write(json.dumps({"meta": meta, "files": lengths}).encode() + b"\n")
+            for f in self.files.values():
+                f.seek(0)
+                shutil.copyfileobj(f, out, JOIN_CHUNK)
+                f.close()
+
+
+def finished_blocks(folder: str, names: tuple[str, ...] = (BLOCK,)) -> set[int]:
     """The blocks whose every file in ``names`` is written (each appears only complete)."""
     found: dict[int, set[str]] = {}
     for uri in storage.list_files(storage.join(folder, PARTS)):
@@ -77,24 +110,67 @@ def finished_blocks(folder: str, names: tuple[str, ...]) -> set[int]:
     return {block for block, have in found.items() if set(names) <= have}
 
 
-def summed(folder: str, blocks: list[int], name: str, keys: tuple[str, ...] = ()) -> dict[str, float]:
-    """The blocks' JSON files ``name`` (counts of what each block did), added key by key;
-    ``keys`` start at 0 (so none is missing when there are no blocks)."""
-    total: dict[str, float] = dict.fromkeys(keys, 0)
+def _header(f) -> tuple[dict, int]:
+    """(header, its length with the newline) of an open block object."""
+    head = b""
+    while b"\n" not in head:
+        more = f.read_at(65536, len(head))
+        if not more:
+            raise ValueError("a block object without its header line")
+        head += more
+    line = head[: head.index(b"\n") + 1]
+    return json.loads(line), len(line)
+
+
+def _block_metas(folder: str, blocks: list[int]) -> list[dict]:
+    metas = []
     for block in blocks:
-        for key, value in storage.read_json(part_uri(folder, block, name)).items():
-            total[key] = total.get(key, 0) + value
-    return total
+        with storage.open_input(part_uri(folder, block, BLOCK), random_access=True) as f:
+            metas.append(_header(f)[0]["meta"])
+    return metas
 
 
-def join_parts(folder: str, blocks: list[int], name: str, output: str) -> None:
-    """Block ``blocks``' files ``name``, concatenated in that order into ``output`` (streamed,
-    a chunk at a time, never whole on this process)."""
+def block_metas(folder: str, blocks: list[int]) -> list[dict]:
+    """What each of ``blocks`` counted (their headers), read by a Ray task, in block order."""
+    if not blocks:
+        return []
+    return ray.get(ray.remote(_block_metas).options(num_cpus=0.5, max_retries=3).remote(folder, list(blocks)))
+
+
+def _join_file(folder: str, blocks: list[int], name: str, output: str) -> list[dict]:
+    """The blocks' file ``name``, concatenated in block order into ``output``, reading only
+    that file's bytes of each block object; returns the blocks' metas."""
+    metas = []
     with storage.open_output(output) as out:
         for block in blocks:
-            with storage.open_input(part_uri(folder, block, name)) as part:
-                while chunk := part.read(1 << 20):
-                    out.write(chunk)
+            with storage.open_input(part_uri(folder, block, BLOCK), random_access=True) as f:
+                header, at = _header(f)
+                metas.append(header["meta"])
+                for other, length in header["files"].items():
+                    if other == name:
+                        for offset in range(0, length, JOIN_CHUNK):
+                            out.write(f.read_at(min(JOIN_CHUNK, length - offset), at + offset))
+                        break
+                    at += length
+    return metas
+
+
+def join_blocks(folder: str, blocks: list[int], outputs: dict[str, str]) -> list[dict]:
+    """Each file ``name`` of the blocks joined into ``outputs[name]``, one Ray task per
+    output file, side by side; returns what each block counted, in block order."""
+    join = ray.remote(_join_file).options(num_cpus=0.5, max_retries=3)
+    joined = ray.get([join.remote(folder, list(blocks), name, uri) for name, uri in outputs.items()])
+    return joined[0] if joined else block_metas(folder, blocks)
+
+
+def summed(metas: list[dict], keys: tuple[str, ...] = ()) -> dict[str, float]:
+    """The blocks' counts (``metas``), added key by key; ``keys`` start at 0 (so none is
+    missing when there are no blocks)."""
+    total: dict[str, float] = dict.fromkeys(keys, 0)
+    for meta in metas:
+        for key, value in meta.items():
+            total[key] = total.get(key, 0) + value
+    return total
 
 
 def remove_parts(folder: str) -> None:

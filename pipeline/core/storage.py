@@ -123,11 +123,12 @@ def read_bytes(uri: str) -> bytes:
         raise _wrap(loc, "read", exc) from exc
 
 
-def open_input(uri: str):
-    """A binary input stream (pyarrow NativeFile, usable as a file object)."""
+def open_input(uri: str, *, random_access: bool = False):
+    """A binary input stream (pyarrow NativeFile, usable as a file object); with
+    ``random_access``, a file to read at any offset (``read_at``; on S3, ranged GETs)."""
     loc = resolve(uri)
     try:
-        return loc.fs.open_input_stream(loc.path)
+        return (loc.fs.open_input_file if random_access else loc.fs.open_input_stream)(loc.path)
     except FileNotFoundError as exc:
         raise StorageError(f"{loc.describe()}: no such file") from exc
     except Exception as exc:

@@ -42,7 +42,7 @@ import ray
 
 from pipeline.core import storage
 from pipeline.core.errors import StorageError
-from pipeline.core.parts import claim, finished_blocks, join_parts, part_uri, recorded_block, summed
+from pipeline.core.parts import BlockFiles, claim, finished_blocks, join_blocks, recorded_block, summed
 from pipeline.core.progress import get_counted
 from pipeline.core.runtime import RayConfig
 from pipeline.data.beir import Queries, positives, read_qrels, read_queries
@@ -422,7 +422,7 @@ def _text_folder(cfg: Bm25Config) -> str:
     return cfg.text or cfg.output.removesuffix(".gz").removesuffix(".jsonl") + ".text-shards"
 
 
-PART_FILES = ("negatives.jsonl", "run.trec", "counts.json")
+OUTPUTS = ("negatives.jsonl", "run.trec")  # a block's files, in its object
 COUNTS = ("negatives", "positives_dropped", "short", "none")
 
 
@@ -441,22 +441,19 @@ def _made_by(cfg: Bm25Config) -> dict:
 
 
 def _retrieve_block(cfg: Bm25Config, folder: str, block: int, hits, qrels: dict) -> None:
-    """One block's run lines, negatives and counts, each part written whole, counts last."""
+    """One block's run lines, negatives and counts, as one object."""
     counts = dict.fromkeys(COUNTS, 0)
-    with (
-        storage.open_output(part_uri(folder, block, "negatives.jsonl")) as neg_out,
-        storage.open_output(part_uri(folder, block, "run.trec")) as run_out,
-    ):
-        for qid, ids, scores in hits:
-            write_trec_lines(run_out, qid, ids, scores, tag="bm25")
-            judged = set(positives(qrels.get(qid, {})))
-            negs, neg_scores = select_negatives(qid, ids, scores, judged, cfg)
-            counts["negatives"] += len(negs)
-            counts["positives_dropped"] += sum(d in judged for d in ids)
-            counts["short"] += len(negs) < cfg.count
-            counts["none"] += not negs
-            write_json_line(neg_out, negatives_record(qid, negs, neg_scores if cfg.write_scores else None))
-    storage.write_json(part_uri(folder, block, "counts.json"), counts)
+    files = BlockFiles(OUTPUTS)
+    for qid, ids, scores in hits:
+        write_trec_lines(files["run.trec"], qid, ids, scores, tag="bm25")
+        judged = set(positives(qrels.get(qid, {})))
+        negs, neg_scores = select_negatives(qid, ids, scores, judged, cfg)
+        counts["negatives"] += len(negs)
+        counts["positives_dropped"] += sum(d in judged for d in ids)
+        counts["short"] += len(negs) < cfg.count
+        counts["none"] += not negs
+        write_json_line(files["negatives.jsonl"], negatives_record(qid, negs, neg_scores if cfg.write_scores else None))
+    files.commit(folder, block, counts)
 
 
 def _index_summary(index: ShardedBm25) -> dict:
@@ -489,7 +486,7 @@ def mine_negatives(cfg: Bm25Config) -> dict:
         folder, cfg.batch_size or query_block(len(group_shards(text["shards"], cfg.docs_per_shard)), cfg.depth)
     )
     blocks = list(range(-(-len(queries) // block)))
-    todo = [b for b in blocks if b not in finished_blocks(folder, PART_FILES)]
+    todo = [b for b in blocks if b not in finished_blocks(folder)]
     retrieve_s = 0.0
     if todo:
         scoring = {k: getattr(cfg, k) for k in ("k1", "b", "method", "lowercase", "stopwords", "stemmer")}
@@ -504,11 +501,9 @@ def mine_negatives(cfg: Bm25Config) -> dict:
             retrieve_s = time.perf_counter() - retrieve_start
     else:
         qrels = read_qrels(cfg.qrels, query_ids=queries)  # its documents were checked when retrieved
-    counts = summed(folder, blocks, "counts.json", COUNTS)
-    join_parts(folder, blocks, "negatives.jsonl", cfg.output)
     run_uri = cfg.run_uri()
-    if run_uri is not None:
-        join_parts(folder, blocks, "run.trec", run_uri)
+    outputs = {"negatives.jsonl": cfg.output} | ({"run.trec": run_uri} if run_uri is not None else {})
+    counts = summed(join_blocks(folder, blocks, outputs), COUNTS)
     index_summary = storage.read_json(storage.join(folder, "index.json"))
     storage.delete_dir(folder)
     n = len(queries)

@@ -16,7 +16,7 @@ from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.config import Renamed, truthy
 from pipeline.core.errors import ConfigError, InputError
-from pipeline.core.parts import claim, finished_blocks, join_parts, part_uri, recorded_block
+from pipeline.core.parts import BlockFiles, claim, finished_blocks, join_blocks, recorded_block
 from pipeline.core.plots import plot_metrics
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS, SAMPLE_DEV_QRELS, SAMPLE_DEV_QUERIES
@@ -232,13 +232,11 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
         "device": "cuda" if cfg.pool.use_gpu else "cpu",
     }
     claim(searched, {"index": indexed["version"], **versions, "k": cfg.k, **encoder})
-    scored = StreamedMetrics(qrels, JOB_MEASURES.values())
+    per_block = StreamedMetrics(qrels, JOB_MEASURES.values())  # a searched block's sums, to store
     # Recorded with the first block: a resumed evaluation keeps its blocks on another cluster.
     block = recorded_block(searched, query_block_of(indexed["output"], cfg.searchers, cfg.k))
     blocks = list(range(-(-len(queries) // block)))
-    done = finished_blocks(searched, ("run.trec", "sums.json"))
-    for b in done:
-        scored.add_sums(storage.read_json(part_uri(searched, b, "sums.json")))
+    done = finished_blocks(searched)
     todo = [b for b in blocks if b not in done]
     # The encoders write each block's query vectors beside its parts before the searchers
     # start (the two never hold the GPUs at once); the search reads a block as it asks it,
@@ -250,17 +248,20 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
     with ShardedIndex(indexed["output"], nprobe=cfg.nprobe, searchers=cfg.searchers) as index:
         search_start = time.perf_counter()
         for start, scores, _, ids in index.search_blocks(vectors, cfg.k, block=block, only=todo):
-            run_block = {}
-            with storage.open_output(part_uri(searched, start // block, "run.trec")) as out:
-                for qid, row_scores, row_ids in zip(queries.ids(start, start + len(scores)), scores, ids):
-                    ranked = ranked_ids(row_ids)
-                    write_trec_lines(out, qid, ranked, row_scores[: len(ranked)].tolist(), tag="raydense")
-                    run_block[qid] = dict(zip(ranked, map(float, row_scores)))
-            storage.write_json(part_uri(searched, start // block, "sums.json"), scored.block_sums(run_block))
+            run_block, files = {}, BlockFiles(("run.trec",))
+            for qid, row_scores, row_ids in zip(queries.ids(start, start + len(scores)), scores, ids):
+                ranked = ranked_ids(row_ids)
+                write_trec_lines(files["run.trec"], qid, ranked, row_scores[: len(ranked)].tolist(), tag="raydense")
+                run_block[qid] = dict(zip(ranked, map(float, row_scores)))
+            files.commit(searched, start // block, per_block.block_sums(run_block))
         search_s = time.perf_counter() - search_start
         searchers = index.stats()
         search_mode, fallback = index.search_mode, index.fallback
-    join_parts(searched, blocks, "run.trec", run_uri)
+    # The metrics from every block's stored sums, in block order: a resumed evaluation adds
+    # them as an uninterrupted one does.
+    scored = StreamedMetrics(qrels, JOB_MEASURES.values())
+    for sums in join_blocks(searched, blocks, {"run.trec": run_uri}):
+        scored.add_sums(sums)
     storage.delete_dir(searched)
     values = scored.result()
     metrics = {name: values[measure] for name, measure in JOB_MEASURES.items()}

@@ -37,7 +37,7 @@ import ray
 from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.errors import ConfigError, InputError
-from pipeline.core.parts import claim, finished_blocks, join_parts, recorded_block, remove_parts, summed
+from pipeline.core.parts import claim, finished_blocks, join_blocks, recorded_block, remove_parts, summed
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
 from pipeline.data.beir import positives, read_queries
@@ -48,7 +48,7 @@ from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval import faiss_index, mined_block
 from pipeline.retrieval.encode import EncoderSettings, store_query_vectors
 from pipeline.retrieval.fanout import ranked_ids, read_qrels_of_corpus
-from pipeline.retrieval.mined_block import COUNTS, PART_FILES, Sampling
+from pipeline.retrieval.mined_block import COUNTS, OUTPUTS, Sampling
 from pipeline.retrieval.query_vectors import StoredQueryVectors, read_blocks
 from pipeline.retrieval.search import SearcherConfig, ShardedIndex, query_block_of
 
@@ -221,7 +221,7 @@ def run_mining(cfg: MineConfig) -> dict:
     claim(output, _made_by(cfg), what="mined blocks' files")
     block = recorded_block(output, cfg.query_block or query_block_of(cfg.index, cfg.searchers, cfg.depth))
     blocks = list(range(-(-len(queries) // block)))
-    done = finished_blocks(output, PART_FILES)
+    done = finished_blocks(output)
     sampling = Sampling.of(cfg)
     todo = [b for b in blocks if b not in done]
     # Encoded on the pool before the searchers start: the two never hold the GPUs at once.
@@ -300,9 +300,7 @@ def run_mining(cfg: MineConfig) -> dict:
         driver_share = index.driver_share()
         search_mode, fallback = index.search_mode, index.fallback
     search_s = time.perf_counter() - search_start
-    counts = summed(output, blocks, "counts.json", COUNTS)
-    for name in PART_FILES[:3]:
-        join_parts(output, blocks, name, storage.join(output, name))
+    counts = summed(join_blocks(output, blocks, {name: storage.join(output, name) for name in OUTPUTS}), COUNTS)
     remove_parts(output)
     return {
         "job": "mine",

@@ -31,7 +31,7 @@ from models.reranker import (
 from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig, actor_device, stream_actor_pool
 from pipeline.core.errors import InputError
-from pipeline.core.parts import claim, finished_blocks, join_parts, part_uri, remove_parts
+from pipeline.core.parts import BlockFiles, claim, finished_blocks, join_blocks, remove_parts
 from pipeline.core.progress import progress
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS, SAMPLE_DEV_QRELS, SAMPLE_DEV_QUERIES
@@ -293,9 +293,6 @@ def _blocks(cfg: RerankScoreConfig, run_uri: str, qrels_uri: str, queries: dict,
         yield block
 
 
-PART_FILES = ("run.trec", "block.json")
-
-
 def _made_by(cfg: RerankScoreConfig, model_uri: str, lengths: PairLengths) -> dict:
     """What the scores depend on: the model and its stored version, the pair lengths, the
     settings that pick the pairs, and the stored versions of the run, queries, judgments
@@ -313,21 +310,18 @@ def _made_by(cfg: RerankScoreConfig, model_uri: str, lengths: PairLengths) -> di
 
 
 def _write_block(output: str, block: dict, scores: list, reranked_metrics, first_stage_metrics) -> None:
-    """A scored block's re-ranked run lines, then its metric sums (last: the block is done)."""
-    reranked, first_stage = {}, {}
-    with storage.open_output(part_uri(output, block["index"], "run.trec")) as out:
-        for qid, cands, query_scores, first in zip(
-            block["query_ids"], block["candidates"], scores, block["first_stage"]
-        ):
-            order = np.argsort(-query_scores, kind="stable")
-            write_trec_lines(out, qid, [cands[i] for i in order], query_scores[order].tolist(), tag="rerank")
-            reranked[qid] = dict(zip(cands[: len(first)], map(float, query_scores[: len(first)])))
-            first_stage[qid] = dict(zip(cands, first))
+    """A scored block's re-ranked run lines and its metric sums, as one object."""
+    reranked, first_stage, files = {}, {}, BlockFiles(("run.trec",))
+    for qid, cands, query_scores, first in zip(block["query_ids"], block["candidates"], scores, block["first_stage"]):
+        order = np.argsort(-query_scores, kind="stable")
+        write_trec_lines(files["run.trec"], qid, [cands[i] for i in order], query_scores[order].tolist(), tag="rerank")
+        reranked[qid] = dict(zip(cands[: len(first)], map(float, query_scores[: len(first)])))
+        first_stage[qid] = dict(zip(cands, first))
     sums = {
         "metrics": reranked_metrics.block_sums(reranked),
         "first_stage_metrics": first_stage_metrics.block_sums(first_stage),
     }
-    storage.write_json(part_uri(output, block["index"], "block.json"), sums)
+    files.commit(output, block["index"], sums)
 
 
 def run_scoring(cfg: RerankScoreConfig) -> dict:
@@ -341,24 +335,20 @@ def run_scoring(cfg: RerankScoreConfig) -> dict:
     queries = read_queries(storage.resolve(cfg.queries).uri)
     qrels = read_qrels(qrels_uri, query_ids=queries) if qrels_uri else {}
     # Both runs are evaluated over the first-stage candidates only: added positives would
-    # inflate the re-ranked run's recall.
-    reranked_metrics = StreamedMetrics(qrels, JOB_MEASURES.values())
-    first_stage_metrics = StreamedMetrics(qrels, JOB_MEASURES.values())
+    # inflate the re-ranked run's recall. These compute each block's sums, to store.
+    block_reranked = StreamedMetrics(qrels, JOB_MEASURES.values())
+    block_first_stage = StreamedMetrics(qrels, JOB_MEASURES.values())
     counts = {"queries": 0, "pairs": 0, "positives_added": 0}
     out_run = storage.join(output, "run.trec")
     claim(output, _made_by(cfg, model_uri, lengths), what="scored blocks' files")
-    done = finished_blocks(output, PART_FILES)
+    done = finished_blocks(output)
     run_queries = count_run_queries(run_uri)  # one pass over a run that may hold ~100M lines
     blocks = list(range(-(-run_queries // cfg.queries_per_task)))
 
     def todo():
-        """The run's blocks not yet scored; a scored one's sums count as they were stored."""
+        """The run's blocks not yet scored (every block is read: it counts the pairs)."""
         for b, block in enumerate(_blocks(cfg, run_uri, qrels_uri, queries, qrels, counts)):
-            if b in done:
-                stored = storage.read_json(part_uri(output, b, "block.json"))
-                reranked_metrics.add_sums(stored["metrics"])
-                first_stage_metrics.add_sums(stored["first_stage_metrics"])
-            else:
+            if b not in done:
                 yield {**block, "index": b}
 
     remote = ray.remote(RerankerActor).options(**cfg.pool.remote_options(), max_restarts=0)
@@ -380,9 +370,15 @@ def run_scoring(cfg: RerankScoreConfig) -> dict:
             for block, result in results:
                 bar.update(len(block["query_ids"]))
                 actor_seconds += result["seconds"]
-                _write_block(output, block, result["scores"], reranked_metrics, first_stage_metrics)
+                _write_block(output, block, result["scores"], block_reranked, block_first_stage)
         score_s = time.perf_counter() - score_start
-    join_parts(output, blocks, "run.trec", out_run)
+    # The metrics from every block's stored sums, in block order: a resumed scoring adds them
+    # as an uninterrupted one does.
+    reranked_metrics = StreamedMetrics(qrels, JOB_MEASURES.values())
+    first_stage_metrics = StreamedMetrics(qrels, JOB_MEASURES.values())
+    for stored in join_blocks(output, blocks, {"run.trec": out_run}):
+        reranked_metrics.add_sums(stored["metrics"])
+        first_stage_metrics.add_sums(stored["first_stage_metrics"])
     remove_parts(output)
 
     summary = {

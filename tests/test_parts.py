@@ -1,0 +1,38 @@
+"""A query block's results as one object, and its files joined in Ray tasks, on a local
+folder and on S3 (moto on loopback)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.core import storage
+from pipeline.core.parts import BLOCK, BlockFiles, block_metas, finished_blocks, join_blocks, part_uri, summed
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_blocks_are_one_object_each_and_join_into_each_output_in_block_order(where, tmp_path, request, shared_ray):
+    folder = str(tmp_path / "stage") if where == "local" else f"s3://{request.getfixturevalue('s3_bucket')}/stage"
+    expected = {"a.jsonl": b"", "b.trec": b""}
+    for block in (2, 0, 1):  # committed out of order, as tasks finish
+        files = BlockFiles(tuple(expected))
+        a = b"".join(f'{{"block": {block}, "line": {i}}}\n'.encode() for i in range(3))
+        b = b"x" * (70_000 * block)  # past the header's first read, and empty for block 0
+        files["a.jsonl"].write(a)
+        files["b.trec"].write(b)
+        files.commit(folder, block, {"lines": 3, "bytes": len(b)})
+    for block in range(3):
+        expected["a.jsonl"] += b"".join(f'{{"block": {block}, "line": {i}}}\n'.encode() for i in range(3))
+        expected["b.trec"] += b"x" * (70_000 * block)
+    assert finished_blocks(folder) == {0, 1, 2}
+    assert [p.rsplit("/", 1)[1] for p in storage.list_files(storage.join(folder, "parts"))] == [
+        f"{b:06d}.{BLOCK}" for b in range(3)
+    ]
+    outputs = {name: storage.join(folder, "out", name) for name in expected}
+    metas = join_blocks(folder, [0, 1, 2], outputs)
+    assert metas == block_metas(folder, [0, 1, 2]) == [{"lines": 3, "bytes": 70_000 * b} for b in range(3)]
+    assert summed(metas, ("lines", "bytes", "none")) == {"lines": 9, "bytes": 210_000, "none": 0}
+    for name, uri in outputs.items():
+        assert storage.read_bytes(uri) == expected[name], name
+    assert storage.exists(part_uri(folder, 0, BLOCK))
