@@ -110,7 +110,8 @@ def test_the_stream_keeps_the_planned_order_across_epochs_and_resumes_with_the_r
     run_dir = str(tmp_path / "run")
 
     def stream():
-        return GroupStream(spec, rows, queries, 3, len(corpus_ids), run_dir)().take_all()
+        parts = GroupStream(spec, rows, queries, 3, len(corpus_ids), run_dir).parts
+        return [row for part in parts for row in part().take_all()]
 
     whole = stream()
     order = [(int(r["epoch"]), int(r["position"])) for r in whole]
@@ -123,5 +124,11 @@ def test_the_stream_keeps_the_planned_order_across_epochs_and_resumes_with_the_r
     sealed.seal(storage.join(run_dir, "checkpoint_000000009"), "rank0")
     write_pointer(run_dir, "checkpoint_000000009", 9)
     rest = stream()
+    # Each epoch is its own dataset, joining only that epoch's groups: what a start or a
+    # restart waits for before its first batch is one epoch's join, not every remaining
+    # epoch's (the whole stream as one dataset joined all 60 groups first). After the
+    # resume, the first epoch's dataset is empty and the second holds its 13 groups left.
+    parts = GroupStream(spec, rows, queries, 3, len(corpus_ids), run_dir).parts
+    assert [part().count() for part in parts] == [0, 13, 20]
     assert [int(r["source_rows"][0]) for r in rest] == [int(r["source_rows"][0]) for r in whole[taken:]]
     assert all(np.array_equal(a["d_input_ids"], b["d_input_ids"]) for a, b in zip(rest, whole[taken:]))

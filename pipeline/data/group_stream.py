@@ -22,6 +22,7 @@ passage of the group, in slot order.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -223,12 +224,16 @@ def build_epochs(spec: GroupSpec, plans: list[tuple[int, EpochGroups]], query_id
 
 
 class GroupStream:
-    """The callable handed to Ray Train as the fine-tuning ``train`` dataset.
+    """The fine-tuning ``train`` datasets handed to Ray Train, one per epoch (:attr:`parts`),
+    which the trainer reads one after another.
 
-    Like :class:`pipeline.data.stream.TrainingStream`, each call (first start, restart after a
-    failure, re-run of the job) reads the data position of the checkpoint Ray Train will
-    restore and builds every remaining epoch, leaving out the example rows it consumed.
-    It holds ids only: examples as corpus rows (:class:`ExampleRows`), and the query token ids.
+    Like :class:`pipeline.data.stream.TrainingStream`, each part is built at every start
+    (first start, restart after a failure, re-run of the job) from the data position of the
+    checkpoint Ray Train will restore, leaving out the example rows it consumed. An epoch's
+    join of groups to passages (a Ray Data groupby, an all-to-all) runs when the trainer
+    starts reading that epoch, so a start or restart waits for one epoch's join, however many
+    epochs remain. It holds ids only: examples as corpus rows (:class:`ExampleRows`), and the
+    query token ids.
     """
 
     def __init__(
@@ -237,21 +242,22 @@ class GroupStream:
         self.spec, self.examples, self.query_ids = spec, examples, query_ids
         self.epochs, self.num_rows, self.run_dir = epochs, num_rows, run_dir
 
-    def __call__(self):
+    @property
+    def parts(self) -> list:
+        """One dataset factory per epoch, in epoch order."""
+        return [functools.partial(self.epoch, epoch) for epoch in range(self.epochs)]
+
+    def epoch(self, epoch: int):
+        """The Ray Dataset of ``epoch``'s groups not yet consumed, in their planned order (an
+        empty one when the position has them all)."""
         configure_data_context()
         manifest = load_manifest(self.spec.corpus)
         check_shards(self.spec.corpus, manifest)
-        position, _ = read_position(self.run_dir)
-        plans = []
-        for epoch in range(self.epochs):
-            consumed = position.consumed(epoch)
-            skip = np.flatnonzero(consumed.contains(np.arange(len(self.examples)))) if consumed.count() else None
-            plan = plan_epoch(self.examples, epoch, self.spec, skip_rows=skip, num_rows=self.num_rows)
-            if len(plan.example_rows):
-                plans.append((epoch, plan))
-        if plans:
-            return build_epochs(self.spec, plans, self.query_ids, manifest)
-        # All consumed: an empty stream, so a resumed finished run just exports.
+        consumed = read_position(self.run_dir)[0].consumed(epoch)
+        skip = np.flatnonzero(consumed.contains(np.arange(len(self.examples)))) if consumed.count() else None
+        plan = plan_epoch(self.examples, epoch, self.spec, skip_rows=skip, num_rows=self.num_rows)
+        if len(plan.example_rows):
+            return build_epochs(self.spec, [(epoch, plan)], self.query_ids, manifest)
         g, lq, ld = self.spec.group_size, self.spec.query_max_len, self.spec.passage_max_len
         row = {
             "q_input_ids": np.zeros(lq, np.int32),

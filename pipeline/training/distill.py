@@ -99,7 +99,9 @@ def run_distillation(cfg: DistillConfig) -> dict:
         cfg.model.init,
         prepared.tokenizer_uri,
     )
-    result = fit(cfg.train, task, prepared.stream, storage.join(cfg.train.output, "checkpoints"), hparams=to_dict(cfg))
+    result = fit(
+        cfg.train, task, prepared.stream.parts, storage.join(cfg.train.output, "checkpoints"), hparams=to_dict(cfg)
+    )
     return finish_retriever_run(
         cfg,
         prepared,

@@ -53,5 +53,7 @@ def run_finetuning(cfg: FinetuneConfig) -> dict:
         cfg.model.init,
         prepared.tokenizer_uri,
     )
-    result = fit(cfg.train, task, prepared.stream, storage.join(cfg.train.output, "checkpoints"), hparams=to_dict(cfg))
+    result = fit(
+        cfg.train, task, prepared.stream.parts, storage.join(cfg.train.output, "checkpoints"), hparams=to_dict(cfg)
+    )
     return finish_retriever_run(cfg, prepared, result, "finetune", "retriever fine-tuning", bm25=prepared.bm25)

@@ -33,7 +33,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 import ray.train
@@ -178,6 +178,32 @@ def training_batches(shard, train: TrainConfig, micro_batch_size: int):
         prefetch_batches=train.prefetch_batches,
         drop_last=False,
     )
+
+
+def chained(parts: list) -> Iterator:
+    """The batches of ``parts`` (each a zero-argument callable giving an iterator), one part
+    after another. The next part is started, and its first batch fetched, in a thread as the
+    current one starts: an epoch's stream prepares itself while the one before it trains."""
+    if len(parts) == 1:
+        yield from parts[0]()
+        return
+
+    def started(i: int):
+        batches = iter(parts[i]())
+        return batches, next(batches, None)
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="next-part")
+    try:
+        ahead = pool.submit(started, 0)
+        for i in range(len(parts)):
+            batches, first = ahead.result()
+            if i + 1 < len(parts):
+                ahead = pool.submit(started, i + 1)
+            if first is not None:
+                yield first
+                yield from batches
+    finally:  # a run that stops early (max_steps) does not wait for the next part's start
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def collated(batches, make_batch, seed_of, first_micro_step: int, ahead: bool):
@@ -429,7 +455,14 @@ class WorkerRun:
     def batches(self):
         """This worker's micro-batches with their tensors (:func:`collated`), the wait for
         each timed."""
-        batches = training_batches(ray.train.get_dataset_shard("train"), self.train, self.state.micro_batch_size)
+        batches = chained(
+            [
+                functools.partial(
+                    training_batches, ray.train.get_dataset_shard(name), self.train, self.state.micro_batch_size
+                )
+                for name in self.config.get("datasets", ["train"])
+            ]
+        )
         if self.config.get("replay_batches"):
             # Benchmark mode: hold the first N batches in memory and cycle them, so the same
             # loop can be timed without any ingest (bench/bench_pretrain.py).
@@ -708,7 +741,7 @@ class FitResult:
 def fit(
     train: TrainConfig,
     task: TrainTask,
-    dataset_factory: Callable,
+    dataset_factory: Callable | list[Callable],
     run_dir: str,
     name: str = "checkpoints",
     replay_batches: int = 0,
@@ -743,6 +776,11 @@ def fit(
         "replay_batches": replay_batches,
         "hparams": hparams,
     }
+    # Datasets read one after another (a fine-tuning run's epochs): Ray Data runs each only
+    # when the workers start reading it.
+    parts = dataset_factory if isinstance(dataset_factory, list) else [dataset_factory]
+    datasets = {"train": parts[0]} if len(parts) == 1 else {f"train_{i:04d}": part for i, part in enumerate(parts)}
+    worker_config["datasets"] = list(datasets)
     trainer = TorchTrainer(
         train_worker,
         train_loop_config=_sealed_for_workers(worker_config),
@@ -756,7 +794,7 @@ def fit(
             failure_config=failures,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=train.keep_checkpoints),
         ),
-        datasets={"train": dataset_factory},
+        datasets=datasets,
     )
     marker = storage.join(run_dir, USER_ERROR)
     storage.delete_file(marker)  # an earlier run's: this one may have been given the fix

@@ -121,7 +121,9 @@ def run_reranker_training(cfg: RerankConfig) -> dict:
     spec = prepared.stream.spec
     objective = ListwiseObjective(cfg.reranker.group_size, cfg.lengths(), spec.sep_id, spec.pad_id)
     task = GroupTask(objective, cfg.model.init, prepared.tokenizer_uri)
-    result = fit(cfg.train, task, prepared.stream, storage.join(cfg.train.output, "checkpoints"), hparams=to_dict(cfg))
+    result = fit(
+        cfg.train, task, prepared.stream.parts, storage.join(cfg.train.output, "checkpoints"), hparams=to_dict(cfg)
+    )
     summary = run_summary(
         "rerank", result, **prepared.summary_fields(), group_size=cfg.reranker.group_size, bm25=prepared.bm25
     )
