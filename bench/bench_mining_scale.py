@@ -97,6 +97,23 @@ def random_encoder(folder: Path, texts_file: str) -> str:
     return str(folder)
 
 
+def mine_argv(script: str, index: str, queries: str, qrels: str, model: str) -> list[str]:
+    """`jobs/mine.py`'s arguments in the mining benchmarks: one encoder actor, nprobe 16,
+    depth 200, 30 negatives."""
+    return [script, "--index", index, "--queries", queries, "--qrels", qrels, "--encoder.model", model] + [
+        "--encoder.pooling",
+        "cls",
+        "--pool.actors",
+        "1",
+        "--nprobe",
+        "16",
+        "--depth",
+        "200",
+        "--count",
+        "30",
+    ]
+
+
 def _peak_rss(pid: int) -> int:
     try:
         for line in open(f"/proc/{pid}/status"):
@@ -190,29 +207,7 @@ def bench_size(
         ],
         folder / "index.log",
     )
-    mine_args = [
-        python,
-        "jobs/mine.py",
-        "--index",
-        str(folder / "index"),
-        "--queries",
-        queries,
-        "--qrels",
-        qrels,
-        "--encoder.model",
-        model,
-        "--encoder.pooling",
-        "cls",
-        "--pool.actors",
-        "1",
-        "--nprobe",
-        "16",
-        "--depth",
-        "200",
-        "--count",
-        "30",
-        *mine_extra,
-    ]
+    mine_args = [python, *mine_argv("jobs/mine.py", str(folder / "index"), queries, qrels, model), *mine_extra]
     fanins = {}
     if compare_fanin:
         # The fan-in as it was before 2026-11-24: a searcher per index shard, one block asked
