@@ -55,10 +55,8 @@ def test_gpu_searchers_hold_a_run_of_shards_one_gpu_each_and_reserve_their_memor
     ref_scores, ref_rows = brute_force_topk(queries, vectors, 10, rows=rows)
     assert np.allclose(scores, ref_scores, atol=1e-4) and (found == ref_rows).all()
 
-    # Searchers on CPUs (the encoders may hold the GPUs): none reserved, one searcher for an
-    # index this small, unless asked for more.
-    with ShardedIndex(index_uri, nprobe=4) as index:
-        assert [("GPU" in s["reserved"], s["shards"]) for s in index.stats()] == [(False, SHARDS)]
+    # (CPU searchers reserve no GPU: tests/test_search_failures.py's cpu fallback; how many
+    # hold an index by memory: test_cpu_searchers_follow_the_memory_per_searcher below.)
 
 
 def _manifest(shard_vectors: list[int], factory: str = "Flat") -> dict:
