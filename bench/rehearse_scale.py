@@ -23,7 +23,6 @@ Usage: git worktree add /tmp/raydense-old <commit>
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import logging
 import os
@@ -31,7 +30,6 @@ import platform
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -43,35 +41,10 @@ sys.path.insert(0, str(REPO_ROOT / "bench"))
 from bench_mining_scale import _peak_rss, mine_argv, random_encoder, write_corpus, write_queries  # noqa: E402
 
 from pipeline.core import storage  # noqa: E402
+from tests.helpers import SlowS3  # noqa: E402
 
 ROWS_PER_SHARD = 100_000
 GIB = 2**30
-
-
-class SlowS3:
-    """moto's S3 on loopback, each request delayed and counted by method."""
-
-    def __init__(self, latency_s: float):
-        from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
-        from werkzeug.serving import make_server
-
-        self.latency_s, self.counts, self.lock = latency_s, collections.Counter(), threading.Lock()
-        app = DomainDispatcherApplication(create_backend_app)
-
-        def delayed(environ, start_response):
-            with self.lock:
-                self.counts[environ["REQUEST_METHOD"]] += 1
-            time.sleep(self.latency_s)
-            return app(environ, start_response)
-
-        self.server = make_server("127.0.0.1", 0, delayed, True, request_handler=MotoRequestHandler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def taken(self) -> dict:
-        with self.lock:
-            counts, self.counts = dict(self.counts), collections.Counter()
-        return counts | {"total": sum(counts.values())}
 
 
 def _cpu_seconds(pid: int) -> float:

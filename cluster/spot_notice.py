@@ -6,7 +6,7 @@ only from a drain: this watcher, started next to ``ray start`` on every worker n
 (``cluster/aws.yaml``), polls the notice and drains each Ray node of this instance with
 reason PREEMPTION and the notice's time as the deadline (what ``ray drain-node`` does).
 Ray Train then tells the training workers, which save a checkpoint at once
-(``train.preemption_check_every``), and restarts them elsewhere at the deadline; Ray stops
+(``train.preemption_check_s``), and restarts them elsewhere at the deadline; Ray stops
 scheduling new work on the node. On an on-demand instance the notice never comes.
 
 On Kubernetes this is not needed: the node's drain sends the pod SIGTERM, and ``ray start

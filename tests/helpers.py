@@ -16,9 +16,11 @@ Everything here is deterministic and tiny enough to run in milliseconds on a CPU
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass
 
@@ -509,3 +511,29 @@ def index_of_random_vectors(root, shards: int, per_shard: int, dim: int, factory
         IndexJobConfig(embeddings=str(root / "emb"), output=str(root / "index"), index=IndexConfig(factory=factory))
     )
     return str(root / "index"), vectors, rows
+
+
+class SlowS3:
+    """moto's S3 on loopback, each request delayed and counted by method."""
+
+    def __init__(self, latency_s: float):
+        from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+        from werkzeug.serving import make_server
+
+        self.latency_s, self.counts, self.lock = latency_s, collections.Counter(), threading.Lock()
+        app = DomainDispatcherApplication(create_backend_app)
+
+        def delayed(environ, start_response):
+            with self.lock:
+                self.counts[environ["REQUEST_METHOD"]] += 1
+            time.sleep(self.latency_s)
+            return app(environ, start_response)
+
+        self.server = make_server("127.0.0.1", 0, delayed, True, request_handler=MotoRequestHandler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def taken(self) -> dict:
+        with self.lock:
+            counts, self.counts = dict(self.counts), collections.Counter()
+        return counts | {"total": sum(counts.values())}

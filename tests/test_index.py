@@ -177,6 +177,28 @@ def test_save_load_round_trip(where, tmp_path, request):
     np.testing.assert_array_equal(before[0], after[0])
 
 
+def test_an_index_is_read_from_s3_in_a_few_large_requests(s3_endpoint, monkeypatch):
+    """FAISS reads an IVF index field by field and list by list (two small reads a list);
+    the stream under it is buffered, so a shard of 256 lists (1.1 MB) costs a couple of
+    GETs, not one per read. Mutation: an unbuffered S3 stream makes 500+ GETs here."""
+    import boto3
+
+    from tests.helpers import SlowS3
+
+    s3 = SlowS3(0)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    boto3.client("s3").create_bucket(Bucket="counted")
+    index = build_shards(clustered(4000), "IVF256,Flat", parts=1, nprobe=4)[0]
+    uri = "s3://counted/index-00000.faiss"
+    ix.save_index(index, uri)
+    s3.taken()
+    loaded = ix.load_index(uri)
+    gets = s3.taken().get("GET", 0)
+    assert loaded.ntotal == 4000 and ix.list_sizes(loaded) == ix.list_sizes(index)
+    assert gets <= 3, gets
+    s3.server.shutdown()
+
+
 def test_missing_index_shard_is_named(tmp_path):
     folder = str(tmp_path / "index")
     with pytest.raises(ix.ArtifactError, match="no manifest"):

@@ -174,7 +174,7 @@ def test_a_preemption_notice_saves_a_checkpoint_the_restarted_run_resumes_from(t
         max_steps=180,  # 30 epochs of 6 steps
         checkpoint_every=1000,
         max_failures=0,
-        preemption_check_every=1,  # seen within a step of the notice, however slow the host
+        preemption_check_s=0.001,  # asked after every step (any step is longer): seen within a step of the notice
     )
     result: dict = {}
     runner = threading.Thread(target=lambda: result.update(run_pretraining(cfg)), daemon=True)

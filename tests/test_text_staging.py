@@ -10,6 +10,7 @@ import pytest
 from conftest import synthetic_docs, write_jsonl
 
 from pipeline.core import storage
+from pipeline.core.errors import InputError
 from pipeline.data.corpus_store import CorpusStore
 from pipeline.data.join import JoinConfig
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
@@ -94,3 +95,59 @@ def test_a_run_stages_its_corpus_once_for_every_tokenizer(tmp_path, shared_ray):
         assert manifest["num_docs"] == 30 and [s["rows"] for s in manifest["shards"]] == [10, 10, 10]
     assert store.folder(first) != store.folder(second)
     assert written_at(store.text()) == before and store.docs() == 30
+
+
+def staged_rows(manifest: dict) -> list[tuple[str, str]]:
+    return [(r["doc_id"], r["text"]) for r in read_text_load(manifest["shards"]).to_pylist()]
+
+
+@pytest.mark.ray
+def test_staging_tasks_read_pieces_of_one_file_side_by_side_as_one_reader_would(tmp_path, shared_ray, monkeypatch):
+    """A TSV file cut at byte offsets that fall mid-line, in empty lines and on a newline,
+    each piece read by its own task: the same documents in the same order as one reader,
+    first rows in sequence, stats summed; a bad record in a late piece named by the file's
+    own line; an id repeated across pieces refused. Mutations: a piece that keeps the line
+    it starts inside duplicates documents; one that drops the line starting at its first
+    byte loses one; line numbers counted from the piece give the wrong line."""
+    from pipeline.data import text_shards
+
+    docs = synthetic_docs(300, seed=4)
+    lines = [f"{d['_id']}\t{d['text']}" for d in docs]
+    lines[40] = "e40\t "  # an empty text, skipped and counted
+    lines.insert(100, "")  # a blank line, ignored
+    path = tmp_path / "collection.tsv"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    expected = [(line.split("\t")[0], line.split("\t")[1]) for line in lines if line and line != "e40\t "]
+
+    for piece in (97, 1000, len(lines[0]) + 1):  # mid-line cuts, and one on a newline
+        monkeypatch.setattr(text_shards, "PIECE_BYTES", piece)
+        staged = stage_text(str(path), str(tmp_path / f"text-{piece}"), 37)
+        assert staged_rows(staged) == expected
+        firsts = [item["first_row"] for item in staged["shards"]]
+        assert firsts == [sum(i["rows"] for i in staged["shards"][:k]) for k in range(len(firsts))]
+        assert staged["docs"] == len(expected) and staged["corpus_stats"]["skipped_empty"] == 1
+        assert staged["corpus_stats"]["skipped_examples"] == [f"{path} line 41: empty text (id e40)"]
+
+    monkeypatch.setattr(text_shards, "PIECE_BYTES", 200)
+    bad = list(lines)
+    bad[250] = "no tab here"
+    path.write_text("\n".join(bad) + "\n", encoding="utf-8")
+    with pytest.raises(InputError, match=rf"{path} line 251: expected 2 tab-separated columns"):
+        stage_text(str(path), str(tmp_path / "bad"), 37)
+
+    repeated = list(lines)
+    repeated[280] = "d3\tagain"
+    path.write_text("\n".join(repeated) + "\n", encoding="utf-8")
+    with pytest.raises(InputError, match=rf"duplicate id 'd3' at {path} line 281 \(first at {path} line 4\)"):
+        stage_text(str(path), str(tmp_path / "repeated"), 37)
+
+
+def test_without_ray_staging_reads_the_pieces_in_this_process(tmp_path, monkeypatch):
+    from pipeline.data import text_shards
+
+    monkeypatch.setattr(text_shards, "PIECE_BYTES", 150)
+    docs = synthetic_docs(60, seed=5)
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", docs)
+    staged = stage_text(corpus, str(tmp_path / "text"), 25)
+    assert staged_rows(staged) == [(d["_id"], d["text"]) for d in docs]
+    assert len(staged["shards"]) > 3  # a piece ends a shard

@@ -243,3 +243,12 @@ def test_ray_trains_health_checks_slow_down_with_the_worker_group():
     from pipeline.training.loop import health_check_interval
 
     assert [health_check_interval(n) for n in (1, 2, 8, 64, 128, 1024)] == [0.1, 0.1, 0.4, 3.2, 6.4, 10.0]
+
+
+def test_preemption_asks_are_spaced_by_seconds_at_the_slowest_ranks_step_time():
+    """10 s at 0.1 s a step is 100 steps; at 2.5 s, 4; a step longer than the interval asks
+    after each; a step timed at nothing (a clock that did not move) too; and no more than
+    10,000 steps apart whatever the steps' speed."""
+    from pipeline.training.loop import steps_between_checks
+
+    assert [steps_between_checks(10, s) for s in (0.1, 2.5, 30.0, 0.0, 1e-7)] == [100, 4, 1, 1, 10_000]

@@ -87,7 +87,7 @@ def iter_documents(uri: str, *, on_empty: str = "skip", stats: CorpusStats | Non
     ``on_empty``: what to do with a document whose text is empty or whitespace only:
     ``"skip"`` (count it in ``stats.skipped_empty``) or ``"error"`` (raise InputError).
     Duplicate ids anywhere in the input are an error, raised once the stream has ended (the
-    check keeps 8 bytes a document, not the ids: see ``_IdHashes``).
+    check keeps 8 bytes a document, not the ids: see ``IdHashes``).
     """
     if on_empty not in ON_EMPTY:
         raise ValueError(f"on_empty must be one of {ON_EMPTY}, got {on_empty!r}")
@@ -96,29 +96,67 @@ def iter_documents(uri: str, *, on_empty: str = "skip", stats: CorpusStats | Non
 
 def _iter_documents(uri: str, on_empty: str, stats: CorpusStats) -> Iterator[Document]:
     files = corpus_files(uri)
-    seen = _IdHashes()
+    seen = IdHashes()
     for source in files:
-        parse = _parser(source)
-        for doc in parse(source):
-            seen.add(doc.doc_id)
-            if not doc.text.strip():
-                where = f"{doc.source} line {doc.line}: empty text (id {doc.doc_id})"
-                if on_empty == "error":
-                    raise InputError(
-                        f"{where}; pass on_empty='skip' to skip such documents", source=doc.source, line=doc.line
-                    )
-                stats.skipped_empty += 1
-                if len(stats.skipped_examples) < MAX_SKIPPED_EXAMPLES:
-                    stats.skipped_examples.append(where)
-                continue
-            stats.documents += 1
-            yield doc
+        yield from piece_documents(Piece(source), on_empty, stats, seen)
     repeated = seen.repeated()
     if repeated:
-        _raise_duplicate(files, repeated)
+        raise_duplicate(files, repeated)
 
 
-class _IdHashes:
+@dataclass(frozen=True)
+class Piece:
+    """A part of one corpus file that one reader parses: the lines starting at a byte in
+    ``[start, end)`` (``end`` None: the whole file), the first numbered ``first_line``."""
+
+    source: str
+    start: int = 0
+    end: int | None = None
+    first_line: int = 1
+
+    @property
+    def span(self) -> tuple[int, int, int] | None:
+        return None if self.end is None else (self.start, self.end, self.first_line)
+
+
+def corpus_pieces(uri: str, piece_bytes: int) -> list[Piece]:
+    """The corpus at ``uri`` in pieces of about ``piece_bytes``, in corpus order, for parallel
+    readers. Only uncompressed JSONL and TSV files are cut (a line is a record); a gzip or
+    ``.txt`` file (whose ids count its documents) is one piece. Every piece numbers its lines
+    from 1 here: :func:`pipeline.data.text_shards` counts the lines before each cut and sets
+    ``first_line``, so an error names the file's own line."""
+    pieces: list[Piece] = []
+    for source in corpus_files(uri):
+        size = storage.info(source).size
+        if _suffix(source) not in (".jsonl", ".tsv") or size <= piece_bytes:
+            pieces.append(Piece(source))
+            continue
+        cuts = list(range(0, size, piece_bytes)) + [size]
+        pieces.extend(Piece(source, a, b) for a, b in zip(cuts, cuts[1:]))
+    return pieces
+
+
+def piece_documents(piece: Piece, on_empty: str, stats: CorpusStats, seen: IdHashes) -> Iterator[Document]:
+    """The documents of one piece, validated, their ids added to ``seen`` (the caller checks
+    those for duplicates once every piece is read); empty ones skipped or refused as
+    :func:`iter_documents` says."""
+    for doc in _parser(piece.source)(piece.source, piece.span):
+        seen.add(doc.doc_id)
+        if not doc.text.strip():
+            where = f"{doc.source} line {doc.line}: empty text (id {doc.doc_id})"
+            if on_empty == "error":
+                raise InputError(
+                    f"{where}; pass on_empty='skip' to skip such documents", source=doc.source, line=doc.line
+                )
+            stats.skipped_empty += 1
+            if len(stats.skipped_examples) < MAX_SKIPPED_EXAMPLES:
+                stats.skipped_examples.append(where)
+            continue
+        stats.documents += 1
+        yield doc
+
+
+class IdHashes:
     """The ids seen so far as 8-byte hashes in numpy (8 bytes a document, where a set of the
     ids costs ~170): the duplicate check of a corpus of tens of millions of documents must not
     hold its ids on the driver. Checked once the stream ends; a repeated hash is then
@@ -131,27 +169,34 @@ class _IdHashes:
         self.pending: list[int] = []
 
     def add(self, doc_id: str) -> None:
-        self.pending.append(_id_hash(doc_id))
+        self.pending.append(id_hash(doc_id))
         if len(self.pending) == self.CHUNK:
             self.chunks.append(np.array(self.pending, dtype=np.uint64))
             self.pending = []
 
+    def array(self) -> np.ndarray:
+        return np.concatenate(self.chunks + [np.array(self.pending, dtype=np.uint64)])
+
     def repeated(self) -> set[int]:
-        hashes = np.sort(np.concatenate(self.chunks + [np.array(self.pending, dtype=np.uint64)]))
-        return set(hashes[1:][hashes[1:] == hashes[:-1]].tolist())
+        return repeated_hashes([self.array()])
 
 
-def _id_hash(doc_id: str) -> int:
+def repeated_hashes(arrays: list[np.ndarray]) -> set[int]:
+    """The hashes that occur more than once across ``arrays``."""
+    hashes = np.sort(np.concatenate(arrays)) if arrays else np.zeros(0, np.uint64)
+    return set(hashes[1:][hashes[1:] == hashes[:-1]].tolist())
+
+
+def id_hash(doc_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(doc_id.encode("utf-8"), digest_size=8).digest(), "little")
 
 
-def _raise_duplicate(files: list[str], repeated: set[int]) -> None:
+def raise_duplicate(files: list[str], repeated: set[int]) -> None:
     """Raise for the first id that occurs twice among those whose hash is ``repeated``."""
     first: dict[str, tuple[str, int]] = {}
     for source in files:
-        parse = _parser(source)
-        for doc in parse(source):
-            if _id_hash(doc.doc_id) not in repeated:
+        for doc in _parser(source)(source, None):
+            if id_hash(doc.doc_id) not in repeated:
                 continue
             if doc.doc_id in first:
                 where = first[doc.doc_id]
@@ -183,13 +228,13 @@ def _stem(source: str) -> str:
 # ---------------------------------------------------------------- formats
 
 
-def _parser(source: str) -> Callable[[str], Iterator[Document]]:
+def _parser(source: str) -> Callable[[str, tuple[int, int, int] | None], Iterator[Document]]:
     return {".jsonl": _parse_jsonl, ".tsv": _parse_tsv, ".txt": _parse_txt}[_suffix(source).removesuffix(".gz")]
 
 
-def _parse_tsv(source: str) -> Iterator[Document]:
+def _parse_tsv(source: str, span: tuple[int, int, int] | None) -> Iterator[Document]:
     """MS MARCO's collection.tsv: ``id<TAB>text`` a line, no header."""
-    for number, raw in numbered_lines(source):
+    for number, raw in numbered_lines(source, span):
         line = decode_line(source, number, raw).rstrip("\r\n")
         if not line.strip():
             continue
@@ -203,8 +248,8 @@ def _parse_tsv(source: str) -> Iterator[Document]:
         yield Document(doc_id.strip(), text, source, number)
 
 
-def _parse_jsonl(source: str) -> Iterator[Document]:
-    for number, raw in numbered_lines(source):
+def _parse_jsonl(source: str, span: tuple[int, int, int] | None) -> Iterator[Document]:
+    for number, raw in numbered_lines(source, span):
         line = decode_line(source, number, raw)
         if not line.strip():
             continue
@@ -245,7 +290,7 @@ def _parse_jsonl(source: str) -> Iterator[Document]:
         yield Document(doc_id, text, source, number)
 
 
-def _parse_txt(source: str) -> Iterator[Document]:
+def _parse_txt(source: str, span: None) -> Iterator[Document]:
     stem = _stem(source)
     count = 0
     start = 0

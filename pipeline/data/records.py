@@ -18,6 +18,7 @@ from pipeline.core import storage
 from pipeline.core.errors import InputError, StorageError
 
 _CHUNK = 1 << 20
+_SPAN_CHUNK = 8 << 20  # a ranged GET each on S3: few and large
 
 
 def _split_lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
@@ -34,7 +35,7 @@ def _gzip_chunks(source: str) -> Iterator[bytes]:
     # Opened without pyarrow's own on-the-fly decompression, so that we decompress exactly once.
     loc = storage.resolve(source)
     try:
-        raw = loc.fs.open_input_stream(loc.path, compression=None)
+        raw = loc.fs.open_input_stream(loc.path, compression=None, buffer_size=storage.STREAM_BUFFER)
     except FileNotFoundError as exc:
         raise StorageError(f"{loc.describe()}: no such file") from exc
     except Exception as exc:
@@ -44,11 +45,65 @@ def _gzip_chunks(source: str) -> Iterator[bytes]:
             yield chunk
 
 
-def numbered_lines(source: str) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number, line bytes without "\\n" or a trailing "\\r")."""
+def _span_lines(source: str, start: int, end: int) -> Iterator[bytes]:
+    """The lines of an uncompressed file that start at a byte in ``[start, end)``: a piece of
+    a file another reader reads on from ``end``. The line holding byte ``start - 1`` is the
+    previous piece's, so reading begins there and drops through its newline."""
+    with storage.open_input(source, random_access=True) as f:
+        at = max(start - 1, 0)
+        f.seek(at)
+        pending, dropping = b"", start > 0
+        while at < end:
+            chunk = f.read(_SPAN_CHUNK)
+            if not chunk:
+                break
+            pending += chunk
+            if dropping:
+                cut = pending.find(b"\n")
+                if cut < 0:
+                    at, pending = at + len(pending), b""
+                    continue
+                at, pending, dropping = at + cut + 1, pending[cut + 1 :], False
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                if at >= end:
+                    return
+                yield line
+                at += len(line) + 1
+        if pending and not dropping and at < end:
+            yield pending
+
+
+def count_line_starts(source: str, start: int, end: int) -> int:
+    """How many lines of an uncompressed file start at a byte in ``[start, end)`` (the lines
+    :func:`numbered_lines` yields for that span), counted without splitting them."""
+    size = storage.info(source).size
+    end = min(end, size)
+    if start >= end:
+        return 0
+    count = int(start == 0)
+    with storage.open_input(source, random_access=True) as f:
+        at = max(start - 1, 0)
+        f.seek(at)
+        while at < end - 1:  # a newline at p starts a line at p + 1, so p runs to end - 2
+            chunk = f.read(min(_SPAN_CHUNK, end - 1 - at))
+            if not chunk:
+                break
+            count += chunk.count(b"\n")
+            at += len(chunk)
+    return count
+
+
+def numbered_lines(source: str, span: tuple[int, int, int] | None = None) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, line bytes without "\\n" or a trailing "\\r"). ``span``, for an
+    uncompressed file: ``(start, end, first_line)``, only the lines starting at a byte in
+    ``[start, end)``, the first of them numbered ``first_line``."""
     gz = source.lower().endswith(".gz")
-    lines = _split_lines(_gzip_chunks(source)) if gz else storage.iter_lines(source, chunk_size=_CHUNK)
-    number = 0
+    if span is not None:
+        lines = _span_lines(source, span[0], span[1])
+    else:
+        lines = _split_lines(_gzip_chunks(source)) if gz else storage.iter_lines(source, chunk_size=_CHUNK)
+    number = 0 if span is None else span[2] - 1
     while True:
         try:
             raw = next(lines)

@@ -1,10 +1,12 @@
 """A raw corpus cut into Parquet text shards (``doc_id``, ``text``) in the run's storage.
 
 Ray tasks and actors on any node read a part of the corpus from them: preparation's
-tokenizer tasks, BM25's shard actors and the passage servers of re-ranker scoring. The
-driver streams the raw input once (validated by :func:`pipeline.data.corpus.iter_documents`,
-errors name file and line) and writes each shard a row group at a time, so its memory is
-one row group's texts whatever the shard size.
+tokenizer tasks, BM25's shard actors and the passage servers of re-ranker scoring. Staging
+tasks read the raw input in pieces side by side (a large JSONL or TSV file is cut at byte
+offsets, each piece starting at its first whole line; see
+:func:`pipeline.data.corpus.corpus_pieces`), validate it (errors name file and line) and
+write each shard a row group at a time. The driver only plans the pieces and sums what the
+tasks return; the check for repeated ids runs in tasks too, over the ids' 8-byte hashes.
 
 :func:`stage_text` keeps the shards with a manifest naming the input's stored version and
 the staging settings, so every consumer of a run's corpus reads one staging, a rerun reuses
@@ -15,24 +17,43 @@ its own size (a BM25 actor holds more documents than a tokenizer task).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import itertools
 import json
 import os
 from dataclasses import asdict
 from typing import Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipeline.core import storage
-from pipeline.core.errors import InputError, StorageError
-from pipeline.core.progress import progress
-from pipeline.data.corpus import CorpusStats, iter_documents
+from pipeline.core.errors import InputError, RaydenseError, StorageError
+from pipeline.core.progress import get_counted
+from pipeline.data.corpus import (
+    MAX_SKIPPED_EXAMPLES,
+    CorpusStats,
+    IdHashes,
+    Piece,
+    corpus_files,
+    corpus_pieces,
+    piece_documents,
+    raise_duplicate,
+    repeated_hashes,
+)
 from pipeline.data.join import JoinConfig, join_consecutive
+from pipeline.data.records import count_line_starts
 
 SCHEMA = pa.schema([("doc_id", pa.string()), ("text", pa.string())])
 ROW_GROUP = 4096
+PIECE_BYTES = 128 << 20  # of raw input a staging task reads: MS MARCO's 2.9 GB collection is 23 of them
+HASH_BUCKET_BITS = 4
+HASH_BUCKETS = 1 << HASH_BUCKET_BITS
 
 
 class _ShardWriter:
@@ -56,51 +77,37 @@ class _ShardWriter:
 
 
 def write_text_shards(
-    corpus: str,
+    pieces: list[Piece],
     folder: str,
+    prefix: str,
     docs_per_shard: int,
-    *,
     on_empty: str = "skip",
-    stats: CorpusStats | None = None,
     join: JoinConfig | None = None,
-) -> list[dict]:
-    """Cut ``corpus`` into ``folder/text-NNNNN.parquet`` (its records joined into passages
-    where ``join`` says so); one item per shard: ``index``,
-    ``text_uri``, ``first_row`` (corpus row of its first document), ``rows`` and
-    ``text_bytes`` (UTF-8 bytes of its texts, for sizing what reads it)."""
-    if docs_per_shard < 1:
-        raise ValueError(f"docs_per_shard must be >= 1, got {docs_per_shard}")
-    stats = stats if stats is not None else CorpusStats()
-    items: list[dict] = []
+) -> tuple:
+    """A staging task (or a plain call, without Ray): the documents of ``pieces``, in order
+    and joined into passages where ``join`` says, cut into ``folder/{prefix}-NNNN.parquet``.
+    Returns ``{"shards": [{text_uri, rows, text_bytes}], "stats": CorpusStats.as_dict()}``
+    and then the documents' id hashes in :data:`HASH_BUCKETS` arrays, split by hash, so
+    the duplicate check over the whole corpus runs in as many tasks and never on the head."""
+    stats, seen = CorpusStats(), IdHashes()
+    shards: list[dict] = []
     writer: _ShardWriter | None = None
     ids: list[str] = []
     texts: list[str] = []
-    rows = 0
 
     def close_shard() -> None:
         nonlocal writer
         if writer is not None:
             writer.close()
-            items.append(
-                {
-                    "index": len(items),
-                    "text_uri": writer.uri,
-                    "first_row": rows - writer.rows,
-                    "rows": writer.rows,
-                    "text_bytes": writer.text_bytes,
-                }
-            )
+            shards.append({"text_uri": writer.uri, "rows": writer.rows, "text_bytes": writer.text_bytes})
             writer = None
 
-    bar = progress(None, "stage text", "documents")
-    documents = iter_documents(corpus, on_empty=on_empty, stats=stats)
+    documents = itertools.chain.from_iterable(piece_documents(p, on_empty, stats, seen) for p in pieces)
     for doc in join_consecutive(documents, join or JoinConfig()):
-        bar.update()
         if writer is None:
-            writer = _ShardWriter(storage.join(folder, f"text-{len(items):05d}.parquet"))
+            writer = _ShardWriter(storage.join(folder, f"{prefix}-{len(shards):04d}.parquet"))
         ids.append(doc.doc_id)
         texts.append(doc.text)
-        rows += 1
         if len(ids) == ROW_GROUP or writer.rows + len(ids) == docs_per_shard:
             writer.write(ids, texts)
             ids, texts = [], []
@@ -109,13 +116,100 @@ def write_text_shards(
     if ids:
         writer.write(ids, texts)
     close_shard()
-    bar.close()
+    hashes = seen.array()
+    bucket = hashes >> np.uint64(64 - HASH_BUCKET_BITS)
+    return ({"shards": shards, "stats": stats.as_dict()}, *(hashes[bucket == b] for b in range(HASH_BUCKETS)))
+
+
+def _repeated(*arrays: np.ndarray) -> set[int]:
+    return repeated_hashes(list(arrays))
+
+
+class _Tasks:
+    """Runs staging's functions as Ray tasks when Ray is up (pinned to this node when the
+    corpus or the staging folder is a local path, which only this node can read), or as
+    plain calls in this process when it is not (a test or a tool without a cluster), or
+    when the path is local and this node offers Ray no CPU."""
+
+    def __init__(self, *uris: str):
+        self.ray = ray.is_initialized()
+        self.options: dict = {"num_cpus": 1, "max_retries": 3}
+        if self.ray and not all(storage.is_s3(u) for u in uris):
+            node = ray.get_runtime_context().get_node_id()
+            cpus = next((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["NodeID"] == node), 0)
+            # A head that offers no CPU (as KubeRay's usually do) runs no task: it reads here.
+            self.ray = cpus >= 1
+            self.options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+
+    def map(self, fn, calls: list[tuple], desc: str = "", unit: str = "", num_returns: int = 1) -> list:
+        """``fn(*args)`` for each of ``calls``, in order (tuples of refs where ``num_returns``
+        > 1: only the first is fetched). An InputError raised in a task is raised here as it
+        is: the first in corpus order."""
+        if not self.ray:
+            return [fn(*args) for args in calls]
+        task = ray.remote(fn).options(**self.options, num_returns=num_returns)
+        refs = [task.remote(*args) for args in calls]
+        firsts = [r[0] for r in refs] if num_returns > 1 else refs
+        try:
+            values = get_counted(firsts, desc, unit) if desc else ray.get(firsts)
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(getattr(exc, "cause", None), RaydenseError):
+                raise exc.cause from None
+            raise
+        return [(v, *r[1:]) for v, r in zip(values, refs)] if num_returns > 1 else values
+
+    def get(self, value):
+        return ray.get(value) if self.ray else value
+
+
+def _numbered(pieces: list[Piece], tasks: _Tasks) -> list[Piece]:
+    """``pieces`` with each one's ``first_line``: the lines before it in its file, counted
+    in parallel (a byte count of newlines, not a parse)."""
+    counted = [i for i, p in enumerate(pieces) if p.end is not None and i + 1 < len(pieces) and pieces[i + 1].start]
+    counts = dict(
+        zip(
+            counted, tasks.map(count_line_starts, [(pieces[i].source, pieces[i].start, pieces[i].end) for i in counted])
+        )
+    )
+    numbered, line = [], 1
+    for i, piece in enumerate(pieces):
+        line = 1 if piece.start == 0 else line
+        numbered.append(dataclasses.replace(piece, first_line=line))
+        line += counts.get(i, 0)
+    return numbered
+
+
+def _write_staging(corpus: str, folder: str, docs_per_shard: int, on_empty: str, join: JoinConfig | None) -> tuple:
+    """Stage ``corpus`` into ``folder`` with parallel tasks, one a piece of the input (one in
+    all when records are joined: a joined passage may span pieces). Returns the shard items
+    (``index``, ``text_uri``, ``first_row``, ``rows``, ``text_bytes``) and the stats."""
+    if docs_per_shard < 1:
+        raise ValueError(f"docs_per_shard must be >= 1, got {docs_per_shard}")
+    tasks = _Tasks(corpus, folder)
+    pieces = _numbered(corpus_pieces(corpus, PIECE_BYTES), tasks)
+    groups = [pieces] if (join or JoinConfig()).group_by else [[p] for p in pieces]
+    calls = [(group, folder, f"text-{i:05d}", docs_per_shard, on_empty, join) for i, group in enumerate(groups)]
+    results = tasks.map(write_text_shards, calls, "stage text", "pieces", num_returns=1 + HASH_BUCKETS)
+    buckets = [[r[1 + b] for r in results] for b in range(HASH_BUCKETS)]
+    repeated = set().union(*tasks.map(_repeated, buckets)) if tasks.ray else _repeated(*sum(buckets, []))
+    if repeated:
+        raise_duplicate(corpus_files(corpus), repeated)
+    stats = CorpusStats()
+    items: list[dict] = []
+    for summary, *_ in results:
+        part = summary["stats"]
+        stats.documents += part["documents"]
+        stats.skipped_empty += part["skipped_empty"]
+        stats.skipped_examples = (stats.skipped_examples + part["skipped_examples"])[:MAX_SKIPPED_EXAMPLES]
+        for shard in summary["shards"]:
+            first_row = items[-1]["first_row"] + items[-1]["rows"] if items else 0
+            items.append({"index": len(items), "first_row": first_row, **shard})
     if not items:
         raise InputError(f"{corpus}: no documents ({stats.skipped_empty} empty ones skipped)", source=corpus)
-    return items
+    return items, stats
 
 
-TEXT_FORMAT = "raydense-text-shards-v1"
+TEXT_FORMAT = "raydense-text-shards-v2"
 
 
 def stage_text(
@@ -125,9 +219,10 @@ def stage_text(
     was made from the same stored version with the same validation and joining (its cut,
     ``docs_per_shard``, is then the first stager's: consumers regroup shards into their own
     loads). Returns its manifest: ``source``, ``version``, ``settings``, ``docs``,
-    ``corpus_stats`` and ``shards`` (the items of :func:`write_text_shards`). Each input and
-    way of reading it gets its own subfolder, so a pre-training corpus, its passages joined,
-    and the retrieval corpus share one folder without evicting each other."""
+    ``corpus_stats`` and ``shards`` (``index``, ``text_uri``, ``first_row``, ``rows``,
+    ``text_bytes``). Each input and way of reading it gets its own subfolder, so a
+    pre-training corpus, its passages joined, and the retrieval corpus share one folder
+    without evicting each other."""
     source = storage.resolve(corpus).uri
     reading = {"on_empty": on_empty, "join": asdict(join or JoinConfig())}
     key = json.dumps({"source": source, **reading}, sort_keys=True)
@@ -139,8 +234,7 @@ def stage_text(
         if (manifest.get("format"), manifest.get("source"), manifest.get("version")) == (TEXT_FORMAT, source, version):
             return manifest
     storage.delete_dir(target)  # another version's shards, or a staging cut short
-    stats = CorpusStats()
-    shards = write_text_shards(source, target, docs_per_shard, on_empty=on_empty, stats=stats, join=join)
+    shards, stats = _write_staging(source, target, docs_per_shard, on_empty, join)
     manifest = {
         "format": TEXT_FORMAT,
         "source": source,

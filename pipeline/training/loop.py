@@ -252,6 +252,18 @@ def log(msg: dict | str) -> None:
     sys.stderr.flush()
 
 
+MAX_STEPS_BETWEEN_CHECKS = 10_000
+
+
+def steps_between_checks(check_s: float, step_s: float) -> int:
+    """Steps to the next preemption ask: as many as fit in ``check_s`` seconds at the
+    slowest rank's ``step_s`` a step, at least 1 (a step longer than the interval asks
+    after each), at most :data:`MAX_STEPS_BETWEEN_CHECKS`."""
+    if step_s <= 0:
+        return 1
+    return max(1, min(MAX_STEPS_BETWEEN_CHECKS, int(check_s / step_s)))
+
+
 # Written by a worker that hit a user error or a corrupt input (a deterministic error): every
 # worker of the next attempt stops at its start, so that Ray Train's retries (meant for lost
 # workers and nodes) do not redo the failing work max_failures times.
@@ -424,6 +436,8 @@ class WorkerRun:
         self.started, self.start_tokens, self.start_step = time.perf_counter(), self.state.tokens, self.state.step
         self.last_saved = self.state.step
         self.preemption_seen = None  # the last preemption notice acted on
+        # The first ask follows the first step; its time (warm-up included) sets the next.
+        self.next_check, self.checked_at = self.state.step + 1, (self.state.step, time.perf_counter())
         self.extra: dict[str, torch.Tensor] = {}
         self.epochs = np.zeros(0, dtype=np.int64)  # the last batch's epochs
         self.profiler = StepProfiler(
@@ -501,10 +515,17 @@ class WorkerRun:
         group is about to be taken away (drained with a deadline: a spot reclaim, a
         scale-down). Ray Train restarts the group once the deadline passes; the checkpoint
         saved on the notice is what the restart resumes from, so the steps trained before it
-        are not redone. A collective: every rank asks at the same steps."""
-        every, state = self.train.preemption_check_every, self.state
-        if not every or state.step % every:
+        are not redone. Asked about every ``preemption_check_s`` seconds, at steps all ranks
+        agree on: the ask is a collective, and so is the step time that sets the next one."""
+        check_s, state = self.train.preemption_check_s, self.state
+        if not check_s or state.step < self.next_check:
             return False
+        now = time.perf_counter()
+        last_step, last_time = self.checked_at
+        step_s = torch.tensor([(now - last_time) / max(1, state.step - last_step)], device=self.engine.device)
+        torch.distributed.all_reduce(step_s, op=torch.distributed.ReduceOp.MAX)
+        self.next_check = state.step + steps_between_checks(check_s, float(step_s.item()))
+        self.checked_at = (state.step, now)
         notice = ray.train.get_preemption_info()
         if notice is None or notice == self.preemption_seen:
             return False

@@ -68,10 +68,10 @@ class TrainConfig:
             "help": "worker-group restarts Ray Train may do before giving up (a node lost after a preemption notice is not counted: Ray Train restarts those without limit)"
         },
     )
-    preemption_check_every: int = field(
-        default=10,
+    preemption_check_s: float = field(
+        default=10.0,
         metadata={
-            "help": "steps between asks whether a node of the run was told it will be preempted (a node drained with a deadline: a spot reclaim); on a notice every worker saves a checkpoint at once, so the restarted run redoes none of the steps before it. An ask is one call to Ray Train's synchronization actor (3.2-3.4 ms on 2 CPU cores): keep the steps between asks well inside the drain window (Ray's default on SIGTERM: 30 s). 0 = never ask (a lost node then costs the steps since the last checkpoint)"
+            "help": "seconds between asks whether a node of the run was told it will be preempted (a node drained with a deadline: a spot reclaim); on a notice every worker saves a checkpoint at once, so the restarted run redoes none of the steps before it. The workers agree at each ask, from the slowest worker's step time, on the step of the next one, so every worker asks at the same step however long a step takes. Keep it well inside the drain window (Ray's default on SIGTERM: 30 s). 0 = never ask (a lost node then costs the steps since the last checkpoint)"
         },
     )
     profile_steps: int = field(
@@ -121,7 +121,7 @@ class TrainConfig:
             "max_steps",
             "epochs",
             "max_failures",
-            "preemption_check_every",
+            "preemption_check_s",
             "profile_steps",
             "prefetch_batches",
             "resource_wait_s",

@@ -34,7 +34,7 @@ OPERATIONAL_KEYS = frozenset(
         "checkpoint_every",
         "keep_checkpoints",
         "max_failures",
-        "preemption_check_every",
+        "preemption_check_s",
         "profile_steps",
         "prefetch_batches",
         "collate_ahead",
