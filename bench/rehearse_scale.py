@@ -67,7 +67,8 @@ def run_job(argv: list[str], cwd: Path, log: Path, env: dict) -> dict:
         seconds = time.perf_counter() - started
     if proc.returncode:
         raise SystemExit(f"{' '.join(argv)} failed (rc {proc.returncode}); see {log}")
-    summary = json.loads(log.read_text().strip().splitlines()[-1])
+    # The job's summary is its last stdout line; Ray's raylet may still log after it.
+    summary = next(json.loads(line) for line in reversed(log.read_text().splitlines()) if line.startswith("{"))
     return {
         "seconds": round(seconds, 1),
         "driver_peak_gib": round(peak / GIB, 3),

@@ -132,3 +132,31 @@ def test_the_stream_keeps_the_planned_order_across_epochs_and_resumes_with_the_r
     assert [part().count() for part in parts] == [0, 13, 20]
     assert [int(r["source_rows"][0]) for r in rest] == [int(r["source_rows"][0]) for r in whole[taken:]]
     assert all(np.array_equal(a["d_input_ids"], b["d_input_ids"]) for a, b in zip(rest, whole[taken:]))
+
+
+def test_epochs_read_one_after_another_are_batched_as_one_stream():
+    """Epochs of 7 and 5 rows read as two parts give the micro-batches of one 12-row stream:
+    the first epoch's last row shares a batch with the next epoch's first two (the parts
+    yield 3, 3, 1 and 3, 2), ragged columns included. Mutation: batching each part apart
+    gives 3, 3, 1, 3, 2."""
+    from pipeline.training.loop import chained
+
+    def part(epoch: int, rows: int, sizes: list[int]):
+        def batches():
+            start = 0
+            for size in sizes:
+                ids = np.arange(start, start + size)
+                tokens = np.empty(size, dtype=object)
+                tokens[:] = [np.arange(i % 4 + 1) for i in ids]
+                yield {"epoch": np.full(size, epoch), "row": ids, "tokens": tokens}
+                start += size
+            assert start == rows
+
+        return batches
+
+    out = list(chained([part(0, 7, [3, 3, 1]), part(1, 5, [3, 2])], 3))
+    assert [len(b["row"]) for b in out] == [3, 3, 3, 3]
+    assert [(int(e), int(r)) for b in out for e, r in zip(b["epoch"], b["row"])] == [(0, r) for r in range(7)] + [
+        (1, r) for r in range(5)
+    ]
+    assert [len(t) for b in out for t in b["tokens"]] == [r % 4 + 1 for r in range(7)] + [r % 4 + 1 for r in range(5)]

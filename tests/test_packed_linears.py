@@ -96,7 +96,7 @@ def test_packing_keeps_the_state_dict_and_the_module_copies_and_pickles():
 
 def test_an_encoder_gives_the_blas_paths_vectors(tmp_path):
     """The encoder's default on CPUs (cpu_linears=onednn) against PyTorch's own path: the
-    same vectors within 1e-5, every linear of both towers packed."""
+    same vectors within 1e-5, every linear of both towers packed and run packed."""
     from pipeline.retrieval.encode import EncoderSettings, local_encoder
     from tests.helpers import generated_texts, save_tiny_bert
 
@@ -109,5 +109,9 @@ def test_an_encoder_gives_the_blas_paths_vectors(tmp_path):
     assert not any(type(m) is PackedLinear for m in blas.model.modules())
     tokens = blas.tokenizer(texts, add_special_tokens=False)["input_ids"]
     expected = blas.encode_tokens(tokens, max_len=64)
+    assert all(m._packed is None for m in linears)
     np.testing.assert_allclose(onednn.encode_tokens(tokens, max_len=64), expected, rtol=0, atol=1e-5)
     assert np.abs(expected).max() > 0.1
+    # Every linear ran oneDNN's product: only that path packs a copy of the weight. Mutation:
+    # a forward that always takes nn.Linear's path leaves every copy unmade, and this fails.
+    assert all(m._packed is not None for m in linears)

@@ -82,6 +82,36 @@ def test_a_corpus_rewritten_at_the_same_path_is_prepared_again(tmp_path, shared_
 
 
 @pytest.mark.ray
+@pytest.mark.ray
+def test_a_prepared_corpus_is_reused_only_with_the_settings_that_made_it(tmp_path, shared_ray):
+    """The same input and output prepared with another vocabulary size, then another shard
+    size: each time prepared anew, its manifest naming the new setting, its vocabulary or
+    its shards rewritten; asked again with the last settings, reused. Mutation: dropping the
+    settings comparison in ``prepare_corpus`` returns the first manifest every time
+    (vocabulary 150, shards of 30)."""
+    import json
+
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", synthetic_docs(70, seed=3))
+    out = tmp_path / "out"
+
+    def prepared(**settings) -> tuple[dict, int]:
+        manifest = prepare_corpus(PrepareConfig(input=corpus, output=str(out), **settings))
+        vocab = json.loads((out / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
+        return manifest, len(vocab)
+
+    first, vocab = prepared(vocab_size=150, docs_per_shard=30)
+    assert (first["settings"]["vocab_size"], vocab, [s["rows"] for s in first["shards"]]) == (150, 150, [30, 30, 10])
+    written = os.stat(out / first["shards"][0]["path"]).st_mtime_ns
+
+    wider, vocab = prepared(vocab_size=180, docs_per_shard=30)
+    assert (wider["settings"]["vocab_size"], wider["vocab_size"], vocab) == (180, 180, 180)
+    assert os.stat(out / wider["shards"][0]["path"]).st_mtime_ns != written
+
+    recut, _ = prepared(vocab_size=180, docs_per_shard=20)
+    assert recut["settings"]["docs_per_shard"] == 20 and [s["rows"] for s in recut["shards"]] == [20, 20, 20, 10]
+    assert prepared(vocab_size=180, docs_per_shard=20)[0]["seconds"] == recut["seconds"]  # reused
+
+
 def test_a_run_stages_its_corpus_once_for_every_tokenizer(tmp_path, shared_ray):
     from tests.helpers import save_tiny_bert
 

@@ -258,9 +258,10 @@ def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp
     # Files the head side wrote: the checkout, the head's Ray log, the recipe the driver reads.
     probe_paths = [str(REPO / "pipeline" / "__init__.py"), os.path.join(head.temp_dir, "head.log"), str(recipe)]
     # The job carries credentials as a job would for an S3-compatible store; the entrypoint
-    # refuses to start without them, so the leak scan below cannot pass because they never
-    # arrived.
-    present = " && ".join(f'test -n "${name}"' for name in FAKE_CREDENTIALS)
+    # refuses to start unless each holds the value only this test gives it (a key inherited
+    # from the host's environment would pass a mere "is set"), so the leak scan below cannot
+    # pass because they never arrived.
+    present = " && ".join(f'test "${name}" = {shlex.quote(value)}' for name, value in FAKE_CREDENTIALS.items())
     recipe_job = shlex.join(["python", "jobs/recipe.py", "--config", str(recipe)])
     # The recipe, then the same command again (every stage recorded: nothing runs).
     entrypoint = f"{present} && python -c {shlex.quote(PROBE)} && {recipe_job} && {recipe_job}"

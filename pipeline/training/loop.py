@@ -180,10 +180,13 @@ def training_batches(shard, train: TrainConfig, micro_batch_size: int):
     )
 
 
-def chained(parts: list) -> Iterator:
-    """The batches of ``parts`` (each a zero-argument callable giving an iterator), one part
-    after another. The next part is started, and its first batch fetched, in a thread as the
-    current one starts: an epoch's stream prepares itself while the one before it trains."""
+def chained(parts: list, batch_size: int) -> Iterator:
+    """The batches of ``parts`` (each a zero-argument callable giving an iterator of numpy
+    batches), one part after another, cut again into batches of ``batch_size`` rows across
+    the parts' ends: an epoch's last rows share a batch with the next epoch's first, as in
+    one stream. The next part is started, and its first batch fetched, in a thread once the
+    current one's first batch is taken: an epoch's stream prepares itself while the one
+    before it trains."""
     if len(parts) == 1:
         yield from parts[0]()
         return
@@ -192,18 +195,40 @@ def chained(parts: list) -> Iterator:
         batches = iter(parts[i]())
         return batches, next(batches, None)
 
-    pool = ThreadPoolExecutor(1, thread_name_prefix="next-part")
-    try:
-        ahead = pool.submit(started, 0)
-        for i in range(len(parts)):
-            batches, first = ahead.result()
-            if i + 1 < len(parts):
-                ahead = pool.submit(started, i + 1)
-            if first is not None:
-                yield first
-                yield from batches
-    finally:  # a run that stops early (max_steps) does not wait for the next part's start
-        pool.shutdown(wait=False, cancel_futures=True)
+    def joined():
+        pool = ThreadPoolExecutor(1, thread_name_prefix="next-part")
+        try:
+            ahead = pool.submit(started, 0)
+            for i in range(len(parts)):
+                batches, first = ahead.result()
+                if first is not None:
+                    yield first
+                # Started once the first batch is taken, so the next epoch's join does not
+                # compete with the stream's start for the node's CPUs.
+                if i + 1 < len(parts):
+                    ahead = pool.submit(started, i + 1)
+                if first is not None:
+                    yield from batches
+        finally:  # a run that stops early (max_steps) does not wait for the next part's start
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    yield from rebatched(joined(), batch_size)
+
+
+def rebatched(batches: Iterator[dict], size: int) -> Iterator[dict]:
+    """``batches`` (dicts of equally long arrays) as batches of ``size`` rows, in order, the
+    last one shorter if the rows run out. A full batch passes through uncopied."""
+    pending: dict | None = None
+    for batch in batches:
+        if pending is not None:
+            batch = {key: np.concatenate([pending[key], batch[key]]) for key in batch}
+        rows = len(next(iter(batch.values())))
+        whole = rows - rows % size
+        for start in range(0, whole, size):
+            yield batch if rows == size else {key: values[start : start + size] for key, values in batch.items()}
+        pending = {key: values[whole:] for key, values in batch.items()} if whole < rows else None
+    if pending is not None:
+        yield pending
 
 
 def collated(batches, make_batch, seed_of, first_micro_step: int, ahead: bool):
@@ -475,7 +500,8 @@ class WorkerRun:
                     training_batches, ray.train.get_dataset_shard(name), self.train, self.state.micro_batch_size
                 )
                 for name in self.config.get("datasets", ["train"])
-            ]
+            ],
+            self.state.micro_batch_size,
         )
         if self.config.get("replay_batches"):
             # Benchmark mode: hold the first N batches in memory and cycle them, so the same
