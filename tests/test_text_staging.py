@@ -88,7 +88,7 @@ def test_a_prepared_corpus_is_reused_only_with_the_settings_that_made_it(tmp_pat
     size: each time prepared anew, its manifest naming the new setting, its vocabulary or
     its shards rewritten; asked again with the last settings, reused. Mutation: dropping the
     settings comparison in ``prepare_corpus`` returns the first manifest every time
-    (vocabulary 150, shards of 30)."""
+    (vocabulary 100, shards of 30)."""
     import json
 
     corpus = write_jsonl(tmp_path / "corpus.jsonl", synthetic_docs(70, seed=3))
@@ -99,17 +99,17 @@ def test_a_prepared_corpus_is_reused_only_with_the_settings_that_made_it(tmp_pat
         vocab = json.loads((out / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
         return manifest, len(vocab)
 
-    first, vocab = prepared(vocab_size=150, docs_per_shard=30)
-    assert (first["settings"]["vocab_size"], vocab, [s["rows"] for s in first["shards"]]) == (150, 150, [30, 30, 10])
+    first, vocab = prepared(vocab_size=100, docs_per_shard=30)
+    assert (first["settings"]["vocab_size"], vocab, [s["rows"] for s in first["shards"]]) == (100, 100, [30, 30, 10])
     written = os.stat(out / first["shards"][0]["path"]).st_mtime_ns
 
-    wider, vocab = prepared(vocab_size=180, docs_per_shard=30)
-    assert (wider["settings"]["vocab_size"], wider["vocab_size"], vocab) == (180, 180, 180)
+    wider, vocab = prepared(vocab_size=120, docs_per_shard=30)
+    assert (wider["settings"]["vocab_size"], wider["vocab_size"], vocab) == (120, 120, 120)
     assert os.stat(out / wider["shards"][0]["path"]).st_mtime_ns != written
 
-    recut, _ = prepared(vocab_size=180, docs_per_shard=20)
+    recut, _ = prepared(vocab_size=120, docs_per_shard=20)
     assert recut["settings"]["docs_per_shard"] == 20 and [s["rows"] for s in recut["shards"]] == [20, 20, 20, 10]
-    assert prepared(vocab_size=180, docs_per_shard=20)[0]["seconds"] == recut["seconds"]  # reused
+    assert prepared(vocab_size=120, docs_per_shard=20)[0]["seconds"] == recut["seconds"]  # reused
 
 
 def test_a_run_stages_its_corpus_once_for_every_tokenizer(tmp_path, shared_ray):
