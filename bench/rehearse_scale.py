@@ -173,6 +173,9 @@ def main() -> None:
         "old": subprocess.run(
             ["git", "-C", str(trees["old"]), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
         ).stdout.strip(),
+        "new": subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
         "rows": rows,
     }
     if args.json:

@@ -6,10 +6,12 @@ fine-tuning cases in tests/test_finetune_deepspeed.py.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
-from conftest import synthetic_docs
+from conftest import synthetic_docs, write_jsonl
 from transformers import AutoModel
 
 from models.biencoder import BiEncoderConfig, ContrastiveObjective, contrastive_loss
@@ -92,3 +94,60 @@ def test_lora_targets_are_the_layer_stacks_linear_layers_only():
     assert not re.fullmatch(pattern, "encoder.layer.3.attention.self.query_proj")
     with pytest.raises(ValueError, match="lora.rank must be >= 0"):
         LoraSettings(rank=-1)
+
+
+@pytest.mark.ray
+def test_a_lora_run_through_the_trainer_changes_each_adapted_weight_by_a_low_rank_update(tmp_path, ray_session):
+    """A short `run_finetuning` with rank-2 adapters and weight decay 0.1, through the
+    trainer's parameter groups and DeepSpeed's step: in the merged export every tensor not
+    adapted (embeddings, LayerNorms, biases, the pooler) is bit-equal to the initial model's,
+    and every adapted weight moved from its initial value by an update of rank at most 2 (B A
+    merged). Mutations: a base weight left trainable, or decayed by the optimiser, moves by a
+    full-rank update (or moves where it must not)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from pipeline.core import model_ref
+    from pipeline.training import finetune
+    from pipeline.training.train_config import TrainConfig
+
+    docs = synthetic_docs(40, seed=3)
+    init = save_tiny_bert(str(tmp_path / "bert"), [d["text"] for d in docs], num_layers=2)
+    queries, qrels = tmp_path / "queries.jsonl", tmp_path / "qrels.tsv"
+    queries.write_text(
+        "".join(json.dumps({"_id": f"q{i}", "text": " ".join(docs[i]["text"].split()[:4])}) + "\n" for i in range(12))
+    )
+    qrels.write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\t{docs[i]['_id']}\t1\n" for i in range(12)))
+    cfg = finetune.FinetuneConfig()
+    cfg.data.queries, cfg.data.qrels, cfg.data.negatives = str(queries), str(qrels), ""
+    cfg.corpus.input = write_jsonl(tmp_path / "corpus.jsonl", docs)
+    cfg.corpus.output = str(tmp_path / "prepared")
+    cfg.data.query_max_len, cfg.data.passage_max_len = 12, 24
+    cfg.model.init = init
+    cfg.retriever.group_size = 2
+    cfg.retriever.lora = LoraSettings(rank=2, alpha=8.0)
+    cfg.train = TrainConfig(
+        output=str(tmp_path / "run"),
+        num_workers=1,
+        zero_stage=1,
+        lr=5e-2,
+        weight_decay=0.1,
+        max_steps=3,
+        micro_batch_size=4,
+        checkpoint_every=100,
+        log_every=1,
+    )
+    summary = finetune.run_finetuning(cfg)
+    before = load_file(str(tmp_path / "bert" / "model.safetensors"))
+    after = load_file(f"{model_ref.materialize(summary['export_dir'])}/model.safetensors")
+    assert sorted(before) == sorted(after)
+    adapted = {k for k in before if re.fullmatch(target_pattern(LoraSettings().targets), k.removesuffix(".weight"))}
+    assert len(adapted) == 6 * 2  # query, key, value and the three dense layers of each of 2 layers
+    for key in before:
+        if key not in adapted:
+            assert torch.equal(before[key], after[key]), key
+            continue
+        update = (after[key] - before[key]).double()
+        assert update.abs().max() > 1e-4, key  # the adapters trained
+        assert int(torch.linalg.matrix_rank(update, rtol=1e-6)) <= 2, key

@@ -237,6 +237,10 @@ def test_finetuning_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted_
     resumed = finetune.run_finetuning(config("resumed"))
 
     assert resumed["restarts"] == 1 and resumed["resumes"][-1]["checkpoint"] == "checkpoint_000000003"
+    # What ran, counted outside the run's own record: 6 micro-batches given to the first
+    # attempt (the 6th failed), then the 5 after checkpoint 3. Mutation: a restart from step
+    # 0 (which also ends with these weights) runs 6 + 8 = 14.
+    assert (tmp_path / "stopped").read_text().count("\n") == 11
     assert_identical(weights(whole["export_dir"]), weights(resumed["export_dir"]))
 
 

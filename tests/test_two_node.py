@@ -40,6 +40,7 @@ from transformers import AutoModel
 
 from pipeline.core import model_ref, storage
 from pipeline.core.config import dump_yaml
+from pipeline.core.parts import BLOCK
 from pipeline.data.beir import read_qrels, read_queries
 from pipeline.data.runs import read_trec_run
 from pipeline.data.shards import FORMAT as CORPUS_FORMAT
@@ -220,7 +221,9 @@ def _lose_the_node_mid_stage(cluster: TwoNodeCluster, out: str, stages: list[str
 def _lose_it_at_each(cluster: TwoNodeCluster, out: str, stages: list[str], seen: dict) -> None:
     for stage in stages:
         parts, deadline = f"{out}/{stage}/parts", time.time() + 600
-        while not storage.list_files(parts) or not _driver_pids(stage):
+        # A block's results object, written only once its search (or scoring) is done: the
+        # query vectors mining writes beside it come first, while the encoders run.
+        while not _answered_blocks(parts) or not _driver_pids(stage):
             if time.time() > deadline:
                 return
             time.sleep(0.02)
@@ -229,7 +232,7 @@ def _lose_it_at_each(cluster: TwoNodeCluster, out: str, stages: list[str], seen:
             os.kill(pid, signal.SIGSTOP)
         try:
             seen[stage] = {
-                "parts_committed": len(storage.list_files(parts)),
+                "blocks_committed": len(_answered_blocks(parts)),
                 "stage_done": storage.exists(f"{out}/{stage}/run.trec"),  # joined only once all are
             }
             cluster.lose_node()
@@ -238,6 +241,10 @@ def _lose_it_at_each(cluster: TwoNodeCluster, out: str, stages: list[str], seen:
                 os.kill(pid, signal.SIGCONT)
             time.sleep(3)
             cluster.start_node()
+
+
+def _answered_blocks(parts: str) -> list[str]:
+    return [uri for uri in storage.list_files(parts) if uri.endswith(f".{BLOCK}")]
 
 
 def _ranked(run_uri: str) -> dict[str, list[str]]:
@@ -298,8 +305,8 @@ def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp
     (tmp_path / "job-output.txt").write_text(output)
     assert again.returncode == 0, (seen, again.stdout[-6000:] + again.stderr[-6000:])
     assert set(seen) == {"mine2", "rerank"}, seen
-    # Caught mid-way: some blocks committed, the joined output not yet written.
-    assert all(s["parts_committed"] > 0 and not s["stage_done"] for s in seen.values()), seen
+    # Caught mid-way: some blocks answered, the joined output not yet written.
+    assert all(s["blocks_committed"] > 0 and not s["stage_done"] for s in seen.values()), seen
     assert len(cluster.nodes) == 3
     # The servers came back on the new node and the calls in flight were asked again: the
     # stage itself never failed (the recipe's own retry of a failed stage was not needed).
@@ -307,6 +314,14 @@ def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp
     after_mine, after_rerank = job_summaries(again.stdout, "recipe")
     assert after_mine["ran"] == ["mine2"] and after_rerank["ran"] == ["rerank"]
     records_after = after_rerank["stages"]
+    # Blocks were still to be searched (and scored) when the node went, and the servers
+    # serving them were restarted by Ray on the fresh node (mutation: a killer that fires
+    # before any block is answered, as one firing on the query vectors did, finds the
+    # searchers not yet started: nothing is restarted).
+    for stage in ("mine2", "rerank"):
+        assert seen[stage]["blocks_committed"] < records_after[stage]["summary"]["blocks"], (seen, stage)
+    assert records_after["mine2"]["summary"]["searchers_restarted"] >= 1, records_after["mine2"]["summary"]
+    assert records_after["rerank"]["summary"]["passage_servers_restarted"] >= 1, records_after["rerank"]["summary"]
     assert {
         name: storage.read_bytes(uri)
         for stage in ("mine2", "rerank")
@@ -316,7 +331,8 @@ def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp
     for stage in ("mine2", "rerank"):  # what the loss cost: the stage's time, interrupted or not
         print(
             f"{stage}: {summary['stages'][stage]['seconds']} s uninterrupted, {records_after[stage]['seconds']} s "
-            f"with the node lost after {seen[stage]['parts_committed']} part files"
+            f"with the node lost after {seen[stage]['blocks_committed']} of "
+            f"{records_after[stage]['summary']['blocks']} blocks"
         )
     # Every other stage's record as it was.
     assert {s: r for s, r in records_after.items() if s not in ("mine2", "rerank")} == {
@@ -428,11 +444,19 @@ def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp
     )
     assert len(prepared) == 2 and prepared[0].startswith("corpus/") and prepared[1] == "pretrain/corpus", prepared
     process_logs = []
-    for ray_dir in (head.temp_dir, *cluster.node_dirs):
-        logs = Path(ray_dir) / "session_latest" / "logs"
+    # A worker node's session_latest is a link to an absolute path, which from here is the
+    # head's folder (the node saw its own folder mounted there): its sessions are read by
+    # their real folders instead.
+    sessions = [Path(head.temp_dir) / "session_latest"]
+    sessions += [session for ray_dir in cluster.node_dirs for session in sorted(Path(ray_dir).glob("session_2*"))]
+    for session in sessions:
+        logs = session / "logs"
         process_logs += sorted(logs.glob("job-driver-*")) + sorted(logs.glob("worker-*"))
-    on_worker_node = [p for p in process_logs if str(p).startswith(cluster.node_dirs[0])]
-    assert any(b'"step": 2' in p.read_bytes() for p in on_worker_node), "no training log among the scanned logs"
+    on_worker_nodes = [p for p in process_logs if str(p).startswith(tuple(cluster.node_dirs))]
+    # Mutation: reading <node>/session_latest reads the head's logs once per node, and both fail.
+    assert on_worker_nodes and not [p for p in on_worker_nodes if str(p.resolve()).startswith(head.temp_dir)]
+    # A line only a worker node's process writes (the head runs no task): a trainer's log step.
+    assert any(b'"step": 2' in p.read_bytes() for p in on_worker_nodes), "no training log among the scanned logs"
     assert not files_containing([stored, tmp_path / "job-output.txt", *process_logs], FAKE_CREDENTIALS)
     canary = tmp_path / "canary" / "state.bin"  # the scan finds what it looks for, in binary files too
     canary.parent.mkdir()

@@ -198,6 +198,10 @@ def failed_server(refs: Sequence) -> tuple[int, BaseException] | None:
     return None
 
 
+def _was_restarted(server) -> bool:
+    return ray.get_runtime_context().was_current_actor_reconstructed
+
+
 class ShardActors:
     """Actors that each serve one shard of the corpus, started by :meth:`_serve` and killed
     on :meth:`close` (or ``with``).
@@ -311,6 +315,11 @@ class ShardActors:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def restarted(self) -> int:
+        """How many of the servers now serving were restarted by Ray (their process or node
+        died) since they first started: a stage's record of the failures it rode out."""
+        return sum(ray.get([server.__ray_call__.remote(_was_restarted) for server in self.actors]))
 
     def close(self) -> None:
         copies = [copy for copy, _, _ in getattr(self, "_copies", {}).values()]

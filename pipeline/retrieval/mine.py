@@ -298,7 +298,7 @@ def run_mining(cfg: MineConfig) -> dict:
                     ceilings[start : start + len(scores)].tolist(),
                 )
         driver_share = index.driver_share()
-        search_mode, fallback = index.search_mode, index.fallback
+        search_mode, fallback, restarted = index.search_mode, index.fallback, index.restarted()
     search_s = time.perf_counter() - search_start
     counts = summed(join_blocks(output, blocks, {name: storage.join(output, name) for name in OUTPUTS}), COUNTS)
     remove_parts(output)
@@ -322,5 +322,6 @@ def run_mining(cfg: MineConfig) -> dict:
         "search_driver_share": driver_share,  # of the search's wall time, the driver's merging and writing
         "search": search_mode,  # faiss-gpu, torch or faiss-cpu
         "gpu_fallback": fallback,  # why the search left FAISS's GPU path, when it did
+        "searchers_restarted": restarted,  # by Ray, after their process or node died
         "seconds": round(time.perf_counter() - started, 2),
     }

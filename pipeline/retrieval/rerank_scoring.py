@@ -372,6 +372,7 @@ def run_scoring(cfg: RerankScoreConfig) -> dict:
                 actor_seconds += result["seconds"]
                 _write_block(output, block, result["scores"], block_reranked, block_first_stage)
         score_s = time.perf_counter() - score_start
+        servers_restarted = passages.restarted()
     # The metrics from every block's stored sums, in block order: a resumed scoring adds them
     # as an uninterrupted one does.
     reranked_metrics = StreamedMetrics(qrels, JOB_MEASURES.values())
@@ -395,6 +396,9 @@ def run_scoring(cfg: RerankScoreConfig) -> dict:
         "lengths": asdict(lengths),
         "actors": cfg.pool.actors,
         "passage_servers": len(passages.actors),
+        "passage_servers_restarted": servers_restarted,  # by Ray, after their process or node died
+        "blocks": len(blocks),
+        "blocks_resumed": len(done & set(blocks)),
         "pairs_per_s": round(counts["pairs"] / max(score_s, 1e-9), 1),
         "actor_seconds": round(actor_seconds, 2),
     }

@@ -113,7 +113,10 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         if not param.requires_grad:
             continue
         (no_decay if param.ndim < 2 or "LayerNorm" in name or name.endswith(".bias") else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # An empty group (LoRA trains only 2-D adapters: no bias, no LayerNorm) is dropped by
+    # DeepSpeed's ZeRO optimiser but not by the schedule built over it, which then fails.
+    return [group for group in groups if group["params"]]
 
 
 def step_seed(seed: int, rank: int, micro_step: int) -> int:
