@@ -107,7 +107,8 @@ def main() -> None:
     parser.add_argument("--passages", type=int, default=400_000)
     parser.add_argument("--latency_ms", type=float, default=30)
     parser.add_argument("--workdir", default="/tmp/rehearse-ingest")
-    parser.add_argument("--json", default="")
+    parser.add_argument("--json", default="", help="results file; a part not run keeps its figures there")
+    parser.add_argument("--parts", default="staging,first_batch", help="which parts to run")
     args = parser.parse_args()
     import boto3
 
@@ -127,16 +128,20 @@ def main() -> None:
     work = Path(args.workdir)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    local = write_collection(work, args.passages)
+    parts = set(args.parts.split(","))
     inputs = {}
-    for kind, path in local.items():
+    for kind, path in write_collection(work, args.passages).items() if "staging" in parts else ():
         client.upload_file(str(path), "rehearsal", f"msmarco/{path.name}")
         inputs[kind] = f"s3://rehearsal/msmarco/{path.name}"
     python = sys.executable
     trees = {"old": Path(args.old).resolve(), "new": REPO_ROOT}
+    kept = json.loads(Path(args.json).read_text()) if args.json and Path(args.json).exists() else {}
     results: dict = {"passages": args.passages, "latency_ms": args.latency_ms, "staging": {}, "first_batch": {}}
+    results |= {part: kept[part] for part in ("staging", "first_batch") if part not in parts and part in kept}
+    if "staging" not in parts and "passages" in kept:
+        results["passages"] = kept["passages"]
 
-    readings = [("old", "jsonl"), ("new", "jsonl"), ("new", "tsv")]
+    readings = [("old", "jsonl"), ("new", "jsonl"), ("new", "tsv")] if "staging" in parts else []
     for tree, kind in readings:
         name = f"{tree}-{kind}"
         stage = measured(
@@ -173,7 +178,7 @@ def main() -> None:
             flush=True,
         )
 
-    for tree, path in trees.items():
+    for tree, path in trees.items() if "first_batch" in parts else ():
         finetune = [
             python,
             "jobs/finetune.py",

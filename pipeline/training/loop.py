@@ -183,6 +183,13 @@ def training_batches(shard, train: TrainConfig, micro_batch_size: int):
     )
 
 
+def shard_batches(name: str, train: TrainConfig, micro_batch_size: int):
+    """:func:`training_batches` of dataset ``name``'s shard, asked of Ray Train only now: each
+    shard asked starts a split coordinator (an actor) for its dataset, so the datasets of
+    later epochs cost nothing before their turn. Every rank asks in the same order."""
+    return training_batches(ray.train.get_dataset_shard(name), train, micro_batch_size)
+
+
 def chained(parts: list, batch_size: int) -> Iterator:
     """The batches of ``parts`` (each a zero-argument callable giving an iterator of numpy
     batches), one part after another, cut again into batches of ``batch_size`` rows across
@@ -499,9 +506,7 @@ class WorkerRun:
         each timed."""
         batches = chained(
             [
-                functools.partial(
-                    training_batches, ray.train.get_dataset_shard(name), self.train, self.state.micro_batch_size
-                )
+                functools.partial(shard_batches, name, self.train, self.state.micro_batch_size)
                 for name in self.config.get("datasets", ["train"])
             ],
             self.state.micro_batch_size,
