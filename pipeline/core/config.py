@@ -298,6 +298,15 @@ def _from_mapping(cls: type[T], data: Any, source: str, prefix: str = "") -> T:
     return _build(cls, into, sources, prefix)
 
 
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's error on one line: where (1-based line and column) and what."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    context = getattr(error, "context", None)
+    return f"{where}{problem}" + (f" ({context})" if context else "")
+
 def _load_yaml(path: str) -> Any:
     try:
         data = yaml.safe_load(Path(path).read_text())
@@ -306,7 +315,7 @@ def _load_yaml(path: str) -> Any:
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(e)}", source=str(path)) from None
     if data is None:  # an empty file overrides nothing
         return {}
     if not isinstance(data, Mapping):

@@ -153,6 +153,13 @@ class _Tasks:
         try:
             values = get_counted(firsts, desc, unit) if desc else ray.get(firsts)
         except ray.exceptions.RayTaskError as exc:
+            # Every failed task's other returns hold its error too: taken here, or Ray logs
+            # each one's traceback as "unhandled" when it is freed, after the job's one line.
+            for ref in (r for returns in refs for r in (returns if num_returns > 1 else [returns])):
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError:
+                    pass
             if isinstance(getattr(exc, "cause", None), RaydenseError):
                 raise exc.cause from None
             raise

@@ -154,7 +154,7 @@ class TorchExactSearch:
         import torch
 
         with torch.inference_mode():
-            q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32)).to(self.device)
+            q = torch.from_numpy(np.array(queries, dtype=np.float32)).to(self.device)  # a copy: Ray hands a read-only one
             dots = (q.to(self.vectors.dtype) @ self.vectors.T).float()
             if self.metric == "ip":
                 scores, top = torch.topk(dots, min(k, self.ntotal), dim=1)
