@@ -298,7 +298,6 @@ def _from_mapping(cls: type[T], data: Any, source: str, prefix: str = "") -> T:
     return _build(cls, into, sources, prefix)
 
 
-
 def _yaml_problem(error: yaml.YAMLError) -> str:
     """PyYAML's error on one line: where (1-based line and column) and what."""
     mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
@@ -306,6 +305,7 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
     where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
     context = getattr(error, "context", None)
     return f"{where}{problem}" + (f" ({context})" if context else "")
+
 
 def _load_yaml(path: str) -> Any:
     try:

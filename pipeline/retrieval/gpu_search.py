@@ -154,7 +154,8 @@ class TorchExactSearch:
         import torch
 
         with torch.inference_mode():
-            q = torch.from_numpy(np.array(queries, dtype=np.float32)).to(self.device)  # a copy: Ray hands a read-only one
+            # A copy: Ray hands the block read-only, which torch warns about.
+            q = torch.from_numpy(np.array(queries, dtype=np.float32)).to(self.device)
             dots = (q.to(self.vectors.dtype) @ self.vectors.T).float()
             if self.metric == "ip":
                 scores, top = torch.topk(dots, min(k, self.ntotal), dim=1)
