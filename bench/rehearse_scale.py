@@ -91,14 +91,7 @@ def main() -> None:
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line a request otherwise
     s3 = SlowS3(args.latency_ms / 1000)
-    env = os.environ | {
-        "RAY_AUTH_MODE": "disabled",
-        "AWS_ENDPOINT_URL": s3.endpoint,
-        "AWS_ACCESS_KEY_ID": "rehearsal",
-        "AWS_SECRET_ACCESS_KEY": "rehearsal",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }
+    env = os.environ | s3.client_env()
     os.environ.update(env)  # this process uploads the embeddings
     boto3.client("s3").create_bucket(Bucket="rehearsal")
     work = Path(args.workdir)

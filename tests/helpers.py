@@ -533,6 +533,17 @@ class SlowS3:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
 
+    def client_env(self) -> dict[str, str]:
+        """What a process (a job, a local Ray) needs to use this server as its S3."""
+        return {
+            "RAY_AUTH_MODE": "disabled",
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": "rehearsal",
+            "AWS_SECRET_ACCESS_KEY": "rehearsal",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+
     def taken(self) -> dict:
         with self.lock:
             counts, self.counts = dict(self.counts), collections.Counter()
