@@ -76,9 +76,9 @@ def _span_lines(source: str, start: int, end: int) -> Iterator[bytes]:
 
 def count_line_starts(source: str, start: int, end: int) -> int:
     """How many lines of an uncompressed file start at a byte in ``[start, end)`` (the lines
-    :func:`numbered_lines` yields for that span), counted without splitting them."""
-    size = storage.info(source).size
-    end = min(end, size)
+    :func:`numbered_lines` yields for that span), counted without splitting them. ``end``
+    is at most the file's size (a newline ending the file starts no line: it is byte
+    ``size - 1``, never read here)."""
     if start >= end:
         return 0
     count = int(start == 0)

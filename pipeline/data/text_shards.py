@@ -165,9 +165,6 @@ class _Tasks:
             raise
         return [(v, *r[1:]) for v, r in zip(values, refs)] if num_returns > 1 else values
 
-    def get(self, value):
-        return ray.get(value) if self.ray else value
-
 
 def _numbered(pieces: list[Piece], tasks: _Tasks) -> list[Piece]:
     """``pieces`` with each one's ``first_line``: the lines before it in its file, counted
@@ -198,7 +195,7 @@ def _write_staging(corpus: str, folder: str, docs_per_shard: int, on_empty: str,
     calls = [(group, folder, f"text-{i:05d}", docs_per_shard, on_empty, join) for i, group in enumerate(groups)]
     results = tasks.map(write_text_shards, calls, "stage text", "pieces", num_returns=1 + HASH_BUCKETS)
     buckets = [[r[1 + b] for r in results] for b in range(HASH_BUCKETS)]
-    repeated = set().union(*tasks.map(_repeated, buckets)) if tasks.ray else _repeated(*sum(buckets, []))
+    repeated = set().union(*tasks.map(_repeated, buckets))
     if repeated:
         raise_duplicate(corpus_files(corpus), repeated)
     stats = CorpusStats()

@@ -217,8 +217,7 @@ def chained(parts: list, batch_size: int) -> Iterator:
                 # compete with the stream's start for the node's CPUs.
                 if i + 1 < len(parts):
                     ahead = pool.submit(started, i + 1)
-                if first is not None:
-                    yield from batches
+                yield from batches  # nothing left when the part had no first batch
         finally:  # a run that stops early (max_steps) does not wait for the next part's start
             pool.shutdown(wait=False, cancel_futures=True)
 
