@@ -42,7 +42,7 @@ def run_all(commands: dict[str, list[str]], cwd: Path) -> dict[str, subprocess.C
 
 
 def test_every_job_command_given_bad_input_prints_one_line_and_exits_2(tmp_path):
-    """Every job in jobs/ with a config file broken at its line 2, and three jobs with a bad
+    """Every job in jobs/ with a config file broken at its line 2, and two jobs with a bad
     record in their data: exit 2, nothing on stdout, and stderr exactly one line, the error
     naming the file and line (for a record that tasks read, besides Ray's start and the
     progress lines). Mutation: a job that lets a library print a warning on import,
@@ -66,16 +66,6 @@ def test_every_job_command_given_bad_input_prints_one_line_and_exits_2(tmp_path)
     expected["prepare_corpus: a TSV line"] = f"{corpus} line 2: expected 2 tab-separated columns"
     docs = tmp_path / "corpus.jsonl"
     docs.write_text("".join(f'{{"_id": "{d["_id"]}", "text": "{d["text"]}"}}\n' for d in synthetic_docs(5)))
-    queries = tmp_path / "queries.jsonl"
-    queries.write_text('{"_id": "q1", "text": "fine"}\n{"_id": "q2", "text": \n')
-    qrels = tmp_path / "qrels.tsv"
-    qrels.write_text("query-id\tcorpus-id\tscore\nq1\td0\t1\n")
-    commands["bm25_negatives: a queries line"] = [
-        str(REPO / "jobs" / "bm25_negatives.py"),
-        *("--corpus", str(docs), "--queries", str(queries), "--qrels", str(qrels)),
-        *("--output", str(tmp_path / "negatives")),
-    ]
-    expected["bm25_negatives: a queries line"] = f"{queries} line 2: malformed JSON"
     judged_none = tmp_path / "qrels-none.tsv"
     judged_none.write_text("query-id\tcorpus-id\tscore\nq9\td0\t1\n")
     good_queries = tmp_path / "good-queries.jsonl"
