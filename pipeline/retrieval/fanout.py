@@ -25,6 +25,7 @@ from pipeline.core.draining import DrainingNodes
 from pipeline.core.errors import ConfigError, ServerError
 from pipeline.core.progress import progress
 from pipeline.data.beir import Judgments, read_qrels
+from pipeline.retrieval.query_vectors import StoredQueryVectors
 
 log = logging.getLogger(__name__)
 
@@ -446,7 +447,10 @@ class ShardFanout(ShardActors):
 
             for start in starts:
                 self._move_off_draining([(entry[4], entry[5]) for entry in asked])
-                part = queries[start : start + block]
+                if isinstance(queries, StoredQueryVectors):  # read by the actors: the driver never holds them
+                    part = queries.rows_between(start, start + block)
+                else:
+                    part = queries[start : start + block]
                 entry = [start, len(part), ray.put(part), None, None, None]  # the block put once, shared by every actor
                 ask(entry)
                 asked.append(entry)

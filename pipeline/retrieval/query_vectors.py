@@ -6,6 +6,7 @@ query's vector (BERT-base's for MS MARCO's 502k training queries: 1.5 GB)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 from typing import Callable
@@ -58,11 +59,31 @@ class StoredQueryVectors:
         offset = start - first * self.block
         return np.concatenate(parts)[offset : offset + stop - start]
 
+    def rows_between(self, start: int, stop: int) -> StoredRows:
+        return StoredRows(self, start, min(stop, self.rows))
+
     def stored(self, b: int) -> bool:
         return storage.exists(self.uri_of(b))
 
     def read(self, b: int) -> np.ndarray:
         return read_vectors(self.uri_of(b))
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredRows:
+    """Rows ``start`` up to ``stop`` of stored query vectors, as a search block is sent: each
+    searcher reads them from storage itself, so the driver neither reads them nor puts them
+    in its node's object store (where every block's pages would count in its memory)."""
+
+    vectors: StoredQueryVectors
+    start: int
+    stop: int
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def read(self) -> np.ndarray:
+        return self.vectors[self.start : self.stop]
 
 
 def read_blocks(stored: StoredQueryVectors, blocks: list[int]) -> np.ndarray:

@@ -38,7 +38,7 @@ from pipeline.retrieval.fanout import (
     query_block,
 )
 from pipeline.retrieval.gpu_search import FALLBACKS
-from pipeline.retrieval.query_vectors import StoredQueryVectors
+from pipeline.retrieval.query_vectors import StoredQueryVectors, StoredRows
 
 SEARCHER_CPUS = 0.01  # see plan_searchers
 PROCESS_BYTES = 512 * 2**20  # a searcher's own footprint besides its index (Python, FAISS, Ray)
@@ -132,6 +132,8 @@ class IndexSearcher:
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(scores, corpus rows, doc ids as bytes; b"" for padding), each (queries, k)."""
+        if isinstance(queries, StoredRows):
+            queries = queries.read()
         if self.mode == "faiss-gpu":
             gpu_search.fault("search")
         if self.mode == "torch":
