@@ -33,6 +33,10 @@ import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NAVE = REPO_ROOT / "data" / "nave"
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench import smoke  # noqa: E402
 
 
 def queries() -> list[str]:
@@ -124,7 +128,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each way, alternating")
     parser.add_argument("--json", default="")
-    args = parser.parse_args()
+    args = smoke.parse(parser, repeats=1, deadline_s=4.0, notice_after_s=1.0)
     texts = queries()
     results = []
     for _ in range(args.repeats):

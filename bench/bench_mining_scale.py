@@ -30,6 +30,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -40,6 +41,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench import smoke  # noqa: E402
 from pipeline.retrieval import embeddings as emb  # noqa: E402
 
 DIM = 384
@@ -163,7 +165,8 @@ def run_sampled(argv: list[str], log: Path) -> dict:
         seconds = time.perf_counter() - started
     if rc != 0:
         raise SystemExit(f"{' '.join(argv)} failed (rc {rc}); see {log}")
-    summary = json.loads(log.read_text().strip().splitlines()[-1])
+    # The job's summary is its last JSON line: Ray's processes may still log after it.
+    summary = next(json.loads(line) for line in reversed(log.read_text().splitlines()) if line.startswith("{"))
     by_kind: dict[str, list[float]] = {}
     for kind, peak in peaks.values():
         by_kind.setdefault(kind, []).append(round(peak / GIB, 3))
@@ -286,7 +289,16 @@ def main() -> None:
         default="",
         help="more options of jobs/mine.py, space-separated (e.g. '--relative_margin 0.05': margin mining)",
     )
-    args = parser.parse_args()
+    args = smoke.parse(
+        parser,
+        sizes="2000,4000",
+        queries=50,
+        factory="IVF16,Flat",
+        rows_per_shard=1000,
+        compare_fanin=True,
+    )
+    if args.smoke:
+        args.workdir = tempfile.mkdtemp(prefix="mining-scale-")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     sizes = [int(s) for s in args.sizes.split(",")]
     work = Path(args.workdir)

@@ -38,6 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench import smoke  # noqa: E402
 from models.backbone import BackboneConfig  # noqa: E402
 from models.biencoder import BiEncoderConfig, ContrastiveObjective  # noqa: E402
 from models.cocondenser import CoCondenserMethod  # noqa: E402
@@ -211,8 +212,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="spans,buckets")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument(
+        "--group", type=int, default=8, help="buckets: passages a query (a positive, the rest negatives)"
+    )
+    parser.add_argument("--queries_per_batch", type=int, default=16, help="buckets: queries a step")
     parser.add_argument("--json", default="")
-    args = parser.parse_args()
+    args = smoke.parse(parser, steps=1, group=2, queries_per_batch=2)
     results: dict = {
         "machine": {
             "cpu_cores": os.cpu_count(),
@@ -225,7 +230,7 @@ def main() -> None:
         results["spans"] = bench_spans(args.steps)
         print(json.dumps({"spans": results["spans"]}), flush=True)
     if "buckets" in args.parts:
-        results["buckets"] = bench_buckets(args.steps)
+        results["buckets"] = bench_buckets(args.steps, args.group, args.queries_per_batch)
         print(json.dumps({"buckets": results["buckets"]}), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

@@ -35,6 +35,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from bench_pretrain import say, steady_state  # noqa: E402
 
+from bench import smoke  # noqa: E402
 from models.backbone import BackboneConfig  # noqa: E402
 from pipeline.core import storage  # noqa: E402
 from pipeline.core.sample import SAMPLE_CORPUS  # noqa: E402
@@ -106,7 +107,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--asks", type=int, default=300)
     parser.add_argument("--json", default="")
-    args = parser.parse_args()
+    args = smoke.parse(parser, steps=30, asks=10)  # 30: two log entries past the warm-up
 
     import ray
 

@@ -39,6 +39,7 @@ if str(REPO_ROOT) not in sys.path:
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+from bench import smoke  # noqa: E402
 from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.training.deepspeed_config import effective_zero_stage
 from pipeline.training.train_config import TrainConfig
@@ -269,6 +270,7 @@ def run_plain(corpus_dir: str, steps: int, niceness: int | None) -> dict:
     """
     import torch
 
+    from models.method import PlainEngine
     from pipeline.training.loop import linear_schedule, param_groups
     from pipeline.training.train_config import TrainConfig
 
@@ -277,6 +279,7 @@ def run_plain(corpus_dir: str, steps: int, niceness: int | None) -> dict:
     torch.set_num_threads(CPUS_PER_WORKER)
     (task, model), batches, tokens, make_batch_ms = plain_batches(corpus_dir, steps, train.seed)
     model.train()
+    engine = PlainEngine(model)
     optimizer = torch.optim.AdamW(param_groups(model, train.weight_decay), lr=train.lr, eps=train.adam_eps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(train.max_steps, train.warmup_ratio))
 
@@ -288,14 +291,13 @@ def run_plain(corpus_dir: str, steps: int, niceness: int | None) -> dict:
     window_start = t_start
     for step in range(1, steps + 1):
         batch = batches[step - 1]
-        loss, _ = task.loss(model, batch)
-        loss.backward()
+        loss, _ = task.backward(engine, batch)  # the trainer's step, over a plain module
         if train.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        window_loss.append(loss.detach())
+        window_loss.append(loss)
         window_tokens += tokens[step - 1]
         if step % LOG_EVERY == 0 or step == steps:
             now = time.perf_counter()
@@ -447,7 +449,11 @@ def main(argv=None) -> dict:
         help="niceness of the plain loop (default: Ray's worker niceness, RAY_worker_niceness or 15)",
     )
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (for debugging)")
-    args = parser.parse_args(argv)
+    args = smoke.parse(parser, argv, steps=WARMUP_STEP + LOG_EVERY)
+    if args.smoke:  # the module's sizes, which every variant reads: a smaller model and batch
+        global MICRO_BATCH
+        MODEL.update(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)
+        MICRO_BATCH = 8
     if args.steps < WARMUP_STEP + LOG_EVERY:
         parser.error(f"--steps must be at least {WARMUP_STEP + LOG_EVERY} (warm-up plus one log window)")
 

@@ -45,6 +45,7 @@ if str(REPO_ROOT) not in sys.path:
 from bench_methods_gpu import DATASHEET_BF16, SIZES, matmul_ceiling  # noqa: E402
 from bench_pretrain import steady_state  # noqa: E402
 
+from bench import smoke  # noqa: E402
 from models.backbone import BackboneConfig, build_mlm  # noqa: E402
 from models.batches import to_device  # noqa: E402
 from models.masking import MaskingVocab  # noqa: E402
@@ -210,7 +211,9 @@ def main() -> None:
         default="",
         help="profile 3 of the job's steps after its warm-up (--train.profile_steps) and copy rank 0's table here",
     )
-    args = parser.parse_args()
+    args = smoke.parse(
+        parser, size="tiny", gpus=0, steps=20, precision="fp32", micro_batch=8, max_len=64, cpus_per_worker=1
+    )
     device = "cuda" if args.gpus > 0 else "cpu"
     if args.gpus == 0:
         torch.set_num_threads(max(1, int(args.cpus_per_worker)))

@@ -21,6 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench import smoke  # noqa: E402
 from pipeline.data.beir import read_qrels, read_queries
 from pipeline.data.corpus import iter_documents
 from pipeline.retrieval.encode import EncoderSettings, local_encoder
@@ -56,7 +57,11 @@ def main() -> None:
     parser.add_argument("--data", default=str(REPO_ROOT / "data" / "nave"))
     parser.add_argument("--retriever", nargs="*", default=[])
     parser.add_argument("--json", default="")
-    args = parser.parse_args()
+    args = smoke.parse(parser)
+    if args.smoke:
+        import tempfile
+
+        args.data = smoke.nave_subset(tempfile.mkdtemp())
 
     corpus = f"{args.data}/corpus.jsonl.gz"
     docs = list(iter_documents(corpus))

@@ -36,6 +36,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from bench_search import NAVE, _device_passages_per_s, _steady_passages_per_s, clustered, write_vectors  # noqa: E402
 
+from bench import smoke  # noqa: E402
 from pipeline.core import storage  # noqa: E402
 from pipeline.core.actor_pool import ActorConfig  # noqa: E402
 from pipeline.data.shards import load_manifest  # noqa: E402
@@ -324,7 +325,17 @@ def main() -> None:
     parser.add_argument(
         "--devices", default="cpu,gpu", help="search and faiss parts: cpu alone checks the command on a CPU machine"
     )
-    args = parser.parse_args()
+    args = smoke.parse(
+        parser,
+        parts="encode,search,faiss",
+        devices="cpu",
+        cpu_passages=64,
+        encode_runs="minilm:cpu:fp32:32",
+        vectors=2000,
+        queries=50,
+        dim=32,
+        factories="Flat,IVF16,SQ8",
+    )
     import faiss
     import ray
     import torch

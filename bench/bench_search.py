@@ -31,6 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench import smoke  # noqa: E402
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval.encode import actor_spans
 from pipeline.retrieval.faiss_index import brute_force_topk, plan_memory
@@ -421,7 +422,9 @@ def main() -> None:
     parser.add_argument("--json", default="")
     parser.add_argument("--mine-passages", type=int, default=1_000_000)
     parser.add_argument("--encode_passages", type=int, default=4000, help="Nave verses to encode (all: 37000)")
-    args = parser.parse_args()
+    args = smoke.parse(parser, encode_passages=64, mine_passages=4000)
+    # (vectors, dim, queries) of the search and recall parts; the smoke run's: tiny.
+    search, recall = ((2000, 32, 50), (4000, 32, 50)) if args.smoke else ((200_000, 384, 2000), (200_000, 384, 500))
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -431,13 +434,13 @@ def main() -> None:
         results["encode"] = bench_encode(args.encode_passages)
         print(json.dumps({"encode": results["encode"]}), flush=True)
     if "search" in parts:
-        results["search"] = bench_search(200_000, 384, 2000, 100)
+        results["search"] = bench_search(*search, 100)
         print(json.dumps({"search": results["search"]}), flush=True)
     if "recall" in parts:
-        results["recall"] = bench_recall(200_000, 384, 500)
+        results["recall"] = bench_recall(*recall)
         print(json.dumps({"recall": results["recall"]}), flush=True)
     if "mine" in parts:
-        results["mine"] = bench_mine(args.mine_passages, 768, 2000)
+        results["mine"] = bench_mine(args.mine_passages, 768, 50 if args.smoke else 2000)
         results["extrapolation"] = extrapolate(results["mine"])
         print(json.dumps({"mine": results["mine"], "extrapolation": results["extrapolation"]}), flush=True)
     if args.json:

@@ -30,6 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench import smoke  # noqa: E402
 from pipeline.retrieval import faiss_index, gpu_search  # noqa: E402
 from pipeline.retrieval.fanout import query_block  # noqa: E402
 from pipeline.retrieval.search import SearcherConfig, plan_searchers  # noqa: E402
@@ -49,7 +50,7 @@ def old_plan(shards: int, gpus_up: int) -> tuple[int, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default="")
-    args = parser.parse_args()
+    args = smoke.parse(parser)  # the planners alone take a second: the smoke run is the real one
     rows = []
     for name, passages in CORPORA.items():
         shards = passages // SHARD_VECTORS

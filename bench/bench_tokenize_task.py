@@ -51,9 +51,10 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=20000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default="")
-    args = parser.parse_args()
-
     sys.path.insert(0, str(REPO_ROOT))
+    from bench import smoke
+
+    args = smoke.parse(parser, docs=200, repeats=1)
     from transformers import AutoTokenizer
 
     from pipeline.core.model_ref import materialize

