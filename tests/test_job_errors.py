@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path, shared_ray, monkeypatch, capsys):
-    from tests.helpers import save_tiny_bert
+    from tests.helpers import index_of_random_vectors, save_tiny_bert
 
     tiny_model = save_tiny_bert(str(tmp_path / "tiny"), [d["text"] for d in synthetic_docs(30)])
     bad_queries = tmp_path / "queries.jsonl"
@@ -57,6 +57,7 @@ def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path
         "unknown_query": "nave-52\tExod.6.24\t1\nnobody\tExod.6.24\t1\n",
         "columns": "nave-52\tExod.6.24\n",
         "score": "nave-52\tExod.6.24\thigh\n",
+        "header_only": "",
     }.items():
         (tmp_path / f"{name}.tsv").write_text(header + lines)
     evaluate = ["jobs.evaluate", "--encoder.model", str(tiny_model), "--output", str(tmp_path / "eval")]
@@ -73,6 +74,10 @@ def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path
         ),
         "qrels columns": ([*evaluate, "--qrels", str(tmp_path / "columns.tsv")], "line 2: expected 3 columns"),
         "qrels score": ([*evaluate, "--qrels", str(tmp_path / "score.tsv")], "score must be an integer, got 'high'"),
+        "qrels with no judgment": (  # all-zero metrics after the whole run, before
+            [*evaluate, "--qrels", str(tmp_path / "header_only.tsv")],
+            "header_only.tsv: has only its header: a qrels file needs judgments",
+        ),
         "k beyond the corpus": ([*evaluate, *dev_qrels, "--k", "10000000"], "--k 10000000 is larger than the corpus"),
         "FAISS factory": ([*evaluate, *dev_qrels, "--index", "IVFbogus"], "FAISS rejects the index factory 'IVFbogus'"),
         "evaluation queries without qrels": (
@@ -121,6 +126,14 @@ def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path
     cases["pre-training by epochs alone"] = (
         ["jobs.pretrain", *run, "--train.max_steps", "0", "--train.epochs", "1"],
         "train.max_steps must be >= 1",
+    )
+    index, _, _ = index_of_random_vectors(tmp_path / "narrow", 1, 40, 16, "Flat")
+    cases["an encoder as wide as the index"] = (  # FAISS's assertion in a searcher, after encoding, before
+        [
+            *("jobs.mine", "--index", index, "--encoder.model", str(tiny_model), "--output", str(tmp_path / "mined")),
+            *("--queries", str(sample / "queries.dev.jsonl"), *dev_qrels),
+        ],
+        f"--encoder.model {tiny_model} encodes 32-wide vectors, but --index {index} holds 16-wide ones (encoded by m)",
     )
     monkeypatch.delenv("RAYDENSE_DEBUG", raising=False)
     monkeypatch.chdir(tmp_path)

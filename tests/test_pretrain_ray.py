@@ -242,3 +242,50 @@ def test_simlm_without_a_generator_trains_one_first_then_reuses_it(tmp_path, mon
     assert "training a 2-layer MLM generator on the same corpus first" in capsys.readouterr().err
     assert pretrain._auto_generator(cfg) == generator and len(trained) == 1
     assert "reusing the generator trained before" in capsys.readouterr().err
+
+
+def test_ctrl_c_during_pretraining_exits_130_with_the_hint_and_the_rerun_resumes(tmp_path):
+    """`python jobs/pretrain.py` sent SIGINT (Ctrl-C) once its first checkpoint is sealed:
+    it exits 130 within seconds, its last stderr line the resume hint, no traceback; the same
+    command again resumes from a checkpoint and finishes. Mutation: ``trainer.fit()`` on the
+    main thread, where Ray Train's own SIGINT handler aborts the run: exit 1, "Received SIGINT.
+    Gracefully aborting", no hint."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    command = [
+        *(
+            sys.executable,
+            "jobs/pretrain.py",
+            "--corpus.input",
+            write_jsonl(tmp_path / "raw.jsonl", synthetic_docs(72)),
+        ),
+        *("--corpus.output", str(tmp_path / "corpus"), "--corpus.vocab_size", "120", "--data.max_len", "32"),
+        *("--model.hidden_size", "32", "--model.num_layers", "2", "--model.num_heads", "2"),
+        *("--model.intermediate_size", "64", "--train.output", str(out), "--train.num_workers", "1"),
+        *("--train.micro_batch_size", "6", "--train.max_steps", "60", "--train.checkpoint_every", "5"),
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYDENSE_DEBUG")}
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    job = subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while job.poll() is None and time.time() < deadline:
+        if list((out / "checkpoints").glob("checkpoint_*/seal_*.json")):
+            break
+        time.sleep(0.2)
+    assert job.poll() is None, job.communicate()[1][-3000:]
+    job.send_signal(signal.SIGINT)
+    interrupted = time.time()
+    _, err = job.communicate(timeout=60)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert job.returncode == 130, err[-3000:]
+    assert time.time() - interrupted < 30, "Ctrl-C did not stop the job at once"
+    assert lines[-1] == "interrupted: rerun the same command to resume" and "Traceback" not in err, err[-3000:]
+
+    done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    (resume,) = summary["resumes"]
+    assert summary["steps"] == 60 and resume["step"] >= 5, summary
+    assert summary["steps_this_attempt"] == 60 - resume["step"]

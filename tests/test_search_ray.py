@@ -912,6 +912,7 @@ def test_mining_drivers_memory_does_not_grow_with_the_query_vectors(
         )
 
     monkeypatch.setattr(mining, "store_query_vectors", _fixed_query_vectors(vectors))
+    monkeypatch.setattr(mining, "encoder_width", lambda model: dim)  # the fixed vectors' width
     _mining_peak(mine(200, "warm"))  # the first run in a process imports and starts what later ones reuse
     peaks = {}
     for n in (200, 2000):

@@ -21,6 +21,7 @@ from collections.abc import Callable, Container, ItemsView, Iterator, Mapping, S
 import numpy as np
 
 from pipeline.core import storage
+from pipeline.core.errors import InputError
 from pipeline.data.corpus_ids import CorpusIds, id_keys
 from pipeline.data.records import (
     get_field,
@@ -347,6 +348,9 @@ def read_qrels(uri: str, doc_ids: Container[str] | None = None, query_ids: Conta
         docs.append(did)
         scores.append(score)
         lines.append(number)
+    if not len(lines):  # a run scored against nothing would report zeros after all the work
+        what = "has only its header" if header_checked else "is empty"
+        raise InputError(f"{source}: {what}: a qrels file needs judgments (query-id, corpus-id, score)")
     line_of = np.asarray(lines, dtype=np.int64)
     qid_bytes, doc_bytes = qids.fixed_width(), docs.fixed_width()
     del qids, docs

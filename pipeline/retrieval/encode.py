@@ -231,6 +231,16 @@ class Encoder:
         return int(self.model.query_encoder.config.hidden_size)
 
 
+def encoder_width(model: str) -> int:
+    """The width of the query vectors ``model`` encodes, from its ``config.json`` (the query
+    tower's, in an export of two), without reading its weights: a driver-side check."""
+    two_towers = model_ref.parse(model, "--encoder.model").kind != "hub" and model_ref.has_file(
+        model, "query/config.json"
+    )
+    tower = model_ref.join(model, "query") if two_towers else model
+    return int(model_ref.read_config(tower, "--encoder.model")["hidden_size"])
+
+
 def model_tokenizer_dir(model_dir: str) -> str:
     """The tokenizer that reads query text: the query tower's when the export has two."""
     towers = os.path.join(model_dir, "query")

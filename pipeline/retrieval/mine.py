@@ -36,7 +36,7 @@ import ray
 
 from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig
-from pipeline.core.errors import ConfigError, InputError
+from pipeline.core.errors import ArtifactError, ConfigError, InputError
 from pipeline.core.parts import claim, finished_blocks, join_blocks, recorded_block, remove_parts, summed
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
@@ -46,7 +46,7 @@ from pipeline.data.groups import margin_ceiling
 from pipeline.data.records import json_lines
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval import faiss_index, mined_block
-from pipeline.retrieval.encode import EncoderSettings, store_query_vectors
+from pipeline.retrieval.encode import EncoderSettings, encoder_width, store_query_vectors
 from pipeline.retrieval.fanout import ranked_ids, read_qrels_of_corpus
 from pipeline.retrieval.mined_block import COUNTS, OUTPUTS, Sampling
 from pipeline.retrieval.query_vectors import StoredQueryVectors, read_blocks
@@ -194,6 +194,22 @@ def positive_scores(
     return out
 
 
+def _check_width(cfg: MineConfig) -> None:
+    """Before any work: the encoder's vectors are as wide as the index's. Found later, the
+    mismatch is FAISS's assertion in a searcher, after every query is encoded."""
+    manifest = faiss_index.load_index_manifest(cfg.index, check=False)
+    width = encoder_width(cfg.encoder.model)
+    if width != manifest["dim"]:
+        try:
+            made = f" (encoded by {emb.load_manifest(manifest['embeddings'])['model']})"
+        except (ArtifactError, KeyError, OSError):  # the embeddings may be gone: the index is enough
+            made = ""
+        raise ConfigError(
+            f"--encoder.model {cfg.encoder.model} encodes {width}-wide vectors, but --index {cfg.index} holds "
+            f"{manifest['dim']}-wide ones{made}: mine with the model that encoded the index"
+        )
+
+
 def _made_by(cfg: MineConfig) -> dict:
     """What the mined files depend on: every setting but where they go and where it runs,
     and the stored versions of the index, the model, the queries and the judgments."""
@@ -218,7 +234,9 @@ def run_mining(cfg: MineConfig) -> dict:
     started = time.perf_counter()
     output = storage.resolve(cfg.output).uri
     queries = read_queries(cfg.queries)
-    claim(output, _made_by(cfg), what="mined blocks' files")
+    made_by = _made_by(cfg)  # names a missing model or file first
+    _check_width(cfg)
+    claim(output, made_by, what="mined blocks' files")
     block = recorded_block(output, cfg.query_block or query_block_of(cfg.index, cfg.searchers, cfg.depth))
     blocks = list(range(-(-len(queries) // block)))
     done = finished_blocks(output)

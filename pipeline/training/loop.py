@@ -29,6 +29,7 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -741,6 +742,35 @@ def health_check_interval(workers: int) -> float:
     return round(min(10.0, max(REPORT_POLL_S, workers / HEALTH_POLLS_PER_S)), 3)
 
 
+def _fit_interruptibly(trainer: TorchTrainer):
+    """``trainer.fit()`` on a thread of its own. On the main thread, Ray Train installs a
+    SIGINT handler that turns Ctrl-C into an aborted run, which the job then reports as a
+    failure (exit 1, Ray's advice, no resume hint). Here Ctrl-C stays Python's
+    KeyboardInterrupt in the main thread: the job exits 130 with the resume hint at once, and
+    the run's actors end with the driver (what was checkpointed stays)."""
+    outcome: dict = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as exc:  # noqa: BLE001 - raised again on the main thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(0.5)  # a timed join: Ctrl-C interrupts it
+    except KeyboardInterrupt:
+        # The run's actors go now: left to the interpreter's exit, the workers train on for
+        # seconds and their forwarded lines follow the resume hint.
+        ray.shutdown()
+        raise
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
 def worker_resources(train: TrainConfig) -> dict[str, float]:
     return {"CPU": train.cpus_per_worker, "GPU": 1.0 if train.use_gpu else 0.0}
 
@@ -853,7 +883,7 @@ def fit(
     marker = storage.join(run_dir, USER_ERROR)
     storage.delete_file(marker)  # an earlier run's: this one may have been given the fix
     try:
-        result = trainer.fit()
+        result = _fit_interruptibly(trainer)
     except ray.train.TrainingFailedError:
         _raise_user_error(marker)
         raise
