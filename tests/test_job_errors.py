@@ -102,7 +102,7 @@ def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path
     run = ["--train.output", str(tmp_path / "run")]
     for option, value, named in [
         ("num_workers", "0", "num_workers must be >= 1, got 0"),
-        ("lr", "-0.001", "lr, adam_eps and cpus_per_worker must be > 0, got -0.001"),
+        ("lr", "-0.001", "lr must be > 0, got -0.001"),
         ("zero_stage", "7", "zero_stage must be 0, 1, 2 or 3, got 7"),
         ("max_steps", "-1", "max_steps must be >= 0, got -1"),
         ("warmup_ratio", "1.5", "warmup_ratio must be in [0, 1), got 1.5"),

@@ -83,12 +83,12 @@ def test_a_corpus_rewritten_at_the_same_path_is_prepared_again(tmp_path, shared_
 
 @pytest.mark.ray
 @pytest.mark.ray
-def test_a_prepared_corpus_is_reused_only_with_the_settings_that_made_it(tmp_path, shared_ray):
+def test_a_prepared_corpus_is_reused_only_with_the_settings_that_made_it(tmp_path, shared_ray, capsys):
     """The same input and output prepared with another vocabulary size, then another shard
     size: each time prepared anew, its manifest naming the new setting, its vocabulary or
     its shards rewritten; asked again with the last settings, reused. Mutation: dropping the
     settings comparison in ``prepare_corpus`` returns the first manifest every time
-    (vocabulary 100, shards of 30)."""
+    (vocabulary 100, shards of 30). A reuse says so, on stderr and in the manifest returned."""
     import json
 
     corpus = write_jsonl(tmp_path / "corpus.jsonl", synthetic_docs(70, seed=3))
@@ -109,7 +109,11 @@ def test_a_prepared_corpus_is_reused_only_with_the_settings_that_made_it(tmp_pat
 
     recut, _ = prepared(vocab_size=120, docs_per_shard=20)
     assert recut["settings"]["docs_per_shard"] == 20 and [s["rows"] for s in recut["shards"]] == [20, 20, 20, 10]
-    assert prepared(vocab_size=120, docs_per_shard=20)[0]["seconds"] == recut["seconds"]  # reused
+    assert not any(m["reused"] for m in (first, wider, recut))
+    capsys.readouterr()
+    again, _ = prepared(vocab_size=120, docs_per_shard=20)
+    assert again["reused"] and again["seconds"] == recut["seconds"]
+    assert f"prepare: reusing {out}, prepared from the same input with the same settings" in capsys.readouterr().err
 
 
 def test_a_run_stages_its_corpus_once_for_every_tokenizer(tmp_path, shared_ray):

@@ -10,6 +10,7 @@ finished one.
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -83,7 +84,13 @@ def prepare_corpus(cfg: PrepareConfig) -> dict:
             and manifest.get("settings") == _settings(cfg)
             and manifest.get("input_version") == input_version
         ):
-            return manifest
+            print(
+                f"prepare: reusing {storage.resolve(cfg.output).uri}, prepared from the same input with the same "
+                "settings (--corpus.overwrite true prepares it again)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return manifest | {"reused": True}
     started = time.time()
     staging = cfg.text or storage.join(cfg.output, "_staging")
     text = stage_text(cfg.input, staging, cfg.docs_per_shard, on_empty=cfg.on_empty, join=cfg.join)
@@ -138,7 +145,7 @@ def prepare_corpus(cfg: PrepareConfig) -> dict:
         "seconds": round(time.time() - started, 2),
     }
     storage.write_json(manifest_uri, manifest)
-    return manifest
+    return manifest | {"reused": False}
 
 
 @dataclass
@@ -154,5 +161,5 @@ def run_preparation(cfg: PrepareJobConfig) -> dict:
         "job": "prepare_corpus",
         "output": cfg.corpus.output,
         "shards": len(manifest["shards"]),
-        **{k: manifest[k] for k in ("num_docs", "num_tokens", "vocab_size", "input_stats")},
+        **{k: manifest[k] for k in ("num_docs", "num_tokens", "vocab_size", "input_stats", "reused")},
     }

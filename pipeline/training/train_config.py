@@ -132,10 +132,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_steps == 0 and self.epochs == 0:
             raise ValueError("max_steps and epochs are both 0: set one (max_steps 0 = as many as the epochs make)")
-        if not self.lr > 0 or not self.adam_eps > 0 or not self.cpus_per_worker > 0:
-            raise ValueError(
-                f"lr, adam_eps and cpus_per_worker must be > 0, got {self.lr}, {self.adam_eps}, {self.cpus_per_worker}"
-            )
+        for name in ("lr", "adam_eps", "cpus_per_worker"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.zero_stage not in (0, 1, 2, 3):
