@@ -1,12 +1,13 @@
-"""Every benchmark's ``--smoke``: the same code at tiny sizes, in seconds, which the test
-suite runs (tests/test_bench_smoke.py), so that a benchmark that no longer runs fails CI.
-Its figures mean nothing; a smoke run writes them only where ``--json`` says."""
+"""Every benchmark's ``--smoke``: the same code at tiny sizes (seconds to two minutes, most
+of it Ray and job start-ups), which CI's long checks run (tests/test_bench_smoke.py), so
+that a benchmark that no longer runs fails CI. Its figures mean nothing; a smoke run writes
+them only where ``--json`` says."""
 
 from __future__ import annotations
 
 import argparse
 
-HELP = "tiny sizes, seconds: the test suite's check that this benchmark still runs (figures meaningless)"
+HELP = "tiny sizes: CI's check that this benchmark still runs (figures meaningless)"
 
 
 def parse(parser: argparse.ArgumentParser, argv=None, **tiny) -> argparse.Namespace:

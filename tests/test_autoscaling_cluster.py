@@ -28,8 +28,8 @@ print("PROBE " + json.dumps({"alive": sum(n["Alive"] for n in ray.nodes()), "aut
 """
 
 
-# What an autoscaler that publishes its node types (Ray's v2 autoscaler, KubeRay's) leaves in
-# the GCS. Ray 2.60's v1 autoscaler, this fake one included, publishes none: the probe
+# What an autoscaler that publishes its node types leaves in the GCS (the cluster config
+# that ray._private.state reads). Ray 2.60's v1 autoscaler, this fake one included, publishes none: the probe
 # publishes the fake cluster's own node types there the same way, then asks a trainer's
 # placement check (what every trainer runs before any work) about a 4-CPU worker.
 PLACEMENT = """

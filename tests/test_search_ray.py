@@ -880,10 +880,11 @@ def test_mining_drivers_memory_does_not_grow_with_the_query_vectors(
     (1-3 MiB measured), not their 14 MiB of vectors. Where the driver read each block and
     put it in the object store, the pages it wrote grew its memory by 15 MiB here (200
     queries: 2.5 MiB, 2,000: 16.8; the mutation that fails this test). With a margin, the
-    positives are scored first by tasks that read the vectors themselves. The control (plain only) is a regressed driver that ``ray.get``s every
-    block's vectors and keeps them: it must break the same bound. The mined files are those
-    of a search over the vectors held in memory, and the margin drops exactly the
-    candidates scoring above each query's positive."""
+    positives are scored first by tasks that read the vectors themselves. The control
+    (plain only) is a regressed driver that ``ray.get``s every block's vectors and keeps
+    them: it must break the same bound. The mined files are those of a search over the
+    vectors held in memory, and the margin drops exactly the candidates scoring above each
+    query's positive."""
     from pipeline.retrieval import mine as mining
     from pipeline.retrieval.mine import MineConfig
 
