@@ -993,7 +993,11 @@ def test_evaluations_driver_memory_does_not_grow_with_the_query_vectors(collecti
         if not traced:
             evaluation.run_evaluation(job)
             continue
-        summaries[n], peaks[n] = resident_growth(evaluation.run_evaluation, job)
+        # Each thread's page counts reach the kernel's totals every 64 faults, so one reading
+        # can be a few MiB off with Ray's many threads: the lower of two runs is kept (a driver
+        # that held the vectors would hold them in both).
+        (summaries[n], peaks[n]), (_, again) = (resident_growth(evaluation.run_evaluation, job) for _ in range(2))
+        peaks[n] = min(peaks[n], again)
         assert summaries[n]["search_blocks"] == -(-n // 64) and summaries[n]["judged_queries"] == n
         assert summaries[n]["index_shards_built"] == 0 and summaries[n]["search_blocks_resumed"] == 0
         assert not os.path.exists(tmp_path / "eval" / "search")  # the stored vectors went with the parts
