@@ -943,77 +943,91 @@ def test_mining_drivers_memory_does_not_grow_with_the_query_vectors(
 
 
 def test_evaluations_driver_memory_does_not_grow_with_the_query_vectors(collection, tmp_path, monkeypatch, shared_ray):
-    """The driver's resident peak (``resident_growth``) evaluating 200 and 2,000 queries with
-    a 2,048-wide encoder, in search blocks of 64: the encoders store each block's vectors and
-    each searcher reads a block as it searches it, so 1,800 more queries add their ids,
-    texts, judgments and run lines (1-3 MiB measured, thread-counted pages make it vary),
-    not their 14 MiB of vectors (where the driver read and put each block: 200 queries
-    5.0 MiB, 2,000 19.8, which fails). The metrics are ir_measures' over a brute-force run
-    of vectors encoded in the test."""
+    """The driver's resident peak (``resident_growth``) evaluating the same 2,000 queries with
+    a 64-wide and a 4,096-wide encoder, in search blocks of 64: the encoders store each
+    block's vectors and each searcher reads a block as it searches it, so the wide vectors'
+    31 MiB must not reach the driver. The queries' ids, texts, judgments and run lines are
+    the same in both runs, so the difference is what the vectors' width costs the driver
+    (measured: 4.6 and 4.5 MiB; a driver that read them all, 4.6 and 66.8). Nor does the
+    driver put a block of vectors in its node's object store. The metrics are ir_measures'
+    over a brute-force run of vectors encoded in the test."""
     import ir_measures
+    import ray
 
     from pipeline.retrieval import evaluate as evaluation
     from pipeline.retrieval.encode import local_encoder
     from pipeline.retrieval.metrics import JOB_MEASURES
     from tests.helpers import save_tiny_bert
 
-    wide = save_tiny_bert(
-        str(tmp_path / "wide"),
-        [d["text"] for d in collection["docs"]],
-        hidden_size=2048,
-        num_layers=1,
-        num_heads=4,
-        intermediate_size=64,
-    )
-    monkeypatch.setattr(evaluation, "query_block_of", lambda index, searchers, k: 64)
-    docs = collection["docs"]
-    peaks, summaries = {}, {}
-    # The first run in a process imports and loads what later ones reuse (plotting, the
-    # tokenizer): an untraced one first, so that the two traced runs differ by their queries.
-    # All three write to one folder: the traced ones reuse its passage vectors and index,
-    # so their peaks are reached with the queries.
-    for n, traced in ((200, False), (200, True), (2000, True)):
-        picked = np.random.default_rng(n).integers(0, N_DOCS, n)
-        queries = [{"_id": f"q{i}", "text": " ".join(docs[d]["text"].split()[:5])} for i, d in enumerate(picked)]
-        qrels = tmp_path / f"q{n}" / "qrels.tsv"
-        write_jsonl(tmp_path / f"q{n}" / "queries.jsonl", queries)
-        qrels.write_text(
-            "query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\t{docs[d]['_id']}\t1\n" for i, d in enumerate(picked))
+    docs, n = collection["docs"], 2000
+    models = {
+        width: save_tiny_bert(
+            str(tmp_path / f"width{width}"),
+            [d["text"] for d in docs],
+            hidden_size=width,
+            num_layers=1,
+            num_heads=4,
+            intermediate_size=64,
         )
-        job = evaluation.EvaluateJobConfig(
-            encoder=EncoderSettings(model=wide, pooling="cls"),
+        for width in (64, 4096)
+    }
+    monkeypatch.setattr(evaluation, "query_block_of", lambda index, searchers, k: 64)
+    picked = np.random.default_rng(n).integers(0, N_DOCS, n)
+    queries = [{"_id": f"q{i}", "text": " ".join(docs[d]["text"].split()[:5])} for i, d in enumerate(picked)]
+    qrels = tmp_path / "qrels.tsv"
+    write_jsonl(tmp_path / "queries.jsonl", queries)
+    qrels.write_text(
+        "query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\t{docs[d]['_id']}\t1\n" for i, d in enumerate(picked))
+    )
+
+    def job(width: int):
+        return evaluation.EvaluateJobConfig(
+            encoder=EncoderSettings(model=models[width], pooling="mean", similarity="cos"),
             corpus=collection["corpus"],
-            queries=str(tmp_path / f"q{n}" / "queries.jsonl"),
+            queries=str(tmp_path / "queries.jsonl"),
             qrels=str(qrels),
             k=10,
             docs_per_shard=45,
-            output=str(tmp_path / "eval"),
+            output=str(tmp_path / f"eval{width}"),
             pool=ActorConfig(actors=1),
         )
-        if not traced:
-            evaluation.run_evaluation(job)
-            continue
-        # Each thread's page counts reach the kernel's totals every 64 faults, so one reading
-        # can be a few MiB off with Ray's many threads: the lower of two runs is kept (a driver
-        # that held the vectors would hold them in both).
-        (summaries[n], peaks[n]), (_, again) = (resident_growth(evaluation.run_evaluation, job) for _ in range(2))
-        peaks[n] = min(peaks[n], again)
-        assert summaries[n]["search_blocks"] == -(-n // 64) and summaries[n]["judged_queries"] == n
-        assert summaries[n]["index_shards_built"] == 0 and summaries[n]["search_blocks_resumed"] == 0
-        assert not os.path.exists(tmp_path / "eval" / "search")  # the stored vectors went with the parts
-    assert peaks[2000] - peaks[200] < 5 * 2**20, peaks
-    print("driver growth, MiB:", {n: round(p / 2**20, 1) for n, p in peaks.items()})
-    # The 200 queries' metrics against ir_measures over brute force of this test's encoding.
-    encoder = local_encoder(EncoderSettings(model=wide, pooling="cls"))
-    _, doc_ids, corpus = read_all(str(tmp_path / "eval" / "embeddings"))
-    queries = read_queries(str(tmp_path / "q200" / "queries.jsonl"))
-    scores, top = brute_force_topk(encoder.encode_texts(list(queries.values()), 32), corpus, 10)
-    run = {q: {doc_ids[r]: float(v) for r, v in zip(top[i], scores[i])} for i, q in enumerate(queries)}
-    measures = {name: ir_measures.parse_measure(m) for name, m in JOB_MEASURES.items()}
-    expected = ir_measures.calc_aggregate(
-        measures.values(), dict(read_qrels(str(tmp_path / "q200" / "qrels.tsv")).items()), run
+
+    # The first run in a process imports and loads what later ones reuse (plotting, the
+    # tokenizer), and each folder's first run prepares its passages: untraced runs first, so
+    # that the traced ones differ by the query vectors' width alone.
+    for width in models:
+        evaluation.run_evaluation(job(width))
+    # Pages the driver writes into its node's object store are touched once and kept mapped,
+    # so its resident peak cannot tell a block put there from one that was not: what it puts
+    # is recorded instead.
+    put = ray.put
+    put_bytes = []
+    monkeypatch.setattr(
+        ray, "put", lambda value, **kw: put_bytes.append(getattr(value, "nbytes", 0)) or put(value, **kw)
     )
-    assert summaries[200]["metrics"] == pytest.approx({name: expected[m] for name, m in measures.items()}, abs=1e-6)
+    peaks, summaries = {}, {}
+    for width in models:
+        # Allocator and thread timing move one reading by a MiB or two: the lower of two runs
+        # is kept (a driver that held the vectors would hold them in both).
+        (summaries[width], first), (_, again) = (
+            resident_growth(evaluation.run_evaluation, job(width)) for _ in range(2)
+        )
+        peaks[width] = min(first, again)
+        assert summaries[width]["search_blocks"] == -(-n // 64) and summaries[width]["judged_queries"] == n
+        assert summaries[width]["index_shards_built"] == 0 and summaries[width]["search_blocks_resumed"] == 0
+        assert not os.path.exists(tmp_path / f"eval{width}" / "search")  # the stored vectors went with the parts
+    print("driver growth, MiB:", {w: round(p / 2**20, 1) for w, p in peaks.items()})
+    assert peaks[4096] - peaks[64] < 5 * 2**20, peaks
+    assert put_bytes and max(put_bytes) < 4096, max(put_bytes)  # none of them vectors (64 narrow ones: 16 KiB)
+    # The metrics against ir_measures over brute force of this test's encoding.
+    encoder = local_encoder(EncoderSettings(model=models[64], pooling="mean", similarity="cos"))
+    _, doc_ids, corpus = read_all(str(tmp_path / "eval64" / "embeddings"))
+    texts = read_queries(str(tmp_path / "queries.jsonl"))
+    scores, top = brute_force_topk(encoder.encode_texts(list(texts.values()), 32), corpus, 10)
+    run = {q: {doc_ids[r]: float(v) for r, v in zip(top[i], scores[i])} for i, q in enumerate(texts)}
+    measures = {name: ir_measures.parse_measure(m) for name, m in JOB_MEASURES.items()}
+    expected = ir_measures.calc_aggregate(measures.values(), dict(read_qrels(str(qrels)).items()), run)
+    assert summaries[64]["metrics"] == pytest.approx({name: expected[m] for name, m in measures.items()}, abs=1e-6)
 
 
 def test_mining_drivers_memory_does_not_grow_with_the_corpus(encoded, collection, tmp_path, monkeypatch):
