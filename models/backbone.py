@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoConfig, AutoModelForMaskedLM, BertConfig, BertForMaskedLM, PreTrainedModel
+from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, BertConfig, BertForMaskedLM, PreTrainedModel
 from transformers.activations import gelu
 from transformers.masking_utils import create_bidirectional_mask, create_bidirectional_sliding_window_mask
 from transformers.utils import logging as hf_logging
@@ -224,6 +224,55 @@ def load_pretrained(model_class, path: str, **kwargs):
             shown = ", ".join(sorted(keys)[:4]) + (f" (+{len(keys) - 4} more)" if len(keys) > 4 else "")
             warnings.warn(f"{path}: {len(keys)} weights {what}: {shown}", stacklevel=2)
     return model
+
+
+class UnsupportedCheckpoint(ValueError):
+    """A checkpoint raydense would load with random weights: its family is not supported,
+    or its weights are not those of the model its ``config.json`` names."""
+
+
+# transformers loads a checkpoint whose weights miss its config's model, initialising the
+# rest at random with a warning: below this share of the model's weights, that is an error.
+LEAST_LOADED_SHARE = 0.5
+
+
+def check_checkpoint(path: str) -> None:
+    """Raise :class:`UnsupportedCheckpoint` unless the HF folder ``path`` names a supported
+    family and at least ``LEAST_LOADED_SHARE`` of that model's weights are stored there. A
+    folder with a config and no weight files is an architecture (pre-training from scratch)
+    and passes. Reads the weight files' headers only: the model is built on the meta device."""
+    with open(os.path.join(path, "config.json")) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type not in FAMILIES:
+        raise UnsupportedCheckpoint(f"model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
+    stored = _stored_weight_names(path)
+    if not stored:
+        return
+    try:
+        with torch.device("meta"):
+            model = AutoModel.from_config(AutoConfig.from_pretrained(path))
+    except Exception as exc:  # noqa: BLE001 - a config transformers cannot build, whatever it raises
+        raise UnsupportedCheckpoint(f"its config.json does not build a {model_type} model: {exc}") from None
+    expected = [k for k in model.state_dict() if not k.startswith(EXPECTED_MISSING)]
+    prefix = model.base_model_prefix + "."
+    found = sum(k in stored or prefix + k in stored for k in expected)
+    if found < LEAST_LOADED_SHARE * len(expected):
+        raise UnsupportedCheckpoint(
+            f"only {found} of the {len(expected)} weights of the {model_type} model its config.json names are "
+            f"stored there: the weights are another model's (supported: {', '.join(FAMILIES)})"
+        )
+
+
+def _stored_weight_names(path: str) -> set[str]:
+    names: set[str] = set()
+    for name in os.listdir(path):
+        file = os.path.join(path, name)
+        if name.endswith(".safetensors"):
+            with safe_open(file, framework="pt") as weights:
+                names.update(weights.keys())
+        elif name.startswith("pytorch_model") and name.endswith(".bin"):
+            names.update(torch.load(file, map_location="meta", weights_only=True, mmap=True))
+    return names
 
 
 def build_mlm(cfg: BackboneConfig, vocab_size: int) -> PreTrainedModel:

@@ -5,6 +5,7 @@ crashes included: tests/test_config.py). The jobs run in this process, on the te
 from __future__ import annotations
 
 import importlib
+import shutil
 import sys
 from pathlib import Path
 
@@ -15,6 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path, shared_ray, monkeypatch, capsys):
+    from transformers import GPT2Config, ModernBertConfig
+
     from tests.helpers import index_of_random_vectors, save_tiny_bert
 
     tiny_model = save_tiny_bert(str(tmp_path / "tiny"), [d["text"] for d in synthetic_docs(30)])
@@ -24,6 +27,15 @@ def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path
     not_a_model = tmp_path / "not-a-model"
     not_a_model.mkdir()
     (not_a_model / "notes.txt").write_text("weights elsewhere")
+    # A config of another family over the tiny BERT's weights: transformers would load it with
+    # every weight at random, and a job would report metrics of noise.
+    other_family, other_weights = tmp_path / "gpt2", tmp_path / "modernbert"
+    for folder, config in (
+        (other_family, GPT2Config(n_embd=32, n_layer=2, n_head=2)),
+        (other_weights, ModernBertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, pad_token_id=0)),
+    ):
+        shutil.copytree(tiny_model, folder)
+        config.save_pretrained(folder)
     cases = {
         "config value": (
             ["jobs.bm25_negatives", "--corpus", "c", "--queries", "q", "--qrels", "r", "--depth", "10"],
@@ -44,6 +56,14 @@ def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path
         "a folder that is not a model": (
             ["jobs.encode", "--corpus", corpus, "--encoder.model", str(not_a_model)],
             f"{not_a_model}: not a model (none of config.json, retriever.json there)",
+        ),
+        "a model of an unsupported family": (
+            ["jobs.encode", "--corpus", corpus, "--encoder.model", str(other_family)],
+            f"--encoder.model {other_family}: model_type 'gpt2' is not supported (supported: bert, roberta,",
+        ),
+        "weights that are not the model's": (
+            ["jobs.encode", "--corpus", corpus, "--encoder.model", str(other_weights)],
+            f"--encoder.model {other_weights}: only 0 of the",
         ),
         "closed set: pooling": (["jobs.encode", "--encoder.pooling", "bogus"], "'bogus'"),
         "closed set: on_empty": (["jobs.prepare_corpus", "--corpus.on_empty", "explode"], "'explode'"),

@@ -7,6 +7,7 @@ import contextlib
 import gzip
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -244,10 +245,12 @@ def test_simlm_without_a_generator_trains_one_first_then_reuses_it(tmp_path, mon
     assert "reusing the generator trained before" in capsys.readouterr().err
 
 
-def test_ctrl_c_during_pretraining_exits_130_with_the_hint_and_the_rerun_resumes(tmp_path):
+def test_ctrl_c_exits_130_with_the_hint_and_reruns_resume_finish_and_pass_over_a_deleted_checkpoint(tmp_path):
     """`python jobs/pretrain.py` sent SIGINT (Ctrl-C) once its first checkpoint is sealed:
     it exits 130 within seconds, its last stderr line the resume hint, no traceback; the same
-    command again resumes from a checkpoint and finishes. Mutation: ``trainer.fit()`` on the
+    command again resumes from a checkpoint and finishes; once more, it is done: no training
+    worker, zero steps this attempt; with its newest checkpoint deleted, it resumes from the
+    one before. Mutation: ``trainer.fit()`` on the
     main thread, where Ray Train's own SIGINT handler aborts the run: exit 1, "Received SIGINT.
     Gracefully aborting", no hint."""
     import subprocess
@@ -292,3 +295,22 @@ def test_ctrl_c_during_pretraining_exits_130_with_the_hint_and_the_rerun_resumes
     (resume,) = summary["resumes"]
     assert summary["steps"] == 60 and resume["step"] >= 5, summary
     assert summary["steps_this_attempt"] == 60 - resume["step"]
+
+    # Finished: the same command again starts no training worker and says so.
+    again = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    rerun = json.loads(again.stdout.strip().splitlines()[-1])
+    assert rerun["steps"] == 60 and rerun["steps_this_attempt"] == 0 and rerun["already_finished"], rerun
+    assert rerun["resumed_from"]["step"] == 60 and rerun["resumes"] == summary["resumes"], rerun
+    assert "finished at step 60" in again.stderr and "RayTrainWorker" not in again.stderr, again.stderr[-3000:]
+
+    # Its newest checkpoint deleted (by hand, or a storage lifecycle rule): Ray Train's registry
+    # still names it, which would stop Ray Train's controller. The rerun says it passed it
+    # over, once, and trains the last steps again from the one before.
+    newest = max((out / "checkpoints").glob("checkpoint_0*"))
+    shutil.rmtree(newest)
+    after = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True)
+    assert after.returncode == 0, after.stderr[-3000:]
+    resumed = json.loads(after.stdout.strip().splitlines()[-1])
+    assert after.stderr.count(f"checkpoint {newest} is gone: passed over") == 1, after.stderr[-3000:]
+    assert resumed["steps"] == 60 and resumed["steps_this_attempt"] == 60 - resumed["resumes"][-1]["step"] > 0

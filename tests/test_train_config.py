@@ -189,6 +189,35 @@ def test_rerunning_into_another_methods_output_is_refused(tmp_path):
         run_pretraining(cfg)
 
 
+def test_resuming_checkpoints_made_with_other_settings_is_refused_before_any_work(tmp_path):
+    """A rerun into a run's output resumes its checkpoints: with another model shape or
+    corpus, every worker would fail to load them (or train on other data from the stored
+    position). Named up front instead; a changed step budget resumes."""
+    from pipeline.core.runtime import write_run_files
+    from pipeline.training.pretrain import PretrainConfig, run_pretraining
+
+    def config() -> PretrainConfig:
+        cfg = PretrainConfig()
+        cfg.train.output, cfg.corpus.output = str(tmp_path / "run"), str(tmp_path / "missing-corpus")
+        cfg.corpus.input = str(tmp_path / "raw.jsonl")
+        return cfg
+
+    write_run_files(config(), str(tmp_path / "run"))
+    (tmp_path / "run" / "checkpoints" / "checkpoint_000000005").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "checkpoint_000000005" / "trainer_state.json").write_text("{}")
+    changed = config()
+    changed.model.hidden_size, changed.corpus.vocab_size = 64, 120
+    with pytest.raises(
+        ValueError,
+        match=r"holds checkpoints made with other settings: --model.hidden_size 128 \(now 64\), --corpus.vocab_size 8000 \(now 120\)\. ",
+    ):
+        run_pretraining(changed)
+    longer = config()
+    longer.train.max_steps *= 2  # past the settings check: on to the corpus, which is not there
+    with pytest.raises(OSError, match="raw.jsonl: no such file"):
+        run_pretraining(longer)
+
+
 def test_pair_fraction_counts_documents_long_enough_for_two_spans(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -90,6 +90,7 @@ def check(reference: str, what: str = "model", nodes: int | None = None) -> str:
             hint = " (nor a Hub id: a Hub id is 'name' or 'org/name')" if relative else ""
             raise ConfigError(f"{what} {ref.text}: no such directory{hint}")
         _check_marker(ref.text, what, lambda name: os.path.isfile(os.path.join(ref.location, name)))
+        check_weights(ref.location, ref.text, what)
         why = shared_nothing(nodes)
         if why:
             raise ConfigError(
@@ -122,6 +123,21 @@ def _check_marker(text: str, what: str, has) -> None:
         raise ConfigError(f"{what} {text}: not a {kind} (none of {', '.join(markers)} there)")
 
 
+def check_weights(folder: str, text: str, what: str) -> None:
+    """A model folder's weights are its config's model's, of a supported family: each HF
+    folder in it (a retriever export's towers sit in subfolders). A tokenizer passes."""
+    if "tokenizer" in what:
+        return
+    from models.backbone import UnsupportedCheckpoint, check_checkpoint
+
+    for sub in ("", "query", "passage"):
+        if os.path.isfile(os.path.join(folder, sub, "config.json")):
+            try:
+                check_checkpoint(os.path.join(folder, sub))
+            except UnsupportedCheckpoint as exc:
+                raise ConfigError(f"{what} {os.path.join(text, sub) if sub else text}: {exc}") from None
+
+
 def version(reference: str, what: str = "model") -> str:
     """What identifies the referenced files now: the stored version of a directory or an
     object-storage prefix (a rewrite is a new version), the reference itself otherwise (a
@@ -143,7 +159,9 @@ def materialize(reference: str, what: str = "model") -> str:
         return _package_path(ref, what)
     if ref.kind == "hub":
         return _hub_snapshot(ref, what, local_files_only=False)
-    return fetch_once(ref.location)[0]
+    local = fetch_once(ref.location)[0]
+    check_weights(local, ref.text, what)
+    return local
 
 
 def cache_root() -> str:

@@ -194,11 +194,11 @@ def registered_checkpoint(run_dir: str) -> str | None:
     return None
 
 
-def restorable_checkpoint(run_dir: str) -> str | None:
+def restorable_checkpoint(run_dir: str, warn: bool = False) -> str | None:
     """The checkpoint the next start resumes from: the newest registered one when it is whole
     (sealed, every file there at its size: :mod:`pipeline.core.sealed`), else the newest
-    earlier one that is, with a warning naming each passed over. The stream and every worker
-    call this, so the model and the data position come from the same checkpoint."""
+    earlier one that is; ``warn`` (the driver, once) names each passed over. The stream and
+    every worker call this, so the model and the data position come from the same checkpoint."""
     latest = registered_checkpoint(run_dir)
     if latest is None:
         return None
@@ -207,10 +207,12 @@ def restorable_checkpoint(run_dir: str) -> str | None:
     earlier = sorted((n for n in folders if n != latest and checkpoint_step(n) <= step), key=checkpoint_order)
     candidates = [latest] + earlier[::-1]
     for name in candidates:
-        problem = sealed.damage(storage.join(run_dir, name), folders.get(name, {}))
+        problem = sealed.damage(storage.join(run_dir, name), folders[name]) if name in folders else "gone"
         if problem is None:
             return name
-        _warn_once(f"warning: checkpoint {storage.join(run_dir, name)} is not whole ({problem}): passed over")
+        if warn:
+            state = "is gone" if name not in folders else f"is not whole ({problem})"
+            _warn_once(f"warning: checkpoint {storage.join(run_dir, name)} {state}: passed over")
     raise ArtifactError(
         f"{run_dir}: no whole checkpoint to resume from ({', '.join(candidates)} are damaged); "
         f"delete {run_dir} to train from the start"

@@ -33,7 +33,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
@@ -48,9 +48,9 @@ from models.compiled import compile_in_place
 from models.memory import ACTIVATION_SHARE, OPTIMIZER_BYTES_PER_PARAM, ActivationCost, fitting_micro_batch, free_memory
 from pipeline.core import storage
 from pipeline.core.config import to_dict
-from pipeline.core.errors import ArtifactError, ConfigError, InputError
+from pipeline.core.errors import ArtifactError, ConfigError, InputError, StorageError
 from pipeline.core.runtime import autoscales, placement_problem
-from pipeline.data.position import read_position, restorable_checkpoint
+from pipeline.data.position import RAY_SNAPSHOT, checkpoint_folders, read_position, restorable_checkpoint
 from pipeline.data.stream import configure_data_context
 from pipeline.training.checkpoints import Restored, TrainState, restore_checkpoint, save_checkpoint
 from pipeline.training.deepspeed_config import deepspeed_config, import_deepspeed, skip_inference_comm_op
@@ -842,7 +842,11 @@ def fit(
     # value on to the controller; a value the user set wins.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(health_check_interval(train.num_workers)))
     check_placement(train)
-    restorable_checkpoint(run_dir)  # a run whose every checkpoint is damaged stops here
+    restorable_checkpoint(run_dir, warn=True)  # a run whose every checkpoint is damaged stops here
+    forget_gone_checkpoints(run_dir)
+    done = finished_run(run_dir, train)
+    if done is not None:
+        return done
     failures = ray.train.FailureConfig(max_failures=train.max_failures)
     if train.resource_wait_s > 0 and not autoscales():
         # A fixed cluster whose nodes could hold the workers, but other work holds the
@@ -890,4 +894,61 @@ def fit(
     _raise_user_error(marker)
     checkpoint = result.checkpoint.path if result.checkpoint else None
     history = (result.return_value or {}).get("history", [])
-    return FitResult(dict(result.metrics or {}), checkpoint, run_dir, history)
+    done = FitResult(dict(result.metrics or {}), checkpoint, run_dir, history)
+    storage.write_json(
+        storage.join(run_dir, FINISHED),
+        {"checkpoint_dir_name": restorable_checkpoint(run_dir), **asdict(done)},
+    )
+    return done
+
+
+FINISHED = "finished.json"
+
+
+def forget_gone_checkpoints(run_dir: str) -> None:
+    """Ray Train's registry of a run's checkpoints (``RAY_SNAPSHOT``) naming a folder that is
+    gone (deleted by hand, or by a storage lifecycle rule) would stop its controller at
+    start, with advice about a setting raydense does not expose. It is set aside: Ray Train
+    starts a new registry, and the run resumes from the checkpoint our own pointer and the
+    listing give (:func:`restorable_checkpoint`, which named what it passed over)."""
+    uri = storage.join(run_dir, RAY_SNAPSHOT)
+    if not storage.exists(uri):
+        return
+    try:
+        registered = {r["checkpoint_dir_name"] for r in storage.read_json(uri).get("checkpoint_results", [])}
+    except (StorageError, KeyError, TypeError, AttributeError, ValueError):
+        return  # a registry of another Ray version: Ray Train reads it, or says why not
+    if registered - set(checkpoint_folders(run_dir)):
+        storage.write_bytes(uri + ".set-aside", storage.read_bytes(uri))
+        storage.delete_file(uri)
+
+
+def finished_run(run_dir: str, train: TrainConfig) -> FitResult | None:
+    """The result of a run that already trained to ``train.max_steps``, as recorded when it
+    finished, with ``steps_this_attempt`` 0 (None: there are steps to train). A rerun of a
+    finished run then starts no worker. A checkpoint saved since, or a higher
+    ``--train.max_steps``, makes it a run to resume."""
+    uri = storage.join(run_dir, FINISHED)
+    if not storage.exists(uri):
+        return None
+    record = storage.read_json(uri)
+    name = record.pop("checkpoint_dir_name")
+    done = FitResult(**record)
+    steps = done.metrics.get("steps", 0)
+    exported = [v for k, v in done.metrics.items() if k.endswith("_dir") and isinstance(v, str)]
+    if name != restorable_checkpoint(run_dir) or train.max_steps > steps:
+        return None
+    if not all(storage.list_files(path) for path in exported):
+        return None  # its export is gone: the workers write it again from the checkpoint
+    print(
+        f"{run_dir}: finished at step {steps} ({name}); nothing to train "
+        f"(a --train.max_steps above {steps} trains on from there)",
+        file=sys.stderr,
+        flush=True,
+    )
+    done.metrics |= {
+        "steps_this_attempt": 0,
+        "already_finished": True,
+        "resumed_from": {"checkpoint": name, "step": steps},
+    }
+    return done

@@ -25,6 +25,7 @@ from pipeline.core import model_ref, storage
 from pipeline.core.config import to_dict
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.runtime import RayConfig, write_run_files
+from pipeline.data.position import checkpoint_folders
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
 from pipeline.data.shards import load_manifest, shard_uris
 from pipeline.data.stream import (
@@ -35,6 +36,7 @@ from pipeline.data.stream import (
 from pipeline.data.tokenizer import load_tokenizer
 from pipeline.training.loop import check_placement, fit
 from pipeline.training.task import Task, run_summary, write_summary
+from pipeline.training.tracking import flatten
 from pipeline.training.train_config import TrainConfig, embedded_train, epochs_needed, warn_if_a_step_exceeds_an_epoch
 
 METHODS: dict[str, type[PretrainingMethod]] = {
@@ -175,17 +177,40 @@ def _pair_fraction(corpus: str, manifest: dict, spans: CoCondenserConfig) -> flo
     return fraction
 
 
-def _check_same_method(cfg: PretrainConfig) -> None:
-    """A re-run resumes from the output's checkpoints: they must be this method's."""
+# Settings a pre-training run's checkpoints were made with: resumed with others, they would
+# fail to load (another shape or vocabulary) or train on other data from the stored position.
+# What a resume may change: where the corpus goes, and references resolved when the run began.
+RESUMES_WITH = ("model", "data", "corpus")
+RESUMABLE_CHANGES = {"corpus.output", "corpus.overwrite", "corpus.tokenizer", "cocondenser.head", "simlm.generator"}
+
+
+def _check_same_run(cfg: PretrainConfig) -> None:
+    """A re-run resumes from the output's checkpoints: they must be this method's, made with
+    these settings."""
 
     previous = storage.join(cfg.train.output, "config.yaml")
-    if storage.exists(previous):
-        method = (yaml.safe_load(storage.read_bytes(previous)) or {}).get("method")
-        if method and method != cfg.method:
-            raise ConfigError(
-                f"{cfg.train.output} holds a {method} run, and re-running into it resumes its "
-                f"checkpoints: give --method {cfg.method} its own --train.output"
-            )
+    if not storage.exists(previous):
+        return
+    stored = yaml.safe_load(storage.read_bytes(previous)) or {}
+    method = stored.get("method")
+    if method and method != cfg.method:
+        raise ConfigError(
+            f"{cfg.train.output} holds a {method} run, and re-running into it resumes its "
+            f"checkpoints: give --method {cfg.method} its own --train.output"
+        )
+    if not checkpoint_folders(storage.join(cfg.train.output, "checkpoints")):
+        return
+    now = to_dict(cfg)
+    sections = (*RESUMES_WITH, cfg.method)
+    was, is_now = (flatten({k: d.get(k) or {} for k in sections}) for d in (stored, now))
+    changed = [key for key in is_now if key not in RESUMABLE_CHANGES and was.get(key, is_now[key]) != is_now[key]]
+    if changed:
+        shown = ", ".join(f"--{key} {was[key]} (now {is_now[key]})" for key in changed[:4])
+        more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
+        raise ConfigError(
+            f"{cfg.train.output} holds checkpoints made with other settings: {shown}{more}. Re-running into it "
+            f"resumes them: give this run its own --train.output, or delete {cfg.train.output} to start over"
+        )
 
 
 def _resolve_warm_start_head(cfg: PretrainConfig) -> None:
@@ -268,7 +293,7 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
     storage.check_reachable(cfg.corpus.output)
     storage.check_reachable(cfg.train.output)
     check_placement(cfg.train)
-    _check_same_method(cfg)
+    _check_same_run(cfg)
     if cfg.method == "cocondenser":
         _resolve_warm_start_head(cfg)
     if cfg.method == "simlm":

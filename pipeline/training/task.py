@@ -31,6 +31,7 @@ RUN_METRICS = (
     "micro_batch_size",
     "grad_accum",
 )
+FINISHED_METRICS = ("already_finished", "resumed_from")  # a rerun of a finished run (loop.finished_run)
 
 
 class Task:
@@ -79,6 +80,7 @@ def run_summary(job: str, result: FitResult, **fields) -> dict:
     return {
         "job": job,
         **{key: result.metrics.get(key) for key in RUN_METRICS},
+        **{key: result.metrics[key] for key in FINISHED_METRICS if key in result.metrics},
         "checkpoint": result.checkpoint,
         **fields,
     }
