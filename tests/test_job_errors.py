@@ -5,12 +5,13 @@ crashes included: tests/test_config.py). The jobs run in this process, on the te
 from __future__ import annotations
 
 import importlib
+import os
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import synthetic_docs
+from conftest import synthetic_docs, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,6 +37,15 @@ def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path
     ):
         shutil.copytree(tiny_model, folder)
         config.save_pretrained(folder)
+    # A prepared corpus one of whose shards was cut short since: its reuse names the shard.
+    from pipeline.data.prepare import PrepareConfig, prepare_corpus
+
+    prepare = ["--corpus.input", write_jsonl(tmp_path / "raw.jsonl", synthetic_docs(30)), "--corpus.vocab_size", "120"]
+    prepare += ["--corpus.output", str(tmp_path / "prepared")]
+    prepare_corpus(PrepareConfig(input=prepare[1], output=prepare[5], vocab_size=120))
+    (cut_short,) = (tmp_path / "prepared" / "shards").glob("*.parquet")
+    written = cut_short.stat().st_size
+    os.truncate(cut_short, written // 2)
     cases = {
         "config value": (
             ["jobs.bm25_negatives", "--corpus", "c", "--queries", "q", "--qrels", "r", "--depth", "10"],
@@ -64,6 +74,10 @@ def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path
         "weights that are not the model's": (
             ["jobs.encode", "--corpus", corpus, "--encoder.model", str(other_weights)],
             f"--encoder.model {other_weights}: only 0 of the",
+        ),
+        "a damaged shard of a reused corpus": (
+            ["jobs.prepare_corpus", *prepare],
+            f"corpus shard {cut_short} is {written // 2} bytes, written as {written}: --corpus.overwrite true prepares",
         ),
         "closed set: pooling": (["jobs.encode", "--encoder.pooling", "bogus"], "'bogus'"),
         "closed set: on_empty": (["jobs.prepare_corpus", "--corpus.on_empty", "explode"], "'explode'"),

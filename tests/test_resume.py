@@ -335,3 +335,45 @@ def test_a_failed_compile_is_the_users_error_and_not_retried(tmp_path, monkeypat
     with pytest.raises(Exception, match="tiling split") as raised:
         loop.train_worker({"run_dir": str(tmp_path / "eager"), "train": TrainConfig(compile=False)})
     assert not isinstance(raised.value, ConfigError)
+
+
+def test_a_damaged_shard_read_by_ray_data_reaches_the_worker_as_the_users_error(tmp_path, shared_ray):
+    """A corpus shard damaged inside (its size and footer intact: only reading it finds it)
+    fails a Ray Data task, which wraps the error in a UserCodeException whose cause is lost
+    on the way to the training worker (``user_error`` finds nothing). The worker still
+    names it, so the job ends with that one line (exit 2) instead of retrying."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray
+
+    from pipeline.core.errors import ArtifactError
+    from pipeline.data.shards import shard_dataset
+
+    shard = str(tmp_path / "part-00000.parquet")
+    ids = pa.array([list(range(i, i + 50)) for i in range(400)], pa.list_(pa.int32()))
+    pq.write_table(pa.table({"row": np.arange(400), "input_ids": ids}), shard, row_group_size=4096)
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) // 3 : len(data) // 3 + 200] = b"x" * 200
+    open(shard, "wb").write(bytes(data))
+
+    def rows(tokens, **_):
+        return {"rows": np.array([len(tokens["row"])])}
+
+    @ray.remote
+    def consume(dataset):  # as a training worker reads its stream
+        from pipeline.core.entry import user_error
+        from pipeline.training.loop import fed_user_error
+
+        try:
+            for _ in dataset.iter_batches():
+                pass
+        except Exception as exc:  # noqa: BLE001 - whatever the iterator raises
+            return user_error(exc), fed_user_error(exc)
+
+    plain, fed = ray.get(consume.remote(shard_dataset([{"uri": shard}], rows, {})))
+    assert plain is None  # the chain lost on the way
+    assert isinstance(fed, ArtifactError), fed
+    assert str(fed).startswith(f"corpus shard {shard} is damaged (") and str(fed).endswith(
+        "): --corpus.overwrite true prepares the corpus again"
+    ), fed

@@ -19,12 +19,13 @@ from typing import Any, Literal
 import ray
 
 from pipeline.core import model_ref, storage
+from pipeline.core.errors import ArtifactError
 from pipeline.core.progress import get_counted
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.data.join import JoinConfig
 from pipeline.data.shard_tokenizing import ShardTokenizer, continuation_table, tokenize_shard
-from pipeline.data.shards import FORMAT, MANIFEST, WORD_PIECES
+from pipeline.data.shards import FORMAT, MANIFEST, PREPARE_AGAIN, WORD_PIECES, damaged_shard
 from pipeline.data.text_shards import iter_texts, stage_text
 from pipeline.data.tokenizer import load_tokenizer, train_wordpiece
 
@@ -84,6 +85,9 @@ def prepare_corpus(cfg: PrepareConfig) -> dict:
             and manifest.get("settings") == _settings(cfg)
             and manifest.get("input_version") == input_version
         ):
+            damaged = damaged_shard(cfg.output, manifest)
+            if damaged:
+                raise ArtifactError(f"{damaged}: {PREPARE_AGAIN}")
             print(
                 f"prepare: reusing {storage.resolve(cfg.output).uri}, prepared from the same input with the same "
                 "settings (--corpus.overwrite true prepares it again)",
@@ -111,8 +115,10 @@ def prepare_corpus(cfg: PrepareConfig) -> dict:
     shard_tokenizer = ray.put(ShardTokenizer.of(tokenizer, tokenizer_uri))  # one copy for every task
     calls = [tokenize.remote(item, shard_tokenizer, cfg.output) for item in items]  # (entry, counts) refs
     shards = get_counted([entry for entry, _ in calls], "prepare", "documents", [item["rows"] for item in items])
+    sizes = storage.file_sizes(cfg.output)  # what a reuse checks the shards against
     shards = sorted(
-        ({k: s[k] for k in ("path", "first_row", "rows", "tokens")} for s in shards), key=lambda s: s["first_row"]
+        ({**{k: s[k] for k in ("path", "first_row", "rows", "tokens")}, "bytes": sizes[s["path"]]} for s in shards),
+        key=lambda s: s["first_row"],
     )
     # Which token ids start a word and which continue one, as the tokenizer's word_ids say:
     # whole-word masking reads this, for any tokenizer (WordPiece, BPE, SentencePiece).

@@ -66,11 +66,37 @@ def check_parquet_shard(uri: str, rows: int, columns: set[str], error: type[Exce
     return schema
 
 
+# What mends a prepared corpus damaged after it was made: every error that finds one says it.
+PREPARE_AGAIN = "--corpus.overwrite true prepares the corpus again"
+
+
 def check_shards(corpus_uri: str, manifest: dict) -> None:
-    """Read every shard's Parquet footer: a truncated, corrupt or missing shard fails here,
-    by name, before any training worker starts, instead of deep inside a Ray Data task."""
+    """Every shard at the size it was written (one listing), then its Parquet footer: a
+    truncated, corrupt or missing shard fails here, by name, before any training worker
+    starts, instead of deep inside a Ray Data task."""
+    problem = damaged_shard(corpus_uri, manifest)
+    if problem:
+        raise ArtifactError(f"{problem}: {PREPARE_AGAIN}")
     for shard in manifest["shards"]:
-        check_parquet_shard(storage.join(corpus_uri, shard["path"]), shard["rows"], {"row", "input_ids"}, ArtifactError)
+        try:
+            check_parquet_shard(
+                storage.join(corpus_uri, shard["path"]), shard["rows"], {"row", "input_ids"}, ArtifactError
+            )
+        except ArtifactError as exc:
+            raise ArtifactError(f"{exc}: {PREPARE_AGAIN}") from None
+
+
+def damaged_shard(corpus_uri: str, manifest: dict) -> str:
+    """The first shard that is missing or not at the size the manifest recorded, described
+    ("" when none, or when the manifest predates recorded sizes)."""
+    sizes = storage.file_sizes(corpus_uri)
+    for shard in manifest["shards"]:
+        size = sizes.get(shard["path"])
+        if size is None:
+            return f"corpus shard {storage.join(corpus_uri, shard['path'])} is missing"
+        if "bytes" in shard and size != shard["bytes"]:
+            return f"corpus shard {storage.join(corpus_uri, shard['path'])} is {size} bytes, written as {shard['bytes']}"
+    return ""
 
 
 def shard_uris(corpus_uri: str, manifest: dict) -> list[str]:
@@ -80,7 +106,10 @@ def shard_uris(corpus_uri: str, manifest: dict) -> list[str]:
 def read_shard_tokens(uri: str) -> dict[str, np.ndarray]:
     """A prepared shard's ``row`` and ``input_ids`` (an object array of int32 views of one
     buffer, without a Python int per token)."""
-    table = storage.read_parquet(uri, ["row", "input_ids"])
+    try:
+        table = storage.read_parquet(uri, ["row", "input_ids"])
+    except StorageError as exc:  # its size and footer passed check_shards: damaged inside
+        raise ArtifactError(f"corpus shard {uri} is damaged ({exc}): {PREPARE_AGAIN}") from None
     ids = table.column("input_ids").combine_chunks()
     values = ids.values.to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
     offsets = ids.offsets.to_numpy()

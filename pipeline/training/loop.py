@@ -27,6 +27,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -48,7 +49,8 @@ from models.compiled import compile_in_place
 from models.memory import ACTIVATION_SHARE, OPTIMIZER_BYTES_PER_PARAM, ActivationCost, fitting_micro_batch, free_memory
 from pipeline.core import storage
 from pipeline.core.config import to_dict
-from pipeline.core.errors import ArtifactError, ConfigError, InputError, StorageError
+from pipeline.core.entry import user_error
+from pipeline.core.errors import ArtifactError, ConfigError, InputError, RaydenseError, StorageError
 from pipeline.core.runtime import autoscales, placement_problem
 from pipeline.data.position import RAY_SNAPSHOT, checkpoint_folders, read_position, restorable_checkpoint
 from pipeline.data.stream import configure_data_context
@@ -326,6 +328,10 @@ def train_worker(config: dict) -> dict:
         _write_user_error(marker, exc)
         raise
     except Exception as exc:
+        fed = fed_user_error(exc)
+        if fed is not None:
+            _write_user_error(marker, fed)
+            raise fed from None
         failed_compile = _compile_error(exc, config.get("train"))
         if failed_compile is not None:
             _write_user_error(marker, failed_compile)
@@ -336,6 +342,26 @@ def train_worker(config: dict) -> dict:
         # come back (torch 2.11's Inductor raised such an AssertionError on an H200) reached
         # the driver as "a worker health check failed", its type and message lost.
         raise WorkerError(f"{type(exc).__name__}: {exc}\n{''.join(traceback.format_exception(exc))}") from None
+
+
+_REMOTE_USER_ERROR = re.compile(
+    rf"^pipeline\.core\.errors\.({'|'.join(cls.__name__ for cls in DETERMINISTIC)}): (.+)$", re.MULTILINE
+)
+
+
+def fed_user_error(exc: BaseException) -> RaydenseError | None:
+    """A deterministic error raised in a Ray Data task that fed this worker (a damaged corpus
+    shard), or None. Ray Data wraps it in a UserCodeException whose cause does not survive
+    the trip to the worker, only the remote traceback's text, which names it on a line of
+    its own."""
+    found = user_error(exc)
+    if isinstance(found, DETERMINISTIC):
+        return found
+    named = _REMOTE_USER_ERROR.findall(str(exc))
+    if not named:
+        return None
+    kind, message = named[-1]
+    return {cls.__name__: cls for cls in DETERMINISTIC}[kind](message)
 
 
 def _write_user_error(marker: str, exc: BaseException) -> None:
