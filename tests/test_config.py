@@ -338,9 +338,22 @@ class _NoRayJob:
         (ConfigError("--model.init runs/x: no such directory"), "error: --model.init runs/x: no such directory"),
         # Raised on an actor: Ray wraps it; the job still prints the user's error alone.
         ("actor", "error: queries.jsonl line 3: duplicate query id 'q1'"),
+        # A full disk, as Python's files and as pyarrow's writers (text only) report it.
+        (
+            OSError(28, "No space left on device", "/data/run/state.pt"),
+            "error: no space left writing /data/run/state.pt ([Errno 28] No space left on device: "
+            "'/data/run/state.pt'): free space there, or give the outputs a larger disk, then rerun "
+            "the same command: what was finished is kept",
+        ),
+        (
+            "pyarrow",
+            "error: no space left writing the outputs (Error writing bytes to file. Detail: [errno 28] "
+            "No space left on device): free space there, or give the outputs a larger disk, then rerun "
+            "the same command: what was finished is kept",
+        ),
     ],
 )
-def test_a_user_error_prints_one_line_and_exits_2(raised, shown, monkeypatch, capsys):
+def test_a_user_error_or_a_full_disk_prints_one_line_and_exits_2(raised, shown, monkeypatch, capsys):
     from ray.exceptions import RayTaskError
 
     from pipeline.core.entry import run_job
@@ -348,6 +361,9 @@ def test_a_user_error_prints_one_line_and_exits_2(raised, shown, monkeypatch, ca
 
     if raised == "actor":
         raised = RayTaskError("encode", "Traceback ...", InputError("queries.jsonl line 3: duplicate query id 'q1'"))
+    if raised == "pyarrow":
+        full = OSError("Error writing bytes to file. Detail: [errno 28] No space left on device")
+        raised = RayTaskError("write", "Traceback ...", full)
 
     def run(cfg):
         raise raised

@@ -377,3 +377,21 @@ def test_a_damaged_shard_read_by_ray_data_reaches_the_worker_as_the_users_error(
     assert str(fed).startswith(f"corpus shard {shard} is damaged (") and str(fed).endswith(
         "): --corpus.overwrite true prepares the corpus again"
     ), fed
+
+
+def test_a_full_disk_in_a_worker_ends_the_run_naming_it_though_no_marker_could_be_written():
+    """A worker that fills the disk cannot write its user-error marker there: the driver
+    reads the cause from the text of Ray Train's error (its workers' tracebacks) instead."""
+    from pipeline.core.errors import OutOfSpace
+    from pipeline.training.loop import fed_user_error
+
+    failed = Exception(
+        "Training failed due to worker errors:\n[Rank 0 Error Snippet]:\nTraceback (most recent call last):\n"
+        '  File "pyarrow/error.pxi", line 92, in pyarrow.lib.check_status\n'
+        "OSError: [Errno 28] Error writing bytes to file. Detail: [errno 28] No space left on device\n"
+    )
+    full = fed_user_error(failed)
+    assert isinstance(full, OutOfSpace) and str(full).startswith(
+        "no space left writing the outputs (OSError: [Errno 28] Error writing bytes to file."
+    ), full
+    assert fed_user_error(Exception("Training failed due to worker errors: ZeroDivisionError")) is None

@@ -3,12 +3,13 @@ print the JSON summary as the last stdout line."""
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from typing import Callable, Sequence, TypeVar
 
 from pipeline.core.config import parse_config
-from pipeline.core.errors import RaydenseError
+from pipeline.core.errors import OutOfSpace, RaydenseError
 from pipeline.core.runtime import check_outputs_shared, init_ray, print_summary
 
 C = TypeVar("C")
@@ -72,5 +73,30 @@ def user_error(exc: BaseException) -> RaydenseError | None:
             continue
         if isinstance(exc, RaydenseError):
             return exc
+        full = _disk_full(exc)
+        if full is not None:
+            return full
         exc = exc.__cause__
     return None
+
+
+FULL_DISK = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded"}
+
+
+def _disk_full(exc: BaseException) -> OutOfSpace | None:
+    """A full disk (or quota), however the library that wrote reported it: an OSError with
+    its errno (Python's own files), or only its text (pyarrow's, torch's writers)."""
+    if not isinstance(exc, (OSError, RuntimeError)):
+        return None
+    text = str(exc)
+    if getattr(exc, "errno", None) not in FULL_DISK and not any(reason in text for reason in FULL_DISK.values()):
+        return None
+    return out_of_space(getattr(exc, "filename", None), text.splitlines()[0] if text else type(exc).__name__)
+
+
+def out_of_space(where: str | None, detail: str) -> OutOfSpace:
+    return OutOfSpace(
+        f"{'disk quota exceeded' if 'quota' in detail.lower() else 'no space left'} writing {where or 'the outputs'} "
+        f"({detail}): free space there, or give the outputs a larger disk, then rerun the same command: "
+        "what was finished is kept"
+    )

@@ -6,6 +6,7 @@
     ├── ArtifactError       something raydense wrote earlier is missing, unfinished or corrupt
     │                       (corpus, embedding or index shards, manifests, checkpoints)
     ├── StorageError        a path or URI cannot be read or written (missing, denied, bad scheme)
+    │   └── OutOfSpace      a disk or quota is full: retrying cannot help
     └── ServerError         a server actor kept dying, never came up, or stopped answering
                             (names the server, its node and the cause; exit 1, not 2)
 
@@ -49,6 +50,11 @@ class ArtifactError(RaydenseError):
 
 class StorageError(RaydenseError, OSError):
     """A path or URI cannot be reached, read or written."""
+
+
+class OutOfSpace(StorageError):
+    """A disk or quota filled up while writing: the job ends (a retry would fill it again),
+    naming where; what was finished is kept for the rerun."""
 
 
 class ServerError(RaydenseError):

@@ -49,8 +49,8 @@ from models.compiled import compile_in_place
 from models.memory import ACTIVATION_SHARE, OPTIMIZER_BYTES_PER_PARAM, ActivationCost, fitting_micro_batch, free_memory
 from pipeline.core import storage
 from pipeline.core.config import to_dict
-from pipeline.core.entry import user_error
-from pipeline.core.errors import ArtifactError, ConfigError, InputError, RaydenseError, StorageError
+from pipeline.core.entry import FULL_DISK, out_of_space, user_error
+from pipeline.core.errors import ArtifactError, ConfigError, InputError, OutOfSpace, RaydenseError, StorageError
 from pipeline.core.runtime import autoscales, placement_problem
 from pipeline.data.position import RAY_SNAPSHOT, checkpoint_folders, read_position, restorable_checkpoint
 from pipeline.data.stream import configure_data_context
@@ -305,7 +305,7 @@ def steps_between_checks(check_s: float, step_s: float) -> int:
 # worker of the next attempt stops at its start, so that Ray Train's retries (meant for lost
 # workers and nodes) do not redo the failing work max_failures times.
 USER_ERROR = "user_error.json"
-DETERMINISTIC = (ConfigError, InputError, ArtifactError)
+DETERMINISTIC = (ConfigError, InputError, ArtifactError, OutOfSpace)
 
 
 def train_worker(config: dict) -> dict:
@@ -358,14 +358,16 @@ def fed_user_error(exc: BaseException) -> RaydenseError | None:
     if isinstance(found, DETERMINISTIC):
         return found
     named = _REMOTE_USER_ERROR.findall(str(exc))
-    if not named:
-        return None
-    kind, message = named[-1]
-    return {cls.__name__: cls for cls in DETERMINISTIC}[kind](message)
+    if named:
+        kind, message = named[-1]
+        return {cls.__name__: cls for cls in DETERMINISTIC}[kind](message)
+    full = [line for line in str(exc).splitlines() if any(reason in line for reason in FULL_DISK.values())]
+    return out_of_space(None, full[-1].strip()) if full else None
 
 
 def _write_user_error(marker: str, exc: BaseException) -> None:
-    storage.write_json(marker, {"kind": type(exc).__name__, "message": str(exc)})
+    with contextlib.suppress(StorageError):  # a full disk: the driver reads it from the error's text
+        storage.write_json(marker, {"kind": type(exc).__name__, "message": str(exc)})
 
 
 class WorkerError(RuntimeError):
@@ -914,8 +916,11 @@ def fit(
     storage.delete_file(marker)  # an earlier run's: this one may have been given the fix
     try:
         result = _fit_interruptibly(trainer)
-    except ray.train.TrainingFailedError:
+    except ray.train.TrainingFailedError as exc:
         _raise_user_error(marker)
+        fed = fed_user_error(exc)  # a marker the worker could not write (a full disk)
+        if fed is not None:
+            raise fed from None
         raise
     _raise_user_error(marker)
     checkpoint = result.checkpoint.path if result.checkpoint else None
