@@ -200,3 +200,36 @@ def test_placement_is_judged_by_the_autoscalers_node_types_when_there_are_any(mo
         problem
         == "no node type of this autoscaling cluster holds CPU 8, GPU 16 (node types: cpu: CPU 16; gpu-8x: CPU 96, GPU 8)"
     )
+
+
+def test_what_a_job_can_check_without_ray_is_refused_before_ray_starts(tmp_path):
+    """From the command line, as a user runs them: a missing corpus file, a model reference
+    that does not resolve, a tokenizer that is not one and a stage the recipe does not have
+    end with their one line before a local Ray is started (its start-up costs seconds)."""
+    import subprocess
+
+    not_a_tokenizer = tmp_path / "empty"
+    not_a_tokenizer.mkdir()
+    cases = {
+        "jobs/pretrain.py": (
+            ["--corpus.input", str(tmp_path / "nowhere.jsonl")],
+            f"{tmp_path / 'nowhere.jsonl'}: no such",
+        ),
+        "jobs/finetune.py": (
+            ["--model.init", str(tmp_path / "no-model")],
+            f"--model.init {tmp_path / 'no-model'}: no such",
+        ),
+        "jobs/prepare_corpus.py": (
+            ["--corpus.tokenizer", str(not_a_tokenizer)],
+            f"--corpus.tokenizer {not_a_tokenizer}: not a tokenizer",
+        ),
+        "jobs/recipe.py": (["--from", "bogus"], "--from bogus: not a stage of this recipe (stages: pretrain, "),
+    }
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYDENSE_DEBUG")}
+    for job, (args, named) in cases.items():
+        done = subprocess.run(
+            [sys.executable, job, *args, "--ray.num_cpus", "2"], cwd=REPO, env=env, capture_output=True, text=True
+        )
+        errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+        assert done.returncode == 2 and len(errors) == 1 and named in errors[0], (job, done.stderr[-2000:])
+        assert "Ray instance" not in done.stderr and "Traceback" not in done.stderr, (job, done.stderr[-2000:])

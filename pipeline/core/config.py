@@ -35,7 +35,17 @@ import yaml
 
 from pipeline.core.errors import ConfigError
 
-__all__ = ["ConfigError", "Renamed", "truthy", "parse_config", "from_dict", "to_dict", "dump_yaml", "redact"]
+__all__ = [
+    "ConfigError",
+    "Renamed",
+    "truthy",
+    "parse_config",
+    "check_inputs",
+    "from_dict",
+    "to_dict",
+    "dump_yaml",
+    "redact",
+]
 
 T = TypeVar("T")
 _MISSING = dataclasses.MISSING
@@ -505,3 +515,17 @@ def redact(d: Any) -> Any:
     if isinstance(d, (list, tuple)):
         return [redact(v) for v in d]
     return d
+
+
+def check_inputs(cfg: Any, prefix: str = "--") -> None:
+    """Each section's cheap checks, outer sections first: a section may define
+    ``check_inputs(self, prefix)`` (``prefix``: its options' spelling, ``--corpus.``) to
+    refuse what it can see is wrong without Ray: a file that is not there, a model reference
+    that does not resolve, a name that is not one. A job runs them before Ray starts."""
+    own = getattr(cfg, "check_inputs", None)
+    if callable(own):
+        own(prefix)
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_inputs(value, f"{prefix}{f.name}.")

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Callable, Sequence, TypeVar
 
-from pipeline.core.config import parse_config
+from pipeline.core.config import check_inputs, parse_config
 from pipeline.core.errors import OutOfSpace, RaydenseError
 from pipeline.core.runtime import check_outputs_shared, init_ray, print_summary
 
@@ -34,6 +34,7 @@ def run_job(
         args = translate_argv(args)
     cfg = parse_config(config_cls, args, description=description, exit_on_error=argv is None)
     try:
+        check_inputs(cfg)  # before Ray's start-up (seconds): what is plainly wrong is named at once
         if getattr(cfg, "ray", None) is not None:
             init_ray(cfg.ray)
             check_outputs_shared(cfg)

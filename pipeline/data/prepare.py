@@ -23,6 +23,7 @@ from pipeline.core.errors import ArtifactError
 from pipeline.core.progress import get_counted
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS
+from pipeline.data.corpus import corpus_files
 from pipeline.data.join import JoinConfig
 from pipeline.data.shard_tokenizing import ShardTokenizer, continuation_table, tokenize_shard
 from pipeline.data.shards import FORMAT, MANIFEST, PREPARE_AGAIN, WORD_PIECES, damaged_shard
@@ -59,6 +60,12 @@ class PrepareConfig:
             "help": "folder of the input's staged text shards, shared with the other readers of a run's corpus (BM25, passage servers); empty = staged in the output's _staging and removed after"
         },
     )
+
+    def check_inputs(self, prefix: str) -> None:
+        if self.input:
+            corpus_files(self.input)
+        if self.tokenizer:
+            model_ref.check(self.tokenizer, f"{prefix}tokenizer")
 
 
 def _settings(cfg: PrepareConfig) -> dict[str, Any]:

@@ -136,6 +136,10 @@ class EncoderSettings:
             if getattr(self, name) < 0:
                 raise ValueError(f"encoder.{name} must be >= 0, got {getattr(self, name)}")
 
+    def check_inputs(self, prefix: str) -> None:
+        if self.model:
+            model_ref.check(self.model, f"{prefix}model")
+
     def batch_limits(self, device: str) -> tuple[int, int]:
         """(passages, padded tokens) per forward on ``device``, auto resolved
         (:func:`pipeline.retrieval.inference.batch_limits`)."""

@@ -83,6 +83,9 @@ class EncoderInit:
         },
     )
 
+    def check_inputs(self, prefix: str) -> None:
+        model_ref.check(self.init, f"{prefix}init")
+
 
 class GroupTask(Task):
     """A trainer on query groups on the loop: its objective (``models/``: the contrastive,

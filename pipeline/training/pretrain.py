@@ -90,6 +90,12 @@ class PretrainConfig:
         if self.train.max_steps < 1:
             raise ValueError(f"train.max_steps must be >= 1 (pre-training runs for steps), got {self.train.max_steps}")
 
+    def check_inputs(self, prefix: str) -> None:
+        if self.model.init:
+            model_ref.check(self.model.init, f"{prefix}model.init")
+        if self.method == "simlm" and self.simlm.generator:
+            model_ref.check(self.simlm.generator, f"{prefix}simlm.generator")
+
 
 class PretrainTask(Task):
     """Adapts a pre-training method to the loop; built on each worker from picklable settings."""

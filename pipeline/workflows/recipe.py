@@ -175,6 +175,14 @@ class RecipeConfig:
     )
     ray: RayConfig = field(default_factory=RayConfig)
 
+    def check_inputs(self, prefix: str) -> None:
+        enabled = enabled_stages(self)
+        for flag, name in (("--only", self.only), ("--from", self.start_from), ("--stop_after", self.stop_after)):
+            if name and name not in enabled:
+                raise ConfigError(f"{flag} {name}: not a stage of this recipe (stages: {', '.join(enabled)})")
+        if self.only and self.start_from:
+            raise ConfigError("--only and --from exclude each other")
+
 
 # -- stages ------------------------------------------------------------------------------
 
@@ -569,12 +577,8 @@ def run_recipe(cfg: RecipeConfig, stage_functions: dict[str, Callable[[StageCont
     """Run the stages this invocation needs; returns the summary of the whole run."""
     cfg.output = storage.resolve(cfg.output).uri
     storage.check_reachable(cfg.output)
+    cfg.check_inputs("--")  # run_job ran it before Ray; a caller of this function may not have
     enabled = enabled_stages(cfg)
-    for flag, name in (("--only", cfg.only), ("--from", cfg.start_from), ("--stop_after", cfg.stop_after)):
-        if name and name not in enabled:
-            raise ConfigError(f"{flag} {name}: not a stage of this recipe (stages: {', '.join(enabled)})")
-    if cfg.only and cfg.start_from:
-        raise ConfigError("--only and --from exclude each other")
     manifest = RunManifest(cfg.output, MANIFEST, former_name=FORMER_MANIFEST)
     units = recipe_units(cfg, manifest, stage_functions)
     write_run_files(cfg, cfg.output)
