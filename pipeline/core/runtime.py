@@ -73,9 +73,11 @@ def init_ray(cfg: RayConfig) -> None:
         return
     num_cpus = cfg.num_cpus or max(4, os.cpu_count() or 1)
     env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
+    # Actors' "Loading weights" bars reach the driver as log lines, one per redraw.
+    env["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     # "local": a Ray of the job's own, even where `ray start` left one running on this host
     # (ray.init() would join that one, then refuse num_cpus): joining is --ray.address's.
-    ray.init(address="local", num_cpus=num_cpus, runtime_env={"env_vars": env} if env else None)
+    ray.init(address="local", num_cpus=num_cpus, runtime_env={"env_vars": env})
 
 
 def cluster_nodes() -> int:

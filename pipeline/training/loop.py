@@ -909,6 +909,10 @@ def fit(
             storage_filesystem=loc.fs if storage.is_s3(train.output) else None,
             failure_config=failures,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=train.keep_checkpoints),
+            # Ray Train's INFO lines are its bookkeeping (resources requested, a worker group
+            # started, advice about a RunConfig(name) raydense does not expose on every
+            # resume); a retry's cause still shows in the worker's own error lines.
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         ),
         datasets=datasets,
     )
