@@ -18,6 +18,7 @@ from pipeline.core import storage
 from pipeline.core.errors import InputError, StorageError
 
 _CHUNK = 1 << 20
+_GZIP = zlib.MAX_WBITS | 16  # zlib's wbits for a gzip header and trailer
 _SPAN_CHUNK = 8 << 20  # a ranged GET each on S3: few and large
 
 
@@ -40,9 +41,20 @@ def _gzip_chunks(source: str) -> Iterator[bytes]:
         raise StorageError(f"{loc.describe()}: no such file") from exc
     except Exception as exc:
         raise StorageError(f"cannot open {loc.describe()}: {exc}") from exc
-    with raw, gzip.GzipFile(fileobj=raw, mode="rb") as gz:
-        while chunk := gz.read(_CHUNK):
-            yield chunk
+    # Inflated as it arrives, so a file cut short yields every whole line before the cut
+    # (its error then names the line where the data ends, not the first of a read).
+    with raw:
+        inflate, fed = zlib.decompressobj(_GZIP), False
+        while chunk := raw.read(_CHUNK):
+            while chunk:
+                fed = True
+                yield inflate.decompress(chunk)
+                if not inflate.eof:
+                    break
+                # One member ended: the next of a concatenated gzip starts in what is left.
+                chunk, inflate, fed = inflate.unused_data, zlib.decompressobj(_GZIP), False
+        if fed and not inflate.eof:
+            raise EOFError("the file ends before its compressed data does (cut short?)")
 
 
 def _span_lines(source: str, start: int, end: int) -> Iterator[bytes]:
