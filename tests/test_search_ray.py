@@ -691,7 +691,7 @@ def test_evaluate_job_matches_ir_measures_on_a_brute_force_run(encoded, collecti
     )
     out = capsys.readouterr().out.strip().splitlines()
     last = json.loads(out[-1])
-    assert set(last["metrics"]) == {"MRR@10", "R@10", "R@100", "R@1000", "nDCG@10"}
+    assert set(last["metrics"]) == {"MRR@10", "R@10", "nDCG@10"}  # a run cut at 40 has no R@100
     assert [row.split("|")[1].strip() for row in out if row.startswith("| ")][1:] == ["synthetic", "other", "average"]
 
     encoder = Encoder(EncoderSettings(model=tiny_bert, pooling="mean", similarity="cos"), tiny_bert)

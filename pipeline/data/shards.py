@@ -95,7 +95,9 @@ def damaged_shard(corpus_uri: str, manifest: dict) -> str:
         if size is None:
             return f"corpus shard {storage.join(corpus_uri, shard['path'])} is missing"
         if "bytes" in shard and size != shard["bytes"]:
-            return f"corpus shard {storage.join(corpus_uri, shard['path'])} is {size} bytes, written as {shard['bytes']}"
+            return (
+                f"corpus shard {storage.join(corpus_uri, shard['path'])} is {size} bytes, written as {shard['bytes']}"
+            )
     return ""
 
 

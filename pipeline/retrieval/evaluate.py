@@ -27,7 +27,13 @@ from pipeline.retrieval.encode import EncodeConfig, EncoderSettings, run_encodin
 from pipeline.retrieval.faiss_index import IndexConfig, validate_factory
 from pipeline.retrieval.fanout import ranked_ids
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
-from pipeline.retrieval.metrics import JOB_MEASURES, StreamedMetrics, metrics_markdown, metrics_table
+from pipeline.retrieval.metrics import (
+    JOB_MEASURES,
+    StreamedMetrics,
+    measures_within,
+    metrics_markdown,
+    metrics_table,
+)
 from pipeline.retrieval.query_vectors import StoredQueryVectors
 from pipeline.retrieval.search import SearcherConfig, ShardedIndex, query_block_of
 
@@ -156,7 +162,7 @@ def _evaluate_collections(cfg: EvaluateJobConfig) -> dict:
         results[c.name] = {
             k: summary[k] for k in ("metrics", "queries", "judged_queries", "passages", "run", "seconds")
         }
-    names = list(JOB_MEASURES)
+    names = list(measures_within(cfg.k))
     average = {m: sum(r["metrics"][m] for r in results.values()) / len(results) for m in names}
     rows = {name: r["metrics"] for name, r in results.items()} | {"average": average}
     table = metrics_markdown(rows, names, "collection")
@@ -264,7 +270,7 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
         scored.add_sums(sums)
     storage.delete_dir(searched)
     values = scored.result()
-    metrics = {name: values[measure] for name, measure in JOB_MEASURES.items()}
+    metrics = {name: values[measure] for name, measure in measures_within(cfg.k).items()}
     summary = {
         "job": "evaluate",
         "metrics": metrics,

@@ -59,6 +59,12 @@ class StreamedMetrics:
 JOB_MEASURES = {"MRR@10": "RR@10", "R@10": "R@10", "R@100": "R@100", "R@1000": "R@1000", "nDCG@10": "nDCG@10"}
 
 
+def measures_within(k: int) -> dict[str, str]:
+    """The job measures a run of ``k`` passages per query reaches: past ``k``, a recall is
+    the recall at ``k`` again (R@1000 of a run cut at 100 is its R@100)."""
+    return {name: measure for name, measure in JOB_MEASURES.items() if int(measure.rsplit("@", 1)[1]) <= k}
+
+
 def metrics_table(metrics: dict[str, float]) -> str:
     names = list(metrics)
     return " | ".join(f"{n:>8}" for n in names) + "\n" + " | ".join(f"{metrics[n]:8.4f}" for n in names)
