@@ -224,6 +224,8 @@ def test_records_from_before_settings_are_kept(tmp_path):
 def test_only_without_the_inputs_it_needs_names_the_missing_stage(tmp_path):
     with pytest.raises(ConfigError, match="stage 'round1' has not run yet"):
         run_recipe(cfg_for(tmp_path, only="mine1"), fake_stages([]))
+    manifest = tmp_path / "run" / "recipe.json"
+    assert not manifest.exists() or not json.loads(manifest.read_text())["started"]  # no stage left half begun
 
 
 def test_bad_stage_names_and_disabled_stages(tmp_path):

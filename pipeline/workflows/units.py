@@ -110,6 +110,9 @@ def run_units(
     by_name = {unit.name: unit for unit in units}
     folders = lambda name: by_name[name].folders
     if only:
+        for name in by_name[only].after:  # its inputs, named before it starts (and is recorded as started)
+            if name in by_name:
+                manifest.record(name)
         manifest.discard_stale({only: settings[only]}, folders, label, redo=[only])
         todo = [only]
     else:
