@@ -390,3 +390,43 @@ def test_a_failed_stage_is_run_again_but_a_user_error_is_not(tmp_path, capsys):
     with pytest.raises(RuntimeError, match="still broken"):
         run_units(manifest, [Unit("broken", broken)], "[t]", retries=1)
     assert (attempts["bad"], attempts["broken"]) == (1, 2)
+
+
+def test_the_final_export_is_the_best_retriever_stage_or_the_pinned_one(tmp_path, capsys):
+    """Distillation made worse than round 2 (as a run at lr 0 or one step would be): the
+    recipe's final export is round 2's model, named in its summary and results.md. Pinned
+    with --final.stage, it is the pinned stage's; a rerun with the same choice copies
+    nothing again."""
+    calls = []
+    stages = fake_stages(calls)
+    mrr = {"round1": 0.30, "round2": 0.40, "distill": 0.35}
+
+    def retriever(name, default):
+        def run(ctx):
+            recorded = default(ctx)
+            export = os.path.join(ctx.folder(name), "export")
+            os.makedirs(export, exist_ok=True)
+            open(os.path.join(export, "model.safetensors"), "w").write(f"{name} weights")
+            return recorded | {"outputs": {**recorded["outputs"], "export": export}, "metrics": {"MRR@10": mrr[name]}}
+
+        return run
+
+    for name in mrr:
+        stages[name] = retriever(name, stages[name])
+    final = tmp_path / "run" / "final"
+    summary = run_recipe(cfg_for(tmp_path), stages)
+    assert summary["final"]["stage"] == "round2" and summary["final"]["chosen_by"] == "best dev MRR@10"
+    assert (final / "model.safetensors").read_text() == "round2 weights"
+    results = (tmp_path / "run" / "results.md").read_text()
+    assert f"Final retriever: **round 2 (mined negatives)** (best dev MRR@10), in `{final}`." in results
+
+    pinned = cfg_for(tmp_path)
+    pinned.final.stage = "distill"
+    assert run_recipe(pinned, stages)["final"]["stage"] == "distill"
+    assert (final / "model.safetensors").read_text() == "distill weights"
+    capsys.readouterr()
+    run_recipe(pinned, stages)
+    assert "[recipe] final:" not in capsys.readouterr().err  # the same export: not copied again
+    pinned.final.stage = "rerank"
+    with pytest.raises(ConfigError, match="--final.stage rerank: not a retriever stage of this recipe"):
+        run_recipe(pinned, stages)

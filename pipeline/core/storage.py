@@ -294,6 +294,17 @@ def upload_dir(local_dir: str | os.PathLike, uri: str) -> str:
     return loc.uri
 
 
+def copy_dir(source: str, destination: str) -> str:
+    """Copy the files under ``source`` to ``destination`` (each local or S3); returns it."""
+    src, dst = resolve(source), resolve(destination)
+    try:
+        dst.fs.create_dir(dst.path, recursive=True)  # a local destination must be there first
+        pafs.copy_files(src.path, dst.path, source_filesystem=src.fs, destination_filesystem=dst.fs)
+    except Exception as exc:
+        raise _wrap(src, f"copy to {dst.uri} from", exc) from exc
+    return dst.uri
+
+
 def download_dir(uri: str, local_dir: str | os.PathLike) -> str:
     loc = resolve(uri)
     if isinstance(loc.fs, pafs.LocalFileSystem):

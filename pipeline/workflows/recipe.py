@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -148,6 +150,19 @@ class DistillStage:
 
 
 @dataclass
+class FinalExport:
+    stage: str = field(
+        default="",
+        metadata={
+            "help": "the retriever stage whose export is the recipe's final (round1, round2, distill); empty = the best on --final.metric"
+        },
+    )
+    metric: Literal["MRR@10", "R@10", "R@100", "R@1000", "nDCG@10"] = field(
+        default="MRR@10", metadata={"help": "the dev metric that chooses the final retriever"}
+    )
+
+
+@dataclass
 class RecipeConfig:
     output: str = field(
         default="runs/recipe",
@@ -162,6 +177,7 @@ class RecipeConfig:
     reranker: RerankerStage = field(default_factory=RerankerStage)
     distill: DistillStage = field(default_factory=DistillStage)
     eval: EvalStage = field(default_factory=EvalStage)
+    final: FinalExport = field(default_factory=FinalExport)
     only: str = field(default="", metadata={"help": "run just this stage again (its inputs must be recorded)"})
     start_from: str = field(
         default="", metadata={"help": "forget this stage and every later one, then run from it (CLI: --from)"}
@@ -182,6 +198,9 @@ class RecipeConfig:
                 raise ConfigError(f"{flag} {name}: not a stage of this recipe (stages: {', '.join(enabled)})")
         if self.only and self.start_from:
             raise ConfigError("--only and --from exclude each other")
+        if self.final.stage and self.final.stage not in [s for s in RETRIEVER_STAGES if s in enabled]:
+            chosen = ", ".join(s for s in RETRIEVER_STAGES if s in enabled)
+            raise ConfigError(f"--final.stage {self.final.stage}: not a retriever stage of this recipe ({chosen})")
 
 
 # -- stages ------------------------------------------------------------------------------
@@ -586,10 +605,12 @@ def run_recipe(cfg: RecipeConfig, stage_functions: dict[str, Callable[[StageCont
     ran = run_units(
         manifest, units, "[recipe] stage", redo=redo, only=cfg.only, stop_after=cfg.stop_after, retries=cfg.retries
     )
-    results = write_results(cfg.output, manifest)
+    final = export_final(cfg, manifest)
+    results = write_results(cfg.output, manifest, final)
     return {
         "job": "recipe",
         "output": cfg.output,
+        "final": final,
         "ran": ran,
         "skipped": [s for s in STAGES if manifest.done(s) and s not in ran],
         "results": results,
@@ -598,11 +619,52 @@ def run_recipe(cfg: RecipeConfig, stage_functions: dict[str, Callable[[StageCont
 
 
 RESULT_ROWS = tuple((s.name, s.result) for s in RECIPE if s.result)
+RETRIEVER_STAGES = ("round1", "round2", "distill")  # each exports a dense retriever it evaluated
+FINAL = "final"  # the run's folder of the chosen retriever
+CHOSEN = "chosen.json"  # written last into it: which stage's export it is a copy of
+
+
+def export_final(cfg: RecipeConfig, manifest: RunManifest) -> dict | None:
+    """Copy the chosen retriever's export to ``<output>/final``: the stage ``--final.stage``
+    pins, else the recorded retriever stage best on ``--final.metric`` (the first of equals,
+    in recipe order). A copy already there of the same export is kept. None while no
+    retriever stage is recorded."""
+    stages = manifest.data["stages"]
+    recorded = [s for s in RETRIEVER_STAGES if s in stages and "export" in stages[s]["outputs"]]
+    scored = [s for s in recorded if cfg.final.metric in stages[s].get("metrics", {})]
+    if cfg.final.stage:
+        if cfg.final.stage not in recorded:
+            return None
+        stage = cfg.final.stage
+    elif scored:
+        stage = max(scored, key=lambda s: (stages[s]["metrics"][cfg.final.metric], -scored.index(s)))
+    else:
+        return None
+    source = stages[stage]["outputs"]["export"]
+    final = {
+        "stage": stage,
+        "chosen_by": "--final.stage" if cfg.final.stage else f"best dev {cfg.final.metric}",
+        "metrics": stages[stage].get("metrics", {}),
+        "source": source,
+        "source_version": storage.version(source),
+        "export": storage.join(cfg.output, FINAL),
+    }
+    marker = storage.join(final["export"], CHOSEN)
+    if storage.exists(marker) and storage.read_json(marker) == final:
+        return final
+    storage.delete_dir(final["export"])
+    storage.copy_dir(source, final["export"])
+    storage.write_json(marker, final)
+    print(f"[recipe] final: {stage} ({final['chosen_by']}), copied to {final['export']}", file=sys.stderr, flush=True)
+    return final
+
+
 RESULT_METRICS = ("MRR@10", "R@10", "R@100", "R@1000", "nDCG@10")
 
 
-def write_results(output: str, manifest: RunManifest) -> str:
-    """``results.md``: a row per evaluated stage, and every stage's wall time."""
+def write_results(output: str, manifest: RunManifest, final: dict | None = None) -> str:
+    """``results.md``: a row per evaluated stage, the final retriever and how it was chosen,
+    and every stage's wall time."""
     lines = [
         "| stage | " + " | ".join(RESULT_METRICS) + " | wall time (s) |",
         "|---|" + "---:|" * (len(RESULT_METRICS) + 1),
@@ -613,6 +675,9 @@ def write_results(output: str, manifest: RunManifest) -> str:
             metrics = stages[stage]["metrics"]
             cells = [f"{metrics[m]:.4f}" if m in metrics else "" for m in RESULT_METRICS]
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {stages[stage]['seconds']:.0f} |")
+    if final:
+        label = dict(RESULT_ROWS)[final["stage"]]
+        lines += ["", f"Final retriever: **{label}** ({final['chosen_by']}), in `{final['export']}`."]
     lines += ["", "| stage | wall time (s) | outputs |", "|---|---:|---|"]
     for stage in STAGES:
         if stage in stages:
