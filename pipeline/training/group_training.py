@@ -72,6 +72,9 @@ class FinetuneCorpusConfig(PrepareConfig):
             "help": "HF tokenizer (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME); empty = the tokenizer of --model.init (it must match the model)"
         },
     )
+    # A model's tokenizer is never trained here: not options of a fine-tuning job.
+    vocab_size: int = field(default=PrepareConfig.vocab_size, init=False)
+    lowercase: bool = field(default=PrepareConfig.lowercase, init=False)
 
 
 @dataclass
