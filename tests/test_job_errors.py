@@ -233,3 +233,36 @@ def test_what_a_job_can_check_without_ray_is_refused_before_ray_starts(tmp_path)
         errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
         assert done.returncode == 2 and len(errors) == 1 and named in errors[0], (job, done.stderr[-2000:])
         assert "Ray instance" not in done.stderr and "Traceback" not in done.stderr, (job, done.stderr[-2000:])
+
+
+def test_every_job_from_the_command_line_ends_a_bad_value_with_one_line(tmp_path):
+    """Each job in jobs/ as a user runs it (a subprocess, argv from the command line): a value
+    of the wrong type is one `error:` line naming the option, exit 2, no traceback, nothing
+    on stdout. A new job without a row here fails this test."""
+    import subprocess
+
+    bad = {
+        "analyze": "--num_passages",
+        "bm25_negatives": "--depth",
+        "compare": "--scratch.job.corpus.vocab_size",
+        "distill": "--data.query_max_len",
+        "encode": "--encoder.passage_max_len",
+        "evaluate": "--k",
+        "finetune": "--train.max_steps",
+        "index": "--cpus_per_task",
+        "mine": "--depth",
+        "prepare_corpus": "--corpus.docs_per_shard",
+        "pretrain": "--train.max_steps",
+        "recipe": "--retries",
+        "rerank": "--data.query_max_len",
+        "rerank_score": "--depth",
+    }
+    assert set(bad) == {p.stem for p in (REPO / "jobs").glob("*.py")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYDENSE_DEBUG")}
+    for job, option in bad.items():
+        done = subprocess.run(
+            [sys.executable, f"jobs/{job}.py", option, "many"], cwd=REPO, env=env, capture_output=True, text=True
+        )
+        errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+        assert done.returncode == 2 and done.stdout == "" and "Traceback" not in done.stderr, (job, done.stderr)
+        assert len(errors) == 1 and f"({option}): expected " in errors[0] and "'many'" in errors[0], (job, errors)
