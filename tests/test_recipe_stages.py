@@ -64,6 +64,7 @@ def fake_stages(calls: list, kill_at: tuple[str, str] | None = None):
 
 def cfg_for(tmp_path, **kw) -> RecipeConfig:
     cfg = RecipeConfig(output=str(tmp_path / "run"))
+    cfg.distill.enabled = True  # the whole table of stages
     for key, value in kw.items():
         setattr(cfg, key, value)
     return cfg
@@ -430,3 +431,17 @@ def test_the_final_export_is_the_best_retriever_stage_or_the_pinned_one(tmp_path
     pinned.final.stage = "rerank"
     with pytest.raises(ConfigError, match="--final.stage rerank: not a retriever stage of this recipe"):
         run_recipe(pinned, stages)
+
+
+def test_the_default_recipe_leaves_distillation_to_be_asked_for():
+    """No distillation measured on Nave beats round 2, so teacher and distill run only with
+    --distill.enabled (the MS MARCO recipe, the papers' settings, turns it on)."""
+    from pipeline.core.config import parse_config
+    from pipeline.workflows.recipe import enabled_stages
+
+    assert enabled_stages(RecipeConfig())[-2:] == ["reranker", "rerank"]
+    on = parse_config(RecipeConfig, ["--distill.enabled", "true"])
+    assert enabled_stages(on)[-2:] == ["teacher", "distill"]
+    recipe = os.path.join(os.path.dirname(__file__), "..", "jobs", "recipes", "msmarco.yaml")
+    msmarco = parse_config(RecipeConfig, ["--config", recipe])
+    assert "distill" in enabled_stages(msmarco)

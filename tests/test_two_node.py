@@ -132,6 +132,7 @@ def _config(data: dict, init: str, output: str) -> RecipeConfig:
         num_workers=2,
         data_trace=True,
     )
+    cfg.distill.enabled = True
     for stage in (cfg.round1, cfg.round2, cfg.distill):
         stage.retriever.group_size, stage.train = 4, steps(8)
     cfg.reranker.group_size, cfg.reranker.max_len, cfg.reranker.train = 4, 44, steps(4)

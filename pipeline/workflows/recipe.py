@@ -73,6 +73,7 @@ from pipeline.workflows.stages import (
 from pipeline.workflows.units import Unit, run_units
 
 RERANK_STAGES = ("mine2", "reranker", "rerank", "teacher", "distill")
+DISTILL_STAGES = ("teacher", "distill")
 MANIFEST = "recipe.json"
 FORMER_MANIFEST = "pipeline.json"  # run folders written before the recipe was named so
 
@@ -114,7 +115,10 @@ class MineStage:
 
 @dataclass
 class RerankerStage:
-    enabled: bool = field(default=True, metadata={"help": "run mine2, reranker, rerank, teacher and distill"})
+    enabled: bool = field(
+        default=True,
+        metadata={"help": "run mine2, reranker and rerank (and, with --distill.enabled, teacher and distill)"},
+    )
     init: str = field(
         default="", metadata={"help": "cross-encoder initial checkpoint; empty = the retrievers' initial encoder"}
     )
@@ -140,6 +144,12 @@ class RerankerStage:
 
 @dataclass
 class DistillStage:
+    enabled: bool = field(
+        default=False,
+        metadata={
+            "help": "run teacher and distill (with the re-ranker stages); off by default: no distillation measured on Nave beats round 2 (docs/recipe.md)"
+        },
+    )
     loss: DistillationConfig = field(default_factory=DistillationConfig)
     init: str = field(
         default="",
@@ -574,7 +584,9 @@ def enabled_stages(cfg: RecipeConfig) -> list[str]:
     return [
         s
         for s in STAGES
-        if (s != "pretrain" or cfg.pretrain.enabled) and (s not in RERANK_STAGES or cfg.reranker.enabled)
+        if (s != "pretrain" or cfg.pretrain.enabled)
+        and (s not in RERANK_STAGES or cfg.reranker.enabled)
+        and (s not in DISTILL_STAGES or cfg.distill.enabled)
     ]
 
 
