@@ -205,7 +205,8 @@ def test_placement_is_judged_by_the_autoscalers_node_types_when_there_are_any(mo
 def test_what_a_job_can_check_without_ray_is_refused_before_ray_starts(tmp_path):
     """From the command line, as a user runs them: a missing corpus file, a model reference
     that does not resolve, a tokenizer that is not one and a stage the recipe does not have
-    end with their one line before a local Ray is started (its start-up costs seconds)."""
+    end with their one line before a local Ray is started (its start-up costs seconds), as do
+    an index job's missing embeddings and an evaluation's missing qrels."""
     import subprocess
 
     not_a_tokenizer = tmp_path / "empty"
@@ -224,6 +225,8 @@ def test_what_a_job_can_check_without_ray_is_refused_before_ray_starts(tmp_path)
             f"--corpus.tokenizer {not_a_tokenizer}: not a tokenizer",
         ),
         "jobs/recipe.py": (["--from", "bogus"], "--from bogus: not a stage of this recipe (stages: pretrain, "),
+        "jobs/index.py": (["--embeddings", str(tmp_path / "no-vectors")], "--embeddings "),
+        "jobs/evaluate.py": (["--qrels", str(tmp_path / "none.tsv")], f"--qrels {tmp_path / 'none.tsv'}: no such"),
     }
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYDENSE_DEBUG")}
     for job, (args, named) in cases.items():

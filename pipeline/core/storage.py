@@ -112,6 +112,13 @@ def check_reachable(uri: str) -> None:
     info(uri)
 
 
+def must_exist(uri: str, what: str) -> None:
+    """A check before any work: ``what`` (the option that names ``uri``) is named when
+    nothing is stored there."""
+    if info(uri).type == pafs.FileType.NotFound:
+        raise StorageError(f"{what} {resolve(uri).describe()}: no such file or directory")
+
+
 def read_bytes(uri: str) -> bytes:
     loc = resolve(uri)
     try:

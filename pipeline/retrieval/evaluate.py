@@ -98,6 +98,13 @@ class EvaluateJobConfig:
     split: str = field(default="test", metadata={"help": "the split of --collections evaluated (BEIR: test)"})
     ray: RayConfig = field(default_factory=RayConfig)
 
+    def check_inputs(self, prefix: str) -> None:
+        named = {f"{prefix}collections": self.collections} if self.collections else {}
+        named = named or {f"{prefix}{name}": [getattr(self, name)] for name in ("corpus", "queries", "qrels")}
+        for option, uris in named.items():
+            for uri in uris:
+                storage.must_exist(uri, option)
+
 
 @dataclass(frozen=True)
 class Collection:

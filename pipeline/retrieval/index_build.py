@@ -37,6 +37,9 @@ class IndexJobConfig:
     index: IndexConfig = field(default_factory=IndexConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
+    def check_inputs(self, prefix: str) -> None:
+        storage.must_exist(self.embeddings, f"{prefix}embeddings")
+
 
 def _groups(n_shards: int, per_index: int) -> list[list[int]]:
     return [list(range(i, min(n_shards, i + per_index))) for i in range(0, n_shards, max(1, per_index))]

@@ -137,6 +137,10 @@ class MineConfig:
     def margins(self) -> bool:
         return self.absolute_margin is not None or self.relative_margin is not None
 
+    def check_inputs(self, prefix: str) -> None:
+        for name in ("index", "queries", "qrels"):
+            storage.must_exist(getattr(self, name), f"{prefix}{name}")
+
 
 def _answer_hits(cfg: MineConfig, queries: dict, ranked: dict[str, list[str]]) -> dict[str, set[str]]:
     """Per query, the candidates whose text contains one of its answers (case-insensitive)."""
