@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import sys
 from dataclasses import dataclass, field
 
@@ -75,9 +76,20 @@ def init_ray(cfg: RayConfig) -> None:
     env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
     # Actors' "Loading weights" bars reach the driver as log lines, one per redraw.
     env["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    # Ray Train's placement-group cleaner asks the state API for its controller with no
+    # address: where another Ray runs on the host, it finds several and prints a traceback
+    # on every run. Its dashboard, on a port chosen here, is named to every worker.
+    port = _free_port()
+    env["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
     # "local": a Ray of the job's own, even where `ray start` left one running on this host
     # (ray.init() would join that one, then refuse num_cpus): joining is --ray.address's.
-    ray.init(address="local", num_cpus=num_cpus, runtime_env={"env_vars": env})
+    ray.init(address="local", num_cpus=num_cpus, dashboard_port=port, runtime_env={"env_vars": env})
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def cluster_nodes() -> int:
