@@ -48,7 +48,7 @@ from pipeline.data.shards import FORMAT as CORPUS_FORMAT
 from pipeline.retrieval.metrics import JOB_MEASURES
 from pipeline.retrieval.rerank_scoring import PairScorer
 from pipeline.training.train_config import TrainConfig
-from pipeline.workflows.recipe import STAGES, RecipeConfig
+from pipeline.workflows.recipe import RESULT_ROWS, STAGES, RecipeConfig
 from tests.helpers import ir_measures_of_run, read_traces, retrieval_collection, save_tiny_bert
 from tests.ray_cluster import (
     FAKE_CREDENTIALS,
@@ -364,6 +364,14 @@ def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp
     results = storage.read_bytes(summary["results"]).decode()
     for label in ("BM25", "zero-shot", "round 1", "round 2", "re-ranker", "distillation"):
         assert f"| {label}" in results
+    # The final retriever: the retriever stage best on dev MRR@10, its export copied on S3.
+    retrievers = ("round1", "round2", "distill")  # on a tie, the earlier
+    best = max(retrievers, key=lambda s: (records[s]["metrics"]["MRR@10"], -retrievers.index(s)))
+    final = summary["final"]
+    assert final["stage"] == best and final["export"] == f"{out}/final", final
+    assert f"Final retriever: **{dict(RESULT_ROWS)[best]}** (best dev MRR@10)" in results
+    copied, source = (storage.file_sizes(uri) for uri in (final["export"], records[best]["outputs"]["export"]))
+    assert copied == source | {"chosen.json": copied["chosen.json"]}, (copied, source)
 
     # Pre-training: the one epoch streamed ends the run (120 passages / (2 workers x 10)),
     # the two workers trained on disjoint halves, every passage exactly once.
