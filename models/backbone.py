@@ -271,7 +271,10 @@ def _stored_weight_names(path: str) -> set[str]:
             with safe_open(file, framework="pt") as weights:
                 names.update(weights.keys())
         elif name.startswith("pytorch_model") and name.endswith(".bin"):
-            names.update(torch.load(file, map_location="meta", weights_only=True, mmap=True))
+            try:
+                names.update(torch.load(file, map_location="meta", weights_only=True, mmap=True))
+            except Exception:  # noqa: BLE001 - a legacy pickle mmap cannot open: transformers' load decides
+                return set()
     return names
 
 
