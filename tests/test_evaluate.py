@@ -61,3 +61,11 @@ def test_a_beir_folder_is_found_in_either_layout_plain_or_gzipped():
     ]
     with pytest.raises(InputError, match=r"data/nave: no queries.test.jsonl or queries.jsonl \(split 'test'\)"):
         beir_collection("data/nave", "test", "nave")
+
+
+def test_the_reported_measures_are_those_the_runs_depth_reaches():
+    from pipeline.retrieval.metrics import JOB_MEASURES, measures_within
+
+    assert list(measures_within(100, 37_457)) == ["MRR@10", "R@10", "R@100", "nDCG@10"]
+    assert list(measures_within(40, 37_457)) == ["MRR@10", "R@10", "nDCG@10"]
+    assert measures_within(80, 80) == JOB_MEASURES  # every passage retrieved: every recall is exact

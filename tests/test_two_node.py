@@ -359,8 +359,11 @@ def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp
         run_file = tmp_path / "runs" / f"{stage}.trec"  # ir_measures reads local files
         run_file.parent.mkdir(exist_ok=True)
         run_file.write_bytes(storage.read_bytes(run_uri))
-        expected = ir_measures_of_run(str(run_file), local["dev_qrels"])
-        assert {m: records[stage]["metrics"][m] for m in expected} == pytest.approx(expected, abs=1e-9), stage
+        expected, shown = ir_measures_of_run(str(run_file), local["dev_qrels"]), records[stage]["metrics"]
+        # An evaluation cut at k passages leaves out the measures past it (R@1000 here).
+        reported = [m for m in expected if m in shown]
+        assert {"MRR@10", "R@10", "nDCG@10"} <= set(reported), (stage, shown)
+        assert {m: shown[m] for m in reported} == pytest.approx({m: expected[m] for m in reported}, abs=1e-9), stage
     results = storage.read_bytes(summary["results"]).decode()
     for label in ("BM25", "zero-shot", "round 1", "round 2", "re-ranker", "distillation"):
         assert f"| {label}" in results

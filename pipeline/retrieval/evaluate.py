@@ -169,7 +169,7 @@ def _evaluate_collections(cfg: EvaluateJobConfig) -> dict:
         results[c.name] = {
             k: summary[k] for k in ("metrics", "queries", "judged_queries", "passages", "run", "seconds")
         }
-    names = list(measures_within(cfg.k))
+    names = [m for m in JOB_MEASURES if all(m in r["metrics"] for r in results.values())]
     average = {m: sum(r["metrics"][m] for r in results.values()) / len(results) for m in names}
     rows = {name: r["metrics"] for name, r in results.items()} | {"average": average}
     table = metrics_markdown(rows, names, "collection")
@@ -277,7 +277,7 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
         scored.add_sums(sums)
     storage.delete_dir(searched)
     values = scored.result()
-    metrics = {name: values[measure] for name, measure in measures_within(cfg.k).items()}
+    metrics = {name: values[measure] for name, measure in measures_within(cfg.k, encoded["passages"]).items()}
     summary = {
         "job": "evaluate",
         "metrics": metrics,

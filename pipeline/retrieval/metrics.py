@@ -59,10 +59,15 @@ class StreamedMetrics:
 JOB_MEASURES = {"MRR@10": "RR@10", "R@10": "R@10", "R@100": "R@100", "R@1000": "R@1000", "nDCG@10": "nDCG@10"}
 
 
-def measures_within(k: int) -> dict[str, str]:
-    """The job measures a run of ``k`` passages per query reaches: past ``k``, a recall is
-    the recall at ``k`` again (R@1000 of a run cut at 100 is its R@100)."""
-    return {name: measure for name, measure in JOB_MEASURES.items() if int(measure.rsplit("@", 1)[1]) <= k}
+def measures_within(k: int, passages: int) -> dict[str, str]:
+    """The job measures a run of ``k`` passages per query (of ``passages`` in all) reaches:
+    past ``k``, a recall is the recall at ``k`` again (R@1000 of a run cut at 100 is its
+    R@100), unless the run holds every passage."""
+    return {
+        name: measure
+        for name, measure in JOB_MEASURES.items()
+        if int(measure.rsplit("@", 1)[1]) <= k or k >= passages
+    }
 
 
 def metrics_table(metrics: dict[str, float]) -> str:

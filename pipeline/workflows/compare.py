@@ -512,7 +512,7 @@ def result_runs(cfg: ComparisonConfig, manifest: RunManifest) -> list[dict]:
                             "train_size": size_label(n),
                             "train_queries": units[queries_unit(n, seed)]["metrics"]["queries"],
                             "seed": seed,
-                            "metrics": {m: done["metrics"][m] for m in RESULT_METRICS},
+                            "metrics": {m: done["metrics"][m] for m in RESULT_METRICS if m in done["metrics"]},
                             "finetune_seconds": done["metrics"]["train_seconds"],
                             "eval_seconds": round(done["seconds"] - done["metrics"]["train_seconds"], 1),
                             "export": done["outputs"]["export"],
@@ -532,7 +532,7 @@ def result_rows(cfg: ComparisonConfig, manifest: RunManifest, runs: list[dict]) 
             if not cell:
                 continue
             pretrain = units.get(f"pretrain/{method}", {})
-            values = {m: np.array([r["metrics"][m] for r in cell]) for m in RESULT_METRICS}
+            values = {m: np.array([r["metrics"][m] for r in cell]) for m in reported(cell)}
             rows.append(
                 {
                     "method": method,
@@ -548,6 +548,12 @@ def result_rows(cfg: ComparisonConfig, manifest: RunManifest, runs: list[dict]) 
                 }
             )
     return rows
+
+
+def reported(runs: list[dict]) -> list[str]:
+    """The result metrics every one of ``runs`` has: an evaluation cut at ``--eval.k`` below
+    a cutoff (R@100 at k 20) leaves that measure out."""
+    return [m for m in RESULT_METRICS if all(m in r["metrics"] for r in runs)]
 
 
 def ordering(rows: list[dict], metric: str) -> str:
@@ -570,22 +576,23 @@ def _cell(row: dict, metric: str) -> str:
 def write_results(cfg: ComparisonConfig, manifest: RunManifest) -> dict:
     runs = result_runs(cfg, manifest)
     rows = result_rows(cfg, manifest, runs)
+    metrics = reported(rows)
     lines = [
         "| method | training queries | seeds | "
-        + " | ".join(RESULT_METRICS)
+        + " | ".join(metrics)
         + " | pre-training (s) | pre-training tokens/s | fine-tuning (s) | evaluation (s) |",
-        "|---|---:|---:|" + "---:|" * (len(RESULT_METRICS) + 4),
+        "|---|---:|---:|" + "---:|" * (len(metrics) + 4),
     ]
     for row in rows:
         speed = f"{row['pretrain_tokens_per_s']:.0f}" if row["pretrain_tokens_per_s"] else ""
         lines.append(
             f"| {row['method']} | {row['train_queries']} | {len(row['seeds'])} | "
-            + " | ".join(_cell(row, m) for m in RESULT_METRICS)
+            + " | ".join(_cell(row, m) for m in metrics)
             + f" | {row['pretrain_seconds']:.0f} | {speed} | {row['finetune_seconds']:.0f}"
             + f" | {row['eval_seconds']:.0f} |"
         )
     orderings = {
-        size: {m: ordering([r for r in rows if r["train_size"] == size], m) for m in RESULT_METRICS}
+        size: {m: ordering([r for r in rows if r["train_size"] == size], m) for m in metrics}
         for size in dict.fromkeys(r["train_size"] for r in rows)
     }
     lines += [
@@ -613,5 +620,5 @@ def write_results(cfg: ComparisonConfig, manifest: RunManifest) -> dict:
         },
     )
     if rows:
-        plot_method_comparison(rows, RESULT_METRICS, files["plot"])
+        plot_method_comparison(rows, metrics, files["plot"])
     return files
