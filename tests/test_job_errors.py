@@ -123,6 +123,8 @@ def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path
                 "jobs.finetune",
                 "--model.init",
                 str(tiny_model),
+                "--corpus.input",
+                str(sample / "corpus.jsonl"),
                 "--train.output",
                 str(tmp_path / "run"),
                 "--eval.queries",
@@ -170,6 +172,7 @@ def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path
         f"--encoder.model {tiny_model} encodes 32-wide vectors, but --index {index} holds 16-wide ones (encoded by m)",
     )
     monkeypatch.delenv("RAYDENSE_DEBUG", raising=False)
+    (tmp_path / "data").symlink_to(REPO / "data")  # the jobs' defaults: the bundled sample, repo-relative
     monkeypatch.chdir(tmp_path)
     for kind, (argv, named) in cases.items():
         job = importlib.import_module(argv[0])

@@ -76,7 +76,13 @@ def test_corrupt_and_missing_shards_are_named(tmp_path, shared_ray):
     shard = out / manifest["shards"][1]["path"]
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
-    with pytest.raises(ArtifactError, match=r"part-00001\.parquet.*(corrupt|truncated)"):
+    cut = rf"part-00001\.parquet is {len(data) // 2} bytes, written as {len(data)}: --corpus.overwrite true prepares"
+    with pytest.raises(ArtifactError, match=cut):
+        check_shards(str(out), manifest)
+    shard.write_bytes(data[:-8] + b"\0" * 8)  # its size as written, its footer's end overwritten
+    with pytest.raises(
+        ArtifactError, match=r"part-00001\.parquet is unreadable \(corrupt or truncated.*overwrite true"
+    ):
         check_shards(str(out), manifest)
     shard.unlink()
     with pytest.raises(ArtifactError, match=r"part-00001\.parquet is missing"):

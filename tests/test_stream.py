@@ -236,6 +236,8 @@ def test_a_damaged_latest_checkpoint_is_passed_over_for_the_newest_whole_one(tmp
     model = os.path.join(run_dir, "checkpoint_000000006", "state", "model.pt")
     os.truncate(model, 50)
     assert restorable_checkpoint(run_dir) == "checkpoint_000000004"
+    assert capsys.readouterr().err == ""  # a worker's or the stream's call: the driver warns
+    assert restorable_checkpoint(run_dir, warn=True) == "checkpoint_000000004"
     warning = capsys.readouterr().err
     assert "checkpoint_000000006 is not whole (state/model.pt holds 50 bytes, 700 were written)" in warning
     for step in (2, 4):

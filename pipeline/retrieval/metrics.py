@@ -64,9 +64,7 @@ def measures_within(k: int, passages: int) -> dict[str, str]:
     past ``k``, a recall is the recall at ``k`` again (R@1000 of a run cut at 100 is its
     R@100), unless the run holds every passage."""
     return {
-        name: measure
-        for name, measure in JOB_MEASURES.items()
-        if int(measure.rsplit("@", 1)[1]) <= k or k >= passages
+        name: measure for name, measure in JOB_MEASURES.items() if int(measure.rsplit("@", 1)[1]) <= k or k >= passages
     }
 
 
