@@ -94,3 +94,26 @@ def test_every_job_command_given_bad_input_prints_one_line_and_exits_2(tmp_path)
         )
     # Nothing a rerun could take for work done (the staging's partial shards have no manifest).
     assert not (tmp_path / "prepared" / "manifest.json").exists() and not (tmp_path / "eval").exists()
+
+
+def test_what_a_job_can_check_without_ray_is_refused_before_ray_starts(tmp_path):
+    """A missing corpus file, a model reference that does not resolve, a tokenizer that is
+    not one, a stage the recipe does not have, an index job's missing embeddings and an
+    evaluation's missing qrels: each job ends with its one line before a local Ray starts
+    (its start-up costs seconds). Mutation: Ray started before the sections' check_inputs
+    prints Ray's start-up lines first."""
+    not_a_tokenizer = tmp_path / "empty"
+    not_a_tokenizer.mkdir()
+    cases = {
+        "pretrain": (["--corpus.input", str(tmp_path / "nowhere.jsonl")], f"{tmp_path / 'nowhere.jsonl'}: no such"),
+        "finetune": (["--model.init", str(tmp_path / "no-model")], f"--model.init {tmp_path / 'no-model'}: no such"),
+        "prepare_corpus": (["--corpus.tokenizer", str(not_a_tokenizer)], f"{not_a_tokenizer}: not a tokenizer"),
+        "recipe": (["--from", "bogus"], "--from bogus: not a stage of this recipe (stages: pretrain, "),
+        "index": (["--embeddings", str(tmp_path / "no-vectors")], f"--embeddings {tmp_path / 'no-vectors'}: no such"),
+        "evaluate": (["--qrels", str(tmp_path / "none.tsv")], f"--qrels {tmp_path / 'none.tsv'}: no such"),
+    }
+    done = run_all({job: [str(REPO / "jobs" / f"{job}.py"), *args] for job, (args, _) in cases.items()}, REPO)
+    for job, (_, named) in cases.items():
+        lines = done[job].stderr.splitlines()
+        assert done[job].returncode == 2 and done[job].stdout == "", (job, done[job].stderr[-2000:])
+        assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], (job, lines)

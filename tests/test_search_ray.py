@@ -943,12 +943,12 @@ def test_mining_drivers_memory_does_not_grow_with_the_query_vectors(
 
 
 def test_evaluations_driver_memory_does_not_grow_with_the_query_vectors(collection, tmp_path, monkeypatch, shared_ray):
-    """The driver's resident peak (``resident_growth``) evaluating the same 2,000 queries with
+    """The driver's resident peak (``resident_growth``) evaluating the same 1,000 queries with
     a 64-wide and a 4,096-wide encoder, in search blocks of 64: the encoders store each
     block's vectors and each searcher reads a block as it searches it, so the wide vectors'
-    31 MiB must not reach the driver. The queries' ids, texts, judgments and run lines are
+    16 MiB must not reach the driver. The queries' ids, texts, judgments and run lines are
     the same in both runs, so the difference is what the vectors' width costs the driver
-    (measured: 4.6 and 4.5 MiB; a driver that read them all, 4.6 and 66.8). Nor does the
+    (measured: 3.3 and 3.3 MiB; a driver that read them all, 3.5 and 34.6). Nor does the
     driver put a block of vectors in its node's object store. The metrics are ir_measures'
     on the run file, which holds brute force's top 10 of vectors encoded in the test."""
     import ray
@@ -957,7 +957,7 @@ def test_evaluations_driver_memory_does_not_grow_with_the_query_vectors(collecti
     from pipeline.retrieval.encode import local_encoder
     from tests.helpers import save_tiny_bert
 
-    docs, n = collection["docs"], 2000
+    docs, n = collection["docs"], 1000
     models = {
         width: save_tiny_bert(
             str(tmp_path / f"width{width}"),
