@@ -245,6 +245,7 @@ def test_simlm_without_a_generator_trains_one_first_then_reuses_it(tmp_path, mon
     assert "reusing the generator trained before" in capsys.readouterr().err
 
 
+@pytest.mark.runs_long  # four runs of the job as a command: 2-2.5 minutes
 def test_ctrl_c_exits_130_with_the_hint_and_reruns_resume_finish_and_pass_over_a_deleted_checkpoint(tmp_path):
     """`python jobs/pretrain.py` sent SIGINT (Ctrl-C) once its first checkpoint is sealed:
     it exits 130 within seconds, its last stderr line the resume hint, no traceback; the same
