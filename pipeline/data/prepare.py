@@ -19,14 +19,13 @@ from typing import Any, Literal
 import ray
 
 from pipeline.core import model_ref, storage
-from pipeline.core.errors import ArtifactError
 from pipeline.core.progress import get_counted
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.data.corpus import corpus_files
 from pipeline.data.join import JoinConfig
 from pipeline.data.shard_tokenizing import ShardTokenizer, continuation_table, tokenize_shard
-from pipeline.data.shards import FORMAT, MANIFEST, PREPARE_AGAIN, WORD_PIECES, damaged_shard
+from pipeline.data.shards import FORMAT, MANIFEST, WORD_PIECES, check_shard_sizes
 from pipeline.data.text_shards import iter_texts, stage_text
 from pipeline.data.tokenizer import load_tokenizer, train_wordpiece
 
@@ -92,9 +91,7 @@ def prepare_corpus(cfg: PrepareConfig) -> dict:
             and manifest.get("settings") == _settings(cfg)
             and manifest.get("input_version") == input_version
         ):
-            damaged = damaged_shard(cfg.output, manifest)
-            if damaged:
-                raise ArtifactError(f"{damaged}: {PREPARE_AGAIN}")
+            check_shard_sizes(cfg.output, manifest)
             print(
                 f"prepare: reusing {storage.resolve(cfg.output).uri}, prepared from the same input with the same "
                 "settings (--corpus.overwrite true prepares it again)",

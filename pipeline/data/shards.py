@@ -74,9 +74,7 @@ def check_shards(corpus_uri: str, manifest: dict) -> None:
     """Every shard at the size it was written (one listing), then its Parquet footer: a
     truncated, corrupt or missing shard fails here, by name, before any training worker
     starts, instead of deep inside a Ray Data task."""
-    problem = damaged_shard(corpus_uri, manifest)
-    if problem:
-        raise ArtifactError(f"{problem}: {PREPARE_AGAIN}")
+    check_shard_sizes(corpus_uri, manifest)
     for shard in manifest["shards"]:
         try:
             check_parquet_shard(
@@ -86,19 +84,16 @@ def check_shards(corpus_uri: str, manifest: dict) -> None:
             raise ArtifactError(f"{exc}: {PREPARE_AGAIN}") from None
 
 
-def damaged_shard(corpus_uri: str, manifest: dict) -> str:
-    """The first shard that is missing or not at the size the manifest recorded, described
-    ("" when none, or when the manifest predates recorded sizes)."""
+def check_shard_sizes(corpus_uri: str, manifest: dict) -> None:
+    """From one listing: an ArtifactError naming the first shard that is missing or not at
+    the size the manifest recorded (a manifest that predates recorded sizes: presence only)."""
     sizes = storage.file_sizes(corpus_uri)
     for shard in manifest["shards"]:
-        size = sizes.get(shard["path"])
+        uri, size = storage.join(corpus_uri, shard["path"]), sizes.get(shard["path"])
         if size is None:
-            return f"corpus shard {storage.join(corpus_uri, shard['path'])} is missing"
+            raise ArtifactError(f"corpus shard {uri} is missing: {PREPARE_AGAIN}")
         if "bytes" in shard and size != shard["bytes"]:
-            return (
-                f"corpus shard {storage.join(corpus_uri, shard['path'])} is {size} bytes, written as {shard['bytes']}"
-            )
-    return ""
+            raise ArtifactError(f"corpus shard {uri} is {size} bytes, written as {shard['bytes']}: {PREPARE_AGAIN}")
 
 
 def shard_uris(corpus_uri: str, manifest: dict) -> list[str]:
