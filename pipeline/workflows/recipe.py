@@ -649,7 +649,7 @@ def export_final(cfg: RecipeConfig, manifest: RunManifest) -> dict | None:
             return None
         stage = cfg.final.stage
     elif scored:
-        stage = max(scored, key=lambda s: (stages[s]["metrics"][cfg.final.metric], -scored.index(s)))
+        stage = max(scored, key=lambda s: stages[s]["metrics"][cfg.final.metric])  # max keeps the first of equals
     else:
         return None
     source = stages[stage]["outputs"]["export"]
