@@ -27,6 +27,9 @@ import urllib.request
 
 IMDS = "http://169.254.169.254"
 TOKEN_TTL_S = 21600
+NOTICE_S = 120  # EC2 warns a spot instance this long before it takes it back
+DRAIN_MARGIN_S = 60  # of the notice, left between the drain's deadline and the instance's end
+LEAST_DRAIN_S = 10  # a notice seen late still gives the workers this long to checkpoint
 
 log = logging.getLogger("spot_notice")
 
@@ -70,6 +73,13 @@ class InstanceMetadata:
         return dt.datetime.strptime(notice["time"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
 
 
+def drain_deadline(goes_at: dt.datetime, now: dt.datetime, margin_s: float = DRAIN_MARGIN_S) -> dt.datetime:
+    """When Ray should move the work off: ``margin_s`` before the instance goes, but never
+    less than LEAST_DRAIN_S from now (a notice seen late) nor after the instance goes."""
+    wanted = goes_at - dt.timedelta(seconds=margin_s)
+    return min(goes_at, max(wanted, now + dt.timedelta(seconds=LEAST_DRAIN_S)))
+
+
 def drain_this_instance(address: str, deadline: dt.datetime, why: str) -> list[str]:
     """Drain every alive Ray worker node of this instance (its IP) until ``deadline``; their
     ids. (A head node is left alone: this watcher runs on worker nodes, and the head, which
@@ -95,6 +105,12 @@ def main() -> None:
     parser.add_argument("--address", required=True, help="the head's GCS, host:port")
     parser.add_argument("--imds", default=IMDS, help="the instance metadata service")
     parser.add_argument("--poll_s", type=float, default=5.0, help="seconds between looks at the notice")
+    parser.add_argument(
+        "--margin_s",
+        type=float,
+        default=DRAIN_MARGIN_S,
+        help="seconds between the drain's deadline and the notice's time",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     metadata = InstanceMetadata(args.imds)
@@ -105,8 +121,9 @@ def main() -> None:
             log.info("no answer from the metadata service: %s", err)
             when = None
         if when is not None:
+            deadline = drain_deadline(when, dt.datetime.now(dt.timezone.utc), args.margin_s)
             drain_this_instance(
-                args.address, when, f"EC2 spot interruption notice: the instance goes at {when:%H:%M:%S}Z"
+                args.address, deadline, f"EC2 spot interruption notice: the instance goes at {when:%H:%M:%S}Z"
             )
             return
         time.sleep(args.poll_s)

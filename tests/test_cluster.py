@@ -1,16 +1,19 @@
-"""cluster/: the AWS autoscaler config, the KubeRay manifests, the DeepSpeed templates, the
-run configs, the sizing table and S3 settings from the environment.
+"""cluster/: the AWS autoscaler config, the KubeRay and Karpenter manifests, the values
+renderer, the driver check, the spot watcher, the DeepSpeed templates, the run configs, the
+sizing table and S3 settings from the environment.
 
 Everything here is checked offline with the validators and schedulers of the installed
-Ray, botocore and DeepSpeed, so a config that those would reject on a real cluster fails
-here first. A submitted job on a two-node cluster (and its credential scan) is in
-test_two_node.py.
+Ray, botocore and DeepSpeed, and with the KubeRay and Karpenter CRDs' own schemas
+(tests/schemas/), so a config that those would reject on a real cluster fails here first.
+A submitted job on a two-node cluster (and its credential scan) is in test_two_node.py.
 """
 
 from __future__ import annotations
 
 import copy
 import glob
+import gzip
+import importlib.util
 import json
 import os
 import pickle
@@ -31,7 +34,7 @@ ZERO_TEMPLATES = (
 )  # package data; the non-editable install is tested too
 AWS_YAML = CLUSTER / "aws.yaml"
 RAYCLUSTER = CLUSTER / "kuberay" / "raycluster.yaml"
-RAYJOB = CLUSTER / "kuberay" / "rayjob.yaml"
+KARPENTER = CLUSTER / "kuberay" / "karpenter.yaml"
 SERVICE_ACCOUNT = CLUSTER / "kuberay" / "serviceaccount.yaml"
 PRETRAIN_CONFIG = CLUSTER / "configs" / "pretrain-condenser-bert-base.yaml"
 
@@ -45,10 +48,18 @@ def docs(path: Path) -> dict[str, dict]:
 
 
 def image_tag() -> str:
-    """The rayproject/ray tag that matches this environment: <ray>-py<major><minor>-gpu."""
+    """The rayproject/ray tag that matches this environment, without CUDA: <ray>-py<major><minor>-cpu."""
     import ray
 
-    return f"{ray.__version__}-py{sys.version_info.major}{sys.version_info.minor}-gpu"
+    return f"{ray.__version__}-py{sys.version_info.major}{sys.version_info.minor}-cpu"
+
+
+def cluster_module(name: str):
+    """A script of cluster/ (not a package), imported from its file."""
+    spec = importlib.util.spec_from_file_location(name, CLUSTER / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # -- AWS: Ray cluster launcher ------------------------------------------------------------
@@ -219,7 +230,7 @@ def test_kuberay_raycluster_autoscales_gpu_groups():
     assert spec["autoscalerOptions"]["version"] == "v2"
     assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
     images = {c["image"] for c in containers(spec)}
-    assert len(images) == 1 and next(iter(images)).endswith(":" + image_tag())
+    assert len(images) == 1 and next(iter(images)).endswith(":" + image_tag().removesuffix("-cpu"))
     groups = worker_groups(spec)
     gpus = {}
     for name, group in groups.items():
@@ -232,7 +243,9 @@ def test_kuberay_raycluster_autoscales_gpu_groups():
         # On SIGTERM (a reclaimed spot node drained) the pod's Ray node is marked preempted
         # with this deadline, inside EC2's 2 minutes and before Kubernetes kills the pod.
         drain_s = float({e["name"]: e["value"] for e in container["env"]}["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"])
-        assert 30 <= drain_s < pod["terminationGracePeriodSeconds"] <= 120, name
+        spot_notice = cluster_module("spot_notice")
+        assert drain_s == spot_notice.NOTICE_S - spot_notice.DRAIN_MARGIN_S, name  # the watcher's arithmetic
+        assert drain_s < pod["terminationGracePeriodSeconds"] <= spot_notice.NOTICE_S, name
         gpus[name] = int(res["limits"].get("nvidia.com/gpu", 0))
         if gpus[name]:
             assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"]
@@ -294,31 +307,43 @@ def test_kuberay_autoscaler_reads_the_cluster_and_falls_back_to_on_demand():
     assert launch([{"CPU": 1}] * 4) == {"cpu-spot": 1}
 
 
-def test_kuberay_rayjob_runs_pretrain_with_the_mounted_config():
+def test_kuberay_rayjobs_run_each_job_with_its_config_from_a_configmap(rendered, tmp_path):
     from pipeline.core.config import parse_config
     from pipeline.training.pretrain import PretrainConfig
+    from pipeline.workflows.recipe import RecipeConfig
 
-    job_docs = docs(RAYJOB)
-    job, config_map = job_docs["RayJob"], job_docs["ConfigMap"]
-    assert job["apiVersion"] == "ray.io/v1"
-    # The job brings up exactly the standing cluster's spec.
-    assert job["spec"]["rayClusterSpec"] == docs(RAYCLUSTER)["RayCluster"]["spec"]
-    assert job["spec"]["shutdownAfterJobFinishes"] is True and job["spec"]["backoffLimit"] >= 1
-
-    entrypoint = job["spec"]["entrypoint"].split()
-    assert entrypoint[:2] == ["python", "/home/ray/raydense/jobs/pretrain.py"]
-    config_path = entrypoint[entrypoint.index("--config") + 1]
-    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
-    (mount,) = [m for m in head["containers"][0]["volumeMounts"] if config_path.startswith(m["mountPath"] + "/")]
-    (volume,) = [v for v in head["volumes"] if v["name"] == mount["name"]]
-    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
-    key = config_path[len(mount["mountPath"]) + 1 :]
-    # The ConfigMap carries the shipped run config verbatim, and it parses.
-    assert config_map["data"][key] == PRETRAIN_CONFIG.read_text()
-    cfg = parse_config(PretrainConfig, ["--config", str(PRETRAIN_CONFIG)])
-    assert cfg.train.use_gpu and cfg.train.num_workers == 8 and cfg.train.precision == "bf16"
-    for uri in (cfg.corpus.input, cfg.corpus.output, cfg.train.output):
-        assert uri.startswith("s3://"), uri  # pods have no shared disk
+    files, values = rendered
+    cluster = docs_of(files["kuberay/raycluster.yaml"])["RayCluster"]
+    for name, config_class in (("recipe", RecipeConfig), ("pretrain", PretrainConfig)):
+        job_docs = docs_of(files[f"kuberay/rayjob-{name}.yaml"])
+        job, config_map = job_docs["RayJob"], job_docs["ConfigMap"]
+        assert job["apiVersion"] == "ray.io/v1"
+        assert job["spec"]["shutdownAfterJobFinishes"] is True and job["spec"]["backoffLimit"] >= 1
+        # The job's cluster is the standing cluster's, but for GCS fault tolerance (a retry is a
+        # new cluster) and the run config mounted on the head.
+        spec = copy.deepcopy(job["spec"]["rayClusterSpec"])
+        head = spec["headGroupSpec"]["template"]["spec"]
+        entrypoint = job["spec"]["entrypoint"].split()
+        assert entrypoint[:2] == ["python", f"/home/ray/raydense/{values['jobs'][name]['script']}"]
+        config_path = entrypoint[entrypoint.index("--config") + 1]
+        (mount,) = [m for m in head["containers"][0]["volumeMounts"] if config_path.startswith(m["mountPath"] + "/")]
+        (volume,) = [v for v in head["volumes"] if v["name"] == mount["name"]]
+        assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+        head["containers"][0]["volumeMounts"].remove(mount)
+        head["volumes"].remove(volume)
+        expected = copy.deepcopy(cluster["spec"])
+        assert expected.pop("gcsFaultToleranceOptions")["redisAddress"] == values["gcs_redis"]
+        assert spec == expected
+        # The ConfigMap carries the run config with the user's bucket, and it parses.
+        text = config_map["data"][config_path[len(mount["mountPath"]) + 1 :]]
+        assert text == files[f"configs/{name}.yaml"]
+        source = (REPO / values["jobs"][name]["config"]).read_text()
+        assert text == source.replace("your-bucket", values["bucket"])
+        config_file = tmp_path / f"{name}.yaml"
+        config_file.write_text(text)
+        cfg = parse_config(config_class, ["--config", str(config_file)])
+        uris = re.findall(r"s3://[^\s'\"]+", repr(cfg))
+        assert uris and all(u.startswith(f"s3://{values['bucket']}/") for u in uris), uris  # pods share no disk
 
 
 def test_kuberay_s3_access_comes_from_the_service_account():
@@ -327,7 +352,7 @@ def test_kuberay_s3_access_comes_from_the_service_account():
     assert re.fullmatch(
         r"arn:aws:iam::\d{12}:role/[\w+=,.@-]+", sa["metadata"]["annotations"]["eks.amazonaws.com/role-arn"]
     )
-    for path in (RAYCLUSTER, RAYJOB):
+    for path in (RAYCLUSTER,):
         for kind, doc in docs(path).items():
             if kind in ("RayCluster", "RayJob"):
                 spec = doc["spec"].get("rayClusterSpec", doc["spec"])
@@ -345,6 +370,319 @@ def test_no_credentials_anywhere_in_cluster():
         text = path.read_text()
         assert not key_id.search(text), path
         assert not assignments.search(text), path
+
+
+# -- one place for what is yours: cluster/values.yaml and cluster/render.py ---------------
+
+# Values unlike the examples in every field, so that a place render.py misses shows up as an
+# example value left behind.
+TEST_VALUES = {
+    "bucket": "acme-retrieval",
+    "region": "eu-central-1",
+    "zone": "eu-central-1b",
+    "account_id": "210987654321",
+    "image": "registry.acme.example/ml/raydense:t1",
+    "eks_cluster": "acme-ml",
+    "karpenter_node_role": "KarpenterNodeRole-acme-ml",
+    "s3_role": "acme-raydense-s3",
+    "gcs_redis": "redis.acme.internal:6379",
+    "ami": "ami-0fedcba9876543210",
+    "head_profile": "acme-head",
+    "worker_profile": "acme-worker",
+    "subnet_id": "subnet-0abc1234",
+    "security_group_id": "sg-0abc1234",
+    "node_types": {
+        "head": {"instance_type": "m7i.4xlarge", "vcpus": 16, "memory_gib": 64, "gpus": 0, "scratch_gib": 40},
+        "cpu": {"instance_type": "c7i.16xlarge", "vcpus": 64, "memory_gib": 128, "gpus": 0, "scratch_gib": 300},
+        "gpu1": {"instance_type": "g6e.4xlarge", "vcpus": 16, "memory_gib": 128, "gpus": 1, "scratch_gib": 400},
+        "gpu8": {
+            "instance_type": "p5.48xlarge",
+            "vcpus": 192,
+            "memory_gib": 2048,
+            "gpus": 8,
+            "scratch_gib": 1000,
+            "max_spot": 2,
+            "max_ondemand": 6,
+            "efa_interfaces": 32,
+        },
+    },
+    "efa": True,
+    "spot_notice_s": 30,  # GKE's notice
+    "drain_margin_s": 10,
+    "jobs": {
+        "recipe": {"script": "jobs/recipe.py", "config": "jobs/recipes/msmarco.yaml"},
+        "pretrain": {"script": "jobs/pretrain.py", "config": "cluster/configs/pretrain-condenser-bert-base.yaml"},
+    },
+}
+EXAMPLE_VALUES = yaml.safe_load((CLUSTER / "values.yaml").read_text())
+
+
+def docs_of(text: str) -> dict[str, dict]:
+    return {d["kind"]: d for d in yaml.safe_load_all(text) if d}
+
+
+@pytest.fixture(scope="module")
+def rendered():
+    return cluster_module("render").render(copy.deepcopy(TEST_VALUES)), TEST_VALUES
+
+
+def crd_validator(name: str, api_version: str):
+    """The CRD's openAPIV3Schema as a JSON-schema validator that, like `kubectl apply`'s
+    strict field validation, refuses fields the schema does not declare."""
+    import jsonschema
+
+    crd = yaml.safe_load(gzip.decompress((Path(__file__).parent / "schemas" / f"{name}.yaml.gz").read_bytes()))
+    (version,) = [v for v in crd["spec"]["versions"] if f"{crd['spec']['group']}/{v['name']}" == api_version]
+    schema = version["schema"]["openAPIV3Schema"]
+
+    def strict(node):
+        if isinstance(node, dict):
+            if (
+                node.get("type") == "object"
+                and "properties" in node
+                and not node.get("x-kubernetes-preserve-unknown-fields")
+            ):
+                node.setdefault("additionalProperties", False)
+            for value in node.values():
+                strict(value)
+        elif isinstance(node, list):
+            for value in node:
+                strict(value)
+
+    strict(schema)
+    schema["properties"]["metadata"] = {"type": "object"}  # ObjectMeta: the API server checks it, not the CRD
+    return jsonschema.Draft7Validator(schema)
+
+
+CRDS = {
+    "RayCluster": "ray.io_rayclusters",
+    "RayJob": "ray.io_rayjobs",
+    "NodePool": "karpenter.sh_nodepools",
+    "EC2NodeClass": "karpenter.k8s.aws_ec2nodeclasses",
+}
+
+
+def test_the_shipped_files_are_the_example_values_rendered():
+    """render.py with cluster/values.yaml changes nothing: the files under cluster/ are what a
+    user's values are applied to, and each value has exactly the places render.py sets."""
+    files = cluster_module("render").render(copy.deepcopy(EXAMPLE_VALUES))
+    for relative in ("aws.yaml", "kuberay/raycluster.yaml", "kuberay/karpenter.yaml"):
+        shipped = [d for d in yaml.safe_load_all((CLUSTER / relative).read_text()) if d]
+        assert list(yaml.safe_load_all(files[relative])) == shipped, relative
+    for relative in ("iam/s3-policy.json", "iam/head-policy.json"):
+        assert json.loads(files[relative]) == json.loads((CLUSTER / relative).read_text()), relative
+
+
+def test_rendered_kit_carries_every_value_and_no_example(rendered):
+    files, values = rendered
+    examples = {
+        "bucket": "your-bucket",
+        "account": "123456789012",
+        "region": "us-west-2",
+        "image": "dkr.ecr",
+        "gpu8 type": "p4d.24xlarge",
+        "gpu1 type": "g6.4xlarge",
+        "cpu type": "m6i.8xlarge",
+        "head type": "m6i.2xlarge",
+        "karpenter role": "KarpenterNodeRole-raydense",
+        "discovery tag": "discovery: raydense",
+        "s3 role": "role/raydense-s3",
+        "worker profile": "raydense-worker",
+        "head profile": "raydense-head",
+        "ami": "ami-0123456789abcdef0",
+    }
+    for relative, text in files.items():
+        for what, example in examples.items():
+            assert example not in text, f"{relative} still holds the example {what} ({example})"
+    recipe = files["configs/recipe.yaml"]
+    assert recipe.count(f"s3://{values['bucket']}/") == 8  # every input and output of msmarco.yaml
+    assert json.loads(files["iam/s3-policy.json"])["Statement"][1]["Resource"] == f"arn:aws:s3:::{values['bucket']}/*"
+    head_policy = files["iam/head-policy.json"]
+    assert f"arn:aws:iam::{values['account_id']}:role/{values['worker_profile']}" in head_policy
+    account = docs_of(files["kuberay/serviceaccount.yaml"])["ServiceAccount"]
+    role = f"arn:aws:iam::{values['account_id']}:role/{values['s3_role']}"
+    assert account["metadata"]["annotations"]["eks.amazonaws.com/role-arn"] == role
+
+
+def test_rendered_kuberay_and_karpenter_manifests_validate_against_their_crds(rendered):
+    import jsonschema
+
+    files, _ = rendered
+    checked = []
+    for relative in ("kuberay/raycluster.yaml", "kuberay/rayjob-recipe.yaml", "kuberay/karpenter.yaml"):
+        for doc in yaml.safe_load_all(files[relative]):
+            if doc["kind"] in CRDS:
+                crd_validator(CRDS[doc["kind"]], doc["apiVersion"]).validate(doc)
+                checked.append(doc["kind"])
+    assert sorted(checked) == ["EC2NodeClass", "NodePool", "NodePool", "RayCluster", "RayJob"]
+    # The schemas do catch mistakes: a misspelled pod field, a misspelled Karpenter field.
+    cluster = docs_of(files["kuberay/raycluster.yaml"])["RayCluster"]
+    cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]["nodeSelectr"] = {}
+    with pytest.raises(jsonschema.ValidationError, match="nodeSelectr"):
+        crd_validator("ray.io_rayclusters", "ray.io/v1").validate(cluster)
+    node_class = docs_of(files["kuberay/karpenter.yaml"])["EC2NodeClass"]
+    node_class["spec"]["instanceStorePolicy"] = "RAID5"
+    with pytest.raises(jsonschema.ValidationError, match="RAID5"):
+        crd_validator("karpenter.k8s.aws_ec2nodeclasses", "karpenter.k8s.aws/v1").validate(node_class)
+
+
+def test_rendered_pods_have_disk_a_driver_check_one_zone_and_do_not_disrupt(rendered):
+    files, values = rendered
+    spec = docs_of(files["kuberay/raycluster.yaml"])["RayCluster"]["spec"]
+    groups = {"head": spec["headGroupSpec"]} | worker_groups(spec)
+    for name, group in groups.items():
+        kind = name.rsplit("-", 1)[0]
+        node = values["node_types"][kind]
+        pod = group["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["image"] == values["image"]
+        # Local disk: requested, and where Ray's temp and spill files, the model cache and
+        # temporary outputs go.
+        asked = container["resources"]["requests"]
+        assert asked["ephemeral-storage"] == f"{node['scratch_gib'] + 10}Gi", name
+        (scratch,) = [v for v in pod["volumes"] if v["name"] == "scratch"]
+        assert scratch["emptyDir"]["sizeLimit"] == f"{node['scratch_gib']}Gi"
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert mounts["/tmp/ray"] == mounts["/mnt/scratch"] == "scratch"
+        env = {e["name"]: e["value"] for e in container["env"]}
+        for variable in ("RAYDENSE_CACHE", "HF_HOME", "TMPDIR"):
+            assert env[variable].startswith("/mnt/scratch/"), (name, variable)
+        assert env["AWS_DEFAULT_REGION"] == values["region"]
+        assert pod["nodeSelector"]["topology.kubernetes.io/zone"] == values["zone"]
+        assert group["template"]["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
+        # The drain keeps the margin of the notice; Kubernetes waits for it, inside the notice.
+        drain = int(env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"])
+        assert drain == values["spot_notice_s"] - values["drain_margin_s"]
+        if name != "head":
+            assert pod["nodeSelector"]["node.kubernetes.io/instance-type"] == node["instance_type"]
+            assert drain < pod["terminationGracePeriodSeconds"] <= drain + 30
+            assert group["maxReplicas"] == node.get(f"max_{name.rsplit('-', 1)[1]}", group["maxReplicas"])
+        # GPU pods: the driver check first, on the same GPUs.
+        if node["gpus"]:
+            (check,) = pod["initContainers"]
+            assert check["image"] == values["image"] and check["command"][-1].endswith("cluster/check_driver.py")
+            assert check["resources"]["limits"]["nvidia.com/gpu"] == str(node["gpus"])
+            assert asked["nvidia.com/gpu"] == str(node["gpus"])
+        else:
+            assert "initContainers" not in pod, name
+        efa = kind == "gpu8"
+        assert ("vpc.amazonaws.com/efa" in asked) == efa, name
+        assert (env.get("FI_PROVIDER") == "efa") == efa, name
+    for pool in yaml.safe_load_all(files["kuberay/karpenter.yaml"]):
+        if pool["kind"] == "NodePool":
+            requirements = {r["key"]: r["values"] for r in pool["spec"]["template"]["spec"]["requirements"]}
+            assert requirements["topology.kubernetes.io/zone"] == [values["zone"]]
+            assert pool["spec"]["template"]["spec"]["expireAfter"] == "Never"
+
+
+def test_rendered_raycluster_through_rays_kuberay_converter(rendered):
+    from ray.autoscaler._private.kuberay.autoscaling_config import (
+        _derive_autoscaling_config_from_ray_cr,
+    )
+
+    files, _ = rendered
+    cr = docs_of(files["kuberay/raycluster.yaml"])["RayCluster"]
+    cr["metadata"]["namespace"] = "default"
+    types = _derive_autoscaling_config_from_ray_cr(cr)["available_node_types"]
+    assert types["gpu8-spot"]["resources"]["GPU"] == 8 and types["gpu8-spot"]["resources"]["CPU"] == 180
+    assert types["gpu8-spot"]["max_workers"] == 2 and types["gpu8-ondemand"]["max_workers"] == 6
+    assert types["cpu-spot"]["resources"]["CPU"] == 60
+
+
+def test_rendered_aws_yaml_with_efa_is_valid_for_ray_and_ec2(rendered):
+    import botocore.session
+    import jsonschema
+    import ray.autoscaler
+    from botocore.validate import ParamValidator
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    files, values = rendered
+    config = yaml.safe_load(files["aws.yaml"])
+    schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+    jsonschema.validate(config, schema)
+    validate_config(prepare_config(copy.deepcopy(config)))
+    assert config["provider"]["availability_zone"] == values["zone"]
+    run_instances = botocore.session.get_session().get_service_model("ec2").operation_model("RunInstances").input_shape
+    for name, node_type in config["available_node_types"].items():
+        request = dict(node_type["node_config"], MinCount=1, MaxCount=1)
+        if "NetworkInterfaces" not in request:
+            request["SubnetId"] = values["subnet_id"]
+        report = ParamValidator().validate(request, run_instances)
+        assert not report.has_errors(), f"{name}: {report.generate_report()}"
+    gpu8 = config["available_node_types"]["gpu8-spot"]
+    interfaces = gpu8["node_config"]["NetworkInterfaces"]
+    assert len(interfaces) == 32 and {i["InterfaceType"] for i in interfaces} == {"efa"}
+    assert gpu8["node_config"]["Placement"]["GroupName"] and gpu8["resources"] == {"CPU": 192, "GPU": 8}
+    assert "--env FI_PROVIDER=efa" in config["docker"]["run_options"]
+    watcher = next(c for c in config["worker_start_ray_commands"] if "spot_notice.py" in c)
+    assert f"--margin_s={values['drain_margin_s']}" in watcher
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"zone": "us-east-1a"}, "zone us-east-1a is not in region eu-central-1"),
+        ({"bucket": "Acme_Bucket"}, "bucket is 'Acme_Bucket', not an S3 bucket name"),
+        ({"account_id": "2109"}, "account_id is '2109', not a 12-digit AWS account id"),
+        ({"subnet_id": ""}, "subnet_id is '', not a subnet id (efa: true needs it)"),
+        ({"drain_margin_s": 40}, "drain_margin_s must be at least 0 and less than spot_notice_s"),
+        ({"jobs": {"recipe": {"script": "jobs/recipe.py", "config": "jobs/recipes/nope.yaml"}}}, "jobs.recipe.config"),
+    ],
+)
+def test_render_refuses_a_bad_value_naming_its_key(tmp_path, capsys, change, message):
+    render = cluster_module("render")
+    values = dict(copy.deepcopy(TEST_VALUES), **change)
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    assert render.main(["--values", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {path}: values: ") and message in err and "\n" not in err
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+# -- the driver check and the spot watcher's deadline ------------------------------------
+
+
+def test_driver_check_names_a_driver_too_old_for_the_cuda_build(capsys, monkeypatch):
+    check = cluster_module("check_driver")
+    smi = "535.183.01\n535.183.01\n"
+    proc = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  Sun Jul 27 07:09:18 UTC 2025\nGCC version:  gcc 11\n"
+    assert check.parse_driver(smi) == "535.183.01" and check.parse_driver(proc) == "580.65.06"
+    old = check.driver_problem("535.183.01", "13.0", "torch 2.13.0")
+    assert old == (
+        "error: NVIDIA driver 535.183.01 is older than R580, which torch 2.13.0 (CUDA 13.0) needs: "
+        "use a GPU node image with driver 580 or newer (cluster/README.md, 'NVIDIA driver')"
+    )
+    assert check.driver_problem("580.65.06", "13.0") is None
+    assert check.driver_problem("535.183.01", "12.9") is None  # R525 runs CUDA 12
+    assert check.driver_problem("470.256.02", "12.1").startswith("error: NVIDIA driver 470.256.02 is older than R525")
+    assert check.driver_problem(None, "13.0").startswith("error: no NVIDIA driver is visible")
+    assert check.driver_problem(None, None) is None  # a CPU build
+
+    monkeypatch.setattr(check, "torch_cuda", lambda: ("torch 2.13.0", "13.0"))
+    monkeypatch.setattr(check, "installed_driver", lambda: None)
+    assert check.main(["--driver", "550.127.05"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "NVIDIA driver 550.127.05 is older than R580" in err
+    assert check.main([]) == 1 and "no NVIDIA driver is visible" in capsys.readouterr().err
+    assert check.main(["--if-gpu"]) == 0  # a CPU node of aws.yaml
+    assert check.main(["--driver", "580.95.05"]) == 0
+
+
+def test_spot_watcher_drains_a_margin_before_the_instance_goes():
+    import datetime as dt
+
+    spot_notice = cluster_module("spot_notice")
+    goes_at = dt.datetime(2026, 11, 27, 10, 2, 0, tzinfo=dt.timezone.utc)
+    seen = goes_at - dt.timedelta(seconds=spot_notice.NOTICE_S)
+    assert spot_notice.drain_deadline(goes_at, seen) == goes_at - dt.timedelta(seconds=60)
+    # Seen late (the watcher polls every 5 s, or restarted): at least LEAST_DRAIN_S from now...
+    late = goes_at - dt.timedelta(seconds=65)
+    assert spot_notice.drain_deadline(goes_at, late) == late + dt.timedelta(seconds=spot_notice.LEAST_DRAIN_S)
+    # ...but never after the instance is gone.
+    later = goes_at - dt.timedelta(seconds=4)
+    assert spot_notice.drain_deadline(goes_at, later) == goes_at
+    assert spot_notice.drain_deadline(goes_at, seen, margin_s=10) == goes_at - dt.timedelta(seconds=10)
 
 
 # -- the image ---------------------------------------------------------------------------
@@ -482,6 +820,19 @@ def test_readme_sizing_table_is_the_planners_output(monkeypatch):
     assert flat == 8_841_823 * (4 * 768 + 8)  # fp32 vector + int64 id, nothing else
 
 
+def test_readme_cost_table_is_the_scripts_output_from_the_recipe():
+    cost = cluster_module("cost")
+    table = cost.table()
+    assert table in (CLUSTER / "README.md").read_text(), "regenerate it: python cluster/cost.py"
+    # The work is the recipe's: pre-training's steps x global batch, and every stage it enables.
+    cfg = cost.recipe()
+    pre = cfg.pretrain.job.train
+    assert f"{pre.max_steps:,} steps x {pre.micro_batch_size * pre.num_workers:,} seq" in table
+    stages = [line.split("|")[1].strip() for line in table.splitlines()[2:]]
+    assert stages[:4] == ["pretrain", "round1", "round2", "reranker"] and "distill" in stages
+    assert stages[-1] == "**total**"
+
+
 # -- object storage from the environment -------------------------------------------------
 
 
@@ -591,11 +942,8 @@ class FakeInstanceMetadata:
 
 def test_the_spot_watcher_reuses_its_metadata_token_and_asks_again_when_refused():
     import datetime as dt
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("spot_notice", REPO / "cluster" / "spot_notice.py")
-    spot_notice = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(spot_notice)
+    spot_notice = cluster_module("spot_notice")
     imds = FakeInstanceMetadata()
     try:
         metadata = spot_notice.InstanceMetadata(imds.url)
@@ -632,7 +980,7 @@ def test_a_spot_interruption_notice_drains_the_instances_ray_nodes_until_its_tim
     """cluster/spot_notice.py as a worker node runs it: while the metadata service has no
     notice, nothing is drained; once it has one, every Ray worker node of this instance
     (here the one worker node: the head shares the machine's IP) is drained for preemption,
-    with the notice's time as the deadline, and the watcher exits."""
+    with the notice's time less the margin as the deadline, and the watcher exits."""
     import datetime as dt
 
     import ray
@@ -677,4 +1025,6 @@ def test_a_spot_interruption_notice_drains_the_instances_ray_nodes_until_its_tim
     finally:
         watcher.kill()
         imds.server.shutdown()
-    assert state.get_draining_nodes() == {worker_node: int(goes_at.timestamp() * 1000)}
+    # Drained until the notice's time less the margin, so the work moves while the instance runs.
+    deadline = goes_at - dt.timedelta(seconds=60)
+    assert state.get_draining_nodes() == {worker_node: int(deadline.timestamp() * 1000)}

@@ -1,0 +1,299 @@
+"""Write the cluster kit with your values: bucket, image, region, zone, account, roles and
+node types are set once, in cluster/values.yaml, and put wherever the kit needs them.
+
+    python cluster/render.py [--values cluster/values.yaml] [--out cluster/rendered]
+
+Writes, under --out:
+    aws.yaml                           the Ray cluster launcher's config (`ray up`)
+    kuberay/raycluster.yaml            a standing, autoscaling RayCluster
+    kuberay/rayjob-<job>.yaml          one RayJob per entry of `jobs`, with its run config in a ConfigMap
+    kuberay/karpenter.yaml             the EC2NodeClass and NodePools the pods land on
+    kuberay/serviceaccount.yaml        the pods' S3 identity (IRSA)
+    iam/s3-policy.json, iam/head-policy.json
+    configs/<job>.yaml                 the run configs, with your bucket
+
+The files under cluster/ hold example values; they are read, changed where a value goes, and
+written again (comments stay in the sources). A value that is missing or malformed is an
+error naming its key, before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import sys
+from pathlib import Path
+
+import yaml
+
+CLUSTER = Path(__file__).resolve().parent
+REPO = CLUSTER.parent
+EXAMPLE_BUCKET = "your-bucket"
+EXAMPLE_ACCOUNT = "123456789012"
+IMAGE_DIR = "/home/ray/raydense"  # where cluster/Dockerfile puts the checkout
+NODE_KEYS = {"instance_type", "vcpus", "memory_gib", "gpus", "scratch_gib"}
+WORKER_TYPES = ("cpu", "gpu1", "gpu8")
+
+
+class ValuesError(ValueError):
+    pass
+
+
+def check_values(values: dict) -> dict:
+    """The values, each checked, with a message naming the key of the first bad one."""
+
+    def need(key: str, pattern: str, what: str) -> str:
+        value = values.get(key)
+        if not isinstance(value, str) or not re.fullmatch(pattern, value):
+            raise ValuesError(f"values: {key} is {value!r}, not {what}")
+        return value
+
+    need("bucket", r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", "an S3 bucket name")
+    region = need("region", r"[a-z]{2}(-gov)?-[a-z]+-\d", "an AWS region such as us-west-2")
+    zone = need("zone", r"[a-z]{2}(-gov)?-[a-z]+-\d[a-z]", "an availability zone such as us-west-2a")
+    if not zone.startswith(region):
+        raise ValuesError(f"values: zone {zone} is not in region {region}")
+    need("account_id", r"\d{12}", "a 12-digit AWS account id")
+    need("image", r"\S+:\S+", "an image reference with a tag")
+    for key in ("eks_cluster", "karpenter_node_role", "s3_role", "head_profile", "worker_profile"):
+        need(key, r"[\w+=,.@-]+", "a name")
+    need("ami", r"ami-[0-9a-f]{8,17}", "an AMI id")
+    types = values.get("node_types")
+    if not isinstance(types, dict) or set(types) != {"head", *WORKER_TYPES}:
+        raise ValuesError(f"values: node_types must name head, {', '.join(WORKER_TYPES)}")
+    for name, spec in types.items():
+        missing = NODE_KEYS - set(spec)
+        if missing:
+            raise ValuesError(f"values: node_types.{name} lacks {', '.join(sorted(missing))}")
+        for key in NODE_KEYS - {"instance_type"}:
+            if not isinstance(spec[key], int) or spec[key] < 0:
+                raise ValuesError(f"values: node_types.{name}.{key} is {spec[key]!r}, not a whole number")
+    if not 0 <= values.get("drain_margin_s", -1) < values.get("spot_notice_s", 0):
+        raise ValuesError("values: drain_margin_s must be at least 0 and less than spot_notice_s")
+    if values.get("efa"):
+        need("subnet_id", r"subnet-[0-9a-f]+", "a subnet id (efa: true needs it)")
+        need("security_group_id", r"sg-[0-9a-f]+", "a security group id (efa: true needs it)")
+        if not types["gpu8"].get("efa_interfaces"):
+            raise ValuesError("values: efa: true needs node_types.gpu8.efa_interfaces")
+    for job, spec in (values.get("jobs") or {}).items():
+        for key in ("script", "config"):
+            if not (REPO / spec.get(key, "")).is_file():
+                raise ValuesError(f"values: jobs.{job}.{key} {spec.get(key)!r} is not a file of the checkout")
+    return values
+
+
+def with_bucket(text: str, values: dict) -> str:
+    """A run config or policy with the user's bucket where the example's is."""
+    return text.replace(EXAMPLE_BUCKET, values["bucket"]).replace(EXAMPLE_ACCOUNT, values["account_id"])
+
+
+def pod_resources(spec: dict) -> tuple[dict, dict]:
+    """What a pod of this node type asks: 15/16 of the vCPUs, 7/8 of the memory, its GPUs and
+    its scratch plus 10 GiB for the container's own writes; and the volume sizes."""
+    asked = {"cpu": str(spec["vcpus"] - max(1, spec["vcpus"] // 16)), "memory": f"{spec['memory_gib'] * 7 // 8}Gi"}
+    if spec["gpus"]:
+        asked["nvidia.com/gpu"] = str(spec["gpus"])
+    asked["ephemeral-storage"] = f"{spec['scratch_gib'] + 10}Gi"
+    sizes = {"dshm": f"{spec['memory_gib'] * 3 // 10}Gi", "scratch": f"{spec['scratch_gib']}Gi"}
+    return asked, sizes
+
+
+def drain_s(values: dict) -> int:
+    return values["spot_notice_s"] - values["drain_margin_s"]
+
+
+def efa_env() -> list[dict]:
+    # libfabric's EFA provider for NCCL (the aws-ofi-nccl plugin in the image), with GPUDirect RDMA.
+    return [
+        {"name": "FI_PROVIDER", "value": "efa"},
+        {"name": "FI_EFA_USE_DEVICE_RDMA", "value": "1"},
+        {"name": "NCCL_NET_PLUGIN", "value": "ofi"},
+    ]
+
+
+def set_pod(pod: dict, spec: dict, values: dict, capacity: str | None, efa: bool) -> None:
+    asked, sizes = pod_resources(spec)
+    selector = pod.setdefault("nodeSelector", {})
+    if capacity:  # workers; the head only asks for on-demand
+        selector["node.kubernetes.io/instance-type"] = spec["instance_type"]
+        pod["terminationGracePeriodSeconds"] = drain_s(values) + 30
+    selector["topology.kubernetes.io/zone"] = values["zone"]
+    for container in pod.get("initContainers", []):
+        container["image"] = values["image"]
+        for side in ("requests", "limits"):
+            container["resources"][side]["nvidia.com/gpu"] = str(spec["gpus"])
+    (container,) = pod["containers"]
+    container["image"] = values["image"]
+    env = {e["name"]: e for e in container["env"]}
+    env["AWS_DEFAULT_REGION"]["value"] = values["region"]
+    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"]["value"] = str(drain_s(values))
+    if efa:
+        asked["vpc.amazonaws.com/efa"] = str(spec["efa_interfaces"])
+        container["env"] = list(env.values()) + efa_env()
+    container["resources"] = {"requests": dict(asked), "limits": dict(asked)}
+    for volume in pod["volumes"]:
+        if volume["name"] in sizes:
+            volume["emptyDir"]["sizeLimit"] = sizes[volume["name"]]
+
+
+def raycluster(values: dict) -> dict:
+    doc = yaml.safe_load((CLUSTER / "kuberay" / "raycluster.yaml").read_text())
+    doc = copy.deepcopy(doc)  # YAML anchors are shared objects: edit each pod on its own
+    spec = doc["spec"]
+    set_pod(spec["headGroupSpec"]["template"]["spec"], values["node_types"]["head"], values, None, False)
+    for group in spec["workerGroupSpecs"]:
+        group["template"] = copy.deepcopy(group["template"])
+        kind, capacity = group["groupName"].rsplit("-", 1)
+        node = values["node_types"][kind]
+        group["maxReplicas"] = node.get(f"max_{capacity}", group["maxReplicas"])
+        efa = bool(values.get("efa")) and kind == "gpu8"
+        set_pod(group["template"]["spec"], node, values, capacity, efa)
+    if values.get("gcs_redis"):
+        spec["gcsFaultToleranceOptions"] = {
+            "redisAddress": values["gcs_redis"],
+            "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "raydense-redis", "key": "password"}}},
+        }
+    return doc
+
+
+def rayjob(name: str, job: dict, cluster: dict, values: dict) -> list[dict]:
+    """A RayJob that brings up the RayCluster's spec (without GCS fault tolerance: a retry is
+    a new cluster) and runs one job with its config from a ConfigMap mounted on the head."""
+    spec = copy.deepcopy(cluster["spec"])
+    spec.pop("gcsFaultToleranceOptions", None)
+    config_map = f"raydense-{name}-config"
+    head = spec["headGroupSpec"]["template"]["spec"]
+    head["volumes"].append({"name": "run-config", "configMap": {"name": config_map}})
+    head["containers"][0]["volumeMounts"].append({"name": "run-config", "mountPath": "/etc/raydense", "readOnly": True})
+    labels = {"app.kubernetes.io/name": "raydense"}
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": config_map, "labels": labels},
+            "data": {f"{name}.yaml": with_bucket((REPO / job["config"]).read_text(), values)},
+        },
+        {
+            "apiVersion": "ray.io/v1",
+            "kind": "RayJob",
+            "metadata": {"name": f"raydense-{name}", "labels": labels},
+            "spec": {
+                "entrypoint": f"python {IMAGE_DIR}/{job['script']} --config /etc/raydense/{name}.yaml",
+                # A retry is a new cluster running the same command with the same outputs: it
+                # resumes from S3. Preempted workers are handled inside the run.
+                "backoffLimit": 2,
+                "shutdownAfterJobFinishes": True,
+                "ttlSecondsAfterFinished": 600,
+                "rayClusterSpec": spec,
+            },
+        },
+    ]
+
+
+def karpenter(values: dict) -> list[dict]:
+    docs = [d for d in yaml.safe_load_all((CLUSTER / "kuberay" / "karpenter.yaml").read_text()) if d]
+    types = values["node_types"]
+    for doc in docs:
+        if doc["kind"] == "EC2NodeClass":
+            doc["spec"]["role"] = values["karpenter_node_role"]
+            for terms in ("subnetSelectorTerms", "securityGroupSelectorTerms"):
+                for term in doc["spec"][terms]:
+                    term["tags"]["karpenter.sh/discovery"] = values["eks_cluster"]
+        if doc["kind"] == "NodePool":
+            gpu = doc["metadata"]["name"].endswith("-gpu")
+            wanted = [types[t]["instance_type"] for t in (("gpu1", "gpu8") if gpu else ("head", "cpu"))]
+            for requirement in doc["spec"]["template"]["spec"]["requirements"]:
+                if requirement["key"] == "node.kubernetes.io/instance-type":
+                    requirement["values"] = sorted(set(wanted))
+                if requirement["key"] == "topology.kubernetes.io/zone":
+                    requirement["values"] = [values["zone"]]
+    return docs
+
+
+def aws(values: dict) -> dict:
+    doc = yaml.safe_load((CLUSTER / "aws.yaml").read_text())
+    doc = copy.deepcopy(doc)
+    doc["provider"]["region"] = values["region"]
+    doc["provider"]["availability_zone"] = values["zone"]
+    doc["docker"]["run_options"] = [
+        f"--env AWS_DEFAULT_REGION={values['region']}" if o.startswith("--env AWS_DEFAULT_REGION=") else o
+        for o in doc["docker"]["run_options"]
+    ]
+    for name, node in doc["available_node_types"].items():
+        node["node_config"] = copy.deepcopy(node["node_config"])
+        kind = name.rsplit("-", 1)[0]
+        spec = values["node_types"][kind]
+        config = node["node_config"]
+        config["ImageId"] = values["ami"]
+        config["InstanceType"] = spec["instance_type"]
+        config["IamInstanceProfile"] = {"Name": values["head_profile" if name == "head" else "worker_profile"]}
+        if name != "head":
+            node["resources"] = {"CPU": spec["vcpus"], **({"GPU": spec["gpus"]} if spec["gpus"] else {})}
+            node["max_workers"] = spec.get(f"max_{name.rsplit('-', 1)[1]}", node["max_workers"])
+        if values.get("efa") and kind == "gpu8":
+            config["NetworkInterfaces"] = [
+                {
+                    "NetworkCardIndex": card,
+                    "DeviceIndex": 0 if card == 0 else 1,
+                    "InterfaceType": "efa",
+                    "SubnetId": values["subnet_id"],
+                    "Groups": [values["security_group_id"]],
+                    "DeleteOnTermination": True,
+                }
+                for card in range(spec["efa_interfaces"])
+            ]
+            config["Placement"] = {"GroupName": "raydense-gpu8"}
+    doc["worker_start_ray_commands"] = [
+        re.sub(r"--margin_s=\d+", f"--margin_s={values['drain_margin_s']}", c) for c in doc["worker_start_ray_commands"]
+    ]
+    if values.get("efa"):
+        doc["docker"]["run_options"] += [f"--env {e['name']}={e['value']}" for e in efa_env()]
+    return doc
+
+
+def render(values: dict) -> dict[str, str]:
+    """Every file of the kit with these values: {relative path: text}."""
+    check_values(values)
+    dump = lambda docs: "---\n".join(yaml.safe_dump(d, sort_keys=False, width=120) for d in docs)  # noqa: E731
+    cluster = raycluster(values)
+    files = {
+        "aws.yaml": dump([aws(values)]),
+        "kuberay/raycluster.yaml": dump([cluster]),
+        "kuberay/karpenter.yaml": dump(karpenter(values)),
+    }
+    account = (CLUSTER / "kuberay" / "serviceaccount.yaml").read_text()
+    files["kuberay/serviceaccount.yaml"] = with_bucket(account, values).replace(
+        "role/raydense-s3", f"role/{values['s3_role']}"
+    )
+    for policy in ("s3-policy.json", "head-policy.json"):
+        text = with_bucket((CLUSTER / "iam" / policy).read_text(), values)
+        text = text.replace("/raydense-worker", f"/{values['worker_profile']}")
+        files[f"iam/{policy}"] = json.dumps(json.loads(text), indent=2) + "\n"
+    for name, job in (values.get("jobs") or {}).items():
+        files[f"kuberay/rayjob-{name}.yaml"] = dump(rayjob(name, job, cluster, values))
+        files[f"configs/{name}.yaml"] = with_bucket((REPO / job["config"]).read_text(), values)
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--values", type=Path, default=CLUSTER / "values.yaml", help="your values")
+    parser.add_argument("--out", type=Path, default=CLUSTER / "rendered", help="where the rendered files go")
+    args = parser.parse_args(argv)
+    try:
+        files = render(yaml.safe_load(args.values.read_text()))
+    except (OSError, ValuesError) as err:
+        print(f"error: {args.values}: {err}", file=sys.stderr)
+        return 2
+    for relative, text in files.items():
+        path = args.out / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    print(f"{len(files)} files in {args.out}: {', '.join(sorted(files))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
