@@ -27,8 +27,8 @@ def compile_in_place(*modules: torch.nn.Module | None, blocks: bool = False) -> 
     losses, and with torch's default shapes, static until one changes (training's rows are
     of one width, so its kernels are specialised to it; packed span pairs, whose row count
     varies, turn dynamic at their first change). On a CPU a Condenser (6 x 384) compiled in
-    47 s this way against 114 s whole, and stepped in 1.36 s against 1.48 s (eager: 1.22 s,
-    2026-11-27); whole, torch 2.11's Inductor failed on an H200. Encoders compile whole:
+    47 s this way against 114 s whole, and stepped in 1.36 s against 1.48 s (eager: 1.22 s);
+    whole, torch 2.11's Inductor failed on an H200. Encoders compile whole:
     their forward is the tower and its pooling, and compiled whole MiniLM encoded 155-158
     passages/s against 133-147 by blocks (one thread, 4,000 Nave verses, two runs each)."""
     for module in {id(m): m for m in modules if m is not None}.values():

@@ -4,7 +4,7 @@ PyTorch runs an fp32 ``nn.Linear`` on a CPU through MKL's sgemm, and on AMD's co
 takes its AVX2 path. oneDNN, which PyTorch also ships, picks its kernels by the core's
 instruction set: on one Zen 5 core (AVX-512) a 1,024-square fp32 product ran at 105.8
 GFLOP/s through MKL and 233.2 through oneDNN, and MiniLM encoded Nave's verses 1.95x as fast
-with its linears packed (2026-11-28, ``bench/bench_search.py --parts encode``). The outputs
+with its linears packed (``bench/bench_search.py --parts encode``). The outputs
 are fp32 products summed in another order: within 3e-7 of MKL's on those vectors.
 
 oneDNN's packed linear has no backward, and Inductor cannot trace its packed weight, so a

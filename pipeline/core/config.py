@@ -40,6 +40,8 @@ __all__ = [
     "Renamed",
     "truthy",
     "parse_config",
+    "describe",
+    "Option",
     "check_inputs",
     "from_dict",
     "to_dict",
@@ -406,7 +408,30 @@ def _fmt(value: Any) -> str:
     return str(value) if value != "" else "''"
 
 
-def _help_parser(leaves: dict, sections: dict, description: str | None, prog: str | None):
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One option as ``--help`` and the options reference (docs/reference/) show it."""
+
+    path: str  # dotted: train.num_workers
+    type: str
+    default: str  # in the syntax the command line accepts
+    help: str
+    section: str  # the dotted section it belongs to ("" at the top)
+
+
+def describe(cls) -> tuple[list[Option], dict[str, str]]:
+    """Every option of ``cls`` (a job's config), and each section's description."""
+    leaves, sections = _schema(cls)
+    options = []
+    for path, leaf in leaves.items():
+        default = _fmt(leaf.default)
+        if _is_secret(path.rsplit(".", 1)[-1]) and default not in ("none", "required"):
+            default = "***"  # a default read from the environment must not reach logs
+        options.append(Option(path, _tname(leaf.tp), default, leaf.help, leaf.section))
+    return options, sections
+
+
+def _help_parser(cls, description: str | None, prog: str | None):
     """argparse only renders help here; it never sees the real arguments."""
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -416,17 +441,14 @@ def _help_parser(leaves: dict, sections: dict, description: str | None, prog: st
         usage="%(prog)s [--config FILE ...] [--section.option VALUE ...]",  # not 100 options
     )
     parser.add_argument("--config", metavar="FILE", help="YAML file; repeat to layer, later wins")
+    options, sections = describe(cls)
     groups: dict[str, Any] = {"": parser}
     for path, text in sections.items():
         if path:
             groups[path] = parser.add_argument_group(f"[{path}]", text.replace("%", "%%") or None)
-    for path, leaf in leaves.items():
-        default = _fmt(leaf.default)
-        if _is_secret(path.rsplit(".", 1)[-1]) and default not in ("none", "required"):
-            default = "***"  # a default read from the environment must not reach logs
-        text = f"{leaf.help} (default: {default})" if leaf.help else f"(default: {default})"
-        group = groups[leaf.section]
-        group.add_argument(f"--{path}", metavar=_tname(leaf.tp), help=text.replace("%", "%%"))
+    for option in options:
+        text = f"{option.help} (default: {option.default})" if option.help else f"(default: {option.default})"
+        groups[option.section].add_argument(f"--{option.path}", metavar=option.type, help=text.replace("%", "%%"))
     return parser
 
 
@@ -448,7 +470,7 @@ def parse_config(
     exit_on_error = argv is None if exit_on_error is None else exit_on_error
     leaves, sections = _schema(cls)
     if "-h" in args or "--help" in args:
-        _help_parser(leaves, sections, description, prog).print_help()
+        _help_parser(cls, description, prog).print_help()
         raise SystemExit(0)
     try:
         renames = _renames(cls)

@@ -106,13 +106,13 @@ class EncoderSettings:
     precision: Literal["auto", "fp32", "fp16", "bf16"] = field(
         default="auto",
         metadata={
-            "help": "fp16/bf16 hold the model in that precision (pooling in fp32); auto = fp16 on GPUs (BERT-base 2.5x fp32 on an H100), fp32 on CPUs"
+            "help": "fp16/bf16 hold the model in that precision (pooling in fp32); auto = fp16 on GPUs, fp32 on CPUs"
         },
     )
     compile: bool = field(
         default=False,
         metadata={
-            "help": "torch.compile the towers for batches of any width (one compile per process, ~20 s for MiniLM on a CPU core); embeddings within 1e-4 of eager. It replaces cpu_linears' packed layers, which Inductor cannot trace: on a Zen 5 core MiniLM compiled ran 138.5 passages/s, packed 268.7"
+            "help": "torch.compile the towers for batches of any width (one compile per process); embeddings within 1e-4 of eager. It replaces cpu_linears' packed layers, which Inductor cannot trace"
         },
     )
     cpu_linears: Literal["onednn", "blas"] = cpu_linears_field()

@@ -17,10 +17,9 @@ from models.batches import to_device
 from models.packed_linears import pack_linears
 
 # What ``auto`` picks, by measurement (bench/README.md, bench_retrieval_gpu.py): fp16 held in
-# the model on GPUs, fp32 on CPUs. On one H100 (2026-11-27, Nave's verses, batch 1,024, one
-# run) a BERT-base-sized encoder held in fp16 ran 14,930 passages/s against 5,885 in fp32,
-# and a MiniLM-sized one 24,616 (17,644 in fp32 on an H100 on 2026-11-23, batch 256). fp16
-# *autocast* had been the slower one (3,198 against 5,740 on an H200): the cast of every
+# the model on GPUs, fp32 on CPUs. On one H100 (Nave's verses, batch 1,024, one run) a
+# BERT-base-sized encoder held in fp16 ran 14,930 passages/s against 5,885 in fp32, and a
+# MiniLM-sized one 24,616 (17,644 in fp32, batch 256). fp16 *autocast* is the slower one (3,198 against 5,740 on an H200): the cast of every
 # weight and activation at every layer, and cuDNN's attention (HALF_PRECISION_ATTENTION).
 # fp16 rather than bf16: its 10 mantissa bits keep vectors closer to fp32's, and a BERT's
 # activations stay far inside its range; a model that overflows it is stopped by the
@@ -44,8 +43,8 @@ def inference_dtype(precision: str, device: str, hidden_size: int) -> torch.dtyp
 
 def made_in(precision: str, device: str, hidden_size: int) -> dict:
     """What an output's record says of the precision it was computed in. Half precision is
-    the model held in it: before 2026-11-27 it was autocast, whose outputs differ, so a
-    half-precision record names the way (fp32 records are unchanged, and still reused)."""
+    the model held in it, not autocast, whose outputs differ: a half-precision record names
+    the way, so an output made under autocast is not reused (fp32 records need no name)."""
     resolved = resolved_precision(precision, device, hidden_size)
     return {"precision": resolved} | ({"half_precision": "weights"} if resolved != "fp32" else {})
 
@@ -54,7 +53,7 @@ def held_in(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """``model`` with its weights cast to ``dtype``, in place. Half precision holds the model
     in it rather than autocasting an fp32 one: no cast of each weight and activation at every
     layer, half the weight reads. MiniLM with one thread on an AMX CPU encoded 414 Nave
-    verses/s held in bf16 against 292 under bf16 autocast (2026-11-27, bench_search.py), its
+    verses/s held in bf16 against 292 under bf16 autocast (bench_search.py), its
     vectors within cosine 0.9999 of fp32 either way. Pooling and normalization still run in fp32
     (:func:`models.biencoder.pool`)."""
     return model if dtype == torch.float32 else model.to(dtype)
@@ -65,7 +64,7 @@ def cpu_linears_field():
     return field(
         default="onednn",
         metadata={
-            "help": "linear layers on CPUs: onednn = weights packed once for oneDNN's kernels (AVX-512 where the core has it; MiniLM in fp32 1.95x PyTorch's MKL path on a Zen 5 core, vectors within 3e-7), blas = PyTorch's default; ignored with compile, which traces the plain layers"
+            "help": "linear layers on CPUs: onednn = weights packed once for oneDNN's kernels (AVX-512 where the core has it; the same vectors within 3e-7), blas = PyTorch's default; ignored with compile, which traces the plain layers"
         },
     )
 
@@ -99,7 +98,7 @@ def inference(device: str, dtype: torch.dtype) -> Iterator[None]:
 
 
 # Rows and padded tokens a forward where a setting says 0 (auto), on GPUs. On one H100
-# (2026-11-27, BERT-base held in fp16, Nave's verses of ~31 tokens) batches of 4,096 ran
+# (BERT-base held in fp16, Nave's verses of ~31 tokens) batches of 4,096 ran
 # 23,695 passages/s against 14,930 at 1,024: a forward of ~32k tokens is too small to keep
 # that GPU busy. 131,072 tokens is what 4,096 of those verses, padded to ~32, hold; the cap
 # keeps longer rows to that many tokens a forward (1,024 rows of 128), so that long passages
@@ -151,8 +150,8 @@ def overlapped(
     ``forward`` does the host's part (framing the batch, :func:`on_device`) and queues the
     device's. On a GPU its output is copied to pinned memory behind its own kernels and read
     once that copy is done: while the host waits for one batch, the next is queued behind
-    it, and the host framed it while the device ran the one before. Before 2026-11-27 each
-    batch was framed only once the last one's output was back, with the GPU idle."""
+    it, and the host framed it while the device ran the one before: the device does not
+    idle while the host frames a batch."""
     pending = None
     for batch in batches:
         output = forward(batch).float()

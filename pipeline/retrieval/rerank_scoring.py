@@ -114,7 +114,7 @@ class RerankScoreConfig:
     batch_tokens: int = field(
         default=0,
         metadata={
-            "help": "padded pair tokens per forward at most (rows x the batch's longest); 0 = auto: 131,072 on GPUs (as the encoder measured it), none on CPUs"
+            "help": "padded pair tokens per forward at most (rows x the batch's longest); 0 = auto: 131,072 on GPUs (as for the encoder), none on CPUs"
         },
     )
     queries_per_task: int = field(
@@ -126,7 +126,7 @@ class RerankScoreConfig:
     precision: Literal["auto", "fp32", "fp16", "bf16"] = field(
         default="auto",
         metadata={
-            "help": "fp16/bf16 hold the model in that precision; auto = fp16 on GPUs, fp32 on CPUs (as the encoder measured it: BERT-base held in fp16 2.5x fp32 on an H100)"
+            "help": "fp16/bf16 hold the model in that precision; auto = fp16 on GPUs, fp32 on CPUs (as for the encoder)"
         },
     )
     cpu_linears: Literal["onednn", "blas"] = cpu_linears_field()

@@ -1,9 +1,9 @@
 """Where a training step's time goes: ``torch.profiler`` over a few optimizer steps of a real
 run (``--train.profile_steps``), on rank 0, written next to the run's history.
 
-MFU through ``jobs/pretrain.py`` on an H100 was 0.88 of the bare model step's (bench/README.md,
-2026-11-27): the job's own steps, profiled where they run (Ray Train, DeepSpeed, the stream),
-show what the difference is spent on, which a bare benchmark cannot.
+The job runs below its bare model step (bench/README.md): its own steps, profiled where they
+run (Ray Train, DeepSpeed, the stream), show what the difference is spent on, which a bare
+benchmark cannot.
 """
 
 from __future__ import annotations

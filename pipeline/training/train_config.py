@@ -96,7 +96,7 @@ class TrainConfig:
     compile: bool = field(
         default=False,
         metadata={
-            "help": "torch.compile the trained module's repeated transformer blocks in place, shapes static until one changes (then dynamic: one more graph), before DeepSpeed wraps it; same losses and gradients. Opt-in: it compiles for about a minute on a CPU, where it is slower than eager, and gained nothing on an H100 with dynamic shapes (BERT-base Condenser through the job, 2026-11-27)"
+            "help": "torch.compile the trained module's repeated transformer blocks in place, shapes static until one changes (then dynamic: one more graph), before DeepSpeed wraps it; same losses and gradients. Off by default: compiling takes about a minute, and its speed against eager is in bench/README.md"
         },
     )
     data_trace: bool = field(

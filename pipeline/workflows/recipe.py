@@ -147,7 +147,7 @@ class DistillStage:
     enabled: bool = field(
         default=False,
         metadata={
-            "help": "run teacher and distill (with the re-ranker stages); off by default: no distillation measured on Nave beats round 2 (docs/recipe.md)"
+            "help": "run teacher and distill (with the re-ranker stages); off by default (docs/recipe.md says why)"
         },
     )
     loss: DistillationConfig = field(default_factory=DistillationConfig)

@@ -1,0 +1,101 @@
+"""The documents a user reads: short pages, no history in them, links that resolve, and an
+options reference that is the configs' own.
+
+History (dates, commit hashes, issue numbers) belongs to CHANGELOG.md and commit messages;
+figures to bench/. A page that grows past its limit is split into sub-pages.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
+README_LIMIT = 8 * 1024
+PAGE_LIMIT = 12 * 1024
+HISTORY = re.compile(
+    r"\b20\d\d-\d\d-\d\d\b"  # a date
+    r"|\b[Ii]ssues? #?\d+"  # an issue number
+    r"|(?<![\w-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b"  # a commit hash
+)
+
+
+def pages() -> list[Path]:
+    return [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]
+
+
+def generator():
+    spec = importlib.util.spec_from_file_location("generate_reference", DOCS / "generate_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pages_are_short():
+    assert len((REPO / "README.md").read_bytes()) <= README_LIMIT
+    long = {p.relative_to(REPO).as_posix(): len(p.read_bytes()) for p in DOCS.rglob("*.md")}
+    assert {p: n for p, n in long.items() if n > PAGE_LIMIT} == {}
+
+
+def test_no_history_in_the_docs_or_the_help():
+    found = []
+    for page in pages():
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            if match := HISTORY.search(line):
+                found.append(f"{page.relative_to(REPO)}:{number}: {match.group(0)}")
+    # --help prints each job's docstring and every option's help (the reference holds the
+    # latter, checked above; the docstrings here).
+    for job in sorted((REPO / "jobs").glob("*.py")):
+        text = job.read_text()
+        doc = re.match(r'\s*"""(.*?)"""', text, re.S)
+        for match in HISTORY.finditer(doc.group(1) if doc else ""):
+            found.append(f"{job.relative_to(REPO)} docstring: {match.group(0)}")
+    assert found == []
+
+
+def test_the_history_check_catches_history():
+    for text in ("since 2026-11-27", "issue 36 asks", "at commit 7dfee15", "(ded0529..7dfee15)"):
+        assert HISTORY.search(text), text
+    for text in ("ami-0123456789abcdef0", "10,938 passages/s", "sha256", "IVF4096,PQ64", "deadbeef"):
+        assert not HISTORY.search(text), text
+
+
+def test_relative_links_resolve():
+    broken = []
+    for page in [*pages(), REPO / "cluster" / "README.md", REPO / "bench" / "README.md"]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(REPO)} -> {target}")
+    assert broken == []
+
+
+def test_the_options_reference_is_generated_from_the_configs():
+    expected = generator().render()
+    on_disk = {p.relative_to(DOCS / "reference").as_posix(): p.read_text() for p in (DOCS / "reference").rglob("*.md")}
+    stale = sorted(set(expected) ^ set(on_disk)) + sorted(
+        k for k in expected if on_disk.get(k, expected[k]) != expected[k]
+    )
+    assert not stale, f"regenerate it: python docs/generate_reference.py ({stale[:5]})"
+    # Every job is in it, with every option --help lists.
+    from pipeline.core.config import describe
+
+    for job, (cls, _) in generator().job_configs().items():
+        options, _ = describe(cls)
+        text = "".join(v for k, v in expected.items() if k == f"{job}.md" or k.startswith(f"{job}/"))
+        missing = [o.path for o in options if f"`--{o.path}`" not in text]
+        assert not missing, (job, missing[:5])
+
+
+@pytest.mark.parametrize("job", ["encode", "recipe"])
+def test_help_groups_options_by_section(job, capsys):
+    spec = importlib.util.spec_from_file_location(f"job_{job}", REPO / "jobs" / f"{job}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit):
+        module.main(["--help"])
+    out = capsys.readouterr().out
+    assert "[encoder]" in out if job == "encode" else "[round1.train]" in out
