@@ -34,8 +34,9 @@ if str(REPO_ROOT) not in sys.path:
 from bench import smoke  # noqa: E402
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval.encode import actor_spans
-from pipeline.retrieval.faiss_index import brute_force_topk, plan_memory
+from pipeline.retrieval.faiss_index import brute_force_topk
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
+from pipeline.retrieval.index_memory import plan_memory
 from pipeline.retrieval.search import ShardedIndex
 
 NAVE = REPO_ROOT / "data" / "nave"

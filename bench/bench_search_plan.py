@@ -31,7 +31,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench import smoke  # noqa: E402
-from pipeline.retrieval import faiss_index, gpu_search  # noqa: E402
+from pipeline.retrieval import gpu_search, index_memory  # noqa: E402
 from pipeline.retrieval.fanout import query_block  # noqa: E402
 from pipeline.retrieval.search import SearcherConfig, plan_searchers  # noqa: E402
 
@@ -43,7 +43,7 @@ OLD_OBJECTS_WRITTEN, NEW_OBJECTS_WRITTEN, OLD_DRIVER_JOIN_GETS = 5, 2, 3
 
 def old_plan(shards: int, gpus_up: int) -> tuple[int, float]:
     count = max(1, min(gpus_up, shards))
-    fp32 = faiss_index.plan_memory("Flat", DIM, [SHARD_VECTORS])[0]["bytes"]
+    fp32 = index_memory.plan_memory("Flat", DIM, [SHARD_VECTORS])[0]["bytes"]
     return count, math.ceil(shards / count) * fp32 / GIB
 
 

@@ -3,7 +3,7 @@
     python cluster/sizing.py          # prints the Markdown table the README carries
 
 Index bytes come from the memory planner the index job itself uses
-(``pipeline.retrieval.faiss_index.plan_memory``), for the shard split the job would need. Encoding times
+(``pipeline.retrieval.index_memory.plan_memory``), for the shard split the job would need. Encoding times
 scale the one measured encoding rate (bench/README.md, 2-core CPU, MiniLM) by arithmetic;
 no GPU rate has been measured. tests/test_cluster.py checks that the README's table is this
 script's output, so the figures are never edited by hand.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.retrieval.faiss_index import plan_memory  # noqa: E402
+from pipeline.retrieval.index_memory import plan_memory  # noqa: E402
 
 # bench/README.md, bench_search.py: 1 CPU actor with 1 core and 1 torch thread, fp32, the
 # 6-layer MiniLM (hidden 384), the first 4,000 Nave verses at max length 128 (steady state).

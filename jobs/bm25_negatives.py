@@ -8,7 +8,7 @@ Ray unless --ray.address or RAY_ADDRESS names a cluster). Prints a JSON summary 
 """
 
 from pipeline.core.entry import run_job
-from pipeline.retrieval.bm25 import Bm25Config, mine_negatives
+from pipeline.retrieval.bm25_negatives import Bm25Config, mine_negatives
 
 
 def main(argv=None) -> dict:

@@ -15,6 +15,7 @@ import os
 import shutil
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +52,7 @@ class Family:
     # given per token and a 4-D mask passed through as it is.
     packs = True
 
-    def base(self, mlm: PreTrainedModel) -> nn.Module:
+    def base(self, mlm: PreTrainedModel) -> Any:  # each family's own base model class
         return mlm.base_model
 
     def layers(self, mlm: PreTrainedModel) -> nn.ModuleList:

@@ -19,13 +19,13 @@ def ids_and_mask(ids: np.ndarray, lengths: np.ndarray) -> tuple[torch.Tensor, to
     in every row: coCondenser's 80-token spans framed at 128, or a batch of short passages.
     The arrays are copied: Ray Data hands them out of the object store read-only."""
     ids = np.asarray(ids)
-    lengths = torch.tensor(np.asarray(lengths), dtype=torch.long).reshape(-1)
+    row_lengths = torch.tensor(np.asarray(lengths), dtype=torch.long).reshape(-1)
     width = ids.shape[-1]
-    longest = int(lengths.max()) if len(lengths) else 0
+    longest = int(row_lengths.max()) if len(row_lengths) else 0
     used = min(width, -(-max(longest, 1) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE)
     tensor = torch.tensor(np.ascontiguousarray(ids[..., :used]), dtype=torch.long)
     tensor = tensor.reshape(-1, used)
-    return tensor, (torch.arange(used)[None, :] < lengths[:, None]).long()
+    return tensor, (torch.arange(used)[None, :] < row_lengths[:, None]).long()
 
 
 def to_device(batch: dict, device, non_blocking: bool = False) -> dict:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import copy
 import json
 import os
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Literal
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, Literal
 
 import numpy as np
 import torch
@@ -32,12 +32,43 @@ from models.lora import LoraSettings, merged, with_lora
 from models.memory import ACTIVATION_SHARE, measure_activations, saved_bytes
 
 SETTINGS_FILE = "retriever.json"
+Pooling = Literal["cls", "mean"]
+ST_POOLING_FILE = os.path.join("1_Pooling", "config.json")  # a sentence-transformers model's pooling
+
+
+def own_pooling(retriever_settings: dict | None, st_pooling: dict | None) -> Pooling:
+    """What ``pooling: auto`` is for a checkpoint, from its two optional files: the pooling
+    its retriever was trained with (``retriever.json``), else its sentence-transformers
+    pooling (``1_Pooling/config.json``: CLS or mean tokens), else [CLS]: the vector
+    Condenser, coCondenser and SimLM train, and what a plain BERT has."""
+    trained = (retriever_settings or {}).get("pooling")
+    if trained == "cls" or trained == "mean":
+        return trained
+    if (st_pooling or {}).get("pooling_mode_mean_tokens"):
+        return "mean"
+    return "cls"
+
+
+def folder_pooling(folder: str) -> Pooling:
+    """:func:`own_pooling` of a local checkpoint folder."""
+
+    def read(name: str) -> dict | None:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            return None
+        with open(path) as f:
+            return json.load(f)
+
+    return own_pooling(read(SETTINGS_FILE), read(ST_POOLING_FILE))
 
 
 @dataclass
 class BiEncoderConfig:
-    pooling: Literal["cls", "mean"] = field(
-        default="cls", metadata={"help": "CLS vector, or the mean of the non-padding token states"}
+    pooling: Literal["auto", "cls", "mean"] = field(
+        default="auto",
+        metadata={
+            "help": "cls: the [CLS] vector; mean: the mean of the non-padding token states; auto = the starting checkpoint's own: its retriever.json, else its sentence-transformers pooling, else cls (how Condenser, coCondenser and SimLM train it)"
+        },
     )
     similarity: Literal["dot", "cos"] = field(
         default="dot", metadata={"help": "dot product, or cosine divided by temperature"}
@@ -94,10 +125,16 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> to
 class BiEncoder(nn.Module):
     """``encode_query`` / ``encode_passage`` / ``compute_similarity`` (Tevatron's hooks)."""
 
+    # HF encoders (with LoRA: peft wrappers of them), whose attributes differ per family.
+    query_encoder: Any
+    passage_encoder: Any
+
     def __init__(self, query_encoder: nn.Module, passage_encoder: nn.Module | None, cfg: BiEncoderConfig):
         super().__init__()
         if cfg.temperature <= 0:
             raise ValueError(f"temperature must be positive, got {cfg.temperature}")
+        if cfg.pooling not in ("cls", "mean"):
+            raise ValueError(f"pooling {cfg.pooling!r}: resolve 'auto' from the checkpoint first (folder_pooling)")
         self.cfg = cfg
         self.query_encoder = query_encoder
         # Shared towers are one module, registered once, so DeepSpeed sees each weight once.
@@ -239,13 +276,16 @@ def global_contrastive_loss(
 def load_biencoder(export_dir: str, overrides: dict | None = None) -> BiEncoder:
     """A retriever export (``retriever.json`` + one or two HF encoders) ready to encode;
     ``overrides`` (e.g. ``{"pooling": "mean"}``) replace saved settings. Any plain HF
-    checkpoint also loads, with the settings given in ``overrides`` (default CLS, dot)."""
+    checkpoint also loads, with the settings given in ``overrides`` (default: its
+    sentence-transformers pooling, else CLS; dot)."""
 
     has_settings = os.path.isfile(os.path.join(export_dir, SETTINGS_FILE))
     settings = load_settings(export_dir) if has_settings else {}
     settings.pop("lora", None)  # how it was trained: its adapters are merged into the export
     known = {f for f in BiEncoderConfig.__dataclass_fields__}
     cfg = BiEncoderConfig(**{k: v for k, v in {**settings, **(overrides or {})}.items() if k in known})
+    if cfg.pooling == "auto":
+        cfg.pooling = folder_pooling(export_dir)
 
     def encoder(path: str) -> nn.Module:
         return load_pretrained(AutoModel, path).eval()
@@ -376,6 +416,8 @@ class ContrastiveObjective:
         return self.chunk_size
 
     def build(self, init_dir: str) -> BiEncoder:
+        if self.cfg.pooling == "auto":  # the driver resolves it; a worker built alone does too
+            self.cfg = replace(self.cfg, pooling=folder_pooling(init_dir))
         encoder = load_pretrained(AutoModel, init_dir)
         pooler = getattr(encoder, "pooler", None)
         if pooler is not None:  # unused by CLS/mean pooling: frozen, so no worker waits on its gradient

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from models.backbone import export_backbone, family, load_module_state, save_module
-from models.masking import WholeWordMaskingMethod
+from models.method import ExampleFormat, WholeWordMaskingMethod
 from models.mlm_losses import masked_lm_loss, sequence_mlm_losses
 from models.packing import packed_attention_mask
 
@@ -157,11 +157,11 @@ class Condenser(nn.Module):
         self.head.load_state_dict(state)
 
 
-class CondenserMethod(WholeWordMaskingMethod):
+class CondenserMethod(WholeWordMaskingMethod[Condenser]):
     """Condenser pre-training as the trainer sees it: batches, loss, export."""
 
     name = "condenser"
-    example_format = "sequences"  # packed/truncated token sequences, see pipeline.data.stream
+    example_format: ExampleFormat = "sequences"  # packed/truncated token sequences, see pipeline.data.stream
 
     def build(self, mlm: PreTrainedModel) -> Condenser:
         model = Condenser(mlm, self.cfg.n_head_layers, self.cfg.skip_from)

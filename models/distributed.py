@@ -26,11 +26,11 @@ def gather_with_grad(local: torch.Tensor) -> torch.Tensor:
     size = torch.tensor([local.shape[0]], dtype=torch.long, device=local.device)
     sizes = [torch.empty_like(size) for _ in range(world)]
     dist.all_gather(sizes, size)
-    sizes = [int(s) for s in sizes]
-    padded = local.new_zeros((max(sizes), *local.shape[1:]))
+    rows = [int(s) for s in sizes]
+    padded = local.new_zeros((max(rows), *local.shape[1:]))
     padded[: local.shape[0]] = local.detach()
     slots = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(slots, padded)
-    slots = [slot[:n] for slot, n in zip(slots, sizes)]
+    slots = [slot[:n] for slot, n in zip(slots, rows)]
     slots[rank] = local
     return torch.cat(slots)

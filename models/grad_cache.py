@@ -111,10 +111,11 @@ class LocalGradients:
         for i, grad in enumerate(grads):
             if grad is None:
                 continue
-            if self.sums[i] is None:
+            total = self.sums[i]
+            if total is None:
                 self.sums[i] = grad.float()
             else:
-                self.sums[i].add_(grad.float())
+                total.add_(grad.float())
 
     def surrogate(self) -> torch.Tensor:
         """A scalar whose gradient with respect to each parameter is that parameter's sum."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -48,7 +49,7 @@ def with_lora(encoder: nn.Module, settings: LoraSettings) -> nn.Module:
 
     config = LoraConfig(
         r=settings.rank,
-        lora_alpha=settings.alpha,
+        lora_alpha=settings.alpha,  # type: ignore[arg-type]  # peft annotates int; it scales by any number
         lora_dropout=settings.dropout,
         target_modules=target_pattern(settings.targets),
     )
@@ -58,7 +59,7 @@ def with_lora(encoder: nn.Module, settings: LoraSettings) -> nn.Module:
     return adapted
 
 
-def merged(encoder: nn.Module) -> nn.Module:
+def merged(encoder: Any) -> Any:
     """A plain encoder equal to ``encoder`` with its adapters merged in (a copy: training
     may go on with the adapters); ``encoder`` itself when it has none."""
     if not hasattr(encoder, "merge_and_unload"):

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from models.method import PretrainingMethod
-
 IGNORE_INDEX = -100
 
 
@@ -100,18 +98,3 @@ def whole_word_mask(
     selected = select_words(input_ids, vocab, probability, generator)
     labels = input_ids.masked_fill(~selected, IGNORE_INDEX)
     return apply_bert_replacement(input_ids, selected, vocab, generator), labels
-
-
-class WholeWordMaskingMethod(PretrainingMethod):
-    """Base of the methods whose batches are whole-word-masked MLM inputs (Condenser,
-    coCondenser, plain MLM): ``cfg.mlm_probability`` of the words, BERT's 80/10/10."""
-
-    def __init__(self, cfg, vocab: MaskingVocab):
-        self.cfg = cfg
-        self.vocab = vocab
-
-    def corrupt_batch(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generator: torch.Generator
-    ) -> dict[str, torch.Tensor]:
-        masked, labels = whole_word_mask(input_ids, self.vocab, generator, self.cfg.mlm_probability)
-        return {"input_ids": masked, "attention_mask": attention_mask, "labels": labels}

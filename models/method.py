@@ -11,7 +11,7 @@ What a method adds is its corruption of a (B, L) batch (``corrupt_batch``) and i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Generic, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -19,21 +19,20 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from models.batches import ids_and_mask, to_device
+from models.masking import MaskingVocab, whole_word_mask
 from models.memory import ActivationCost, measure_activations, saved_bytes
 
-if TYPE_CHECKING:
-    from models.masking import MaskingVocab
-
 ExampleFormat = Literal["sequences", "span_pairs"]
+ModelT = TypeVar("ModelT", bound=nn.Module)  # what a method's build makes (Condenser, SimLM, ...)
 
 
-class PretrainingMethod:
+class PretrainingMethod(Generic[ModelT]):
     name: str
     # What the stream yields: packed/truncated token sequences, or coCondenser's span pairs.
     example_format: ExampleFormat
-    vocab: "MaskingVocab"  # models/masking.py (which imports this module), set by each method
+    vocab: MaskingVocab  # set by each method
 
-    def build(self, mlm: PreTrainedModel) -> nn.Module:
+    def build(self, mlm: PreTrainedModel) -> ModelT:
         """The trained module around ``mlm`` (head or decoder added, warm-started if configured)."""
         raise NotImplementedError
 
@@ -49,7 +48,7 @@ class PretrainingMethod:
         """The method's corruption of a (B, L) batch; reproducible from ``generator``."""
         raise NotImplementedError
 
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(self, model: ModelT, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(loss, detached extras to log) of one micro-batch."""
         raise NotImplementedError
 
@@ -63,7 +62,7 @@ class PretrainingMethod:
     def count_tokens(self, batch: dict[str, np.ndarray]) -> int:
         return int(np.asarray(batch["length"]).sum())
 
-    def activation_cost(self, model: nn.Module, width: int) -> ActivationCost | None:
+    def activation_cost(self, model: ModelT, width: int) -> ActivationCost | None:
         """What a micro-batch keeps for its backward, per sequence of ``width`` tokens,
         measured on ``model``'s device (models/memory.py): what sizes micro-batches from
         memory. None for a loss that couples a micro-batch's sequences (coCondenser's
@@ -82,9 +81,24 @@ class PretrainingMethod:
 
         return measure_activations(activations, 2)
 
-    def export(self, model: nn.Module, out_dir: str, tokenizer_dir: str | None) -> dict[str, str]:
+    def export(self, model: ModelT, out_dir: str, tokenizer_dir: str | None) -> dict[str, str]:
         """Write the backbone as a drop-in HF checkpoint (plus the method's own parts); returns paths."""
         raise NotImplementedError
+
+
+class WholeWordMaskingMethod(PretrainingMethod[ModelT]):
+    """Base of the methods whose batches are whole-word-masked MLM inputs (Condenser,
+    coCondenser, plain MLM): ``cfg.mlm_probability`` of the words, BERT's 80/10/10."""
+
+    def __init__(self, cfg, vocab: MaskingVocab):
+        self.cfg = cfg
+        self.vocab = vocab
+
+    def corrupt_batch(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generator: torch.Generator
+    ) -> dict[str, torch.Tensor]:
+        masked, labels = whole_word_mask(input_ids, self.vocab, generator, self.cfg.mlm_probability)
+        return {"input_ids": masked, "attention_mask": attention_mask, "labels": labels}
 
 
 class PlainEngine:

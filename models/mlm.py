@@ -14,7 +14,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from models.backbone import export_backbone, family
-from models.masking import WholeWordMaskingMethod
+from models.method import WholeWordMaskingMethod
 from models.mlm_losses import masked_lm_loss
 
 
@@ -42,7 +42,7 @@ class MaskedLM(nn.Module):
         return masked_lm_loss(self.lm, states, labels)
 
 
-class MLMMethod(WholeWordMaskingMethod):
+class MLMMethod(WholeWordMaskingMethod[MaskedLM]):
     """MLM pre-training as the trainer sees it: batches, loss, export."""
 
     name = "mlm"

@@ -51,6 +51,8 @@ def sequence_mlm_losses(
     if sequence_index is None:
         n_sequences = labels.shape[0]
         sequence_index = torch.arange(n_sequences, device=labels.device)[:, None].expand_as(labels)
+    elif n_sequences is None:
+        raise ValueError("sequence_index needs n_sequences: the packed batch's sequence count")
     per_sequence = torch.zeros(n_sequences, dtype=torch.float32, device=states.device)
     if not picked.any():
         return per_sequence + _zero_through_the_head(mlm, states)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 from models.backbone import load_pretrained
 from models.batches import to_device
@@ -106,7 +106,7 @@ class CrossEncoder(nn.Module):
     """One relevance logit per (query, passage) row; ``model`` is an HF sequence classifier
     with ``num_labels == 1``, kept unmodified so export is ``save_pretrained``."""
 
-    def __init__(self, model: nn.Module, lengths: PairLengths | None = None):
+    def __init__(self, model: PreTrainedModel, lengths: PairLengths | None = None):
         super().__init__()
         if getattr(model.config, "num_labels", None) != 1:
             raise ValueError(f"a re-ranker needs one output label, the checkpoint has {model.config.num_labels}")

@@ -211,7 +211,7 @@ class SimLM(nn.Module):
         self.decoder.load_state_dict(state)
 
 
-class SimLMMethod(PretrainingMethod):
+class SimLMMethod(PretrainingMethod[SimLM]):
     """SimLM pre-training as the trainer sees it: batches, loss, export.
 
     corrupt_batch (CPU) draws the selections and a sampling seed; loss (on the device) runs

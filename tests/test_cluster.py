@@ -808,7 +808,7 @@ def test_readme_sizing_table_is_the_planners_output(monkeypatch):
     # The one measured rate it scales must still be the benchmark's published figure.
     bench = (REPO / "bench" / "README.md").read_text()
     assert re.search(rf"\| 1 actor, 1 core, fp32 \| {sizing.MEASURED_PASSAGES_PER_S} passages/s", bench)
-    from pipeline.retrieval.faiss_index import plan_memory
+    from pipeline.retrieval.index_memory import plan_memory
 
     for n, _ in sizing.CORPORA:
         for factory in ("Flat", "SQfp16", f"IVF{sizing.ivf_nlist(n)},PQ64"):

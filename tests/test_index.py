@@ -9,6 +9,7 @@ import pytest
 from pipeline.core import storage
 from pipeline.core.errors import ArtifactError, StorageError
 from pipeline.retrieval import faiss_index as ix
+from pipeline.retrieval import index_memory
 from pipeline.retrieval.fanout import merge_topk
 
 DIM = 32
@@ -137,23 +138,23 @@ def test_memory_plan_matches_the_serialized_size(factory):
     x = clustered(5000, dim=64)
     built = ix.build_index_shard(x, np.arange(5000), factory, train_vectors=x[:2500])
     actual = len(faiss.serialize_index(built))
-    (plan,) = ix.plan_memory(factory, 64, [5000])
+    (plan,) = index_memory.plan_memory(factory, 64, [5000])
     assert plan["estimate"] == ("measured" if factory.endswith("fs") else "formula")
     assert abs(plan["bytes"] - actual) <= 0.1 * actual, (plan, actual)
 
 
 def test_plan_over_the_limit_names_the_shard():
-    plan = ix.plan_memory("Flat", 768, [1_000_000, 4_500_000])
-    ix.check_plan(plan[:1], 8 * 2**30)
+    plan = index_memory.plan_memory("Flat", 768, [1_000_000, 4_500_000])
+    index_memory.check_plan(plan[:1], 8 * 2**30)
     with pytest.raises(
         ValueError,
         match=r"index shard 1 needs 12\.9 GiB, more than the 8\.0 GiB limit: use more "
         r"shards or a compressed factory such as IVF8192,SQ8 or IVF8192,PQ64",
     ):
-        ix.check_plan(plan, 8 * 2**30)
-    table = ix.format_plan(plan)
+        index_memory.check_plan(plan, 8 * 2**30)
+    table = index_memory.format_plan(plan)
     assert "4,500,000" in table and table.splitlines()[-1].startswith("total")
-    assert ix.memory_limit_bytes(2) == 2 * 2**30 and ix.memory_limit_bytes(0) > 0
+    assert index_memory.memory_limit_bytes(2) == 2 * 2**30 and index_memory.memory_limit_bytes(0) > 0
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])

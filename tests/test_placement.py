@@ -13,10 +13,11 @@ from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.errors import ConfigError
 from pipeline.retrieval.encode import EncoderSettings, store_query_vectors
-from pipeline.retrieval.faiss_index import IndexConfig, brute_force_topk, load_index_manifest, plan_memory
+from pipeline.retrieval.faiss_index import IndexConfig, brute_force_topk, load_index_manifest
 from pipeline.retrieval.fanout import query_block
 from pipeline.retrieval.gpu_search import FAULT_VAR
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
+from pipeline.retrieval.index_memory import plan_memory
 from pipeline.retrieval.query_vectors import StoredQueryVectors
 from pipeline.retrieval.search import PROCESS_BYTES, SEARCHER_CPUS, SearcherConfig, ShardedIndex, plan_searchers
 from tests.helpers import index_of_random_vectors, save_tiny_bert

@@ -500,9 +500,10 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, source: str = "dict") ->
     return _from_mapping(cls, data, source)
 
 
-def to_dict(cfg: Any) -> dict[str, Any]:
+def to_dict(cfg: Any) -> Any:
     """Plain nested dicts/lists/scalars (no tuples or dataclasses), which ``yaml.safe_dump``
-    and JSON accept; init=False fields are left out so the result feeds :func:`from_dict`."""
+    and JSON accept; init=False fields are left out so the result feeds :func:`from_dict`.
+    A config gives a dict; its values, whatever they are, their plain form."""
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
         return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.init}
     if isinstance(cfg, Mapping):

@@ -35,8 +35,9 @@ def run_job(
     cfg = parse_config(config_cls, args, description=description, exit_on_error=argv is None)
     try:
         check_inputs(cfg)  # before Ray's start-up (seconds): what is plainly wrong is named at once
-        if getattr(cfg, "ray", None) is not None:
-            init_ray(cfg.ray)
+        ray_settings = getattr(cfg, "ray", None)
+        if ray_settings is not None:
+            init_ray(ray_settings)
             check_outputs_shared(cfg)
         summary = run(cfg)
     except KeyboardInterrupt:
@@ -60,9 +61,10 @@ def run_job(
     return summary
 
 
-def user_error(exc: BaseException) -> RaydenseError | None:
-    """The :class:`RaydenseError` behind ``exc``: itself, its cause, or what a Ray task or
+def user_error(error: BaseException) -> RaydenseError | None:
+    """The :class:`RaydenseError` behind ``error``: itself, its cause, or what a Ray task or
     actor raised (Ray wraps it, keeping it as ``cause``)."""
+    exc: BaseException | None = error
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))

@@ -292,19 +292,34 @@ def has_file(reference: str, name: str) -> bool:
     return storage.exists(target) if ref.kind == "storage" else os.path.exists(target)
 
 
-def read_config(reference: str, what: str = "model") -> dict:
-    """The model's ``config.json``, read without fetching its weights (driver-side checks)."""
+def read_json(reference: str, name: str = "config.json", what: str = "model") -> dict:
+    """One JSON file of the model (``config.json``, ``retriever.json``, ...), read without
+    fetching its weights (driver-side checks)."""
     ref = parse(reference, what)
     try:
         if ref.kind == "hub":
             path = huggingface_hub.hf_hub_download(
-                ref.location, "config.json", revision=ref.revision, cache_dir=hub_cache(), local_files_only=_offline()
+                ref.location, name, revision=ref.revision, cache_dir=hub_cache(), local_files_only=_offline()
             )
             with open(path) as f:
                 return json.load(f)
-        return json.loads(storage.read_bytes(join(reference, "config.json")))
+        return json.loads(storage.read_bytes(join(reference, name)))
     except (OSError, ValueError, huggingface_hub.errors.HfHubHTTPError) as exc:
-        raise ConfigError(f"{what} {ref.text}: no readable config.json ({exc})") from None
+        raise ConfigError(f"{what} {ref.text}: no readable {name} ({exc})") from None
+
+
+def read_config(reference: str, what: str = "model") -> dict:
+    """The model's ``config.json``."""
+    return read_json(reference, "config.json", what)
+
+
+def pooling(reference: str, what: str = "model") -> str:
+    """What ``pooling: auto`` is for a retriever trained from the referenced checkpoint
+    (:func:`models.biencoder.own_pooling`), read on the driver without its weights."""
+    from models.biencoder import SETTINGS_FILE, ST_POOLING_FILE, own_pooling
+
+    names = (SETTINGS_FILE, ST_POOLING_FILE)
+    return own_pooling(*[read_json(reference, n, what) if has_file(reference, n) else None for n in names])
 
 
 def check_file(reference: str, what: str = "file") -> str:

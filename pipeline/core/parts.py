@@ -22,7 +22,7 @@ import re
 import shutil
 import sys
 import tempfile
-from typing import BinaryIO
+from typing import IO
 
 import pyarrow.fs as pafs
 import ray
@@ -87,7 +87,7 @@ class BlockFiles:
     def __init__(self, names: tuple[str, ...]):
         self.files = {name: tempfile.SpooledTemporaryFile(max_size=64 * 2**20) for name in names}
 
-    def __getitem__(self, name: str) -> BinaryIO:
+    def __getitem__(self, name: str) -> IO[bytes]:
         return self.files[name]
 
     def commit(self, folder: str, block: int, meta: dict) -> None:

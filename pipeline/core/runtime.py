@@ -114,8 +114,8 @@ def placement_problem(bundle: dict[str, float], count: int) -> str:
     if node_types is not None:
         if any(all(offer.get(k, 0) >= v for k, v in request.items()) for offer in node_types.values()):
             return ""
-        offers = "; ".join(f"{name}: {_resources(offer)}" for name, offer in sorted(node_types.items()))
-        return f"no node type of this autoscaling cluster holds {_resources(request)} (node types: {offers})"
+        types = "; ".join(f"{name}: {_resources(offer)}" for name, offer in sorted(node_types.items()))
+        return f"no node type of this autoscaling cluster holds {_resources(request)} (node types: {types})"
     offers = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
     fits = sum(min(int(offer.get(k, 0) // v) for k, v in request.items()) if request else count for offer in offers)
     if fits >= count:

@@ -52,7 +52,7 @@ def verify(local_dir: str) -> str | None:
                 seals[rel] = json.load(f)
     sealed = _sealed_files(seals)
     problem = _missing_or_cut(sealed, {rel: os.path.getsize(path) for rel, path in paths.items()})
-    if problem is None:
+    if problem is None and sealed is not None:
         for rel, (_, digest) in sorted(sealed.items()):
             if _sha256(paths[rel]) != digest:
                 return f"{rel} does not hold what was written (SHA-256 differs)"

@@ -85,8 +85,11 @@ class EncoderSettings:
             "help": "retriever export (settings from its retriever.json) or any HF checkpoint (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME)"
         },
     )
-    pooling: Literal["", "cls", "mean"] = field(
-        default="", metadata={"help": "cls or mean; empty = the export's retriever.json (cls for a plain checkpoint)"}
+    pooling: Literal["", "auto", "cls", "mean"] = field(
+        default="",
+        metadata={
+            "help": "cls or mean; empty or auto = the export's retriever.json, else the checkpoint's sentence-transformers pooling, else cls"
+        },
     )
     similarity: Literal["", "dot", "cos"] = field(
         default="",
@@ -147,7 +150,9 @@ class EncoderSettings:
 
     def overrides(self) -> dict:
         """The retriever settings that replace the export's."""
-        chosen = {k: v for k, v in (("pooling", self.pooling), ("similarity", self.similarity)) if v}
+        chosen = {
+            k: v for k, v in (("pooling", self.pooling), ("similarity", self.similarity)) if v not in ("", "auto")
+        }
         prefixes = (("query_prefix", self.query_prefix), ("passage_prefix", self.passage_prefix))
         return chosen | {k: v for k, v in prefixes if v is not None}  # "" overrides; None keeps the export's
 

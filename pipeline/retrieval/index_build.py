@@ -22,7 +22,7 @@ from pipeline.core import parts, storage
 from pipeline.core.progress import get_counted
 from pipeline.core.runtime import RayConfig
 from pipeline.retrieval import embeddings as emb
-from pipeline.retrieval import faiss_index
+from pipeline.retrieval import faiss_index, index_memory
 from pipeline.retrieval.faiss_index import IndexConfig
 
 
@@ -160,9 +160,9 @@ def run_indexing(cfg: IndexJobConfig) -> dict:
     faiss_index.validate_factory(cfg.index.factory, dim, cfg.index.metric)
     groups = _groups(len(manifest["shards"]), cfg.embedding_shards_per_index)
     sizes = [sum(manifest["shards"][i]["rows"] for i in g) for g in groups]
-    plan = faiss_index.plan_memory(cfg.index.factory, dim, sizes, cfg.index.metric)
-    sys.stderr.write(faiss_index.format_plan(plan) + "\n")
-    faiss_index.check_plan(plan, faiss_index.memory_limit_bytes(cfg.index.memory_limit_gb))
+    plan = index_memory.plan_memory(cfg.index.factory, dim, sizes, cfg.index.metric)
+    sys.stderr.write(index_memory.format_plan(plan) + "\n")
+    index_memory.check_plan(plan, index_memory.memory_limit_bytes(cfg.index.memory_limit_gb))
 
     made_by = _made_by(cfg, folder)
     parts.claim(output, made_by, ("shards", faiss_index.MANIFEST), "index shard files")

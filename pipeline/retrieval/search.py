@@ -28,7 +28,7 @@ from pipeline.core import storage
 from pipeline.core.errors import ArtifactError, ConfigError, ServerError
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.retrieval import embeddings as emb
-from pipeline.retrieval import faiss_index, gpu_search
+from pipeline.retrieval import faiss_index, gpu_search, index_memory
 from pipeline.retrieval.fanout import (
     BLOCKS_IN_FLIGHT,
     ServerLimits,
@@ -201,10 +201,10 @@ def plan_searchers(
         shard = int(np.argmax(held.per_shard))
         if held.of([shard]) > budget:
             raise ConfigError(
-                f"index shard {shard} needs {faiss_index.gib(held.of([shard]))} on a GPU ({held.factory}), more than the "
-                f"{faiss_index.gib(budget)} a searcher has of a {faiss_index.gib(card)} GPU: build smaller index shards "
+                f"index shard {shard} needs {index_memory.gib(held.of([shard]))} on a GPU ({held.factory}), more than the "
+                f"{index_memory.gib(budget)} a searcher has of a {index_memory.gib(card)} GPU: build smaller index shards "
                 "(--embedding_shards_per_index), or a compressed factory such as "
-                f"{faiss_index.compressed_factory(shards[shard]['vectors'], manifest['dim'])}"
+                f"{index_memory.compressed_factory(shards[shard]['vectors'], manifest['dim'])}"
             )
         count = cfg.searchers or held.fewest_runs(budget)
     elif cfg.searchers:
@@ -215,7 +215,7 @@ def plan_searchers(
     runs = np.array_split(np.arange(len(shards)), max(1, min(count, len(shards))))
     if on_gpu and max(map(held.of, runs)) > budget:
         raise ConfigError(
-            f"{len(runs)} searchers hold {faiss_index.gib(max(map(held.of, runs)))} each on a GPU, more than the {faiss_index.gib(budget)} "
+            f"{len(runs)} searchers hold {index_memory.gib(max(map(held.of, runs)))} each on a GPU, more than the {index_memory.gib(budget)} "
             "a searcher has: ask for more (--searchers.searchers) or leave it 0 to size them by memory"
         )
     options = {"num_cpus": SEARCHER_CPUS, "num_gpus": 1.0 if on_gpu else 0.0}
@@ -229,7 +229,7 @@ class _RunBytes:
 
     def __init__(self, manifest: dict, factory: str):
         vectors = [s["vectors"] for s in manifest["shards"]]
-        rows = faiss_index.plan_memory(factory, manifest["dim"], [0, *vectors], manifest["metric"])
+        rows = index_memory.plan_memory(factory, manifest["dim"], [0, *vectors], manifest["metric"])
         self.factory, self.fixed = factory, rows[0]["bytes"]
         self.per_shard = [row["bytes"] - self.fixed for row in rows[1:]]
 

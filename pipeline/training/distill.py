@@ -56,7 +56,7 @@ class DistillConfig:
     data: DistillDataConfig = field(default_factory=DistillDataConfig)
     corpus: FinetuneCorpusConfig = field(default_factory=FinetuneCorpusConfig)
     model: EncoderInit = field(default_factory=EncoderInit)
-    retriever: BiEncoderConfig = field(default_factory=lambda: BiEncoderConfig(pooling="mean"))  # as fine-tuning's
+    retriever: BiEncoderConfig = field(default_factory=BiEncoderConfig)
     distill: DistillationConfig = field(default_factory=DistillationConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     train: TrainConfig = field(default_factory=lambda: embedded_train("distill"))

