@@ -30,6 +30,7 @@ from models.distributed import gather_with_grad, world_size
 from models.grad_cache import engine_grad_cache_backward, fitting_chunk
 from models.lora import LoraSettings, merged, with_lora
 from models.memory import ACTIVATION_SHARE, measure_activations, saved_bytes
+from models.objective import Objective
 
 SETTINGS_FILE = "retriever.json"
 Pooling = Literal["cls", "mean"]
@@ -372,7 +373,7 @@ def contrastive_backward(
     return loss / world_size(), stats
 
 
-class ContrastiveObjective:
+class ContrastiveObjective(Objective[BiEncoder]):
     """The bi-encoder's training objective, in the shape every objective has (build,
     make_batch, backward, count_tokens, export): the contrastive loss over in-batch,
     cross-worker and hard negatives. Batches are the group stream's arrays: queries

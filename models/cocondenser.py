@@ -138,7 +138,7 @@ class CoCondenserMethod(CondenserMethod):
         self.pack_width = cfg.packed_row_width
         self.chunk_size = cfg.chunk_size  # 0: no cache until fit_chunk sizes one
 
-    def activation_cost(self, model, width: int) -> None:
+    def activation_cost(self, model, width: int = 0) -> None:
         return None  # in-batch negatives: the gradient cache, sized by fit_chunk, splits the batch instead
 
     def fit_chunk(self, module, available_bytes: float, micro_batch_size: int) -> int:

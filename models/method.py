@@ -11,7 +11,7 @@ What a method adds is its corruption of a (B, L) batch (``corrupt_batch``) and i
 
 from __future__ import annotations
 
-from typing import Generic, Literal, TypeVar
+from typing import Literal
 
 import numpy as np
 import torch
@@ -21,12 +21,12 @@ from transformers import PreTrainedModel
 from models.batches import ids_and_mask, to_device
 from models.masking import MaskingVocab, whole_word_mask
 from models.memory import ActivationCost, measure_activations, saved_bytes
+from models.objective import ModelT, Objective
 
 ExampleFormat = Literal["sequences", "span_pairs"]
-ModelT = TypeVar("ModelT", bound=nn.Module)  # what a method's build makes (Condenser, SimLM, ...)
 
 
-class PretrainingMethod(Generic[ModelT]):
+class PretrainingMethod(Objective[ModelT]):
     name: str
     # What the stream yields: packed/truncated token sequences, or coCondenser's span pairs.
     example_format: ExampleFormat
@@ -62,7 +62,7 @@ class PretrainingMethod(Generic[ModelT]):
     def count_tokens(self, batch: dict[str, np.ndarray]) -> int:
         return int(np.asarray(batch["length"]).sum())
 
-    def activation_cost(self, model: ModelT, width: int) -> ActivationCost | None:
+    def activation_cost(self, model: ModelT, width: int = 0) -> ActivationCost | None:
         """What a micro-batch keeps for its backward, per sequence of ``width`` tokens,
         measured on ``model``'s device (models/memory.py): what sizes micro-batches from
         memory. None for a loss that couples a micro-batch's sequences (coCondenser's

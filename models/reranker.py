@@ -29,6 +29,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from models.backbone import load_pretrained
 from models.batches import to_device
 from models.memory import ActivationCost, measure_activations, saved_bytes
+from models.objective import Objective
 
 SETTINGS_FILE = "reranker.json"
 
@@ -194,7 +195,7 @@ def load_reranker(export_dir: str) -> CrossEncoder:
     return CrossEncoder(model, load_settings(export_dir)).eval()
 
 
-class ListwiseObjective:
+class ListwiseObjective(Objective[CrossEncoder]):
     """The cross-encoder's training objective, in the shape every objective has: each query
     with its group of passages as ``[CLS] q [SEP] d [SEP]`` pairs, cut as ``lengths`` says,
     and the listwise loss over the group (positive first)."""
@@ -225,7 +226,7 @@ class ListwiseObjective:
     def backward(self, engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return listwise_backward(engine, batch, self.group_size)
 
-    def activation_cost(self, model: CrossEncoder) -> ActivationCost:
+    def activation_cost(self, model: CrossEncoder, width: int = 0) -> ActivationCost:
         """What a micro-batch keeps for its backward per query: its group of pairs, each at
         full length (models/memory.py). A query's loss reads its own group only, so its
         micro-batches may be split."""

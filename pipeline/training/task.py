@@ -13,6 +13,7 @@ import torch
 
 from models.grad_cache import check_cacheable
 from models.memory import ActivationCost
+from models.objective import Objective
 from pipeline.core import model_ref, storage
 from pipeline.core.plots import plot_loss_curve
 from pipeline.training.loop import FitResult, consumed_source_rows
@@ -42,7 +43,7 @@ class Task:
 
     counter_names: tuple[str, ...] = ()
     tokenizer_uri: str
-    objective: object  # what computes the loss: a pre-training method, a retriever's or re-ranker's objective
+    objective: Objective  # what computes the loss: a pre-training method, a retriever's or re-ranker's objective
 
     def counters(self, batch: dict[str, np.ndarray]) -> dict[str, int]:
         return {}
@@ -53,21 +54,19 @@ class Task:
     def fit_to_memory(self, engine, available_bytes: int, micro_batch_size: int) -> dict:
         """The gradient cache's chunk, for an objective that has one (coCondenser's, the
         retriever's) and an engine under which it can run (not ZeRO-3 or fp16)."""
-        fit_chunk = getattr(self.objective, "fit_chunk", None)
-        if fit_chunk is None:
-            return {}
         try:
             check_cacheable(engine)
         except ValueError:  # ZeRO-3 or fp16: no cache unless one is asked for (then refused)
             return {}
-        chunk = fit_chunk(engine.module, available_bytes, micro_batch_size)
+        chunk = self.objective.fit_chunk(engine.module, available_bytes, micro_batch_size)
+        if chunk is None:  # no gradient cache in this objective
+            return {}
         return {"grad_cache_chunk": chunk or None, "free_memory_gib": round(available_bytes / 2**30, 2)}
 
     def activation_cost(self, module: torch.nn.Module) -> ActivationCost | None:
         # Only an objective whose loss reads each row alone has one (the re-ranker's): in-batch
         # negatives couple a micro-batch's rows, which then stays as configured.
-        measure = getattr(self.objective, "activation_cost", None)
-        return measure(module) if measure else None
+        return self.objective.activation_cost(module)
 
     def tokenizer_dir(self) -> str:
         if getattr(self, "_tokenizer_dir", None) is None:  # needed until the final export

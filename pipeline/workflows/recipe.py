@@ -29,7 +29,7 @@ import copy
 import functools
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -53,7 +53,7 @@ from pipeline.retrieval.metrics import JOB_MEASURES, evaluate
 from pipeline.retrieval.mine import MineConfig, run_mining
 from pipeline.retrieval.rerank_scoring import RerankScoreConfig, run_scoring
 from pipeline.training.distill import DistillConfig, DistillDataConfig, run_distillation
-from pipeline.training.group_training import EncoderInit, FinetuneDataConfig
+from pipeline.training.group_training import EncoderInit, FinetuneDataConfig, auto_pooling
 from pipeline.training.pretrain import PretrainConfig, run_pretraining
 from pipeline.training.rerank import RerankConfig, RerankEvalConfig, run_reranker_training
 from pipeline.training.train_config import TrainConfig, embedded_train
@@ -227,6 +227,16 @@ class StageContext:
     def output(self, stage: str, key: str) -> str:
         return self.manifest.record(stage)["outputs"][key]
 
+    def retriever(self, settings: BiEncoderConfig, init: str) -> BiEncoderConfig:
+        """A retriever stage's settings for a student starting from ``init``: pooling ``auto``
+        is the embedded example's own when the recipe pre-trains the embedded toy model, and
+        is otherwise left for the trainer to resolve from ``init``."""
+        pretrain = self.cfg.pretrain
+        toy = pretrain.enabled and pretrain.job.model == PretrainConfig().model and init == self.encoder_init()
+        if settings.pooling == "auto" and toy:
+            return replace(settings, pooling=auto_pooling(init, embedded_toy=True))
+        return copy.deepcopy(settings)
+
     def encoder_init(self) -> str:
         """What the retrievers start from: the pre-training export, or the initial checkpoint."""
         if self.cfg.pretrain.enabled:
@@ -288,7 +298,7 @@ def stage_zeroshot(ctx: StageContext) -> dict:
 def _finetune_config(ctx: StageContext, stage: str, settings: RetrieverStage, init: str, negatives: str):
     return finetune_config(
         ctx.cfg.data,
-        settings,
+        replace(settings, retriever=ctx.retriever(settings.retriever, init)),
         init=init,
         negatives=negatives,
         output=ctx.folder(stage),
@@ -482,7 +492,7 @@ def stage_distill(ctx: StageContext) -> dict:
             ),
             corpus=corpus_section(ctx.corpus, ctx.prepared_corpus(init)),
             model=EncoderInit(init=init),
-            retriever=copy.deepcopy(stage.retriever),
+            retriever=ctx.retriever(stage.retriever, init),
             distill=copy.deepcopy(stage.loss),
             eval=EvalConfig(queries="", qrels=""),
             train=train,
