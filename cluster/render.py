@@ -140,9 +140,11 @@ def set_pod(pod: dict, spec: dict, values: dict, capacity: str | None, efa: bool
 
 def raycluster(values: dict) -> dict:
     doc = yaml.safe_load((CLUSTER / "kuberay" / "raycluster.yaml").read_text())
-    doc = copy.deepcopy(doc)  # YAML anchors are shared objects: edit each pod on its own
     spec = doc["spec"]
-    set_pod(spec["headGroupSpec"]["template"]["spec"], values["node_types"]["head"], values, None, False)
+    # The file's YAML anchors load as objects the pods share: each pod is edited on its own copy.
+    head = spec["headGroupSpec"]
+    head["template"] = copy.deepcopy(head["template"])
+    set_pod(head["template"]["spec"], values["node_types"]["head"], values, None, False)
     for group in spec["workerGroupSpecs"]:
         group["template"] = copy.deepcopy(group["template"])
         kind, capacity = group["groupName"].rsplit("-", 1)
@@ -214,7 +216,6 @@ def karpenter(values: dict) -> list[dict]:
 
 def aws(values: dict) -> dict:
     doc = yaml.safe_load((CLUSTER / "aws.yaml").read_text())
-    doc = copy.deepcopy(doc)
     doc["provider"]["region"] = values["region"]
     doc["provider"]["availability_zone"] = values["zone"]
     doc["docker"]["run_options"] = [

@@ -74,7 +74,8 @@ def test_relative_links_resolve():
 
 
 def test_the_options_reference_is_generated_from_the_configs():
-    expected = generator().render()
+    reference = generator()
+    expected = reference.render()
     on_disk = {p.relative_to(DOCS / "reference").as_posix(): p.read_text() for p in (DOCS / "reference").rglob("*.md")}
     stale = sorted(set(expected) ^ set(on_disk)) + sorted(
         k for k in expected if on_disk.get(k, expected[k]) != expected[k]
@@ -83,7 +84,7 @@ def test_the_options_reference_is_generated_from_the_configs():
     # Every job is in it, with every option --help lists.
     from pipeline.core.config import describe
 
-    for job, (cls, _) in generator().job_configs().items():
+    for job, (cls, _) in reference.job_configs().items():
         options, _ = describe(cls)
         text = "".join(v for k, v in expected.items() if k == f"{job}.md" or k.startswith(f"{job}/"))
         missing = [o.path for o in options if f"`--{o.path}`" not in text]
