@@ -188,8 +188,8 @@ def plain_batches(corpus_dir: str, steps: int, seed: int) -> tuple[object, list[
     from pipeline.data.shards import load_manifest
     from pipeline.data.stream import StreamSpec, epoch_files, to_sequences
     from pipeline.data.tokenizer import load_tokenizer
-    from pipeline.training.loop import step_seed
     from pipeline.training.pretrain import PretrainTask
+    from pipeline.training.worker import step_seed
 
     manifest = load_manifest(corpus_dir)
     tokenizer_dir = storage.join(corpus_dir, manifest["tokenizer"])
@@ -271,7 +271,7 @@ def run_plain(corpus_dir: str, steps: int, niceness: int | None) -> dict:
     import torch
 
     from models.method import PlainEngine
-    from pipeline.training.loop import linear_schedule, param_groups
+    from pipeline.training.engine import linear_schedule, param_groups
     from pipeline.training.train_config import TrainConfig
 
     train = TrainConfig(micro_batch_size=MICRO_BATCH, max_steps=steps)  # defaults = the Ray runs' lr etc.

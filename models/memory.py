@@ -1,5 +1,5 @@
 """What a batch's activations cost and what a worker has for them: micro-batches
-(pipeline/training/loop.py) and the gradient cache's chunks (models/cocondenser.py) are
+(pipeline/training/worker.py) and the gradient cache's chunks (models/cocondenser.py) are
 sized from the device, not from a fixed setting.
 
 A cost is measured, not modelled: two forwards at two batch sizes, counting the bytes that

@@ -37,7 +37,7 @@ import json, sys, ray
 from ray.core.generated import autoscaler_pb2
 from ray.experimental.internal_kv import _internal_kv_put
 from pipeline.core.errors import ConfigError
-from pipeline.training.loop import check_placement
+from pipeline.training.driver import check_placement
 from pipeline.training.train_config import TrainConfig
 ray.init(address="auto", logging_level="ERROR")
 groups = [

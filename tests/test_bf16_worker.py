@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 from models.condenser import CondenserConfig, CondenserMethod
 from models.masking import whole_word_mask
 from pipeline.training.deepspeed_config import deepspeed_config, import_deepspeed, skip_inference_comm_op
-from pipeline.training.loop import _mixed_precision_state, param_groups
+from pipeline.training.engine import mixed_precision_state, param_groups
 from pipeline.training.train_config import TrainConfig
 from tests.helpers import random_word_batch, tiny_masking_vocab, tiny_mlm
 
@@ -82,7 +82,7 @@ def _worker(rank: int, port: int, checkpoint_dir: str, out: dict):
         "losses": losses,
         "params": state(job),
         "tensors": sum(1 for _ in job.module.parameters()),
-        "logged": _mixed_precision_state(job, "bf16"),  # what the loop logs
+        "logged": mixed_precision_state(job, "bf16"),  # what the loop logs
     }
     resumed = engine_for(deepspeed_config(TRAIN, 1))
     resumed.load_checkpoint(checkpoint_dir, tag="step")

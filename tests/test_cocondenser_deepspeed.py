@@ -26,7 +26,7 @@ from models.condenser import Condenser
 from models.masking import whole_word_mask
 from models.mlm_losses import sequence_mlm_losses
 from pipeline.training.deepspeed_config import import_deepspeed, skip_inference_comm_op
-from pipeline.training.loop import _mixed_precision_state
+from pipeline.training.engine import mixed_precision_state
 from tests.helpers import random_word_batch, tiny_masking_vocab, tiny_mlm, tiny_vocab
 
 WORLD = 2
@@ -101,7 +101,7 @@ def _worker(rank: int, port: int, out: dict):
             "grads": grads if rank == 0 else None,
             "loss": float(loss),
             "contrastive": float(extras["contrastive_loss"]),
-            "logged": _mixed_precision_state(engine, precision),  # what the loop logs (grad_norm in bf16)
+            "logged": mixed_precision_state(engine, precision),  # what the loop logs (grad_norm in bf16)
         }
         del engine, optimizer
     torch.distributed.destroy_process_group()

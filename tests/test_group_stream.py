@@ -139,7 +139,7 @@ def test_epochs_read_one_after_another_are_batched_as_one_stream():
     the first epoch's last row shares a batch with the next epoch's first two (the parts
     yield 3, 3, 1 and 3, 2), ragged columns included. Mutation: batching each part apart
     gives 3, 3, 1, 3, 2."""
-    from pipeline.training.loop import chained
+    from pipeline.training.batches import chained
 
     def part(epoch: int, rows: int, sizes: list[int]):
         def batches():

@@ -1,5 +1,5 @@
 """Sizing from memory (models/memory.py): what autograd keeps, the fitted cost of a batch,
-and the micro-batch the loop splits a step into (pipeline/training/loop.py). The gradient
+and the micro-batch the loop splits a step into (pipeline/training/worker.py). The gradient
 cache's chunk: tests/test_packing.py. On Ray Train, the sized run against the same split
 set by hand: tests/test_pretrain_ray.py."""
 
@@ -22,8 +22,8 @@ from models.memory import (
 from models.method import PlainEngine
 from models.mlm import MLMConfig, MLMMethod
 from models.simlm import SimLMConfig, SimLMMethod
-from pipeline.training.loop import size_micro_batch
 from pipeline.training.train_config import TrainConfig
+from pipeline.training.worker import size_micro_batch
 from tests.helpers import tiny_masking_vocab, tiny_mlm, tiny_vocab
 
 WIDTH = 32

@@ -22,7 +22,7 @@ from pipeline.core import model_ref
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.data.prepare import PrepareConfig
 from pipeline.training import finetune, pretrain
-from pipeline.training.loop import fit
+from pipeline.training.driver import fit
 from pipeline.training.train_config import TrainConfig
 from tests.helpers import save_tiny_bert
 
@@ -249,7 +249,7 @@ def test_a_user_error_in_a_worker_stops_the_next_attempt_at_its_start(tmp_path, 
     makes again (a bad record) is written down by the worker that met it, every worker of the
     next attempt stops at its start, and the driver raises the error itself (a job: exit 2).
     (Ray Train's retry between the two attempts is the one the tests above go through.)"""
-    from pipeline.training import loop
+    from pipeline.training import failures, worker
 
     run_dir = str(tmp_path / "checkpoints")
 
@@ -257,15 +257,15 @@ def test_a_user_error_in_a_worker_stops_the_next_attempt_at_its_start(tmp_path, 
         def __init__(self, config):
             raise InputError("train.jsonl line 6: a bad record")
 
-    monkeypatch.setattr(loop, "WorkerRun", BadRecord)
+    monkeypatch.setattr(worker, "WorkerRun", BadRecord)
     with pytest.raises(InputError, match="line 6: a bad record"):
-        loop.train_worker({"run_dir": run_dir})  # the attempt that meets it
-    monkeypatch.setattr(loop, "WorkerRun", lambda config: pytest.fail("the next attempt trained again"))
-    assert loop.train_worker({"run_dir": run_dir}) == {
+        worker.train_worker({"run_dir": run_dir})  # the attempt that meets it
+    monkeypatch.setattr(worker, "WorkerRun", lambda config: pytest.fail("the next attempt trained again"))
+    assert worker.train_worker({"run_dir": run_dir}) == {
         "user_error": {"kind": "InputError", "message": "train.jsonl line 6: a bad record"}
     }
     with pytest.raises(InputError, match="line 6: a bad record"):
-        loop._raise_user_error(os.path.join(run_dir, loop.USER_ERROR))  # what fit() does then
+        failures.raise_user_error(os.path.join(run_dir, failures.USER_ERROR))  # what fit() does then
 
 
 class NeedsTwoArguments(AssertionError):
@@ -291,28 +291,28 @@ def test_a_worker_error_that_cannot_reach_the_controller_is_raised_as_text(tmp_p
     WorkerError carrying its type, message and traceback, which does."""
     from ray import cloudpickle
 
-    from pipeline.training import loop
+    from pipeline.training import failures, worker
 
     def build(config):
         raise error
 
-    monkeypatch.setattr(loop, "WorkerRun", build)
-    with pytest.raises(loop.WorkerError) as raised:
-        loop.train_worker({"run_dir": str(tmp_path)})
+    monkeypatch.setattr(worker, "WorkerRun", build)
+    with pytest.raises(failures.WorkerError) as raised:
+        worker.train_worker({"run_dir": str(tmp_path)})
     text = str(raised.value)
     assert text.startswith(f"{type(error).__name__}: tiling split\n") and "in build" in text
     assert str(cloudpickle.loads(cloudpickle.dumps(raised.value))) == text
 
-    monkeypatch.setattr(loop, "WorkerRun", lambda config: (_ for _ in ()).throw(AssertionError("plain")))
+    monkeypatch.setattr(worker, "WorkerRun", lambda config: (_ for _ in ()).throw(AssertionError("plain")))
     with pytest.raises(AssertionError, match="plain"):  # one that round-trips is raised as it was
-        loop.train_worker({"run_dir": str(tmp_path)})
+        worker.train_worker({"run_dir": str(tmp_path)})
 
 
 def test_a_failed_compile_is_the_users_error_and_not_retried(tmp_path, monkeypatch):
     """With --train.compile, torch.compile's failure (here a backend raising, as torch 2.11's
     Inductor did on an H200) is a ConfigError naming the flag: written down, so Ray Train's
     next attempt stops at its start instead of compiling again."""
-    from pipeline.training import loop
+    from pipeline.training import worker
 
     def failing_backend(graph, example_inputs):
         raise AssertionError("tiling split")
@@ -324,16 +324,16 @@ def test_a_failed_compile_is_the_users_error_and_not_retried(tmp_path, monkeypat
             doubled(torch.ones(3))
 
     run_dir = str(tmp_path / "checkpoints")
-    monkeypatch.setattr(loop, "WorkerRun", Compiling)
+    monkeypatch.setattr(worker, "WorkerRun", Compiling)
     with pytest.raises(ConfigError, match=r"--train.compile: torch .* could not compile the model .*tiling split"):
-        loop.train_worker({"run_dir": run_dir, "train": TrainConfig(compile=True)})
-    monkeypatch.setattr(loop, "WorkerRun", lambda config: pytest.fail("the next attempt compiled again"))
-    assert loop.train_worker({"run_dir": run_dir})["user_error"]["kind"] == "ConfigError"
+        worker.train_worker({"run_dir": run_dir, "train": TrainConfig(compile=True)})
+    monkeypatch.setattr(worker, "WorkerRun", lambda config: pytest.fail("the next attempt compiled again"))
+    assert worker.train_worker({"run_dir": run_dir})["user_error"]["kind"] == "ConfigError"
 
     # Without --train.compile the same error is no user error (not what compile_in_place made).
-    monkeypatch.setattr(loop, "WorkerRun", Compiling)
+    monkeypatch.setattr(worker, "WorkerRun", Compiling)
     with pytest.raises(Exception, match="tiling split") as raised:
-        loop.train_worker({"run_dir": str(tmp_path / "eager"), "train": TrainConfig(compile=False)})
+        worker.train_worker({"run_dir": str(tmp_path / "eager"), "train": TrainConfig(compile=False)})
     assert not isinstance(raised.value, ConfigError)
 
 
@@ -363,7 +363,7 @@ def test_a_damaged_shard_read_by_ray_data_reaches_the_worker_as_the_users_error(
     @ray.remote
     def consume(dataset):  # as a training worker reads its stream
         from pipeline.core.entry import user_error
-        from pipeline.training.loop import fed_user_error
+        from pipeline.training.failures import fed_user_error
 
         try:
             for _ in dataset.iter_batches():
@@ -383,7 +383,7 @@ def test_a_full_disk_in_a_worker_ends_the_run_naming_it_though_no_marker_could_b
     """A worker that fills the disk cannot write its user-error marker there: the driver
     reads the cause from the text of Ray Train's error (its workers' tracebacks) instead."""
     from pipeline.core.errors import OutOfSpace
-    from pipeline.training.loop import fed_user_error
+    from pipeline.training.failures import fed_user_error
 
     failed = Exception(
         "Training failed due to worker errors:\n[Rank 0 Error Snippet]:\nTraceback (most recent call last):\n"

@@ -13,10 +13,13 @@ import torch
 
 from models.backbone import BackboneConfig
 from models.mlm import MLMConfig
+from pipeline.training.batches import collated, timed
 from pipeline.training.deepspeed_config import deepspeed_config
-from pipeline.training.loop import _sealed_for_workers, _timed, collated, linear_schedule, param_groups, step_seed
+from pipeline.training.driver import _sealed_for_workers
+from pipeline.training.engine import linear_schedule, param_groups
 from pipeline.training.pretrain import PretrainTask
 from pipeline.training.train_config import TrainConfig
+from pipeline.training.worker import step_seed
 
 IMPORT_PROBE = """
 import json, sys
@@ -133,7 +136,7 @@ def test_input_wait_counts_the_time_next_blocks_not_the_consumers():
 
     waited, seen = [0.0], []
     started = time.perf_counter()
-    for item in _timed(slow_source(), waited):
+    for item in timed(slow_source(), waited):
         time.sleep(0.2)  # the training step
         seen.append(item)
     elapsed = time.perf_counter() - started
@@ -269,7 +272,7 @@ def test_ctrl_c_stops_a_job_with_one_line_saying_how_to_resume(monkeypatch, caps
 def test_ray_trains_health_checks_slow_down_with_the_worker_group():
     """0.1 s a worker for a couple of workers (a short run ends sooner); then the group is
     polled about 20 times a second, not 10 times a second per worker (1,280 at 128)."""
-    from pipeline.training.loop import health_check_interval
+    from pipeline.training.driver import health_check_interval
 
     assert [health_check_interval(n) for n in (1, 2, 8, 64, 128, 1024)] == [0.1, 0.1, 0.4, 3.2, 6.4, 10.0]
 
@@ -278,6 +281,6 @@ def test_preemption_asks_are_spaced_by_seconds_at_the_slowest_ranks_step_time():
     """10 s at 0.1 s a step is 100 steps; at 2.5 s, 4; a step longer than the interval asks
     after each; a step timed at nothing (a clock that did not move) too; and no more than
     10,000 steps apart whatever the steps' speed."""
-    from pipeline.training.loop import steps_between_checks
+    from pipeline.training.worker import steps_between_checks
 
     assert [steps_between_checks(10, s) for s in (0.1, 2.5, 30.0, 0.0, 1e-7)] == [100, 4, 1, 1, 10_000]

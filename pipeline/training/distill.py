@@ -23,6 +23,7 @@ from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import DistillDataStats, ExampleRows, load_distillation_examples
 from pipeline.retrieval.evaluate import EvalConfig
+from pipeline.training.driver import fit
 from pipeline.training.group_training import (
     EncoderInit,
     FinetuneCorpusConfig,
@@ -31,7 +32,6 @@ from pipeline.training.group_training import (
     finish_retriever_run,
     prepare_group_training,
 )
-from pipeline.training.loop import fit
 from pipeline.training.train_config import TrainConfig, embedded_train
 
 

@@ -13,6 +13,7 @@ from pipeline.core import storage
 from pipeline.core.config import to_dict
 from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.retrieval.evaluate import EvalConfig
+from pipeline.training.driver import fit
 from pipeline.training.group_training import (
     EncoderInit,
     FinetuneCorpusConfig,
@@ -21,7 +22,6 @@ from pipeline.training.group_training import (
     finish_retriever_run,
     prepare_group_training,
 )
-from pipeline.training.loop import fit
 from pipeline.training.train_config import TrainConfig, embedded_train
 
 

@@ -27,7 +27,7 @@ from pipeline.data.tokenizer import load_tokenizer, prefix_token_ids
 from pipeline.retrieval.bm25_negatives import Bm25Config, mine_negatives
 from pipeline.retrieval.encode import EncoderSettings
 from pipeline.retrieval.evaluate import EvaluateJobConfig, run_evaluation
-from pipeline.training.loop import FitResult, check_placement
+from pipeline.training.driver import FitResult, check_placement
 from pipeline.training.task import Task, run_summary, write_summary
 from pipeline.training.train_config import warn_if_a_step_exceeds_an_epoch
 

@@ -34,7 +34,7 @@ from pipeline.data.stream import (
     estimate_sequences_per_epoch,
 )
 from pipeline.data.tokenizer import load_tokenizer
-from pipeline.training.loop import check_placement, fit
+from pipeline.training.driver import check_placement, fit
 from pipeline.training.task import Task, run_summary, write_summary
 from pipeline.training.tracking import flatten
 from pipeline.training.train_config import TrainConfig, embedded_train, epochs_needed, warn_if_a_step_exceeds_an_epoch

@@ -4,7 +4,7 @@ Training (SimLM stage 3) reuses the fine-tuning data path: the corpus is prepare
 model's tokenizer, each query gets a group of 1 positive and n-1 negatives (by default the
 round-2 top-k that ``jobs/mine.py`` wrote, or BM25 for a standalone run), and the group
 stream delivers ``[CLS] q [SEP]`` and ``[CLS] d [SEP]`` token ids. :class:`RerankTask`
-joins them into ``[CLS] q [SEP] d [SEP]`` pairs for the loop in ``pipeline/training/loop.py``.
+joins them into ``[CLS] q [SEP] d [SEP]`` pairs for the worker's loop (``pipeline/training/worker.py``).
 
 Scoring reads a first-stage TREC run and scores its top-``depth`` candidates per query
 (plus, if asked, the judged positives it missed, so a distillation teacher has a score for
@@ -32,6 +32,7 @@ from pipeline.core.errors import ConfigError, StorageError
 from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.core.sample import SAMPLE_DEV_QRELS, SAMPLE_DEV_QUERIES
 from pipeline.retrieval.rerank_scoring import RerankScoreConfig, run_scoring
+from pipeline.training.driver import fit
 from pipeline.training.group_training import (
     EncoderInit,
     FinetuneCorpusConfig,
@@ -39,7 +40,6 @@ from pipeline.training.group_training import (
     GroupTask,
     prepare_group_training,
 )
-from pipeline.training.loop import fit
 from pipeline.training.task import run_summary, write_summary
 from pipeline.training.train_config import TrainConfig, embedded_train
 

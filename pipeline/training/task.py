@@ -1,7 +1,7 @@
 """What every trainer shares around the loop: the task's defaults and the run's summary.
 
 A trainer (pre-training, fine-tuning, the re-ranker, distillation) is a config and a
-``run_*`` function that hands :func:`pipeline.training.loop.fit` a task. :class:`Task`
+``run_*`` function that hands :func:`pipeline.training.driver.fit` a task. :class:`Task`
 holds what the four tasks have in common; :func:`run_summary` and :func:`write_summary`
 are the summary every trainer writes as ``summary.json``.
 """
@@ -16,7 +16,16 @@ from models.memory import ActivationCost
 from models.objective import Objective
 from pipeline.core import model_ref, storage
 from pipeline.core.plots import plot_loss_curve
-from pipeline.training.loop import FitResult, consumed_source_rows
+from pipeline.training.driver import FitResult
+
+
+def consumed_source_rows(batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(epoch, row) of every source row of a batch whose examples list theirs in ``source_rows``."""
+    sources = list(batch["source_rows"])
+    counts = np.array([len(s) for s in sources], dtype=np.int64)
+    rows = np.concatenate(sources).astype(np.int64) if sources else np.zeros(0, np.int64)
+    return np.repeat(np.asarray(batch["epoch"]), counts), rows
+
 
 # What the loop reports at the end of a run, copied into every trainer's summary.
 RUN_METRICS = (
@@ -32,7 +41,7 @@ RUN_METRICS = (
     "micro_batch_size",
     "grad_accum",
 )
-FINISHED_METRICS = ("already_finished", "resumed_from")  # a rerun of a finished run (loop.finished_run)
+FINISHED_METRICS = ("already_finished", "resumed_from")  # a rerun of a finished run (driver.finished_run)
 
 
 class Task:

@@ -1,0 +1,112 @@
+"""The DeepSpeed engine a worker trains: the task's model, AdamW over decayed and
+undecayed groups, the linear schedule; what a log line reads of its precision; and the
+fp32 export of its weights (gathered first under ZeRO-3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import tempfile
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from models.compiled import compile_in_place
+from pipeline.core import storage
+from pipeline.training.deepspeed_config import import_deepspeed, skip_inference_comm_op
+from pipeline.training.train_config import TrainConfig
+
+if TYPE_CHECKING:
+    from pipeline.training.worker import TrainTask
+
+
+def linear_schedule(max_steps: int, warmup_ratio: float) -> Callable[[int], float]:
+    warmup = max(1, int(round(max_steps * warmup_ratio))) if warmup_ratio > 0 else 0
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return max(0.0, (max_steps - step) / max(1, max_steps - warmup))
+
+    return factor
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 or "LayerNorm" in name or name.endswith(".bias") else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # An empty group (LoRA trains only 2-D adapters: no bias, no LayerNorm) is dropped by
+    # DeepSpeed's ZeRO optimiser but not by the schedule built over it, which then fails.
+    return [group for group in groups if group["params"]]
+
+
+def build_engine(train: TrainConfig, task: TrainTask, deepspeed_settings: dict):
+    """The task's model under DeepSpeed, with AdamW and the linear schedule: (engine, scheduler)."""
+    # Named, DeepSpeed does not warn on every CPU worker that it found no GPU.
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if train.use_gpu else "cpu")
+    deepspeed = import_deepspeed(keep_mlflow="mlflow" in train.tracker)
+    torch.set_num_threads(max(1, int(train.cpus_per_worker)))
+    torch.manual_seed(train.seed)  # identical initialisation on every rank
+    model = task.build_model()
+    if train.compile:
+        compile_in_place(model, blocks=True)  # before DeepSpeed wraps it: the engine calls the compiled blocks
+    optimizer = torch.optim.AdamW(
+        param_groups(model, train.weight_decay), lr=train.lr, eps=train.adam_eps, fused=train.use_gpu or None
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(train.max_steps, train.warmup_ratio))
+    skip_inference_comm_op()
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_settings
+    )
+    return engine, scheduler
+
+
+def mixed_precision_state(engine, precision: str) -> dict[str, float]:
+    """The global gradient norm of the last step (bf16, fp16) and fp16's loss scale: what
+    tells a diverging low-precision run from a healthy one."""
+    if precision == "fp32":
+        return {}
+    out = {}
+    norm = engine.get_global_grad_norm()
+    if norm is not None:
+        out["grad_norm"] = float(norm)
+    if precision == "fp16":
+        scale = getattr(engine.optimizer, "cur_scale", None) or getattr(engine.optimizer, "loss_scale", None)
+        if scale is not None:
+            out["loss_scale"] = float(scale)
+    return out
+
+
+def export_model(task: TrainTask, engine, rank: int, destination: str) -> dict[str, str]:
+    """Rank 0 exports the model with fp32 weights and uploads it; returns destination paths.
+
+    Under ZeRO-3 each rank holds a slice of every parameter, so all ranks gather the
+    full weights for the duration of the export.
+    """
+
+    import deepspeed
+
+    gather = (
+        deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+        if engine.zero_optimization_stage() == 3
+        else contextlib.nullcontext()
+    )
+    with gather:
+        if rank != 0:
+            return {}
+        module = engine.module
+        if any(p.dtype != torch.float32 for p in module.parameters()):
+            module = copy.deepcopy(module).float()
+        with tempfile.TemporaryDirectory(prefix="raydense-export-") as tmp:
+            paths = task.export(module, tmp)
+            storage.upload_dir(tmp, destination)
+            uploaded = {
+                k: storage.join(destination, os.path.relpath(v, tmp)) if v.startswith(tmp) else v
+                for k, v in paths.items()
+            }
+    return uploaded | {"export_dir": destination}
