@@ -6,18 +6,15 @@ DeepSpeed runs in a spawned process (its process group must not outlive the test
 
 from __future__ import annotations
 
-import os
-import socket
-
 import torch
-import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
 
 from models.condenser import CondenserConfig, CondenserMethod
 from models.masking import whole_word_mask
-from pipeline.training.deepspeed_config import deepspeed_config, import_deepspeed, skip_inference_comm_op
+from pipeline.training.deepspeed_config import deepspeed_config
 from pipeline.training.engine import mixed_precision_state, param_groups
 from pipeline.training.train_config import TrainConfig
+from tests import distributed
 from tests.helpers import random_word_batch, tiny_masking_vocab, tiny_mlm
 
 TRAIN = TrainConfig(zero_stage=2, precision="bf16", micro_batch_size=4, grad_accum=2, grad_clip=1.0, lr=1e-3)
@@ -41,12 +38,7 @@ def host_syncs(fn) -> int:
     return sum(e.count for e in session.key_averages() if e.key == "aten::_local_scalar_dense")
 
 
-def _worker(rank: int, port: int, checkpoint_dir: str, out: dict):
-    deepspeed = import_deepspeed()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    torch.set_num_threads(1)
-    skip_inference_comm_op()
-    deepspeed.init_distributed(dist_backend="gloo")
+def _worker(rank: int, world: int, out: dict, checkpoint_dir: str):
     method = CondenserMethod(CondenserConfig(n_head_layers=1), tiny_masking_vocab())
     batches = micro_batches()
 
@@ -54,8 +46,7 @@ def _worker(rank: int, port: int, checkpoint_dir: str, out: dict):
         torch.manual_seed(0)
         model = method.build(tiny_mlm(seed=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
         optimizer = torch.optim.AdamW(param_groups(model, TRAIN.weight_decay), lr=TRAIN.lr)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-        return engine
+        return distributed.engine(model, config, optimizer)
 
     def train(engine, first: int, last: int, save_after: int = -1) -> tuple[list[float], int]:
         losses, syncs = [], 0
@@ -94,15 +85,10 @@ def _worker(rank: int, port: int, checkpoint_dir: str, out: dict):
     stage0 = engine_for(before)
     _, syncs = train(stage0, 0, 2)
     out["stage0"] = {"optimizer": type(stage0.optimizer).__name__, "syncs": syncs}
-    torch.distributed.destroy_process_group()
 
 
 def test_one_bf16_worker_steps_with_few_host_syncs_and_resumes_to_the_same_step(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = mp.Manager().dict()
-    mp.spawn(_worker, args=(port, str(tmp_path / "ckpt"), out), nprocs=1, join=True)
+    out = distributed.spawn(_worker, 1, str(tmp_path / "ckpt"), deepspeed=True)
     job, resumed, stage0 = out["job"], out["resumed"], out["stage0"]
 
     # fp32 master weights and gradients in flat buffers; the module itself held in bf16.

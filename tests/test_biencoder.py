@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from transformers import AutoModel
 
 from models.biencoder import (
@@ -20,6 +18,7 @@ from models.biencoder import (
     load_settings,
     pool,
 )
+from tests import distributed
 from tests.helpers import PlainEngine, assert_same_loss_and_gradients, random_word_batch, tiny_mlm, tiny_vocab
 
 
@@ -90,33 +89,22 @@ def batch(rank: int | None = None):
     return q.input_ids[qs], q.attention_mask[qs], d.input_ids[ds], d.attention_mask[ds]
 
 
-def _worker(rank: int, port: int, cfg: dict, out: dict):
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        model = biencoder(**cfg)
-        q, d = model(*batch(rank))
-        loss = global_contrastive_loss(model, q, d, GROUP)
-        loss.backward()
-        grads = {n: p.grad.clone() / 2 for n, p in model.named_parameters() if p.grad is not None}
-        for g in grads.values():  # what DeepSpeed's all-reduce average does
-            dist.all_reduce(g)
-        out[rank] = {"loss": loss.item() / 2, "grads": grads}
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, out: dict, cfg: dict):
+    model = biencoder(**cfg)
+    q, d = model(*batch(rank))
+    loss = global_contrastive_loss(model, q, d, GROUP)
+    loss.backward()
+    grads = {n: p.grad.clone() / 2 for n, p in model.named_parameters() if p.grad is not None}
+    for g in grads.values():  # what DeepSpeed's all-reduce average does
+        torch.distributed.all_reduce(g)
+    out[rank] = {"loss": loss.item() / 2, "grads": grads}
 
 
 @pytest.mark.parametrize(
     "cfg", [{}, {"pooling": "mean", "similarity": "cos", "temperature": 0.05}, {"shared_encoder": False}]
 )
 def test_two_workers_equal_one_process_holding_the_full_batch(cfg):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = mp.Manager().dict()
-    mp.spawn(_worker, args=(port, cfg, out), nprocs=2, join=True)
+    out = distributed.spawn(_worker, 2, cfg)
 
     model = biencoder(**cfg)
     q, d = model(*batch())

@@ -10,12 +10,8 @@ contrastive loss over all 2n spans. Dropout is 0 so both sides see the same func
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from models.cocondenser import (
     CoCondenserConfig,
@@ -25,8 +21,8 @@ from models.cocondenser import (
 from models.condenser import Condenser
 from models.masking import whole_word_mask
 from models.mlm_losses import sequence_mlm_losses
-from pipeline.training.deepspeed_config import import_deepspeed, skip_inference_comm_op
 from pipeline.training.engine import mixed_precision_state
+from tests import distributed
 from tests.helpers import random_word_batch, tiny_masking_vocab, tiny_mlm, tiny_vocab
 
 WORLD = 2
@@ -56,45 +52,14 @@ def global_batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": wb.attention_mask, "labels": labels}
 
 
-def ds_config(stage: int, precision: str) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": PAIRS_PER_WORKER,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage},
-        "bf16": {"enabled": precision == "bf16"},
-        "gradient_clipping": 0.0,
-        "steps_per_print": 10**9,
-    }
-
-
-def _worker(rank: int, port: int, out: dict):
-    deepspeed = import_deepspeed()
-    from deepspeed.utils import safe_get_full_grad
-
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_WORLD_SIZE=str(WORLD),
-    )
-    torch.set_num_threads(1)
-    skip_inference_comm_op()
-    deepspeed.init_distributed(dist_backend="gloo")
+def _worker(rank: int, world: int, out: dict):
     n = 2 * PAIRS_PER_WORKER
     local = {k: v[rank * n : (rank + 1) * n] for k, v in global_batch().items()}
     for stage, precision, chunk in CASES:
-        model = build_model()
         method = CoCondenserMethod(CoCondenserConfig(head="", chunk_size=chunk), tiny_masking_vocab())
-        optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(stage, precision))
+        engine = distributed.engine(build_model(), distributed.plain_config(PAIRS_PER_WORKER, stage, precision))
         loss, extras = method.backward(engine, local)
-        grads = {
-            name: safe_get_full_grad(p).float().clone()
-            for name, p in engine.module.named_parameters()
-            if p.requires_grad
-        }
+        grads = distributed.full_gradients(engine)
         engine.step()  # one optimiser step per global batch, with no hang
         # The logged loss is this worker's MLM share plus the global contrastive loss.
         out[(rank, stage, precision, chunk)] = {
@@ -103,8 +68,7 @@ def _worker(rank: int, port: int, out: dict):
             "contrastive": float(extras["contrastive_loss"]),
             "logged": mixed_precision_state(engine, precision),  # what the loop logs (grad_norm in bf16)
         }
-        del engine, optimizer
-    torch.distributed.destroy_process_group()
+        del engine
 
 
 def reference(batch: dict | None = None, dtype: torch.dtype = torch.float32):
@@ -122,18 +86,7 @@ def reference(batch: dict | None = None, dtype: torch.dtype = torch.float32):
 
 @pytest.fixture(scope="module")
 def distributed_results():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = mp.Manager().dict()
-    mp.spawn(_worker, args=(port, out), nprocs=WORLD, join=True)
-    return dict(out)
-
-
-def relative_error(grads: dict, ref: dict) -> float:
-    assert set(grads) == set(ref)
-    diff = torch.cat([(grads[k] - ref[k]).flatten() for k in ref])
-    return float(diff.norm() / torch.cat([ref[k].flatten() for k in ref]).norm())
+    return distributed.spawn(_worker, WORLD, deepspeed=True)
 
 
 @pytest.mark.parametrize("stage,precision,chunk", CASES)
@@ -141,7 +94,7 @@ def test_two_deepspeed_workers_match_the_full_batch_gradient(distributed_results
     ref_grads, ref_loss, ref_contrastive = reference()
     ranks = [distributed_results[(rank, stage, precision, chunk)] for rank in range(WORLD)]
     tolerance = FP32_TOLERANCE if precision == "fp32" else BF16_TOLERANCE
-    assert relative_error(ranks[0]["grads"], ref_grads) < tolerance
+    assert distributed.relative_error(ranks[0]["grads"], ref_grads) < tolerance
     assert sum(r["loss"] for r in ranks) / WORLD == pytest.approx(ref_loss, rel=tolerance)
     for r in ranks:
         assert r["contrastive"] == pytest.approx(ref_contrastive, rel=tolerance)
@@ -160,12 +113,12 @@ def test_the_bf16_bound_fits_bf16_rounding_and_catches_a_missing_gather():
     bound (0.087 against 0.03, measured): a broken gather cannot pass even the bf16 cases."""
     ref_grads, _, _ = reference()
     bf16_grads, _, _ = reference(dtype=torch.bfloat16)
-    assert relative_error(bf16_grads, ref_grads) < BF16_TOLERANCE
+    assert distributed.relative_error(bf16_grads, ref_grads) < BF16_TOLERANCE
     spans = 2 * PAIRS_PER_WORKER
     halves = [{k: v[rank * spans : (rank + 1) * spans] for k, v in global_batch().items()} for rank in range(WORLD)]
     local = [reference(half)[0] for half in halves]
     averaged = {k: sum(grads[k] for grads in local) / WORLD for k in ref_grads}
-    assert relative_error(averaged, ref_grads) > 2.5 * BF16_TOLERANCE
+    assert distributed.relative_error(averaged, ref_grads) > 2.5 * BF16_TOLERANCE
 
 
 def test_sequence_losses_average_to_the_per_span_mean():

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from models.cocondenser import (
     global_span_contrastive_loss,
@@ -17,6 +14,7 @@ from models.cocondenser import (
     span_contrastive_loss,
 )
 from models.grad_cache import RngState, grad_cache_backward
+from tests import distributed
 
 
 def test_partner_targets_pair_adjacent_spans():
@@ -121,22 +119,15 @@ def test_replay_reproduces_the_first_pass_exactly_under_dropout():
 # -- two real processes (gloo) ------------------------------------------------------------
 
 
-def _worker(rank: int, world: int, port: int, full: torch.Tensor, out: dict):
-    import torch.distributed as dist
+def _worker(rank: int, world: int, out: dict, full: torch.Tensor):
+    from models.distributed import gather_with_grad
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        b = full.shape[0] // world
-        local = full[rank * b : (rank + 1) * b].clone().requires_grad_(True)
-        from models.distributed import gather_with_grad
-
-        gathered = gather_with_grad(local)
-        loss = global_span_contrastive_loss(local)
-        loss.backward()
-        out[rank] = {"gathered": gathered.detach().clone(), "loss": loss.item(), "grad": local.grad.clone()}
-    finally:
-        dist.destroy_process_group()
+    b = full.shape[0] // world
+    local = full[rank * b : (rank + 1) * b].clone().requires_grad_(True)
+    gathered = gather_with_grad(local)
+    loss = global_span_contrastive_loss(local)
+    loss.backward()
+    out[rank] = {"gathered": gathered.detach().clone(), "loss": loss.item(), "grad": local.grad.clone()}
 
 
 def test_rng_state_touches_only_the_current_cuda_device(monkeypatch):
@@ -167,12 +158,7 @@ def test_rng_state_touches_only_the_current_cuda_device(monkeypatch):
 def test_two_workers_place_chunks_by_global_rank_and_reproduce_the_full_batch_gradient():
     torch.manual_seed(0)
     full = torch.randn(8, 5)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    manager = mp.Manager()
-    out = manager.dict()
-    mp.spawn(_worker, args=(2, port, full, out), nprocs=2, join=True)
+    out = distributed.spawn(_worker, 2, full)
 
     reference = full.clone().requires_grad_(True)
     ref_loss = span_contrastive_loss(reference)

@@ -10,12 +10,8 @@ process. Dropout is 0, so both sides compute the same function.
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from models.biencoder import (
     BiEncoder,
@@ -26,7 +22,7 @@ from models.biencoder import (
 )
 from models.distillation import distillation_backward, distillation_loss
 from models.lora import LoraSettings, with_lora
-from pipeline.training.deepspeed_config import import_deepspeed, skip_inference_comm_op
+from tests import distributed
 from tests.helpers import random_word_batch, tiny_mlm, tiny_vocab
 
 WORLD, N_QUERIES, GROUP = 2, 3, 4  # per worker: 3 queries, 12 passages
@@ -87,48 +83,17 @@ def local_batch(rank: int) -> dict[str, torch.Tensor]:
     return {k: v[rank * rows[k] : (rank + 1) * rows[k]] for k, v in batch.items()}
 
 
-def _worker(rank: int, port: int, out: dict):
-    deepspeed = import_deepspeed()
-    from deepspeed.utils import safe_get_full_grad
-
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_WORLD_SIZE=str(WORLD),
-    )
-    torch.set_num_threads(1)
-    skip_inference_comm_op()
-    deepspeed.init_distributed(dist_backend="gloo")
+def _worker(rank: int, world: int, out: dict):
     for loss_name, stage, precision, chunk, shared, lora in CASES:
-        model = build(shared, lora)
-        engine, *_ = deepspeed.initialize(
-            model=model,
-            optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0),
-            config={
-                "train_micro_batch_size_per_gpu": N_QUERIES,
-                "gradient_accumulation_steps": 1,
-                "zero_optimization": {"stage": stage},
-                "bf16": {"enabled": precision == "bf16"},
-                "gradient_clipping": 0.0,
-                "steps_per_print": 10**9,
-            },
-        )
+        engine = distributed.engine(build(shared, lora), distributed.plain_config(N_QUERIES, stage, precision))
         loss, _ = run_backward(loss_name, engine, local_batch(rank), chunk)
-        grads = {
-            name: safe_get_full_grad(p).float().clone()
-            for name, p in engine.module.named_parameters()
-            if p.requires_grad
-        }
+        grads = distributed.full_gradients(engine)
         engine.step()
         out[(rank, loss_name, stage, precision, chunk, shared, lora)] = {
             "loss": float(loss),
             "grads": grads if rank == 0 else None,
         }
         del engine
-    torch.distributed.destroy_process_group()
 
 
 def reference(
@@ -152,20 +117,9 @@ def reference(
     return {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}, loss.item()
 
 
-def relative_error(grads: dict, ref: dict) -> float:
-    assert set(grads) == set(ref)
-    diff = torch.cat([(grads[k] - ref[k]).flatten() for k in ref])
-    return float(diff.norm() / torch.cat([ref[k].flatten() for k in ref]).norm())
-
-
 @pytest.fixture(scope="module")
 def distributed_results():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = mp.Manager().dict()
-    mp.spawn(_worker, args=(port, out), nprocs=WORLD, join=True)
-    return dict(out)
+    return distributed.spawn(_worker, WORLD, deepspeed=True)
 
 
 @pytest.mark.parametrize("loss_name,stage,precision,chunk,shared,lora", CASES)
@@ -177,7 +131,7 @@ def test_two_deepspeed_workers_match_one_process_with_the_full_batch(
     results = [distributed_results[(rank, loss_name, stage, precision, chunk, shared, lora)] for rank in range(WORLD)]
     if lora:  # only adapters have gradients
         assert results[0]["grads"] and all(".lora_" in name for name in results[0]["grads"])
-    assert relative_error(results[0]["grads"], ref_grads) < tolerance
+    assert distributed.relative_error(results[0]["grads"], ref_grads) < tolerance
     # The contrastive loss is global on every worker; the KL term is each worker's own
     # queries', so only the workers' mean is the full-batch loss.
     losses = [r["loss"] for r in results] if loss_name == "contrastive" else [sum(r["loss"] for r in results) / WORLD]
@@ -192,7 +146,7 @@ def test_the_bf16_bound_fits_bf16_rounding_and_catches_a_missing_gather():
     bound (0.099 against 0.03, measured): a broken gather cannot pass even the bf16 cases."""
     ref_grads, _ = reference(True)
     bf16_grads, _ = reference(True, dtype=torch.bfloat16)
-    assert relative_error(bf16_grads, ref_grads) < BF16_TOLERANCE
+    assert distributed.relative_error(bf16_grads, ref_grads) < BF16_TOLERANCE
     local = [reference(True, batch=local_batch(rank))[0] for rank in range(WORLD)]
     averaged = {k: sum(grads[k] for grads in local) / WORLD for k in ref_grads}
-    assert relative_error(averaged, ref_grads) > 2.5 * BF16_TOLERANCE
+    assert distributed.relative_error(averaged, ref_grads) > 2.5 * BF16_TOLERANCE
