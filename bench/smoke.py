@@ -1,5 +1,5 @@
 """Every benchmark's ``--smoke``: the same code at tiny sizes (seconds to two minutes, most
-of it Ray and job start-ups), which CI's long checks run (tests/test_bench_smoke.py), so
+of it Ray and job start-ups), which CI's long checks run (tests/project/test_bench_smoke.py), so
 that a benchmark that no longer runs fails CI. Its figures mean nothing; a smoke run writes
 them only where ``--json`` says."""
 

@@ -8,7 +8,7 @@ come from cluster/sizing.py's forward count. Time = FLOPs / (GPUs x datasheet pe
 with the MFU measured on a lent H100/H200 (bench/README.md) applied to every GPU type: an
 estimate, not a measurement of these instance types. Prices are assumptions (us-west-2 list
 prices, USD per hour; look yours up with the commands in cluster/README.md) and so is the
-spot discount. tests/test_cluster.py checks that the README's table is this script's output.
+spot discount. tests/cluster/test_cluster.py checks that the README's table is this script's output.
 """
 
 from __future__ import annotations

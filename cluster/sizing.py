@@ -5,7 +5,7 @@
 Index bytes come from the memory planner the index job itself uses
 (``pipeline.retrieval.index_memory.plan_memory``), for the shard split the job would need. Encoding times
 scale the one measured encoding rate (bench/README.md, 2-core CPU, MiniLM) by arithmetic;
-no GPU rate has been measured. tests/test_cluster.py checks that the README's table is this
+no GPU rate has been measured. tests/cluster/test_cluster.py checks that the README's table is this
 script's output, so the figures are never edited by hand.
 """
 

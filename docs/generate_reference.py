@@ -3,7 +3,7 @@
     python docs/generate_reference.py
 
 A job's page lists its sections' options in tables; a page that would pass PAGE_LIMIT
-bytes puts each of its sections on a page of its own (recursively). tests/test_docs.py fails
+bytes puts each of its sections on a page of its own (recursively). tests/project/test_docs.py fails
 when a page here differs from what this script writes, so the reference cannot drift.
 """
 

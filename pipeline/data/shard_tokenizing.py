@@ -6,7 +6,7 @@ hands it serialized: the task imports neither transformers nor torch, which cost
 worker process ~3 s of CPU and ~120 MB more (``bench/bench_tokenize_task.py``), and it
 fetches nothing from storage. The backend is the object the Hugging Face tokenizer calls itself,
 settings and all, so the ids and word ids are the tokenizer's (checked against it in
-``tests/test_shards.py``). A tokenizer without one (a pure-Python or SentencePiece-library
+``tests/data/test_shards.py``). A tokenizer without one (a pure-Python or SentencePiece-library
 tokenizer) is loaded through transformers in the task instead.
 """
 

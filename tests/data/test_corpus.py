@@ -11,7 +11,7 @@ from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.data.corpus import CorpusStats, Document, corpus_files, iter_documents
 from pipeline.data.join import JoinConfig, join_consecutive
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def write(path: Path, data: str | bytes) -> Path:

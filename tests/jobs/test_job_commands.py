@@ -1,6 +1,6 @@
 """Bad input as a user meets it: each job run as the command `python jobs/<job>.py`, in its
 own process (stderr as the terminal shows it, Ray's and the libraries' lines included),
-not through ``main()`` in the tests' process (tests/test_job_errors.py, where the kinds
+not through ``main()`` in the tests' process (tests/jobs/test_job_errors.py, where the kinds
 of error are)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from conftest import synthetic_docs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 JOBS = sorted(p.stem for p in (REPO / "jobs").glob("*.py"))
 
 

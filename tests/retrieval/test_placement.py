@@ -56,7 +56,7 @@ def test_gpu_searchers_hold_a_run_of_shards_one_gpu_each_and_reserve_their_memor
     ref_scores, ref_rows = brute_force_topk(queries, vectors, 10, rows=rows)
     assert np.allclose(scores, ref_scores, atol=1e-4) and (found == ref_rows).all()
 
-    # (CPU searchers reserve no GPU: tests/test_search_failures.py's cpu fallback; how many
+    # (CPU searchers reserve no GPU: tests/retrieval/test_search_failures.py's cpu fallback; how many
     # hold an index by memory: test_cpu_searchers_follow_the_memory_per_searcher below.)
 
 

@@ -40,7 +40,7 @@ from tests.helpers import (
     tiny_mlm,
     tiny_vocab,
 )
-from tests.test_condenser import Capture, perturb_output, tokenized_batch
+from tests.models.test_condenser import Capture, perturb_output, tokenized_batch
 
 V = len(tiny_vocab())
 L = TINY_SIZES["num_layers"]

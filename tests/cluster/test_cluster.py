@@ -4,7 +4,7 @@ sizing table and S3 settings from the environment.
 
 Everything here is checked offline with the validators and schedulers of the installed
 Ray, botocore and DeepSpeed, and with the KubeRay and Karpenter CRDs' own schemas
-(tests/schemas/), so a config that those would reject on a real cluster fails here first.
+(tests/cluster/schemas/), so a config that those would reject on a real cluster fails here first.
 A submitted job on a two-node cluster (and its credential scan) is in test_two_node.py.
 """
 
@@ -27,7 +27,7 @@ from unittest import mock
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "cluster"
 ZERO_TEMPLATES = (
     REPO / "pipeline" / "training" / "zero_templates"

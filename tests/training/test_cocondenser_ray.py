@@ -1,6 +1,6 @@
 """coCondenser on Ray Train + DeepSpeed: warm start from a Condenser, span pairs, skipped
 documents; on a RoBERTa backbone with a byte-level BPE tokenizer (the other families are
-tested in process in tests/test_backbones.py)."""
+tested in process in tests/models/test_backbones.py)."""
 
 from __future__ import annotations
 

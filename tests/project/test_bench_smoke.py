@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.bench_smoke
 SCRIPTS = sorted(p.name for p in (REPO / "bench").glob("*.py") if p.name != "smoke.py")
 

@@ -100,7 +100,7 @@ def test_the_gpu_canary_stops_a_broken_or_missing_faiss_gpu_before_any_searcher(
         ServerError, match=r"FAISS's GPU canary failed: FAISS sees no GPU here \(faiss-cpu is installed"
     ):
         _search(index_uri, queries)
-    # (With the stand-in whole, the GPU searchers serve: tests/test_placement.py.)
+    # (With the stand-in whole, the GPU searchers serve: tests/retrieval/test_placement.py.)
 
 
 def test_a_block_no_searcher_answers_fails_after_the_stall_timeout(flat_index, monkeypatch):

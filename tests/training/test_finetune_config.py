@@ -13,7 +13,7 @@ from pipeline.core.errors import ConfigError
 from pipeline.training.finetune import FinetuneConfig, run_finetuning
 from pipeline.training.group_training import evaluation_job
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_shipped_nave_config_parses_with_its_settings():

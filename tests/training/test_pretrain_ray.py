@@ -153,7 +153,7 @@ def test_killed_worker_resumes_from_checkpoint_without_losing_documents(tmp_path
     assert rows and set(rows) <= traced
     assert sorted(os.listdir(os.path.join(out, "profile"))) == ["rank0.trace.json.gz", "rank0.txt"]
 
-    # (A finished run rerun with a larger budget continues: tests/test_resume.py.)
+    # (A finished run rerun with a larger budget continues: tests/training/test_resume.py.)
 
 
 def test_a_preemption_notice_saves_a_checkpoint_the_restarted_run_resumes_from(tmp_path, local_cluster, monkeypatch):
@@ -217,7 +217,7 @@ def test_a_preemption_notice_saves_a_checkpoint_the_restarted_run_resumes_from(t
 def test_simlm_without_a_generator_trains_one_first_then_reuses_it(tmp_path, monkeypatch, capsys):
     """`--method simlm` with no --simlm.generator (as on the embedded default): a 2-layer MLM
     is trained on the same corpus and budget into <output>/generator, and the next run reuses
-    the finished one. (On Ray Train, both runs on a cluster: tests/test_two_node.py.)"""
+    the finished one. (On Ray Train, both runs on a cluster: tests/workflows/test_two_node.py.)"""
     from pipeline.training import pretrain
 
     out = str(tmp_path / "run")
@@ -271,7 +271,7 @@ def test_ctrl_c_exits_130_with_the_hint_and_reruns_resume_finish_and_pass_over_a
         *("--train.micro_batch_size", "6", "--train.max_steps", "60", "--train.checkpoint_every", "5"),
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYDENSE_DEBUG")}
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     job = subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while job.poll() is None and time.time() < deadline:

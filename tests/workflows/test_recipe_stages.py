@@ -260,11 +260,11 @@ def test_stop_after_stops_there(tmp_path):
 
 
 def test_shipped_recipes_load_and_the_embedded_one_is_the_default():
-    recipes = os.path.join(os.path.dirname(__file__), "..", "jobs", "recipes")
+    recipes = os.path.join(os.path.dirname(__file__), "..", "..", "jobs", "recipes")
     embedded = parse_config(RecipeConfig, ["--config", os.path.join(recipes, "embedded.yaml")])
     assert to_dict(embedded) == to_dict(RecipeConfig())
     for name in sorted(os.listdir(recipes)):
-        if name.startswith("compare-"):  # jobs/compare.py's configs: tests/test_compare.py
+        if name.startswith("compare-"):  # jobs/compare.py's configs: tests/workflows/test_compare.py
             continue
         cfg = parse_config(RecipeConfig, ["--config", os.path.join(recipes, name)])
         assert cfg.data.corpus and cfg.round1.train.max_steps + cfg.round1.train.epochs > 0, name
@@ -344,7 +344,7 @@ def test_every_data_file_a_shipped_config_names_is_in_the_repository():
     """The real recipes run from a clone: the files they read lie under data/ (Nave, gzipped)."""
     import yaml
 
-    root = os.path.join(os.path.dirname(__file__), "..")
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
     configs = [os.path.join(root, "jobs", "recipes", n) for n in os.listdir(os.path.join(root, "jobs", "recipes"))]
     configs += [os.path.join(root, "bench", "configs", n) for n in os.listdir(os.path.join(root, "bench", "configs"))]
 
@@ -443,7 +443,7 @@ def test_the_default_recipe_leaves_distillation_to_be_asked_for():
     assert enabled_stages(RecipeConfig())[-2:] == ["reranker", "rerank"]
     on = parse_config(RecipeConfig, ["--distill.enabled", "true"])
     assert enabled_stages(on)[-2:] == ["teacher", "distill"]
-    recipe = os.path.join(os.path.dirname(__file__), "..", "jobs", "recipes", "msmarco.yaml")
+    recipe = os.path.join(os.path.dirname(__file__), "..", "..", "jobs", "recipes", "msmarco.yaml")
     msmarco = parse_config(RecipeConfig, ["--config", recipe])
     assert "distill" in enabled_stages(msmarco)
 
@@ -467,6 +467,7 @@ def test_retriever_pooling_is_the_embedded_toys_own_else_left_to_the_init(tmp_pa
     real.pretrain.job.model.init = "google-bert/bert-base-uncased"
     assert StageContext(real, manifest).retriever(real.round1.retriever, export).pooling == "auto"
     msmarco = parse_config(
-        RecipeConfig, ["--config", os.path.join(os.path.dirname(__file__), "..", "jobs", "recipes", "msmarco.yaml")]
+        RecipeConfig,
+        ["--config", os.path.join(os.path.dirname(__file__), "..", "..", "jobs", "recipes", "msmarco.yaml")],
     )
     assert StageContext(msmarco, manifest).retriever(msmarco.round1.retriever, export).pooling == "cls"

@@ -1,7 +1,7 @@
 """LoRA fine-tuning: only the adapters train, and the export merges them into a plain encoder.
 
 The distributed gradient of a LoRA model under DeepSpeed is checked with the other
-fine-tuning cases in tests/test_finetune_deepspeed.py.
+fine-tuning cases in tests/training/test_finetune_deepspeed.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ import time
 import numpy as np
 import pytest
 from conftest import synthetic_docs, write_jsonl
-from test_finetune_ray import tiny_bert  # noqa: F401  (fixture)
 
 from pipeline.core.actor_pool import ActorConfig, run_actor_pool
 from pipeline.core.errors import ArtifactError, InputError
@@ -30,6 +29,7 @@ from pipeline.retrieval.fanout import ranked_ids, read_qrels_of_corpus
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
 from pipeline.retrieval.search import SearcherConfig, ShardedIndex
 from tests.helpers import drain_for_preemption, ir_measures_of_run, is_killed, resident_growth
+from tests.training.test_finetune_ray import tiny_bert  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.ray
 

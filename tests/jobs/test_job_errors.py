@@ -1,6 +1,6 @@
 """A user's mistake, tried as a new user would from the command line: one clear line that
 names the bad value, exit code 2, no traceback (RAYDENSE_DEBUG=1 shows it; the mechanism,
-crashes included: tests/test_config.py). The jobs run in this process, on the tests' Ray."""
+crashes included: tests/core/test_config.py). The jobs run in this process, on the tests' Ray."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import synthetic_docs, write_jsonl
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path, shared_ray, monkeypatch, capsys):

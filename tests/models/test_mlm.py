@@ -21,7 +21,7 @@ from tests.helpers import (
     tiny_mlm,
     tiny_vocab,
 )
-from tests.test_condenser import tokenized_batch
+from tests.models.test_condenser import tokenized_batch
 
 V = len(tiny_vocab())
 

@@ -18,7 +18,7 @@ from pipeline.core.sample import SAMPLE_DIR
 
 pytestmark = pytest.mark.ray
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / SAMPLE_DIR
 
 

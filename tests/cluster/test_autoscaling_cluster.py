@@ -100,7 +100,7 @@ def test_a_job_joining_an_autoscaling_cluster_refuses_local_paths_and_workers_no
             return json.loads(next(line[6:] for line in done.stdout.splitlines() if line.startswith("PROBE ")))
 
         # A local output: refused before any work, in one line (a local model directory is
-        # refused by the same rule: tests/test_model_ref.py).
+        # refused by the same rule: tests/core/test_model_ref.py).
         done = subprocess.run(
             [
                 sys.executable,

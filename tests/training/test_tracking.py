@@ -1,6 +1,6 @@
 """The training loop's metric sinks (pipeline/training/tracking.py) with every tracker, each
 read back with its own library: TensorBoard's event reader, W&B offline files, an MLflow
-file store. (The loop's use of them on Ray Train: tests/test_pretrain_ray.py.)"""
+file store. (The loop's use of them on Ray Train: tests/training/test_pretrain_ray.py.)"""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ def test_the_modules_of_model_free_work_import_neither_transformers_nor_torch():
         [sys.executable, "-c", PROBE, json.dumps(WORKER_MODULES)],
         capture_output=True,
         text=True,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
         check=True,
     )
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {}, done.stderr[-2000:]

@@ -13,8 +13,6 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from test_biencoder import _full_batch, biencoder
-from test_finetune_deepspeed import relative_error
 
 from models.biencoder import BiEncoderConfig, contrastive_backward
 from models.distillation import DistillationConfig, DistillationObjective, distillation_backward, distillation_loss
@@ -30,7 +28,9 @@ from pipeline.data.group_stream import (
 )
 from pipeline.data.groups import select_group
 from pipeline.data.runs import iter_trec_run, read_trec_run
+from tests.distributed import relative_error
 from tests.helpers import PlainEngine
+from tests.models.test_biencoder import _full_batch, biencoder
 from tests.ray_cluster import REPO
 
 

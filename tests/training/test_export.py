@@ -13,7 +13,7 @@ from transformers import BertConfig, BertForMaskedLM
 from models.backbone import load_module_state
 from pipeline.training.pretrain import METHODS, PretrainConfig, PretrainTask
 from tests.helpers import assert_drop_in_bert, make_tokenizer_dir, tiny_backbone_config
-from tests.test_condenser import tokenized_batch
+from tests.models.test_condenser import tokenized_batch
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Sizing from memory (models/memory.py): what autograd keeps, the fitted cost of a batch,
 and the micro-batch the loop splits a step into (pipeline/training/worker.py). The gradient
-cache's chunk: tests/test_packing.py. On Ray Train, the sized run against the same split
-set by hand: tests/test_pretrain_ray.py."""
+cache's chunk: tests/models/test_packing.py. On Ray Train, the sized run against the same split
+set by hand: tests/training/test_pretrain_ray.py."""
 
 from __future__ import annotations
 

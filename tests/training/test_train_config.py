@@ -92,7 +92,7 @@ def test_one_worker_skips_zero_partitioning_but_keeps_stage_3_and_bf16_runs_its_
     assert deepspeed_config(TrainConfig(zero_stage=3), world_size=1)["zero_optimization"]["stage"] == 3
     assert deepspeed_config(TrainConfig(zero_stage=2), world_size=2)["zero_optimization"]["stage"] == 2
     # One bf16 worker: stage 1 with fp32 gradient accumulation (DeepSpeed's BF16_Optimizer,
-    # tests/test_bf16_worker.py); several keep their stage and DeepSpeed's own accumulation.
+    # tests/training/test_bf16_worker.py); several keep their stage and DeepSpeed's own accumulation.
     one = deepspeed_config(TrainConfig(zero_stage=2, precision="bf16"), world_size=1)
     assert one["zero_optimization"]["stage"] == 1 and one["data_types"] == {"grad_accum_dtype": "fp32"}
     several = deepspeed_config(TrainConfig(zero_stage=2, precision="bf16"), world_size=2)
