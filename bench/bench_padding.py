@@ -38,7 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench import smoke  # noqa: E402
+from bench import record, smoke  # noqa: E402
 from models.backbone import BackboneConfig  # noqa: E402
 from models.biencoder import BiEncoderConfig, ContrastiveObjective  # noqa: E402
 from models.cocondenser import CoCondenserMethod  # noqa: E402
@@ -233,7 +233,7 @@ def main() -> None:
         results["buckets"] = bench_buckets(args.steps, args.group, args.queries_per_batch)
         print(json.dumps({"buckets": results["buckets"]}), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        record.write(args.json, results)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ Usage: python bench/bench_preemption_asks.py [--steps 300] [--asks 300] [--json 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -35,7 +34,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from bench_pretrain import say, steady_state  # noqa: E402
 
-from bench import smoke  # noqa: E402
+from bench import record, smoke  # noqa: E402
 from models.backbone import BackboneConfig  # noqa: E402
 from pipeline.core import storage  # noqa: E402
 from pipeline.core.sample import SAMPLE_CORPUS  # noqa: E402
@@ -129,7 +128,7 @@ def main() -> None:
         + ", ".join(f"{ratio:.3f} every {every:g} s" for every, ratio in ratios.items())
     )
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        record.write(args.json, results)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import platform
 import shutil
@@ -39,7 +38,7 @@ if str(REPO_ROOT) not in sys.path:
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from bench import smoke  # noqa: E402
+from bench import record, smoke  # noqa: E402
 from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.training.deepspeed_config import effective_zero_stage
 from pipeline.training.train_config import TrainConfig
@@ -539,8 +538,7 @@ def main(argv=None) -> dict:
         },
     }
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+        record.write(args.json, out)
     return out
 
 

@@ -45,7 +45,7 @@ if str(REPO_ROOT) not in sys.path:
 from bench_methods_gpu import DATASHEET_BF16, SIZES, matmul_ceiling  # noqa: E402
 from bench_pretrain import steady_state  # noqa: E402
 
-from bench import smoke  # noqa: E402
+from bench import record, smoke  # noqa: E402
 from models.backbone import BackboneConfig, build_mlm  # noqa: E402
 from models.batches import to_device  # noqa: E402
 from models.masking import MaskingVocab  # noqa: E402
@@ -232,7 +232,7 @@ def main() -> None:
             raise SystemExit(f"jobs/pretrain.py {job_exit}")
         steady = steady_state(history)
         if args.json:  # the job's own figures first: a deadline may cut what follows
-            Path(args.json).write_text(json.dumps({"job_exit": job_exit, "steady": steady}, indent=2))
+            record.write(args.json, {"job_exit": job_exit, "steady": steady})
         lines = stop(job).strip().splitlines()
         table = Path(output, "profile", "rank0.txt")
         if args.profile and table.exists():
@@ -270,7 +270,7 @@ def main() -> None:
     }
     print(json.dumps(result), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        record.write(args.json, result)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench import smoke  # noqa: E402
+from bench import record, smoke  # noqa: E402
 from pipeline.data.beir import read_qrels, read_queries
 from pipeline.data.corpus import iter_documents
 from pipeline.retrieval.encode import EncoderSettings, local_encoder
@@ -98,7 +98,7 @@ def main() -> None:
     for r in results:
         print(f"{r['system']:<14} {r['RR@10']:7.3f} {r['R@100']:7.3f} {r['nDCG@10']:8.3f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        record.write(args.json, {"rows": results})
 
 
 if __name__ == "__main__":

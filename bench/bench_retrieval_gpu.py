@@ -36,7 +36,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from bench_search import NAVE, _device_passages_per_s, _steady_passages_per_s, clustered, write_vectors  # noqa: E402
 
-from bench import smoke  # noqa: E402
+from bench import record, smoke  # noqa: E402
 from pipeline.core import storage  # noqa: E402
 from pipeline.core.actor_pool import ActorConfig  # noqa: E402
 from pipeline.data.shards import load_manifest  # noqa: E402
@@ -94,12 +94,12 @@ def full_length(records: list[dict], min_words: int) -> list[dict]:
     ``min_words`` words: rows the encoder cuts at its passage length (Nave's verses average
     24 words, ~32 tokens, far from the 128 of a typical passage)."""
     texts, passages = [r["text"] for r in records], []
-    for i, record in enumerate(records):
+    for i, verse in enumerate(records):
         words, j = [], i
         while len(words) < min_words:
             words += texts[j % len(texts)].split()
             j += 1
-        passages.append({"_id": record["_id"], "text": " ".join(words)})
+        passages.append({"_id": verse["_id"], "text": " ".join(words)})
     return passages
 
 
@@ -363,7 +363,7 @@ def main() -> None:
         factories = [f for f in args.factories.replace(",IVF", ";IVF").replace(",Flat", ";Flat").split(";") if f]
         results["faiss"] = bench_faiss(args.vectors, args.dim, args.queries, 100, factories, cpus, devices)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        record.write(args.json, results)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench import smoke  # noqa: E402
+from bench import record, smoke  # noqa: E402
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval.encode import actor_spans
 from pipeline.retrieval.faiss_index import brute_force_topk
@@ -445,7 +445,7 @@ def main() -> None:
         results["extrapolation"] = extrapolate(results["mine"])
         print(json.dumps({"mine": results["mine"], "extrapolation": results["extrapolation"]}), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        record.write(args.json, results)
 
 
 if __name__ == "__main__":

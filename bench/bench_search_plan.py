@@ -14,13 +14,12 @@ new, side by side (no Ray, no data: the planners alone, in seconds).
 
 These are plans, not measurements: what a run on such a cluster would start and write.
 
-Usage: python bench/bench_search_plan.py [--json bench/results/search_plan.json]
+Usage: python bench/bench_search_plan.py [--json bench/results/search_plan-arithmetic.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import sys
@@ -30,7 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench import smoke  # noqa: E402
+from bench import record, smoke  # noqa: E402
 from pipeline.retrieval import gpu_search, index_memory  # noqa: E402
 from pipeline.retrieval.fanout import query_block  # noqa: E402
 from pipeline.retrieval.search import SearcherConfig, plan_searchers  # noqa: E402
@@ -105,7 +104,7 @@ def main() -> None:
     }
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        record.write(args.json, results)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default="")
     sys.path.insert(0, str(REPO_ROOT))
-    from bench import smoke
+    from bench import record, smoke
 
     args = smoke.parse(parser, docs=200, repeats=1)
     from transformers import AutoTokenizer
@@ -97,7 +97,7 @@ def main() -> None:
         )
     print(json.dumps(result, indent=2))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        record.write(args.json, result)
 
 
 if __name__ == "__main__":

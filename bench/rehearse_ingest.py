@@ -19,7 +19,7 @@ against every process's CPU time.
 
 Usage: git worktree add /tmp/raydense-old <commit>
        python bench/rehearse_ingest.py --old /tmp/raydense-old [--passages 400000]
-           [--latency_ms 30] [--json bench/results/rehearse_ingest.json]
+           [--latency_ms 30] [--json bench/results/rehearse_ingest-cpu-2core.json]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO_ROOT / "bench"))
 
 from rehearse_scale import run_job  # noqa: E402
 
-from bench import smoke  # noqa: E402
+from bench import record, smoke  # noqa: E402
 from tests.helpers import SlowS3  # noqa: E402
 
 WORDS_MEAN, WORDS_SD = 56, 25  # MS MARCO passages: 56 words on average
@@ -248,7 +248,7 @@ def main() -> None:
     }
     print(json.dumps(results))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        record.write(args.json, results)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ time: the sizes given run, and two sizes give the scaling.
 
 Usage: git worktree add /tmp/raydense-old <commit>
        python bench/rehearse_scale.py --old /tmp/raydense-old [--sizes 500000,1000000]
-           [--queries 100000] [--latency_ms 30] [--json bench/results/rehearse_scale.json]
+           [--queries 100000] [--latency_ms 30] [--json bench/results/rehearse_scale-cpu-2core.json]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO_ROOT / "bench"))
 
 from bench_mining_scale import _peak_rss, mine_argv, random_encoder, write_corpus, write_queries  # noqa: E402
 
-from bench import smoke  # noqa: E402
+from bench import record, smoke  # noqa: E402
 from pipeline.core import storage  # noqa: E402
 from tests.helpers import SlowS3  # noqa: E402
 
@@ -179,7 +179,7 @@ def main() -> None:
     }
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        record.write(args.json, results)
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ class Family:
 # Vocabulary-wide matrix products run on the GPU's fast kernels only when each row of the
 # logits starts 16-byte aligned: BERT's 30,522 columns of bf16 do not (61,044 bytes), and an
 # H100 ran them on Ampere CUTLASS kernels at ~236 TFLOP/s against ~720 for the layers'
-# products (bench/studies/h100_condenser_512_held_profile.txt). 64 is what NVIDIA's BERT
+# products (bench/reports/2026-11-27-h100_condenser_512_held_profile.txt). 64 is what NVIDIA's BERT
 # and GPT recipes pad to. A CPU gains nothing from it and would pay the padded copies.
 VOCAB_MULTIPLE = {"cuda": 64}
 

@@ -48,9 +48,9 @@ def test_every_benchmark_runs_in_its_smoke_mode(script, tmp_path):
 
 
 def test_the_gpu_lease_script_runs_its_smoke_steps(tmp_path):
-    """bench/gpu_issue36.sh with SMOKE=1 runs its commands at tiny sizes on this CPU: the
+    """bench/gpu_lease.sh with SMOKE=1 runs its commands at tiny sizes on this CPU: the
     quickest step, through the script's own step runner, exits 0."""
-    done = run(["bash", "bench/gpu_issue36.sh"], SMOKE="1", STEPS="gradcache", OUT=str(tmp_path), PY=sys.executable)
+    done = run(["bash", "bench/gpu_lease.sh"], SMOKE="1", STEPS="gradcache", OUT=str(tmp_path), PY=sys.executable)
     log = (tmp_path / "all.log").read_text()
     assert done.returncode == 0, done.stderr[-3000:]
     assert "== gradcache rc=0" in log, log[-4000:]
