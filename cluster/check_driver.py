@@ -49,7 +49,7 @@ def driver_problem(driver: str | None, cuda: str | None, torch_version: str = "t
     if int(driver.split(".")[0]) < needed:
         return (
             f"error: NVIDIA driver {driver} is older than R{needed}, which {torch_version} (CUDA {cuda}) needs: "
-            f"use a GPU node image with driver {needed} or newer (cluster/README.md, 'NVIDIA driver')"
+            f"use a GPU node image with driver {needed} or newer (cluster/guide/image.md, 'NVIDIA driver')"
         )
     return None
 

@@ -1,14 +1,14 @@
-"""The cost table of cluster/README.md: one run of jobs/recipes/msmarco.yaml, stage by stage,
+"""The cost table of cluster/guide/cost.md: one run of jobs/recipes/msmarco.yaml, stage by stage,
 on on-demand and on spot nodes, with the arithmetic shown.
 
-    python cluster/cost.py            # prints the Markdown the README carries
+    python cluster/cost.py            # prints the Markdown that page carries
 
 Steps, batch sizes, lengths and depths are read from the recipe itself; FLOPs per passage
 come from cluster/sizing.py's forward count. Time = FLOPs / (GPUs x datasheet peak x MFU),
 with the MFU measured on a lent H100/H200 (bench/README.md) applied to every GPU type: an
 estimate, not a measurement of these instance types. Prices are assumptions (us-west-2 list
-prices, USD per hour; look yours up with the commands in cluster/README.md) and so is the
-spot discount. tests/cluster/test_cluster.py checks that the README's table is this script's output.
+prices, USD per hour; look yours up with the commands in cluster/guide/cost.md) and so is the
+spot discount. tests/cluster/test_cluster.py checks that the page's table is this script's output.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""The sizing table of cluster/README.md: corpus size -> encoding time, index memory, nodes.
+"""The sizing table of cluster/guide/sizing.md: corpus size -> encoding time, index memory, nodes.
 
-    python cluster/sizing.py          # prints the Markdown table the README carries
+    python cluster/sizing.py          # prints the Markdown table that page carries
 
 Index bytes come from the memory planner the index job itself uses
 (``pipeline.retrieval.index_memory.plan_memory``), for the shard split the job would need. Encoding times
-scale the one measured encoding rate (bench/README.md, 2-core CPU, MiniLM) by arithmetic;
+scale the one measured encoding rate (bench/reports/, bench_search.py's report: 2-core CPU, MiniLM) by arithmetic;
 no GPU rate has been measured. tests/cluster/test_cluster.py checks that the README's table is this
 script's output, so the figures are never edited by hand.
 """
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.retrieval.index_memory import plan_memory  # noqa: E402
 
-# bench/README.md, bench_search.py: 1 CPU actor with 1 core and 1 torch thread, fp32, the
+# bench_search.py's report (bench/reports/): 1 CPU actor with 1 core and 1 torch thread, fp32, the
 # 6-layer MiniLM (hidden 384), the first 4,000 Nave verses at max length 128 (steady state).
 MEASURED_PASSAGES_PER_S = 117.3
 MEASURED_CORES = 1

@@ -651,7 +651,7 @@ def test_driver_check_names_a_driver_too_old_for_the_cuda_build(capsys, monkeypa
     old = check.driver_problem("535.183.01", "13.0", "torch 2.13.0")
     assert old == (
         "error: NVIDIA driver 535.183.01 is older than R580, which torch 2.13.0 (CUDA 13.0) needs: "
-        "use a GPU node image with driver 580 or newer (cluster/README.md, 'NVIDIA driver')"
+        "use a GPU node image with driver 580 or newer (cluster/guide/image.md, 'NVIDIA driver')"
     )
     assert check.driver_problem("580.65.06", "13.0") is None
     assert check.driver_problem("535.183.01", "12.9") is None  # R525 runs CUDA 12
@@ -803,10 +803,11 @@ def test_readme_sizing_table_is_the_planners_output(monkeypatch):
     monkeypatch.syspath_prepend(str(CLUSTER))
     import sizing
 
-    readme = (CLUSTER / "README.md").read_text()
+    readme = (CLUSTER / "guide" / "sizing.md").read_text()
     assert sizing.table() in readme, "regenerate it: python cluster/sizing.py"
     # The one measured rate it scales must still be the benchmark's published figure.
-    bench = (REPO / "bench" / "README.md").read_text()
+    (report,) = (REPO / "bench" / "reports").glob("*-bench-search.md")
+    bench = report.read_text()
     assert re.search(rf"\| 1 actor, 1 core, fp32 \| {sizing.MEASURED_PASSAGES_PER_S} passages/s", bench)
     from pipeline.retrieval.index_memory import plan_memory
 
@@ -823,7 +824,7 @@ def test_readme_sizing_table_is_the_planners_output(monkeypatch):
 def test_readme_cost_table_is_the_scripts_output_from_the_recipe():
     cost = cluster_module("cost")
     table = cost.table()
-    assert table in (CLUSTER / "README.md").read_text(), "regenerate it: python cluster/cost.py"
+    assert table in (CLUSTER / "guide" / "cost.md").read_text(), "regenerate it: python cluster/cost.py"
     # The work is the recipe's: pre-training's steps x global batch, and every stage it enables.
     cfg = cost.recipe()
     pre = cfg.pretrain.job.train

@@ -68,7 +68,7 @@ def test_the_history_check_catches_history():
 
 def test_relative_links_resolve():
     broken = []
-    for page in [*pages(), REPO / "cluster" / "README.md", REPO / "bench" / "README.md"]:
+    for page in [*pages(), *sorted((REPO / "cluster").rglob("*.md")), *sorted((REPO / "bench").rglob("*.md"))]:
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
             if "://" not in target and not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(REPO)} -> {target}")
