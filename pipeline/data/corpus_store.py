@@ -17,16 +17,17 @@ import hashlib
 
 from pipeline.core import model_ref, storage
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
+from pipeline.data.shards import PreparedCorpus
 from pipeline.data.text_shards import stage_text
 
 
-def prepare_in(corpus: str, folder: str, tokenizer: str, docs_per_shard: int, text: str = "") -> str:
+def prepare_in(corpus: str, folder: str, tokenizer: str, docs_per_shard: int, text: str = "") -> PreparedCorpus:
     """``corpus`` prepared in ``folder`` with ``tokenizer`` (a model reference), or the
     preparation already there, reading the staged text in ``text`` (empty: staged for this
     preparation only). Its settings are recorded as a trainer records them (the input and the
     tokenizer resolved), so a trainer handed this folder reuses it, and so does this after a
     trainer prepared it."""
-    prepare_corpus(
+    manifest = prepare_corpus(
         PrepareConfig(
             input=storage.resolve(corpus).uri,
             output=folder,
@@ -35,7 +36,7 @@ def prepare_in(corpus: str, folder: str, tokenizer: str, docs_per_shard: int, te
             text=text,
         )
     )
-    return folder
+    return PreparedCorpus(folder, manifest)
 
 
 class CorpusStore:
@@ -55,10 +56,10 @@ class CorpusStore:
         """Where the corpus prepared with ``tokenizer`` (a model reference) lives."""
         return storage.join(self.root, hashlib.sha1(tokenizer.encode()).hexdigest()[:10])
 
-    def prepare(self, folder: str, tokenizer: str) -> str:
-        """``folder``, holding the corpus prepared with ``tokenizer`` from the staged text: prepared now if not yet."""
+    def prepare(self, folder: str, tokenizer: str) -> PreparedCorpus:
+        """The corpus prepared with ``tokenizer`` in ``folder`` from the staged text: prepared now if not yet."""
         return prepare_in(self.corpus, folder, tokenizer, self.docs_per_shard, self.text_folder)
 
-    def prepared(self, tokenizer: str) -> str:
+    def prepared(self, tokenizer: str) -> PreparedCorpus:
         """The run's folder of the corpus prepared with ``tokenizer``: prepared now if not yet."""
         return self.prepare(self.folder(tokenizer), tokenizer)

@@ -16,6 +16,7 @@ checks, light enough for every Ray Data task that reads shards.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -42,6 +43,33 @@ def load_manifest(corpus_uri: str) -> dict:
         "prepare the corpus first (jobs/prepare_corpus.py)",
         "preparation did not finish",
     )
+
+
+@dataclass(frozen=True)
+class PreparedCorpus:
+    """A prepared corpus: its folder and its manifest. The one place that answers "is this
+    folder prepared, and with which tokenizer?"."""
+
+    folder: str
+    manifest: dict
+
+    @classmethod
+    def at(cls, folder: str) -> PreparedCorpus | None:
+        """The corpus prepared in ``folder``; None where ``folder`` holds none (a raw corpus
+        file, or a folder not yet prepared)."""
+        if not storage.exists(storage.join(folder, MANIFEST)):
+            return None
+        return cls(folder, load_manifest(folder))
+
+    @property
+    def tokenizer(self) -> str:
+        """The folder of the tokenizer its ids belong to."""
+        return storage.join(self.folder, self.manifest["tokenizer"])
+
+    @property
+    def version(self) -> str:
+        """The stored version of its manifest: what an output made from it records."""
+        return storage.version(storage.join(self.folder, MANIFEST))
 
 
 def check_parquet_shard(uri: str, rows: int, columns: set[str], error: type[Exception], what: str = "shard"):

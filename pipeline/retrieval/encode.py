@@ -36,8 +36,9 @@ from pipeline.core.config import Renamed, truthy
 from pipeline.core.progress import progress
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS
+from pipeline.core.sections import Lengths
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
-from pipeline.data.shards import MANIFEST, check_shards, load_manifest
+from pipeline.data.shards import PreparedCorpus, check_shards
 from pipeline.data.stream import frame
 from pipeline.data.tokenizer import load_tokenizer, prefix_token_ids
 from pipeline.retrieval.embeddings import (
@@ -71,7 +72,7 @@ def _similarity_of_normalize(value) -> str:
 
 
 @dataclass
-class EncoderSettings:
+class EncoderSettings(Lengths):
     """How a retriever encodes: the model, and the settings that override its export's."""
 
     RENAMED: ClassVar[dict] = {
@@ -95,8 +96,6 @@ class EncoderSettings:
         default="",
         metadata={"help": "cos (L2-normalised vectors) or dot; empty = the export's (dot for a plain checkpoint)"},
     )
-    passage_max_len: int = field(default=128, metadata={"help": "passage tokens, [CLS] and [SEP] included"})
-    query_max_len: int = field(default=32, metadata={"help": "query tokens, [CLS] and [SEP] included"})
     batch_size: int = field(
         default=0, metadata={"help": "passages per forward at most; 0 = auto: 4,096 on GPUs, 256 on CPUs"}
     )
@@ -329,17 +328,18 @@ class EncodeConfig:
     ray: RayConfig = field(default_factory=RayConfig)
 
 
-def prepared_corpus(corpus: str, model_dir: str, prepared: str, docs_per_shard: int) -> tuple[str, dict]:
-    """(prepared folder, manifest): ``corpus`` itself if it is prepared, else prepared with
-    the model's tokenizer (reused on a rerun)."""
+def prepared_corpus(corpus: str, model_dir: str, prepared: str, docs_per_shard: int) -> PreparedCorpus:
+    """``corpus`` itself if it is prepared, else ``corpus`` prepared in ``prepared`` with the
+    model's tokenizer (reused on a rerun)."""
 
-    if storage.exists(storage.join(corpus, MANIFEST)):
-        return corpus, load_manifest(corpus)
+    ready = PreparedCorpus.at(corpus)
+    if ready is not None:
+        return ready
     cfg = PrepareConfig(input=corpus, output=prepared, tokenizer=model_dir, docs_per_shard=docs_per_shard)
-    return prepared, prepare_corpus(cfg)
+    return PreparedCorpus(prepared, prepare_corpus(cfg))
 
 
-def _made_by(cfg: EncodeConfig, model_dir: str, probe, corpus: str, manifest: dict) -> dict:
+def _made_by(cfg: EncodeConfig, model_dir: str, probe, corpus: PreparedCorpus) -> dict:
     """What the passage vectors depend on: the model (reference and stored version), the
     retriever settings it encodes with (pooling, similarity: the export's, overridden), the
     passage length and the precision it means on the pool's devices, and the prepared corpus
@@ -351,15 +351,15 @@ def _made_by(cfg: EncodeConfig, model_dir: str, probe, corpus: str, manifest: di
         "retriever": asdict(probe.cfg),
         "passage_max_len": cfg.encoder.passage_max_len,
         **made_in(cfg.encoder.precision, device, probe.passage_tower.config.hidden_size),
-        "corpus": corpus,
-        "corpus_version": storage.version(storage.join(corpus, MANIFEST)),
-        "corpus_shards": [(s["first_row"], s["rows"]) for s in manifest["shards"]],
+        "corpus": corpus.folder,
+        "corpus_version": corpus.version,
+        "corpus_shards": [(s["first_row"], s["rows"]) for s in corpus.manifest["shards"]],
     }
 
 
 def run_encoding(cfg: EncodeConfig, before_work=None) -> dict:
     """Encode every shard not yet written, on ``cfg.pool.actors`` actors; write the manifest.
-    ``before_work(dim, corpus, manifest)``: the caller's checks of what it will do with the
+    ``before_work(dim, corpus)`` (``corpus``: the :class:`PreparedCorpus`): the caller's checks of what it will do with the
     vectors, once the prepared corpus and the vectors' width are known and before anything
     is encoded."""
 
@@ -370,30 +370,30 @@ def run_encoding(cfg: EncodeConfig, before_work=None) -> dict:
     model_dir = model_ref.materialize(cfg.encoder.model, "--encoder.model")
     towers = os.path.join(model_dir, "query")
     tokenizer_dir = towers if os.path.isdir(towers) else model_dir
-    corpus, manifest = prepared_corpus(
+    corpus = prepared_corpus(
         storage.resolve(cfg.corpus).uri,
         tokenizer_dir,
         cfg.prepared or storage.join(cfg.output, "corpus"),
         cfg.docs_per_shard,
     )
-    check_shards(corpus, manifest)
-    tokenizer_uri = storage.join(corpus, manifest["tokenizer"])
+    manifest = corpus.manifest
+    check_shards(corpus.folder, manifest)
     probe = load_biencoder(model_dir, cfg.encoder.overrides())
     dim, similarity = int(probe.query_encoder.config.hidden_size), probe.cfg.similarity
     if before_work is not None:
-        before_work(dim, corpus, manifest)
-    made_by = _made_by(cfg, model_dir, probe, corpus, manifest)
+        before_work(dim, corpus)
+    made_by = _made_by(cfg, model_dir, probe, corpus)
     claim(cfg.output, made_by)
     del probe
 
     shards = manifest["shards"]
     done = finished_shards(cfg.output)
-    todo = [(i, storage.join(corpus, s["path"])) for i, s in enumerate(shards) if i not in done]
+    todo = [(i, storage.join(corpus.folder, s["path"])) for i, s in enumerate(shards) if i not in done]
     in_flight = cfg.encoder.shards_in_flight or (2 if cfg.pool.use_gpu else 1)
     remote = ray.remote(EncoderActor).options(**cfg.pool.remote_options(), max_restarts=0, max_concurrency=in_flight)
     with progress(sum(shards[i]["rows"] for i, _ in todo), "encode", "passages") as passages:
         results = run_actor_pool(
-            lambda: remote.remote(cfg.encoder, tokenizer_uri, cfg.pool),
+            lambda: remote.remote(cfg.encoder, corpus.tokenizer, cfg.pool),
             todo,
             lambda actor, task: actor.encode_shard.remote(task[1], task[0], cfg.output),
             cfg.pool.max_retries,
@@ -419,7 +419,7 @@ def run_encoding(cfg: EncodeConfig, before_work=None) -> dict:
     return {
         "job": "encode",
         "output": cfg.output,
-        "corpus": corpus,
+        "corpus": corpus.folder,
         "passages": manifest["num_docs"],
         "shards": len(shards),
         "shards_encoded": len(todo),

@@ -20,9 +20,10 @@ from pipeline.core.parts import BlockFiles, claim, finished_blocks, join_blocks,
 from pipeline.core.plots import plot_metrics
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS, SAMPLE_DEV_QRELS, SAMPLE_DEV_QUERIES
+from pipeline.core.sections import Section
 from pipeline.data.beir import read_qrels, read_queries
 from pipeline.data.runs import write_trec_lines
-from pipeline.data.shards import held_ids
+from pipeline.data.shards import PreparedCorpus, held_ids
 from pipeline.retrieval.encode import EncodeConfig, EncoderSettings, run_encoding, store_query_vectors
 from pipeline.retrieval.faiss_index import IndexConfig, validate_factory
 from pipeline.retrieval.fanout import ranked_ids
@@ -39,7 +40,19 @@ from pipeline.retrieval.search import SearcherConfig, ShardedIndex, query_block_
 
 
 @dataclass
-class EvalConfig:
+class SearchSettings(Section):
+    """How an evaluation searches the encoded corpus: the index, its depth, and the actors
+    that encode (``pool``) and search (``searchers``)."""
+
+    index: str = field(default="Flat", metadata={"help": "FAISS factory string of the index (Flat = exact)"})
+    k: int = field(default=1000, metadata={"help": "passages retrieved per query (capped at the corpus size)"})
+    nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
+    pool: ActorConfig = field(default_factory=ActorConfig)  # the encoders
+    searchers: SearcherConfig = field(default_factory=SearcherConfig)
+
+
+@dataclass
+class EvalConfig(SearchSettings):
     """A trainer's evaluation of its export, when asked: the same path as jobs/evaluate.py."""
 
     queries: str = field(
@@ -50,21 +63,22 @@ class EvalConfig:
     )
     qrels: str = field(default="", metadata={"help": "BEIR qrels TSV of those queries"})
     corpus: str = field(default="", metadata={"help": "BEIR corpus.jsonl to search; empty = the training corpus"})
-    k: int = field(default=100, metadata={"help": "passages retrieved per query"})
-    index: str = field(default="Flat", metadata={"help": "FAISS factory string of the index (Flat = exact)"})
-    pool: ActorConfig = field(default_factory=ActorConfig)  # the encoders
-    searchers: SearcherConfig = field(default_factory=SearcherConfig)
 
     def __post_init__(self):
         if self.queries and not self.qrels:
             raise ValueError("queries given without qrels: evaluating needs both")
 
 
+def trainer_eval() -> EvalConfig:
+    """A trainer's ``eval`` section as it starts: no queries, the top 100."""
+    return EvalConfig(k=100)
+
+
 # -- the evaluation job: encode on actors, index, search the shards, ir_measures ---------------
 
 
 @dataclass
-class EvaluateJobConfig:
+class EvaluateJobConfig(SearchSettings):
     # The encoder's options were once top-level: still read, as encoder.* (a note says so).
     RENAMED: ClassVar[dict] = {
         **{name: Renamed(f"encoder.{name}") for name in ("model", "pooling", "query_max_len", "precision")},
@@ -78,14 +92,9 @@ class EvaluateJobConfig:
     )
     queries: str = field(default=SAMPLE_DEV_QUERIES, metadata={"help": "BEIR queries.jsonl (local or s3://)"})
     qrels: str = field(default=SAMPLE_DEV_QRELS, metadata={"help": "BEIR qrels TSV with a header"})
-    index: str = field(default="Flat", metadata={"help": "FAISS factory string of the index (Flat = exact)"})
-    k: int = field(default=1000, metadata={"help": "passages retrieved per query"})
     output: str = field(
         default="runs/evaluate", metadata={"help": "embeddings, index, run.trec and metrics.json go here"}
     )
-    pool: ActorConfig = field(default_factory=ActorConfig)  # the encoders
-    searchers: SearcherConfig = field(default_factory=SearcherConfig)
-    nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
     docs_per_shard: int = field(default=20000, metadata={"help": "passages per corpus/embedding shard"})
     collections: list[str] = field(
         default_factory=list,
@@ -144,6 +153,30 @@ def _collections(cfg: EvaluateJobConfig) -> list[Collection]:
         seen[base] = seen.get(base, 0) + 1
         out.append(beir_collection(folder, cfg.split, base if seen[base] == 1 else f"{base}-{seen[base]}"))
     return out
+
+
+def evaluation_job(
+    encoder: EncoderSettings,
+    corpus: str,
+    queries: str,
+    qrels: str,
+    search: SearchSettings,
+    output: str,
+    docs_per_shard: int,
+) -> EvaluateJobConfig:
+    """The one evaluation job every caller builds (a trainer's ``--eval``, a workflow's dev
+    evaluation): ``encoder``'s model on ``queries`` over ``corpus`` (raw, or prepared with
+    the model's tokenizer), searched as ``search`` says; its pool and searchers are the
+    caller's own sections."""
+    return EvaluateJobConfig(
+        encoder=encoder,
+        corpus=corpus,
+        queries=queries,
+        qrels=qrels,
+        output=output,
+        docs_per_shard=docs_per_shard,
+        **SearchSettings.values_of(search),
+    )
 
 
 def run_evaluation(cfg: EvaluateJobConfig) -> dict:
@@ -210,12 +243,13 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
         )
     queries = judged
 
-    def before_work(dim: int, corpus: str, manifest: dict) -> None:
+    def before_work(dim: int, corpus: PreparedCorpus) -> None:
         """What can fail later, checked once the corpus is prepared, before it is encoded."""
-        if cfg.k > manifest["num_docs"]:
-            raise ConfigError(f"--k {cfg.k} is larger than the corpus ({manifest['num_docs']} passages)")
+        passages = corpus.manifest["num_docs"]
+        if cfg.k > passages:
+            raise ConfigError(f"--k {cfg.k} is larger than the corpus ({passages} passages)")
         validate_factory(cfg.index, dim)
-        qrels.check_documents(functools.partial(held_ids, corpus, manifest))
+        qrels.check_documents(functools.partial(held_ids, corpus.folder, corpus.manifest))
 
     encoded = run_encoding(
         EncodeConfig(

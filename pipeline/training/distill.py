@@ -22,7 +22,7 @@ from pipeline.core.errors import ConfigError
 from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import DistillDataStats, ExampleRows, load_distillation_examples
-from pipeline.retrieval.evaluate import EvalConfig
+from pipeline.retrieval.evaluate import EvalConfig, trainer_eval
 from pipeline.training.driver import fit
 from pipeline.training.group_training import (
     EncoderInit,
@@ -58,7 +58,7 @@ class DistillConfig:
     model: EncoderInit = field(default_factory=EncoderInit)
     retriever: BiEncoderConfig = field(default_factory=BiEncoderConfig)
     distill: DistillationConfig = field(default_factory=DistillationConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: EvalConfig = field(default_factory=trainer_eval)
     train: TrainConfig = field(default_factory=lambda: embedded_train("distill"))
     ray: RayConfig = field(default_factory=RayConfig)
 

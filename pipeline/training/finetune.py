@@ -12,7 +12,7 @@ from models.biencoder import BiEncoderConfig, ContrastiveObjective
 from pipeline.core import storage
 from pipeline.core.config import to_dict
 from pipeline.core.runtime import RayConfig, write_run_files
-from pipeline.retrieval.evaluate import EvalConfig
+from pipeline.retrieval.evaluate import EvalConfig, trainer_eval
 from pipeline.training.driver import fit
 from pipeline.training.group_training import (
     EncoderInit,
@@ -33,7 +33,7 @@ class FinetuneConfig:
     # The embedded default: the tiny pre-trained Condenser on the bundled sample's queries,
     # at a high rate (embedded_train), pooling as its checkpoint says (auto: [CLS]).
     retriever: BiEncoderConfig = field(default_factory=BiEncoderConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: EvalConfig = field(default_factory=trainer_eval)
     train: TrainConfig = field(default_factory=lambda: embedded_train("finetune"))
     ray: RayConfig = field(default_factory=RayConfig)
 

@@ -17,6 +17,7 @@ import torch
 from pipeline.core import model_ref, storage
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
+from pipeline.core.sections import Lengths
 from pipeline.data.beir import read_qrels, read_queries
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import DataStats, ExampleRows, load_training_examples
@@ -26,7 +27,7 @@ from pipeline.data.tevatron import extract_tevatron_corpus, read_tevatron, tevat
 from pipeline.data.tokenizer import load_tokenizer, prefix_token_ids
 from pipeline.retrieval.bm25_negatives import Bm25Config, mine_negatives
 from pipeline.retrieval.encode import EncoderSettings
-from pipeline.retrieval.evaluate import EvaluateJobConfig, run_evaluation
+from pipeline.retrieval.evaluate import EvaluateJobConfig, evaluation_job, run_evaluation
 from pipeline.training.driver import FitResult, check_placement
 from pipeline.training.task import Task, run_summary, write_summary
 from pipeline.training.train_config import warn_if_a_step_exceeds_an_epoch
@@ -44,15 +45,13 @@ def auto_pooling(init: str, embedded_toy: bool = False) -> str:
 
 
 @dataclass
-class QueryDataConfig:
+class QueryDataConfig(Lengths):
     """The training queries and their judgments: what every trainer on query groups reads."""
 
     queries: str = field(default=SAMPLE_TRAIN_QUERIES, metadata={"help": "BEIR queries.jsonl (local or s3://)"})
     qrels: str = field(
         default=SAMPLE_TRAIN_QRELS, metadata={"help": "BEIR qrels TSV with a header: score > 0 = positive"}
     )
-    query_max_len: int = field(default=32, metadata={"help": "query tokens, [CLS] and [SEP] included"})
-    passage_max_len: int = field(default=128, metadata={"help": "passage tokens, [CLS] and [SEP] included"})
 
 
 @dataclass
@@ -292,22 +291,17 @@ def tokenize_queries(tokenizer, texts: list[str], max_len: int, chunk: int = 819
     return out
 
 
-def evaluation_job(cfg, export_dir: str) -> EvaluateJobConfig:
+def trainer_evaluation(cfg, export_dir: str) -> EvaluateJobConfig:
     """``--eval``'s evaluation of a trained retriever: jobs/evaluate.py's distributed path."""
-    return EvaluateJobConfig(
-        encoder=EncoderSettings(
-            model=export_dir, passage_max_len=cfg.data.passage_max_len, query_max_len=cfg.data.query_max_len
-        ),
+    return evaluation_job(
+        EncoderSettings(model=export_dir, **Lengths.values_of(cfg.data)),
         # The training corpus is already prepared with the export's tokenizer.
-        corpus=cfg.eval.corpus or cfg.corpus.output,
-        queries=cfg.eval.queries,
-        qrels=cfg.eval.qrels,
-        index=cfg.eval.index,
-        k=cfg.eval.k,
-        output=storage.join(cfg.train.output, "eval"),
-        pool=cfg.eval.pool,
-        searchers=cfg.eval.searchers,
-        docs_per_shard=cfg.corpus.docs_per_shard,
+        cfg.eval.corpus or cfg.corpus.output,
+        cfg.eval.queries,
+        cfg.eval.qrels,
+        cfg.eval,
+        storage.join(cfg.train.output, "eval"),
+        cfg.corpus.docs_per_shard,
     )
 
 
@@ -316,5 +310,5 @@ def finish_retriever_run(cfg, prepared: GroupTraining, result: FitResult, job: s
     ``--eval.queries``, its evaluation (encoder actors, FAISS, searchers); written as ``summary.json``."""
     summary = run_summary(job, result, **prepared.summary_fields(), **extra)
     if cfg.eval.queries and summary["export_dir"]:
-        summary["eval"] = run_evaluation(evaluation_job(cfg, summary["export_dir"]))
+        summary["eval"] = run_evaluation(trainer_evaluation(cfg, summary["export_dir"]))
     return write_summary(cfg.train.output, summary, result, title)

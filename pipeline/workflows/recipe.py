@@ -42,13 +42,14 @@ from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.errors import ConfigError
 from pipeline.core.plots import plot_metrics
 from pipeline.core.runtime import RayConfig, write_run_files
+from pipeline.core.sections import Lengths
 from pipeline.data.beir import read_qrels, read_queries
 from pipeline.data.corpus_store import CorpusStore
 from pipeline.data.records import read_lines
 from pipeline.data.runs import read_trec_run, write_trec_run
 from pipeline.retrieval.bm25 import bm25_run, build_index
 from pipeline.retrieval.encode import EncoderSettings
-from pipeline.retrieval.evaluate import EvalConfig
+from pipeline.retrieval.evaluate import EvalConfig, EvaluateJobConfig
 from pipeline.retrieval.metrics import JOB_MEASURES, evaluate
 from pipeline.retrieval.mine import MineConfig, run_mining
 from pipeline.retrieval.rerank_scoring import RerankScoreConfig, run_scoring
@@ -64,6 +65,7 @@ from pipeline.workflows.stages import (
     RetrieverStage,
     corpus_section,
     corpus_store,
+    dev_evaluation,
     eval_k,
     evaluate_dev,
     finetune_config,
@@ -256,9 +258,16 @@ class StageContext:
     def eval_k(self) -> int:
         return eval_k(self.corpus, self.cfg.eval.k)
 
+    def evaluation(
+        self, model: str, folder: str, init: str, pooling: str = "", similarity: str = ""
+    ) -> EvaluateJobConfig:
+        """The dev evaluation of ``model``, which reads the tokens of ``init``'s tokenizer."""
+        corpus = self.prepared_corpus(init)
+        return dev_evaluation(self.cfg.data, self.cfg.eval, model, folder, self.eval_k(), pooling, similarity, corpus)
+
     def evaluate(self, model: str, folder: str, init: str, pooling: str = "", similarity: str = "") -> dict:
-        """Dev metrics of ``model``, which reads the tokens of ``init``'s tokenizer."""
-        corpus = self.corpus.prepared(init)
+        """Dev metrics of ``model``: :meth:`evaluation`, run on the corpus prepared for ``init``."""
+        corpus = self.corpus.prepared(init).folder
         return evaluate_dev(self.cfg.data, self.cfg.eval, model, folder, self.eval_k(), pooling, similarity, corpus)
 
 
@@ -319,29 +328,30 @@ def stage_round1(ctx: StageContext) -> dict:
     return _retriever_stage(ctx, "round1", ctx.cfg.round1, "bm25")
 
 
-def _mine(ctx: StageContext, stage: str, retriever_stage: str) -> dict:
+def mine_job(ctx: StageContext, stage: str, retriever_stage: str) -> MineConfig:
+    """Mining with ``retriever_stage``'s export over its index, searched as the dev
+    evaluations are (the same pool, searchers and nprobe)."""
     cfg = ctx.cfg
-    summary = run_mining(
-        MineConfig(
-            index=ctx.output(retriever_stage, "index"),
-            queries=cfg.data.train_queries,
-            qrels=cfg.data.train_qrels,
-            output=ctx.folder(stage),
-            depth=cfg.mine.depth,
-            count=cfg.mine.count,
-            skip_top=cfg.mine.skip_top,
-            query_block=cfg.mine.query_block,
-            nprobe=cfg.eval.nprobe,
-            encoder=EncoderSettings(
-                model=ctx.output(retriever_stage, "export"),
-                passage_max_len=cfg.data.passage_max_len,
-                query_max_len=cfg.data.query_max_len,
-                precision=cfg.eval.precision,
-            ),
-            pool=cfg.eval.pool,
-            searchers=cfg.eval.searchers,
-        )
+    return MineConfig(
+        index=ctx.output(retriever_stage, "index"),
+        queries=cfg.data.train_queries,
+        qrels=cfg.data.train_qrels,
+        output=ctx.folder(stage),
+        depth=cfg.mine.depth,
+        count=cfg.mine.count,
+        skip_top=cfg.mine.skip_top,
+        query_block=cfg.mine.query_block,
+        nprobe=cfg.eval.nprobe,
+        encoder=EncoderSettings(
+            model=ctx.output(retriever_stage, "export"), precision=cfg.eval.precision, **Lengths.values_of(cfg.data)
+        ),
+        pool=cfg.eval.pool,
+        searchers=cfg.eval.searchers,
     )
+
+
+def _mine(ctx: StageContext, stage: str, retriever_stage: str) -> dict:
+    summary = run_mining(mine_job(ctx, stage, retriever_stage))
     return {
         "outputs": {"negatives": summary["negatives"], "run": summary["run"], "tevatron": summary["tevatron"]},
         "summary": summary,
@@ -360,51 +370,57 @@ def stage_mine2(ctx: StageContext) -> dict:
     return _mine(ctx, "mine2", "round2")
 
 
-def stage_reranker(ctx: StageContext) -> dict:
+def reranker_job(ctx: StageContext) -> RerankConfig:
     cfg, stage = ctx.cfg, ctx.cfg.reranker
     init = stage.init or ctx.encoder_init()
     train = copy.deepcopy(stage.train)
     train.output = ctx.folder("reranker")
     query_len = cfg.data.query_max_len
-    summary = run_reranker_training(
-        RerankConfig(
-            data=FinetuneDataConfig(
-                queries=cfg.data.train_queries,
-                qrels=cfg.data.train_qrels,
-                negatives=ctx.output("mine2", "negatives"),
-                query_max_len=query_len,
-                passage_max_len=min(cfg.data.passage_max_len, stage.max_len - query_len),
-            ),
-            corpus=corpus_section(ctx.corpus, ctx.prepared_corpus(init)),
-            model=EncoderInit(init=init),
-            reranker=RerankerConfig(group_size=stage.group_size, max_len=stage.max_len),
-            eval=RerankEvalConfig(run=""),
-            pool=stage.pool,
-            train=train,
-            ray=cfg.ray,
-        )
+    return RerankConfig(
+        data=FinetuneDataConfig(
+            queries=cfg.data.train_queries,
+            qrels=cfg.data.train_qrels,
+            negatives=ctx.output("mine2", "negatives"),
+            query_max_len=query_len,
+            passage_max_len=min(cfg.data.passage_max_len, stage.max_len - query_len),
+        ),
+        corpus=corpus_section(ctx.corpus, ctx.prepared_corpus(init)),
+        model=EncoderInit(init=init),
+        reranker=RerankerConfig(group_size=stage.group_size, max_len=stage.max_len),
+        eval=RerankEvalConfig(run=""),
+        pool=stage.pool,
+        train=train,
+        ray=cfg.ray,
     )
+
+
+def stage_reranker(ctx: StageContext) -> dict:
+    summary = run_reranker_training(reranker_job(ctx))
     return {"outputs": {"export": summary["export_dir"]}, "summary": summary}
+
+
+def score_job(
+    ctx: StageContext, stage: str, run: str, queries: str, qrels: str, depth: int, include_positives: bool
+) -> RerankScoreConfig:
+    return RerankScoreConfig(
+        model=ctx.output("reranker", "export"),
+        run=run,
+        queries=queries,
+        corpus=ctx.cfg.data.corpus,
+        text=ctx.corpus.text_folder,
+        qrels=qrels,
+        include_positives=include_positives,
+        depth=depth,
+        output=ctx.folder(stage),
+        queries_per_task=ctx.cfg.reranker.queries_per_task,
+        pool=ctx.cfg.reranker.pool,
+    )
 
 
 def _score(
     ctx: StageContext, stage: str, run: str, queries: str, qrels: str, depth: int, include_positives: bool
 ) -> dict:
-    return run_scoring(
-        RerankScoreConfig(
-            model=ctx.output("reranker", "export"),
-            run=run,
-            queries=queries,
-            corpus=ctx.cfg.data.corpus,
-            text=ctx.corpus.text_folder,
-            qrels=qrels,
-            include_positives=include_positives,
-            depth=depth,
-            output=ctx.folder(stage),
-            queries_per_task=ctx.cfg.reranker.queries_per_task,
-            pool=ctx.cfg.reranker.pool,
-        )
-    )
+    return run_scoring(score_job(ctx, stage, run, queries, qrels, depth, include_positives))
 
 
 def stage_rerank(ctx: StageContext) -> dict:
@@ -475,30 +491,33 @@ def stage_teacher(ctx: StageContext) -> dict:
     return {"outputs": {"scores": summary["run"]}, "summary": summary}
 
 
-def stage_distill(ctx: StageContext) -> dict:
+def distill_job(ctx: StageContext) -> DistillConfig:
     cfg, stage = ctx.cfg, ctx.cfg.distill
     init = stage.init or ctx.encoder_init()
     train = copy.deepcopy(stage.train)
     train.output = ctx.folder("distill")
-    summary = run_distillation(
-        DistillConfig(
-            data=DistillDataConfig(
-                queries=cfg.data.train_queries,
-                qrels=cfg.data.train_qrels,
-                query_max_len=cfg.data.query_max_len,
-                passage_max_len=cfg.data.passage_max_len,
-                teacher_scores=ctx.output("teacher", "scores"),
-                teacher_depth=0,
-            ),
-            corpus=corpus_section(ctx.corpus, ctx.prepared_corpus(init)),
-            model=EncoderInit(init=init),
-            retriever=ctx.retriever(stage.retriever, init),
-            distill=copy.deepcopy(stage.loss),
-            eval=EvalConfig(queries="", qrels=""),
-            train=train,
-            ray=cfg.ray,
-        )
+    return DistillConfig(
+        data=DistillDataConfig(
+            queries=cfg.data.train_queries,
+            qrels=cfg.data.train_qrels,
+            teacher_scores=ctx.output("teacher", "scores"),
+            teacher_depth=0,
+            **Lengths.values_of(cfg.data),
+        ),
+        corpus=corpus_section(ctx.corpus, ctx.prepared_corpus(init)),
+        model=EncoderInit(init=init),
+        retriever=ctx.retriever(stage.retriever, init),
+        distill=copy.deepcopy(stage.loss),
+        eval=EvalConfig(queries="", qrels=""),
+        train=train,
+        ray=cfg.ray,
     )
+
+
+def stage_distill(ctx: StageContext) -> dict:
+    stage = ctx.cfg.distill
+    init = stage.init or ctx.encoder_init()
+    summary = run_distillation(distill_job(ctx))
     evaluation = ctx.evaluate(summary["export_dir"], storage.join(ctx.folder("distill"), "eval"), init)
     return {
         "outputs": {"export": summary["export_dir"], "run": evaluation["run"]},

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from models.biencoder import BiEncoderConfig
 from pipeline.core import storage
-from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import (
     SAMPLE_CORPUS,
@@ -22,24 +21,22 @@ from pipeline.core.sample import (
     SAMPLE_TRAIN_QRELS,
     SAMPLE_TRAIN_QUERIES,
 )
+from pipeline.core.sections import Lengths
 from pipeline.data.corpus_store import CorpusStore
 from pipeline.retrieval.encode import EncoderSettings
-from pipeline.retrieval.evaluate import EvalConfig, EvaluateJobConfig, run_evaluation
-from pipeline.retrieval.search import SearcherConfig
+from pipeline.retrieval.evaluate import EvalConfig, EvaluateJobConfig, SearchSettings, evaluation_job, run_evaluation
 from pipeline.training.finetune import FinetuneConfig, run_finetuning
 from pipeline.training.group_training import EncoderInit, FinetuneCorpusConfig, FinetuneDataConfig
 from pipeline.training.train_config import TrainConfig, embedded_train
 
 
 @dataclass
-class RetrievalData:
+class RetrievalData(Lengths):
     corpus: str = field(default=SAMPLE_CORPUS, metadata={"help": "BEIR corpus.jsonl (local or s3://)"})
     train_queries: str = field(default=SAMPLE_TRAIN_QUERIES, metadata={"help": "training queries (BEIR jsonl)"})
     train_qrels: str = field(default=SAMPLE_TRAIN_QRELS, metadata={"help": "their qrels (TSV with a header)"})
     dev_queries: str = field(default=SAMPLE_DEV_QUERIES, metadata={"help": "evaluation queries"})
     dev_qrels: str = field(default=SAMPLE_DEV_QRELS, metadata={"help": "their qrels"})
-    query_max_len: int = field(default=32, metadata={"help": "query tokens, [CLS] and [SEP] included"})
-    passage_max_len: int = field(default=128, metadata={"help": "passage tokens, [CLS] and [SEP] included"})
     docs_per_shard: int = field(default=20000, metadata={"help": "passages per corpus / embedding shard"})
 
 
@@ -50,20 +47,15 @@ class RetrieverStage:
 
 
 @dataclass
-class EvalStage:
-    k: int = field(default=1000, metadata={"help": "passages retrieved per dev query (capped at the corpus size)"})
-    index: str = field(
-        default="Flat", metadata={"help": "FAISS factory of the evaluation / mining index (Flat = exact)"}
-    )
-    nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
+class EvalStage(SearchSettings):
+    """How every stage's dev evaluation searches (and mining, with the same searchers)."""
+
     precision: Literal["auto", "fp32", "fp16", "bf16"] = field(
         default="auto",
         metadata={
             "help": "encoding precision: auto (the model held in fp16 on GPUs, fp32 on CPUs, by measurement), fp32, fp16 or bf16 (bf16 also speeds up CPUs with AMX)"
         },
     )
-    pool: ActorConfig = field(default_factory=ActorConfig)  # the encoders
-    searchers: SearcherConfig = field(default_factory=SearcherConfig)
 
 
 def corpus_store(data: RetrievalData, output: str) -> CorpusStore:
@@ -77,7 +69,13 @@ def eval_k(corpus: CorpusStore, k: int) -> int:
     return min(k, corpus.docs())
 
 
-def evaluate_dev(
+def evaluate_dev(*args, **kwargs) -> dict:
+    """Dev metrics of a retriever through the distributed path (encode on actors, index,
+    search): :func:`dev_evaluation`'s job, run."""
+    return run_evaluation(dev_evaluation(*args, **kwargs))
+
+
+def dev_evaluation(
     data: RetrievalData,
     settings: EvalStage,
     model: str,
@@ -86,34 +84,17 @@ def evaluate_dev(
     pooling: str = "",
     similarity: str = "",
     corpus: str = "",
-) -> dict:
-    """Dev metrics of a retriever through the distributed path: encode on actors, index, search.
-    ``pooling`` / ``similarity``: overrides of the export's (empty = its own); ``corpus``: the
-    corpus prepared with the model's tokenizer (a run's, reused); empty = the raw corpus,
-    prepared inside ``folder``."""
+) -> EvaluateJobConfig:
+    """The evaluation job of a retriever on the dev queries. ``pooling`` / ``similarity``:
+    overrides of the export's (empty = its own); ``corpus``: the corpus prepared with the
+    model's tokenizer (a run's, reused); empty = the raw corpus, prepared inside ``folder``."""
 
     encoder = EncoderSettings(
-        model=model,
-        pooling=pooling,
-        similarity=similarity,
-        passage_max_len=data.passage_max_len,
-        query_max_len=data.query_max_len,
-        precision=settings.precision,
+        model=model, pooling=pooling, similarity=similarity, precision=settings.precision, **Lengths.values_of(data)
     )
-    return run_evaluation(
-        EvaluateJobConfig(
-            encoder=encoder,
-            corpus=corpus or data.corpus,
-            queries=data.dev_queries,
-            qrels=data.dev_qrels,
-            index=settings.index,
-            k=k,
-            output=folder,
-            pool=settings.pool,
-            searchers=settings.searchers,
-            nprobe=settings.nprobe,
-            docs_per_shard=data.docs_per_shard,
-        )
+    search = replace(settings, k=k)  # the same pool and searchers
+    return evaluation_job(
+        encoder, corpus or data.corpus, data.dev_queries, data.dev_qrels, search, folder, data.docs_per_shard
     )
 
 
@@ -175,7 +156,7 @@ def train_and_evaluate(job: FinetuneConfig, data: RetrievalData, settings: EvalS
     folder = storage.join(job.train.output, "eval")
     prepared = corpus.prepare(job.corpus.output, job.corpus.tokenizer or job.model.init)
     evaluation = evaluate_dev(
-        data, settings, summary["export_dir"], folder, eval_k(corpus, settings.k), corpus=prepared
+        data, settings, summary["export_dir"], folder, eval_k(corpus, settings.k), corpus=prepared.folder
     )
     return {
         "outputs": {

@@ -9,7 +9,6 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import synthetic_docs, write_jsonl
 
-from pipeline.core import storage
 from pipeline.core.errors import InputError
 from pipeline.data.corpus_store import CorpusStore
 from pipeline.data.join import JoinConfig
@@ -125,7 +124,7 @@ def test_a_run_stages_its_corpus_once_for_every_tokenizer(tmp_path, shared_ray):
     staged = store.text()
     before = written_at(staged)
     for tokenizer in (first, second):
-        manifest = storage.read_json(storage.join(store.prepared(tokenizer), "manifest.json"))
+        manifest = store.prepared(tokenizer).manifest
         assert manifest["num_docs"] == 30 and [s["rows"] for s in manifest["shards"]] == [10, 10, 10]
     assert store.folder(first) != store.folder(second)
     assert written_at(store.text()) == before and store.docs() == 30

@@ -11,7 +11,7 @@ import pytest
 from pipeline.core.config import parse_config
 from pipeline.core.errors import ConfigError
 from pipeline.training.finetune import FinetuneConfig, run_finetuning
-from pipeline.training.group_training import evaluation_job
+from pipeline.training.group_training import trainer_evaluation
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,7 +65,7 @@ def test_evaluation_is_off_by_default_and_asked_for_goes_through_the_distributed
             "--data.passage_max_len", "96",
         ],
     )  # fmt: skip
-    job = evaluation_job(cfg, "s3://b/run/export")
+    job = trainer_evaluation(cfg, "s3://b/run/export")
     assert (job.encoder.model, job.corpus, job.output) == ("s3://b/run/export", "s3://b/run/corpus", "s3://b/run/eval")
     assert (job.queries, job.qrels, job.index, job.encoder.passage_max_len) == (
         "s3://b/dev.jsonl",
@@ -73,7 +73,8 @@ def test_evaluation_is_off_by_default_and_asked_for_goes_through_the_distributed
         "IVF64,Flat",
         96,
     )
-    assert job.pool == cfg.eval.pool and job.pool.use_gpu and job.pool.actors == 4
+    assert job.pool is cfg.eval.pool and job.pool.use_gpu and job.pool.actors == 4
+    assert job.k == 100 and job.nprobe == cfg.eval.nprobe  # a trainer's own default depth
 
 
 def test_the_run_corpus_is_recorded_as_the_trainer_records_it(tmp_path, monkeypatch):

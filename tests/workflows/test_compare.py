@@ -15,6 +15,7 @@ import pytest
 
 from pipeline.core.config import parse_config
 from pipeline.data.corpus_store import CorpusStore
+from pipeline.data.shards import PreparedCorpus
 from pipeline.training.train_config import TrainConfig
 from pipeline.workflows import compare, stages
 from pipeline.workflows.compare import (
@@ -133,7 +134,7 @@ def _stub_stages(monkeypatch) -> dict[str, list]:
     monkeypatch.setattr(compare, "run_pretraining", fake_pretraining)
     monkeypatch.setattr(stages, "run_finetuning", fake_finetuning)
     monkeypatch.setattr(stages, "evaluate_dev", fake_evaluation)
-    monkeypatch.setattr(CorpusStore, "prepare", lambda store, folder, tokenizer: folder)
+    monkeypatch.setattr(CorpusStore, "prepare", lambda store, folder, tokenizer: PreparedCorpus(folder, {}))
     monkeypatch.setattr(compare, "run_analysis", fake_analysis)
     monkeypatch.setattr(compare, "plot_method_comparison", lambda rows, metrics, uri: uri)
     return calls

@@ -17,6 +17,7 @@ from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.config import parse_config, to_dict
 from pipeline.core.errors import ConfigError
 from pipeline.data.corpus_store import CorpusStore
+from pipeline.data.shards import PreparedCorpus
 from pipeline.workflows.manifest import RunManifest
 from pipeline.workflows.recipe import (
     MANIFEST,
@@ -307,8 +308,8 @@ def test_the_eval_and_reranker_pools_reach_every_stage_whole(tmp_path, monkeypat
     ]:
         monkeypatch.setattr(module, name, fake)
     # The corpus folders, not preparing them (the stand-in trainers prepare nothing).
-    monkeypatch.setattr(CorpusStore, "prepared", CorpusStore.folder)
-    monkeypatch.setattr(CorpusStore, "prepare", lambda store, folder, tokenizer: folder)
+    monkeypatch.setattr(CorpusStore, "prepared", lambda store, tokenizer: PreparedCorpus(store.folder(tokenizer), {}))
+    monkeypatch.setattr(CorpusStore, "prepare", lambda store, folder, tokenizer: PreparedCorpus(folder, {}))
     ctx = recipe.StageContext(cfg, RunManifest(cfg.output, MANIFEST))
     monkeypatch.setattr(CorpusStore, "docs", lambda store: 5000)
     ctx.manifest.save("pretrain", {"outputs": {"export": "s3://b/pretrain/export"}})
@@ -471,3 +472,60 @@ def test_retriever_pooling_is_the_embedded_toys_own_else_left_to_the_init(tmp_pa
         ["--config", os.path.join(os.path.dirname(__file__), "..", "..", "jobs", "recipes", "msmarco.yaml")],
     )
     assert StageContext(msmarco, manifest).retriever(msmarco.round1.retriever, export).pooling == "cls"
+
+
+def test_every_stage_job_built_from_one_recipe_shares_its_sections(tmp_path, monkeypatch):
+    """Each stage's job config, built from jobs/recipes/msmarco.yaml as the stages build
+    them (nothing run): the sections the stages share are the recipe's own objects (the
+    encoder pool and searchers, Ray) or carry its values (the lengths, the query sets, the
+    prepared corpus of the encoder's tokenizer), so no stage searches, cuts or reads
+    differently from another."""
+    from types import SimpleNamespace
+
+    from pipeline.core.sections import Lengths
+    from pipeline.retrieval.evaluate import SearchSettings
+    from pipeline.workflows import recipe
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "jobs", "recipes", "msmarco.yaml")
+    cfg = parse_config(
+        RecipeConfig, ["--config", path, "--output", str(tmp_path / "run"), "--data.query_max_len", "24"]
+    )
+    outputs = {"export": "s3://b/x/export", "index": "s3://b/x/index", "negatives": "s3://b/x/neg.jsonl"}
+    outputs |= {"scores": "s3://b/teacher/run.trec", "run": "s3://b/x/run.trec"}
+    ctx = recipe.StageContext(cfg, SimpleNamespace(record=lambda stage: {"outputs": outputs}))
+    monkeypatch.setattr(CorpusStore, "docs", lambda store: 8_841_823)  # counted when staged: not here
+    init = ctx.encoder_init()
+    prepared = ctx.prepared_corpus(init)
+    data = cfg.data
+    jobs = {
+        "round1": recipe._finetune_config(ctx, "round1", cfg.round1, init, "bm25"),
+        "round2": recipe._finetune_config(ctx, "round2", cfg.round2, init, "s3://b/mine1/neg.jsonl"),
+        "mine": recipe.mine_job(ctx, "mine1", "round1"),
+        "reranker": recipe.reranker_job(ctx),
+        "teacher": recipe.score_job(ctx, "teacher", "run", data.train_queries, data.train_qrels, 32, True),
+        "rerank": recipe.score_job(ctx, "rerank", "run", data.dev_queries, data.dev_qrels, 100, False),
+        "distill": recipe.distill_job(ctx),
+        "eval": ctx.evaluation("s3://b/round1/export", "s3://b/round1/eval", init),
+    }
+    lengths = Lengths.values_of(data)
+    for name in ("round1", "round2", "distill"):
+        assert Lengths.values_of(jobs[name].data) == lengths, name
+    for name in ("mine", "eval"):
+        assert Lengths.values_of(jobs[name].encoder) == lengths, name
+    # Searching: the evaluation is the recipe's eval section; mining searches with its objects.
+    search = SearchSettings.values_of(jobs["eval"])
+    assert search == {**SearchSettings.values_of(cfg.eval), "k": ctx.eval_k()}
+    for name in ("eval", "mine"):
+        assert jobs[name].pool is cfg.eval.pool and jobs[name].searchers is cfg.eval.searchers, name
+        assert jobs[name].nprobe == cfg.eval.nprobe and jobs[name].encoder.precision == cfg.eval.precision
+    for name in ("teacher", "rerank"):
+        assert jobs[name].pool is cfg.reranker.pool, name
+    for name in ("round1", "round2", "reranker", "distill"):
+        assert jobs[name].ray is cfg.ray, name
+        assert jobs[name].corpus.output == prepared and jobs[name].model.init == init, name
+        assert (jobs[name].data.queries, jobs[name].data.qrels) == (data.train_queries, data.train_qrels), name
+    assert jobs["eval"].corpus == prepared  # evaluated on the corpus the trainers prepared
+    assert (jobs["mine"].queries, jobs["mine"].qrels) == (data.train_queries, data.train_qrels)
+    assert (jobs["eval"].queries, jobs["eval"].qrels) == (data.dev_queries, data.dev_qrels)
+    assert (jobs["rerank"].queries, jobs["rerank"].qrels) == (data.dev_queries, data.dev_qrels)
+    assert jobs["teacher"].text == jobs["rerank"].text == ctx.corpus.text_folder
