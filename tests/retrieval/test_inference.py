@@ -152,6 +152,7 @@ def test_encodings_record_the_precision_auto_meant_on_their_devices(tmp_path):
     from types import SimpleNamespace
 
     from models.biencoder import BiEncoderConfig
+    from pipeline.data.shards import PreparedCorpus
     from pipeline.retrieval.encode import EncodeConfig, _made_by
 
     (tmp_path / "model").mkdir()
@@ -165,7 +166,7 @@ def test_encodings_record_the_precision_auto_meant_on_their_devices(tmp_path):
         probe = SimpleNamespace(
             cfg=BiEncoderConfig(), passage_tower=SimpleNamespace(config=SimpleNamespace(hidden_size=hidden))
         )
-        return _made_by(cfg, str(tmp_path / "model"), probe, str(tmp_path / "corpus"), {"shards": []})
+        return _made_by(cfg, str(tmp_path / "model"), probe, PreparedCorpus(str(tmp_path / "corpus"), {"shards": []}))
 
     assert made_by(False, 768)["precision"] == "fp32" and made_by(True, 768)["precision"] == "fp16"
     assert made_by(False, 768) != made_by(True, 768) and made_by(False, 768) == made_by(True, 768, "fp32")
