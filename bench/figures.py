@@ -105,10 +105,16 @@ def render_file(path: Path) -> list[str]:
     head = [
         f"<details><summary><code>results/{path.name}</code>: {device}, {when}</summary>",
         "",
-        f"Versions: {cell(versions)}." + (f" Command: `{figures['command']}`." if figures.get("command") else ""),
+        f"Versions: {listed(versions)}." + (f" Command: `{figures['command']}`." if figures.get("command") else ""),
         "",
     ]
     return head + render_mapping(body) + ["</details>", ""]
+
+
+def listed(versions) -> str:
+    if isinstance(versions, dict):
+        return ", ".join(f"{name} {version}" for name, version in versions.items())
+    return str(versions)
 
 
 def described(device) -> str:
