@@ -58,6 +58,7 @@ from pipeline.training.group_training import EncoderInit, FinetuneDataConfig, au
 from pipeline.training.pretrain import PretrainConfig, run_pretraining
 from pipeline.training.rerank import RerankConfig, RerankEvalConfig, run_reranker_training
 from pipeline.training.train_config import TrainConfig, embedded_train
+from pipeline.workflows import stages
 from pipeline.workflows.manifest import RunManifest
 from pipeline.workflows.stages import (
     EvalStage,
@@ -67,7 +68,6 @@ from pipeline.workflows.stages import (
     corpus_store,
     dev_evaluation,
     eval_k,
-    evaluate_dev,
     finetune_config,
     pretrained_record,
     train_and_evaluate,
@@ -267,8 +267,8 @@ class StageContext:
 
     def evaluate(self, model: str, folder: str, init: str, pooling: str = "", similarity: str = "") -> dict:
         """Dev metrics of ``model``: :meth:`evaluation`, run on the corpus prepared for ``init``."""
-        corpus = self.corpus.prepared(init).folder
-        return evaluate_dev(self.cfg.data, self.cfg.eval, model, folder, self.eval_k(), pooling, similarity, corpus)
+        self.corpus.prepared(init)  # what evaluation() names, prepared now if no trainer did
+        return stages.run_evaluation(self.evaluation(model, folder, init, pooling, similarity))
 
 
 def stage_pretrain(ctx: StageContext) -> dict:
