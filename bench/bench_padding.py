@@ -42,11 +42,12 @@ from bench import record, smoke  # noqa: E402
 from models.backbone import BackboneConfig  # noqa: E402
 from models.biencoder import BiEncoderConfig, ContrastiveObjective  # noqa: E402
 from models.cocondenser import CoCondenserMethod  # noqa: E402
+from models.framing import Framing  # noqa: E402
 from models.method import PlainEngine  # noqa: E402
 from pipeline.core.sample import SAMPLE_CORPUS  # noqa: E402
 from pipeline.data.corpus import iter_documents  # noqa: E402
 from pipeline.data.records import json_lines  # noqa: E402
-from pipeline.data.stream import StreamSpec, frame, to_span_pairs  # noqa: E402
+from pipeline.data.stream import StreamSpec, to_span_pairs  # noqa: E402
 from pipeline.data.tokenizer import load_tokenizer, train_wordpiece  # noqa: E402
 from pipeline.training.pretrain import PretrainConfig, PretrainTask  # noqa: E402
 
@@ -199,13 +200,7 @@ def bench_buckets(steps: int, group: int = 8, queries_per_batch: int = 16) -> di
 
 def frame_texts(tokenizer, texts: list[str], max_len: int) -> tuple[np.ndarray, np.ndarray]:
     ids = tokenizer(texts, add_special_tokens=False, truncation=True, max_length=max_len - 2)["input_ids"]
-    return frame(
-        [np.asarray(i, np.int32) for i in ids],
-        max_len,
-        tokenizer.cls_token_id,
-        tokenizer.sep_token_id,
-        tokenizer.pad_token_id,
-    )
+    return Framing.of(tokenizer).frame(ids, max_len)
 
 
 def main() -> None:

@@ -187,6 +187,14 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+# Decoder LLMs a retriever may be trained from (not pre-trained: the methods are encoders').
+# They read left to right, so only the last token has seen the whole text, and they are
+# pooled there (RepLLaMA, E5-Mistral, gte-Qwen2).
+DECODER_TYPES = ("llama", "mistral", "qwen2")
+# Every family a checkpoint may be of: an encoder of FAMILIES, or a decoder.
+SUPPORTED_TYPES = (*FAMILIES, *DECODER_TYPES)
+
+
 def family(mlm_or_type) -> Family:
     """The adapter of a model (or a ``model_type``); a clear error for any other family."""
     model_type = mlm_or_type if isinstance(mlm_or_type, str) else mlm_or_type.config.model_type
@@ -244,8 +252,10 @@ def check_checkpoint(path: str) -> None:
     and passes. Reads the weight files' headers only: the model is built on the meta device."""
     with open(os.path.join(path, "config.json")) as f:
         model_type = json.load(f).get("model_type")
-    if model_type not in FAMILIES:
-        raise UnsupportedCheckpoint(f"model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
+    if model_type not in SUPPORTED_TYPES:
+        raise UnsupportedCheckpoint(
+            f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_TYPES)})"
+        )
     stored = _stored_weight_names(path)
     if not stored:
         return
@@ -260,7 +270,7 @@ def check_checkpoint(path: str) -> None:
     if found < LEAST_LOADED_SHARE * len(expected):
         raise UnsupportedCheckpoint(
             f"only {found} of the {len(expected)} weights of the {model_type} model its config.json names are "
-            f"stored there: the weights are another model's (supported: {', '.join(FAMILIES)})"
+            f"stored there: the weights are another model's (supported: {', '.join(SUPPORTED_TYPES)})"
         )
 
 
@@ -316,10 +326,16 @@ def has_safetensors(path: str) -> bool:
     return any(name.endswith(".safetensors") for name in os.listdir(path))
 
 
+# A checkpoint larger than this is written as several safetensors files with an index, as the
+# Hub's large models are: a 7B model in fp32 is six files, each uploaded and loaded alone.
+EXPORT_SHARD_SIZE = "5GB"
+
+
 def export_backbone(mlm: PreTrainedModel, out_dir: str, tokenizer_dir: str | None = None) -> str:
-    """Save the backbone as a plain HF checkpoint (safetensors), with its tokenizer."""
+    """Save the backbone as a plain HF checkpoint (safetensors, in shards when large), with
+    its tokenizer."""
     os.makedirs(out_dir, exist_ok=True)
-    mlm.save_pretrained(out_dir, safe_serialization=True)
+    mlm.save_pretrained(out_dir, safe_serialization=True, max_shard_size=EXPORT_SHARD_SIZE)
     if tokenizer_dir:  # its tokenizer files only: a model folder given as one keeps its weights
         for name in os.listdir(tokenizer_dir):
             src = os.path.join(tokenizer_dir, name)

@@ -16,38 +16,47 @@ import copy
 import json
 import os
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, cast, get_args
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModel
+from transformers import AutoModel, AutoTokenizer
 
-from models.backbone import export_backbone, load_pretrained
+from models.backbone import DECODER_TYPES, export_backbone, load_pretrained
 from models.batches import ids_and_mask
 from models.distributed import gather_with_grad, world_size
+from models.framing import Framing
 from models.grad_cache import engine_grad_cache_backward, fitting_chunk
 from models.lora import LoraSettings, merged, with_lora
 from models.memory import ACTIVATION_SHARE, measure_activations, saved_bytes
 from models.objective import Objective
 
 SETTINGS_FILE = "retriever.json"
-Pooling = Literal["cls", "mean"]
+ADAPTER_FOLDER = "adapter"  # LoRA adapters alone, beside the merged export, when asked
+Pooling = Literal["cls", "mean", "last"]
+
 ST_POOLING_FILE = os.path.join("1_Pooling", "config.json")  # a sentence-transformers model's pooling
 
 
-def own_pooling(retriever_settings: dict | None, st_pooling: dict | None) -> Pooling:
-    """What ``pooling: auto`` is for a checkpoint, from its two optional files: the pooling
-    its retriever was trained with (``retriever.json``), else its sentence-transformers
-    pooling (``1_Pooling/config.json``: CLS or mean tokens), else [CLS]: the vector
-    Condenser, coCondenser and SimLM train, and what a plain BERT has."""
+def own_pooling(retriever_settings: dict | None, st_pooling: dict | None, model_type: str = "") -> Pooling:
+    """What ``pooling: auto`` is for a checkpoint, from its optional files: the pooling its
+    retriever was trained with (``retriever.json``), else its sentence-transformers pooling
+    (``1_Pooling/config.json``: CLS, mean or last token), else the last token for a decoder
+    and [CLS] for an encoder: the vector Condenser, coCondenser and SimLM train, and what a
+    plain BERT has."""
     trained = (retriever_settings or {}).get("pooling")
-    if trained == "cls" or trained == "mean":
-        return trained
-    if (st_pooling or {}).get("pooling_mode_mean_tokens"):
+    if trained in get_args(Pooling):
+        return cast(Pooling, trained)
+    st_pooling = st_pooling or {}
+    if st_pooling.get("pooling_mode_mean_tokens") or st_pooling.get("pooling_mode") == "mean":
         return "mean"
-    return "cls"
+    if st_pooling.get("pooling_mode_lasttoken") or st_pooling.get("pooling_mode") == "lasttoken":
+        return "last"
+    if st_pooling.get("pooling_mode_cls_token") or st_pooling.get("pooling_mode") == "cls":
+        return "cls"
+    return "last" if model_type in DECODER_TYPES else "cls"
 
 
 def folder_pooling(folder: str) -> Pooling:
@@ -60,15 +69,15 @@ def folder_pooling(folder: str) -> Pooling:
         with open(path) as f:
             return json.load(f)
 
-    return own_pooling(read(SETTINGS_FILE), read(ST_POOLING_FILE))
+    return own_pooling(read(SETTINGS_FILE), read(ST_POOLING_FILE), (read("config.json") or {}).get("model_type", ""))
 
 
 @dataclass
 class BiEncoderConfig:
-    pooling: Literal["auto", "cls", "mean"] = field(
+    pooling: Literal["auto", "cls", "mean", "last"] = field(
         default="auto",
         metadata={
-            "help": "cls: the [CLS] vector; mean: the mean of the non-padding token states; auto = the starting checkpoint's own: its retriever.json, else its sentence-transformers pooling, else cls (how Condenser, coCondenser and SimLM train it)"
+            "help": "cls: the [CLS] vector; mean: the mean of the non-padding token states; last: the last token's state, after the tokenizer's end-of-sequence token, appended if its template lacks it (decoders); auto = the starting checkpoint's own: its retriever.json, else its sentence-transformers pooling, else last for a decoder (Llama, Mistral, Qwen2) and cls for an encoder (how Condenser, coCondenser and SimLM train it)"
         },
     )
     similarity: Literal["dot", "cos"] = field(
@@ -106,6 +115,12 @@ class BiEncoderConfig:
         default="", metadata={"help": "text put before every passage, likewise (E5: 'passage: ')"}
     )
     lora: LoraSettings = field(default_factory=LoraSettings)  # adapters instead of full fine-tuning
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={
+            "help": "keep only each layer's input for the backward and recompute the rest there (a decoder's activations at a fraction of the memory, for about a third more compute); the gradient cache then sizes its chunks from what is kept"
+        },
+    )
 
     def prefix(self, tower: str) -> str:
         return self.query_prefix if tower == "query" else self.passage_prefix
@@ -120,7 +135,10 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> to
         hidden = hidden.float()
         mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
         return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
-    raise ValueError(f"pooling {pooling!r}: expected 'cls' or 'mean'")
+    if pooling == "last":  # each row's last unmasked position: padding on either side
+        last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last].float()
+    raise ValueError(f"pooling {pooling!r}: expected 'cls', 'mean' or 'last'")
 
 
 class BiEncoder(nn.Module):
@@ -134,7 +152,7 @@ class BiEncoder(nn.Module):
         super().__init__()
         if cfg.temperature <= 0:
             raise ValueError(f"temperature must be positive, got {cfg.temperature}")
-        if cfg.pooling not in ("cls", "mean"):
+        if cfg.pooling not in get_args(Pooling):
             raise ValueError(f"pooling {cfg.pooling!r}: resolve 'auto' from the checkpoint first (folder_pooling)")
         self.cfg = cfg
         self.query_encoder = query_encoder
@@ -152,10 +170,15 @@ class BiEncoder(nn.Module):
         return reps[torch.argsort(order)]  # back to the input order
 
     def _encode_slice(self, encoder: nn.Module, input_ids, attention_mask) -> torch.Tensor:
-        # Padding columns no sequence uses change nothing but the cost: drop them.
-        width = max(1, int(attention_mask.sum(1).max()))
+        # Padding columns no sequence uses change nothing but the cost: drop them (on the
+        # right, or on the left of a left-padded batch).
+        used = attention_mask.any(0).nonzero()
+        start, end = (int(used[0]), int(used[-1]) + 1) if len(used) else (0, 1)
         # Contiguous: a compiled encoder (guarding on strides) would otherwise compile again.
-        input_ids, attention_mask = input_ids[:, :width].contiguous(), attention_mask[:, :width].contiguous()
+        input_ids, attention_mask = (
+            input_ids[:, start:end].contiguous(),
+            attention_mask[:, start:end].contiguous(),
+        )
         hidden = encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         reps = pool(hidden, attention_mask, self.cfg.pooling)
         return F.normalize(reps, dim=-1) if self.cfg.similarity == "cos" else reps
@@ -189,6 +212,11 @@ class BiEncoder(nn.Module):
         )
         for sub, encoder in towers.items():  # LoRA adapters merged in: a plain HF encoder
             export_backbone(merged(encoder), os.path.join(out_dir, sub), tokenizer_dir)
+            if self.cfg.lora.save_adapter and hasattr(encoder, "peft_config"):
+                encoder.save_pretrained(os.path.join(out_dir, sub, ADAPTER_FOLDER))
+            if tokenizer_dir and self.cfg.pooling == "last":  # its EOS in the saved template: loaders append it too
+                tokenizer = AutoTokenizer.from_pretrained(os.path.join(out_dir, sub))
+                Framing.of(tokenizer, last_token=True).save_as_template(tokenizer, os.path.join(out_dir, sub))
         settings = {**asdict(self.cfg), "towers": sorted(t for t in towers if t)}
         with open(os.path.join(out_dir, SETTINGS_FILE), "w") as f:
             json.dump(settings, f, indent=2)
@@ -215,6 +243,7 @@ def write_sentence_transformers_files(
         "word_embedding_dimension": hidden_size,
         "pooling_mode_cls_token": cfg.pooling == "cls",
         "pooling_mode_mean_tokens": cfg.pooling == "mean",
+        "pooling_mode_lasttoken": cfg.pooling == "last",
         "pooling_mode_max_tokens": False,
         "pooling_mode_mean_sqrt_len_tokens": False,
         "include_prompt": True,  # raydense pools over the prefix's tokens too
@@ -423,6 +452,10 @@ class ContrastiveObjective(Objective[BiEncoder]):
         pooler = getattr(encoder, "pooler", None)
         if pooler is not None:  # unused by CLS/mean pooling: frozen, so no worker waits on its gradient
             pooler.requires_grad_(False)
+        if self.cfg.gradient_checkpointing:  # non-reentrant: the gradient cache takes gradients with autograd.grad
+            encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if self.cfg.lora.rank:  # frozen embeddings: the checkpointed layers' input must still want a gradient
+                encoder.enable_input_require_grads()
         passage = None if self.cfg.shared_encoder else copy.deepcopy(encoder)
         if self.cfg.lora.rank:
             encoder = with_lora(encoder, self.cfg.lora)

@@ -99,7 +99,8 @@ class LocalGradients:
     and summed here in fp32. One ``engine.backward(surrogate())`` then hands the total to
     DeepSpeed: one reduction and one optimiser step per batch, at every ZeRO stage that
     keeps whole parameters on each rank (0, 1, 2). The price is one fp32 copy of the
-    gradients per rank.
+    gradients per rank. (ZeRO-3 keeps no whole parameter: there, DeepSpeed's
+    ``coalesce_grad_reduction`` holds the chunks' gradients on the parameters instead.)
     """
 
     def __init__(self, params):
@@ -133,11 +134,12 @@ def fitting_chunk(per_item: float, fixed: float, available: float, n_items: int)
     return max(1, int((available - fixed) // max(per_item, 1.0)))
 
 
+def zero_stage(engine) -> int:
+    return engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
+
+
 def check_cacheable(engine) -> None:
-    """The engine settings under which chunk gradients can be summed outside DeepSpeed."""
-    stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
-    if stage >= 3:
-        raise ValueError("the gradient cache needs whole parameters on each rank: use ZeRO stage 0, 1 or 2")
+    """The engine settings under which the chunks' gradients can be summed."""
     if getattr(engine, "fp16_enabled", lambda: False)():
         # Chunk gradients are taken without DeepSpeed's loss scaling and could underflow.
         raise ValueError("the gradient cache runs in fp32 or bf16, not fp16: use --train.precision bf16")
@@ -159,6 +161,18 @@ def engine_grad_cache_backward(
     """
     check_cacheable(engine)
     module = getattr(engine, "module", engine)
+    if zero_stage(engine) == 3:
+        # Partitioned weights have no whole tensor to sum a gradient against outside a
+        # forward: each chunk goes through DeepSpeed's backward instead, its reduction held
+        # back and run once for the batch as the block exits (one collective pass, as below).
+        with engine.coalesce_grad_reduction():
+            return grad_cache_backward(
+                chunks,
+                lambda chunk: encode(module, chunk),
+                coupled_loss,
+                engine.backward,
+                None if represent is None else lambda chunk: represent(module, chunk),
+            )
     grads = LocalGradients(module.parameters())
     coupled, local = grad_cache_backward(
         chunks,

@@ -154,7 +154,14 @@ def _stop_the_shared_ray():
 # The test files that take minutes, as xdist names them. Their tests are also marked
 # `runs_long` (for -m), which is what the ordering below reads; the scheduler below runs in
 # xdist's controller, which collects no tests and so sees no markers.
-RUNS_LONG = frozenset({"tests/workflows/test_two_node.py", "tests/training/test_pretrain_ray.py"})
+RUNS_LONG = frozenset(
+    {
+        "tests/workflows/test_two_node.py",
+        "tests/training/test_pretrain_ray.py",
+        "tests/workflows/test_decoder_recipe.py",
+        "tests/training/test_resume.py",
+    }
+)
 
 
 def pytest_collection_modifyitems(session, config, items):

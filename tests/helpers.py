@@ -491,6 +491,77 @@ def save_tiny_family(out_dir: str, model_type: str, texts: list[str], seed: int 
     return tokenizer
 
 
+def train_decoder_tokenizer(out_dir: str, model_type: str, texts: list[str], vocab_size: int = 400):
+    """A decoder's tokenizer trained on ``texts`` with the ``tokenizers`` library, framed as
+    its family's is: Llama's and Mistral's a SentencePiece-style BPE with byte fallback that
+    puts ``<s>`` first and has no pad token; Qwen2's a byte-level BPE with no special token
+    added and ``<|endoftext|>`` as its EOS and pad."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if model_type == "qwen2":
+        trained = Tokenizer(models.BPE())
+        trained.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        trained.decoder = decoders.ByteLevel()
+        specials, alphabet = ["<|endoftext|>"], pre_tokenizers.ByteLevel.alphabet()
+    else:
+        trained = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+        trained.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+        trained.decoder = decoders.Metaspace(prepend_scheme="first")
+        specials, alphabet = ["<unk>", "<s>", "</s>"], []
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, initial_alphabet=alphabet)
+    trained.train_from_iterator(texts, trainer)
+    if model_type == "qwen2":
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=trained, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+        )
+        tokenizer_class = "Qwen2Tokenizer"
+    else:
+        trained.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=trained, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+        )
+        tokenizer_class = "LlamaTokenizer"  # Mistral's checkpoints use Llama's tokenizer class too
+    tokenizer.save_pretrained(out_dir)
+    config_file = os.path.join(out_dir, "tokenizer_config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    with open(config_file, "w") as f:
+        json.dump(config | {"tokenizer_class": tokenizer_class}, f)
+    return tokenizer
+
+
+def tiny_decoder_config(model_type: str, tokenizer, **overrides):
+    """A tiny config of a decoder family (2 layers, hidden 32, 4 query heads sharing 2
+    key/value heads, as Llama, Mistral and Qwen2 group them)."""
+    from transformers import AutoConfig
+
+    sizes = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return AutoConfig.for_model(model_type, **(sizes | overrides))
+
+
+def save_tiny_decoder(out_dir: str, model_type: str, texts: list[str], seed: int = 0, **overrides) -> str:
+    """A random tiny ``AutoModelForCausalLM`` of ``model_type`` (its LM head included, as the
+    families' checkpoints are) saved with its own tokenizer; returns ``out_dir``."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = train_decoder_tokenizer(out_dir, model_type, texts)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(tiny_decoder_config(model_type, tokenizer, **overrides)).save_pretrained(out_dir)
+    return out_dir
+
+
 def index_of_random_vectors(root, shards: int, per_shard: int, dim: int, factory: str):
     """Random vectors as an embeddings folder of ``shards`` shards (doc ids ``d<row>``) and
     their index of ``factory`` (built on Ray), under ``root``: (index URI, vectors, rows)."""
@@ -570,3 +641,24 @@ def resident_growth(run, *args):
     start = _status_kib("VmRSS")
     result = run(*args)
     return result, (_status_kib("VmHWM") - start) << 10
+
+
+def ours_and_sentence_transformers(export: str, texts: list[str], max_len: int) -> dict:
+    """Query and passage vectors of a retriever export, by raydense's encoder (passages from
+    their stored token ids, as prepare_corpus stores them) and by ``SentenceTransformer``
+    (with its prompts): ``{"ours": (queries, passages), "theirs": (...), "prompts": ...}``."""
+    from sentence_transformers import SentenceTransformer
+
+    from pipeline.retrieval.encode import Encoder, EncoderSettings
+
+    ours = Encoder(EncoderSettings(model=export, batch_size=4), export)
+    corpus_tokens = ours.tokenizer(texts, add_special_tokens=False)["input_ids"]
+    theirs = SentenceTransformer(export, device="cpu")
+    return {
+        "ours": (ours.encode_texts(texts, max_len, tower="query"), ours.encode_tokens(corpus_tokens, max_len)),
+        "theirs": (
+            theirs.encode_query(texts, convert_to_numpy=True, batch_size=4),
+            theirs.encode_document(texts, convert_to_numpy=True, batch_size=4),
+        ),
+        "prompts": {k: v for k, v in theirs.prompts.items() if v},  # sentence-transformers adds empty ones
+    }

@@ -319,7 +319,9 @@ def pooling(reference: str, what: str = "model") -> str:
     from models.biencoder import SETTINGS_FILE, ST_POOLING_FILE, own_pooling
 
     names = (SETTINGS_FILE, ST_POOLING_FILE)
-    return own_pooling(*[read_json(reference, n, what) if has_file(reference, n) else None for n in names])
+    settings, st_pooling = [read_json(reference, n, what) if has_file(reference, n) else None for n in names]
+    model_type = read_config(reference, what).get("model_type", "") if has_file(reference, "config.json") else ""
+    return own_pooling(settings, st_pooling, model_type)
 
 
 def check_file(reference: str, what: str = "file") -> str:

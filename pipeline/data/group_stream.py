@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import ray
 
+from models.framing import Framing
 from pipeline.core import storage
 from pipeline.core.errors import InputError
 from pipeline.data.corpus_ids import CorpusIds
@@ -35,7 +36,7 @@ from pipeline.data.examples import ExampleRows, TrainExample
 from pipeline.data.groups import select_group_with_sources
 from pipeline.data.position import read_position
 from pipeline.data.shards import check_shards, load_manifest, shard_dataset
-from pipeline.data.stream import configure_data_context, frame
+from pipeline.data.stream import configure_data_context
 
 
 @dataclass(frozen=True)
@@ -45,19 +46,8 @@ class GroupSpec:
     query_max_len: int
     passage_max_len: int
     seed: int
-    cls_id: int
-    sep_id: int
-    pad_id: int
+    framing: Framing  # the retriever's special tokens around each query and passage
     passage_prefix: tuple[int, ...] = ()  # the retriever's passage prefix, as token ids
-
-
-def frame_truncated(
-    token_lists: list, max_len: int, spec: GroupSpec, prefix: tuple[int, ...] = ()
-) -> tuple[np.ndarray, np.ndarray]:
-    """``[CLS] prefix ids [SEP]`` per token list, truncated to max_len and padded; and the lengths."""
-    head = np.asarray(prefix, dtype=np.int32)
-    chunks = [np.concatenate([head, np.asarray(ids, dtype=np.int32)])[: max_len - 2] for ids in token_lists]
-    return frame(chunks, max_len, spec.cls_id, spec.sep_id, spec.pad_id)
 
 
 @dataclass
@@ -152,11 +142,11 @@ def _assemble(group: dict, spec: GroupSpec, plan, query_ids) -> dict:
             f"expected {spec.group_size}"
         )
     in_slot_order = np.argsort(group["slot"])
-    passages, lengths = frame_truncated(
-        [group["input_ids"][i] for i in in_slot_order], spec.passage_max_len, spec, spec.passage_prefix
+    passages, lengths = spec.framing.frame_truncated(
+        [group["input_ids"][i] for i in in_slot_order], spec.passage_max_len, spec.passage_prefix
     )
     example_row = int(plan["example_rows"][key])
-    query, query_length = frame_truncated([query_ids[example_row]], spec.query_max_len, spec)
+    query, query_length = spec.framing.frame_truncated([query_ids[example_row]], spec.query_max_len)
     source_rows = np.empty(1, dtype=object)
     source_rows[0] = np.array([example_row], dtype=np.int64)
     out = {

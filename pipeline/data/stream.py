@@ -27,6 +27,7 @@ import ray
 from ray.data import DataContext
 from ray.data.context import ShuffleStrategy
 
+from models.framing import Framing
 from models.span_pairs import draw_span_pairs
 from pipeline.core import storage
 from pipeline.data.position import DataPosition, IntervalSet, read_position
@@ -52,32 +53,11 @@ class StreamSpec:
     spans: Any = None
 
 
-# -- data position on storage ---------------------------------------------------------
-
-
 # -- examples ---------------------------------------------------------------------------
 
 
-def frame(
-    chunks: list[np.ndarray], max_len: int, cls_id: int, sep_id: int, pad_id: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """[CLS] chunk [SEP] + padding, as an (N, max_len) int32 array, and the lengths.
-
-    Each chunk must fit, i.e. hold at most ``max_len - 2`` tokens.
-    """
-    out = np.full((len(chunks), max_len), pad_id, dtype=np.int32)
-    lengths = np.zeros(len(chunks), dtype=np.int32)
-    for i, chunk in enumerate(chunks):
-        n = len(chunk) + 2
-        out[i, 0] = cls_id
-        out[i, 1 : n - 1] = chunk
-        out[i, n - 1] = sep_id
-        lengths[i] = n
-    return out, lengths
-
-
 def _frame(chunks: list[np.ndarray], spec: StreamSpec) -> tuple[np.ndarray, np.ndarray]:
-    return frame(chunks, spec.max_len, spec.cls_id, spec.sep_id, spec.pad_id)
+    return Framing.bert(spec.cls_id, spec.sep_id, spec.pad_id).frame(chunks, spec.max_len)
 
 
 def window_order(rows: np.ndarray, seed: int, epoch: int, window: int) -> np.ndarray:

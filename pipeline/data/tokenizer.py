@@ -40,20 +40,45 @@ def train_wordpiece(
     return tokenizer
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+# What masked-language-model pre-training and the re-ranker's pairs need of a tokenizer.
+BERT_SPECIALS = ("cls_token_id", "sep_token_id", "pad_token_id", "mask_token_id")
+
+
+def load_tokenizer(path: str, required: tuple[str, ...] = ()) -> PreTrainedTokenizerBase:
+    """The tokenizer in a local directory, with the special tokens ``required`` of it (a
+    decoder's has no [CLS], [SEP] or [MASK]: retrievers frame texts as it does itself)."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer {path!r}: not a local directory")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    missing = [
-        name
-        for name in ("cls_token_id", "sep_token_id", "pad_token_id", "mask_token_id")
-        if getattr(tokenizer, name) is None
-    ]
+    missing = [name for name in required if getattr(tokenizer, name) is None]
     if missing:
         raise ValueError(f"tokenizer {path!r} lacks BERT special tokens: {', '.join(missing)}")
     return tokenizer
 
 
+# Texts whose tokens, put after a prefix's, must read as the prefix and text tokenized together.
+_PREFIX_PROBES = ("In the beginning", "Retrieval, 2 words", "x")
+
+
 def prefix_token_ids(tokenizer: PreTrainedTokenizerBase, prefix: str) -> list[int]:
-    """The token ids a retriever prefix (``"query: "``) puts before a pre-tokenized text."""
-    return tokenizer(prefix, add_special_tokens=False)["input_ids"] if prefix else []
+    """The token ids a retriever prefix (``"query: "``) puts before a pre-tokenized text:
+    those that make ``prefix ids + text ids`` what the tokenizer gives ``prefix + text``,
+    as sentence-transformers' prompts are tokenized. A SentencePiece tokenizer marks the
+    space before a word on the word, so a prefix's trailing space is left to the text.
+    Raises ``ValueError`` where neither form joins exactly: a byte-level BPE (RoBERTa,
+    Qwen2, Llama 3) joins the space to the first word, which the text's stored tokens lack."""
+    if not prefix:
+        return []
+
+    def ids(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    for form in dict.fromkeys((prefix, prefix.rstrip())):
+        head = ids(form)
+        if all(head + ids(probe) == ids(prefix + probe) for probe in _PREFIX_PROBES):
+            return head
+    raise ValueError(
+        f"prefix {prefix!r}: this tokenizer ({type(tokenizer).__name__}) tokenizes the prefix and a text together "
+        "differently from one after the other, and passages are stored tokenized; end the prefix without a space "
+        f"({prefix.rstrip()!r}), or put it on queries only"
+    )

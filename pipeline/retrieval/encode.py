@@ -30,6 +30,7 @@ import torch
 
 from models.biencoder import load_biencoder
 from models.compiled import compile_in_place
+from models.framing import Framing
 from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig, actor_device, run_actor_pool, stream_actor_pool
 from pipeline.core.config import Renamed, truthy
@@ -39,7 +40,6 @@ from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.core.sections import Lengths
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
 from pipeline.data.shards import PreparedCorpus, check_shards
-from pipeline.data.stream import frame
 from pipeline.data.tokenizer import load_tokenizer, prefix_token_ids
 from pipeline.retrieval.embeddings import (
     claim,
@@ -86,10 +86,10 @@ class EncoderSettings(Lengths):
             "help": "retriever export (settings from its retriever.json) or any HF checkpoint (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME)"
         },
     )
-    pooling: Literal["", "auto", "cls", "mean"] = field(
+    pooling: Literal["", "auto", "cls", "mean", "last"] = field(
         default="",
         metadata={
-            "help": "cls or mean; empty or auto = the export's retriever.json, else the checkpoint's sentence-transformers pooling, else cls"
+            "help": "cls, mean or last; empty or auto = the export's retriever.json, else the checkpoint's sentence-transformers pooling, else last for a decoder and cls for an encoder"
         },
     )
     similarity: Literal["", "dot", "cos"] = field(
@@ -156,12 +156,12 @@ class EncoderSettings(Lengths):
         return chosen | {k: v for k, v in prefixes if v is not None}  # "" overrides; None keeps the export's
 
 
-def _frame_batch(token_lists: list, max_len: int, cls_id: int, sep_id: int, pad_id: int):
-    """``[CLS] ids [SEP]`` per list, truncated to max_len, padded only to the batch's longest."""
+def _frame_batch(token_lists: list, max_len: int, framing: Framing):
+    """Each list framed, truncated to max_len, padded only to the batch's longest."""
 
-    chunks = [np.asarray(t[: max_len - 2], dtype=np.int32) for t in token_lists]
-    width = max(len(c) for c in chunks) + 2
-    ids, lengths = frame(chunks, width, cls_id, sep_id, pad_id)
+    room = framing.room(max_len)
+    width = max(min(len(t), room) for t in token_lists) + framing.extra
+    ids, lengths = framing.frame_truncated(token_lists, width)
     mask = np.arange(width)[None, :] < lengths[:, None]
     return torch.from_numpy(ids).long(), torch.from_numpy(mask).long()
 
@@ -189,46 +189,47 @@ class Encoder:
             with_cpu_linears(model, device, settings.cpu_linears)
         self.model = model
         self.tokenizer = load_tokenizer(tokenizer_dir)
-        self.prefix_ids = {
-            tower: prefix_token_ids(self.tokenizer, model.cfg.prefix(tower)) for tower in ("query", "passage")
-        }
+        self.framing = Framing.of(self.tokenizer, last_token=model.cfg.pooling == "last")
+        # Passages alone come pre-tokenized: queries are tokenized with their prefix.
+        self.passage_prefix_ids = prefix_token_ids(self.tokenizer, model.cfg.passage_prefix)
         # Compiled (or CUDA's libraries loaded) here, at start-up, not inside the first shard.
         if settings.compile or device != "cpu":
             for tower in ("query", "passage"):
-                self._encode_framed([[self.tokenizer.cls_token_id] * 6] * 4, 8, tower)
+                self._encode_framed([[self.framing.pad_id] * 6] * 4, 16, tower)
 
     @property
     def normalized(self) -> bool:
         return self.model.cfg.similarity == "cos"
 
-    def encode_tokens(self, token_lists: list, max_len: int, tower: str = "passage") -> np.ndarray:
-        """Encode texts given as token ids (without the tower's prefix)."""
-        prefix = self.prefix_ids[tower]
+    def encode_tokens(self, token_lists: list, max_len: int) -> np.ndarray:
+        """Encode passages given as token ids (without the passage prefix)."""
+        prefix = self.passage_prefix_ids
         if prefix:
             token_lists = [prefix + list(t) for t in token_lists]
-        return self._encode_framed(token_lists, max_len, tower)
+        return self._encode_framed(token_lists, max_len, "passage")
 
     def encode_texts(self, texts: list[str], max_len: int, tower: str = "query") -> np.ndarray:
         prefix = self.model.cfg.prefix(tower)
         tokens = self.tokenizer(
-            [prefix + t for t in texts], add_special_tokens=False, truncation=True, max_length=max_len - 2
+            [prefix + t for t in texts],
+            add_special_tokens=False,
+            truncation=True,
+            max_length=self.framing.room(max_len),
         )["input_ids"]
         return self._encode_framed(tokens, max_len, tower)
 
     def _encode_framed(self, token_lists: list, max_len: int, tower: str) -> np.ndarray:
-        tok = self.tokenizer
         encode = self.model.encode_passage if tower == "passage" else self.model.encode_query
         out = np.zeros((len(token_lists), self.dim), dtype=np.float32)
 
         def forward(idx: np.ndarray) -> torch.Tensor:
-            ids, mask = _frame_batch(
-                [token_lists[i] for i in idx], max_len, tok.cls_token_id, tok.sep_token_id, tok.pad_token_id
-            )
+            ids, mask = _frame_batch([token_lists[i] for i in idx], max_len, self.framing)
             inputs = on_device({"ids": ids, "mask": mask}, self.device)
             return encode(inputs["ids"], inputs["mask"])
 
         with inference(self.device, self.dtype):
-            framed_lengths = [min(len(t), max_len - 2) + 2 for t in token_lists]
+            room, extra = self.framing.room(max_len), self.framing.extra
+            framed_lengths = [min(len(t), room) + extra for t in token_lists]
             for idx, reps in overlapped(length_sorted_batches(framed_lengths, *self.batch_limits), forward):
                 out[idx] = reps
         check_finite(out, self.dtype, f"{tower} vectors")

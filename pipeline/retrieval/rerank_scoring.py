@@ -21,6 +21,7 @@ import numpy as np
 import ray
 import torch
 
+from models.framing import Framing
 from models.reranker import (
     SETTINGS_FILE,
     PairLengths,
@@ -37,9 +38,8 @@ from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS, SAMPLE_DEV_QRELS, SAMPLE_DEV_QUERIES
 from pipeline.data.beir import positives, read_qrels, read_queries
 from pipeline.data.runs import count_run_queries, iter_trec_run, write_trec_lines
-from pipeline.data.stream import frame
 from pipeline.data.text_shards import stage_text
-from pipeline.data.tokenizer import load_tokenizer
+from pipeline.data.tokenizer import BERT_SPECIALS, load_tokenizer
 from pipeline.retrieval.inference import (
     batch_limits,
     check_finite,
@@ -165,16 +165,16 @@ class PairScorer:
         self.lengths = lengths or self.model.lengths
         self.lengths.check()
         check_max_len(self.model.model.config, self.lengths.max_len, model_dir)
-        self.tokenizer = load_tokenizer(model_dir)
+        self.tokenizer = load_tokenizer(model_dir, BERT_SPECIALS)
+        self.framing = Framing.bert(
+            self.tokenizer.cls_token_id, self.tokenizer.sep_token_id, self.tokenizer.pad_token_id
+        )
         self.batch_limits, self.device = batch_limits(device, batch_size, batch_tokens, CPU_PAIRS), device
 
     def _framed(self, texts: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        tok = self.tokenizer
-        tokens = tok(texts, add_special_tokens=False, truncation=True, max_length=max_len - 2)["input_ids"]
+        tokens = self.tokenizer(texts, add_special_tokens=False, truncation=True, max_length=max_len - 2)["input_ids"]
         width = max((len(t) for t in tokens), default=0) + 2
-        ids, lengths = frame(
-            [np.asarray(t, dtype=np.int32) for t in tokens], width, tok.cls_token_id, tok.sep_token_id, tok.pad_token_id
-        )
+        ids, lengths = self.framing.frame(tokens, width)
         return torch.from_numpy(ids).long(), torch.from_numpy(lengths).long()
 
     def score(self, query_texts: list[str], candidates: list[list[str]], texts: dict[str, str]) -> list[np.ndarray]:

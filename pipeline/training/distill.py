@@ -90,8 +90,6 @@ def run_distillation(cfg: DistillConfig) -> dict:
         cfg,
         cfg.retriever.group_size,
         load=load_scored_examples,
-        query_prefix=cfg.retriever.query_prefix,
-        passage_prefix=cfg.retriever.passage_prefix,
     )
     write_run_files(cfg, cfg.train.output)
     task = GroupTask(

@@ -1,11 +1,10 @@
-"""The DeepSpeed engine a worker trains: the task's model, AdamW over decayed and
-undecayed groups, the linear schedule; what a log line reads of its precision; and the
-fp32 export of its weights (gathered first under ZeRO-3).
+"""The DeepSpeed engine a worker trains: the task's model (checked to fit the worker at
+its ZeRO stage), AdamW over decayed and undecayed groups, the linear schedule; what a log
+line reads of its precision; and the fp32 export of its weights (gathered first under ZeRO-3).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import tempfile
@@ -14,8 +13,10 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from models.compiled import compile_in_place
+from models.memory import model_state, parameter_counts, total_memory
 from pipeline.core import storage
-from pipeline.training.deepspeed_config import import_deepspeed, skip_inference_comm_op
+from pipeline.core.errors import ConfigError
+from pipeline.training.deepspeed_config import effective_zero_stage, import_deepspeed, skip_inference_comm_op
 from pipeline.training.train_config import TrainConfig
 
 if TYPE_CHECKING:
@@ -45,14 +46,42 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [group for group in groups if group["params"]]
 
 
-def build_engine(train: TrainConfig, task: TrainTask, deepspeed_settings: dict):
-    """The task's model under DeepSpeed, with AdamW and the linear schedule: (engine, scheduler)."""
+def check_model_memory(model: torch.nn.Module, train: TrainConfig, workers: int, memory_bytes: float, where: str):
+    """A :class:`~pipeline.core.errors.ConfigError` naming the bytes when the model's
+    weights, gradients and optimiser state alone (:func:`models.memory.model_state`) exceed
+    ``memory_bytes`` per worker at the run's ZeRO stage: it could not take one step."""
+    params, trainable = parameter_counts(model)
+    stage = effective_zero_stage(train, workers)
+    state = model_state(params, trainable, stage, workers, train.precision)
+    if state.total > memory_bytes:
+        raise ConfigError(
+            f"the model does not fit {where}: its {params / 1e6:,.1f}M weights ({trainable / 1e6:,.1f}M trained) "
+            f"need {state.total / 2**30:.2f} GiB per worker in {train.precision} at ZeRO stage {stage} across "
+            f"{workers} worker(s) ({state.describe()} GiB) before any activation, and a worker has "
+            f"{memory_bytes / 2**30:.2f} GiB: use ZeRO stage 3 (--train.zero_stage 3), more workers, bf16 "
+            "(--train.precision bf16) or LoRA (--retriever.lora.rank)"
+        )
+
+
+def worker_memory(train: TrainConfig, device, workers_on_node: int) -> tuple[float, str]:
+    """A worker's whole memory and its name in an error: ``--train.memory_gib`` when set."""
+    if train.memory_gib:
+        return train.memory_gib * 2**30, "--train.memory_gib"
+    return total_memory(device, workers_on_node)
+
+
+def build_engine(train: TrainConfig, task: TrainTask, deepspeed_settings: dict, workers: int, workers_on_node: int):
+    """The task's model under DeepSpeed, with AdamW and the linear schedule: (engine,
+    scheduler). A model whose state could not fit a worker fails here, before DeepSpeed
+    places it."""
     # Named, DeepSpeed does not warn on every CPU worker that it found no GPU.
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if train.use_gpu else "cpu")
     deepspeed = import_deepspeed(keep_mlflow="mlflow" in train.tracker)
     torch.set_num_threads(max(1, int(train.cpus_per_worker)))
     torch.manual_seed(train.seed)  # identical initialisation on every rank
     model = task.build_model()
+    device = torch.device("cuda", torch.cuda.current_device()) if train.use_gpu else torch.device("cpu")
+    check_model_memory(model, train, workers, *worker_memory(train, device, workers_on_node))
     if train.compile:
         compile_in_place(model, blocks=True)  # before DeepSpeed wraps it: the engine calls the compiled blocks
     optimizer = torch.optim.AdamW(
@@ -85,28 +114,27 @@ def mixed_precision_state(engine, precision: str) -> dict[str, float]:
 def export_model(task: TrainTask, engine, rank: int, destination: str) -> dict[str, str]:
     """Rank 0 exports the model with fp32 weights and uploads it; returns destination paths.
 
-    Under ZeRO-3 each rank holds a slice of every parameter, so all ranks gather the
-    full weights for the duration of the export.
+    Under ZeRO-3 each rank holds a slice of every parameter: every rank takes part in
+    gathering the weights a layer at a time into rank 0's host memory (DeepSpeed's
+    consolidated state dict), which loads them into a model of its own there. No device
+    ever holds the whole model.
     """
-
-    import deepspeed
-
-    gather = (
-        deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
-        if engine.zero_optimization_stage() == 3
-        else contextlib.nullcontext()
-    )
-    with gather:
+    if engine.zero_optimization_stage() == 3:
+        state = engine._zero3_consolidated_16bit_state_dict()  # a collective: every rank calls it
+        if rank != 0:
+            return {}
+        module = task.build_model()
+        module.load_state_dict(state)
+    else:
         if rank != 0:
             return {}
         module = engine.module
-        if any(p.dtype != torch.float32 for p in module.parameters()):
-            module = copy.deepcopy(module).float()
-        with tempfile.TemporaryDirectory(prefix="raydense-export-") as tmp:
-            paths = task.export(module, tmp)
-            storage.upload_dir(tmp, destination)
-            uploaded = {
-                k: storage.join(destination, os.path.relpath(v, tmp)) if v.startswith(tmp) else v
-                for k, v in paths.items()
-            }
+    if any(p.dtype != torch.float32 for p in module.parameters()):
+        module = copy.deepcopy(module).float()
+    with tempfile.TemporaryDirectory(prefix="raydense-export-") as tmp:
+        paths = task.export(module, tmp)
+        storage.upload_dir(tmp, destination)
+        uploaded = {
+            k: storage.join(destination, os.path.relpath(v, tmp)) if v.startswith(tmp) else v for k, v in paths.items()
+        }
     return uploaded | {"export_dir": destination}

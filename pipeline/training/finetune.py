@@ -43,8 +43,6 @@ def run_finetuning(cfg: FinetuneConfig) -> dict:
     prepared = prepare_group_training(
         cfg,
         cfg.retriever.group_size,
-        query_prefix=cfg.retriever.query_prefix,
-        passage_prefix=cfg.retriever.passage_prefix,
     )
     write_run_files(cfg, cfg.train.output)
     task = GroupTask(

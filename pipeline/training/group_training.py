@@ -9,11 +9,14 @@ Ray Data joins the passages (``pipeline/data/group_stream.py``).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from models.framing import Framing
+from models.lora import with_lora
 from pipeline.core import model_ref, storage
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
@@ -29,6 +32,7 @@ from pipeline.retrieval.bm25_negatives import Bm25Config, mine_negatives
 from pipeline.retrieval.encode import EncoderSettings
 from pipeline.retrieval.evaluate import EvaluateJobConfig, evaluation_job, run_evaluation
 from pipeline.training.driver import FitResult, check_placement
+from pipeline.training.engine import check_model_memory
 from pipeline.training.task import Task, run_summary, write_summary
 from pipeline.training.train_config import warn_if_a_step_exceeds_an_epoch
 
@@ -229,19 +233,22 @@ class GroupTraining:
         }
 
 
-def prepare_group_training(
-    cfg, group_size: int, load=None, query_prefix: str = "", passage_prefix: str = ""
-) -> GroupTraining:
+def prepare_group_training(cfg, group_size: int, load=None) -> GroupTraining:
     """Prepare the corpus, read (or mine) the examples and plan the stream for a config
     with ``data``, ``corpus``, ``model``, ``train`` (and ``eval``) sections like
     :class:`FinetuneConfig`. Sets ``cfg.train.max_steps`` when it is derived from epochs.
-    ``load(cfg, doc_ids)`` replaces :func:`load_examples`. The prefixes go before every
-    query and passage, as the trained retriever's encoder will put them."""
+    ``load(cfg, doc_ids)`` replaces :func:`load_examples`. A ``retriever`` section's
+    prefixes go before every query and passage, and its pooling decides the framing, as
+    the trained retriever's encoder will put them."""
     if cfg.train.epochs < 1 and cfg.train.max_steps < 1:
         raise ConfigError("set --train.epochs or --train.max_steps")
     _resolve_paths(cfg)
     storage.check_reachable(cfg.train.output)
     check_placement(cfg.train)
+    if cfg.train.memory_gib:  # the memory is known before any worker starts: check it now
+        check_model_memory(
+            _model_on_meta(cfg), cfg.train, cfg.train.num_workers, cfg.train.memory_gib * 2**30, "--train.memory_gib"
+        )
     manifest = prepare_corpus(cfg.corpus)
     _check_vocab(cfg.model.init, manifest["vocab_size"])
     tokenizer_uri = storage.join(cfg.corpus.output, manifest["tokenizer"])
@@ -252,7 +259,12 @@ def prepare_group_training(
     del corpus_ids
     if not len(examples):
         raise InputError("no training example: every query lacks a positive (see data_stats)")
-    query_ids = tokenize_queries(tokenizer, [query_prefix + text for text in examples.queries], cfg.data.query_max_len)
+    retriever = getattr(cfg, "retriever", None)
+    query_prefix, passage_prefix = (retriever.query_prefix, retriever.passage_prefix) if retriever else ("", "")
+    framing = Framing.of(tokenizer, last_token=retriever is not None and retriever.pooling == "last")
+    query_ids = tokenize_queries(
+        tokenizer, [query_prefix + text for text in examples.queries], framing.room(cfg.data.query_max_len)
+    )
     examples = examples.without_text()
 
     per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.train.num_workers
@@ -267,10 +279,8 @@ def prepare_group_training(
         query_max_len=cfg.data.query_max_len,
         passage_max_len=cfg.data.passage_max_len,
         seed=cfg.train.seed,
-        cls_id=tokenizer.cls_token_id,
-        sep_id=tokenizer.sep_token_id,
-        pad_id=tokenizer.pad_token_id,
-        passage_prefix=tuple(prefix_token_ids(tokenizer, passage_prefix)),
+        framing=framing,
+        passage_prefix=tuple(_passage_prefix_ids(tokenizer, passage_prefix)),
     )
     stream = GroupStream(
         spec, examples, query_ids, epochs, manifest["num_docs"], storage.join(cfg.train.output, "checkpoints")
@@ -278,15 +288,37 @@ def prepare_group_training(
     return GroupTraining(manifest, tokenizer_uri, examples, stats, bm25_summary, stream, epochs)
 
 
-def tokenize_queries(tokenizer, texts: list[str], max_len: int, chunk: int = 8192) -> list[np.ndarray]:
-    """Each query's token ids (int32, no special tokens, cut to fit ``[CLS] .. [SEP]`` in
-    ``max_len``), tokenized a chunk at a time: the tokenizer's lists of Python ints are held
-    for one chunk only."""
+def _model_on_meta(cfg) -> torch.nn.Module:
+    """The model ``cfg`` trains, with its adapters, built without weights from its config."""
+    from transformers import AutoConfig, AutoModel
+
+    config = model_ref.read_config(cfg.model.init, "--model.init")
+    with torch.device("meta"):
+        model = AutoModel.from_config(AutoConfig.for_model(**config))
+    retriever = getattr(cfg, "retriever", None)
+    if retriever is not None and retriever.lora.rank:
+        model = with_lora(model, retriever.lora)
+    if retriever is None or retriever.shared_encoder:
+        return model
+    return torch.nn.ModuleList([model, copy.deepcopy(model)])
+
+
+def _passage_prefix_ids(tokenizer, prefix: str) -> list[int]:
+    try:
+        return prefix_token_ids(tokenizer, prefix)
+    except ValueError as exc:
+        raise ConfigError(f"--retriever.passage_prefix: {exc}") from None
+
+
+def tokenize_queries(tokenizer, texts: list[str], room: int, chunk: int = 8192) -> list[np.ndarray]:
+    """Each query's token ids (int32, no special tokens, cut to ``room``: what the framing
+    leaves of the query length), tokenized a chunk at a time: the tokenizer's lists of
+    Python ints are held for one chunk only."""
     out = []
     for start in range(0, len(texts), chunk):
-        encoded = tokenizer(
-            texts[start : start + chunk], add_special_tokens=False, truncation=True, max_length=max_len - 2
-        )["input_ids"]
+        encoded = tokenizer(texts[start : start + chunk], add_special_tokens=False, truncation=True, max_length=room)[
+            "input_ids"
+        ]
         out.extend(np.asarray(ids, dtype=np.int32) for ids in encoded)
     return out
 

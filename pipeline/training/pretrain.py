@@ -33,7 +33,7 @@ from pipeline.data.stream import (
     TrainingStream,
     estimate_sequences_per_epoch,
 )
-from pipeline.data.tokenizer import load_tokenizer
+from pipeline.data.tokenizer import BERT_SPECIALS, load_tokenizer
 from pipeline.training.driver import check_placement, fit
 from pipeline.training.task import Task, run_summary, write_summary
 from pipeline.training.tracking import flatten
@@ -116,7 +116,7 @@ class PretrainTask(Task):
         self.tokenizer_uri, self.vocab_size, self.word_pieces = tokenizer_uri, vocab_size, word_pieces
 
     def build_model(self) -> torch.nn.Module:
-        vocab = MaskingVocab.from_tokenizer(load_tokenizer(self.tokenizer_dir()), self.word_pieces)
+        vocab = MaskingVocab.from_tokenizer(load_tokenizer(self.tokenizer_dir(), BERT_SPECIALS), self.word_pieces)
         self.method = METHODS[self.method_name](_materialized(self.method_cfg), vocab)
         backbone = self.backbone
         if backbone.init:
@@ -309,7 +309,7 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
 
     manifest = prepare_corpus(cfg.corpus) if cfg.corpus.input else load_manifest(cfg.corpus.output)
     tokenizer_uri = storage.join(cfg.corpus.output, manifest["tokenizer"])
-    tokenizer = load_tokenizer(model_ref.materialize(tokenizer_uri, "tokenizer"))
+    tokenizer = load_tokenizer(model_ref.materialize(tokenizer_uri, "tokenizer"), BERT_SPECIALS)
     if cfg.model.init:
         _check_backbone(cfg.model.init, manifest["vocab_size"])
     run_dir = storage.join(cfg.train.output, "checkpoints")

@@ -118,8 +118,13 @@ def run_reranker_training(cfg: RerankConfig) -> dict:
     _check_training_config(cfg)
     prepared = prepare_group_training(cfg, cfg.reranker.group_size)
     write_run_files(cfg, cfg.train.output)
-    spec = prepared.stream.spec
-    objective = ListwiseObjective(cfg.reranker.group_size, cfg.lengths(), spec.sep_id, spec.pad_id)
+    framing = prepared.stream.spec.framing
+    if len(framing.head) != 1 or len(framing.tail) != 1:
+        raise ConfigError(
+            f"--model.init {cfg.model.init}: the re-ranker pairs texts as [CLS] query [SEP] passage [SEP]; this "
+            "tokenizer does not frame a text with one token each side (a decoder's?): re-rankers take encoders"
+        )
+    objective = ListwiseObjective(cfg.reranker.group_size, cfg.lengths(), framing.tail[0], framing.pad_id)
     task = GroupTask(objective, cfg.model.init, prepared.tokenizer_uri)
     result = fit(
         cfg.train, task, prepared.stream.parts, storage.join(cfg.train.output, "checkpoints"), hparams=to_dict(cfg)

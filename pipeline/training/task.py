@@ -62,14 +62,22 @@ class Task:
 
     def fit_to_memory(self, engine, available_bytes: int, micro_batch_size: int) -> dict:
         """The gradient cache's chunk, for an objective that has one (coCondenser's, the
-        retriever's) and an engine under which it can run (not ZeRO-3 or fp16)."""
+        retriever's) and an engine under which it can run (not fp16). Every rank takes the
+        smallest of any rank's: under ZeRO-3 each chunk's forward gathers the weights from
+        all ranks, so they must run as many chunks."""
         try:
             check_cacheable(engine)
-        except ValueError:  # ZeRO-3 or fp16: no cache unless one is asked for (then refused)
+        except ValueError:  # fp16: no cache unless one is asked for (then refused)
             return {}
         chunk = self.objective.fit_chunk(engine.module, available_bytes, micro_batch_size)
         if chunk is None:  # no gradient cache in this objective
             return {}
+        if torch.distributed.is_initialized():
+            whole = 2**31 - 1  # chunk 0 (no cache) is the largest choice, not the smallest
+            agreed = torch.tensor([chunk or whole], dtype=torch.long, device=engine.device)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+            chunk = 0 if int(agreed) == whole else int(agreed)
+            self.objective.chunk_size = chunk
         return {"grad_cache_chunk": chunk or None, "free_memory_gib": round(available_bytes / 2**30, 2)}
 
     def activation_cost(self, module: torch.nn.Module) -> ActivationCost | None:

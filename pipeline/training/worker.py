@@ -225,7 +225,9 @@ class WorkerRun:
         self.run_dir: str = config["run_dir"]
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
-        self.engine, self.scheduler = build_engine(self.train, self.task, config["deepspeed"])
+        self.engine, self.scheduler = build_engine(
+            self.train, self.task, config["deepspeed"], self.world, ctx.get_local_world_size()
+        )
         restored = _restore(self.engine, self.rank, self.run_dir)
         self.state, self.position = restored.state, restored.position
         self.checkpoint_suffix = restored.name_suffix  # after passing over damaged checkpoints

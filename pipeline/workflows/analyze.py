@@ -29,7 +29,7 @@ from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.plots import plot_cls_cosine, plot_cls_entropy
 from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.data.corpus import iter_documents
-from pipeline.data.tokenizer import load_tokenizer
+from pipeline.data.tokenizer import BERT_SPECIALS, load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
 
@@ -115,7 +115,7 @@ def load_checkpoint(path: str, device: str = "cpu"):
             f"checkpoint {path!r} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); export "
             "it with its tokenizer, e.g. models.backbone.export_backbone(..., tokenizer_dir=...)"
         )
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path, BERT_SPECIALS)
     tokenizer.padding_side = "right"  # [CLS] must stay at position 0
     model = load_pretrained(AutoModel, path, attn_implementation="eager").float().eval().to(device)
     return model, tokenizer

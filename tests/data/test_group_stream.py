@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 from conftest import synthetic_docs, write_jsonl
 
+from models.framing import Framing
 from pipeline.core import sealed, storage
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import TrainExample
 from pipeline.data.group_stream import (
     GroupSpec,
     build_epochs,
-    frame_truncated,
     plan_epoch,
 )
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
@@ -50,9 +50,7 @@ def test_every_group_holds_exactly_its_planned_passages_in_the_planned_order(cor
         query_max_len=12,
         passage_max_len=16,
         seed=3,
-        cls_id=2,
-        sep_id=3,
-        pad_id=0,
+        framing=Framing.bert(2, 3, 0),
         passage_prefix=(7, 8),  # the retriever's passage prefix, as token ids
     )
     corpus_ids = CorpusIds.read(uri, manifest["shards"])
@@ -67,7 +65,7 @@ def test_every_group_holds_exactly_its_planned_passages_in_the_planned_order(cor
         example_row = int(r["source_rows"][0])
         assert example_row == plan.example_rows[position]
         assert r["epoch"] == 1
-        (expected_q,), (q_len,) = frame_truncated([query_ids[example_row]], 12, spec)
+        (expected_q,), (q_len,) = spec.framing.frame_truncated([query_ids[example_row]], 12)
         assert r["q_input_ids"].tolist() == expected_q.tolist() and r["q_length"] == q_len
         for slot in range(4):
             doc = id_by_row[int(plan.corpus_rows[position, slot])]
@@ -84,7 +82,9 @@ def test_every_group_holds_exactly_its_planned_passages_in_the_planned_order(cor
 
 def test_a_passage_missing_from_the_corpus_is_a_clear_error(corpus):
     uri, manifest, _ = corpus
-    spec = GroupSpec(corpus=uri, group_size=2, query_max_len=8, passage_max_len=8, seed=0, cls_id=2, sep_id=3, pad_id=0)
+    spec = GroupSpec(
+        corpus=uri, group_size=2, query_max_len=8, passage_max_len=8, seed=0, framing=Framing.bert(2, 3, 0)
+    )
     examples = [TrainExample("qx", "", positives=["nope"], negatives=["d1"])]
     with pytest.raises(ValueError, match="passage 'nope' is not in the corpus"):
         plan_epoch(examples, 0, spec, CorpusIds.read(uri, manifest["shards"]))
@@ -102,7 +102,7 @@ def test_the_stream_keeps_the_planned_order_across_epochs_and_resumes_with_the_r
     ids = sorted(tokens)
     examples = [TrainExample(f"q{q}", "", [ids[q]], [ids[(q + k) % len(ids)] for k in range(1, 5)]) for q in range(20)]
     spec = GroupSpec(
-        corpus=uri, group_size=3, query_max_len=8, passage_max_len=12, seed=5, cls_id=2, sep_id=3, pad_id=0
+        corpus=uri, group_size=3, query_max_len=8, passage_max_len=12, seed=5, framing=Framing.bert(2, 3, 0)
     )
     corpus_ids = CorpusIds.read(uri, manifest["shards"])
     rows = ExampleRows.from_examples(examples, corpus_ids)

@@ -14,10 +14,10 @@ from transformers import AutoModel
 
 from models.backbone import FAMILIES, BackboneConfig, build_mlm, family
 from models.condenser import Condenser
+from models.framing import Framing
 from models.masking import MaskingVocab, select_words, word_ids
 from models.method import PlainEngine
 from pipeline.data.shard_tokenizing import continuation_table, word_piece_counts
-from pipeline.data.stream import frame
 from pipeline.training.pretrain import METHODS, PretrainConfig, PretrainTask
 from tests.helpers import (
     FAMILY_TOKENIZERS,
@@ -45,7 +45,9 @@ def stream_arrays(tokenizer, texts: list[str], span_pairs: bool, width: int = MA
     if span_pairs:
         tokens = [half for t in tokens for half in np.array_split(t, 2)]
     chunks = [t[: MAX_LEN - 2] for t in tokens]
-    ids, lengths = frame(chunks, width, tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id)
+    ids, lengths = Framing.bert(tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id).frame(
+        chunks, width
+    )
     if span_pairs:
         return {"input_ids": ids.reshape(-1, 2, width), "length": lengths.reshape(-1, 2)}
     return {"input_ids": ids, "length": lengths}

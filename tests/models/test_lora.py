@@ -15,7 +15,7 @@ from conftest import synthetic_docs, write_jsonl
 from transformers import AutoModel
 
 from models.biencoder import BiEncoderConfig, ContrastiveObjective, contrastive_loss
-from models.lora import LoraSettings, target_pattern
+from models.lora import FAMILY_TARGETS, LoraSettings, target_pattern
 from tests.helpers import save_tiny_bert
 
 GROUP = 2
@@ -142,7 +142,7 @@ def test_a_lora_run_through_the_trainer_changes_each_adapted_weight_by_a_low_ran
     before = load_file(str(tmp_path / "bert" / "model.safetensors"))
     after = load_file(f"{model_ref.materialize(summary['export_dir'])}/model.safetensors")
     assert sorted(before) == sorted(after)
-    adapted = {k for k in before if re.fullmatch(target_pattern(LoraSettings().targets), k.removesuffix(".weight"))}
+    adapted = {k for k in before if re.fullmatch(target_pattern(FAMILY_TARGETS["bert"]), k.removesuffix(".weight"))}
     assert len(adapted) == 6 * 2  # query, key, value and the three dense layers of each of 2 layers
     for key in before:
         if key not in adapted:

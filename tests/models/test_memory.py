@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModel
 
 from models.cocondenser import CoCondenserConfig, CoCondenserMethod
 from models.condenser import CondenserConfig, CondenserMethod
@@ -221,3 +222,50 @@ def test_the_retrievers_cache_chunk_is_sized_only_when_the_micro_batch_does_not_
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert losses[0].item() == pytest.approx(losses[1].item(), rel=1e-5)
     assert ((grads[0] - grads[1]).norm() / grads[1].norm()).item() < 1e-5
+
+
+def test_the_model_state_is_partitioned_from_the_stage_that_partitions_each_part():
+    """The ZeRO paper's accounting (section 5): a 7.5B model trained in mixed precision on 64
+    workers keeps 2 + 2 + 12 bytes a weight whole at stage 0 (120 GB), and 2 + 2 + 12/64
+    at stage 1, 2 + (2 + 12)/64 at stage 2, (2 + 2 + 12)/64 at stage 3 (the paper's 31.4,
+    16.6 and 1.9 GB)."""
+    from models.memory import model_state
+
+    params = 7.5e9
+    gb = [model_state(params, params, stage, 64, "bf16").total / 1e9 for stage in range(4)]
+    assert gb == pytest.approx([120, 31.40625, 16.640625, 1.875])
+    lora = model_state(params, 0.01 * params, 3, 8, "bf16")  # adapters: their state only
+    assert lora.weights == params * 2 / 8 and lora.optimizer == 0.01 * params * 12 / 8
+    assert model_state(params, params, 3, 8, "fp32").total == params * 16 / 8  # fp32: no master copy
+    assert model_state(100, 100, 2, 4, "bf16", grad_cache=True).grad_cache == 400  # fp32 sums, whole
+    assert model_state(100, 100, 3, 4, "bf16", grad_cache=True).grad_cache == 200  # held on the weights
+
+
+def test_a_model_that_cannot_fit_its_workers_fails_before_any_work_naming_the_bytes(tmp_path):
+    """--train.memory_gib below the state of the model at the chosen stage: a ConfigError
+    before the corpus is prepared; the same memory at ZeRO-3 across enough workers passes."""
+    from models.memory import model_state, parameter_counts
+    from pipeline.core.errors import ConfigError
+    from pipeline.training import finetune
+    from pipeline.training.engine import check_model_memory
+    from tests.helpers import retrieval_collection, sample_texts, save_tiny_decoder
+
+    init = save_tiny_decoder(str(tmp_path / "qwen2"), "qwen2", sample_texts(200))
+    params, trainable = parameter_counts(AutoModel.from_pretrained(init))
+    at_stage2 = model_state(params, trainable, 2, 2, "fp32").total
+    collection = retrieval_collection(tmp_path / "data", 30, 10, 5)
+    cfg = finetune.FinetuneConfig()
+    cfg.model.init, cfg.corpus.input, cfg.corpus.output = init, collection["corpus"], str(tmp_path / "prepared")
+    cfg.data.queries, cfg.data.qrels, cfg.data.negatives = collection["train_queries"], collection["train_qrels"], ""
+    cfg.train = TrainConfig(
+        output=str(tmp_path / "run"), num_workers=2, zero_stage=2, memory_gib=0.9 * at_stage2 / 2**30
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"does not fit --train.memory_gib: .* need [\d.]+ GiB per worker in fp32 at ZeRO stage 2 across 2 worker",
+    ) as caught:
+        finetune.run_finetuning(cfg)
+    assert f"{params / 1e6:,.1f}M weights" in str(caught.value)
+    assert not (tmp_path / "prepared").exists()  # before any work
+    cfg.train.zero_stage = 3  # weights, gradients and AdamW's state halved across the 2 workers
+    check_model_memory(AutoModel.from_pretrained(init), cfg.train, 2, 0.9 * at_stage2, "--train.memory_gib")

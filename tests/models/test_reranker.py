@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import synthetic_docs
 
+from models.framing import Framing
 from models.reranker import (
     ListwiseObjective,
     PairLengths,
@@ -25,7 +26,6 @@ from models.reranker import (
     load_reranker,
 )
 from pipeline.core.errors import StorageError
-from pipeline.data.stream import frame
 from pipeline.data.tokenizer import load_tokenizer
 from pipeline.retrieval.rerank_scoring import RerankScoreConfig, run_scoring
 from tests.helpers import PlainEngine, assert_same_loss_and_gradients, save_tiny_bert
@@ -78,13 +78,7 @@ def stream_batch(tokenizer, queries: list[str], groups: list[list[str]], lengths
 
     def framed(texts, max_len):
         tokens = tokenizer(texts, add_special_tokens=False, truncation=True, max_length=max_len - 2)["input_ids"]
-        return frame(
-            [np.asarray(t, np.int32) for t in tokens],
-            max_len,
-            tokenizer.cls_token_id,
-            tokenizer.sep_token_id,
-            tokenizer.pad_token_id,
-        )
+        return Framing.of(tokenizer).frame(tokens, max_len)
 
     q_ids, q_len = framed(queries, lengths.query_max_len)
     d = [framed(group, lengths.passage_max_len) for group in groups]

@@ -16,6 +16,7 @@ import torch
 
 from models.biencoder import BiEncoderConfig, contrastive_backward
 from models.distillation import DistillationConfig, DistillationObjective, distillation_backward, distillation_loss
+from models.framing import Framing
 from pipeline.core.errors import InputError
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import ExampleRows, ExampleRowsBuilder, TrainExample, build_distillation_examples
@@ -132,7 +133,7 @@ def test_teacher_scores_arrive_aligned_with_the_groups_passages():
         teacher.update({(f"q{q}", d): s for d, s in zip(pos + neg, scores)})
         examples.append(TrainExample(f"q{q}", "", pos, neg, scores))
     spec = GroupSpec(
-        corpus="unused", group_size=group, query_max_len=6, passage_max_len=8, seed=3, cls_id=2, sep_id=3, pad_id=0
+        corpus="unused", group_size=group, query_max_len=6, passage_max_len=8, seed=3, framing=Framing.bert(2, 3, 0)
     )
     plan = plan_epoch(examples, epoch=2, spec=spec, corpus_ids=corpus_ids, skip_rows=np.array([5]))
     assert plan.teacher_scores.shape == (11, group) and plan.teacher_scores.dtype == np.float32
@@ -313,6 +314,7 @@ def test_the_job_refuses_to_start_without_a_teacher_run_or_with_bad_settings():
 
 DRIVER_PEAK = """
 import json, sys
+from models.framing import Framing
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.group_stream import GroupSpec, plan_epoch
 from pipeline.training.distill import DistillConfig, load_scored_examples
@@ -327,7 +329,7 @@ cfg.data.queries, cfg.data.qrels = f"{folder}/queries.jsonl", f"{folder}/qrels.t
 cfg.data.teacher_scores, cfg.data.teacher_depth = f"{folder}/teacher.trec", 0
 corpus_ids = CorpusIds.from_strings(f"p{i}" for i in range(docs))
 examples, stats, _ = load_scored_examples(cfg, corpus_ids)
-spec = GroupSpec(corpus="", group_size=8, query_max_len=8, passage_max_len=8, seed=0, cls_id=2, sep_id=3, pad_id=0)
+spec = GroupSpec(corpus="", group_size=8, query_max_len=8, passage_max_len=8, seed=0, framing=Framing.bert(2, 3, 0))
 plan = plan_epoch(examples, 0, spec, num_rows=docs)
 print(json.dumps({
     "examples": len(examples), "negatives": len(examples.negatives), "planned": len(plan.example_rows),

@@ -97,12 +97,11 @@ def test_a_retriever_export_is_a_sentence_transformers_model_that_encodes_alike(
     normalisation, trained passage length and prefixes (as prompts), and gives raydense's
     encoder's vectors: queries from text, passages from the corpus's token ids, long texts
     included (both truncate at that length, prefix included)."""
-    from sentence_transformers import SentenceTransformer
     from transformers import AutoModel
 
     from models.biencoder import BiEncoder, BiEncoderConfig
     from pipeline.retrieval.encode import Encoder, EncoderSettings
-    from tests.helpers import save_tiny_bert
+    from tests.helpers import ours_and_sentence_transformers, save_tiny_bert
 
     texts = [d["text"] for d in synthetic_docs(40, seed=2)]
     init = save_tiny_bert(str(tmp_path / "init"), texts)
@@ -116,15 +115,9 @@ def test_a_retriever_export_is_a_sentence_transformers_model_that_encodes_alike(
     BiEncoder(AutoModel.from_pretrained(init), None, cfg).save(export, init, max_seq_length=24)
 
     probe = texts[:6] + [" ".join(texts[6:12])]  # the last far longer than 24 tokens
-    ours = Encoder(EncoderSettings(model=export, batch_size=4), export)
-    corpus_tokens = ours.tokenizer(probe, add_special_tokens=False)["input_ids"]  # as prepare_corpus stores them
-    passages = ours.encode_tokens(corpus_tokens, 24, tower="passage")
-    queries = ours.encode_texts(probe, 24, tower="query")
-    theirs = SentenceTransformer(export, device="cpu")
-    prompts = {k: v for k, v in theirs.prompts.items() if v}  # sentence-transformers adds empty ones
-    assert prompts == {k: v for k, v in (("query", query_prefix), ("document", passage_prefix)) if v}
-    their_passages = theirs.encode_document(probe, convert_to_numpy=True, batch_size=4)
-    their_queries = theirs.encode_query(probe, convert_to_numpy=True, batch_size=4)
+    both = ours_and_sentence_transformers(export, probe, 24)
+    (queries, passages), (their_queries, their_passages) = both["ours"], both["theirs"]
+    assert both["prompts"] == {k: v for k, v in (("query", query_prefix), ("document", passage_prefix)) if v}
     assert their_passages.shape == passages.shape
     np.testing.assert_allclose(their_passages, passages, atol=1e-5)
     np.testing.assert_allclose(their_queries, queries, atol=1e-5)

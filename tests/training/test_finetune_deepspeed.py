@@ -10,12 +10,15 @@ process. Dropout is 0, so both sides compute the same function.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from models.biencoder import (
     BiEncoder,
     BiEncoderConfig,
+    ContrastiveObjective,
     contrastive_backward,
     contrastive_loss,
     own_group_scores,
@@ -42,6 +45,16 @@ CASES = [  # (loss, ZeRO stage, precision, chunk size in sequences; 0 = no cache
     # adapters only: the frozen encoder's weights have no gradient, the adapters the full batch's
     ("contrastive", 2, "fp32", 5, True, True),
     ("contrastive", 2, "fp32", 0, False, True),
+    # ZeRO-3: every weight partitioned across the workers
+    ("contrastive", 3, "fp32", 0, True, False),
+    ("contrastive", 3, "fp32", 0, False, False),
+    ("distillation", 3, "fp32", 0, True, False),
+    ("contrastive", 3, "fp32", 0, True, True),
+    ("contrastive", 3, "fp32", 5, True, False),
+    ("contrastive", 3, "fp32", 2, False, False),
+    ("contrastive", 3, "bf16", 4, True, False),
+    ("distillation", 3, "fp32", 5, True, False),
+    ("contrastive", 3, "fp32", 5, True, True),
 ]
 
 
@@ -150,3 +163,63 @@ def test_the_bf16_bound_fits_bf16_rounding_and_catches_a_missing_gather():
     local = [reference(True, batch=local_batch(rank))[0] for rank in range(WORLD)]
     averaged = {k: sum(grads[k] for grads in local) / WORLD for k in ref_grads}
     assert distributed.relative_error(averaged, ref_grads) > 2.5 * BF16_TOLERANCE
+
+
+class _DecoderTask:
+    """What ``export_model`` asks of a task: the model as built, and its export."""
+
+    def __init__(self, init: str):
+        self.init = init
+        self.objective = ContrastiveObjective(BiEncoderConfig(pooling="last", group_size=GROUP), 24)
+
+    def build_model(self):
+        torch.manual_seed(0)
+        return self.objective.build(self.init)
+
+    def export(self, model, out_dir):
+        return self.objective.export(model, out_dir, self.init)
+
+
+def _export_worker(rank: int, world: int, out: dict, init: str, destination: str):
+    import deepspeed
+
+    import models.backbone
+    from pipeline.training.engine import export_model
+
+    models.backbone.EXPORT_SHARD_SIZE = "40KB"  # a large model's shards, at the tiny model's scale
+    task = _DecoderTask(init)
+    model = task.build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = distributed.engine(model, distributed.plain_config(N_QUERIES, 3, "fp32"), optimizer)
+    batch = local_batch(rank)
+    contrastive_backward(engine, batch, GROUP)
+    engine.step()  # the weights moved from the checkpoint's
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        trained = {k.removeprefix("query_encoder."): v.clone() for k, v in engine.module.state_dict().items()}
+    export_model(task, engine, rank, destination)
+    if rank == 0:
+        out["trained"] = trained
+
+
+def test_a_zero3_export_holds_the_trained_weights_gathered_on_one_rank_in_shards(tmp_path):
+    """Two ZeRO-3 workers, one step: the export, gathered a layer at a time into rank 0's
+    host memory, holds exactly the weights the partitions hold, written as several
+    safetensors files with their index, which ``AutoModel`` loads."""
+    from safetensors.torch import load_file
+    from transformers import AutoModel
+
+    from tests.helpers import sample_texts, save_tiny_decoder
+
+    init = save_tiny_decoder(str(tmp_path / "init"), "llama", sample_texts(200), vocab_size=len(tiny_vocab()))
+    destination = str(tmp_path / "export")
+    trained = distributed.spawn(_export_worker, WORLD, init, destination, deepspeed=True)["trained"]
+    shards = sorted(name for name in os.listdir(destination) if name.endswith(".safetensors"))
+    assert len(shards) > 1 and os.path.isfile(os.path.join(destination, "model.safetensors.index.json"))
+    exported = {k: v for name in shards for k, v in load_file(os.path.join(destination, name)).items()}
+    before = AutoModel.from_pretrained(init).state_dict()
+    assert sorted(exported) == sorted(before)
+    for key, value in exported.items():
+        assert torch.equal(value, trained[key]), key
+    assert any(not torch.equal(exported[k], before[k]) for k in exported)  # the step moved them
+    loaded = AutoModel.from_pretrained(destination).state_dict()
+    assert all(torch.equal(loaded[k], exported[k]) for k in exported)

@@ -24,7 +24,7 @@ from pipeline.data.prepare import PrepareConfig
 from pipeline.training import finetune, pretrain
 from pipeline.training.driver import fit
 from pipeline.training.train_config import TrainConfig
-from tests.helpers import save_tiny_bert
+from tests.helpers import save_tiny_bert, save_tiny_decoder
 
 pytestmark = pytest.mark.ray
 
@@ -200,13 +200,33 @@ def test_a_step_sized_from_memory_trains_as_the_same_split_set_by_hand_and_a_res
     assert_identical(weights(by_hand["export_dir"]), weights(resumed["export_dir"]))
 
 
-def test_finetuning_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted_run(tmp_path, monkeypatch, ray_session):
+@pytest.mark.parametrize(
+    "backbone,stage",
+    [("bert", 1), pytest.param("qwen2", 3, marks=pytest.mark.runs_long)],  # 2 Ray Train runs: ~1 minute
+)
+def test_finetuning_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted_run(
+    tmp_path, monkeypatch, ray_session, backbone, stage
+):
     """The contrastive retriever with hard negatives sliding through each query's list and
-    dropout: interrupted at micro-batch 6 of 8 (epoch 2 of 2), resumed from checkpoint 3."""
+    dropout: interrupted at micro-batch 6 of 8 (epoch 2 of 2), resumed from checkpoint 3.
+    A BERT at ZeRO-1, and a decoder (last-token pooling) at ZeRO-3 with every weight
+    partitioned, whose checkpoint holds the partitions and their optimiser state."""
     import json
 
     docs = synthetic_docs(60, seed=2)
-    model = save_tiny_bert(str(tmp_path / "bert"), [d["text"] for d in docs], dropout=0.1)
+    texts = [d["text"] for d in docs]
+    if backbone == "bert":
+        model = save_tiny_bert(str(tmp_path / "init"), texts, dropout=0.1)
+    else:
+        model = save_tiny_decoder(str(tmp_path / "init"), backbone, texts, attention_dropout=0.1)
+    deepspeed_config = ""
+    if stage == 3:  # the stage-3 template, with tiny weights partitioned too (not kept whole)
+        from importlib import resources
+
+        template = json.loads(resources.files("pipeline.training").joinpath("zero_templates/zero3.json").read_text())
+        template["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        deepspeed_config = str(tmp_path / "zero3.json")
+        open(deepspeed_config, "w").write(json.dumps(template))
     queries, qrels, negatives = tmp_path / "queries.jsonl", tmp_path / "qrels.tsv", tmp_path / "negatives.jsonl"
     queries.write_text(
         "".join(json.dumps({"_id": f"q{i}", "text": " ".join(docs[i]["text"].split()[:4])}) + "\n" for i in range(16))
@@ -229,7 +249,13 @@ def test_finetuning_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted_
         cfg.data.query_max_len, cfg.data.passage_max_len = 12, 24
         cfg.model.init = model
         cfg.retriever.group_size = 3
-        cfg.train = train_settings(str(tmp_path / name), micro_batch_size=4, max_steps=8)
+        cfg.train = train_settings(
+            str(tmp_path / name),
+            micro_batch_size=4,
+            max_steps=8,
+            zero_stage=stage,
+            deepspeed_config=deepspeed_config,
+        )
         return cfg
 
     whole = finetune.run_finetuning(config("whole"))
