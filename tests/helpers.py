@@ -662,3 +662,12 @@ def ours_and_sentence_transformers(export: str, texts: list[str], max_len: int) 
         ),
         "prompts": {k: v for k, v in theirs.prompts.items() if v},  # sentence-transformers adds empty ones
     }
+
+
+def memory_gib_for_state(params: int, stage: int, workers: int, precision: str = "fp32") -> float:
+    """A ``--train.memory_gib`` that holds the model's state (models/memory.py) with a fifth
+    to spare and leaves micro-batch sizing nothing for activations (half the memory, less
+    the optimiser state it reserves): sized from it, a step runs one row at a time."""
+    from models.memory import model_state
+
+    return 1.2 * model_state(params, params, stage, workers, precision).total / 2**30

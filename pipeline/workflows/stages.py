@@ -69,12 +69,6 @@ def eval_k(corpus: CorpusStore, k: int) -> int:
     return min(k, corpus.docs())
 
 
-def evaluate_dev(*args, **kwargs) -> dict:
-    """Dev metrics of a retriever through the distributed path (encode on actors, index,
-    search): :func:`dev_evaluation`'s job, run."""
-    return run_evaluation(dev_evaluation(*args, **kwargs))
-
-
 def dev_evaluation(
     data: RetrievalData,
     settings: EvalStage,
@@ -155,8 +149,10 @@ def train_and_evaluate(job: FinetuneConfig, data: RetrievalData, settings: EvalS
     train_s = time.time() - started
     folder = storage.join(job.train.output, "eval")
     prepared = corpus.prepare(job.corpus.output, job.corpus.tokenizer or job.model.init)
-    evaluation = evaluate_dev(
-        data, settings, summary["export_dir"], folder, eval_k(corpus, settings.k), corpus=prepared.folder
+    evaluation = run_evaluation(
+        dev_evaluation(
+            data, settings, summary["export_dir"], folder, eval_k(corpus, settings.k), corpus=prepared.folder
+        )
     )
     return {
         "outputs": {

@@ -144,7 +144,8 @@ def test_tevatron_training_file_with_its_own_passages(tiny_bert, tmp_path, share
 
     tokenizer = load_tokenizer(tiny_bert)
     word = docs[ids[0]].split()[0]
-    prefixed = prepare_group_training(cfg, 4, query_prefix=f"{word}: ", passage_prefix=f"{word} {word}: ")
+    cfg.retriever.query_prefix, cfg.retriever.passage_prefix = f"{word}: ", f"{word} {word}: "
+    prefixed = prepare_group_training(cfg, 4)
     want = tokenizer([f"{word}: {e.query}" for e in examples], add_special_tokens=False)["input_ids"]
     assert [q.tolist() for q in prefixed.stream.query_ids] == [w[:8] for w in want]
     assert prefixed.stream.spec.passage_prefix == tuple(

@@ -24,7 +24,7 @@ from pipeline.data.prepare import PrepareConfig
 from pipeline.training import finetune, pretrain
 from pipeline.training.driver import fit
 from pipeline.training.train_config import TrainConfig
-from tests.helpers import save_tiny_bert, save_tiny_decoder
+from tests.helpers import memory_gib_for_state, save_tiny_bert, save_tiny_decoder
 
 pytestmark = pytest.mark.ray
 
@@ -187,8 +187,10 @@ def test_a_step_sized_from_memory_trains_as_the_same_split_set_by_hand_and_a_res
     # The error raised there does not unpickle: its message still reaches the driver (WorkerError).
     error = functools.partial(NeedsTwoArguments, "interrupted between checkpoints (test)", {})
     interrupted(monkeypatch, pretrain, at=40, marker=str(tmp_path / "stopped"), error=error)
+    # (Almost) no memory beside the model's own state: one row at a time.
+    params = sum(w.numel() for w in weights(by_hand["export_dir"]).values())
     with pytest.raises(Exception, match="interrupted between checkpoints"):
-        pretrain.run_pretraining(config("sized", memory_gib=1e-6, **sized))
+        pretrain.run_pretraining(config("sized", memory_gib=memory_gib_for_state(params, 2, 2), **sized))
     monkeypatch.undo()
     resumed = pretrain.run_pretraining(config("sized", memory_gib=64, **sized))  # 8 rows would fit now
 

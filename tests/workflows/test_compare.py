@@ -123,8 +123,8 @@ def _stub_stages(monkeypatch) -> dict[str, list]:
         calls["finetune"].append(copy.deepcopy(job))
         return {"export_dir": f"{job.train.output}/export", "tokens_per_s": 1.0}
 
-    def fake_evaluation(data_cfg, settings, model, folder, k, *args, **kwargs):
-        return {"run": f"{folder}/run.trec", "metrics": {"MRR@10": 0.5, "R@100": 0.5, "nDCG@10": 0.5}}
+    def fake_evaluation(job):
+        return {"run": f"{job.output}/run.trec", "metrics": {"MRR@10": 0.5, "R@100": 0.5, "nDCG@10": 0.5}}
 
     def fake_analysis(cfg):
         calls["analysis"].append(cfg)
@@ -133,7 +133,7 @@ def _stub_stages(monkeypatch) -> dict[str, list]:
 
     monkeypatch.setattr(compare, "run_pretraining", fake_pretraining)
     monkeypatch.setattr(stages, "run_finetuning", fake_finetuning)
-    monkeypatch.setattr(stages, "evaluate_dev", fake_evaluation)
+    monkeypatch.setattr(stages, "run_evaluation", fake_evaluation)
     monkeypatch.setattr(CorpusStore, "prepare", lambda store, folder, tokenizer: PreparedCorpus(folder, {}))
     monkeypatch.setattr(compare, "run_analysis", fake_analysis)
     monkeypatch.setattr(compare, "plot_method_comparison", lambda rows, metrics, uri: uri)

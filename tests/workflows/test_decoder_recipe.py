@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
+import torch
 
 from pipeline.core import storage
 from pipeline.training.train_config import TrainConfig
@@ -49,6 +51,23 @@ def test_a_decoder_is_fine_tuned_mined_with_and_evaluated_through_the_recipe(tmp
     assert tokenizer("In the beginning")["input_ids"][-1] == tokenizer.eos_token_id
     assert AutoConfig.from_pretrained(export).hidden_size == HIDDEN
     assert not any(name.startswith("adapter") for name in os.listdir(export))
+    # LoRA through the trainer: the merged export's frozen weights are the checkpoint's bit for
+    # bit, and each adapted projection moved by an update of rank at most 4.
+    from safetensors.torch import load_file
+
+    from models.lora import FAMILY_TARGETS, target_pattern
+
+    before = {k.removeprefix("model."): v for k, v in load_file(os.path.join(init, "model.safetensors")).items()}
+    after = load_file(os.path.join(stages["round1"]["outputs"]["export"], "model.safetensors"))
+    assert set(after) <= set(before)  # the LM head is not a retriever's
+    adapted = {k for k in after if re.fullmatch(target_pattern(FAMILY_TARGETS["qwen2"]), k.removesuffix(".weight"))}
+    assert len(adapted) == 7 * 2  # 7 projections in each of 2 layers
+    for key, value in after.items():
+        if key not in adapted:
+            assert torch.equal(value, before[key]), key
+        else:
+            update = (value - before[key]).double()
+            assert update.abs().max() > 0 and int(torch.linalg.matrix_rank(update, rtol=1e-6)) <= 4, key
     # Mined with round 1's own vectors, of the model's width; evaluated by the job's metrics,
     # which ir_measures computes alike from the stored run.
     negatives = [json.loads(line) for line in open(stages["mine1"]["outputs"]["negatives"])]

@@ -49,7 +49,7 @@ from pipeline.retrieval.metrics import JOB_MEASURES
 from pipeline.retrieval.rerank_scoring import PairScorer
 from pipeline.training.train_config import TrainConfig
 from pipeline.workflows.recipe import RESULT_ROWS, STAGES, RecipeConfig
-from tests.helpers import ir_measures_of_run, read_traces, retrieval_collection, save_tiny_bert
+from tests.helpers import ir_measures_of_run, memory_gib_for_state, read_traces, retrieval_collection, save_tiny_bert
 from tests.ray_cluster import (
     FAKE_CREDENTIALS,
     REPO,
@@ -95,7 +95,7 @@ for args in json.loads(sys.argv[1]):
 """
 
 
-def _config(data: dict, init: str, output: str) -> RecipeConfig:
+def _config(data: dict, init: str, output: str, init_params: int) -> RecipeConfig:
     cfg = RecipeConfig(output=output)
     cfg.model.init = init
     for key in ("corpus", "train_queries", "train_qrels", "dev_queries", "dev_qrels"):
@@ -136,8 +136,10 @@ def _config(data: dict, init: str, output: str) -> RecipeConfig:
     for stage in (cfg.round1, cfg.round2, cfg.distill):
         stage.retriever.group_size, stage.train = 4, steps(8)
     cfg.reranker.group_size, cfg.reranker.max_len, cfg.reranker.train = 4, 44, steps(4)
-    # Its 4 queries a step sized from (almost) no memory: trained one query at a time, 4 accumulated.
-    cfg.reranker.train.size_micro_batch, cfg.reranker.train.memory_gib = "on", 1e-6
+    # Its 4 queries a step sized from (almost) no memory beside the model's own state (one
+    # worker: ZeRO stage 0): trained one query at a time, 4 accumulated.
+    cfg.reranker.train.size_micro_batch = "on"
+    cfg.reranker.train.memory_gib = memory_gib_for_state(init_params, 0, 1)
     cfg.reranker.dev_depth, cfg.reranker.teacher_depth, cfg.reranker.teacher_queries = 10, 8, 24
     cfg.reranker.pool.actors = cfg.eval.pool.actors = 1
     cfg.mine.depth, cfg.mine.count, cfg.mine.bm25_depth, cfg.mine.bm25_count = 20, 5, 20, 5
@@ -258,9 +260,10 @@ def test_recipe_on_two_nodes_that_share_no_disk(two_node_cluster, s3_bucket, tmp
     head = cluster.head
     local = retrieval_collection(tmp_path / "data", N_DOCS, N_TRAIN, N_DEV)
     init = storage.upload_dir(save_tiny_bert(str(tmp_path / "init"), local["texts"]), f"s3://{s3_bucket}/init")
+    init_params = sum(p.numel() for p in AutoModel.from_pretrained(str(tmp_path / "init")).parameters())
     data = _upload_collection(local, s3_bucket)
     out = f"s3://{s3_bucket}/run"
-    cfg = _config(data, init, out)
+    cfg = _config(data, init, out, init_params)
     recipe = tmp_path / "recipe.yaml"  # read by the driver, on the head
     recipe.write_text(dump_yaml(cfg, redact_secrets=False))
 
