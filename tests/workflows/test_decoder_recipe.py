@@ -1,5 +1,6 @@
 """A decoder retriever through the recipe on Ray: fine-tuned with LoRA and last-token
-pooling, its negatives mined with its own vectors, trained again on them, evaluated."""
+pooling, its negatives mined with its own vectors, trained again on them (2 workers at
+ZeRO-3, through the gradient cache), evaluated."""
 
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ def test_a_decoder_is_fine_tuned_mined_with_and_evaluated_through_the_recipe(tmp
         stage.retriever.query_prefix, stage.retriever.passage_prefix = "query: ", "passage:"
         stage.retriever.lora.rank = 4
         stage.train = TrainConfig(micro_batch_size=8, max_steps=4, lr=1e-3, checkpoint_every=100, log_every=1)
+    # Round 2 on 2 workers at ZeRO-3, each weight partitioned across them, through the gradient
+    # cache (chunks of 8 sequences) with checkpointed layers and cross-worker negatives.
+    cfg.round2.retriever.chunk_size, cfg.round2.retriever.gradient_checkpointing = 8, True
+    cfg.round2.train.num_workers, cfg.round2.train.zero_stage, cfg.round2.train.micro_batch_size = 2, 3, 4
     cfg.mine.depth, cfg.mine.count, cfg.mine.bm25_depth, cfg.mine.bm25_count = 20, 5, 20, 5
     cfg.eval.k = 50
 
