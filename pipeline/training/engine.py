@@ -10,6 +10,7 @@ import os
 import tempfile
 from typing import TYPE_CHECKING, Callable
 
+import ray.train.torch
 import torch
 
 from models.compiled import compile_in_place
@@ -80,7 +81,7 @@ def build_engine(train: TrainConfig, task: TrainTask, deepspeed_settings: dict, 
     torch.set_num_threads(max(1, int(train.cpus_per_worker)))
     torch.manual_seed(train.seed)  # identical initialisation on every rank
     model = task.build_model()
-    device = torch.device("cuda", torch.cuda.current_device()) if train.use_gpu else torch.device("cpu")
+    device = ray.train.torch.get_device() if train.use_gpu else torch.device("cpu")  # this worker's own GPU
     check_model_memory(model, train, workers, *worker_memory(train, device, workers_on_node))
     if train.compile:
         compile_in_place(model, blocks=True)  # before DeepSpeed wraps it: the engine calls the compiled blocks

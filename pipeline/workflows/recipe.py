@@ -153,6 +153,12 @@ class DistillStage:
         },
     )
     loss: DistillationConfig = field(default_factory=DistillationConfig)
+    teacher_best: int = field(
+        default=0,
+        metadata={
+            "help": "negatives drawn from the teacher's best this many scored candidates of each query (judged positives aside); 0 = every candidate it scored"
+        },
+    )
     init: str = field(
         default="",
         metadata={"help": "student's initial checkpoint; empty = the pre-trained encoder (as rounds 1 and 2)"},
@@ -501,7 +507,7 @@ def distill_job(ctx: StageContext) -> DistillConfig:
             queries=cfg.data.train_queries,
             qrels=cfg.data.train_qrels,
             teacher_scores=ctx.output("teacher", "scores"),
-            teacher_depth=0,
+            teacher_depth=stage.teacher_best,
             **Lengths.values_of(cfg.data),
         ),
         corpus=corpus_section(ctx.corpus, ctx.prepared_corpus(init)),

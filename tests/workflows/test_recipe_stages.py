@@ -488,7 +488,17 @@ def test_every_stage_job_built_from_one_recipe_shares_its_sections(tmp_path, mon
 
     path = os.path.join(os.path.dirname(__file__), "..", "..", "jobs", "recipes", "msmarco.yaml")
     cfg = parse_config(
-        RecipeConfig, ["--config", path, "--output", str(tmp_path / "run"), "--data.query_max_len", "24"]
+        RecipeConfig,
+        [
+            "--config",
+            path,
+            "--output",
+            str(tmp_path / "run"),
+            "--data.query_max_len",
+            "24",
+            "--distill.teacher_best",
+            "16",
+        ],
     )
     outputs = {"export": "s3://b/x/export", "index": "s3://b/x/index", "negatives": "s3://b/x/neg.jsonl"}
     outputs |= {"scores": "s3://b/teacher/run.trec", "run": "s3://b/x/run.trec"}
@@ -529,3 +539,5 @@ def test_every_stage_job_built_from_one_recipe_shares_its_sections(tmp_path, mon
     assert (jobs["eval"].queries, jobs["eval"].qrels) == (data.dev_queries, data.dev_qrels)
     assert (jobs["rerank"].queries, jobs["rerank"].qrels) == (data.dev_queries, data.dev_qrels)
     assert jobs["teacher"].text == jobs["rerank"].text == ctx.corpus.text_folder
+    # distillation reads the teacher's scores, its negatives from the teacher's best candidates
+    assert (jobs["distill"].data.teacher_scores, jobs["distill"].data.teacher_depth) == (outputs["scores"], 16)
