@@ -53,6 +53,7 @@ def distill_config(run: str, changes: dict, output: str):
     """The recipe's distillation job for ``run``, with ``changes`` (``"@stage"`` = that
     stage's export) and its dev evaluation as the recipe's."""
     from pipeline.core.config import parse_config
+    from pipeline.core.sections import Queries
     from pipeline.retrieval.evaluate import EvalConfig, SearchSettings
     from pipeline.workflows.manifest import RunManifest
     from pipeline.workflows.recipe import MANIFEST, RecipeConfig, StageContext, distill_job
@@ -67,8 +68,7 @@ def distill_config(run: str, changes: dict, output: str):
         setattr(getattr(cfg, section), name, value)
     cfg.train.output = output
     cfg.eval = EvalConfig(
-        queries=recipe.data.dev_queries,
-        qrels=recipe.data.dev_qrels,
+        **Queries.values_of(recipe.data.dev),
         **SearchSettings.values_of(recipe.eval) | {"k": ctx.eval_k()},
     )
     return cfg

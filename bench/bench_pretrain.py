@@ -477,7 +477,9 @@ def main(argv=None) -> dict:
         # 2. The corpus, prepared once locally and uploaded: both runs read identical shards.
         local_corpus = os.path.join(tmp, "corpus")
         say(f"preparing {CORPUS} -> {local_corpus}")
-        manifest = prepare_corpus(PrepareConfig(input=str(CORPUS), output=local_corpus, docs_per_shard=DOCS_PER_SHARD))
+        manifest = prepare_corpus(
+            PrepareConfig(input=str(CORPUS), output=local_corpus, docs_per_shard=DOCS_PER_SHARD)
+        ).manifest
         s3_corpus = f"s3://{BUCKET}/corpus"
         storage.upload_dir(local_corpus, s3_corpus)
         say(f"uploaded to {s3_corpus}")

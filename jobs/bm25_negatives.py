@@ -1,6 +1,7 @@
 """Round-1 hard negatives for retriever fine-tuning: BM25 (bm25s) top-depth minus judged positives.
 
-Example: python jobs/bm25_negatives.py --corpus data/nave/corpus.jsonl
+With no arguments it mines the bundled sample's training queries. On another collection:
+python jobs/bm25_negatives.py --corpus data/nave/corpus.jsonl
 --queries data/nave/queries.train.jsonl --qrels data/nave/qrels.train.tsv
 --output runs/bm25/negatives.jsonl. Writes the negatives jsonl and a TREC run of the BM25
 results next to it. The index runs on Ray actors, one per --docs_per_shard documents (a local

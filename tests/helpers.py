@@ -277,6 +277,15 @@ def retrieval_collection(folder, n_docs: int, n_train: int, n_dev: int) -> dict:
     return {"texts": texts, **paths}
 
 
+def use_collection(data, collection: dict) -> None:
+    """A workflow's ``data`` section pointed at a collection of :func:`retrieval_collection`'s shape."""
+    from pipeline.core.sections import Queries
+
+    data.corpus = collection["corpus"]
+    data.train = Queries(collection["train_queries"], collection["train_qrels"])
+    data.dev = Queries(collection["dev_queries"], collection["dev_qrels"])
+
+
 def ir_measures_of_run(run_uri: str, qrels_uri: str) -> dict:
     """The job's metrics of a TREC run, computed by ir_measures itself from the files."""
     import ir_measures

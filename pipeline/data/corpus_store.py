@@ -27,7 +27,7 @@ def prepare_in(corpus: str, folder: str, tokenizer: str, docs_per_shard: int, te
     preparation only). Its settings are recorded as a trainer records them (the input and the
     tokenizer resolved), so a trainer handed this folder reuses it, and so does this after a
     trainer prepared it."""
-    manifest = prepare_corpus(
+    return prepare_corpus(
         PrepareConfig(
             input=storage.resolve(corpus).uri,
             output=folder,
@@ -36,7 +36,6 @@ def prepare_in(corpus: str, folder: str, tokenizer: str, docs_per_shard: int, te
             text=text,
         )
     )
-    return PreparedCorpus(folder, manifest)
 
 
 class CorpusStore:

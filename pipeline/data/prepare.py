@@ -22,23 +22,23 @@ from pipeline.core import model_ref, storage
 from pipeline.core.progress import get_counted
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS
+from pipeline.core.sections import Output
 from pipeline.data.corpus import corpus_files
 from pipeline.data.join import JoinConfig
 from pipeline.data.shard_tokenizing import ShardTokenizer, continuation_table, tokenize_shard
-from pipeline.data.shards import FORMAT, MANIFEST, WORD_PIECES, check_shard_sizes
+from pipeline.data.shards import FORMAT, MANIFEST, WORD_PIECES, PreparedCorpus, check_shard_sizes
 from pipeline.data.text_shards import iter_texts, stage_text
 from pipeline.data.tokenizer import load_tokenizer, train_wordpiece
 
 
 @dataclass
-class PrepareConfig:
+class PrepareConfig(Output.with_defaults(output="runs/corpus", notes={"output": "the shards and their manifest"})):
     input: str = field(
         default=SAMPLE_CORPUS,
         metadata={
             "help": "BEIR corpus.jsonl, a .txt file (blank-line separated documents), or a folder of them; local or s3://"
         },
     )
-    output: str = field(default="runs/corpus", metadata={"help": "where the shards and manifest go; local or s3://"})
     tokenizer: str = field(
         default="",
         metadata={
@@ -75,11 +75,13 @@ def _settings(cfg: PrepareConfig) -> dict[str, Any]:
     return settings
 
 
-def prepare_corpus(cfg: PrepareConfig) -> dict:
-    """Prepare ``cfg.input`` into ``cfg.output``; returns the manifest.
+def prepare_corpus(cfg: PrepareConfig) -> PreparedCorpus:
+    """Prepare ``cfg.input`` into ``cfg.output``. A finished manifest with the same settings
+    is reused unless ``overwrite`` is set (its ``reused`` says which)."""
+    return PreparedCorpus(cfg.output, _prepare(cfg))
 
-    A finished manifest with the same settings is reused unless ``overwrite`` is set.
-    """
+
+def _prepare(cfg: PrepareConfig) -> dict:
 
     manifest_uri = storage.join(cfg.output, MANIFEST)
     storage.check_reachable(manifest_uri)
@@ -166,7 +168,7 @@ class PrepareJobConfig:
 
 def run_preparation(cfg: PrepareJobConfig) -> dict:
     """jobs/prepare_corpus.py: prepare the corpus and summarise its manifest."""
-    manifest = prepare_corpus(cfg.corpus)
+    manifest = prepare_corpus(cfg.corpus).manifest
     return {
         "job": "prepare_corpus",
         "output": cfg.corpus.output,

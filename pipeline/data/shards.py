@@ -59,7 +59,16 @@ class PreparedCorpus:
         file, or a folder not yet prepared)."""
         if not storage.exists(storage.join(folder, MANIFEST)):
             return None
+        return cls.load(folder)
+
+    @classmethod
+    def load(cls, folder: str) -> PreparedCorpus:
+        """The corpus prepared in ``folder``; an error naming the folder where none finished there."""
         return cls(folder, load_manifest(folder))
+
+    @property
+    def docs(self) -> int:
+        return self.manifest["num_docs"]
 
     @property
     def tokenizer(self) -> str:

@@ -24,6 +24,8 @@ from pipeline.core import storage
 from pipeline.core.errors import StorageError
 from pipeline.core.parts import BlockFiles, claim, finished_blocks, join_blocks, recorded_block, summed
 from pipeline.core.runtime import RayConfig
+from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
+from pipeline.core.sections import Collection, Output, Section
 from pipeline.data.beir import positives, read_qrels, read_queries
 from pipeline.data.examples import build_training_examples
 from pipeline.data.groups import select_negatives
@@ -36,22 +38,40 @@ from pipeline.retrieval.fanout import query_block, read_qrels_of_corpus
 
 
 @dataclass
-class Bm25Config:
-    corpus: str = field(
-        metadata={"help": "BEIR corpus.jsonl (file or folder, local or s3://); indexed as title + text"}
+class Bm25Negatives(Section):
+    """Round 1's BM25 negatives as a trainer or a workflow mines them (jobs/bm25_negatives.py
+    itself: --depth and --count)."""
+
+    bm25_depth: int = field(
+        default=200, metadata={"help": "BM25 results per training query that round-1 negatives are drawn from"}
     )
-    queries: str = field(metadata={"help": "BEIR queries.jsonl to mine negatives for"})
-    qrels: str = field(metadata={"help": "BEIR qrels TSV: judged positives (score > 0) are never negatives"})
+    bm25_count: int = field(default=30, metadata={"help": "BM25 negatives kept per query (judged positives excluded)"})
+
+    def job(self, **paths: str) -> Bm25Config:
+        """The BM25 negatives job with these settings; ``paths``: its collection, text and output."""
+        return Bm25Config(depth=self.bm25_depth, count=self.bm25_count, **paths)
+
+
+@dataclass
+class Bm25Config(
+    Output.with_defaults(
+        output="runs/bm25/negatives.jsonl",
+        notes={"output": "the negatives jsonl ({query_id, negatives, scores} per query; .gz = gzip)"},
+    ),
+    Collection.with_defaults(
+        queries=SAMPLE_TRAIN_QUERIES,
+        qrels=SAMPLE_TRAIN_QRELS,
+        notes={
+            "corpus": "indexed as title + text",
+            "queries": "mined for",
+            "qrels": "positives are never negatives",
+        },
+    ),
+):
     text: str = field(
         default="",
         metadata={
             "help": "folder of the corpus's staged text shards (a run's, shared with its other readers); empty = <output without .jsonl[.gz]>.text-shards, kept for reruns"
-        },
-    )
-    output: str = field(
-        default="runs/bm25/negatives.jsonl",
-        metadata={
-            "help": "negatives jsonl to write (local or s3://; .gz = gzip): {query_id, negatives, scores} per query"
         },
     )
     run: str = field(

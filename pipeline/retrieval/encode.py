@@ -36,8 +36,7 @@ from pipeline.core.actor_pool import ActorConfig, actor_device, run_actor_pool, 
 from pipeline.core.config import Renamed, truthy
 from pipeline.core.progress import progress
 from pipeline.core.runtime import RayConfig
-from pipeline.core.sample import SAMPLE_CORPUS
-from pipeline.core.sections import Lengths
+from pipeline.core.sections import Corpus, Lengths, Output
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
 from pipeline.data.shards import PreparedCorpus, check_shards
 from pipeline.data.tokenizer import load_tokenizer, prefix_token_ids
@@ -311,14 +310,12 @@ class EncoderActor:
 
 
 @dataclass
-class EncodeConfig:
-    corpus: str = field(
-        default=SAMPLE_CORPUS,
-        metadata={
-            "help": "BEIR corpus.jsonl (prepared here with the model's tokenizer) or a prepared corpus folder (manifest.json); local or s3://"
-        },
-    )
-    output: str = field(default="runs/encode", metadata={"help": "embedding shards + manifest (local or s3://)"})
+class EncodeConfig(
+    Output.with_defaults(output="runs/encode", notes={"output": "the embedding shards and their manifest"}),
+    Corpus.with_defaults(
+        notes={"corpus": "prepared here with the model's tokenizer; or a prepared corpus folder (manifest.json)"}
+    ),
+):
     prepared: str = field(default="", metadata={"help": "where a BEIR corpus is prepared; empty = <output>/corpus"})
     docs_per_shard: int = field(
         default=20000,
@@ -337,7 +334,7 @@ def prepared_corpus(corpus: str, model_dir: str, prepared: str, docs_per_shard: 
     if ready is not None:
         return ready
     cfg = PrepareConfig(input=corpus, output=prepared, tokenizer=model_dir, docs_per_shard=docs_per_shard)
-    return PreparedCorpus(prepared, prepare_corpus(cfg))
+    return prepare_corpus(cfg)
 
 
 def _made_by(cfg: EncodeConfig, model_dir: str, probe, corpus: PreparedCorpus) -> dict:

@@ -19,8 +19,8 @@ from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.parts import BlockFiles, claim, finished_blocks, join_blocks, recorded_block
 from pipeline.core.plots import plot_metrics
 from pipeline.core.runtime import RayConfig
-from pipeline.core.sample import SAMPLE_CORPUS, SAMPLE_DEV_QRELS, SAMPLE_DEV_QUERIES
-from pipeline.core.sections import Section
+from pipeline.core.sample import SAMPLE_DEV_QUERIES
+from pipeline.core.sections import Collection, Output, Section
 from pipeline.data.beir import read_qrels, read_queries
 from pipeline.data.runs import write_trec_lines
 from pipeline.data.shards import PreparedCorpus, held_ids
@@ -52,17 +52,19 @@ class SearchSettings(Section):
 
 
 @dataclass
-class EvalConfig(SearchSettings):
-    """A trainer's evaluation of its export, when asked: the same path as jobs/evaluate.py."""
-
-    queries: str = field(
-        default="",
-        metadata={
-            "help": f"BEIR queries.jsonl to evaluate on after training (e.g. {SAMPLE_DEV_QUERIES}); empty = none"
+class EvalConfig(
+    SearchSettings,
+    Collection.with_defaults(
+        corpus="",
+        queries="",
+        qrels="",
+        notes={
+            "corpus": "empty = the training corpus",
+            "queries": f"evaluated after training (e.g. {SAMPLE_DEV_QUERIES}); empty = none",
         },
-    )
-    qrels: str = field(default="", metadata={"help": "BEIR qrels TSV of those queries"})
-    corpus: str = field(default="", metadata={"help": "BEIR corpus.jsonl to search; empty = the training corpus"})
+    ),
+):
+    """A trainer's evaluation of its export, when asked: the same path as jobs/evaluate.py."""
 
     def __post_init__(self):
         if self.queries and not self.qrels:
@@ -78,7 +80,11 @@ def trainer_eval() -> EvalConfig:
 
 
 @dataclass
-class EvaluateJobConfig(SearchSettings):
+class EvaluateJobConfig(
+    SearchSettings,
+    Output.with_defaults(output="runs/evaluate", notes={"output": "embeddings, index, run.trec and metrics.json"}),
+    Collection.with_defaults(notes={"corpus": "or a prepared corpus folder"}),
+):
     # The encoder's options were once top-level: still read, as encoder.* (a note says so).
     RENAMED: ClassVar[dict] = {
         **{name: Renamed(f"encoder.{name}") for name in ("model", "pooling", "query_max_len", "precision")},
@@ -87,14 +93,6 @@ class EvaluateJobConfig(SearchSettings):
     }
 
     encoder: EncoderSettings = field(default_factory=EncoderSettings)
-    corpus: str = field(
-        default=SAMPLE_CORPUS, metadata={"help": "BEIR corpus.jsonl or a prepared corpus folder (local or s3://)"}
-    )
-    queries: str = field(default=SAMPLE_DEV_QUERIES, metadata={"help": "BEIR queries.jsonl (local or s3://)"})
-    qrels: str = field(default=SAMPLE_DEV_QRELS, metadata={"help": "BEIR qrels TSV with a header"})
-    output: str = field(
-        default="runs/evaluate", metadata={"help": "embeddings, index, run.trec and metrics.json go here"}
-    )
     docs_per_shard: int = field(default=20000, metadata={"help": "passages per corpus/embedding shard"})
     collections: list[str] = field(
         default_factory=list,
@@ -115,15 +113,14 @@ class EvaluateJobConfig(SearchSettings):
                 storage.must_exist(uri, option)
 
 
-@dataclass(frozen=True)
-class Collection:
-    name: str
-    corpus: str
-    queries: str
-    qrels: str
+@dataclass
+class NamedCollection(Collection):
+    """One of ``--collections``: its files, and the name its results go under."""
+
+    name: str = ""
 
 
-def beir_collection(folder: str, split: str, name: str) -> Collection:
+def beir_collection(folder: str, split: str, name: str) -> NamedCollection:
     """A BEIR folder's files for ``split``: BEIR's own layout (``queries.jsonl``,
     ``qrels/<split>.tsv``) or one file per split (``queries.<split>.jsonl``, ``qrels.<split>.tsv``),
     each plain or gzipped."""
@@ -139,10 +136,10 @@ def beir_collection(folder: str, split: str, name: str) -> Collection:
         found[what] = next((u for u in uris if storage.exists(u)), "")
         if not found[what]:
             raise InputError(f"collection {folder}: no {' or '.join(names)} (split {split!r})")
-    return Collection(name, **found)
+    return NamedCollection(name=name, **found)
 
 
-def _collections(cfg: EvaluateJobConfig) -> list[Collection]:
+def _collections(cfg: EvaluateJobConfig) -> list[NamedCollection]:
     """Each folder of ``--collections``, named by its last path part (made unique)."""
     single = [f for f in ("corpus", "queries", "qrels") if getattr(cfg, f) != getattr(EvaluateJobConfig, f)]
     if single:
@@ -156,25 +153,17 @@ def _collections(cfg: EvaluateJobConfig) -> list[Collection]:
 
 
 def evaluation_job(
-    encoder: EncoderSettings,
-    corpus: str,
-    queries: str,
-    qrels: str,
-    search: SearchSettings,
-    output: str,
-    docs_per_shard: int,
+    encoder: EncoderSettings, collection: Collection, search: SearchSettings, output: str, docs_per_shard: int
 ) -> EvaluateJobConfig:
     """The one evaluation job every caller builds (a trainer's ``--eval``, a workflow's dev
-    evaluation): ``encoder``'s model on ``queries`` over ``corpus`` (raw, or prepared with
-    the model's tokenizer), searched as ``search`` says; its pool and searchers are the
-    caller's own sections."""
+    evaluation): ``encoder``'s model on the collection's queries over its corpus (raw, or
+    prepared with the model's tokenizer), searched as ``search`` says; its pool and searchers
+    are the caller's own sections."""
     return EvaluateJobConfig(
         encoder=encoder,
-        corpus=corpus,
-        queries=queries,
-        qrels=qrels,
         output=output,
         docs_per_shard=docs_per_shard,
+        **Collection.values_of(collection),
         **SearchSettings.values_of(search),
     )
 
@@ -195,9 +184,7 @@ def _evaluate_collections(cfg: EvaluateJobConfig) -> dict:
     output = storage.resolve(cfg.output).uri
     results = {}
     for c in collections:
-        one = dataclasses.replace(
-            cfg, collections=[], corpus=c.corpus, queries=c.queries, qrels=c.qrels, output=storage.join(output, c.name)
-        )
+        one = dataclasses.replace(cfg, collections=[], output=storage.join(output, c.name), **Collection.values_of(c))
         summary = _evaluate(one)
         results[c.name] = {
             k: summary[k] for k in ("metrics", "queries", "judged_queries", "passages", "run", "seconds")

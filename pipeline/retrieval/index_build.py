@@ -21,17 +21,19 @@ import ray
 from pipeline.core import parts, storage
 from pipeline.core.progress import get_counted
 from pipeline.core.runtime import RayConfig
+from pipeline.core.sections import Output
 from pipeline.retrieval import embeddings as emb
 from pipeline.retrieval import faiss_index, index_memory
 from pipeline.retrieval.faiss_index import IndexConfig
 
 
 @dataclass
-class IndexJobConfig:
+class IndexJobConfig(
+    Output.with_defaults(output="runs/index", notes={"output": "the index shards and their manifest"})
+):
     embeddings: str = field(
         default="runs/encode", metadata={"help": "embedding shards + manifest (jobs/encode.py output)"}
     )
-    output: str = field(default="runs/index", metadata={"help": "index shards + manifest (local or s3://)"})
     embedding_shards_per_index: int = field(default=1, metadata={"help": "embedding shards per index shard"})
     cpus_per_task: float = field(default=1.0, metadata={"help": "CPUs per index-building task"})
     index: IndexConfig = field(default_factory=IndexConfig)

@@ -40,6 +40,7 @@ from pipeline.core.errors import ArtifactError, ConfigError, InputError
 from pipeline.core.parts import claim, finished_blocks, join_blocks, recorded_block, remove_parts, summed
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
+from pipeline.core.sections import Collection, Output, Section
 from pipeline.data.beir import positives, read_queries
 from pipeline.data.corpus import iter_documents
 from pipeline.data.groups import margin_ceiling
@@ -56,26 +57,40 @@ POSITIVE_ROWS = 65536  # queries' vectors an object of margin scoring: BERT-base
 
 
 @dataclass
-class MineConfig:
+class MiningSettings(Section):
+    """Which of a query's candidates mining keeps: jobs/mine.py's and the recipe's mining stages'."""
+
+    depth: int = field(default=200, metadata={"help": "passages retrieved per query"})
+    count: int = field(default=30, metadata={"help": "negatives kept per query"})
+    skip_top: int = field(
+        default=0, metadata={"help": "ignore the best-ranked N candidates (likely unjudged positives)"}
+    )
+    query_block: int = field(
+        default=0,
+        metadata={
+            "help": "queries per search block: the unit written, resumed and redone after a lost node; 0 = as many as keep a block's answers near 256 MiB (thousands), recorded for a resumed run"
+        },
+    )
+
+
+@dataclass
+class MineConfig(
+    MiningSettings,
+    Output.with_defaults(output="runs/mine", notes={"output": "negatives.jsonl, train.tevatron.jsonl and run.trec"}),
+    Collection.with_defaults(
+        corpus="",
+        queries=SAMPLE_TRAIN_QUERIES,
+        qrels=SAMPLE_TRAIN_QRELS,
+        notes={"corpus": "for the answer filter", "queries": "mined for", "qrels": "positives are never negatives"},
+    ),
+):
     index: str = field(
         default="runs/index",
         metadata={"help": "sharded index (jobs/index.py output) of the corpus, encoded with --encoder.model"},
     )
-    queries: str = field(default=SAMPLE_TRAIN_QUERIES, metadata={"help": "BEIR queries.jsonl to mine for"})
-    qrels: str = field(
-        default=SAMPLE_TRAIN_QRELS, metadata={"help": "their judgments: positives (score > 0) are never negatives"}
-    )
-    output: str = field(
-        default="runs/mine", metadata={"help": "folder for negatives.jsonl, train.tevatron.jsonl and run.trec"}
-    )
-    depth: int = field(default=200, metadata={"help": "passages retrieved per query"})
-    count: int = field(default=30, metadata={"help": "negatives kept per query"})
     sample: Literal["random", "top"] = field(
         default="random",
         metadata={"help": "random = a seeded draw from the candidates (kept in rank order); top = the best-ranked"},
-    )
-    skip_top: int = field(
-        default=0, metadata={"help": "ignore the best-ranked N candidates (likely unjudged positives)"}
     )
     answers: str = field(
         default="",
@@ -83,7 +98,6 @@ class MineConfig:
             "help": "jsonl {query_id, answers: [str]}: drop candidates whose text contains an answer (needs --corpus)"
         },
     )
-    corpus: str = field(default="", metadata={"help": "BEIR corpus.jsonl, for the answer filter"})
     absolute_margin: float | None = field(
         default=None,
         metadata={
@@ -103,12 +117,6 @@ class MineConfig:
         },
     )
     seed: int = field(default=0, metadata={"help": "seed of sample=random"})
-    query_block: int = field(
-        default=0,
-        metadata={
-            "help": "queries per search block: the unit written, resumed and redone after a lost node; 0 = as many as keep a block's answers near 256 MiB (thousands), recorded for a resumed run"
-        },
-    )
     nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
     write_in_tasks: bool = field(
         default=True,

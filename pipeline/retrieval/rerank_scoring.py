@@ -35,7 +35,7 @@ from pipeline.core.errors import InputError
 from pipeline.core.parts import BlockFiles, claim, finished_blocks, join_blocks, remove_parts
 from pipeline.core.progress import progress
 from pipeline.core.runtime import RayConfig
-from pipeline.core.sample import SAMPLE_CORPUS, SAMPLE_DEV_QRELS, SAMPLE_DEV_QUERIES
+from pipeline.core.sections import Collection, Output
 from pipeline.data.beir import positives, read_qrels, read_queries
 from pipeline.data.runs import count_run_queries, iter_trec_run, write_trec_lines
 from pipeline.data.text_shards import stage_text
@@ -58,7 +58,18 @@ from pipeline.retrieval.passages import PassageStore, fetch_texts
 
 
 @dataclass
-class RerankScoreConfig:
+class RerankScoreConfig(
+    Output.with_defaults(
+        output="runs/rerank_score", notes={"output": "run.trec (the re-ranker's scores) and summary.json"}
+    ),
+    Collection.with_defaults(
+        notes={
+            "corpus": "holding every candidate",
+            "queries": "every query of the run must be in it",
+            "qrels": "both runs are evaluated with ir_measures; empty = no evaluation",
+        }
+    ),
+):
     model: str = field(
         default="runs/rerank/export",
         metadata={
@@ -69,21 +80,11 @@ class RerankScoreConfig:
         default="runs/evaluate/run.trec",
         metadata={"help": "TREC run of first-stage candidates (qid Q0 docid rank score tag)"},
     )
-    queries: str = field(
-        default=SAMPLE_DEV_QUERIES, metadata={"help": "BEIR queries.jsonl: every query of the run must be in it"}
-    )
-    corpus: str = field(
-        default=SAMPLE_CORPUS, metadata={"help": "BEIR corpus.jsonl holding every candidate (local or s3://)"}
-    )
     text: str = field(
         default="",
         metadata={
             "help": "folder of the corpus's staged text shards (a run's, shared with its other readers); empty = <output>/text-shards, kept for reruns"
         },
-    )
-    qrels: str = field(
-        default=SAMPLE_DEV_QRELS,
-        metadata={"help": "BEIR qrels TSV: evaluate both runs with ir_measures; empty = no evaluation"},
     )
     include_positives: bool = field(
         default=False,
@@ -92,10 +93,6 @@ class RerankScoreConfig:
         },
     )
     depth: int = field(default=100, metadata={"help": "best-scored candidates of the run re-ranked per query"})
-    output: str = field(
-        default="runs/rerank_score",
-        metadata={"help": "folder for run.trec (the re-ranker's scores) and summary.json (local or s3://)"},
-    )
     query_max_len: int = field(
         default=0, metadata={"help": "query tokens; 0 = the export's reranker.json (32 for a plain checkpoint)"}
     )

@@ -95,7 +95,7 @@ def run_distillation(cfg: DistillConfig) -> dict:
     task = GroupTask(
         DistillationObjective(cfg.retriever, cfg.distill, cfg.data.passage_max_len, cfg.data.query_max_len),
         cfg.model.init,
-        prepared.tokenizer_uri,
+        prepared.corpus.tokenizer,
     )
     result = fit(
         cfg.train, task, prepared.stream.parts, storage.join(cfg.train.output, "checkpoints"), hparams=to_dict(cfg)

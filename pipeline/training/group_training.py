@@ -20,15 +20,16 @@ from models.lora import with_lora
 from pipeline.core import model_ref, storage
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
-from pipeline.core.sections import Lengths
+from pipeline.core.sections import Collection, Lengths, Queries
 from pipeline.data.beir import read_qrels, read_queries
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import DataStats, ExampleRows, load_training_examples
 from pipeline.data.group_stream import GroupSpec, GroupStream
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
+from pipeline.data.shards import PreparedCorpus
 from pipeline.data.tevatron import extract_tevatron_corpus, read_tevatron, tevatron_example
 from pipeline.data.tokenizer import load_tokenizer, prefix_token_ids
-from pipeline.retrieval.bm25_negatives import Bm25Config, mine_negatives
+from pipeline.retrieval.bm25_negatives import Bm25Negatives, mine_negatives
 from pipeline.retrieval.encode import EncoderSettings
 from pipeline.retrieval.evaluate import EvaluateJobConfig, evaluation_job, run_evaluation
 from pipeline.training.driver import FitResult, check_placement
@@ -49,17 +50,12 @@ def auto_pooling(init: str, embedded_toy: bool = False) -> str:
 
 
 @dataclass
-class QueryDataConfig(Lengths):
+class QueryDataConfig(Lengths, Queries.with_defaults(queries=SAMPLE_TRAIN_QUERIES, qrels=SAMPLE_TRAIN_QRELS)):
     """The training queries and their judgments: what every trainer on query groups reads."""
-
-    queries: str = field(default=SAMPLE_TRAIN_QUERIES, metadata={"help": "BEIR queries.jsonl (local or s3://)"})
-    qrels: str = field(
-        default=SAMPLE_TRAIN_QRELS, metadata={"help": "BEIR qrels TSV with a header: score > 0 = positive"}
-    )
 
 
 @dataclass
-class FinetuneDataConfig(QueryDataConfig):
+class FinetuneDataConfig(Bm25Negatives, QueryDataConfig):
     negatives: str = field(
         default="bm25",
         metadata={
@@ -67,10 +63,6 @@ class FinetuneDataConfig(QueryDataConfig):
         },
     )
     tevatron: str = field(default="", metadata={"help": "Tevatron train jsonl, instead of queries/qrels/negatives"})
-    bm25_depth: int = field(default=200, metadata={"help": "negatives=bm25: BM25 results per query to draw from"})
-    bm25_count: int = field(
-        default=30, metadata={"help": "negatives=bm25: negatives kept per query (judged positives excluded)"}
-    )
 
 
 @dataclass
@@ -176,15 +168,7 @@ def _bm25_negatives(cfg) -> tuple[str, dict | None]:
     if storage.exists(uri):  # written atomically: present means complete
         return uri, None
     summary = mine_negatives(
-        Bm25Config(
-            corpus=cfg.corpus.input,
-            text=cfg.corpus.text,
-            queries=cfg.data.queries,
-            qrels=cfg.data.qrels,
-            output=uri,
-            depth=cfg.data.bm25_depth,
-            count=cfg.data.bm25_count,
-        )
+        cfg.data.job(corpus=cfg.corpus.input, text=cfg.corpus.text, output=uri, **Queries.values_of(cfg.data))
     )
     return uri, summary
 
@@ -216,8 +200,7 @@ class GroupTraining:
     """What a trainer on query groups (retriever, re-ranker, distillation) needs from the
     driver: the prepared corpus, the examples as corpus rows and the stream over them."""
 
-    manifest: dict
-    tokenizer_uri: str
+    corpus: PreparedCorpus
     examples: ExampleRows
     stats: DataStats
     bm25: dict | None
@@ -228,7 +211,7 @@ class GroupTraining:
         return {
             "examples": len(self.examples),
             "epochs": self.epochs,
-            "corpus_docs": self.manifest["num_docs"],
+            "corpus_docs": self.corpus.docs,
             "data_stats": self.stats.as_dict(),
         }
 
@@ -249,12 +232,11 @@ def prepare_group_training(cfg, group_size: int, load=None) -> GroupTraining:
         check_model_memory(
             _model_on_meta(cfg), cfg.train, cfg.train.num_workers, cfg.train.memory_gib * 2**30, "--train.memory_gib"
         )
-    manifest = prepare_corpus(cfg.corpus)
-    _check_vocab(cfg.model.init, manifest["vocab_size"])
-    tokenizer_uri = storage.join(cfg.corpus.output, manifest["tokenizer"])
-    tokenizer = load_tokenizer(model_ref.materialize(tokenizer_uri, "tokenizer"))
+    corpus = prepare_corpus(cfg.corpus)
+    _check_vocab(cfg.model.init, corpus.manifest["vocab_size"])
+    tokenizer = load_tokenizer(model_ref.materialize(corpus.tokenizer, "tokenizer"))
 
-    corpus_ids = CorpusIds.read(cfg.corpus.output, manifest["shards"])
+    corpus_ids = CorpusIds.read(corpus.folder, corpus.manifest["shards"])
     examples, stats, bm25_summary = (load or load_examples)(cfg, corpus_ids)
     del corpus_ids
     if not len(examples):
@@ -274,7 +256,7 @@ def prepare_group_training(cfg, group_size: int, load=None) -> GroupTraining:
         cfg.train.max_steps = cfg.train.epochs * steps_per_epoch
     epochs = cfg.train.epochs or -(-cfg.train.max_steps // steps_per_epoch)
     spec = GroupSpec(
-        corpus=cfg.corpus.output,
+        corpus=corpus.folder,
         group_size=group_size,
         query_max_len=cfg.data.query_max_len,
         passage_max_len=cfg.data.passage_max_len,
@@ -282,10 +264,8 @@ def prepare_group_training(cfg, group_size: int, load=None) -> GroupTraining:
         framing=framing,
         passage_prefix=tuple(_passage_prefix_ids(tokenizer, passage_prefix)),
     )
-    stream = GroupStream(
-        spec, examples, query_ids, epochs, manifest["num_docs"], storage.join(cfg.train.output, "checkpoints")
-    )
-    return GroupTraining(manifest, tokenizer_uri, examples, stats, bm25_summary, stream, epochs)
+    stream = GroupStream(spec, examples, query_ids, epochs, corpus.docs, storage.join(cfg.train.output, "checkpoints"))
+    return GroupTraining(corpus, examples, stats, bm25_summary, stream, epochs)
 
 
 def _model_on_meta(cfg) -> torch.nn.Module:
@@ -328,9 +308,7 @@ def trainer_evaluation(cfg, export_dir: str) -> EvaluateJobConfig:
     return evaluation_job(
         EncoderSettings(model=export_dir, **Lengths.values_of(cfg.data)),
         # The training corpus is already prepared with the export's tokenizer.
-        cfg.eval.corpus or cfg.corpus.output,
-        cfg.eval.queries,
-        cfg.eval.qrels,
+        Collection(corpus=cfg.eval.corpus or cfg.corpus.output, **Queries.values_of(cfg.eval)),
         cfg.eval,
         storage.join(cfg.train.output, "eval"),
         cfg.corpus.docs_per_shard,

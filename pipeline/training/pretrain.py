@@ -27,7 +27,7 @@ from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.runtime import RayConfig, write_run_files
 from pipeline.data.position import checkpoint_folders
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
-from pipeline.data.shards import load_manifest, shard_uris
+from pipeline.data.shards import PreparedCorpus, shard_uris
 from pipeline.data.stream import (
     StreamSpec,
     TrainingStream,
@@ -165,11 +165,11 @@ def _materialized(method_cfg):
     return dataclasses.replace(method_cfg, **changes) if changes else method_cfg
 
 
-def _pair_fraction(corpus: str, manifest: dict, spans: CoCondenserConfig) -> float:
+def _pair_fraction(corpus: PreparedCorpus, spans: CoCondenserConfig) -> float:
     """The share of documents long enough for a span pair, from the first shard's lengths,
     so that enough epochs are streamed for max_steps when many documents are skipped."""
 
-    first_shard = shard_uris(corpus, manifest)[0]
+    first_shard = shard_uris(corpus.folder, corpus.manifest)[0]
     table = storage.read_parquet(first_shard, columns=["input_ids"])
     lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
     if not len(lengths):
@@ -307,9 +307,9 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
             cfg.simlm.generator = _auto_generator(cfg)
         _check_simlm_paths(cfg)
 
-    manifest = prepare_corpus(cfg.corpus) if cfg.corpus.input else load_manifest(cfg.corpus.output)
-    tokenizer_uri = storage.join(cfg.corpus.output, manifest["tokenizer"])
-    tokenizer = load_tokenizer(model_ref.materialize(tokenizer_uri, "tokenizer"), BERT_SPECIALS)
+    corpus = prepare_corpus(cfg.corpus) if cfg.corpus.input else PreparedCorpus.load(cfg.corpus.output)
+    manifest = corpus.manifest
+    tokenizer = load_tokenizer(model_ref.materialize(corpus.tokenizer, "tokenizer"), BERT_SPECIALS)
     if cfg.model.init:
         _check_backbone(cfg.model.init, manifest["vocab_size"])
     run_dir = storage.join(cfg.train.output, "checkpoints")
@@ -320,10 +320,10 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
     pack = cfg.data.pack and not spans
     per_epoch = estimate_sequences_per_epoch(manifest, max_len, pack, bool(spans))
     if spans:
-        per_epoch = max(1, int(per_epoch * _pair_fraction(cfg.corpus.output, manifest, spans)))
+        per_epoch = max(1, int(per_epoch * _pair_fraction(corpus, spans)))
     warn_if_a_step_exceeds_an_epoch(cfg.train, per_epoch, "span pairs" if spans else "sequences")
     spec = StreamSpec(
-        corpus=cfg.corpus.output,
+        corpus=corpus.folder,
         max_len=max_len,
         pack=pack,
         epochs=epochs_needed(cfg.train, per_epoch),
@@ -337,9 +337,9 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
         spans=spans,
     )
     word_pieces = manifest.get("word_pieces")
-    word_pieces = storage.read_json(storage.join(cfg.corpus.output, word_pieces)) if word_pieces else None
+    word_pieces = storage.read_json(storage.join(corpus.folder, word_pieces)) if word_pieces else None
     task = PretrainTask(
-        cfg.method, method_cfg, cfg.model, tokenizer_uri, manifest["vocab_size"], word_pieces, max_len=max_len
+        cfg.method, method_cfg, cfg.model, corpus.tokenizer, manifest["vocab_size"], word_pieces, max_len=max_len
     )
     write_run_files(cfg, cfg.train.output)
 
@@ -349,7 +349,7 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
         result,
         method=cfg.method,
         head_path=result.metrics.get("head_path"),
-        corpus_docs=manifest["num_docs"],
+        corpus_docs=corpus.docs,
         epochs_streamed=spec.epochs,
         **(result.metrics.get("counters") or {}),
     )

@@ -30,7 +30,7 @@ from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.config import to_dict
 from pipeline.core.errors import ConfigError, StorageError
 from pipeline.core.runtime import RayConfig, write_run_files
-from pipeline.core.sample import SAMPLE_DEV_QRELS, SAMPLE_DEV_QUERIES
+from pipeline.core.sections import Collection
 from pipeline.retrieval.rerank_scoring import RerankScoreConfig, run_scoring
 from pipeline.training.driver import fit
 from pipeline.training.group_training import (
@@ -47,17 +47,14 @@ MINED_NEGATIVES = "runs/mine/negatives.jsonl"  # what jobs/mine.py writes by def
 
 
 @dataclass
-class RerankEvalConfig:
+class RerankEvalConfig(Collection.with_defaults(corpus="", notes={"corpus": "empty = the training corpus"})):
+    """What the trained re-ranker is evaluated on: a first-stage run over the collection."""
+
     run: str = field(
         default="",
         metadata={
             "help": "TREC run of first-stage candidates for the eval queries, re-ranked after training; empty = no evaluation"
         },
-    )
-    queries: str = field(default=SAMPLE_DEV_QUERIES, metadata={"help": "BEIR queries.jsonl of that run"})
-    qrels: str = field(default=SAMPLE_DEV_QRELS, metadata={"help": "BEIR qrels TSV of those queries"})
-    corpus: str = field(
-        default="", metadata={"help": "BEIR corpus.jsonl of the candidates; empty = the training corpus"}
     )
     depth: int = field(default=100, metadata={"help": "candidates re-ranked per query"})
 
@@ -125,7 +122,7 @@ def run_reranker_training(cfg: RerankConfig) -> dict:
             "tokenizer does not frame a text with one token each side (a decoder's?): re-rankers take encoders"
         )
     objective = ListwiseObjective(cfg.reranker.group_size, cfg.lengths(), framing.tail[0], framing.pad_id)
-    task = GroupTask(objective, cfg.model.init, prepared.tokenizer_uri)
+    task = GroupTask(objective, cfg.model.init, prepared.corpus.tokenizer)
     result = fit(
         cfg.train, task, prepared.stream.parts, storage.join(cfg.train.output, "checkpoints"), hparams=to_dict(cfg)
     )

@@ -7,17 +7,20 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pipeline.core.sections import Output
+
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 
 
 @dataclass
-class TrainConfig:
-    output: str = field(
-        default="runs/pretrain",
-        metadata={
-            "help": "run folder (local or s3://): checkpoints, export, logs, curves (pre-training: empty = runs/pretrain-<method>)"
+class TrainConfig(
+    Output.with_defaults(
+        output="runs/pretrain",
+        notes={
+            "output": "the run folder: checkpoints, export, logs, curves (pre-training: empty = runs/pretrain-<method>)"
         },
     )
+):
     num_workers: int = field(default=1, metadata={"help": "Ray Train workers (one per GPU on a cluster)"})
     use_gpu: bool = field(default=False, metadata={"help": "one GPU per worker"})
     cpus_per_worker: float = field(default=1.0, metadata={"help": "CPUs reserved per worker (also its torch threads)"})

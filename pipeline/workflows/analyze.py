@@ -28,6 +28,7 @@ from pipeline.core.config import Renamed
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.plots import plot_cls_cosine, plot_cls_entropy
 from pipeline.core.sample import SAMPLE_CORPUS
+from pipeline.core.sections import Output
 from pipeline.data.corpus import iter_documents
 from pipeline.data.tokenizer import BERT_SPECIALS, load_tokenizer
 
@@ -35,7 +36,7 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
 
 
 @dataclass
-class AnalyzeConfig:
+class AnalyzeConfig(Output.with_defaults(output="runs/analyze", notes={"output": "entropy.json and cls_entropy.png"})):
     RENAMED: ClassVar[dict] = {"max_len": Renamed("passage_max_len")}
 
     checkpoints: list[str] = field(
@@ -66,9 +67,6 @@ class AnalyzeConfig:
         default=32, metadata={"help": "passages per forward pass (padding does not change the result)"}
     )
     device: str = field(default="auto", metadata={"help": "torch device; auto = cuda if available, else cpu"})
-    output: str = field(
-        default="runs/analyze", metadata={"help": "folder (local or s3://) for entropy.json and cls_entropy.png"}
-    )
 
     def __post_init__(self):
         if not self.checkpoints:

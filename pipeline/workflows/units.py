@@ -46,6 +46,12 @@ OPERATIONAL_KEYS = frozenset(
     }
 )
 
+# A setting that moved into a nested section keeps the key runs recorded it under, so that a
+# run made before the move still finds its finished units matching.
+RECORDED_AS = {
+    f"data.{split}.{name}": f"data.{split}_{name}" for split in ("train", "dev") for name in ("queries", "qrels")
+}
+
 
 @dataclass
 class Unit:
@@ -62,7 +68,7 @@ def _flatten(value: Any, prefix: str, into: dict[str, Any]) -> None:
             if key not in OPERATIONAL_KEYS:
                 _flatten(item, f"{prefix}.{key}" if prefix else str(key), into)
     else:
-        into[prefix] = value
+        into[RECORDED_AS.get(prefix, prefix)] = value
 
 
 def unit_settings(after: dict[str, dict] | None = None, **sections: Any) -> dict[str, Any]:

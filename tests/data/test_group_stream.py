@@ -27,7 +27,7 @@ def corpus(tmp_path_factory, shared_ray):
     cfg = PrepareConfig(
         input=write_jsonl(root / "raw.jsonl", docs), output=str(root / "corpus"), vocab_size=120, docs_per_shard=25
     )
-    manifest = prepare_corpus(cfg)
+    manifest = prepare_corpus(cfg).manifest
     tokens = {}
     for shard in manifest["shards"]:
         table = storage.read_parquet(storage.join(cfg.output, shard["path"]))

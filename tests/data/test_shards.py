@@ -28,7 +28,7 @@ def test_prepare_writes_contiguous_shards_matching_the_tokenizer(tmp_path, share
     cfg = PrepareConfig(
         input=write_jsonl(tmp_path / "c.jsonl", docs), output=str(tmp_path / "out"), vocab_size=150, docs_per_shard=20
     )
-    manifest = prepare_corpus(cfg)
+    manifest = prepare_corpus(cfg).manifest
     assert manifest["num_docs"] == 71 and manifest["input_stats"]["skipped_empty"] == 1
     assert [s["rows"] for s in manifest["shards"]] == [20, 20, 20, 11]
     assert [s["first_row"] for s in manifest["shards"]] == [0, 20, 40, 60]
@@ -49,7 +49,7 @@ def test_prepare_writes_contiguous_shards_matching_the_tokenizer(tmp_path, share
     assert manifest["word_pieces"] == "word_pieces.json"
     assert storage.read_json(str(tmp_path / "out" / "word_pieces.json")) == continuation_table(counts)
     # A finished preparation with the same settings is reused, not redone.
-    again = prepare_corpus(cfg)
+    again = prepare_corpus(cfg).manifest
     assert again["seconds"] == manifest["seconds"]
     assert not storage.exists(str(tmp_path / "out" / "_staging"))
 
@@ -71,7 +71,7 @@ def test_corrupt_and_missing_shards_are_named(tmp_path, shared_ray):
             vocab_size=100,
             docs_per_shard=15,
         )
-    )
+    ).manifest
     check_shards(str(out), manifest)
     shard = out / manifest["shards"][1]["path"]
     data = shard.read_bytes()
@@ -107,7 +107,7 @@ def test_prepare_reads_and_writes_s3(tmp_path, s3_bucket, shared_ray):
     out = f"s3://{s3_bucket}/prepared"
     manifest = prepare_corpus(
         PrepareConfig(input=f"s3://{s3_bucket}/raw/corpus.jsonl", output=out, vocab_size=100, docs_per_shard=10)
-    )
+    ).manifest
     assert manifest["num_docs"] == 30 and len(manifest["shards"]) == 3
     assert load_manifest(out)["shards"] == manifest["shards"]
     check_shards(out, manifest)

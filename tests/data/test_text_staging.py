@@ -69,15 +69,15 @@ def test_a_corpus_rewritten_at_the_same_path_is_prepared_again(tmp_path, shared_
     at the same path is prepared anew; a relative and an absolute path are one input."""
     corpus = write_jsonl(tmp_path / "corpus.jsonl", synthetic_docs(70))
     cfg = PrepareConfig(input=corpus, output=str(tmp_path / "out"), vocab_size=150, docs_per_shard=30)
-    full = prepare_corpus(cfg)
+    full = prepare_corpus(cfg).manifest
     assert full["num_docs"] == 70
     write_jsonl(tmp_path / "corpus.jsonl", synthetic_docs(10))
-    cut = prepare_corpus(cfg)
+    cut = prepare_corpus(cfg).manifest
     assert cut["num_docs"] == 10 and cut["input_version"] != full["input_version"]
 
     monkeypatch.chdir(tmp_path)
     relative = PrepareConfig(input="corpus.jsonl", output="out", vocab_size=150, docs_per_shard=30)
-    assert prepare_corpus(relative)["seconds"] == cut["seconds"]  # reused, not redone
+    assert prepare_corpus(relative).manifest["seconds"] == cut["seconds"]  # reused, not redone
 
 
 @pytest.mark.ray
@@ -94,7 +94,7 @@ def test_a_prepared_corpus_is_reused_only_with_the_settings_that_made_it(tmp_pat
     out = tmp_path / "out"
 
     def prepared(**settings) -> tuple[dict, int]:
-        manifest = prepare_corpus(PrepareConfig(input=corpus, output=str(out), **settings))
+        manifest = prepare_corpus(PrepareConfig(input=corpus, output=str(out), **settings)).manifest
         vocab = json.loads((out / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
         return manifest, len(vocab)
 

@@ -7,6 +7,7 @@ import pytest
 from pipeline.core import storage
 from pipeline.core.config import parse_config
 from pipeline.core.errors import ConfigError, InputError
+from pipeline.core.sample import SAMPLE_CORPUS, SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
 from pipeline.data.groups import select_negatives
 from pipeline.data.text_shards import stage_text
 from pipeline.retrieval.bm25 import bm25_run, build_index, search
@@ -269,8 +270,13 @@ def test_skip_top_leaves_out_the_best_ranked_candidates(beir, corpus_index):
 def test_config_validation(beir):
     with pytest.raises(ConfigError, match="count .* must not exceed depth"):
         parse_config(Bm25Config, ["--corpus", "c", "--queries", "q", "--qrels", "r", "--depth", "10"])
-    with pytest.raises(ConfigError, match="missing required option 'qrels'"):
-        parse_config(Bm25Config, ["--corpus", "c", "--queries", "q"])
+    # With no arguments, the embedded default: the bundled sample's training split.
+    embedded = parse_config(Bm25Config, [])
+    assert (embedded.corpus, embedded.queries, embedded.qrels) == (
+        SAMPLE_CORPUS,
+        SAMPLE_TRAIN_QUERIES,
+        SAMPLE_TRAIN_QRELS,
+    )
     assert config(beir, output="x/neg.jsonl.gz").run_uri() == "x/neg.run.trec"
 
 

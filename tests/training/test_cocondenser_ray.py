@@ -34,7 +34,7 @@ def test_warm_started_cocondenser_with_gradient_cache_on_two_workers(tmp_path, r
         tokenizer=roberta,
         docs_per_shard=40,
     )
-    manifest = prepare_corpus(corpus)
+    manifest = prepare_corpus(corpus).manifest
     corpus.input = ""  # prepared: the job reads the manifest
     tokenizer_dir = os.path.join(corpus.output, manifest["tokenizer"])
 

@@ -131,9 +131,9 @@ def test_tevatron_training_file_with_its_own_passages(tiny_bert, tmp_path, share
     prepared = prepare_group_training(cfg, cfg.retriever.group_size)
     assert cfg.train.max_steps == 4 and len(prepared.examples) == 16  # 16 groups, 4 a step
     # Only the passages the file names: 16 positives and their negatives ids[1:21].
-    assert prepared.manifest["num_docs"] == 21
+    assert prepared.corpus.manifest["num_docs"] == 21
     # The driver keeps the examples as corpus rows, in the file's order.
-    corpus_ids = CorpusIds.read(cfg.corpus.output, prepared.manifest["shards"])
+    corpus_ids = CorpusIds.read(cfg.corpus.output, prepared.corpus.manifest["shards"])
     assert [corpus_ids.ids(e.positives) for e in prepared.examples] == [[ids[i]] for i in range(16)]
     assert [corpus_ids.ids(e.negatives) for e in prepared.examples] == [ids[i + 1 : i + 6] for i in range(16)]
     assert prepared.examples.query_ids == [f"q{i}" for i in range(16)]

@@ -226,15 +226,16 @@ def test_pair_fraction_counts_documents_long_enough_for_two_spans(tmp_path):
     import pyarrow.parquet as pq
 
     from models.cocondenser import CoCondenserConfig
+    from pipeline.data.shards import PreparedCorpus
     from pipeline.training.pretrain import _pair_fraction
 
     (tmp_path / "shards").mkdir()
     lengths = [3, 15, 16, 40, 7, 100, 16, 2]  # with min_span_length 8: 16, 40, 100, 16 hold a pair
     pq.write_table(pa.table({"input_ids": [list(range(n)) for n in lengths]}), tmp_path / "shards" / "p.parquet")
-    manifest = {"shards": [{"path": "shards/p.parquet"}]}
-    assert _pair_fraction(str(tmp_path), manifest, CoCondenserConfig(min_span_length=8)) == pytest.approx(4 / 8)
+    corpus = PreparedCorpus(str(tmp_path), {"shards": [{"path": "shards/p.parquet"}]})
+    assert _pair_fraction(corpus, CoCondenserConfig(min_span_length=8)) == pytest.approx(4 / 8)
     with pytest.raises(ValueError, match="lower --cocondenser.min_span_length"):
-        _pair_fraction(str(tmp_path), manifest, CoCondenserConfig(min_span_length=60))
+        _pair_fraction(corpus, CoCondenserConfig(min_span_length=60))
 
 
 def test_a_step_larger_than_an_epoch_warns_once_naming_the_ratio(capsys):

@@ -29,7 +29,7 @@ from pipeline.workflows.compare import (
 )
 from pipeline.workflows.manifest import RunManifest
 from pipeline.workflows.units import settings_of
-from tests.helpers import ir_measures_of_run, retrieval_collection, save_tiny_bert
+from tests.helpers import ir_measures_of_run, retrieval_collection, save_tiny_bert, use_collection
 
 N_DOCS, N_TRAIN, N_DEV = 80, 30, 10
 
@@ -37,8 +37,7 @@ N_DOCS, N_TRAIN, N_DEV = 80, 30, 10
 def _config(tmp_path, data: dict, init: str) -> ComparisonConfig:
     # No initial checkpoint: the comparison trains its own BERT first (--scratch).
     cfg = ComparisonConfig(output=str(tmp_path / "compare"), init=init, scratch=ComparisonScratch(enabled=not init))
-    for key in ("corpus", "train_queries", "train_qrels", "dev_queries", "dev_qrels"):
-        setattr(cfg.data, key, data[key])
+    use_collection(cfg.data, data)
     cfg.data.query_max_len, cfg.data.passage_max_len, cfg.data.docs_per_shard = 12, 32, 40
     job = cfg.pretrain.job
     job.data.max_len = 32

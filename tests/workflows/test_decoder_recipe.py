@@ -14,7 +14,7 @@ import torch
 from pipeline.core import storage
 from pipeline.training.train_config import TrainConfig
 from pipeline.workflows.recipe import RecipeConfig, run_recipe
-from tests.helpers import ir_measures_of_run, retrieval_collection, save_tiny_decoder
+from tests.helpers import ir_measures_of_run, retrieval_collection, save_tiny_decoder, use_collection
 
 pytestmark = [pytest.mark.ray, pytest.mark.runs_long]  # five stages on Ray: ~3 minutes on 2 cores
 
@@ -26,8 +26,7 @@ def test_a_decoder_is_fine_tuned_mined_with_and_evaluated_through_the_recipe(tmp
     init = save_tiny_decoder(str(tmp_path / "qwen2"), "qwen2", data["texts"], hidden_size=HIDDEN)
     cfg = RecipeConfig(output=str(tmp_path / "run"))
     cfg.model.init = init
-    for key in ("corpus", "train_queries", "train_qrels", "dev_queries", "dev_qrels"):
-        setattr(cfg.data, key, data[key])
+    use_collection(cfg.data, data)
     cfg.data.query_max_len, cfg.data.passage_max_len = 16, 40
     cfg.pretrain.enabled = cfg.reranker.enabled = False  # pre-training and re-rankers take encoders
     for stage in (cfg.round1, cfg.round2):

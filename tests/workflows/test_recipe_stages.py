@@ -16,6 +16,7 @@ from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.config import parse_config, to_dict
 from pipeline.core.errors import ConfigError
+from pipeline.core.sections import Queries
 from pipeline.data.corpus_store import CorpusStore
 from pipeline.data.shards import PreparedCorpus
 from pipeline.workflows.manifest import RunManifest
@@ -316,7 +317,7 @@ def test_the_eval_and_reranker_pools_reach_every_stage_whole(tmp_path, monkeypat
     ctx.manifest.save("reranker", {"outputs": {"export": "s3://b/reranker/export"}})
     for stage in ("zeroshot", "round1", "mine1", "round2", "mine2", "teacher", "distill"):
         ctx.manifest.save(stage, getattr(recipe, f"stage_{stage}")(ctx))
-    recipe._score(ctx, "rerank", "s3://b/round2/run.trec", "q", "r", 10, include_positives=False)
+    recipe._score(ctx, "rerank", "s3://b/round2/run.trec", Queries("q", "r"), 10, include_positives=False)
 
     kinds = [kind for kind, _ in handed]
     assert kinds == ["evaluate", "evaluate", "mine", "evaluate", "mine", "score", "evaluate", "score"]
@@ -484,6 +485,7 @@ def test_every_stage_job_built_from_one_recipe_shares_its_sections(tmp_path, mon
 
     from pipeline.core.sections import Lengths
     from pipeline.retrieval.evaluate import SearchSettings
+    from pipeline.retrieval.mine import MiningSettings
     from pipeline.workflows import recipe
 
     path = os.path.join(os.path.dirname(__file__), "..", "..", "jobs", "recipes", "msmarco.yaml")
@@ -512,8 +514,8 @@ def test_every_stage_job_built_from_one_recipe_shares_its_sections(tmp_path, mon
         "round2": recipe._finetune_config(ctx, "round2", cfg.round2, init, "s3://b/mine1/neg.jsonl"),
         "mine": recipe.mine_job(ctx, "mine1", "round1"),
         "reranker": recipe.reranker_job(ctx),
-        "teacher": recipe.score_job(ctx, "teacher", "run", data.train_queries, data.train_qrels, 32, True),
-        "rerank": recipe.score_job(ctx, "rerank", "run", data.dev_queries, data.dev_qrels, 100, False),
+        "teacher": recipe.score_job(ctx, "teacher", "run", data.train, 32, True),
+        "rerank": recipe.score_job(ctx, "rerank", "run", data.dev, 100, False),
         "distill": recipe.distill_job(ctx),
         "eval": ctx.evaluation("s3://b/round1/export", "s3://b/round1/eval", init),
     }
@@ -533,11 +535,13 @@ def test_every_stage_job_built_from_one_recipe_shares_its_sections(tmp_path, mon
     for name in ("round1", "round2", "reranker", "distill"):
         assert jobs[name].ray is cfg.ray, name
         assert jobs[name].corpus.output == prepared and jobs[name].model.init == init, name
-        assert (jobs[name].data.queries, jobs[name].data.qrels) == (data.train_queries, data.train_qrels), name
     assert jobs["eval"].corpus == prepared  # evaluated on the corpus the trainers prepared
-    assert (jobs["mine"].queries, jobs["mine"].qrels) == (data.train_queries, data.train_qrels)
-    assert (jobs["eval"].queries, jobs["eval"].qrels) == (data.dev_queries, data.dev_qrels)
-    assert (jobs["rerank"].queries, jobs["rerank"].qrels) == (data.dev_queries, data.dev_qrels)
+    for name in ("mine", "teacher", "round1", "round2", "reranker", "distill"):
+        job = jobs[name] if name in ("mine", "teacher") else jobs[name].data
+        assert Queries.values_of(job) == Queries.values_of(data.train), name
+    for name in ("eval", "rerank"):
+        assert Queries.values_of(jobs[name]) == Queries.values_of(data.dev), name
+    assert MiningSettings.values_of(jobs["mine"]) == MiningSettings.values_of(cfg.mine)
     assert jobs["teacher"].text == jobs["rerank"].text == ctx.corpus.text_folder
     # distillation reads the teacher's scores, its negatives from the teacher's best candidates
     assert (jobs["distill"].data.teacher_scores, jobs["distill"].data.teacher_depth) == (outputs["scores"], 16)

@@ -49,7 +49,14 @@ from pipeline.retrieval.metrics import JOB_MEASURES
 from pipeline.retrieval.rerank_scoring import PairScorer
 from pipeline.training.train_config import TrainConfig
 from pipeline.workflows.recipe import RESULT_ROWS, STAGES, RecipeConfig
-from tests.helpers import ir_measures_of_run, memory_gib_for_state, read_traces, retrieval_collection, save_tiny_bert
+from tests.helpers import (
+    ir_measures_of_run,
+    memory_gib_for_state,
+    read_traces,
+    retrieval_collection,
+    save_tiny_bert,
+    use_collection,
+)
 from tests.ray_cluster import (
     FAKE_CREDENTIALS,
     REPO,
@@ -98,8 +105,7 @@ for args in json.loads(sys.argv[1]):
 def _config(data: dict, init: str, output: str, init_params: int) -> RecipeConfig:
     cfg = RecipeConfig(output=output)
     cfg.model.init = init
-    for key in ("corpus", "train_queries", "train_qrels", "dev_queries", "dev_qrels"):
-        setattr(cfg.data, key, data[key])
+    use_collection(cfg.data, data)
     cfg.data.query_max_len, cfg.data.passage_max_len, cfg.data.docs_per_shard = 12, 32, 60
 
     def steps(mbs, workers=1):
