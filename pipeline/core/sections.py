@@ -39,13 +39,19 @@ class Section:
         if unknown:
             raise TypeError(f"{cls.__name__} has no field {sorted(unknown)}")
         namespace: dict[str, Any] = {"__annotations__": {}, "__doc__": cls.__doc__}
-        for name in set(defaults) | set(notes):
-            base = declared[name]
+        for name, base in declared.items():
+            if name not in defaults and name not in notes:
+                continue
             text = base.metadata.get("help", "")
             metadata = {**base.metadata, "help": f"{text}; {notes[name]}" if name in notes else text}
-            default = defaults[name] if name in defaults else base.default
+            if name in defaults:
+                kept = {"default": defaults[name]}
+            elif base.default is dataclasses.MISSING:
+                kept = {"default_factory": base.default_factory}
+            else:
+                kept = {"default": base.default}
             namespace["__annotations__"][name] = base.type
-            namespace[name] = field(default=default, metadata=metadata)
+            namespace[name] = field(**kept, metadata=metadata)  # type: ignore[call-overload]
         return dataclass(type(cls.__name__, (cls,), namespace))
 
 

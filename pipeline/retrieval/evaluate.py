@@ -113,14 +113,7 @@ class EvaluateJobConfig(
                 storage.must_exist(uri, option)
 
 
-@dataclass
-class NamedCollection(Collection):
-    """One of ``--collections``: its files, and the name its results go under."""
-
-    name: str = ""
-
-
-def beir_collection(folder: str, split: str, name: str) -> NamedCollection:
+def beir_collection(folder: str, split: str) -> Collection:
     """A BEIR folder's files for ``split``: BEIR's own layout (``queries.jsonl``,
     ``qrels/<split>.tsv``) or one file per split (``queries.<split>.jsonl``, ``qrels.<split>.tsv``),
     each plain or gzipped."""
@@ -136,11 +129,11 @@ def beir_collection(folder: str, split: str, name: str) -> NamedCollection:
         found[what] = next((u for u in uris if storage.exists(u)), "")
         if not found[what]:
             raise InputError(f"collection {folder}: no {' or '.join(names)} (split {split!r})")
-    return NamedCollection(name=name, **found)
+    return Collection(**found)
 
 
-def _collections(cfg: EvaluateJobConfig) -> list[NamedCollection]:
-    """Each folder of ``--collections``, named by its last path part (made unique)."""
+def _collections(cfg: EvaluateJobConfig) -> list[tuple[str, Collection]]:
+    """Each folder of ``--collections`` and its name: its last path part (made unique)."""
     single = [f for f in ("corpus", "queries", "qrels") if getattr(cfg, f) != getattr(EvaluateJobConfig, f)]
     if single:
         raise ConfigError(f"--collections replaces --{', --'.join(single)}: give one or the other")
@@ -148,7 +141,7 @@ def _collections(cfg: EvaluateJobConfig) -> list[NamedCollection]:
     for folder in cfg.collections:
         base = folder.rstrip("/").rsplit("/", 1)[-1] or "collection"
         seen[base] = seen.get(base, 0) + 1
-        out.append(beir_collection(folder, cfg.split, base if seen[base] == 1 else f"{base}-{seen[base]}"))
+        out.append((base if seen[base] == 1 else f"{base}-{seen[base]}", beir_collection(folder, cfg.split)))
     return out
 
 
@@ -179,16 +172,14 @@ def _evaluate_collections(cfg: EvaluateJobConfig) -> dict:
     (BEIR's convention: every collection weighs the same)."""
     started = time.perf_counter()
     collections = _collections(cfg)
-    for c in collections:  # every collection's queries and judgments are read before any work
+    for _, c in collections:  # every collection's queries and judgments are read before any work
         read_qrels(c.qrels, query_ids=read_queries(c.queries))
     output = storage.resolve(cfg.output).uri
     results = {}
-    for c in collections:
-        one = dataclasses.replace(cfg, collections=[], output=storage.join(output, c.name), **Collection.values_of(c))
+    for name, c in collections:
+        one = dataclasses.replace(cfg, collections=[], output=storage.join(output, name), **Collection.values_of(c))
         summary = _evaluate(one)
-        results[c.name] = {
-            k: summary[k] for k in ("metrics", "queries", "judged_queries", "passages", "run", "seconds")
-        }
+        results[name] = {k: summary[k] for k in ("metrics", "queries", "judged_queries", "passages", "run", "seconds")}
     names = [m for m in JOB_MEASURES if all(m in r["metrics"] for r in results.values())]
     average = {m: sum(r["metrics"][m] for r in results.values()) / len(results) for m in names}
     rows = {name: r["metrics"] for name, r in results.items()} | {"average": average}

@@ -49,6 +49,7 @@ from pipeline.workflows.analyze import AnalyzeConfig, run_analysis
 from pipeline.workflows.manifest import RunManifest
 from pipeline.workflows.stages import (
     EvalStage,
+    PretrainStage,
     RetrievalData,
     RetrieverStage,
     corpus_store,
@@ -70,20 +71,6 @@ def _default_scratch() -> PretrainConfig:
     job.corpus.tokenizer = ""
     job.train = embedded_train("compare.scratch")
     return job
-
-
-@dataclass
-class ComparisonScratch:
-    enabled: bool = field(
-        default=False,
-        metadata={
-            "help": "first train the initial BERT: a random model (--scratch.job.model.* sizes) pre-trained with MLM on the pre-training corpus; --init must then be empty"
-        },
-    )
-    job: PretrainConfig = field(
-        default_factory=_default_scratch,
-        metadata={"help": "that MLM pre-training (method, model.init, corpus.input and train.output are set for it)"},
-    )
 
 
 def _default_pretrain() -> PretrainConfig:
@@ -155,7 +142,12 @@ class ComparisonConfig(
             "help": "the initial checkpoint every method starts from (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME); empty with --scratch.enabled"
         },
     )
-    scratch: ComparisonScratch = field(default_factory=ComparisonScratch)
+    scratch: PretrainStage = field(
+        default_factory=lambda: PretrainStage(enabled=False, job=_default_scratch()),
+        metadata={
+            "help": "first train the initial BERT: a random model (--scratch.job.model.* sizes) pre-trained with MLM on the pre-training corpus (its method, model.init, corpus.input and train.output are set for it); --init must then be empty"
+        },
+    )
     data: RetrievalData = field(default_factory=RetrievalData)
     pretrain: ComparisonPretrain = field(default_factory=ComparisonPretrain)
     finetune: ComparisonFinetune = field(default_factory=ComparisonFinetune)

@@ -63,6 +63,7 @@ from pipeline.workflows import stages
 from pipeline.workflows.manifest import RunManifest
 from pipeline.workflows.stages import (
     EvalStage,
+    PretrainStage,
     RetrievalData,
     RetrieverStage,
     corpus_section,
@@ -89,17 +90,6 @@ class RecipeModel:
             "help": "initial encoder (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME); with the pretrain stage, what it starts from is --pretrain.* and this is ignored"
         },
     )
-
-
-@dataclass
-class PretrainStage:
-    enabled: bool = field(
-        default=True,
-        metadata={
-            "help": "run the pre-training stage (its settings: --pretrain.job.*); false = start from --model.init"
-        },
-    )
-    job: PretrainConfig = field(default_factory=PretrainConfig)
 
 
 @dataclass
@@ -180,7 +170,10 @@ class RecipeConfig(
 ):
     data: RetrievalData = field(default_factory=RetrievalData)
     model: RecipeModel = field(default_factory=RecipeModel)
-    pretrain: PretrainStage = field(default_factory=PretrainStage)
+    pretrain: PretrainStage = field(
+        default_factory=PretrainStage,
+        metadata={"help": "the pre-training stage; disabled, the retrievers start from --model.init"},
+    )
     round1: RetrieverStage = field(default_factory=RetrieverStage)
     mine: MineStage = field(default_factory=MineStage)
     round2: RetrieverStage = field(default_factory=RetrieverStage)

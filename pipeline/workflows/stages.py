@@ -22,6 +22,7 @@ from pipeline.retrieval.encode import EncoderSettings
 from pipeline.retrieval.evaluate import EvalConfig, EvaluateJobConfig, SearchSettings, evaluation_job, run_evaluation
 from pipeline.training.finetune import FinetuneConfig, run_finetuning
 from pipeline.training.group_training import EncoderInit, FinetuneCorpusConfig, FinetuneDataConfig
+from pipeline.training.pretrain import PretrainConfig
 from pipeline.training.train_config import TrainConfig, embedded_train
 
 
@@ -37,6 +38,14 @@ class RetrievalData(Lengths, Corpus):
     train: Queries = field(default_factory=training_queries)
     dev: Queries = field(default_factory=Queries)
     docs_per_shard: int = field(default=20000, metadata={"help": "passages per corpus / embedding shard"})
+
+
+@dataclass
+class PretrainStage:
+    """A pre-training a workflow runs before its retrievers, when enabled."""
+
+    enabled: bool = field(default=True, metadata={"help": "run this pre-training (its settings: the job.* options)"})
+    job: PretrainConfig = field(default_factory=PretrainConfig)
 
 
 @dataclass

@@ -47,20 +47,20 @@ def test_a_beir_folder_is_found_in_either_layout_plain_or_gzipped():
     from pipeline.core.errors import InputError
     from pipeline.retrieval.evaluate import beir_collection
 
-    sample = beir_collection("data/bible-sample", "dev", "sample")
+    sample = beir_collection("data/bible-sample", "dev")
     assert [os.path.basename(p) for p in (sample.corpus, sample.queries, sample.qrels)] == [
         "corpus.jsonl",
         "queries.dev.jsonl",
         "qrels.dev.tsv",
     ]
-    nave = beir_collection("data/nave", "dev", "nave")
+    nave = beir_collection("data/nave", "dev")
     assert [os.path.basename(p) for p in (nave.corpus, nave.queries, nave.qrels)] == [
         "corpus.jsonl.gz",
         "queries.dev.jsonl.gz",
         "qrels.dev.tsv.gz",
     ]
     with pytest.raises(InputError, match=r"data/nave: no queries.test.jsonl or queries.jsonl \(split 'test'\)"):
-        beir_collection("data/nave", "test", "nave")
+        beir_collection("data/nave", "test")
 
 
 def test_the_reported_measures_are_those_the_runs_depth_reaches():

@@ -23,11 +23,12 @@ from pipeline.workflows.compare import (
     METHODS,
     Comparison,
     ComparisonConfig,
-    ComparisonScratch,
+    _default_scratch,
     finetune_unit,
     run_comparison,
 )
 from pipeline.workflows.manifest import RunManifest
+from pipeline.workflows.stages import PretrainStage
 from pipeline.workflows.units import settings_of
 from tests.helpers import ir_measures_of_run, retrieval_collection, save_tiny_bert, use_collection
 
@@ -36,7 +37,9 @@ N_DOCS, N_TRAIN, N_DEV = 80, 30, 10
 
 def _config(tmp_path, data: dict, init: str) -> ComparisonConfig:
     # No initial checkpoint: the comparison trains its own BERT first (--scratch).
-    cfg = ComparisonConfig(output=str(tmp_path / "compare"), init=init, scratch=ComparisonScratch(enabled=not init))
+    cfg = ComparisonConfig(
+        output=str(tmp_path / "compare"), init=init, scratch=PretrainStage(enabled=not init, job=_default_scratch())
+    )
     use_collection(cfg.data, data)
     cfg.data.query_max_len, cfg.data.passage_max_len, cfg.data.docs_per_shard = 12, 32, 40
     job = cfg.pretrain.job
@@ -276,12 +279,12 @@ def test_bad_comparisons_are_rejected(methods, sizes, message):
 
 
 def test_bad_seeds_and_initial_checkpoints_are_rejected():
-    from pipeline.workflows.compare import ComparisonFinetune, ComparisonScratch
+    from pipeline.workflows.compare import ComparisonFinetune
 
     with pytest.raises(ValueError, match="distinct seeds"):
         ComparisonConfig(finetune=ComparisonFinetune(seeds=[1, 1]))
     with pytest.raises(ValueError, match="leave --init empty"):
-        ComparisonConfig(scratch=ComparisonScratch(enabled=True))
+        ComparisonConfig(scratch=PretrainStage(enabled=True, job=_default_scratch()))
     with pytest.raises(ValueError, match="give --init"):
         ComparisonConfig(init="")
 
