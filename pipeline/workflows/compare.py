@@ -252,7 +252,7 @@ class Comparison:
             "negatives",
             self.mine_bm25_negatives,
             data=data,
-            bm25=cfg.finetune,
+            **Bm25Negatives.values_of(cfg.finetune),
         )
         samples = {queries_unit(n, s): (n, s) for n in cfg.finetune.train_sizes for s in cfg.finetune.seeds}
         for name, (n, s) in samples.items():
