@@ -106,8 +106,7 @@ def load(path: Path) -> dict:
     return {"rows": figures} if isinstance(figures, list) else figures
 
 
-def render_file(path: Path) -> list[str]:
-    figures = load(path)
+def render_file(path: Path, figures: dict) -> list[str]:
     device, when = stamp(figures)
     versions = figures.get("versions") or "not recorded"
     body = {k: v for k, v in figures.items() if k not in STAMP}
@@ -121,7 +120,7 @@ def render_file(path: Path) -> list[str]:
     return head + render_mapping(body)
 
 
-def page(name: str, files: list[Path]) -> str:
+def page(name: str, files: dict[Path, dict]) -> str:
     lines = [
         f"# Latest figures: `{name}`",
         "",
@@ -130,7 +129,7 @@ def page(name: str, files: list[Path]) -> str:
         "[bench/README.md](../README.md).",
         "",
     ]
-    lines += [line for path in files for line in render_file(path)]
+    lines += [line for path, figures in files.items() for line in render_file(path, figures)]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
@@ -162,13 +161,14 @@ def render(text: str) -> tuple[str, dict[Path, str]]:
     pages: dict[Path, str] = {}
 
     def block(match: re.Match) -> str:
-        name, files = match["name"], files_of(match["name"])
+        name = match["name"]
+        files = {path: load(path) for path in files_of(name)}
         if not files:
             return match.group(1) + "\nNo results recorded yet.\n\n" + match.group(4)
         pages[LATEST / f"{name}.md"] = page(name, files)
         listed = [
-            f"- [`results/{path.name}`](latest/{name}.md#{anchor(path)}): {', '.join(stamp(load(path)))}"
-            for path in files
+            f"- [`results/{path.name}`](latest/{name}.md#{anchor(path)}): {', '.join(stamp(figures))}"
+            for path, figures in files.items()
         ]
         return match.group(1) + "\n" + "\n".join(listed) + "\n\n" + match.group(4)
 

@@ -86,9 +86,13 @@ class Collection(Queries, Corpus):
     """A retrieval collection in BEIR layout: the passages, the queries and their judgments."""
 
 
+# The defaults of a section that reads training queries: the bundled sample's training split.
+TRAINING_SPLIT = {"queries": SAMPLE_TRAIN_QUERIES, "qrels": SAMPLE_TRAIN_QRELS}
+
+
 def training_queries() -> Queries:
     """The bundled sample's training split."""
-    return Queries(SAMPLE_TRAIN_QUERIES, SAMPLE_TRAIN_QRELS)
+    return Queries(**TRAINING_SPLIT)
 
 
 @dataclass

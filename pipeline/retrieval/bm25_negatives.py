@@ -24,8 +24,7 @@ from pipeline.core import storage
 from pipeline.core.errors import StorageError
 from pipeline.core.parts import BlockFiles, claim, finished_blocks, join_blocks, recorded_block, summed
 from pipeline.core.runtime import RayConfig
-from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
-from pipeline.core.sections import Collection, Output, Section
+from pipeline.core.sections import TRAINING_SPLIT, Collection, Output, Section
 from pipeline.data.beir import positives, read_qrels, read_queries
 from pipeline.data.examples import build_training_examples
 from pipeline.data.groups import select_negatives
@@ -59,8 +58,7 @@ class Bm25Config(
         notes={"output": "the negatives jsonl ({query_id, negatives, scores} per query; .gz = gzip)"},
     ),
     Collection.with_defaults(
-        queries=SAMPLE_TRAIN_QUERIES,
-        qrels=SAMPLE_TRAIN_QRELS,
+        **TRAINING_SPLIT,
         notes={
             "corpus": "indexed as title + text",
             "queries": "mined for",

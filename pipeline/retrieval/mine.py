@@ -39,8 +39,7 @@ from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.errors import ArtifactError, ConfigError, InputError
 from pipeline.core.parts import claim, finished_blocks, join_blocks, recorded_block, remove_parts, summed
 from pipeline.core.runtime import RayConfig
-from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
-from pipeline.core.sections import Collection, Output, Section
+from pipeline.core.sections import TRAINING_SPLIT, Collection, Output, Section
 from pipeline.data.beir import positives, read_queries
 from pipeline.data.corpus import iter_documents
 from pipeline.data.groups import margin_ceiling
@@ -79,8 +78,7 @@ class MineConfig(
     Output.with_defaults(output="runs/mine", notes={"output": "negatives.jsonl, train.tevatron.jsonl and run.trec"}),
     Collection.with_defaults(
         corpus="",
-        queries=SAMPLE_TRAIN_QUERIES,
-        qrels=SAMPLE_TRAIN_QRELS,
+        **TRAINING_SPLIT,
         notes={"corpus": "for the answer filter", "queries": "mined for", "qrels": "positives are never negatives"},
     ),
 ):

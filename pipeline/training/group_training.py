@@ -19,8 +19,7 @@ from models.framing import Framing
 from models.lora import with_lora
 from pipeline.core import model_ref, storage
 from pipeline.core.errors import ConfigError, InputError
-from pipeline.core.sample import SAMPLE_TRAIN_QRELS, SAMPLE_TRAIN_QUERIES
-from pipeline.core.sections import Collection, Lengths, Queries
+from pipeline.core.sections import TRAINING_SPLIT, Collection, Lengths, Queries
 from pipeline.data.beir import read_qrels, read_queries
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import DataStats, ExampleRows, load_training_examples
@@ -50,7 +49,7 @@ def auto_pooling(init: str, embedded_toy: bool = False) -> str:
 
 
 @dataclass
-class QueryDataConfig(Lengths, Queries.with_defaults(queries=SAMPLE_TRAIN_QUERIES, qrels=SAMPLE_TRAIN_QRELS)):
+class QueryDataConfig(Lengths, Queries.with_defaults(**TRAINING_SPLIT)):
     """The training queries and their judgments: what every trainer on query groups reads."""
 
 
