@@ -160,6 +160,7 @@ RUNS_LONG = frozenset(
         "tests/training/test_pretrain_ray.py",
         "tests/workflows/test_decoder_recipe.py",
         "tests/training/test_resume.py",
+        "tests/retrieval/test_search_ray.py",
     }
 )
 

@@ -544,11 +544,17 @@ def check_inputs(cfg: Any, prefix: str = "--") -> None:
     """Each section's cheap checks, outer sections first: a section may define
     ``check_inputs(self, prefix)`` (``prefix``: its options' spelling, ``--corpus.``) to
     refuse what it can see is wrong without Ray: a file that is not there, a model reference
-    that does not resolve, a name that is not one. A job runs them before Ray starts."""
+    that does not resolve, a name that is not one. A job runs them before Ray starts.
+
+    What a run does not use is not checked: a section whose ``enabled`` is false, and the
+    sections a ``check_inputs`` returns the names of (the recipe's ``model`` while it
+    pre-trains its own)."""
     own = getattr(cfg, "check_inputs", None)
-    if callable(own):
-        own(prefix)
+    unused = set((own(prefix) if callable(own) else None) or ())
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            check_inputs(value, f"{prefix}{f.name}.")
+        if not dataclasses.is_dataclass(value) or isinstance(value, type) or f.name in unused:
+            continue
+        if getattr(value, "enabled", True) is False:
+            continue
+        check_inputs(value, f"{prefix}{f.name}.")

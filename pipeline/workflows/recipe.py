@@ -29,7 +29,7 @@ import copy
 import functools
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 import numpy as np
@@ -83,22 +83,12 @@ FORMER_MANIFEST = "pipeline.json"  # run folders written before the recipe was n
 
 
 @dataclass
-class RecipeModel:
-    init: str = field(
-        default="runs/pretrain-condenser/export",
-        metadata={
-            "help": "initial encoder (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME); with the pretrain stage, what it starts from is --pretrain.* and this is ignored"
-        },
-    )
-
-
-@dataclass
 class MineStage(MiningSettings, Bm25Negatives):
     """The recipe's mining: round 1's BM25 negatives, then each round's dense mining."""
 
 
 @dataclass
-class RerankerStage:
+class RerankerStage(RerankerConfig):
     enabled: bool = field(
         default=True,
         metadata={"help": "run mine2, reranker and rerank (and, with --distill.enabled, teacher and distill)"},
@@ -106,8 +96,6 @@ class RerankerStage:
     init: str = field(
         default="", metadata={"help": "cross-encoder initial checkpoint; empty = the retrievers' initial encoder"}
     )
-    group_size: int = field(default=8, metadata={"help": "passages per query: 1 positive + n-1 round-2 negatives"})
-    max_len: int = field(default=192, metadata={"help": "query + passage tokens"})
     train: TrainConfig = field(default_factory=lambda: embedded_train("recipe.reranker"))
     dev_depth: int = field(default=100, metadata={"help": "round-2 dev candidates re-ranked per query"})
     teacher_depth: int = field(
@@ -127,7 +115,7 @@ class RerankerStage:
 
 
 @dataclass
-class DistillStage:
+class DistillStage(RetrieverStage):
     enabled: bool = field(
         default=False,
         metadata={
@@ -145,8 +133,6 @@ class DistillStage:
         default="",
         metadata={"help": "student's initial checkpoint; empty = the pre-trained encoder (as rounds 1 and 2)"},
     )
-    retriever: BiEncoderConfig = field(default_factory=BiEncoderConfig)
-    train: TrainConfig = field(default_factory=lambda: embedded_train("recipe.retriever"))
 
 
 @dataclass
@@ -169,7 +155,10 @@ class RecipeConfig(
     )
 ):
     data: RetrievalData = field(default_factory=RetrievalData)
-    model: RecipeModel = field(default_factory=RecipeModel)
+    model: EncoderInit = field(
+        default_factory=EncoderInit,
+        metadata={"help": "what the retrievers start from without the pretrain stage (with it: its export)"},
+    )
     pretrain: PretrainStage = field(
         default_factory=PretrainStage,
         metadata={"help": "the pre-training stage; disabled, the retrievers start from --model.init"},
@@ -194,7 +183,7 @@ class RecipeConfig(
     )
     ray: RayConfig = field(default_factory=RayConfig)
 
-    def check_inputs(self, prefix: str) -> None:
+    def check_inputs(self, prefix: str) -> tuple[str, ...]:
         enabled = enabled_stages(self)
         for flag, name in (("--only", self.only), ("--from", self.start_from), ("--stop_after", self.stop_after)):
             if name and name not in enabled:
@@ -204,6 +193,7 @@ class RecipeConfig(
         if self.final.stage and self.final.stage not in [s for s in RETRIEVER_STAGES if s in enabled]:
             chosen = ", ".join(s for s in RETRIEVER_STAGES if s in enabled)
             raise ConfigError(f"--final.stage {self.final.stage}: not a retriever stage of this recipe ({chosen})")
+        return ("model",) if self.pretrain.enabled else ()  # the retrievers start from the pre-training's export
 
 
 # -- stages ------------------------------------------------------------------------------
@@ -371,7 +361,7 @@ def reranker_job(ctx: StageContext) -> RerankConfig:
         ),
         corpus=corpus_section(ctx.corpus, ctx.prepared_corpus(init)),
         model=EncoderInit(init=init),
-        reranker=RerankerConfig(group_size=stage.group_size, max_len=stage.max_len),
+        reranker=RerankerConfig(**{f.name: getattr(stage, f.name) for f in fields(RerankerConfig)}),
         eval=RerankEvalConfig(run=""),
         pool=stage.pool,
         train=train,

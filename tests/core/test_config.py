@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal, Optional
 import pytest
 import yaml
 
-from pipeline.core.config import Renamed, dump_yaml, from_dict, parse_config, redact, to_dict, truthy
+from pipeline.core.config import Renamed, check_inputs, dump_yaml, from_dict, parse_config, redact, to_dict, truthy
 from pipeline.core.errors import ConfigError
 
 
@@ -434,3 +434,32 @@ def test_a_rename_to_no_option_is_a_programming_error():
 
     with pytest.raises(TypeError, match="old is renamed to nowhere"):
         parse_config(Broken, [])
+
+
+@dataclass
+class _Checked:
+    path: str = "missing"
+    enabled: bool = True
+
+    def check_inputs(self, prefix: str) -> None:
+        raise ConfigError(f"{prefix}path {self.path}: nothing there")
+
+
+@dataclass
+class _Stages:
+    uses_model: bool = True
+    model: _Checked = field(default_factory=_Checked)
+    extra: _Checked = field(default_factory=lambda: _Checked(enabled=False))
+
+    def check_inputs(self, prefix: str) -> tuple[str, ...]:
+        return () if self.uses_model else ("model",)
+
+
+def test_sections_a_run_does_not_use_are_not_checked():
+    """A disabled section, and one its parent names unused, are not refused for what they
+    hold; a used one is, by its option's name. Mutation: the walker checks every section."""
+    with pytest.raises(ConfigError, match=r"^--model\.path missing"):
+        check_inputs(_Stages())
+    check_inputs(_Stages(uses_model=False))
+    with pytest.raises(ConfigError, match=r"^--extra\.path"):
+        check_inputs(_Stages(uses_model=False, extra=_Checked()))

@@ -942,6 +942,7 @@ def test_mining_drivers_memory_does_not_grow_with_the_query_vectors(
     assert (dropped > 0) == (margin is not None)  # the margin dropped some, so it was tested
 
 
+@pytest.mark.runs_long  # six evaluations, two with a 4,096-wide encoder: 2-3 minutes in the suite
 def test_evaluations_driver_memory_does_not_grow_with_the_query_vectors(collection, tmp_path, monkeypatch, shared_ray):
     """The driver's resident peak (``resident_growth``) evaluating the same 1,000 queries with
     a 64-wide and a 4,096-wide encoder, in search blocks of 64: the encoders store each

@@ -156,6 +156,7 @@ def test_killed_worker_resumes_from_checkpoint_without_losing_documents(tmp_path
     # (A finished run rerun with a larger budget continues: tests/training/test_resume.py.)
 
 
+@pytest.mark.runs_long  # a drained node and a restarted run of 180 steps: 2-3 minutes in the suite
 def test_a_preemption_notice_saves_a_checkpoint_the_restarted_run_resumes_from(tmp_path, local_cluster, monkeypatch):
     """The node both workers train on is drained with a 4 s deadline, as the autoscaler
     drains a spot node the cloud takes back, and a fresh node joins. On the notice every

@@ -157,6 +157,7 @@ def test_pretraining_stopped_then_rerun_past_damaged_checkpoints_ends_with_the_u
     assert (run_dir / "checkpoint_000000020-r1").is_dir()
 
 
+@pytest.mark.runs_long  # three 2-worker Ray Train runs, one interrupted: 1.5 minutes alone, 2-4 in the suite
 def test_a_step_sized_from_memory_trains_as_the_same_split_set_by_hand_and_a_resume_keeps_it(
     tmp_path, monkeypatch, ray_session
 ):

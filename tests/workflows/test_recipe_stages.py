@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
-from pipeline.core.config import parse_config, to_dict
+from pipeline.core.config import check_inputs, parse_config, to_dict
 from pipeline.core.errors import ConfigError
 from pipeline.core.sections import Queries
 from pipeline.data.corpus_store import CorpusStore
@@ -243,6 +243,18 @@ def test_bad_stage_names_and_disabled_stages(tmp_path):
     stages["bm25"] = lambda ctx: {"outputs": {"file": ""}, "metrics": {"MRR@10": 0.2}}  # no pretrain upstream
     run_recipe(cfg, stages)
     assert [c[0] for c in calls] == ["zeroshot", "round1", "mine1", "round2"]
+
+
+def test_the_initial_checkpoint_is_checked_only_without_the_pretrain_stage(tmp_path):
+    """The recipe's --model.init (the trainers' section) is what the retrievers start from
+    only without the pretrain stage: with it, a checkpoint that is not there yet is no error.
+    Mutation: every section checked whatever the recipe runs."""
+    cfg = cfg_for(tmp_path)
+    cfg.model.init = str(tmp_path / "not-there")
+    check_inputs(cfg)
+    cfg.pretrain.enabled = False
+    with pytest.raises(ConfigError, match=r"^--model\.init .*not-there"):
+        check_inputs(cfg)
 
 
 def test_stop_after_and_the_from_spelling():
