@@ -735,6 +735,7 @@ def test_evaluate_job_matches_ir_measures_on_a_brute_force_run(encoded, collecti
         )
 
 
+@pytest.mark.runs_long  # four evaluations (whole, stopped, two reruns): 1-1.5 minutes in the suite
 def test_an_evaluation_rerun_reuses_its_encoding_index_and_searched_blocks(
     encoded,
     collection,

@@ -93,6 +93,7 @@ def train_settings(out: str, **overrides) -> TrainConfig:
     return TrainConfig(**{**settings, **overrides})
 
 
+@pytest.mark.runs_long  # three Ray Train runs (whole, stopped, rerun): 1.5 minutes in the suite
 def test_pretraining_stopped_then_rerun_past_damaged_checkpoints_ends_with_the_uninterrupted_weights(
     tmp_path, monkeypatch, ray_session, capfd
 ):
