@@ -115,6 +115,19 @@ def gpu_canary() -> dict:
             "FAISS sees no GPU here (faiss-cpu is installed, or no CUDA device is visible): install the gpu extra "
             "(faiss-gpu) on the GPU nodes"
         )
+    # One FAISS thread (the IVF-PQ trains on the CPU): the canary reserves no core, and
+    # OpenMP's threads on busy cores slowed it past the ready timeout. Put back after, for
+    # whatever task this Ray worker process runs next.
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    try:
+        _canary_search()
+    finally:
+        faiss.omp_set_num_threads(threads)
+    return {"faiss": faiss.__version__, "gpus": faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0}
+
+
+def _canary_search() -> None:
     rng = np.random.default_rng(0)
     vectors = rng.standard_normal((2048, 64), dtype=np.float32)
     queries = vectors[:16] + 0.01
@@ -128,7 +141,6 @@ def gpu_canary() -> dict:
             raise RuntimeError("FAISS's GPU Flat search differs from the CPU's on the canary's vectors")
         if found[1].shape != (16, 10) or (found[1] < 0).any():
             raise RuntimeError(f"FAISS's GPU {factory} search returned no hits on the canary's vectors")
-    return {"faiss": faiss.__version__, "gpus": faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0}
 
 
 class TorchExactSearch:

@@ -325,7 +325,10 @@ class ShardedIndex(ShardFanout):
         """Run FAISS's GPU canary on a GPU node (no retries): None when it passed, else the
         failure, naming the node and the cause."""
         canary = ray.remote(gpu_search.gpu_canary).options(
-            num_gpus=1, num_cpus=SEARCHER_CPUS, max_retries=0, runtime_env={"env_vars": gpu_search.fault_env()}
+            num_gpus=1,
+            num_cpus=SEARCHER_CPUS,
+            max_retries=0,
+            runtime_env={"env_vars": SEARCHER_ENV["env_vars"] | gpu_search.fault_env()},
         )
         ref = canary.remote()
         try:
