@@ -48,6 +48,12 @@ PROCESS_BYTES = 512 * 2**20  # a searcher's own footprint besides its index (Pyt
 SEARCHER_ENV = {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}
 
 
+def _searcher_env() -> dict:
+    """The runtime env of a searcher and of FAISS's GPU canary: passive OpenMP threads, and
+    the test fault (if any) passed on."""
+    return {"env_vars": SEARCHER_ENV["env_vars"] | gpu_search.fault_env()}
+
+
 @dataclass
 class SearcherConfig(ServerLimits):
     """The processes that hold a stage's index, sized by the index's bytes against the
@@ -300,7 +306,7 @@ class ShardedIndex(ShardFanout):
         self.search_mode, self.options = mode, [options for _, options in plan]
         self.runs = [(entries[0]["index"], entries[-1]["index"]) for entries, _ in plan]
         searcher = ray.remote(IndexSearcher)
-        env = {"env_vars": SEARCHER_ENV["env_vars"] | gpu_search.fault_env()}
+        env = _searcher_env()
         self._serve(
             [
                 functools.partial(
@@ -328,7 +334,7 @@ class ShardedIndex(ShardFanout):
             num_gpus=1,
             num_cpus=SEARCHER_CPUS,
             max_retries=0,
-            runtime_env={"env_vars": SEARCHER_ENV["env_vars"] | gpu_search.fault_env()},
+            runtime_env=_searcher_env(),
         )
         ref = canary.remote()
         try:
