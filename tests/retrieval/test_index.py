@@ -229,6 +229,29 @@ def test_gpu_settings_on_a_cpu_build():
         ix.resolve_gpu("sometimes")
 
 
+def test_the_gpu_canary_trains_on_one_faiss_thread_and_puts_the_count_back(monkeypatch):
+    """The canary reserves no CPU: its IVF-PQ training runs one FAISS thread (on busy cores
+    OpenMP's spinning threads kept it past the searchers' ready timeout), and the worker's
+    count is put back after, a failed canary included. Mutation: dropping the thread cap
+    (or its ``finally``) fails the first (or last) assertion."""
+    from pipeline.retrieval import gpu_search
+
+    monkeypatch.setenv(gpu_search.FAULT_VAR, "none")  # the stand-in for a FAISS GPU build
+    seen = []
+    monkeypatch.setattr(gpu_search, "_canary_search", lambda: seen.append(faiss.omp_get_max_threads()))
+    faiss.omp_set_num_threads(2)
+    gpu_search.gpu_canary()
+    assert seen == [1] and faiss.omp_get_max_threads() == 2
+
+    def broken():
+        raise RuntimeError("FAISS's GPU Flat search differs")
+
+    monkeypatch.setattr(gpu_search, "_canary_search", broken)
+    with pytest.raises(RuntimeError, match="differs"):
+        gpu_search.gpu_canary()
+    assert faiss.omp_get_max_threads() == 2
+
+
 def test_the_quantisers_sample_is_sized_by_its_factory_and_read_from_a_spread_of_shards(tmp_path, monkeypatch):
     """40 embedding shards of 50 vectors: a sample of 100 reads the 8 shards that hold 4x it
     (not all 40, as reading the whole corpus would), drawn in proportion from each, seeded;
