@@ -70,11 +70,33 @@ def new_index(factory: str, dim: int, metric: str):
         index = faiss.index_factory(int(dim), factory, _metric(metric))
     except RuntimeError as exc:
         raise ConfigError(f"FAISS rejects the index factory {factory!r} for dim {dim}: {faiss_reason(exc)}") from exc
+    _skip_polysemous_training(index)
     # IVF indexes store ids in their lists; the others need a map (IndexIDMap, not IDMap2:
     # we never reconstruct by id, so its reverse hash map would be RAM for nothing).
     if faiss.try_extract_index_ivf(index) is None and not isinstance(index, (faiss.IndexIDMap, faiss.IndexIDMap2)):
         index = faiss.IndexIDMap(index)
     return index
+
+
+def index_parts(index):
+    """``index`` and the indexes inside it, outermost first, each downcast to its own type.
+    ``index`` must outlive them: FAISS's wrappers own what they wrap."""
+    part = index
+    while part is not None:
+        part = faiss.downcast_index(part)
+        yield part
+        # A transform's or an ID map's index, a refinement's base, an HNSW's storage.
+        part = next((getattr(part, a) for a in ("index", "base_index", "storage") if getattr(part, a, None)), None)
+
+
+def _skip_polysemous_training(index) -> None:
+    """PQ indexes train a polysemous code order by default (what the factory's ``np`` suffix
+    turns off): ~1.5 s a sub-quantiser on one core, whatever the training set, so a minute or
+    more for PQ64. Only a polysemous search (``polysemous_ht``) reads that order, and none
+    here sets it: a search gives the same answers without it."""
+    for part in index_parts(index):
+        if hasattr(part, "do_polysemous_training"):
+            part.do_polysemous_training = False
 
 
 def ivf_lists(factory: str) -> int:

@@ -115,8 +115,8 @@ def gpu_canary() -> dict:
             "FAISS sees no GPU here (faiss-cpu is installed, or no CUDA device is visible): install the gpu extra "
             "(faiss-gpu) on the GPU nodes"
         )
-    # One FAISS thread (the IVF-PQ trains on the CPU): the canary reserves no core, and
-    # OpenMP's threads on busy cores slowed it past the ready timeout. Put back after, for
+    # One FAISS thread for the IVF-PQ's training on the CPU (a fraction of a second): the
+    # canary reserves next to no CPU, and the cores may be busy. Put back after, for
     # whatever task this Ray worker process runs next.
     threads = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(1)
