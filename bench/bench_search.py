@@ -8,10 +8,14 @@
            under bf16 autocast (the way half precision ran before 2026-11-27)
   search   sharded exact search (2 and 4 Flat shards on Ray actors, merged) time / one IndexFlatIP
   recall   IVF recall@100 against exact search, on the same vectors
+  pq_training
+           an IVF-PQ trained as FAISS's default does (with a polysemous code order, which no
+           search here reads) against ours (without): seconds each, and the share of the
+           same ids a search of both returns
   mine     one mining run over 1M synthetic 768-d passages (4 Flat shards): time and peak
            memory per shard actor, and a table extrapolated to 10M / 50M passages
 
-Usage: python bench/bench_search.py [--parts encode,search,recall,mine] [--json out.json]
+Usage: python bench/bench_search.py [--parts encode,search,recall,pq_training,mine] [--json out.json]
 """
 
 from __future__ import annotations
@@ -349,6 +353,35 @@ def bench_recall(n: int, dim: int, n_queries: int, k: int = 100) -> list[dict]:
     return out
 
 
+def bench_pq_training(factory: str, n: int, dim: int, n_queries: int, k: int = 100) -> dict:
+    import faiss
+
+    from pipeline.retrieval.faiss_index import build_index_shard, search_shard, trained_index
+
+    vectors, queries = clustered(n, dim, 7), clustered(n_queries, dim, 8)
+    start = time.perf_counter()
+    ours = trained_index(factory, dim, "ip", vectors, use_gpu="never")
+    ours_s = time.perf_counter() - start
+    default = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+    start = time.perf_counter()
+    default.train(vectors)
+    default_s = time.perf_counter() - start
+    found = [
+        search_shard(build_index_shard(vectors, np.arange(n), factory, trained=t, use_gpu="never"), queries, k)[1]
+        for t in (ours, default)
+    ]
+    return {
+        "factory": factory,
+        "dim": dim,
+        "train_vectors": n,
+        "faiss_threads": faiss.omp_get_max_threads(),
+        "faiss_default_s": round(default_s, 2),
+        "without_polysemous_s": round(ours_s, 2),
+        "ratio_default_vs_ours": round(default_s / ours_s, 2),
+        "same_ids": float((found[0] == found[1]).mean()),
+    }
+
+
 def bench_mine(n: int, dim: int, n_queries: int, depth: int = 200, count: int = 30) -> dict:
     from pipeline.data.groups import select_negatives
     from pipeline.retrieval.mine import MineConfig
@@ -419,13 +452,16 @@ def extrapolate(mine: dict, gpu_memory_gib: float = 80.0) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="encode,search,recall,mine")
+    parser.add_argument("--parts", default="encode,search,recall,pq_training,mine")
     parser.add_argument("--json", default="")
     parser.add_argument("--mine-passages", type=int, default=1_000_000)
     parser.add_argument("--encode_passages", type=int, default=4000, help="Nave verses to encode (all: 37000)")
     args = smoke.parse(parser, encode_passages=64, mine_passages=4000)
     # (vectors, dim, queries) of the search and recall parts; the smoke run's: tiny.
     search, recall = ((2000, 32, 50), (4000, 32, 50)) if args.smoke else ((200_000, 384, 2000), (200_000, 384, 500))
+    # (factory, training vectors, dim, queries): the sizing guide's PQ64 codes at 768-d, with
+    # fewer lists (the polysemous order's cost does not depend on them), 64 vectors a list.
+    pq_training = ("IVF16,PQ2", 1000, 32, 50) if args.smoke else ("IVF1024,PQ64", 65_536, 768, 500)
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -440,6 +476,9 @@ def main() -> None:
     if "recall" in parts:
         results["recall"] = bench_recall(*recall)
         print(json.dumps({"recall": results["recall"]}), flush=True)
+    if "pq_training" in parts:
+        results["pq_training"] = bench_pq_training(*pq_training)
+        print(json.dumps({"pq_training": results["pq_training"]}), flush=True)
     if "mine" in parts:
         results["mine"] = bench_mine(args.mine_passages, 768, 50 if args.smoke else 2000)
         results["extrapolation"] = extrapolate(results["mine"])
