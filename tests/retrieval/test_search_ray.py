@@ -112,6 +112,7 @@ def test_a_rerun_redoes_only_missing_shards(encoded, collection, capsys):
     assert np.allclose(before[2][order_b], after[2][order_a], atol=1e-5)
 
 
+@pytest.mark.runs_long  # four encodings over the corpus: 65-98 s in the suite under CI's load
 def test_embeddings_made_otherwise_are_never_reused(encoded, tmp_path, capsys):
     """One output folder, the same model with another pooling: every shard is encoded anew
     (the old ones are deleted first, with a message), as a fresh folder would give them;
