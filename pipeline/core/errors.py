@@ -7,6 +7,10 @@
     │                       (corpus, embedding or index shards, manifests, checkpoints)
     ├── StorageError        a path or URI cannot be read or written (missing, denied, bad scheme)
     │   └── OutOfSpace      a disk or quota is full: retrying cannot help
+    ├── LeaseHeld           another driver is running the same run (names it and how to stop it)
+    ├── TransientStorageError  object storage kept answering with throttling, server errors
+    │                       or resets past the retry budget: not the user's (exit 1), and
+    │                       a stage retry or a training restart takes it (``retryable``)
     └── ServerError         a server actor kept dying, never came up, or stopped answering
                             (names the server, its node and the cause; exit 1, not 2)
 
@@ -21,6 +25,9 @@ class RaydenseError(Exception):
     """Base of raydense's own errors. ``source`` and ``line`` say where, when known."""
 
     exit_code = 2  # a job's exit status for it: 2 is the user's to mend, as a bad option
+    # Whether running the same work again may succeed: False for the user's mistakes and for
+    # damage, which fail the same way every time, so no retry is spent on them.
+    retryable = False
 
     def __init__(self, message: str, *, source: str | None = None, line: int | None = None):
         super().__init__(message)
@@ -55,6 +62,21 @@ class StorageError(RaydenseError, OSError):
 class OutOfSpace(StorageError):
     """A disk or quota filled up while writing: the job ends (a retry would fill it again),
     naming where; what was finished is kept for the rerun."""
+
+
+class LeaseHeld(RaydenseError):
+    """Another live driver holds the run's lease (:mod:`pipeline.core.lease`): two drivers
+    would write one run."""
+
+
+class TransientStorageError(RaydenseError, OSError):
+    """Object storage kept failing transiently (throttling, 5xx, resets, timeouts) for longer
+    than the retry budget (``RAYDENSE_S3_RETRY_SECONDS``). Deliberately not a
+    :class:`StorageError`: code that turns a missing or unreadable object into the user's
+    error (a damaged shard, a bad model path) must never catch this one."""
+
+    exit_code = 1
+    retryable = True
 
 
 class ServerError(RaydenseError):

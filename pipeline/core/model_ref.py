@@ -33,7 +33,7 @@ import filelock
 import huggingface_hub
 
 from pipeline.core import storage
-from pipeline.core.errors import ConfigError, StorageError
+from pipeline.core.errors import ConfigError, StorageError, TransientStorageError
 from pipeline.core.runtime import shared_nothing
 
 PACKAGE_PREFIX = "package:"
@@ -304,6 +304,8 @@ def read_json(reference: str, name: str = "config.json", what: str = "model") ->
             with open(path) as f:
                 return json.load(f)
         return json.loads(storage.read_bytes(join(reference, name)))
+    except TransientStorageError:
+        raise
     except (OSError, ValueError, huggingface_hub.errors.HfHubHTTPError) as exc:
         raise ConfigError(f"{what} {ref.text}: no readable {name} ({exc})") from None
 

@@ -45,6 +45,7 @@ _PASSED_ENV = (
     "AWS_DEFAULT_REGION",
     "AWS_REGION",
     "AWS_EC2_METADATA_DISABLED",
+    *storage.S3_SETTINGS,
     "TORCH_EXTENSIONS_DIR",
     "HF_HUB_DISABLE_PROGRESS_BARS",
     # the trackers' settings (pipeline/training/tracking.py). Their credentials (WANDB_API_KEY)

@@ -10,23 +10,27 @@ to the filesystem object, so they never end up pickled into Ray tasks or checkpo
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import json
 import os
 import posixpath
+import random
+import re
 import shutil
 import tempfile
+import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Callable, Iterator, TypeVar
 
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from pipeline.core.errors import StorageError
+from pipeline.core.errors import RaydenseError, StorageError, TransientStorageError
 
 
 def is_s3(uri: str) -> bool:
@@ -37,20 +41,157 @@ def s3_endpoint() -> str | None:
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
-def _s3_filesystem() -> pafs.S3FileSystem:
-    endpoint = s3_endpoint()
+# The client's settings, from the environment of every process (a local Ray passes them to
+# its workers, the cluster's pods set them): RETRY_SECONDS is how long one storage call keeps
+# retrying transient faults (S3 throttles a prefix in bursts of seconds when its request
+# rate grows); MAX_ATTEMPTS is the SDK's own quick retries inside each of ours.
+S3_SETTINGS = {
+    "RAYDENSE_S3_CONNECT_TIMEOUT": "5",
+    "RAYDENSE_S3_REQUEST_TIMEOUT": "120",
+    "RAYDENSE_S3_MAX_ATTEMPTS": "3",
+    "RAYDENSE_S3_RETRY_SECONDS": "120",
+}
+
+
+def s3_setting(name: str) -> float:
+    return float(os.environ.get(name) or S3_SETTINGS[name])
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_s3_filesystem(key: tuple) -> pafs.S3FileSystem:
+    endpoint, region, connect, request, attempts, _pid = key
     kwargs: dict[str, Any] = dict(
-        region=os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1",
-        connect_timeout=float(os.environ.get("RAYDENSE_S3_CONNECT_TIMEOUT", "5")),
-        request_timeout=float(os.environ.get("RAYDENSE_S3_REQUEST_TIMEOUT", "120")),
-        retry_strategy=pafs.AwsStandardS3RetryStrategy(
-            max_attempts=int(os.environ.get("RAYDENSE_S3_MAX_ATTEMPTS", "3"))
-        ),
+        region=region,
+        connect_timeout=connect,
+        request_timeout=request,
+        # The SDK's default strategy (no retry quota, which a throttling storm drains) for
+        # its quick retries; the budget is ours (:func:`retrying`).
+        retry_strategy=pafs.AwsDefaultS3RetryStrategy(max_attempts=attempts),
     )
     if endpoint:
         scheme, _, host = endpoint.partition("://")
         kwargs.update(endpoint_override=host or scheme, scheme=scheme if host else "https")
     return pafs.S3FileSystem(**kwargs)
+
+
+def _s3_filesystem(*, attempts: int | None = None) -> pafs.S3FileSystem:
+    """This process's S3 filesystem for these settings, built once: each new one paid a
+    connection and a credential lookup (under IRSA, a web-identity exchange) per call."""
+    return _cached_s3_filesystem(
+        (
+            s3_endpoint(),
+            os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1",
+            s3_setting("RAYDENSE_S3_CONNECT_TIMEOUT"),
+            s3_setting("RAYDENSE_S3_REQUEST_TIMEOUT"),
+            int(attempts or s3_setting("RAYDENSE_S3_MAX_ATTEMPTS")),
+            os.getpid(),
+        )
+    )
+
+
+def sdk_retrying_filesystem() -> pafs.S3FileSystem:
+    """An S3 filesystem for code that calls it without :func:`retrying` around each call
+    (Ray Train's checkpoint uploads and run state): the SDK itself retries, with attempts
+    enough that its doubling delays (25 ms, 50 ms, ...) add up to the retry budget."""
+    budget, attempts = s3_setting("RAYDENSE_S3_RETRY_SECONDS"), 1
+    while 0.025 * (2**attempts - 1) < budget:
+        attempts += 1
+    return _s3_filesystem(attempts=attempts + 1)
+
+
+# Transient: throttling, server errors, resets and timeouts, by the HTTP status as well as by
+# the error's name (a HEAD answered 503 has no body, and the SDK then names it UNKNOWN).
+_TRANSIENT_STATUS = re.compile(r"HTTP status (?:429|5\d\d)\b|HTTPStatusCode.: (?:429|5\d\d)\b")
+_TRANSIENT_NAMES = (
+    "SLOW_DOWN",
+    "SlowDown",
+    "SERVICE_UNAVAILABLE",
+    "ServiceUnavailable",
+    "INTERNAL_FAILURE",
+    "InternalError",
+    "THROTTLING",
+    "Throttling",
+    "REQUEST_TIMEOUT",
+    "RequestTimeout",
+    "NETWORK_CONNECTION",
+    "Connection reset",
+    "Connection was reset",
+    "connection was closed",
+    "Broken pipe",
+    "Timeout was reached",
+    "timed out",
+    "curlCode: 28",
+    "curlCode: 52",
+    "curlCode: 55",
+    "curlCode: 56",
+)
+# Never transient, whatever else the text says: the object, the bucket or the right is missing.
+_PERMANENT_NAMES = ("ACCESS_DENIED", "AccessDenied", "NO_SUCH_BUCKET", "NoSuchBucket", "NO_SUCH_KEY", "NoSuchKey")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` (pyarrow's, botocore's or the socket's) is a fault that the same
+    request may not meet again: throttling (SlowDown, 429, 503), a server error (500, 502,
+    504), a reset connection or a timeout. Missing objects, denied access, bad buckets and
+    invalid data are not."""
+    if isinstance(exc, TransientStorageError):
+        return True
+    if isinstance(exc, (FileNotFoundError, PermissionError, RaydenseError)):
+        return False
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    text = f"{type(exc).__name__}: {exc}"
+    response = getattr(exc, "response", None)  # botocore's ClientError
+    if isinstance(response, dict):
+        error = response.get("Error", {})
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        text += f" {error.get('Code', '')} HTTP status {status}"
+    if any(name in text for name in _PERMANENT_NAMES):
+        return False
+    if type(exc).__name__ in ("EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError"):
+        return True
+    return bool(_TRANSIENT_STATUS.search(text)) or any(name in text for name in _TRANSIENT_NAMES)
+
+
+@dataclass
+class RetryCounts:
+    """What this process's storage calls met: the benchmark and the tests read it."""
+
+    transient: int = 0  # transient faults met
+    backoff_s: float = 0.0  # seconds slept before a retry
+    given_up: int = 0  # calls that failed past the budget
+
+
+RETRIES = RetryCounts()
+T = TypeVar("T")
+
+
+def retrying(what: str, call: Callable[[], T]) -> T:
+    """``call()`` (one idempotent storage operation: a read, listing, stat, whole-object
+    write, delete), again after each transient fault, with exponential backoff and full
+    jitter (AWS's advice to clients of a throttled service), until it succeeds or
+    ``RAYDENSE_S3_RETRY_SECONDS`` have passed; then a :class:`TransientStorageError`,
+    which a stage retry or a training restart takes. Any other error is raised at once."""
+    budget = s3_setting("RAYDENSE_S3_RETRY_SECONDS")
+    started, delay = time.monotonic(), 0.2
+    while True:
+        try:
+            return call()
+        except Exception as exc:
+            if not is_transient(exc) or isinstance(exc, TransientStorageError):
+                raise
+            RETRIES.transient += 1
+            left = budget - (time.monotonic() - started)
+            if left <= 0:
+                RETRIES.given_up += 1
+                raise TransientStorageError(
+                    f"cannot {what}: object storage kept failing transiently for {budget:g} s "
+                    f"(RAYDENSE_S3_RETRY_SECONDS); the last error: {str(exc).strip()[:400]}"
+                ) from exc
+            pause = min(left, random.uniform(0, delay))
+            RETRIES.backoff_s += pause
+            time.sleep(pause)
+            delay = min(delay * 2, 20.0)
 
 
 @dataclass(frozen=True)
@@ -87,20 +228,38 @@ def join(uri: str, *parts: str) -> str:
     return os.path.join(uri, *parts)
 
 
-def _wrap(loc: Location, action: str, exc: Exception) -> StorageError:
-    hint = ""
-    text = str(exc)
+def _unreachable_hint(loc: Location, text: str) -> str:
     if is_s3(loc.uri) and ("NETWORK_CONNECTION" in text or "connect" in text.lower()):
-        hint = " (S3 endpoint unreachable: check AWS_ENDPOINT_URL and the network)"
-    return StorageError(f"cannot {action} {loc.describe()}{hint}: {text}")
+        return " (S3 endpoint unreachable: check AWS_ENDPOINT_URL and the network)"
+    return ""
+
+
+def _wrap(loc: Location, action: str, exc: Exception) -> StorageError:
+    text = str(exc)
+    return StorageError(f"cannot {action} {loc.describe()}{_unreachable_hint(loc, text)}: {text}")
+
+
+def _do(loc: Location, action: str, call: Callable[[], T]) -> T:
+    """``call()`` on ``loc``'s filesystem: on S3 through :func:`retrying`; a missing file or
+    any other permanent failure becomes a :class:`StorageError` naming ``loc``."""
+    try:
+        if isinstance(loc.fs, pafs.LocalFileSystem):
+            return call()
+        return retrying(f"{action} {loc.describe()}", call)
+    except TransientStorageError as exc:
+        hint = _unreachable_hint(loc, str(exc))
+        raise (TransientStorageError(f"{exc}{hint}") if hint else exc) from exc.__cause__
+    except RaydenseError:
+        raise
+    except FileNotFoundError as exc:
+        raise StorageError(f"{loc.describe()}: no such file") from exc
+    except Exception as exc:  # pyarrow raises OSError subclasses with AWS detail, and ArrowInvalid
+        raise _wrap(loc, action, exc) from exc
 
 
 def info(uri: str) -> pafs.FileInfo:
     loc = resolve(uri)
-    try:
-        return loc.fs.get_file_info(loc.path)
-    except Exception as exc:  # pyarrow raises OSError subclasses with AWS detail
-        raise _wrap(loc, "stat", exc) from exc
+    return _do(loc, "stat", lambda: loc.fs.get_file_info(loc.path))
 
 
 def exists(uri: str) -> bool:
@@ -121,13 +280,12 @@ def must_exist(uri: str, what: str) -> None:
 
 def read_bytes(uri: str) -> bytes:
     loc = resolve(uri)
-    try:
-        with loc.fs.open_input_stream(loc.path) as f:
+
+    def whole() -> bytes:
+        with loc.fs.open_input_stream(loc.path, compression=None) as f:
             return f.read()
-    except FileNotFoundError as exc:
-        raise StorageError(f"{loc.describe()}: no such file") from exc
-    except Exception as exc:
-        raise _wrap(loc, "read", exc) from exc
+
+    return _do(loc, "read", whole)
 
 
 # An S3 stream is read in GETs of this size: unbuffered, each read of the caller is one
@@ -135,43 +293,110 @@ def read_bytes(uri: str) -> bytes:
 STREAM_BUFFER = 8 << 20
 
 
+class RetryingInput:
+    """A file on S3 read by ranged GETs, each one retried on its own (:func:`retrying`), so a
+    throttled or reset read resumes at its offset instead of failing the whole stream; the
+    file object the callers use (``read``, ``seek``, ``tell``, ``read_at``, ``size``).
+    ``buffer`` bytes are read ahead on a sequential ``read`` (0: one GET a read)."""
+
+    def __init__(self, loc: Location, buffer: int):
+        self.loc, self.buffer = loc, buffer
+        self.length = _do(loc, "open", lambda: self._stat())
+        self.position, self.ahead, self.ahead_at = 0, b"", 0
+        self.closed = False
+
+    def _stat(self) -> int:
+        found = self.loc.fs.get_file_info(self.loc.path)
+        if found.type != pafs.FileType.File:
+            raise FileNotFoundError(self.loc.path)
+        return found.size
+
+    def _get(self, nbytes: int, offset: int) -> bytes:
+        def ranged() -> bytes:
+            with self.loc.fs.open_input_file(self.loc.path) as f:
+                return f.read_at(nbytes, offset)
+
+        return _do(self.loc, "read", ranged) if nbytes > 0 else b""
+
+    def read_at(self, nbytes: int, offset: int) -> bytes:
+        return self._get(min(nbytes, max(self.length - offset, 0)), offset)
+
+    def read(self, nbytes: int = -1) -> bytes:
+        end = self.length if nbytes is None or nbytes < 0 else min(self.position + nbytes, self.length)
+        start = self.position
+        held = self.ahead_at <= start and start < self.ahead_at + len(self.ahead)
+        if not (held and end <= self.ahead_at + len(self.ahead)):
+            fetch_to = min(max(end, start + self.buffer), self.length)
+            self.ahead, self.ahead_at = self._get(fetch_to - start, start), start
+        data = self.ahead[start - self.ahead_at : end - self.ahead_at]
+        self.position += len(data)
+        return data
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.position = {0: offset, 1: self.position + offset, 2: self.length + offset}[whence]
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def size(self) -> int:
+        return self.length
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.closed, self.ahead = True, b""
+
+    def __enter__(self) -> RetryingInput:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def open_input(uri: str, *, random_access: bool = False):
-    """A binary input stream (pyarrow NativeFile, usable as a file object), read ahead in
-    :data:`STREAM_BUFFER` pieces; with ``random_access``, a file to read at any offset
-    (``read_at``; on S3, a ranged GET a read)."""
+    """A binary input file, read as stored (never decompressed), usable as a file object:
+    sequential reads are read ahead in :data:`STREAM_BUFFER` pieces; with ``random_access``,
+    each read is one ranged GET (``read_at`` reads at any offset). On S3 every GET is
+    retried on its own (:class:`RetryingInput`)."""
     loc = resolve(uri)
-    try:
-        if random_access:
-            return loc.fs.open_input_file(loc.path)
-        return loc.fs.open_input_stream(loc.path, buffer_size=STREAM_BUFFER)
-    except FileNotFoundError as exc:
-        raise StorageError(f"{loc.describe()}: no such file") from exc
-    except Exception as exc:
-        raise _wrap(loc, "open", exc) from exc
+    if not isinstance(loc.fs, pafs.LocalFileSystem):
+        return RetryingInput(loc, 0 if random_access else STREAM_BUFFER)
+    if random_access:
+        return _do(loc, "open", lambda: loc.fs.open_input_file(loc.path))
+    return _do(loc, "open", lambda: loc.fs.open_input_stream(loc.path, compression=None, buffer_size=STREAM_BUFFER))
 
 
 def write_bytes(uri: str, data: bytes) -> None:
-    """Write a whole object. Local writes go through a rename so readers never see half a file."""
+    """Write a whole object. Local writes go through a rename so readers never see half a
+    file; an S3 object appears whole or not at all, and a retried write replaces it whole."""
     loc = resolve(uri)
-    try:
+
+    def put() -> None:
         if isinstance(loc.fs, pafs.LocalFileSystem):
             os.makedirs(os.path.dirname(loc.path), exist_ok=True)
             tmp = f"{loc.path}.tmp-{uuid.uuid4().hex[:8]}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, loc.path)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, loc.path)
+            finally:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
         else:
             with loc.fs.open_output_stream(loc.path) as f:
                 f.write(data)
-    except Exception as exc:
-        raise _wrap(loc, "write", exc) from exc
+
+    _do(loc, "write", put)
 
 
 @contextmanager
 def open_output(uri: str) -> Iterator[BinaryIO]:
     """A binary stream that becomes ``uri`` (local or S3) only if the block succeeds, gzip-compressed
     when the name ends in ``.gz``. It is written to a local temporary file first, so a failed job
-    leaves no half-written output, and large outputs are never held in memory."""
+    leaves no half-written output (its upload retried whole), and large outputs are never held
+    in memory."""
     loc = resolve(uri)
     local = isinstance(loc.fs, pafs.LocalFileSystem)
     if local:
@@ -191,13 +416,14 @@ def open_output(uri: str) -> Iterator[BinaryIO]:
         if local:
             os.replace(tmp, loc.path)
         else:
-            try:
-                pafs.copy_files(tmp, loc.path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=loc.fs)
-            except Exception as exc:
-                raise StorageError(f"cannot write {loc.describe()}: {exc}") from exc
+            _do(loc, "write", lambda: _upload_file(tmp, loc))
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _upload_file(local_path: str, loc: Location) -> None:
+    pafs.copy_files(local_path, loc.path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=loc.fs)
 
 
 def read_json(uri: str) -> Any:
@@ -217,13 +443,14 @@ def write_json(uri: str, obj: Any, *, keep_same: bool = False) -> None:
     write_bytes(uri, data)
 
 
+def _listing(loc: Location) -> list[pafs.FileInfo]:
+    selector = pafs.FileSelector(loc.path, recursive=True, allow_not_found=True)
+    return _do(loc, "list", lambda: loc.fs.get_file_info(selector))
+
+
 def list_files(uri: str, suffix: str = "") -> list[str]:
     """Files below ``uri`` (recursive), as URIs of the same kind, sorted."""
-    loc = resolve(uri)
-    try:
-        infos = loc.fs.get_file_info(pafs.FileSelector(loc.path, recursive=True, allow_not_found=True))
-    except Exception as exc:
-        raise _wrap(loc, "list", exc) from exc
+    infos = _listing(resolve(uri))
     paths = sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(suffix))
     return [("s3://" + p) if is_s3(uri) else p for p in paths]
 
@@ -232,11 +459,7 @@ def file_sizes(uri: str) -> dict[str, int]:
     """Every file below the folder ``uri`` (recursive) by its path relative to it: its size
     in bytes, from one listing."""
     loc = resolve(uri)
-    try:
-        infos = loc.fs.get_file_info(pafs.FileSelector(loc.path, recursive=True, allow_not_found=True))
-    except Exception as exc:  # noqa: BLE001 - pyarrow raises OSError subclasses and ArrowInvalid
-        raise _wrap(loc, "list", exc) from exc
-    return {posixpath.relpath(i.path, loc.path): i.size for i in infos if i.type == pafs.FileType.File}
+    return {posixpath.relpath(i.path, loc.path): i.size for i in _listing(loc) if i.type == pafs.FileType.File}
 
 
 def version(uri: str) -> str:
@@ -244,18 +467,10 @@ def version(uri: str) -> str:
     names, sizes and modification times. Anything rewritten at the same URI (a corpus cut
     short, a new export) is a new version, so work made from the old one is not reused."""
     loc = resolve(uri)
-    try:
-        top = loc.fs.get_file_info(loc.path)
-        if top.type == pafs.FileType.NotFound:
-            raise StorageError(f"{loc.describe()}: no such file or directory")
-        if top.type == pafs.FileType.Directory:
-            infos = loc.fs.get_file_info(pafs.FileSelector(loc.path, recursive=True))
-        else:
-            infos = [top]
-    except StorageError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - pyarrow raises OSError subclasses and ArrowInvalid
-        raise _wrap(loc, "list", exc) from exc
+    top = info(uri)
+    if top.type == pafs.FileType.NotFound:
+        raise StorageError(f"{loc.describe()}: no such file or directory")
+    infos = _listing(loc) if top.type == pafs.FileType.Directory else [top]
     files = sorted(
         (posixpath.relpath(i.path, loc.path) if i.path != loc.path else "", i.size, i.mtime_ns)
         for i in infos
@@ -269,46 +484,46 @@ def version(uri: str) -> str:
 def delete_file(uri: str) -> None:
     """Remove a file if it is there."""
     loc = resolve(uri)
-    try:
+
+    def remove() -> None:
         if loc.fs.get_file_info(loc.path).type == pafs.FileType.File:
             loc.fs.delete_file(loc.path)
-    except Exception as exc:
-        raise _wrap(loc, "delete", exc) from exc
+
+    _do(loc, "delete", remove)
 
 
 def delete_dir(uri: str) -> None:
     loc = resolve(uri)
-    try:
+
+    def remove() -> None:
         if loc.fs.get_file_info(loc.path).type != pafs.FileType.NotFound:
             loc.fs.delete_dir(loc.path)
-    except Exception as exc:
-        raise _wrap(loc, "delete", exc) from exc
+
+    _do(loc, "delete", remove)
 
 
 def upload_dir(local_dir: str | os.PathLike, uri: str) -> str:
-    """Copy a local directory to ``uri`` (local or S3); returns ``uri``."""
+    """Copy a local directory to ``uri`` (local or S3); returns ``uri``. A retried upload
+    copies every file again: each object is replaced whole."""
     loc = resolve(uri)
     if isinstance(loc.fs, pafs.LocalFileSystem):
         if os.path.abspath(local_dir) != loc.path:
             shutil.copytree(local_dir, loc.path, dirs_exist_ok=True)
         return loc.uri
-    try:
-        pafs.copy_files(
-            str(local_dir), loc.path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=loc.fs
-        )
-    except Exception as exc:
-        raise _wrap(loc, "upload to", exc) from exc
+    _do(loc, "upload to", lambda: _upload_file(str(local_dir), loc))
     return loc.uri
 
 
 def copy_dir(source: str, destination: str) -> str:
     """Copy the files under ``source`` to ``destination`` (each local or S3); returns it."""
     src, dst = resolve(source), resolve(destination)
-    try:
+
+    def copy() -> None:
         dst.fs.create_dir(dst.path, recursive=True)  # a local destination must be there first
         pafs.copy_files(src.path, dst.path, source_filesystem=src.fs, destination_filesystem=dst.fs)
-    except Exception as exc:
-        raise _wrap(src, f"copy to {dst.uri} from", exc) from exc
+
+    remote = src if not isinstance(src.fs, pafs.LocalFileSystem) else dst
+    _do(Location(src.uri, remote.fs, src.path), f"copy to {dst.uri} from", copy)
     return dst.uri
 
 
@@ -317,12 +532,12 @@ def download_dir(uri: str, local_dir: str | os.PathLike) -> str:
     if isinstance(loc.fs, pafs.LocalFileSystem):
         return loc.path
     os.makedirs(local_dir, exist_ok=True)
-    try:
-        pafs.copy_files(
-            loc.path, str(local_dir), source_filesystem=loc.fs, destination_filesystem=pafs.LocalFileSystem()
-        )
-    except Exception as exc:
-        raise _wrap(loc, "download", exc) from exc
+    local = pafs.LocalFileSystem()
+    _do(
+        loc,
+        "download",
+        lambda: pafs.copy_files(loc.path, str(local_dir), source_filesystem=loc.fs, destination_filesystem=local),
+    )
     return str(local_dir)
 
 
@@ -356,13 +571,14 @@ def iter_lines(uri: str, chunk_size: int = 1 << 20) -> Iterator[bytes]:
             yield pending
 
 
-def read_parquet(uri: str, columns: list[str] | None = None):
-    """A whole Parquet file as a pyarrow Table (Parquet needs random access, not a stream)."""
-
+def read_parquet_metadata(uri: str) -> pq.FileMetaData:
+    """A Parquet file's footer (its row count and schema), without its data."""
     loc = resolve(uri)
-    try:
-        return pq.read_table(loc.path, filesystem=loc.fs, columns=columns)
-    except FileNotFoundError as exc:
-        raise StorageError(f"{loc.describe()}: no such file") from exc
-    except Exception as exc:
-        raise _wrap(loc, "read Parquet", exc) from exc
+    return _do(loc, "read the Parquet footer of", lambda: pq.read_metadata(loc.path, filesystem=loc.fs))
+
+
+def read_parquet(uri: str, columns: list[str] | None = None):
+    """A whole Parquet file as a pyarrow Table (Parquet needs random access, not a stream);
+    on S3 the whole read is retried after a transient fault."""
+    loc = resolve(uri)
+    return _do(loc, "read Parquet", lambda: pq.read_table(loc.path, filesystem=loc.fs, columns=columns))

@@ -15,7 +15,7 @@ import zlib
 from typing import Any, BinaryIO, Iterable, Iterator
 
 from pipeline.core import storage
-from pipeline.core.errors import InputError, StorageError
+from pipeline.core.errors import InputError, StorageError, TransientStorageError
 
 _CHUNK = 1 << 20
 _GZIP = zlib.MAX_WBITS | 16  # zlib's wbits for a gzip header and trailer
@@ -34,13 +34,7 @@ def _split_lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
 
 def _gzip_chunks(source: str) -> Iterator[bytes]:
     # Opened without pyarrow's own on-the-fly decompression, so that we decompress exactly once.
-    loc = storage.resolve(source)
-    try:
-        raw = loc.fs.open_input_stream(loc.path, compression=None, buffer_size=storage.STREAM_BUFFER)
-    except FileNotFoundError as exc:
-        raise StorageError(f"{loc.describe()}: no such file") from exc
-    except Exception as exc:
-        raise StorageError(f"cannot open {loc.describe()}: {exc}") from exc
+    raw = storage.open_input(source)
     # Inflated as it arrives, so a file cut short yields every whole line before the cut
     # (its error then names the line where the data ends, not the first of a read).
     with raw:
@@ -170,7 +164,7 @@ def read_lines(uri: str) -> Iterator[tuple[str, int, str]]:
             if text.strip():
                 yield source, number, text
     except OSError as exc:
-        if isinstance(exc, StorageError):
+        if isinstance(exc, (StorageError, TransientStorageError)):
             raise
         raise InputError(f"{source}: cannot read ({exc})", source=source) from exc
 

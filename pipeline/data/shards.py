@@ -22,7 +22,6 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import ray
 
 from pipeline.core import storage
@@ -84,16 +83,12 @@ class PreparedCorpus:
 def check_parquet_shard(uri: str, rows: int, columns: set[str], error: type[Exception], what: str = "shard"):
     """Read one shard's Parquet footer (not its data) and check it against its manifest
     entry; returns its Arrow schema. Every failure raises ``error`` naming the shard."""
-    loc = storage.resolve(uri)
-    try:
-        with loc.fs.open_input_file(loc.path) as f:
-            meta = pq.ParquetFile(f).metadata
-            schema = meta.schema.to_arrow_schema()
-    except FileNotFoundError as exc:
-        raise error(f"{what} {loc.describe()} is missing") from exc
+    if not storage.exists(uri):
+        raise error(f"{what} {storage.resolve(uri).describe()} is missing")
+    try:  # a transient fault past the retry budget is no StorageError: it is not the shard's
+        meta = storage.read_parquet_metadata(uri)
+        schema = meta.schema.to_arrow_schema()
     except StorageError as exc:
-        raise error(f"{what} {uri}: {exc}") from exc
-    except Exception as exc:
         raise error(f"{what} {uri} is unreadable (corrupt or truncated Parquet): {exc}") from exc
     if meta.num_rows != rows:
         raise error(f"{what} {uri}: {meta.num_rows} rows, manifest says {rows}")

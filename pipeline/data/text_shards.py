@@ -17,23 +17,22 @@ its own size (a BM25 actor holds more documents than a tokenizer task).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
 import json
-import os
 from dataclasses import asdict
 from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipeline.core import storage
-from pipeline.core.errors import InputError, RaydenseError, StorageError
+from pipeline.core.errors import InputError, RaydenseError
 from pipeline.core.progress import get_counted
 from pipeline.data.corpus import (
     MAX_SKIPPED_EXAMPLES,
@@ -57,14 +56,15 @@ HASH_BUCKETS = 1 << HASH_BUCKET_BITS
 
 
 class _ShardWriter:
+    """One text shard, written to a local temporary file and stored under its name only when
+    it is closed whole (:func:`storage.open_output`): a ParquetWriter straight onto S3 that
+    an error interrupted was closed by its destructor, leaving a valid-looking shard of part
+    of its rows under the final name."""
+
     def __init__(self, uri: str):
-        self.uri, self.loc = uri, storage.resolve(uri)
-        try:
-            if isinstance(self.loc.fs, pafs.LocalFileSystem):
-                os.makedirs(os.path.dirname(self.loc.path), exist_ok=True)
-            self.writer = pq.ParquetWriter(self.loc.path, SCHEMA, filesystem=self.loc.fs)
-        except Exception as exc:
-            raise StorageError(f"cannot write {self.loc.describe()}: {exc}") from exc
+        self.uri = uri
+        self.output = storage.open_output(uri)
+        self.writer = pq.ParquetWriter(self.output.__enter__(), SCHEMA)
         self.rows = self.text_bytes = 0
 
     def write(self, ids: list[str], texts: list[str]) -> None:
@@ -74,6 +74,13 @@ class _ShardWriter:
 
     def close(self) -> None:
         self.writer.close()
+        self.output.__exit__(None, None, None)
+
+    def abandon(self, exc: BaseException) -> None:
+        """Leave nothing under the shard's name (the temporary file goes)."""
+        self.writer.close()
+        with contextlib.suppress(BaseException):
+            self.output.__exit__(type(exc), exc, exc.__traceback__)
 
 
 def write_text_shards(
@@ -103,19 +110,24 @@ def write_text_shards(
             writer = None
 
     documents = itertools.chain.from_iterable(piece_documents(p, on_empty, stats, seen) for p in pieces)
-    for doc in join_consecutive(documents, join or JoinConfig()):
-        if writer is None:
-            writer = _ShardWriter(storage.join(folder, f"{prefix}-{len(shards):04d}.parquet"))
-        ids.append(doc.doc_id)
-        texts.append(doc.text)
-        if len(ids) == ROW_GROUP or writer.rows + len(ids) == docs_per_shard:
+    try:
+        for doc in join_consecutive(documents, join or JoinConfig()):
+            if writer is None:
+                writer = _ShardWriter(storage.join(folder, f"{prefix}-{len(shards):04d}.parquet"))
+            ids.append(doc.doc_id)
+            texts.append(doc.text)
+            if len(ids) == ROW_GROUP or writer.rows + len(ids) == docs_per_shard:
+                writer.write(ids, texts)
+                ids, texts = [], []
+                if writer.rows == docs_per_shard:
+                    close_shard()
+        if ids and writer is not None:
             writer.write(ids, texts)
-            ids, texts = [], []
-            if writer.rows == docs_per_shard:
-                close_shard()
-    if ids:
-        writer.write(ids, texts)
-    close_shard()
+        close_shard()
+    except BaseException as exc:
+        if writer is not None:
+            writer.abandon(exc)
+        raise
     hashes = seen.array()
     bucket = hashes >> np.uint64(64 - HASH_BUCKET_BITS)
     return ({"shards": shards, "stats": stats.as_dict()}, *(hashes[bucket == b] for b in range(HASH_BUCKETS)))

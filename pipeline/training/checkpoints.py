@@ -85,7 +85,11 @@ def restore_checkpoint(engine, rank: int, run_dir: str) -> Restored:
         return Restored(TrainState(), DataPosition(), None, "")
     uri = storage.join(run_dir, name)
     loc = storage.resolve(uri)
-    checkpoint = ray.train.Checkpoint(loc.path, filesystem=loc.fs) if storage.is_s3(uri) else ray.train.Checkpoint(uri)
+    checkpoint = (
+        ray.train.Checkpoint(loc.path, filesystem=storage.sdk_retrying_filesystem())
+        if storage.is_s3(uri)
+        else ray.train.Checkpoint(uri)
+    )
     with checkpoint.as_directory() as d:
         problem = sealed.verify(d)
         if problem is not None:

@@ -172,7 +172,7 @@ def fit(
         run_config=ray.train.RunConfig(
             name=name,
             storage_path=loc.path if storage.is_s3(train.output) else loc.uri,
-            storage_filesystem=loc.fs if storage.is_s3(train.output) else None,
+            storage_filesystem=storage.sdk_retrying_filesystem() if storage.is_s3(train.output) else None,
             failure_config=failures,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=train.keep_checkpoints),
             # Ray Train's INFO lines are its bookkeeping (resources requested, a worker group

@@ -90,6 +90,10 @@ class PretrainConfig:
         if self.train.max_steps < 1:
             raise ValueError(f"train.max_steps must be >= 1 (pre-training runs for steps), got {self.train.max_steps}")
 
+    def run_folder(self) -> str:
+        """The run's folder: ``train.output``, by default one per method."""
+        return self.train.output or f"runs/pretrain-{self.method}"
+
     def check_inputs(self, prefix: str) -> None:
         if self.model.init:
             model_ref.check(self.model.init, f"{prefix}model.init")
@@ -288,7 +292,7 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
     ``replay_batches`` (benchmarks only) trains on the first N streamed batches, cycled.
     """
     cfg.corpus.output = storage.resolve(cfg.corpus.output).uri
-    cfg.train.output = storage.resolve(cfg.train.output or f"runs/pretrain-{cfg.method}").uri
+    cfg.train.output = storage.resolve(cfg.run_folder()).uri
     if cfg.model.init:
         cfg.model.init = model_ref.check(cfg.model.init, "--model.init")
         if cfg.corpus.input and not cfg.corpus.tokenizer:

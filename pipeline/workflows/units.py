@@ -111,7 +111,8 @@ def run_units(
     ``redo`` names units to run again from scratch; ``stop_after`` ends the run once that unit
     is recorded. A unit that fails is run again up to ``retries`` times (it resumes from
     what it committed: checkpoints, shards, parts), unless the failure is the user's (a
-    :class:`RaydenseError`: a bad setting or input fails the same way every time)."""
+    :class:`RaydenseError` that is not ``retryable``: a bad setting or input fails the same
+    way every time; storage that kept failing transiently is retried)."""
     settings = settings_of(units)
     by_name = {unit.name: unit for unit in units}
     folders = lambda name: by_name[name].folders
@@ -132,7 +133,8 @@ def run_units(
                 manifest.run(name, settings[name], by_name[name].work, label)
                 break
             except Exception as exc:
-                if attempt == retries or user_error(exc) is not None:
+                known = user_error(exc)
+                if attempt == retries or (known is not None and not known.retryable):
                     raise
                 print(
                     f"{label} {name}: failed ({type(exc).__name__}: {str(exc)[:300]}); "

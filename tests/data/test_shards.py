@@ -11,7 +11,7 @@ import pytest
 from conftest import synthetic_docs, write_jsonl
 
 from pipeline.core import storage
-from pipeline.core.errors import ArtifactError, InputError, StorageError
+from pipeline.core.errors import ArtifactError, InputError, TransientStorageError
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
 from pipeline.data.shard_tokenizing import ShardTokenizer, continuation_table, word_piece_counts
 from pipeline.data.shards import check_shards, load_manifest
@@ -116,10 +116,13 @@ def test_prepare_reads_and_writes_s3(tmp_path, s3_bucket, shared_ray):
 
 
 def test_unreachable_s3_endpoint_is_named(monkeypatch, s3_endpoint):
+    """A connection that fails is retried as a transient fault (a DNS or network blip) for
+    the retry budget, then named with the endpoint: exit 1, not the user's exit 2."""
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # discard port: nothing listens
     monkeypatch.setenv("RAYDENSE_S3_CONNECT_TIMEOUT", "1")
     monkeypatch.setenv("RAYDENSE_S3_MAX_ATTEMPTS", "1")
-    with pytest.raises(StorageError, match=r"s3://bucket/corpus.*127\.0\.0\.1:9.*unreachable"):
+    monkeypatch.setenv("RAYDENSE_S3_RETRY_SECONDS", "1")
+    with pytest.raises(TransientStorageError, match=r"s3://bucket/corpus.*127\.0\.0\.1:9.*unreachable"):
         load_manifest("s3://bucket/corpus")
 
 

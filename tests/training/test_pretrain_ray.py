@@ -316,3 +316,53 @@ def test_ctrl_c_exits_130_with_the_hint_and_reruns_resume_finish_and_pass_over_a
     resumed = json.loads(after.stdout.strip().splitlines()[-1])
     assert after.stderr.count(f"checkpoint {newest} is gone: passed over") == 1, after.stderr[-3000:]
     assert resumed["steps"] == 60 and resumed["steps_this_attempt"] == 60 - resumed["resumes"][-1]["step"] > 0
+
+
+@pytest.mark.runs_long  # three runs of the job as a command: about 2 minutes
+def test_a_second_driver_is_refused_and_sigterm_stops_the_first_which_then_resumes(tmp_path):
+    """The issue's case as a user meets it: a pre-training is running, and the same command is
+    started again on the same output. The second exits 2 at once, naming the first, and
+    trains nothing; SIGTERM (``ray job stop``, an eviction) ends the first as Ctrl-C does:
+    exit 143, the hint, no native stack dump; the rerun resumes from its checkpoint and
+    finishes. Mutations: no lease (the second resumed the first's live checkpoint and
+    trained beside it); Ray's SIGTERM handler left in place (exit 134, a stack dump)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    command = [
+        *(
+            sys.executable,
+            "jobs/pretrain.py",
+            "--corpus.input",
+            write_jsonl(tmp_path / "raw.jsonl", synthetic_docs(72)),
+        ),
+        *("--corpus.output", str(tmp_path / "corpus"), "--corpus.vocab_size", "120", "--data.max_len", "32"),
+        *("--model.hidden_size", "32", "--model.num_layers", "2", "--model.num_heads", "2"),
+        *("--model.intermediate_size", "64", "--train.output", str(out), "--train.num_workers", "1"),
+        *("--train.micro_batch_size", "6", "--train.max_steps", "60", "--train.checkpoint_every", "5"),
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYDENSE_DEBUG")}
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    job = subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while job.poll() is None and time.time() < deadline:
+        if list((out / "checkpoints").glob("checkpoint_*/seal_*.json")):
+            break
+        time.sleep(0.2)
+    assert job.poll() is None, job.communicate()[1][-3000:]
+    second = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2, second.stderr[-3000:]
+    refused = [line for line in second.stderr.splitlines() if line.strip()]
+    assert len(refused) == 1 and f"pid {job.pid}" in refused[0] and "--force" in refused[0], second.stderr[-3000:]
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=60)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert job.returncode == 143, err[-3000:]
+    assert lines[-1] == "interrupted (SIGTERM): rerun the same command to resume", err[-3000:]
+    assert "SIGTERM received" not in err, err[-3000:]
+    done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    (resume,) = summary["resumes"]
+    assert summary["steps"] == 60 and resume["step"] >= 5 and summary["steps_this_attempt"] == 60 - resume["step"]
