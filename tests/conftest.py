@@ -161,6 +161,7 @@ RUNS_LONG = frozenset(
         "tests/workflows/test_decoder_recipe.py",
         "tests/training/test_resume.py",
         "tests/retrieval/test_search_ray.py",
+        "tests/workflows/test_busy_s3.py",
     }
 )
 

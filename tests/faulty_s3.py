@@ -66,6 +66,7 @@ class FaultyS3:
         self._rng = random.Random(self.plan.seed)
         self._lock = threading.Lock()
         self._storm_until = 0.0
+        self._storm_matching = ""
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -87,12 +88,14 @@ class FaultyS3:
         self._server.shutdown()
         self._server.server_close()
 
-    def storm(self, seconds: float) -> None:
-        """Throttle every request for the next ``seconds``."""
+    def storm(self, seconds: float, matching: str = "") -> None:
+        """Throttle every request for the next ``seconds`` (only those whose request line,
+        ``PUT /bucket/key?partNumber=1...``, contains ``matching``)."""
         with self._lock:
             self._storm_until = time.monotonic() + seconds
+            self._storm_matching = matching
 
-    def _fault(self) -> str | None:
+    def _fault(self, request_line: str) -> str | None:
         """The fault for the next request (None: served as it is), drawn under the lock so a
         seed gives the same sequence of draws."""
         with self._lock:
@@ -102,7 +105,7 @@ class FaultyS3:
                 return None
             if plan.storm_every and plan.counts.requests % plan.storm_every == 0:
                 self._storm_until = time.monotonic() + plan.storm_s
-            if time.monotonic() < self._storm_until:
+            if time.monotonic() < self._storm_until and self._storm_matching in request_line:
                 plan.counts.throttled_in_storms += 1
                 return "storm"
             draw = self._rng.random()
@@ -173,7 +176,7 @@ class FaultyS3:
 
             def _serve(self) -> None:
                 body = self._body()
-                fault = proxy._fault()
+                fault = proxy._fault(f"{self.command} {self.path}")
                 if fault == "storm":
                     self._error("slowdown")
                 elif fault in _FAULTS:

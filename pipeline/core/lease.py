@@ -18,12 +18,15 @@ next heartbeat.
 from __future__ import annotations
 
 import _thread
+import contextlib
 import functools
+import hashlib
 import json
 import os
 import posixpath
 import socket
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -83,16 +86,23 @@ class Holder:
 
 
 class _LocalLease:
-    """The lease as a local file: created with O_EXCL, replaced under a file lock."""
+    """The lease as a local file: created with O_EXCL, replaced under a lock of this node
+    (local outputs are a single node's: :func:`pipeline.core.runtime.check_outputs_shared`),
+    kept outside the output so that a job that wrote nothing leaves no folder."""
 
     def __init__(self, uri: str):
         import filelock
 
         self.path = uri
-        self.lock = filelock.FileLock(uri + ".lock")
+        name = hashlib.sha1(uri.encode()).hexdigest()[:16]
+        self.lock = filelock.FileLock(os.path.join(tempfile.gettempdir(), f"raydense-lease-{name}.lock"))
+        self.made_folder = ""
 
     def create(self, body: bytes) -> bool:
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        folder = os.path.dirname(self.path)
+        if not os.path.isdir(folder):
+            os.makedirs(folder)
+            self.made_folder = folder
         try:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
@@ -122,6 +132,9 @@ class _LocalLease:
             found = self.read()
             if found is not None and found[1] == expected:
                 os.remove(self.path)
+        if self.made_folder:
+            with contextlib.suppress(OSError):  # the job wrote something there: it stays
+                os.rmdir(self.made_folder)
 
 
 @functools.lru_cache(maxsize=4)

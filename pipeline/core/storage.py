@@ -194,6 +194,9 @@ def retrying(what: str, call: Callable[[], T]) -> T:
             delay = min(delay * 2, 20.0)
 
 
+LOCAL = pafs.LocalFileSystem()
+
+
 @dataclass(frozen=True)
 class Location:
     """A resolved URI: the filesystem and the path inside it."""
@@ -218,7 +221,7 @@ def resolve(uri: str | os.PathLike) -> Location:
     if "://" in uri:
         raise StorageError(f"{uri}: unsupported scheme (use a local path or s3://bucket/prefix)")
     path = str(Path(uri).expanduser().resolve())
-    return Location(path, pafs.LocalFileSystem(), path)
+    return Location(path, LOCAL, path)
 
 
 def join(uri: str, *parts: str) -> str:
@@ -422,8 +425,39 @@ def open_output(uri: str) -> Iterator[BinaryIO]:
             os.remove(tmp)
 
 
+COPY_CHUNK = 8 << 20
+
+
+def _copy_file(source_fs: pafs.FileSystem, source: str, destination_fs: pafs.FileSystem, destination: str) -> None:
+    """One file copied through streams closed here, so a failed upload raises: pyarrow's
+    ``copy_files`` let an S3 upload whose part failed (SlowDown) be closed by its destructor,
+    which ignored the error, and returned as if the object had been written."""
+    if isinstance(destination_fs, pafs.LocalFileSystem):
+        os.makedirs(os.path.dirname(destination), exist_ok=True)
+    with source_fs.open_input_stream(source, compression=None, buffer_size=COPY_CHUNK) as src:
+        out = destination_fs.open_output_stream(destination, compression=None)
+        try:
+            while chunk := src.read(COPY_CHUNK):
+                out.write(chunk)
+        finally:
+            out.close()  # raises what the upload met (an S3 object appears only if all went)
+
+
 def _upload_file(local_path: str, loc: Location) -> None:
-    pafs.copy_files(local_path, loc.path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=loc.fs)
+    _copy_file(LOCAL, local_path, loc.fs, loc.path)
+
+
+def _copy_tree(source: Location, destination: Location) -> None:
+    """Every file below ``source`` to the same relative path below ``destination``, each
+    copy retried on its own (:func:`_do`): a fault redoes one file, not the tree."""
+    for info in _listing(source):
+        if info.type == pafs.FileType.File:
+            relative = posixpath.relpath(info.path, source.path)
+            target = Location(
+                join(destination.uri, relative), destination.fs, posixpath.join(destination.path, relative)
+            )
+            remote = target if not isinstance(destination.fs, pafs.LocalFileSystem) else source
+            _do(remote, "copy", lambda i=info, t=target: _copy_file(source.fs, i.path, t.fs, t.path))
 
 
 def read_json(uri: str) -> Any:
@@ -510,20 +544,16 @@ def upload_dir(local_dir: str | os.PathLike, uri: str) -> str:
         if os.path.abspath(local_dir) != loc.path:
             shutil.copytree(local_dir, loc.path, dirs_exist_ok=True)
         return loc.uri
-    _do(loc, "upload to", lambda: _upload_file(str(local_dir), loc))
+    _copy_tree(Location(str(local_dir), LOCAL, os.path.abspath(local_dir)), loc)
     return loc.uri
 
 
 def copy_dir(source: str, destination: str) -> str:
     """Copy the files under ``source`` to ``destination`` (each local or S3); returns it."""
     src, dst = resolve(source), resolve(destination)
-
-    def copy() -> None:
-        dst.fs.create_dir(dst.path, recursive=True)  # a local destination must be there first
-        pafs.copy_files(src.path, dst.path, source_filesystem=src.fs, destination_filesystem=dst.fs)
-
-    remote = src if not isinstance(src.fs, pafs.LocalFileSystem) else dst
-    _do(Location(src.uri, remote.fs, src.path), f"copy to {dst.uri} from", copy)
+    if isinstance(dst.fs, pafs.LocalFileSystem):
+        os.makedirs(dst.path, exist_ok=True)  # there, even for a source with no files
+    _copy_tree(src, dst)
     return dst.uri
 
 
@@ -532,12 +562,7 @@ def download_dir(uri: str, local_dir: str | os.PathLike) -> str:
     if isinstance(loc.fs, pafs.LocalFileSystem):
         return loc.path
     os.makedirs(local_dir, exist_ok=True)
-    local = pafs.LocalFileSystem()
-    _do(
-        loc,
-        "download",
-        lambda: pafs.copy_files(loc.path, str(local_dir), source_filesystem=loc.fs, destination_filesystem=local),
-    )
+    _copy_tree(loc, Location(str(local_dir), LOCAL, os.path.abspath(local_dir)))
     return str(local_dir)
 
 

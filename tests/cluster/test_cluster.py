@@ -27,6 +27,8 @@ from unittest import mock
 import pytest
 import yaml
 
+from pipeline.core import storage
+
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "cluster"
 ZERO_TEMPLATES = (
@@ -81,6 +83,8 @@ def test_aws_yaml_validates_against_rays_schema_and_config_checks():
     assert prepared["docker"]["image"] == f"rayproject/ray:{image_tag()}"
     # pipeline/core/storage.py takes the region from the environment only.
     assert f"--env AWS_DEFAULT_REGION={config['provider']['region']}" in prepared["docker"]["run_options"]
+    retry = storage.S3_SETTINGS["RAYDENSE_S3_RETRY_SECONDS"]
+    assert f"--env RAYDENSE_S3_RETRY_SECONDS={retry}" in prepared["docker"]["run_options"]
 
     # The schema does catch mistakes: a misspelled node-type key is refused.
     broken = copy.deepcopy(config)
@@ -548,6 +552,9 @@ def test_rendered_pods_have_disk_a_driver_check_one_zone_and_do_not_disrupt(rend
         for variable in ("RAYDENSE_CACHE", "HF_HOME", "TMPDIR"):
             assert env[variable].startswith("/mnt/scratch/"), (name, variable)
         assert env["AWS_DEFAULT_REGION"] == values["region"]
+        # The storage retry budget reaches every pod's processes, at the library's defaults.
+        for variable in ("RAYDENSE_S3_RETRY_SECONDS", "RAYDENSE_S3_MAX_ATTEMPTS"):
+            assert env[variable] == storage.S3_SETTINGS[variable], (name, variable)
         assert pod["nodeSelector"]["topology.kubernetes.io/zone"] == values["zone"]
         assert group["template"]["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
         # The drain keeps the margin of the notice; Kubernetes waits for it, inside the notice.

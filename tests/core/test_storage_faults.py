@@ -156,6 +156,21 @@ def test_storage_that_stays_throttled_past_the_budget_is_a_transient_failure_not
     proxy.storm(0)
 
 
+def test_an_upload_that_failed_is_reported_and_leaves_no_object(busy_s3, monkeypatch):
+    """pyarrow's ``copy_files`` let an upload whose part S3 refused be closed by its destructor,
+    which ignored the error: the copy returned, the object was never written (a staged text
+    shard went missing so). Mutation: ``copy_files`` back in ``_upload_file``."""
+    proxy, root = busy_s3
+    monkeypatch.setenv("RAYDENSE_S3_RETRY_SECONDS", "1")
+    proxy.plan.error_rate = proxy.plan.reset_rate = 0.0
+    proxy.storm(30.0, matching="partNumber=")  # the upload starts; its parts are refused
+    with pytest.raises(TransientStorageError):
+        with storage.open_output(f"{root}/upload.bin") as out:
+            out.write(b"u" * 1000)
+    proxy.storm(0)
+    assert not storage.exists(f"{root}/upload.bin")
+
+
 def test_a_missing_object_is_not_retried(busy_s3):
     proxy, root = busy_s3
     proxy.faults = False
