@@ -3,6 +3,7 @@ moving off nodes that are about to go."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
@@ -10,6 +11,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from pipeline.core.draining import DrainingNodes
+from pipeline.core.errors import CapacityError
 
 
 @dataclass
@@ -30,6 +32,12 @@ class ActorConfig:
         default=3,
         metadata={
             "help": "times a task (a shard, a block of queries) is retried on a fresh actor after its actor died"
+        },
+    )
+    capacity_wait_s: float = field(
+        default=900.0,
+        metadata={
+            "help": "seconds to wait for the pool's first actor to be placed (counted from the cluster's last change: a node added or lost), then fail naming the resources that never came; 0 = for ever"
         },
     )
 
@@ -69,16 +77,89 @@ def actor_device(pool: ActorConfig) -> str:
     return "cuda"
 
 
+def actor_placed(actor) -> bool:
+    """Whether Ray gave ``actor`` a worker process on some node (its constructor may still be
+    running): an actor waiting for resources has none."""
+    try:
+        entry = ray._private.state.actors(actor._actor_id.hex())
+    except Exception:  # noqa: BLE001 - an internal table: without it, never fail a run on it
+        return True
+    return entry.get("State") == "ALIVE" or bool(entry.get("Pid"))
+
+
+@dataclass
+class CapacityWait:
+    """How long a pool waits for its first actor to be placed, and what it names when none
+    is: ``count`` actors of ``resources`` (Ray's own wait for them never ends). The clock
+    starts again whenever the cluster's resources change (an autoscaler added or lost a
+    node: progress)."""
+
+    what: str
+    count: int
+    resources: dict
+    wait_s: float
+    since: float = field(default_factory=time.monotonic)
+    cluster: dict | None = None  # the cluster's resources at the last look
+    satisfied: bool = False
+
+    @classmethod
+    def of(cls, pool: ActorConfig, what: str) -> CapacityWait:
+        return cls(what, pool.actors, pool.remote_options(), pool.capacity_wait_s)
+
+    def check(self, actors: list) -> None:
+        """Raise a :class:`CapacityError` once ``wait_s`` passed with none of ``actors`` placed."""
+        if self.satisfied or self.wait_s <= 0 or not actors:
+            return
+        if any(actor_placed(actor) for actor in actors):
+            self.satisfied = True
+            return
+        cluster = ray.cluster_resources()
+        if self.cluster is not None and cluster != self.cluster:
+            self.since = time.monotonic()
+        self.cluster = cluster
+        waited = time.monotonic() - self.since
+        if waited >= self.wait_s:
+            asked = ", ".join(f"{k} {v:g}" for k, v in sorted(self.resources.items()) if v)
+            has = ", ".join(
+                f"{k} {v:g}"
+                for k, v in sorted(cluster.items())
+                if not k.startswith(("node:", "memory", "object_store"))
+            )
+            raise CapacityError(
+                f"{self.count} {self.what} of {asked} each: 0 placed after {waited:.0f} s with no change in the "
+                f"cluster (it has {has or 'nothing'}); add nodes that hold them, ask for less, or raise "
+                "--pool.capacity_wait_s (0 waits for ever)"
+            )
+
+
 def run_actor_pool(
-    make_actor, tasks: list, call, max_retries: int, n_actors: int, on_done=None, calls_per_actor: int = 1
+    make_actor,
+    tasks: list,
+    call,
+    max_retries: int,
+    n_actors: int,
+    on_done=None,
+    calls_per_actor: int = 1,
+    capacity: CapacityWait | None = None,
 ) -> list:
     """Every result of :func:`stream_actor_pool`, in task order."""
-    results = stream_actor_pool(make_actor, tasks, call, max_retries, n_actors, on_done, calls_per_actor)
+    results = stream_actor_pool(make_actor, tasks, call, max_retries, n_actors, on_done, calls_per_actor, capacity)
     return [result for _, result in results]
 
 
+# How often a pool whose actors are not yet placed looks at the cluster again.
+CAPACITY_POLL_S = 5.0
+
+
 def stream_actor_pool(
-    make_actor, tasks: Iterable, call, max_retries: int, n_actors: int, on_done=None, calls_per_actor: int = 1
+    make_actor,
+    tasks: Iterable,
+    call,
+    max_retries: int,
+    n_actors: int,
+    on_done=None,
+    calls_per_actor: int = 1,
+    capacity: CapacityWait | None = None,
 ) -> Iterator:
     """Run ``call(actor, task) -> ObjectRef`` for every task on ``n_actors`` actors and yield
     ``(task, result)`` in task order, as they are ready.
@@ -98,7 +179,8 @@ def stream_actor_pool(
     task: a fresh actor takes its place on a node that stays, and it is let go once its
     calls have returned, so the node's loss costs no task.
     ``on_done(task, result)`` is called as each task finishes, in the order they finish
-    (progress counters).
+    (progress counters). ``capacity``: how long to wait for the first actor to be placed
+    before failing, naming what never came (:class:`CapacityWait`).
     """
 
     source = iter(tasks)
@@ -173,7 +255,13 @@ def stream_actor_pool(
                 if exhausted and not retry:
                     return
                 continue
-            done, _ = ray.wait(list(running), num_returns=1)
+            waiting = capacity is not None and not capacity.satisfied
+            done, _ = ray.wait(list(running), num_returns=1, timeout=CAPACITY_POLL_S if waiting else None)
+            if not done:
+                capacity.check(created)  # type: ignore[union-attr]
+                continue
+            if waiting:
+                capacity.satisfied = True  # type: ignore[union-attr]
             i, actor = running.pop(done[0])
             try:
                 results[i] = ray.get(done[0])

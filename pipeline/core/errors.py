@@ -11,6 +11,8 @@
     ├── TransientStorageError  object storage kept answering with throttling, server errors
     │                       or resets past the retry budget: not the user's (exit 1), and
     │                       a stage retry or a training restart takes it (``retryable``)
+    ├── CapacityError       the actors or workers a stage asked for were never placed within
+    │                       their wait (names the resources; exit 1: not the input's fault)
     └── ServerError         a server actor kept dying, never came up, or stopped answering
                             (names the server, its node and the cause; exit 1, not 2)
 
@@ -77,6 +79,13 @@ class TransientStorageError(RaydenseError, OSError):
 
     exit_code = 1
     retryable = True
+
+
+class CapacityError(RaydenseError):
+    """What a stage asked of the cluster (actors, workers) was not placed within its wait,
+    counted from the cluster's last change: named, with what the cluster has."""
+
+    exit_code = 1
 
 
 class ServerError(RaydenseError):

@@ -457,7 +457,7 @@ def _copy_tree(source: Location, destination: Location) -> None:
                 join(destination.uri, relative), destination.fs, posixpath.join(destination.path, relative)
             )
             remote = target if not isinstance(destination.fs, pafs.LocalFileSystem) else source
-            _do(remote, "copy", lambda i=info, t=target: _copy_file(source.fs, i.path, t.fs, t.path))
+            _do(remote, "copy", functools.partial(_copy_file, source.fs, info.path, target.fs, target.path))
 
 
 def read_json(uri: str) -> Any:

@@ -32,7 +32,7 @@ from models.biencoder import load_biencoder
 from models.compiled import compile_in_place
 from models.framing import Framing
 from pipeline.core import model_ref, storage
-from pipeline.core.actor_pool import ActorConfig, actor_device, run_actor_pool, stream_actor_pool
+from pipeline.core.actor_pool import ActorConfig, CapacityWait, actor_device, run_actor_pool, stream_actor_pool
 from pipeline.core.config import Renamed, truthy
 from pipeline.core.progress import progress
 from pipeline.core.runtime import RayConfig
@@ -398,6 +398,7 @@ def run_encoding(cfg: EncodeConfig, before_work=None) -> dict:
             cfg.pool.actors,
             lambda task, result: passages.update(result["rows"]),
             calls_per_actor=in_flight,
+            capacity=CapacityWait.of(cfg.pool, "encoder actors"),
         )
     entries = [
         {"index": i, "path": shard_path(i), "rows": s["rows"], "first_row": s["first_row"]}
@@ -472,6 +473,7 @@ def store_query_vectors(
             pool.max_retries,
             pool.actors,
             lambda block, _: bar.update(len(block[1])),
+            capacity=CapacityWait.of(pool, "query encoder actors"),
         ):
             pass
     return len(todo)

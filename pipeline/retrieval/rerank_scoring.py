@@ -30,7 +30,7 @@ from models.reranker import (
     pair_inputs,
 )
 from pipeline.core import model_ref, storage
-from pipeline.core.actor_pool import ActorConfig, actor_device, stream_actor_pool
+from pipeline.core.actor_pool import ActorConfig, CapacityWait, actor_device, stream_actor_pool
 from pipeline.core.errors import InputError
 from pipeline.core.parts import BlockFiles, claim, finished_blocks, join_blocks, remove_parts
 from pipeline.core.progress import progress
@@ -360,7 +360,12 @@ def run_scoring(cfg: RerankScoreConfig) -> dict:
 
         score_start = time.perf_counter()
         results = stream_actor_pool(
-            lambda: remote.remote(model_uri, lengths, cfg), todo(), score, cfg.pool.max_retries, cfg.pool.actors
+            lambda: remote.remote(model_uri, lengths, cfg),
+            todo(),
+            score,
+            cfg.pool.max_retries,
+            cfg.pool.actors,
+            capacity=CapacityWait.of(cfg.pool, "re-ranker actors"),
         )
         with progress(run_queries, "rerank", "queries") as bar:
             # In block order: each block (ids, first-stage scores) with its scores, to its part.
