@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.core import storage
 from pipeline.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pipeline.workflows.units import UnitSettings
 
 
 class RunManifest:
@@ -49,10 +52,11 @@ class RunManifest:
             )
         return self.data["stages"][stage]
 
-    def changes(self, stage: str, settings: dict[str, Any]) -> list[str]:
+    def changes(self, stage: str, settings: dict[str, Any], also_same: dict[str, Any] | None = None) -> list[str]:
         """How ``settings`` differ from those ``stage`` finished or was started with, one
         ``key: recorded -> now`` line per key; empty when they agree, when the stage never
-        started, or when its record predates settings."""
+        started, or when its record predates settings. ``also_same``: a recorded value that
+        counts as unchanged, by key (an upstream fingerprint as older runs took it)."""
         if self.done(stage):
             recorded = self.record(stage).get("settings")
         else:
@@ -60,11 +64,12 @@ class RunManifest:
         if recorded is None:
             return []
         keys = sorted(set(recorded) | set(settings))
-        missing = "(unset)"
+        missing, also_same = "(unset)", also_same or {}
         return [
             f"{k}: {recorded.get(k, missing)} -> {settings.get(k, missing)}"
             for k in keys
             if recorded.get(k, missing) != settings.get(k, missing)
+            and not (k in also_same and recorded.get(k) == also_same[k])
         ]
 
     def save(self, stage: str, record: dict) -> None:
@@ -74,26 +79,37 @@ class RunManifest:
 
     def discard_stale(
         self,
-        settings: dict[str, dict],
+        settings: dict[str, UnitSettings],
         folders: Callable[[str], Iterable[str]],
         label: str,
         redo: Iterable[str] = (),
-    ) -> None:
+    ) -> set[str]:
         """Before a run: delete the folders, then the record, of each stage in ``redo`` and of
-        each stage in ``settings`` that finished or started with other settings.
+        each stage in ``settings`` that finished or started with other settings. Returns the
+        finished stages whose evaluation settings alone changed: they run again over their
+        kept folders (their models are reused), and their record is replaced.
 
         The stages to discard are written down first, so a kill midway is finished by the next
         run: no stage loses its record while its folder still holds checkpoints of the old
         settings (it would resume from them), and none keeps a record whose outputs are gone.
         """
         discard = set(self.data.get("discarding", [])) | set(redo)
+        again: set[str] = set()
         for stage, now in settings.items():
-            changed = self.changes(stage, now)
-            if changed:
-                print(f"{label} {stage}: its settings changed ({'; '.join(changed)}): running it again", flush=True)
+            changed = self.changes(stage, now.recorded, now.legacy_after)
+            made = [line for line in changed if line.split(":", 1)[0] not in now.evaluation]
+            if made:
+                print(f"{label} {stage}: its settings changed ({'; '.join(made)}): running it again", flush=True)
                 discard.add(stage)
+            elif changed and self.done(stage):
+                print(
+                    f"{label} {stage}: its evaluation settings changed ({'; '.join(changed)}): evaluating it "
+                    "again; what it made is reused",
+                    flush=True,
+                )
+                again.add(stage)
         if not discard:
-            return
+            return again
         self.data["discarding"] = sorted(discard)
         self._write()
         for stage in sorted(discard):
@@ -104,6 +120,7 @@ class RunManifest:
             self.data["started"].pop(stage, None)
         del self.data["discarding"]
         self._write()
+        return again - discard
 
     def run(self, stage: str, settings: dict[str, Any], work: Callable[[], dict], label: str) -> dict:
         """Run one stage's ``work`` and record what it returned (outputs, metrics, summary)

@@ -39,6 +39,7 @@ from models.distillation import DistillationConfig
 from models.reranker import RerankerConfig
 from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig
+from pipeline.core.config import to_dict
 from pipeline.core.errors import ConfigError
 from pipeline.core.plots import plot_metrics
 from pipeline.core.runtime import RayConfig, write_run_files
@@ -505,14 +506,42 @@ class RecipeStage:
     after: tuple[str, ...]  # the stages it reads ("pretrain" only where that stage is on)
     sections: Callable[[RecipeConfig], dict]  # the config values it computes with
     result: str = ""  # its row in results.md, for an evaluated stage
+    # The values only its dev evaluation reads: a change evaluates it again, its model reused.
+    evaluation: Callable[[RecipeConfig], dict] = lambda cfg: {}
 
 
 def _init(cfg: RecipeConfig) -> dict:
     return {} if cfg.pretrain.enabled else {"init": cfg.model.init}
 
 
-def _evaluated(cfg: RecipeConfig) -> dict:
-    return dict(data=cfg.data, eval=cfg.eval, **_init(cfg))
+def _without(section, *names: str) -> dict:
+    return {k: v for k, v in to_dict(section).items() if k not in names}
+
+
+def _trained(cfg: RecipeConfig) -> dict:
+    """What a retriever stage's model is made from, of the shared sections: every data setting
+    but the dev queries, the initial model."""
+    return dict(data=_without(cfg.data, "dev"), **_init(cfg))
+
+
+def _dev_evaluation(cfg: RecipeConfig) -> dict:
+    """What only a retriever stage's dev evaluation reads: the dev queries and how it searches."""
+    return dict(data={"dev": cfg.data.dev}, eval=cfg.eval)
+
+
+def _mined(cfg: RecipeConfig) -> dict:
+    """What mined negatives are made from: the mining, the training queries, and the search
+    settings of the index the retriever's evaluation built (all but the dev evaluation's k)."""
+    return dict(mine=cfg.mine, data=_without(cfg.data, "dev"), eval=_without(cfg.eval, "k"))
+
+
+def _not_mined(cfg: RecipeConfig) -> dict:
+    return dict(data={"dev": cfg.data.dev}, eval={"k": cfg.eval.k})
+
+
+def _dev_queries(cfg: RecipeConfig) -> dict:
+    """The dev queries, for a stage that never reads them (older runs recorded them)."""
+    return dict(data={"dev": cfg.data.dev})
 
 
 RECIPE = (
@@ -522,35 +551,38 @@ RECIPE = (
         "zeroshot",
         stage_zeroshot,
         ("pretrain",),
-        lambda c: dict(retriever=c.round1.retriever, **_evaluated(c)),
+        lambda c: dict(retriever=c.round1.retriever, data=c.data, eval=c.eval, **_init(c)),
         "zero-shot",
     ),
     RecipeStage(
         "round1",
         stage_round1,
         ("pretrain",),
-        lambda c: dict(stage=c.round1, bm25=[c.mine.bm25_depth, c.mine.bm25_count], **_evaluated(c)),
+        lambda c: dict(stage=c.round1, bm25=[c.mine.bm25_depth, c.mine.bm25_count], **_trained(c)),
         "round 1 (BM25 negatives)",
+        _dev_evaluation,
     ),
-    RecipeStage("mine1", stage_mine1, ("round1",), lambda c: dict(mine=c.mine, data=c.data, eval=c.eval)),
+    RecipeStage("mine1", stage_mine1, ("round1",), _mined, evaluation=_not_mined),
     RecipeStage(
         "round2",
         stage_round2,
         ("pretrain", "mine1"),
-        lambda c: dict(stage=c.round2, **_evaluated(c)),
+        lambda c: dict(stage=c.round2, **_trained(c)),
         "round 2 (mined negatives)",
+        _dev_evaluation,
     ),
-    RecipeStage("mine2", stage_mine2, ("round2",), lambda c: dict(mine=c.mine, data=c.data, eval=c.eval)),
+    RecipeStage("mine2", stage_mine2, ("round2",), _mined, evaluation=_not_mined),
     RecipeStage(
         "reranker",
         stage_reranker,
         ("pretrain", "mine2"),
         lambda c: dict(
-            data=c.data,
+            data=_without(c.data, "dev"),
             reranker=[c.reranker.init, c.reranker.group_size, c.reranker.max_len],
             train=c.reranker.train,
             **_init(c),
         ),
+        evaluation=_dev_queries,
     ),
     RecipeStage(
         "rerank",
@@ -564,15 +596,20 @@ RECIPE = (
         stage_teacher,
         ("reranker", "mine2"),
         lambda c: dict(
-            data=c.data, depth=c.reranker.teacher_depth, queries=c.reranker.teacher_queries, seed=c.distill.train.seed
+            data=_without(c.data, "dev"),
+            depth=c.reranker.teacher_depth,
+            queries=c.reranker.teacher_queries,
+            seed=c.distill.train.seed,
         ),
+        evaluation=_dev_queries,
     ),
     RecipeStage(
         "distill",
         stage_distill,
         ("pretrain", "teacher"),
-        lambda c: dict(stage=c.distill, **_evaluated(c)),
+        lambda c: dict(stage=c.distill, **_trained(c)),
         "distillation",
+        _dev_evaluation,
     ),
 )
 STAGES = tuple(stage.name for stage in RECIPE)
@@ -596,7 +633,14 @@ def recipe_units(
     run = {**{s.name: s.run for s in RECIPE}, **(functions or {})}
     enabled = enabled_stages(cfg)
     return [
-        Unit(s.name, functools.partial(run[s.name], ctx), s.after, s.sections(cfg), (ctx.folder(s.name),))
+        Unit(
+            s.name,
+            functools.partial(run[s.name], ctx),
+            s.after,
+            s.sections(cfg),
+            (ctx.folder(s.name),),
+            s.evaluation(cfg),
+        )
         for s in RECIPE
         if s.name in enabled
     ]

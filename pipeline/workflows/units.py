@@ -9,6 +9,11 @@ comparison are each one table of units handed to :func:`run_units`, which:
 2. discards (folders first, then records) the units to redo and those recorded or started
    with other settings (:meth:`RunManifest.discard_stale`);
 3. runs, in table order, the units not recorded, writing each record when it finishes.
+
+A unit's ``evaluation`` sections are settings that change none of the outputs later units
+read (a trainer's dev evaluation: its k, its dev queries): a change of them runs the unit
+again over the folders it kept (a finished training resumes at zero steps and only the
+evaluation runs), and reaches no unit below it.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ class Unit:
     after: tuple[str, ...] = ()  # units whose outputs it reads
     sections: dict[str, Any] = field(default_factory=dict)  # config values it computes with
     folders: tuple[str, ...] = ()  # what it writes: deleted before it runs again from scratch
+    evaluation: dict[str, Any] = field(default_factory=dict)  # values only its evaluation reads
 
 
 def _flatten(value: Any, prefix: str, into: dict[str, Any]) -> None:
@@ -86,12 +92,36 @@ def fingerprint(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def settings_of(units: Iterable[Unit]) -> dict[str, dict]:
+@dataclass
+class UnitSettings:
+    """A unit's settings as its record keeps them (``recorded``: one flat dict, as before the
+    split), in two parts: what shapes its outputs (``identity``, whose fingerprint later
+    units take) and what only its evaluation reads (``evaluation``). ``legacy_after``: the
+    fingerprints of the upstream units as runs recorded them before the split (of their
+    whole settings), which still count as unchanged."""
+
+    identity: dict[str, Any]
+    evaluation: dict[str, Any]
+    legacy_after: dict[str, str]
+
+    @property
+    def recorded(self) -> dict[str, Any]:
+        return {**self.identity, **self.evaluation}
+
+
+def settings_of(units: Iterable[Unit]) -> dict[str, UnitSettings]:
     """Every unit's settings, upstream first. An ``after`` name that is not in the table (a
     stage the config turned off) is no input of this run."""
-    settings: dict[str, dict] = {}
+    settings: dict[str, UnitSettings] = {}
+    legacy: dict[str, dict] = {}  # the whole settings, fingerprinted as runs before the split did
     for unit in units:
-        settings[unit.name] = unit_settings({a: settings[a] for a in unit.after if a in settings}, **unit.sections)
+        upstream = [a for a in unit.after if a in settings]
+        evaluation = unit_settings(**unit.evaluation)
+        identity = unit_settings({a: settings[a].identity for a in upstream}, **unit.sections)
+        legacy[unit.name] = {**unit_settings({a: legacy[a] for a in upstream}, **unit.sections), **evaluation}
+        settings[unit.name] = UnitSettings(
+            identity, evaluation, {f"after.{a}": fingerprint(legacy[a]) for a in upstream}
+        )
     return settings
 
 
@@ -123,14 +153,14 @@ def run_units(
         manifest.discard_stale({only: settings[only]}, folders, label, redo=[only])
         todo = [only]
     else:
-        manifest.discard_stale(settings, folders, label, redo=redo)
+        again = manifest.discard_stale(settings, folders, label, redo=redo)
         names = [unit.name for unit in units]
         last = names.index(stop_after) if stop_after else len(names)
-        todo = [n for n in names[: last + 1] if not manifest.done(n)]
+        todo = [n for n in names[: last + 1] if not manifest.done(n) or n in again]
     for name in todo:
         for attempt in range(retries + 1):
             try:
-                manifest.run(name, settings[name], by_name[name].work, label)
+                manifest.run(name, settings[name].recorded, by_name[name].work, label)
                 break
             except Exception as exc:
                 known = user_error(exc)

@@ -81,7 +81,9 @@ def test_an_evaluation_on_a_busy_s3_writes_what_a_quiet_one_writes(busy_ray, s3_
     assert proxy.counts.injected - injected > 10 and proxy.counts.throttled_in_storms > 0
     assert busy["metrics"] == quiet["metrics"]
     proxy.faults = False
-    assert storage.read_bytes(f"s3://{s3_bucket}/busy/run.trec") == storage.read_bytes(f"s3://{s3_bucket}/quiet/run.trec")
+    assert storage.read_bytes(f"s3://{s3_bucket}/busy/run.trec") == storage.read_bytes(
+        f"s3://{s3_bucket}/quiet/run.trec"
+    )
 
 
 @pytest.mark.runs_long  # two pre-trainings: about 2 minutes
@@ -101,7 +103,9 @@ def test_pretraining_streamed_from_a_busy_s3_trains_the_weights_of_a_quiet_one(b
 
     def pretrain(name: str) -> bytes:
         cfg = PretrainConfig()
-        cfg.corpus = PrepareConfig(input=corpus, output=f"s3://{s3_bucket}/{name}/corpus", vocab_size=120, docs_per_shard=24)
+        cfg.corpus = PrepareConfig(
+            input=corpus, output=f"s3://{s3_bucket}/{name}/corpus", vocab_size=120, docs_per_shard=24
+        )
         cfg.data = StreamConfig(max_len=32, pack=False)
         cfg.model = BackboneConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position=64)
         cfg.train = TrainConfig(

@@ -557,3 +557,65 @@ def test_every_stage_job_built_from_one_recipe_shares_its_sections(tmp_path, mon
     assert jobs["teacher"].text == jobs["rerank"].text == ctx.corpus.text_folder
     # distillation reads the teacher's scores, its negatives from the teacher's best candidates
     assert (jobs["distill"].data.teacher_scores, jobs["distill"].data.teacher_depth) == (outputs["scores"], 16)
+
+
+def test_changed_evaluation_settings_evaluate_again_and_never_retrain(tmp_path, capsys):
+    """A dev evaluation's settings (its k, its dev queries) are no part of what made a model:
+    the retriever stages run again over their kept folders (a finished training resumes at
+    zero steps, so only the evaluation runs: the stand-ins find their progress whole), no
+    stage below them is redone, and the new metrics replace the old. Mutation: the
+    evaluation sections back in the stages' identity (as before): round 1, round 2 and the
+    distillation start from empty folders, that is, retrain."""
+    calls = []
+    run_recipe(cfg_for(tmp_path), fake_stages(calls))
+    whole = [0, 1, 2, 3]
+
+    calls.clear()
+    cfg = cfg_for(tmp_path)
+    cfg.eval.k = 50
+    run_recipe(cfg, fake_stages(calls))
+    # BM25's, the zero-shot and the re-ranking stages are evaluations themselves: run afresh.
+    assert calls == [
+        ("bm25", []),
+        ("zeroshot", []),
+        ("round1", whole),
+        ("mine1", whole),
+        ("round2", whole),
+        ("mine2", whole),
+        ("rerank", []),
+        ("distill", whole),
+    ]
+    printed = capsys.readouterr().out
+    assert "stage round1: its evaluation settings changed (eval.k: 1000 -> 50): evaluating it again" in printed
+    recorded = RunManifest(str(tmp_path / "run"), MANIFEST).data["stages"]
+    assert recorded["round1"]["settings"]["eval.k"] == 50
+
+    calls.clear()
+    cfg.data.dev = Queries(queries=cfg.data.train.queries, qrels=cfg.data.train.qrels)
+    run_recipe(cfg, fake_stages(calls))
+    assert [stage for stage, progress in calls if progress != whole] == ["bm25", "zeroshot", "rerank"]
+    assert "reranker" in [stage for stage, _ in calls]  # recorded with its dev queries once: run over its folder
+
+    calls.clear()
+    cfg.round1.train.lr = 3e-4  # what makes a model still retrains it, and what reads it
+    run_recipe(cfg, fake_stages(calls))
+    assert ("round1", []) in calls and ("round2", []) in calls
+
+
+def test_a_run_recorded_before_the_evaluation_split_is_still_current(tmp_path):
+    """Runs recorded before each stage's evaluation settings were set apart took an upstream
+    stage's fingerprint over all its settings: those fingerprints still count as unchanged,
+    so a finished run of an older raydense resumes with nothing to redo. Mutation: without
+    ``legacy_after``, every stage below the first rerun."""
+    from pipeline.workflows.recipe import recipe_units
+    from pipeline.workflows.units import settings_of
+
+    run_recipe(cfg_for(tmp_path), fake_stages([]))
+    manifest = RunManifest(str(tmp_path / "run"), MANIFEST)
+    for stage, now in settings_of(recipe_units(cfg_for(tmp_path), manifest)).items():
+        record = manifest.data["stages"][stage]
+        record["settings"].update(now.legacy_after)  # what an older raydense recorded
+        manifest.save(stage, record)
+    calls = []
+    run_recipe(cfg_for(tmp_path), fake_stages(calls))
+    assert calls == []
