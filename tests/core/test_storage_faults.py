@@ -251,3 +251,33 @@ def test_a_stage_is_run_again_after_a_transient_failure_and_not_after_the_users(
     with pytest.raises(ConfigError):
         run_units(manifest, [Unit("mistake", mistake)], "[test]", retries=2)
     assert calls["mistake"] == 1
+
+
+def _throttled_shard(batch):
+    raise TransientStorageError("cannot read s3://b/corpus/part-00000.parquet: object storage kept failing transiently")
+
+
+def test_a_transient_failure_in_a_data_task_is_ray_trains_to_restart_not_the_users(shared_ray):
+    """What a training worker meets when its Ray Data read task gave up on a throttled S3: not
+    a deterministic error (no user_error.json, no exit 2): Ray Train's max_failures restarts
+    the run. Mutation: TransientStorageError among failures.DETERMINISTIC fails this."""
+    import sys
+
+    import ray
+    from ray import cloudpickle
+
+    from pipeline.training.failures import fed_user_error, round_trips
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the map function reaches the tasks by value
+
+    @ray.remote
+    def consume(dataset):  # as a training worker reads its stream
+        try:
+            for _ in dataset.iter_batches():
+                pass
+        except Exception as exc:  # noqa: BLE001 - whatever the iterator raises
+            return fed_user_error(exc), round_trips(exc), str(exc)
+
+    fed, travels, text = ray.get(consume.remote(ray.data.range(4).map_batches(_throttled_shard)))
+    assert fed is None and travels
+    assert "kept failing transiently" in text

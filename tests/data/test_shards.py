@@ -14,7 +14,7 @@ from pipeline.core import storage
 from pipeline.core.errors import ArtifactError, InputError, TransientStorageError
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
 from pipeline.data.shard_tokenizing import ShardTokenizer, continuation_table, word_piece_counts
-from pipeline.data.shards import check_shards, load_manifest
+from pipeline.data.shards import check_shards, load_manifest, read_shard_tokens
 from pipeline.data.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.ray
@@ -80,10 +80,9 @@ def test_corrupt_and_missing_shards_are_named(tmp_path, shared_ray):
     with pytest.raises(ArtifactError, match=cut):
         check_shards(str(out), manifest)
     shard.write_bytes(data[:-8] + b"\0" * 8)  # its size as written, its footer's end overwritten
-    with pytest.raises(
-        ArtifactError, match=r"part-00001\.parquet is unreadable \(corrupt or truncated.*overwrite true"
-    ):
-        check_shards(str(out), manifest)
+    check_shards(str(out), manifest)  # one listing, no footer: the bytes are the reading task's to check
+    with pytest.raises(ArtifactError, match=r"part-00001\.parquet is damaged \(.*\): --corpus.overwrite true"):
+        read_shard_tokens(str(shard))
     shard.unlink()
     with pytest.raises(ArtifactError, match=r"part-00001\.parquet is missing"):
         check_shards(str(out), manifest)
