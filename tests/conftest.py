@@ -162,6 +162,7 @@ RUNS_LONG = frozenset(
         "tests/training/test_resume.py",
         "tests/retrieval/test_search_ray.py",
         "tests/workflows/test_busy_s3.py",
+        "tests/workflows/test_recipe_driver.py",
     }
 )
 

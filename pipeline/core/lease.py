@@ -145,11 +145,14 @@ def _s3_client(endpoint: str | None, _pid: int):
 
 
 def _precondition_failed(exc: BaseException) -> bool:
+    """A conditional write refused: the object is not the version named (412), or is gone
+    (an ``If-Match`` on a deleted object: 404)."""
     response = getattr(exc, "response", None)
     if not isinstance(response, dict):
         return False
     code = response.get("Error", {}).get("Code", "")
-    return code in ("PreconditionFailed", "412") or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code in ("PreconditionFailed", "412", "NoSuchKey", "404") or status in (404, 412)
 
 
 class _S3Lease:
@@ -269,6 +272,9 @@ class DriverLease:
         if held is not None and held.token == self.holder.token:  # our write landed, unanswered
             self._written()
             return True
+        if held is None and self.store.create(self._body()):  # deleted (the job cleared its output): ours again
+            self._written()
+            return True
         self.lost_to = held
         return False
 
@@ -284,7 +290,7 @@ class DriverLease:
             except Exception as exc:  # noqa: BLE001 - a missed heartbeat; the next may land
                 print(f"driver lease {self.uri}: heartbeat failed ({exc}); trying again", file=sys.stderr, flush=True)
                 continue
-            holder = self.lost_to.describe() if self.lost_to else "nobody (it was deleted)"
+            holder = self.lost_to.describe() if self.lost_to else "a driver that took it and let it go"
             print(
                 f"error: {self.uri}: another driver took this run over ({holder}); this one stops",
                 file=sys.stderr,

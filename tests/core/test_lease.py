@@ -171,3 +171,17 @@ def test_a_second_job_on_a_running_output_exits_2_and_sigterm_stops_the_first_li
     assert "interrupted (SIGTERM): rerun the same command to resume" in err
     assert "SIGTERM received" not in err and "Traceback" not in err
     assert not os.path.exists(os.path.join(output, LEASE))  # released on the way out
+
+
+def test_a_lease_deleted_under_its_driver_is_taken_again_not_lost(output):
+    """A job that clears its own output folder (an overwrite) deletes the lease with it: the
+    next heartbeat writes it again. Mutation: counting a missing lease as lost stopped the
+    job (as Ctrl-C) at its next heartbeat."""
+    lease = DriverLease(output)
+    lease.acquire()
+    storage.delete_file(lease.uri)
+    assert lease.renew() and lease.lost_to is None
+    assert storage.exists(lease.uri)
+    with pytest.raises(LeaseHeld):
+        DriverLease(output).acquire()
+    lease.release()
