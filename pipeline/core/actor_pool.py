@@ -132,19 +132,9 @@ class CapacityWait:
             )
 
 
-def run_actor_pool(
-    make_actor,
-    tasks: list,
-    call,
-    max_retries: int,
-    n_actors: int,
-    on_done=None,
-    calls_per_actor: int = 1,
-    capacity: CapacityWait | None = None,
-) -> list:
-    """Every result of :func:`stream_actor_pool`, in task order."""
-    results = stream_actor_pool(make_actor, tasks, call, max_retries, n_actors, on_done, calls_per_actor, capacity)
-    return [result for _, result in results]
+def run_actor_pool(make_actor, tasks: list, call, *args, **kwargs) -> list:
+    """Every result of :func:`stream_actor_pool` (the same arguments), in task order."""
+    return [result for _, result in stream_actor_pool(make_actor, tasks, call, *args, **kwargs)]
 
 
 # How often a pool whose actors are not yet placed looks at the cluster again.

@@ -285,7 +285,7 @@ def read_bytes(uri: str) -> bytes:
     loc = resolve(uri)
 
     def whole() -> bytes:
-        with loc.fs.open_input_stream(loc.path, compression=None) as f:
+        with loc.fs.open_input_stream(loc.path) as f:  # a *.gz file comes back decompressed
             return f.read()
 
     return _do(loc, "read", whole)

@@ -246,15 +246,12 @@ def test_simlm_without_a_generator_trains_one_first_then_reuses_it(tmp_path, mon
     assert "reusing the generator trained before" in capsys.readouterr().err
 
 
-@pytest.mark.runs_long  # four runs of the job as a command: 2-2.5 minutes
-def test_ctrl_c_exits_130_with_the_hint_and_reruns_resume_finish_and_pass_over_a_deleted_checkpoint(tmp_path):
-    """`python jobs/pretrain.py` sent SIGINT (Ctrl-C) once its first checkpoint is sealed:
-    it exits 130 within seconds, its last stderr line the resume hint, no traceback; the same
-    command again resumes from a checkpoint and finishes; once more, it is done: no training
-    worker, zero steps this attempt; with its newest checkpoint deleted, it resumes from the
-    one before. Mutation: ``trainer.fit()`` on the
-    main thread, where Ray Train's own SIGINT handler aborts the run: exit 1, "Received SIGINT.
-    Gracefully aborting", no hint."""
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _pretrain_until_sealed(tmp_path):
+    """``python jobs/pretrain.py`` of 60 steps (a checkpoint every 5) started as a command and
+    left running once its first checkpoint is sealed: (its command, run folder, env, process)."""
     import subprocess
     import sys
 
@@ -272,14 +269,29 @@ def test_ctrl_c_exits_130_with_the_hint_and_reruns_resume_finish_and_pass_over_a
         *("--train.micro_batch_size", "6", "--train.max_steps", "60", "--train.checkpoint_every", "5"),
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYDENSE_DEBUG")}
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    job = subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while job.poll() is None and time.time() < deadline:
         if list((out / "checkpoints").glob("checkpoint_*/seal_*.json")):
             break
         time.sleep(0.2)
     assert job.poll() is None, job.communicate()[1][-3000:]
+    return command, out, env, job
+
+
+@pytest.mark.runs_long  # four runs of the job as a command: 2-2.5 minutes
+def test_ctrl_c_exits_130_with_the_hint_and_reruns_resume_finish_and_pass_over_a_deleted_checkpoint(tmp_path):
+    """`python jobs/pretrain.py` sent SIGINT (Ctrl-C) once its first checkpoint is sealed:
+    it exits 130 within seconds, its last stderr line the resume hint, no traceback; the same
+    command again resumes from a checkpoint and finishes; once more, it is done: no training
+    worker, zero steps this attempt; with its newest checkpoint deleted, it resumes from the
+    one before. Mutation: ``trainer.fit()`` on the
+    main thread, where Ray Train's own SIGINT handler aborts the run: exit 1, "Received SIGINT.
+    Gracefully aborting", no hint."""
+    import subprocess
+
+    command, out, env, job = _pretrain_until_sealed(tmp_path)
+    repo = REPO
     job.send_signal(signal.SIGINT)
     interrupted = time.time()
     _, err = job.communicate(timeout=60)
@@ -327,30 +339,9 @@ def test_a_second_driver_is_refused_and_sigterm_stops_the_first_which_then_resum
     finishes. Mutations: no lease (the second resumed the first's live checkpoint and
     trained beside it); Ray's SIGTERM handler left in place (exit 134, a stack dump)."""
     import subprocess
-    import sys
 
-    out = tmp_path / "run"
-    command = [
-        *(
-            sys.executable,
-            "jobs/pretrain.py",
-            "--corpus.input",
-            write_jsonl(tmp_path / "raw.jsonl", synthetic_docs(72)),
-        ),
-        *("--corpus.output", str(tmp_path / "corpus"), "--corpus.vocab_size", "120", "--data.max_len", "32"),
-        *("--model.hidden_size", "32", "--model.num_layers", "2", "--model.num_heads", "2"),
-        *("--model.intermediate_size", "64", "--train.output", str(out), "--train.num_workers", "1"),
-        *("--train.micro_batch_size", "6", "--train.max_steps", "60", "--train.checkpoint_every", "5"),
-    ]
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYDENSE_DEBUG")}
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    job = subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while job.poll() is None and time.time() < deadline:
-        if list((out / "checkpoints").glob("checkpoint_*/seal_*.json")):
-            break
-        time.sleep(0.2)
-    assert job.poll() is None, job.communicate()[1][-3000:]
+    command, out, env, job = _pretrain_until_sealed(tmp_path)
+    repo = REPO
     second = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=120)
     assert second.returncode == 2, second.stderr[-3000:]
     refused = [line for line in second.stderr.splitlines() if line.strip()]

@@ -65,6 +65,7 @@ def _evaluate(paths: dict[str, str], output: str) -> dict:
     return run_job(EvaluateJobConfig, run_evaluation, None, argv)
 
 
+@pytest.mark.runs_long  # two evaluations on Ray: 60-80 s on 2 cores (each storage call's faults: tests/core)
 def test_an_evaluation_on_a_busy_s3_writes_what_a_quiet_one_writes(busy_ray, s3_bucket, tmp_path):
     """The issue's failure: an encoder actor's constructor met a 503 on a HeadObject and the
     job died on ActorDiedError. Here the corpus, queries, qrels, model and every output are
