@@ -387,8 +387,8 @@ def write_bytes(uri: str, data: bytes) -> None:
             finally:
                 if os.path.exists(tmp):
                     os.remove(tmp)
-        else:
-            with loc.fs.open_output_stream(loc.path) as f:
+        else:  # as given: pyarrow's default would gzip the bytes of a *.gz name (again)
+            with loc.fs.open_output_stream(loc.path, compression=None) as f:
                 f.write(data)
 
     _do(loc, "write", put)
