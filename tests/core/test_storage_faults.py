@@ -281,3 +281,17 @@ def test_a_transient_failure_in_a_data_task_is_ray_trains_to_restart_not_the_use
     fed, travels, text = ray.get(consume.remote(ray.data.range(4).map_batches(_throttled_shard)))
     assert fed is None and travels
     assert "kept failing transiently" in text
+
+
+def test_bytes_written_to_a_gz_name_on_s3_are_stored_as_given(s3_endpoint, s3_bucket):
+    """A gzipped file uploaded whole stays one gzip: pyarrow's default compressed the bytes of
+    a ``*.gz`` name again (locally they were stored as given), and the corpus read back as
+    invalid UTF-8. Mutation: ``open_output_stream`` with its default compression."""
+    import gzip
+
+    import boto3
+
+    packed = gzip.compress(b'{"_id": "q1", "text": "a query"}\n')
+    storage.write_bytes(f"s3://{s3_bucket}/queries.jsonl.gz", packed)
+    stored = boto3.client("s3").get_object(Bucket=s3_bucket, Key="queries.jsonl.gz")["Body"].read()
+    assert stored == packed
