@@ -82,7 +82,7 @@ def test_a_killed_driver_resubmitted_redoes_no_finished_stage_and_ends_as_an_uni
 
     resumed, out, err = _finished(_recipe(config, env=env))
     assert "took the run over from the driver that held it" in err and "past RAYDENSE_LEASE_STALE_S" in err
-    assert resumed["ran"] == ["mine1", "round2", "mine2"], resumed["ran"]
+    assert resumed["ran"] == ["mine1", "round2"], resumed["ran"]  # mine2 feeds the re-ranker, off here
     for stage in ("bm25", "zeroshot", "round1"):
         assert f"stage {stage}: running" not in out
     for stage in ("round1", "round2"):
