@@ -85,8 +85,9 @@ def test_a_killed_driver_resubmitted_redoes_no_finished_stage_and_ends_as_an_uni
     assert resumed["ran"] == ["mine1", "round2"], resumed["ran"]  # mine2 feeds the re-ranker, off here
     for stage in ("bm25", "zeroshot", "round1"):
         assert f"stage {stage}: running" not in out
-    for stage in ("round1", "round2"):
-        assert resumed["stages"][stage]["metrics"] == whole["stages"][stage]["metrics"], stage
+    for stage in ("round1", "round2"):  # the dev metrics (train_seconds and tokens/s are timings)
+        measured = lambda run, stage=stage: {k: v for k, v in run["stages"][stage]["metrics"].items() if "@" in k}
+        assert measured(resumed) == measured(whole) and measured(whole), stage
 
     # The dev evaluation's k: no training stage trains again, each retriever stage evaluates.
     again, out, _ = _finished(_recipe(config, "--eval.k", "30", env=env))
