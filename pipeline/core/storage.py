@@ -304,20 +304,21 @@ class RetryingInput:
 
     def __init__(self, loc: Location, buffer: int):
         self.loc, self.buffer = loc, buffer
-        self.length = _do(loc, "open", lambda: self._stat())
+        self.handle = _do(loc, "open", lambda: loc.fs.open_input_file(loc.path))  # its HEAD: the size
+        self.length = self.handle.size()
         self.position, self.ahead, self.ahead_at = 0, b"", 0
         self.closed = False
 
-    def _stat(self) -> int:
-        found = self.loc.fs.get_file_info(self.loc.path)
-        if found.type != pafs.FileType.File:
-            raise FileNotFoundError(self.loc.path)
-        return found.size
-
     def _get(self, nbytes: int, offset: int) -> bytes:
         def ranged() -> bytes:
-            with self.loc.fs.open_input_file(self.loc.path) as f:
-                return f.read_at(nbytes, offset)
+            # One handle for every GET (a new one costs a HEAD), opened again after a failure.
+            if self.handle is None:
+                self.handle = self.loc.fs.open_input_file(self.loc.path)
+            try:
+                return self.handle.read_at(nbytes, offset)
+            except Exception:
+                self.handle = None
+                raise
 
         return _do(self.loc, "read", ranged) if nbytes > 0 else b""
 
@@ -349,7 +350,9 @@ class RetryingInput:
         return True
 
     def close(self) -> None:
-        self.closed, self.ahead = True, b""
+        if self.handle is not None:
+            self.handle.close()
+        self.closed, self.ahead, self.handle = True, b"", None
 
     def __enter__(self) -> RetryingInput:
         return self
