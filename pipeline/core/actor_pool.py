@@ -3,15 +3,14 @@ moving off nodes that are about to go."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import ray
 from ray.exceptions import RayActorError
 
+from pipeline.core.capacity import CAPACITY_POLL_S, CapacityWait
 from pipeline.core.draining import DrainingNodes
-from pipeline.core.errors import CapacityError
 
 
 @dataclass
@@ -77,68 +76,9 @@ def actor_device(pool: ActorConfig) -> str:
     return "cuda"
 
 
-def actor_placed(actor) -> bool:
-    """Whether Ray gave ``actor`` a worker process on some node (its constructor may still be
-    running): an actor waiting for resources has none."""
-    try:
-        entry = ray._private.state.actors(actor._actor_id.hex())
-    except Exception:  # noqa: BLE001 - an internal table: without it, never fail a run on it
-        return True
-    return entry.get("State") == "ALIVE" or bool(entry.get("Pid"))
-
-
-@dataclass
-class CapacityWait:
-    """How long a pool waits for its first actor to be placed, and what it names when none
-    is: ``count`` actors of ``resources`` (Ray's own wait for them never ends). The clock
-    starts again whenever the cluster's resources change (an autoscaler added or lost a
-    node: progress)."""
-
-    what: str
-    count: int
-    resources: dict
-    wait_s: float
-    since: float = field(default_factory=time.monotonic)
-    cluster: dict | None = None  # the cluster's resources at the last look
-    satisfied: bool = False
-
-    @classmethod
-    def of(cls, pool: ActorConfig, what: str) -> CapacityWait:
-        return cls(what, pool.actors, pool.remote_options(), pool.capacity_wait_s)
-
-    def check(self, actors: list) -> None:
-        """Raise a :class:`CapacityError` once ``wait_s`` passed with none of ``actors`` placed."""
-        if self.satisfied or self.wait_s <= 0 or not actors:
-            return
-        if any(actor_placed(actor) for actor in actors):
-            self.satisfied = True
-            return
-        cluster = ray.cluster_resources()
-        if self.cluster is not None and cluster != self.cluster:
-            self.since = time.monotonic()
-        self.cluster = cluster
-        waited = time.monotonic() - self.since
-        if waited >= self.wait_s:
-            asked = ", ".join(f"{k} {v:g}" for k, v in sorted(self.resources.items()) if v)
-            has = ", ".join(
-                f"{k} {v:g}"
-                for k, v in sorted(cluster.items())
-                if not k.startswith(("node:", "memory", "object_store"))
-            )
-            raise CapacityError(
-                f"{self.count} {self.what} of {asked} each: 0 placed after {waited:.0f} s with no change in the "
-                f"cluster (it has {has or 'nothing'}); add nodes that hold them, ask for less, or raise "
-                "--pool.capacity_wait_s (0 waits for ever)"
-            )
-
-
 def run_actor_pool(make_actor, tasks: list, call, *args, **kwargs) -> list:
     """Every result of :func:`stream_actor_pool` (the same arguments), in task order."""
     return [result for _, result in stream_actor_pool(make_actor, tasks, call, *args, **kwargs)]
-
-
-# How often a pool whose actors are not yet placed looks at the cluster again.
-CAPACITY_POLL_S = 5.0
 
 
 def stream_actor_pool(

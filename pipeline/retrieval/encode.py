@@ -32,7 +32,8 @@ from models.biencoder import load_biencoder
 from models.compiled import compile_in_place
 from models.framing import Framing
 from pipeline.core import model_ref, storage
-from pipeline.core.actor_pool import ActorConfig, CapacityWait, actor_device, run_actor_pool, stream_actor_pool
+from pipeline.core.actor_pool import ActorConfig, actor_device, run_actor_pool, stream_actor_pool
+from pipeline.core.capacity import CapacityWait
 from pipeline.core.config import Renamed, truthy
 from pipeline.core.progress import progress
 from pipeline.core.runtime import RayConfig

@@ -30,7 +30,8 @@ from models.reranker import (
     pair_inputs,
 )
 from pipeline.core import model_ref, storage
-from pipeline.core.actor_pool import ActorConfig, CapacityWait, actor_device, stream_actor_pool
+from pipeline.core.actor_pool import ActorConfig, actor_device, stream_actor_pool
+from pipeline.core.capacity import CapacityWait
 from pipeline.core.errors import InputError
 from pipeline.core.parts import BlockFiles, claim, finished_blocks, join_blocks, remove_parts
 from pipeline.core.progress import progress

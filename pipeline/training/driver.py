@@ -21,7 +21,8 @@ from ray import cloudpickle
 from ray.train.torch import TorchTrainer
 
 from pipeline.core import storage
-from pipeline.core.errors import ConfigError, StorageError
+from pipeline.core.capacity import CapacityWait, WorkerGroupWait
+from pipeline.core.errors import CapacityError, ConfigError, StorageError
 from pipeline.core.runtime import autoscales, placement_problem
 from pipeline.data.position import RAY_SNAPSHOT, checkpoint_folders, restorable_checkpoint
 from pipeline.data.stream import configure_data_context
@@ -44,12 +45,14 @@ def health_check_interval(workers: int) -> float:
     return round(min(10.0, max(REPORT_POLL_S, workers / HEALTH_POLLS_PER_S)), 3)
 
 
-def _fit_interruptibly(trainer: TorchTrainer):
+def _fit_interruptibly(trainer: TorchTrainer, capacity: WorkerGroupWait | None = None):
     """``trainer.fit()`` on a thread of its own. On the main thread, Ray Train installs a
     SIGINT handler that turns Ctrl-C into an aborted run, which the job then reports as a
     failure (exit 1, Ray's advice, no resume hint). Here Ctrl-C stays Python's
     KeyboardInterrupt in the main thread: the job exits 130 with the resume hint at once, and
-    the run's actors end with the driver (what was checkpointed stays)."""
+    the run's actors end with the driver (what was checkpointed stays). ``capacity``: on an
+    autoscaling cluster, where Ray Train would retry its workers' placement for ever, the
+    run ends with a :class:`CapacityError` once they waited their ``capacity_wait_s``."""
     outcome: dict = {}
 
     def fit() -> None:
@@ -58,23 +61,57 @@ def _fit_interruptibly(trainer: TorchTrainer):
         except BaseException as exc:  # noqa: BLE001 - raised again on the main thread
             outcome["error"] = exc
 
+    started = _train_controllers()
     thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
     thread.start()
     try:
         while thread.is_alive():
             thread.join(0.5)  # a timed join: Ctrl-C interrupts it
+            if capacity is not None:
+                capacity.check()
     except KeyboardInterrupt:
         # The run's actors go now: left to the interpreter's exit, the workers train on for
         # seconds and their forwarded lines follow the resume hint.
         ray.shutdown()
+        raise
+    except CapacityError:
+        for controller in _train_controllers() - started:
+            ray.kill(ray._private.worker.global_worker.core_worker.get_actor_handle(ray.ActorID.from_hex(controller)))
+        thread.join(30)
         raise
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]
 
 
+def _train_controllers() -> set[str]:
+    """The ids of this job's Ray Train controllers not dead: the one a run started is ended
+    with it when its workers were never placed (its placement group goes with it)."""
+    job = ray.get_runtime_context().get_job_id()
+    return {
+        actor_id
+        for actor_id, actor in ray._private.state.actors().items()
+        if actor["ActorClassName"].endswith("TrainController") and actor["JobID"] == job and actor["State"] != "DEAD"
+    }
+
+
 def worker_resources(train: TrainConfig) -> dict[str, float]:
     return {"CPU": train.cpus_per_worker, "GPU": 1.0 if train.use_gpu else 0.0}
+
+
+def _capacity_wait(train: TrainConfig) -> WorkerGroupWait | None:
+    """The wait for the workers on an autoscaling cluster (a fixed one has
+    ``resource_wait_s``, which Ray Train's own start timeout carries)."""
+    if not autoscales() or train.capacity_wait_s <= 0:
+        return None
+    wait = CapacityWait(
+        "Ray Train workers",
+        train.num_workers,
+        worker_resources(train),
+        train.capacity_wait_s,
+        setting="--train.capacity_wait_s",
+    )
+    return WorkerGroupWait(wait)
 
 
 def check_placement(train: TrainConfig) -> None:
@@ -185,7 +222,7 @@ def fit(
     marker = storage.join(run_dir, USER_ERROR)
     storage.delete_file(marker)  # an earlier run's: this one may have been given the fix
     try:
-        result = _fit_interruptibly(trainer)
+        result = _fit_interruptibly(trainer, _capacity_wait(train))
     except ray.train.TrainingFailedError as exc:
         raise_user_error(marker)
         fed = fed_user_error(exc)  # a marker the worker could not write (a full disk)

@@ -89,6 +89,12 @@ class TrainConfig(
             "help": "on a cluster without an autoscaler, how long to wait for the workers' CPUs and GPUs while other work holds them, then fail; 0 = as long as it takes (a request no node can hold fails at once; an autoscaling cluster waits for its new nodes)"
         },
     )
+    capacity_wait_s: float = field(
+        default=900.0,
+        metadata={
+            "help": "on an autoscaling cluster, how long the workers wait to be placed (counted from the cluster's last change: a node added or lost), then the run fails naming what never came; 0 = for ever"
+        },
+    )
     prefetch_batches: int = field(default=4, metadata={"help": "batches Ray Data prepares ahead of each worker"})
     collate_ahead: Literal["auto", "on", "off"] = field(
         default="auto",
@@ -128,6 +134,7 @@ class TrainConfig(
             "profile_steps",
             "prefetch_batches",
             "resource_wait_s",
+            "capacity_wait_s",
             "memory_gib",
         )
         for name in at_least_zero + ("weight_decay", "grad_clip"):

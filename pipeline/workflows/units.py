@@ -40,6 +40,7 @@ OPERATIONAL_KEYS = frozenset(
         "keep_checkpoints",
         "max_failures",
         "preemption_check_s",
+        "capacity_wait_s",
         "profile_steps",
         "prefetch_batches",
         "collate_ahead",

@@ -10,7 +10,8 @@ import time
 import pytest
 from ray import cloudpickle
 
-from pipeline.core.actor_pool import ActorConfig, CapacityWait, run_actor_pool
+from pipeline.core.actor_pool import ActorConfig, run_actor_pool
+from pipeline.core.capacity import CapacityWait
 from pipeline.core.errors import CapacityError
 
 pytestmark = pytest.mark.ray
@@ -69,12 +70,12 @@ def test_the_wait_counts_from_the_clusters_last_change(monkeypatch):
 
     import ray as ray_module
 
-    from pipeline.core import actor_pool
+    from pipeline.core import capacity
 
     now = {"t": 0.0, "cluster": {"CPU": 2.0}}
     monkeypatch.setattr(ray_module, "cluster_resources", lambda: dict(now["cluster"]))
-    monkeypatch.setattr(actor_pool, "actor_placed", lambda actor: False)
-    monkeypatch.setattr(actor_pool, "time", types.SimpleNamespace(monotonic=lambda: now["t"]))
+    monkeypatch.setattr(capacity, "actor_placed", lambda actor: False)
+    monkeypatch.setattr(capacity, "time", types.SimpleNamespace(monotonic=lambda: now["t"]))
     wait = CapacityWait("workers", 1, {"num_gpus": 1}, wait_s=10, since=0.0)
     wait.check(["actor"])
     now.update(t=8.0, cluster={"CPU": 6.0})  # a node joined at t=8
