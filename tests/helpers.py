@@ -680,3 +680,40 @@ def memory_gib_for_state(params: int, stage: int, workers: int, precision: str =
     from models.memory import model_state
 
     return 1.2 * model_state(params, params, stage, workers, precision).total / 2**30
+
+
+def side_by_side(real, marks: str, peers: int = 2, wait_s: float = 60.0):
+    """``real``, wrapped to record under ``marks`` the process of each call and whether
+    ``peers`` calls were under way at once: each call waits (up to ``wait_s``) for the
+    others to start before it runs. Calls made one after another never meet. Read back with
+    :func:`side_by_side_seen`. Wrap before the code under test makes its Ray tasks (the
+    wrapper reaches them by value: ``tests.helpers`` is registered so)."""
+    import sys
+
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+    def call(*args, **kwargs):
+        import uuid
+
+        os.makedirs(marks, exist_ok=True)
+        mark = os.path.join(marks, uuid.uuid4().hex)
+        with open(mark + ".started", "w") as f:
+            f.write(str(os.getpid()))
+        deadline = time.monotonic() + wait_s
+        while len([m for m in os.listdir(marks) if m.endswith(".started")]) < peers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with open(mark + ".met", "w") as f:
+            f.write(str(len([m for m in os.listdir(marks) if m.endswith(".started")]) >= peers))
+        return real(*args, **kwargs)
+
+    return call
+
+
+def side_by_side_seen(marks: str) -> tuple[set[int], bool]:
+    """The processes :func:`side_by_side` calls ran in, and whether every call met its peers."""
+    names = os.listdir(marks)
+    pids = {int(open(os.path.join(marks, n)).read()) for n in names if n.endswith(".started")}
+    met = all(open(os.path.join(marks, n)).read() == "True" for n in names if n.endswith(".met"))
+    return pids, met and any(n.endswith(".met") for n in names)

@@ -36,3 +36,26 @@ def test_blocks_are_one_object_each_and_join_into_each_output_in_block_order(whe
     for name, uri in outputs.items():
         assert storage.read_bytes(uri) == expected[name], name
     assert storage.exists(part_uri(folder, 0, BLOCK))
+
+
+def test_each_output_is_joined_by_a_task_of_its_own_side_by_side(tmp_path, shared_ray, monkeypatch):
+    """Mutation: the joins run as a plain loop on the driver (``[_join_file(...) for ...]``
+    in ``join_blocks``): their process is the driver's, and each waits alone."""
+    import os
+
+    from pipeline.core import parts
+    from tests.helpers import side_by_side, side_by_side_seen
+
+    folder = str(tmp_path / "stage")
+    files = BlockFiles(("a.jsonl", "b.trec"))
+    files["a.jsonl"].write(b"a\n")
+    files["b.trec"].write(b"b\n")
+    files.commit(folder, 0, {"lines": 1})
+    marks = str(tmp_path / "marks")
+    monkeypatch.setattr(parts, "_join_file", side_by_side(parts._join_file, marks))
+    outputs = {name: str(tmp_path / "out" / name) for name in ("a.jsonl", "b.trec")}
+    assert join_blocks(folder, [0], outputs) == [{"lines": 1}]
+    pids, met = side_by_side_seen(marks)
+    assert os.getpid() not in pids and len(pids) == 2, pids
+    assert met, "the joins ran one after another"
+    assert storage.read_bytes(outputs["b.trec"]) == b"b\n"

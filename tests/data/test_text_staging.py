@@ -184,3 +184,24 @@ def test_without_ray_staging_reads_the_pieces_in_this_process(tmp_path, monkeypa
     staged = stage_text(corpus, str(tmp_path / "text"), 25)
     assert staged_rows(staged) == [(d["_id"], d["text"]) for d in docs]
     assert len(staged["shards"]) > 3  # a piece ends a shard
+
+
+def test_staging_writes_its_pieces_in_tasks_side_by_side(tmp_path, shared_ray, monkeypatch):
+    """Mutation: every piece staged one after another on the driver (``tasks.map`` of
+    ``write_text_shards`` as ``[write_text_shards(*c) for c in calls]``): the pieces' process
+    is the driver's, and each waits alone."""
+    import os
+
+    from pipeline.data import text_shards
+    from tests.helpers import side_by_side, side_by_side_seen
+
+    monkeypatch.setattr(text_shards, "PIECE_BYTES", 300)
+    docs = synthetic_docs(40, seed=6)
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", docs)
+    marks = str(tmp_path / "marks")
+    monkeypatch.setattr(text_shards, "write_text_shards", side_by_side(text_shards.write_text_shards, marks))
+    staged = stage_text(corpus, str(tmp_path / "text"), 25)
+    assert staged_rows(staged) == [(d["_id"], d["text"]) for d in docs]
+    pids, met = side_by_side_seen(marks)
+    assert os.getpid() not in pids and len(pids) >= 2, pids
+    assert met, "the pieces were staged one after another"
