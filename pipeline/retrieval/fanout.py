@@ -165,6 +165,14 @@ class ServerLimits:
         return {"max_restarts": self.restarts, "max_task_retries": -1}
 
 
+def restarts_of(server) -> str:
+    """How many times Ray restarted ``server`` (the actor table's count), as said in errors."""
+    try:
+        return str(int(ray._private.state.actors(server._actor_id.hex())["NumRestarts"]))
+    except Exception:  # noqa: BLE001 - an internal table: an error message never fails on it
+        return "?"
+
+
 def death_cause(exc: BaseException) -> str:
     """Ray's reason for an actor's death, in one line (its message runs to a paragraph of
     troubleshooting advice)."""
@@ -274,9 +282,10 @@ class ShardActors:
         :class:`ServerError` naming the server, its node and Ray's cause."""
         if isinstance(getattr(exc, "cause", None), BaseException):
             return exc  # an exception the constructor raised: the job reports it as it is
+        server = server or self.actors[shard]
         return ServerError(
-            f"{self.label}: {self.server_name(shard)} died past its {self.limits.restarts} restarts, last on "
-            f"{actor_node(server or self.actors[shard])}: {death_cause(exc)}"
+            f"{self.label}: {self.server_name(shard)} died after {restarts_of(server)} of its {self.limits.restarts} "
+            f"restarts, last on {actor_node(server)}: {death_cause(exc)}"
         )
 
     def _move_off_draining(self, in_flight: Sequence[tuple[list, list]]) -> None:

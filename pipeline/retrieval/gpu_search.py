@@ -26,6 +26,7 @@ from pipeline.core.errors import ConfigError
 from pipeline.retrieval import faiss_index
 
 FAULT_VAR = "RAYDENSE_TEST_GPU_FAULT"
+FAULT_MARKS_VAR = "RAYDENSE_TEST_GPU_FAULT_MARKS"  # a folder: each abort leaves a file there first
 SEARCH_MODES = ("faiss-gpu", "torch", "faiss-cpu")
 FALLBACKS = ("fail", "torch", "cpu")
 
@@ -53,12 +54,16 @@ GPU_USABLE_SHARE = 0.9
 def fault(step: str) -> None:
     """Abort this process at ``step`` when a test asks for it (see the module's doc)."""
     if os.environ.get(FAULT_VAR) == step:
+        marks = os.environ.get(FAULT_MARKS_VAR)
+        if marks:  # a test counts the processes that got this far (a restart is one more)
+            os.makedirs(marks, exist_ok=True)
+            open(os.path.join(marks, f"{step}-{os.getpid()}"), "w").close()
         os.abort()
 
 
 def fault_env() -> dict:
     """A test's fault variable, for the runtime environment of the processes it must reach."""
-    return {FAULT_VAR: os.environ[FAULT_VAR]} if FAULT_VAR in os.environ else {}
+    return {name: os.environ[name] for name in (FAULT_VAR, FAULT_MARKS_VAR) if name in os.environ}
 
 
 def gpu_memory_bytes(gpu_memory_gb: float, cluster: dict) -> int:
