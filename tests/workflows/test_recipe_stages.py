@@ -412,17 +412,19 @@ def test_the_final_export_is_the_best_retriever_stage_or_the_pinned_one(tmp_path
     """Distillation made worse than round 2 (as a run at lr 0 or one step would be): the
     recipe's final export is round 2's model, named in its summary and results.md. Pinned
     with --final.stage, it is the pinned stage's; a rerun with the same choice copies
-    nothing again."""
+    nothing again, and one whose stage was retrained (new weights in the same folder) copies
+    them. Mutation: ``source_version`` dropped from the final's record keeps the old copy."""
     calls = []
     stages = fake_stages(calls)
     mrr = {"round1": 0.30, "round2": 0.40, "distill": 0.35}
+    weights = {name: f"{name} weights" for name in mrr}
 
     def retriever(name, default):
         def run(ctx):
             recorded = default(ctx)
             export = os.path.join(ctx.folder(name), "export")
             os.makedirs(export, exist_ok=True)
-            open(os.path.join(export, "model.safetensors"), "w").write(f"{name} weights")
+            open(os.path.join(export, "model.safetensors"), "w").write(weights[name])
             return recorded | {"outputs": {**recorded["outputs"], "export": export}, "metrics": {"MRR@10": mrr[name]}}
 
         return run
@@ -443,6 +445,10 @@ def test_the_final_export_is_the_best_retriever_stage_or_the_pinned_one(tmp_path
     capsys.readouterr()
     run_recipe(pinned, stages)
     assert "[recipe] final:" not in capsys.readouterr().err  # the same export: not copied again
+    weights["distill"] = "distill weights, retrained"
+    pinned.distill.train.lr *= 2  # the stage's identity changed: it runs again, into its folder
+    run_recipe(pinned, stages)
+    assert (final / "model.safetensors").read_text() == "distill weights, retrained"
     pinned.final.stage = "rerank"
     with pytest.raises(ConfigError, match="--final.stage rerank: not a retriever stage of this recipe"):
         run_recipe(pinned, stages)
