@@ -14,6 +14,7 @@ tensor of the weight's dtype; ``torch.compile`` and packing are alternatives."""
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -31,6 +32,17 @@ def _dtypes() -> frozenset:
     return frozenset([torch.float32] + [torch.bfloat16] * torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+@functools.cache
+def _plain_bf16_said() -> None:
+    """Said once a process: bf16 linears on this CPU take PyTorch's own path."""
+    warnings.warn(
+        "this CPU has no bf16 instructions for oneDNN (AVX-512 BF16 or AMX): bf16 linears run "
+        "PyTorch's own path, unpacked",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 class PackedLinear(torch.nn.Linear):
     """An ``nn.Linear`` whose inference runs oneDNN's product on a packed copy of its
     weight. Its parameters and state dict are the Linear's; the copy is packed again when
@@ -43,6 +55,8 @@ class PackedLinear(torch.nn.Linear):
         weight = self.weight
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         if needs_grad or x.dim() < 2 or x.device.type != "cpu" or x.dtype != weight.dtype or x.dtype not in _dtypes():
+            if x.dtype == torch.bfloat16 and x.dtype not in _dtypes():
+                _plain_bf16_said()
             return super().forward(x)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), self.bias, "none", [], "")
 

@@ -1,10 +1,12 @@
 import copy
 import pickle
+import warnings
 
 import numpy as np
 import pytest
 import torch
 
+from models import packed_linears
 from models.packed_linears import PackedLinear, onednn_linears_available, pack_linears
 
 
@@ -40,13 +42,30 @@ def test_a_packed_linear_gives_the_plain_linears_outputs(shape, out_features, bi
         torch.testing.assert_close(packed(x_t), plain(x_t), rtol=1e-5, atol=1e-5)
 
 
-def test_a_packed_linear_in_bf16_gives_the_plain_bf16_outputs():
+@pytest.mark.parametrize("cpu", ["this one", "without bf16 products"])
+def test_a_packed_linear_in_bf16_gives_the_plain_bf16_outputs(cpu, monkeypatch):
+    """Packed where this CPU has oneDNN's bf16 products; where it has none (an AMD EPYC
+    before Zen 4; every CPU in the second case), the plain path, said once in a warning.
+    Mutation: ``x.dtype not in _dtypes()`` dropped from ``forward`` packs in the second case
+    (on a CPU without the instructions, oneDNN's slow emulation or an error)."""
+    if cpu != "this one":
+        monkeypatch.setattr(packed_linears, "_dtypes", lambda: frozenset([torch.float32]))
+    packed_linears._plain_bf16_said.cache_clear()
     plain, packed = packed_pair(32, 48)
     plain, packed = plain.to(torch.bfloat16), packed.to(torch.bfloat16)
     x = torch.randn(4, 9, 32, dtype=torch.bfloat16)
-    with torch.inference_mode():
+    can_pack = torch.bfloat16 in packed_linears._dtypes()
+    with torch.inference_mode(), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
         got = packed(x)
-        assert got.dtype == torch.bfloat16 and packed._packed[1].dtype == torch.bfloat16
+        packed(x)
+        assert got.dtype == torch.bfloat16
+        if can_pack:
+            assert packed._packed is not None and packed._packed[1].dtype == torch.bfloat16 and not said
+        else:
+            assert packed._packed is None
+            assert [str(w.message) for w in said if "no bf16 instructions" in str(w.message)] != []
+            assert len(said) == 1, "said once"
         torch.testing.assert_close(got, plain(x))
 
 
