@@ -520,14 +520,16 @@ def test_passage_servers_on_a_drained_node_move_while_every_call_is_served(local
         placed = list(passages.actors)
         assert len(placed) == 2 and {node_of(a) for a in placed} == {doomed.node_id}
         calls, handed = [], []
-        for call in range(60):
+        # Calls go on until both servers moved: the fresh node's start and the copies' load
+        # take what this machine takes (seconds alone, a minute with other work on its cores).
+        moved_by = float("inf")
+        while len(passages.moves) < 2 and time.monotonic() < moved_by:
             calls.append(passages.call_with_servers(lambda servers: task.remote(servers, ids)))
             handed.append(list(passages.actors))
-            if call == 2:
-                drain_for_preemption(local_cluster.address, doomed.node_id, deadline_s=60)
+            if len(calls) == 3:
+                drain_for_preemption(local_cluster.address, doomed.node_id, deadline_s=600)
                 fresh = local_cluster.add_node(num_cpus=2)
-            elif len(passages.moves) == 2:
-                break
+                moved_by = time.monotonic() + 300
             time.sleep(0.2)
         assert all(texts == want for texts in ray.get(calls))
         assert sorted(m["shard"] for m in passages.moves) == [0, 1]
