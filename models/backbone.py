@@ -36,12 +36,14 @@ class BackboneConfig:
             "help": "HF checkpoint to start from (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME); empty = random init from the sizes below"
         },
     )
-    hidden_size: int = field(default=128, metadata={"help": "random init only"})
-    num_layers: int = field(default=4, metadata={"help": "random init only"})
-    num_heads: int = field(default=4, metadata={"help": "random init only"})
-    intermediate_size: int = field(default=512, metadata={"help": "random init only"})
-    max_position: int = field(default=512, metadata={"help": "random init only"})
-    dropout: float = field(default=0.1, metadata={"help": "hidden and attention dropout (random init only)"})
+    hidden_size: int = field(default=128, metadata={"min": 1, "help": "random init only"})
+    num_layers: int = field(default=4, metadata={"min": 1, "help": "random init only"})
+    num_heads: int = field(default=4, metadata={"min": 1, "help": "random init only"})
+    intermediate_size: int = field(default=512, metadata={"min": 1, "help": "random init only"})
+    max_position: int = field(default=512, metadata={"min": 1, "help": "random init only"})
+    dropout: float = field(
+        default=0.1, metadata={"min": 0, "max": 1, "help": "hidden and attention dropout (random init only)"}
+    )
 
 
 class Family:

@@ -83,17 +83,20 @@ class BiEncoderConfig:
     similarity: Literal["dot", "cos"] = field(
         default="dot", metadata={"help": "dot product, or cosine divided by temperature"}
     )
-    temperature: float = field(default=1.0, metadata={"help": "scores are divided by this (SimLM uses cosine / 0.02)"})
+    temperature: float = field(
+        default=1.0, metadata={"above": 0, "help": "scores are divided by this (SimLM uses cosine / 0.02)"}
+    )
     shared_encoder: bool = field(
         default=True, metadata={"help": "one encoder for queries and passages; false = separate towers"}
     )
     group_size: int = field(
-        default=8, metadata={"help": "passages per query: 1 positive + group_size-1 hard negatives"}
+        default=8, metadata={"min": 1, "help": "passages per query: 1 positive + group_size-1 hard negatives"}
     )
     chunk_size: int = field(
         default=0,
         metadata={
-            "help": "gradient cache: sequences per forward chunk (queries and passages alike); 0 = sized from each worker's free memory when training starts: no cache if the micro-batch fits"
+            "min": 0,
+            "help": "gradient cache: sequences per forward chunk (queries and passages alike); 0 = sized from each worker's free memory when training starts: no cache if the micro-batch fits",
         },
     )
     # 4 by measurement (bench/bench_padding.py, MiniLM on Nave, 128 passages a batch, CPU):
@@ -102,7 +105,8 @@ class BiEncoderConfig:
     length_buckets: int = field(
         default=4,
         metadata={
-            "help": "encode each batch as this many length-sorted slices, each padded only to its own longest sequence (same result, less padding)"
+            "min": 1,
+            "help": "encode each batch as this many length-sorted slices, each padded only to its own longest sequence (same result, less padding)",
         },
     )
     query_prefix: str = field(

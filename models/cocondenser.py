@@ -74,19 +74,27 @@ class CoCondenserConfig(CondenserConfig):
             "help": "Condenser head to warm-start from (safetensors); 'auto' = condenser_head.safetensors beside --model.init when present, '' = a fresh head"
         },
     )
-    span_length: int = field(default=80, metadata={"help": "tokens per span (without [CLS]/[SEP])"})
+    span_length: int = field(default=80, metadata={"min": 1, "help": "tokens per span (without [CLS]/[SEP])"})
     short_span_prob: float = field(
         default=0.1,
-        metadata={"help": "chance that a pair's spans are shorter: uniform in [min_span_length, span_length)"},
+        metadata={
+            "min": 0,
+            "max": 1,
+            "help": "chance that a pair's spans are shorter: uniform in [min_span_length, span_length)",
+        },
     )
     min_span_length: int = field(
         default=16,
-        metadata={"help": "shortest span; documents under 2x this many tokens hold no pair and are skipped (counted)"},
+        metadata={
+            "min": 1,
+            "help": "shortest span; documents under 2x this many tokens hold no pair and are skipped (counted)",
+        },
     )
     chunk_size: int = field(
         default=0,
         metadata={
-            "help": "gradient cache: spans per forward chunk; 0 = as many as the device's free memory holds, measured at start-up (no cache when the whole micro-batch fits)"
+            "min": 0,
+            "help": "gradient cache: spans per forward chunk; 0 = as many as the device's free memory holds, measured at start-up (no cache when the whole micro-batch fits)",
         },
     )
     pack_spans: bool = field(

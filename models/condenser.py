@@ -24,11 +24,14 @@ from models.packing import packed_attention_mask
 
 @dataclass
 class CondenserConfig:
-    n_head_layers: int = field(default=2, metadata={"help": "Transformer layers in the Condenser head"})
+    n_head_layers: int = field(default=2, metadata={"min": 1, "help": "Transformer layers in the Condenser head"})
     skip_from: int = field(
-        default=0, metadata={"help": "early/late split: early tokens are hidden_states[skip_from]; 0 = num_layers // 2"}
+        default=0,
+        metadata={"min": 0, "help": "early/late split: early tokens are hidden_states[skip_from]; 0 = num_layers // 2"},
     )
-    mlm_probability: float = field(default=0.15, metadata={"help": "whole-word masking rate (80/10/10 replacement)"})
+    mlm_probability: float = field(
+        default=0.15, metadata={"min": 0, "max": 1, "help": "whole-word masking rate (80/10/10 replacement)"}
+    )
     head: str = field(default="", metadata={"help": "head weights (safetensors) to continue pre-training from"})
 
 

@@ -35,10 +35,10 @@ from models.distributed import world_size
 @dataclass
 class DistillationConfig:
     alpha: float = field(
-        default=0.2, metadata={"help": "weight of the contrastive loss added to the KL term (SimLM: 0.2)"}
+        default=0.2, metadata={"min": 0, "help": "weight of the contrastive loss added to the KL term (SimLM: 0.2)"}
     )
     teacher_temperature: float = field(
-        default=1.0, metadata={"help": "the teacher's scores are divided by this before their softmax"}
+        default=1.0, metadata={"above": 0, "help": "the teacher's scores are divided by this before their softmax"}
     )
 
 

@@ -19,8 +19,8 @@ from torch import nn
 @dataclass
 class LoraSettings:
     rank: int = field(default=0, metadata={"help": "LoRA rank r; 0 = full fine-tuning (needs the lora extra: peft)"})
-    alpha: float = field(default=16.0, metadata={"help": "LoRA scale: the update is B A * alpha / rank"})
-    dropout: float = field(default=0.0, metadata={"help": "dropout on the adapters' input"})
+    alpha: float = field(default=16.0, metadata={"min": 0, "help": "LoRA scale: the update is B A * alpha / rank"})
+    dropout: float = field(default=0.0, metadata={"min": 0, "max": 1, "help": "dropout on the adapters' input"})
     targets: list[str] = field(
         default_factory=list,
         metadata={

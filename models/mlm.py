@@ -20,7 +20,9 @@ from models.mlm_losses import masked_lm_loss
 
 @dataclass
 class MLMConfig:
-    mlm_probability: float = field(default=0.15, metadata={"help": "whole-word masking rate (80/10/10 replacement)"})
+    mlm_probability: float = field(
+        default=0.15, metadata={"min": 0, "max": 1, "help": "whole-word masking rate (80/10/10 replacement)"}
+    )
 
 
 class MaskedLM(nn.Module):

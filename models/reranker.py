@@ -37,11 +37,15 @@ SETTINGS_FILE = "reranker.json"
 @dataclass
 class RerankerConfig:
     group_size: int = field(
-        default=8, metadata={"help": "passages per query: 1 positive + group_size-1 negatives (SimLM uses more)"}
+        default=8,
+        metadata={"min": 1, "help": "passages per query: 1 positive + group_size-1 negatives (SimLM uses more)"},
     )
     max_len: int = field(
         default=192,
-        metadata={"help": "tokens of a (query, passage) pair, [CLS] and both [SEP] included; the passage is cut first"},
+        metadata={
+            "min": 4,
+            "help": "tokens of a (query, passage) pair, [CLS] and both [SEP] included; the passage is cut first",
+        },
     )
 
 

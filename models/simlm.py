@@ -45,17 +45,23 @@ class SimLMConfig:
             "help": "HF masked-LM checkpoint (a directory, s3://..., a Hub id (org/name[@rev]) or package:NAME; same vocabulary) that samples the replacements; kept frozen. Empty = the job trains a 2-layer MLM on the same corpus first (<train.output>/generator), or reuses the one a previous run trained there"
         },
     )
-    encoder_mask_rate: float = field(default=0.3, metadata={"help": "fraction of words replaced in the encoder input"})
+    encoder_mask_rate: float = field(
+        default=0.3, metadata={"min": 0, "max": 1, "help": "fraction of words replaced in the encoder input"}
+    )
     decoder_mask_rate: float = field(
         default=0.5,
-        metadata={"help": "fraction of words replaced in the decoder input (includes all encoder replacements)"},
+        metadata={
+            "min": 0,
+            "max": 1,
+            "help": "fraction of words replaced in the decoder input (includes all encoder replacements)",
+        },
     )
     n_decoder_layers: int = field(
-        default=2, metadata={"help": "decoder layers, initialised from the encoder's last layers"}
+        default=2, metadata={"min": 1, "help": "decoder layers, initialised from the encoder's last layers"}
     )
     decoder: str = field(default="", metadata={"help": "decoder weights (safetensors) to continue pre-training from"})
     generator_temperature: float = field(
-        default=1.0, metadata={"help": "softmax temperature of the generator's samples"}
+        default=1.0, metadata={"above": 0, "help": "softmax temperature of the generator's samples"}
     )
 
 

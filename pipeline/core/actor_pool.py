@@ -24,19 +24,22 @@ class ActorConfig:
         default=False, metadata={"help": "actors reserve GPUs (encoding in fp16 unless the stage's precision says)"}
     )
     gpus_per_actor: float = field(
-        default=1.0, metadata={"help": "GPUs each actor reserves with use_gpu; a fraction packs actors on a GPU"}
+        default=1.0,
+        metadata={"min": 0, "help": "GPUs each actor reserves with use_gpu; a fraction packs actors on a GPU"},
     )
-    cpus_per_actor: float = field(default=1.0, metadata={"help": "CPUs per actor (also its torch threads)"})
+    cpus_per_actor: float = field(default=1.0, metadata={"above": 0, "help": "CPUs per actor (also its torch threads)"})
     max_retries: int = field(
         default=3,
         metadata={
-            "help": "times a task (a shard, a block of queries) is retried on a fresh actor after its actor died"
+            "min": 0,
+            "help": "times a task (a shard, a block of queries) is retried on a fresh actor after its actor died",
         },
     )
     capacity_wait_s: float = field(
         default=900.0,
         metadata={
-            "help": "seconds to wait for the pool's first actor to be placed (counted from the cluster's last change: a node added or lost), then fail naming the resources that never came; 0 = for ever"
+            "min": 0,
+            "help": "seconds to wait for the pool's first actor to be placed (counted from the cluster's last change: a node added or lost), then fail naming the resources that never came; 0 = for ever",
         },
     )
 

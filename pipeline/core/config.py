@@ -292,6 +292,7 @@ def _build(cls: type[T], data: dict, sources: dict, prefix: str = "", base: Any 
             kwargs[f.name] = _build(tp, data.get(f.name, {}), sources, path + ".", sub)
         elif f.name in data:
             kwargs[f.name] = _convert(data[f.name], tp, path, sources.get(path, "?"))
+            _check_bounds(kwargs[f.name], f.metadata, path, sources.get(path, "?"))
         elif base is None and f.default is _MISSING and f.default_factory is _MISSING:
             raise ConfigError(f"missing required option '{path}'")
     try:
@@ -301,6 +302,22 @@ def _build(cls: type[T], data: dict, sources: dict, prefix: str = "", base: Any 
     except ValueError as e:
         what = f"section {prefix[:-1]!r}" if prefix else "configuration"
         raise ConfigError(f"invalid {what}: {e}") from e
+
+
+def _check_bounds(value: Any, metadata: Mapping, path: str, source: str) -> None:
+    """A number outside the bounds its field declares (``min``, ``max``: inclusive;
+    ``above``: exclusive) is refused as it is read, before any work, naming the option."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    bounds = {
+        "min": (value < metadata.get("min", value), "at least"),
+        "max": (value > metadata.get("max", value), "at most"),
+    }
+    if "above" in metadata:
+        bounds["above"] = (value <= metadata["above"], "more than")
+    for key, (outside, words) in bounds.items():
+        if outside:
+            raise ConfigError(f"invalid value for '{path}' from {source}: {value!r} must be {words} {metadata[key]:g}")
 
 
 def _from_mapping(cls: type[T], data: Any, source: str, prefix: str = "") -> T:

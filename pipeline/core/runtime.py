@@ -27,7 +27,8 @@ class RayConfig:
     num_cpus: int = field(
         default=0,
         metadata={
-            "help": "logical CPUs of a local Ray; 0 = max(4, cores), so Ray Data's readers never starve the trainers"
+            "min": 0,
+            "help": "logical CPUs of a local Ray; 0 = max(4, cores), so Ray Data's readers never starve the trainers",
         },
     )
     single_node: bool = field(

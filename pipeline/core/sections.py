@@ -60,8 +60,8 @@ class Lengths(Section):
     """How many tokens a query and a passage keep: what a retriever was trained with is what
     it encodes and searches with."""
 
-    query_max_len: int = field(default=32, metadata={"help": "query tokens, [CLS] and [SEP] included"})
-    passage_max_len: int = field(default=128, metadata={"help": "passage tokens, [CLS] and [SEP] included"})
+    query_max_len: int = field(default=32, metadata={"min": 3, "help": "query tokens, [CLS] and [SEP] included"})
+    passage_max_len: int = field(default=128, metadata={"min": 3, "help": "passage tokens, [CLS] and [SEP] included"})
 
 
 @dataclass

@@ -45,10 +45,10 @@ class PrepareConfig(Output.with_defaults(output="runs/corpus", notes={"output": 
             "help": "HF tokenizer: a model reference (directory, s3://..., Hub id, package:NAME); empty = train a WordPiece vocabulary on the corpus"
         },
     )
-    vocab_size: int = field(default=8000, metadata={"help": "size of a trained vocabulary"})
+    vocab_size: int = field(default=8000, metadata={"min": 1, "help": "size of a trained vocabulary"})
     lowercase: bool = field(default=True, metadata={"help": "lowercase when training a vocabulary"})
     join: JoinConfig = field(default_factory=JoinConfig)
-    docs_per_shard: int = field(default=20000, metadata={"help": "documents per Parquet shard"})
+    docs_per_shard: int = field(default=20000, metadata={"min": 1, "help": "documents per Parquet shard"})
     on_empty: Literal["skip", "error"] = field(
         default="skip", metadata={"help": "empty documents: skip (counted in the manifest) or error"}
     )

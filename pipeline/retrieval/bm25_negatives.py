@@ -42,9 +42,12 @@ class Bm25Negatives(Section):
     itself: --depth and --count)."""
 
     bm25_depth: int = field(
-        default=200, metadata={"help": "BM25 results per training query that round-1 negatives are drawn from"}
+        default=200,
+        metadata={"min": 1, "help": "BM25 results per training query that round-1 negatives are drawn from"},
     )
-    bm25_count: int = field(default=30, metadata={"help": "BM25 negatives kept per query (judged positives excluded)"})
+    bm25_count: int = field(
+        default=30, metadata={"min": 0, "help": "BM25 negatives kept per query (judged positives excluded)"}
+    )
 
     def job(self, **paths: str) -> Bm25Config:
         """The BM25 negatives job with these settings; ``paths``: its collection, text and output."""
@@ -78,20 +81,20 @@ class Bm25Config(
             "help": "TREC run of the top-depth BM25 results (for ir_measures); empty = <output without .jsonl[.gz]>.run.trec; 'none' = not written"
         },
     )
-    depth: int = field(default=200, metadata={"help": "BM25 results retrieved per query"})
-    count: int = field(default=30, metadata={"help": "negatives kept per query"})
+    depth: int = field(default=200, metadata={"min": 1, "help": "BM25 results retrieved per query"})
+    count: int = field(default=30, metadata={"min": 1, "help": "negatives kept per query"})
     sample: Literal["top", "random"] = field(
         default="top",
         metadata={
             "help": "top = the best-ranked count; random = count drawn from the depth (seeded per query), kept in rank order"
         },
     )
-    seed: int = field(default=0, metadata={"help": "seed of sample=random"})
+    seed: int = field(default=0, metadata={"min": 0, "help": "seed of sample=random"})
     skip_top: int = field(
-        default=0, metadata={"help": "ignore the best-ranked N candidates (likely unjudged positives)"}
+        default=0, metadata={"min": 0, "help": "ignore the best-ranked N candidates (likely unjudged positives)"}
     )
-    k1: float = field(default=0.9, metadata={"help": "BM25 k1"})
-    b: float = field(default=0.4, metadata={"help": "BM25 b"})
+    k1: float = field(default=0.9, metadata={"min": 0, "help": "BM25 k1"})
+    b: float = field(default=0.4, metadata={"min": 0, "max": 1, "help": "BM25 b"})
     method: Literal["lucene", "robertson", "atire", "bm25l", "bm25+"] = field(
         default="lucene", metadata={"help": "bm25s scoring variant"}
     )
@@ -109,7 +112,9 @@ class Bm25Config(
     batch_size: int = field(
         default=0, metadata={"help": "queries per block sent to the shard actors; 0 = 4,096 over the number of shards"}
     )
-    docs_per_shard: int = field(default=1_000_000, metadata={"help": "documents per BM25 shard (one Ray actor each)"})
+    docs_per_shard: int = field(
+        default=1_000_000, metadata={"min": 1, "help": "documents per BM25 shard (one Ray actor each)"}
+    )
     write_scores: bool = field(default=True, metadata={"help": "also write each negative's BM25 score"})
     tevatron: str = field(
         default="",

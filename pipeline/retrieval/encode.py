@@ -320,7 +320,7 @@ class EncodeConfig(
     prepared: str = field(default="", metadata={"help": "where a BEIR corpus is prepared; empty = <output>/corpus"})
     docs_per_shard: int = field(
         default=20000,
-        metadata={"help": "passages per shard when preparing a BEIR corpus (the unit of work and of resume)"},
+        metadata={"min": 1, "help": "passages per shard when preparing a BEIR corpus (the unit of work and of resume)"},
     )
     encoder: EncoderSettings = field(default_factory=EncoderSettings)
     pool: ActorConfig = field(default_factory=ActorConfig)

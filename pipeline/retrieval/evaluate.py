@@ -45,8 +45,10 @@ class SearchSettings(Section):
     that encode (``pool``) and search (``searchers``)."""
 
     index: str = field(default="Flat", metadata={"help": "FAISS factory string of the index (Flat = exact)"})
-    k: int = field(default=1000, metadata={"help": "passages retrieved per query (capped at the corpus size)"})
-    nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
+    k: int = field(
+        default=1000, metadata={"min": 1, "help": "passages retrieved per query (capped at the corpus size)"}
+    )
+    nprobe: int = field(default=32, metadata={"min": 1, "help": "IVF lists searched per query"})
     pool: ActorConfig = field(default_factory=ActorConfig)  # the encoders
     searchers: SearcherConfig = field(default_factory=SearcherConfig)
 
@@ -93,7 +95,7 @@ class EvaluateJobConfig(
     }
 
     encoder: EncoderSettings = field(default_factory=EncoderSettings)
-    docs_per_shard: int = field(default=20000, metadata={"help": "passages per corpus/embedding shard"})
+    docs_per_shard: int = field(default=20000, metadata={"min": 1, "help": "passages per corpus/embedding shard"})
     collections: list[str] = field(
         default_factory=list,
         metadata={

@@ -38,17 +38,18 @@ class IndexConfig:
     train_sample: int = field(
         default=100_000,
         metadata={
-            "help": "vectors sampled (seeded, from a spread of the shards) to train indexes that need training; at least 64 per IVF list"
+            "min": 1,
+            "help": "vectors sampled (seeded, from a spread of the shards) to train indexes that need training; at least 64 per IVF list",
         },
     )
-    nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
+    nprobe: int = field(default=32, metadata={"min": 1, "help": "IVF lists searched per query"})
     memory_limit_gb: float = field(
-        default=0, metadata={"help": "memory one index shard may use; 0 = the machine's available memory"}
+        default=0, metadata={"min": 0, "help": "memory one index shard may use; 0 = the machine's available memory"}
     )
     use_gpu: Literal["auto", "never", "always"] = field(
         default="auto", metadata={"help": "auto (when FAISS sees a GPU), never or always"}
     )
-    seed: int = field(default=0, metadata={"help": "seed of the training sample"})
+    seed: int = field(default=0, metadata={"min": 0, "help": "seed of the training sample"})
 
 
 def faiss_reason(exc: Exception) -> str:

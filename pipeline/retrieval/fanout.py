@@ -139,25 +139,27 @@ class ServerLimits:
     restarts: int = field(
         default=3,
         metadata={
-            "help": "times Ray restarts a server whose process or node died, per server and stage; past it the stage fails"
+            "min": 0,
+            "help": "times Ray restarts a server whose process or node died, per server and stage; past it the stage fails",
         },
     )
     ready_timeout_s: float = field(
         default=900.0,
         metadata={
-            "help": "seconds the servers (and a GPU canary) may take to come up, an autoscaler's new nodes included"
+            "above": 0,
+            "help": "seconds the servers (and a GPU canary) may take to come up, an autoscaler's new nodes included",
         },
     )
     stall_timeout_s: float = field(
-        default=1800.0, metadata={"help": "seconds a query block may go unanswered before the stage fails"}
+        default=1800.0, metadata={"above": 0, "help": "seconds a query block may go unanswered before the stage fails"}
     )
 
     def __post_init__(self):
-        if self.restarts < 0 or self.ready_timeout_s <= 0 or self.stall_timeout_s <= 0:
-            raise ValueError(
-                f"restarts must be >= 0 and the timeouts > 0, got {self.restarts}, "
-                f"{self.ready_timeout_s}, {self.stall_timeout_s}"
-            )
+        if self.restarts < 0:
+            raise ValueError(f"restarts must be >= 0, got {self.restarts}")
+        for name in ("ready_timeout_s", "stall_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
     def actor_options(self) -> dict:
         """Ray's options for a server: restarted ``restarts`` times, its calls re-sent to the

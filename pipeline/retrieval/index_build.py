@@ -34,8 +34,8 @@ class IndexJobConfig(
     embeddings: str = field(
         default="runs/encode", metadata={"help": "embedding shards + manifest (jobs/encode.py output)"}
     )
-    embedding_shards_per_index: int = field(default=1, metadata={"help": "embedding shards per index shard"})
-    cpus_per_task: float = field(default=1.0, metadata={"help": "CPUs per index-building task"})
+    embedding_shards_per_index: int = field(default=1, metadata={"min": 1, "help": "embedding shards per index shard"})
+    cpus_per_task: float = field(default=1.0, metadata={"above": 0, "help": "CPUs per index-building task"})
     index: IndexConfig = field(default_factory=IndexConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 

@@ -59,15 +59,16 @@ POSITIVE_ROWS = 65536  # queries' vectors an object of margin scoring: BERT-base
 class MiningSettings(Section):
     """Which of a query's candidates mining keeps: jobs/mine.py's and the recipe's mining stages'."""
 
-    depth: int = field(default=200, metadata={"help": "passages retrieved per query"})
-    count: int = field(default=30, metadata={"help": "negatives kept per query"})
+    depth: int = field(default=200, metadata={"min": 1, "help": "passages retrieved per query"})
+    count: int = field(default=30, metadata={"min": 1, "help": "negatives kept per query"})
     skip_top: int = field(
-        default=0, metadata={"help": "ignore the best-ranked N candidates (likely unjudged positives)"}
+        default=0, metadata={"min": 0, "help": "ignore the best-ranked N candidates (likely unjudged positives)"}
     )
     query_block: int = field(
         default=0,
         metadata={
-            "help": "queries per search block: the unit written, resumed and redone after a lost node; 0 = as many as keep a block's answers near 256 MiB (thousands), recorded for a resumed run"
+            "min": 0,
+            "help": "queries per search block: the unit written, resumed and redone after a lost node; 0 = as many as keep a block's answers near 256 MiB (thousands), recorded for a resumed run",
         },
     )
 
@@ -114,8 +115,8 @@ class MineConfig(
             "help": "a query with several judged positives: the margin is below its lowest-scoring one (hardest: every (query, positive) pair keeps the margin, as sentence-transformers' pairs do) or its highest-scoring one (easiest: drops only candidates about as good as its best positive)"
         },
     )
-    seed: int = field(default=0, metadata={"help": "seed of sample=random"})
-    nprobe: int = field(default=32, metadata={"help": "IVF lists searched per query"})
+    seed: int = field(default=0, metadata={"min": 0, "help": "seed of sample=random"})
+    nprobe: int = field(default=32, metadata={"min": 1, "help": "IVF lists searched per query"})
     write_in_tasks: bool = field(
         default=True,
         metadata={

@@ -93,15 +93,20 @@ class RerankScoreConfig(
             "help": "also score the judged positives the run missed, for the run's queries (for a distillation teacher); metrics still rank the first-stage candidates only"
         },
     )
-    depth: int = field(default=100, metadata={"help": "best-scored candidates of the run re-ranked per query"})
+    depth: int = field(
+        default=100, metadata={"min": 1, "help": "best-scored candidates of the run re-ranked per query"}
+    )
     query_max_len: int = field(
-        default=0, metadata={"help": "query tokens; 0 = the export's reranker.json (32 for a plain checkpoint)"}
+        default=0,
+        metadata={"min": 0, "help": "query tokens; 0 = the export's reranker.json (32 for a plain checkpoint)"},
     )
     passage_max_len: int = field(
-        default=0, metadata={"help": "passage tokens; 0 = the export's reranker.json (160 for a plain checkpoint)"}
+        default=0,
+        metadata={"min": 0, "help": "passage tokens; 0 = the export's reranker.json (160 for a plain checkpoint)"},
     )
     max_len: int = field(
-        default=0, metadata={"help": "pair tokens; 0 = the export's reranker.json (192 for a plain checkpoint)"}
+        default=0,
+        metadata={"min": 0, "help": "pair tokens; 0 = the export's reranker.json (192 for a plain checkpoint)"},
     )
     batch_size: int = field(
         default=0,
@@ -116,7 +121,7 @@ class RerankScoreConfig(
         },
     )
     queries_per_task: int = field(
-        default=64, metadata={"help": "queries per actor task (the unit of retry after an actor died)"}
+        default=64, metadata={"min": 1, "help": "queries per actor task (the unit of retry after an actor died)"}
     )
     docs_per_server: int = field(
         default=2_000_000, metadata={"help": "corpus documents per passage server (a Ray actor holding their texts)"}

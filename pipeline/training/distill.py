@@ -46,7 +46,8 @@ class DistillDataConfig(Lengths, TrainingQueries):
     teacher_depth: int = field(
         default=200,
         metadata={
-            "help": "negatives per query: the best this many scored candidates by teacher score, judged positives excluded; 0 = all"
+            "min": 1,
+            "help": "negatives per query: the best this many scored candidates by teacher score, judged positives excluded; 0 = all",
         },
     )
 

@@ -50,7 +50,7 @@ HEAD_FILE = "condenser_head.safetensors"
 
 @dataclass
 class StreamConfig:
-    max_len: int = field(default=128, metadata={"help": "tokens per sequence, [CLS] and [SEP] included"})
+    max_len: int = field(default=128, metadata={"min": 3, "help": "tokens per sequence, [CLS] and [SEP] included"})
     pack: bool = field(
         default=True,
         metadata={

@@ -56,7 +56,7 @@ class RerankEvalConfig(Collection.with_defaults(corpus="", notes={"corpus": "emp
             "help": "TREC run of first-stage candidates for the eval queries, re-ranked after training; empty = no evaluation"
         },
     )
-    depth: int = field(default=100, metadata={"help": "candidates re-ranked per query"})
+    depth: int = field(default=100, metadata={"min": 1, "help": "candidates re-ranked per query"})
 
 
 @dataclass

@@ -59,7 +59,7 @@ class TrainConfig(
     )
     adam_eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon"})
     grad_clip: float = field(default=1.0, metadata={"help": "gradient norm clipping (0 = off)"})
-    seed: int = field(default=42, metadata={"help": "seeds initialisation, masking and file order"})
+    seed: int = field(default=42, metadata={"min": 0, "help": "seeds initialisation, masking and file order"})
     log_every: int = field(default=10, metadata={"help": "steps between log lines"})
     checkpoint_every: int = field(
         default=100, metadata={"help": "steps between checkpoints (also the most work a failure can lose)"}
@@ -92,7 +92,8 @@ class TrainConfig(
     capacity_wait_s: float = field(
         default=900.0,
         metadata={
-            "help": "on an autoscaling cluster, how long the workers wait to be placed (counted from the cluster's last change: a node added or lost), then the run fails naming what never came; 0 = for ever"
+            "min": 0,
+            "help": "on an autoscaling cluster, how long the workers wait to be placed (counted from the cluster's last change: a node added or lost), then the run fails naming what never came; 0 = for ever",
         },
     )
     prefetch_batches: int = field(default=4, metadata={"help": "batches Ray Data prepares ahead of each worker"})

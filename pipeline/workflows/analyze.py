@@ -53,15 +53,17 @@ class AnalyzeConfig(Output.with_defaults(output="runs/analyze", notes={"output":
         default=SAMPLE_CORPUS,
         metadata={"help": "corpus (file or folder, local or s3://) in any format pipeline.data.corpus reads"},
     )
-    num_passages: int = field(default=256, metadata={"help": "how many passages to average over"})
+    num_passages: int = field(default=256, metadata={"min": 1, "help": "how many passages to average over"})
     seed: int | None = field(
         default=0,
         metadata={
-            "help": "seed of a uniform random sample of the passages (reads the whole corpus); none = the first num_passages"
+            "min": 0,
+            "help": "seed of a uniform random sample of the passages (reads the whole corpus); none = the first num_passages",
         },
     )
     passage_max_len: int = field(
-        default=128, metadata={"help": "tokens per passage, [CLS] and [SEP] included; longer passages are truncated"}
+        default=128,
+        metadata={"min": 0, "help": "tokens per passage, [CLS] and [SEP] included; longer passages are truncated"},
     )
     batch_size: int = field(
         default=32, metadata={"help": "passages per forward pass (padding does not change the result)"}

@@ -125,7 +125,7 @@ class ComparisonAnalysis:
         default=True, metadata={"help": "measure the CLS attention entropy before and after fine-tuning"}
     )
     num_passages: int = field(
-        default=256, metadata={"help": "passages of the corpus (a seeded sample) it averages over"}
+        default=256, metadata={"min": 1, "help": "passages of the corpus (a seeded sample) it averages over"}
     )
 
 

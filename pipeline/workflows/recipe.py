@@ -98,19 +98,20 @@ class RerankerStage(RerankerConfig):
         default="", metadata={"help": "cross-encoder initial checkpoint; empty = the retrievers' initial encoder"}
     )
     train: TrainConfig = field(default_factory=lambda: embedded_train("recipe.reranker"))
-    dev_depth: int = field(default=100, metadata={"help": "round-2 dev candidates re-ranked per query"})
+    dev_depth: int = field(default=100, metadata={"min": 1, "help": "round-2 dev candidates re-ranked per query"})
     teacher_depth: int = field(
-        default=32, metadata={"help": "round-2 training candidates the teacher scores per query"}
+        default=32, metadata={"min": 1, "help": "round-2 training candidates the teacher scores per query"}
     )
     teacher_queries: int = field(
         default=0,
         metadata={
-            "help": "training queries the teacher scores (a seeded sample; distillation trains on these); 0 = all"
+            "min": 0,
+            "help": "training queries the teacher scores (a seeded sample; distillation trains on these); 0 = all",
         },
     )
     queries_per_task: int = field(
         default=64,
-        metadata={"help": "queries per scoring task: the unit written, resumed and redone after a lost node"},
+        metadata={"min": 1, "help": "queries per scoring task: the unit written, resumed and redone after a lost node"},
     )
     pool: ActorConfig = field(default_factory=ActorConfig)
 
@@ -127,7 +128,8 @@ class DistillStage(RetrieverStage):
     teacher_best: int = field(
         default=0,
         metadata={
-            "help": "negatives drawn from the teacher's best this many scored candidates of each query (judged positives aside); 0 = every candidate it scored"
+            "min": 0,
+            "help": "negatives drawn from the teacher's best this many scored candidates of each query (judged positives aside); 0 = every candidate it scored",
         },
     )
     init: str = field(
@@ -179,7 +181,8 @@ class RecipeConfig(
     retries: int = field(
         default=2,
         metadata={
-            "help": "times a failed stage is run again (resuming from what it committed) before the recipe gives up; a user error (exit 2) is not retried"
+            "min": 0,
+            "help": "times a failed stage is run again (resuming from what it committed) before the recipe gives up; a user error (exit 2) is not retried",
         },
     )
     ray: RayConfig = field(default_factory=RayConfig)

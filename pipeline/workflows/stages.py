@@ -37,7 +37,7 @@ class RetrievalData(Lengths, Corpus):
 
     train: Queries = field(default_factory=training_queries)
     dev: Queries = field(default_factory=Queries)
-    docs_per_shard: int = field(default=20000, metadata={"help": "passages per corpus / embedding shard"})
+    docs_per_shard: int = field(default=20000, metadata={"min": 1, "help": "passages per corpus / embedding shard"})
 
 
 @dataclass

@@ -99,7 +99,8 @@ def test_every_job_command_given_bad_input_prints_one_line_and_exits_2(tmp_path)
 def test_what_a_job_can_check_without_ray_is_refused_before_ray_starts(tmp_path):
     """A missing corpus file, a model reference that does not resolve, a tokenizer that is
     not one, a stage the recipe does not have, an index job's missing embeddings and an
-    evaluation's missing qrels: each job ends with its one line before a local Ray starts
+    evaluation's missing qrels, an option's value out of its bounds (``--k 0``): each job ends
+    with its one line before a local Ray starts
     (its start-up costs seconds). Mutation: Ray started before the sections' check_inputs
     prints Ray's start-up lines first."""
     not_a_tokenizer = tmp_path / "empty"
@@ -111,8 +112,12 @@ def test_what_a_job_can_check_without_ray_is_refused_before_ray_starts(tmp_path)
         "recipe": (["--from", "bogus"], "--from bogus: not a stage of this recipe (stages: pretrain, "),
         "index": (["--embeddings", str(tmp_path / "no-vectors")], f"--embeddings {tmp_path / 'no-vectors'}: no such"),
         "evaluate": (["--qrels", str(tmp_path / "none.tsv")], f"--qrels {tmp_path / 'none.tsv'}: no such"),
+        # A value its option's bounds refuse (tests/jobs/test_value_checks.py has every option).
+        "evaluate: k 0": (["--k", "0"], "invalid value for 'k' from the command line (--k): 0 must be at least 1"),
+        "mine: nprobe -1": (["--nprobe", "-1"], "invalid value for 'nprobe' from the command line"),
     }
-    done = run_all({job: [str(REPO / "jobs" / f"{job}.py"), *args] for job, (args, _) in cases.items()}, REPO)
+    commands = {job: [str(REPO / "jobs" / f"{job.split(':')[0]}.py"), *args] for job, (args, _) in cases.items()}
+    done = run_all(commands, REPO)
     for job, (_, named) in cases.items():
         lines = done[job].stderr.splitlines()
         assert done[job].returncode == 2 and done[job].stdout == "", (job, done[job].stderr[-2000:])

@@ -26,7 +26,9 @@ pytestmark = pytest.mark.ray
 DIM, SHARDS, PER_SHARD = 16, 4, 25
 # One GPU searcher of the 4 index shards, restarted once: an abort costs two process starts.
 GPU = dict(use_gpu=True, gpu_memory_gb=16, searchers=1, restarts=1, ready_timeout_s=120, stall_timeout_s=120)
-DEATH = r"faiss-gpu searcher 0 of 1 \(index shards 0-3\) died after 1 of its 1 restarts, last on node \w+ \(\S+\): .*died"
+DEATH = (
+    r"faiss-gpu searcher 0 of 1 \(index shards 0-3\) died after 1 of its 1 restarts, last on node \w+ \(\S+\): .*died"
+)
 
 
 @pytest.fixture(scope="module")
