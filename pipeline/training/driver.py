@@ -61,7 +61,7 @@ def _fit_interruptibly(trainer: TorchTrainer, capacity: WorkerGroupWait | None =
         except BaseException as exc:  # noqa: BLE001 - raised again on the main thread
             outcome["error"] = exc
 
-    started = _train_controllers()
+    started = _train_controllers() if capacity is not None else set()
     thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
     thread.start()
     try:
