@@ -6,6 +6,7 @@ never came."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -19,6 +20,9 @@ if TYPE_CHECKING:
 
 # How often a wait for placement looks at the cluster again.
 CAPACITY_POLL_S = 5.0
+# How long tasks may wait while the cluster runs nothing (a task's resources no node
+# offers: Ray waits for ever), counted from its last change; 0 = for ever.
+TASK_WAIT_VAR = "RAYDENSE_TASK_CAPACITY_WAIT_S"
 
 
 def actor_placed(actor) -> bool:
@@ -74,7 +78,7 @@ class CapacityWait:
         self.cluster = cluster
         waited = time.monotonic() - self.since
         if waited >= self.wait_s:
-            asked = ", ".join(f"{k} {v:g}" for k, v in sorted(self.resources.items()) if v)
+            asked = ", ".join(f"{k} {v:g}" for k, v in sorted(self.resources.items()) if v) or "what they ask"
             has = ", ".join(
                 f"{k} {v:g}"
                 for k, v in sorted(cluster.items())
@@ -112,3 +116,29 @@ class WorkerGroupWait:
             self.wait.placed()
         else:
             self.wait.still_waiting()
+
+
+def task_wait_s() -> float:
+    return float(os.environ.get(TASK_WAIT_VAR, "900"))
+
+
+def wait_for_tasks(refs: list, what: str, on_done=None) -> None:
+    """Wait until every one of ``refs`` (Ray tasks) is done, calling ``on_done(ref)`` as each
+    finishes. While none finishes and the cluster runs nothing (no CPU or GPU in use: the
+    tasks were never placed), a :class:`CapacityWait` of ``RAYDENSE_TASK_CAPACITY_WAIT_S``
+    runs; a task finishing or the cluster busy starts it afresh. A task that runs long on
+    a busy cluster is never failed here."""
+    wait = CapacityWait(what, len(refs), {}, task_wait_s(), setting=TASK_WAIT_VAR)
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=CAPACITY_POLL_S)
+        if done:
+            wait.placed()
+            if on_done is not None:
+                on_done(done[0])
+            continue
+        total, free = ray.cluster_resources(), ray.available_resources()
+        if any(free.get(name, 0.0) < total.get(name, 0.0) for name in ("CPU", "GPU")):
+            wait.placed()  # something runs: ours, or work ahead of ours
+        else:
+            wait.still_waiting()

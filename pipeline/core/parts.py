@@ -28,6 +28,7 @@ import pyarrow.fs as pafs
 import ray
 
 from pipeline.core import storage
+from pipeline.core.capacity import wait_for_tasks
 
 MADE_BY = "made_by.json"
 PARTS = "parts"
@@ -134,7 +135,9 @@ def block_metas(folder: str, blocks: list[int]) -> list[dict]:
     """What each of ``blocks`` counted (their headers), read by a Ray task, in block order."""
     if not blocks:
         return []
-    return ray.get(ray.remote(_block_metas).options(num_cpus=0.5, max_retries=3).remote(folder, list(blocks)))
+    ref = ray.remote(_block_metas).options(num_cpus=0.5, max_retries=3).remote(folder, list(blocks))
+    wait_for_tasks([ref], "block header tasks")
+    return ray.get(ref)
 
 
 def _join_file(folder: str, blocks: list[int], name: str, output: str) -> list[dict]:
@@ -159,7 +162,9 @@ def join_blocks(folder: str, blocks: list[int], outputs: dict[str, str]) -> list
     """Each file ``name`` of the blocks joined into ``outputs[name]``, one Ray task per
     output file, side by side; returns what each block counted, in block order."""
     join = ray.remote(_join_file).options(num_cpus=0.5, max_retries=3)
-    joined = ray.get([join.remote(folder, list(blocks), name, uri) for name, uri in outputs.items()])
+    refs = [join.remote(folder, list(blocks), name, uri) for name, uri in outputs.items()]
+    wait_for_tasks(refs, "join tasks")
+    joined = ray.get(refs)
     return joined[0] if joined else block_metas(folder, blocks)
 
 

@@ -14,6 +14,8 @@ import sys
 import ray
 from tqdm import tqdm
 
+from pipeline.core.capacity import wait_for_tasks
+
 FORMAT = "{desc}: {count}/{of} {unit} ({pct}), {speed}, ETA {eta}"
 LOG_INTERVAL = 15.0
 
@@ -79,14 +81,12 @@ def progress(total: int | None, desc: str, unit: str) -> tqdm:
 
 def get_counted(refs: list, desc: str, unit: str, sizes: list[int] | None = None) -> list:
     """``ray.get(refs)`` (results in order), counting ``sizes[i]`` units (default 1) as each
-    task finishes, in the order they finish."""
+    task finishes, in the order they finish; tasks never placed end the wait
+    (:func:`pipeline.core.capacity.wait_for_tasks`)."""
     sizes = sizes if sizes is not None else [1] * len(refs)
     position = {ref: i for i, ref in enumerate(refs)}
-    pending = list(refs)
     with progress(sum(sizes), desc, unit) as bar:
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            bar.update(sizes[position[done[0]]])
+        wait_for_tasks(refs, f"{desc} tasks", lambda ref: bar.update(sizes[position[ref]]))
     return ray.get(refs)
 
 

@@ -32,6 +32,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipeline.core import storage
+from pipeline.core.capacity import wait_for_tasks
 from pipeline.core.errors import InputError, RaydenseError
 from pipeline.core.progress import get_counted
 from pipeline.data.corpus import (
@@ -163,7 +164,11 @@ class _Tasks:
         refs = [task.remote(*args) for args in calls]
         firsts = [r[0] for r in refs] if num_returns > 1 else refs
         try:
-            values = get_counted(firsts, desc, unit) if desc else ray.get(firsts)
+            if desc:
+                values = get_counted(firsts, desc, unit)
+            else:
+                wait_for_tasks(firsts, f"{fn.__name__} tasks")
+                values = ray.get(firsts)
         except ray.exceptions.RayTaskError as exc:
             # Every failed task's other returns hold its error too: taken here, or Ray logs
             # each one's traceback as "unhandled" when it is freed, after the job's one line.

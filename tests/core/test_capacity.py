@@ -85,3 +85,27 @@ def test_the_wait_counts_from_the_clusters_last_change(monkeypatch):
     now["t"] = 18.5
     with pytest.raises(CapacityError, match="1 workers of num_gpus 1 each: 0 placed after 10 s"):
         wait.check(["actor"])
+
+
+def _sleep_then(x: int, seconds: float) -> int:
+    time.sleep(seconds)
+    return x
+
+
+def test_tasks_no_node_can_run_end_their_wait_and_long_tasks_do_not(shared_ray, monkeypatch):
+    """Tasks asking for what no node has (Ray waits for ever) fail the wait once the cluster
+    sat idle for RAYDENSE_TASK_CAPACITY_WAIT_S; tasks that run for longer than that on a
+    busy cluster are waited for. Mutation: ``ray.wait`` without its timeout in
+    ``wait_for_tasks`` (as before) never returns from the first."""
+    from pipeline.core.capacity import TASK_WAIT_VAR
+    from pipeline.core.progress import get_counted
+
+    ray = shared_ray
+    monkeypatch.setenv(TASK_WAIT_VAR, "2")
+    never = ray.remote(_sleep_then).options(num_cpus=64)
+    started = time.monotonic()
+    with pytest.raises(CapacityError, match=r"2 prepare tasks of what they ask each: 0 placed after [2-9] s") as caught:
+        get_counted([never.remote(i, 0) for i in range(2)], "prepare", "documents")
+    assert time.monotonic() - started < 30 and "RAYDENSE_TASK_CAPACITY_WAIT_S" in str(caught.value)
+    slow = ray.remote(_sleep_then).options(num_cpus=1)
+    assert get_counted([slow.remote(i, 8) for i in range(2)], "prepare", "documents") == [0, 1]
