@@ -118,6 +118,11 @@ def take_lease(cfg, *, force: bool = False) -> DriverLease | None:
 _stopped_by: dict[str, str] = {"signal": ""}
 
 
+def stop_signal() -> str:
+    """The signal stopping this job ("SIGTERM"), or "" (none, or Ctrl-C)."""
+    return _stopped_by["signal"]
+
+
 def _stop_on_sigterm() -> None:
     """SIGTERM (``ray job stop``, a pod's eviction, ``kill``) stops a job the way Ctrl-C does:
     through the SIGINT handler in place (Ray Train's, while it trains), so what was committed

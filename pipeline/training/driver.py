@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -22,6 +23,7 @@ from ray.train.torch import TorchTrainer
 
 from pipeline.core import storage
 from pipeline.core.capacity import CapacityWait, WorkerGroupWait
+from pipeline.core.entry import stop_signal
 from pipeline.core.errors import CapacityError, ConfigError, StorageError
 from pipeline.core.runtime import autoscales, placement_problem
 from pipeline.data.position import RAY_SNAPSHOT, checkpoint_folders, restorable_checkpoint
@@ -29,7 +31,7 @@ from pipeline.data.stream import configure_data_context
 from pipeline.training.deepspeed_config import deepspeed_config
 from pipeline.training.failures import USER_ERROR, fed_user_error, raise_user_error
 from pipeline.training.train_config import TrainConfig
-from pipeline.training.worker import TrainTask, train_worker
+from pipeline.training.worker import STOP_REQUEST, TrainTask, train_worker
 
 REPORT_POLL_S = 0.1
 
@@ -45,14 +47,21 @@ def health_check_interval(workers: int) -> float:
     return round(min(10.0, max(REPORT_POLL_S, workers / HEALTH_POLLS_PER_S)), 3)
 
 
-def _fit_interruptibly(trainer: TorchTrainer, capacity: WorkerGroupWait | None = None):
+# How long the driver waits, after SIGTERM, for the workers' checkpoint (STOP_REQUEST).
+STOP_GRACE_VAR = "RAYDENSE_STOP_GRACE_S"
+
+
+def _fit_interruptibly(trainer: TorchTrainer, capacity: WorkerGroupWait | None = None, stop_request: str = ""):
     """``trainer.fit()`` on a thread of its own. On the main thread, Ray Train installs a
     SIGINT handler that turns Ctrl-C into an aborted run, which the job then reports as a
     failure (exit 1, Ray's advice, no resume hint). Here Ctrl-C stays Python's
     KeyboardInterrupt in the main thread: the job exits 130 with the resume hint at once, and
     the run's actors end with the driver (what was checkpointed stays). ``capacity``: on an
     autoscaling cluster, where Ray Train would retry its workers' placement for ever, the
-    run ends with a :class:`CapacityError` once they waited their ``capacity_wait_s``."""
+    run ends with a :class:`CapacityError` once they waited their ``capacity_wait_s``.
+    SIGTERM (a pod's eviction, ``ray job stop``) writes ``stop_request`` first, where the
+    workers see it at their next preemption check, save a checkpoint and end: the rerun
+    then redoes none of the steps since the last periodic checkpoint."""
     outcome: dict = {}
 
     def fit() -> None:
@@ -70,6 +79,9 @@ def _fit_interruptibly(trainer: TorchTrainer, capacity: WorkerGroupWait | None =
             if capacity is not None:
                 capacity.check()
     except KeyboardInterrupt:
+        if stop_request and stop_signal() == "SIGTERM":
+            storage.write_json(stop_request, {"signal": "SIGTERM", "at": time.time()})
+            thread.join(float(os.environ.get(STOP_GRACE_VAR, "25")))
         # The run's actors go now: left to the interpreter's exit, the workers train on for
         # seconds and their forwarded lines follow the resume hint.
         ray.shutdown()
@@ -221,8 +233,11 @@ def fit(
     )
     marker = storage.join(run_dir, USER_ERROR)
     storage.delete_file(marker)  # an earlier run's: this one may have been given the fix
+    stop_request = storage.join(run_dir, STOP_REQUEST) if train.preemption_check_s > 0 else ""
+    if stop_request:
+        storage.delete_file(stop_request)  # the stop of an earlier attempt
     try:
-        result = _fit_interruptibly(trainer, _capacity_wait(train))
+        result = _fit_interruptibly(trainer, _capacity_wait(train), stop_request)
     except ray.train.TrainingFailedError as exc:
         raise_user_error(marker)
         fed = fed_user_error(exc)  # a marker the worker could not write (a full disk)

@@ -143,6 +143,11 @@ def steps_between_checks(check_s: float, step_s: float) -> int:
     return max(1, min(MAX_STEPS_BETWEEN_CHECKS, int(check_s / step_s)))
 
 
+# Written by the driver on SIGTERM: the workers save a checkpoint at their next preemption
+# check and end (pipeline.training.driver).
+STOP_REQUEST = "stop_requested.json"
+
+
 def train_worker(config: dict) -> dict:
     """Ray Train's train_loop_per_worker. ``config`` holds picklable settings only, or those
     settings pickled (what :func:`fit` hands Ray Train: see :func:`_sealed_for_workers`)."""
@@ -158,6 +163,8 @@ def train_worker(config: dict) -> dict:
             if run.state.step >= run.train.max_steps:
                 break
             run.train_on(batch, tensors)
+            if run.stopping:  # the driver was stopped: the checkpoint is saved, no export
+                return {"stopped_at": run.state.step, "history": run.state.history}
         return run.finish()
     except Exception as exc:
         raise_from_worker(exc, marker, config.get("train"))
@@ -241,6 +248,7 @@ class WorkerRun:
         self.started, self.start_tokens, self.start_step = time.perf_counter(), self.state.tokens, self.state.step
         self.last_saved = self.state.step
         self.preemption_seen = None  # the last preemption notice acted on
+        self.stopping = False  # the driver asked the run to stop (STOP_REQUEST): saved, ending
         # The first ask follows the first step; its time (warm-up included) sets the next.
         self.next_check, self.checked_at = self.state.step + 1, (self.state.step, time.perf_counter())
         self.extra: dict[str, torch.Tensor] = {}
@@ -324,10 +332,18 @@ class WorkerRun:
             return False
         now = time.perf_counter()
         last_step, last_time = self.checked_at
-        step_s = torch.tensor([(now - last_time) / max(1, state.step - last_step)], device=self.engine.device)
-        torch.distributed.all_reduce(step_s, op=torch.distributed.ReduceOp.MAX)
-        self.next_check = state.step + steps_between_checks(check_s, float(step_s.item()))
+        # The slowest step time and whether rank 0 found a stop request, agreed in one
+        # collective: every rank saves and ends at the same step.
+        asked = float(self.rank == 0 and storage.exists(storage.join(self.run_dir, STOP_REQUEST)))
+        agreed = torch.tensor([(now - last_time) / max(1, state.step - last_step), asked], device=self.engine.device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+        self.next_check = state.step + steps_between_checks(check_s, float(agreed[0].item()))
         self.checked_at = (state.step, now)
+        if agreed[1].item() > 0:
+            self.stopping = True
+            if self.rank == 0:
+                log({"event": "stop_requested", "step": state.step, "saving": "checkpoint"})
+            return True
         notice = ray.train.get_preemption_info()
         if notice is None or notice == self.preemption_seen:
             return False

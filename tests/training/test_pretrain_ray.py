@@ -249,9 +249,10 @@ def test_simlm_without_a_generator_trains_one_first_then_reuses_it(tmp_path, mon
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _pretrain_until_sealed(tmp_path):
-    """``python jobs/pretrain.py`` of 60 steps (a checkpoint every 5) started as a command and
-    left running once its first checkpoint is sealed: (its command, run folder, env, process)."""
+def _pretrain_until_sealed(tmp_path, *more: str):
+    """``python jobs/pretrain.py`` of 60 steps (a checkpoint every 5; ``more`` options)
+    started as a command and left running once its first checkpoint is sealed: (its
+    command, run folder, env, process)."""
     import subprocess
     import sys
 
@@ -267,6 +268,7 @@ def _pretrain_until_sealed(tmp_path):
         *("--model.hidden_size", "32", "--model.num_layers", "2", "--model.num_heads", "2"),
         *("--model.intermediate_size", "64", "--train.output", str(out), "--train.num_workers", "1"),
         *("--train.micro_batch_size", "6", "--train.max_steps", "60", "--train.checkpoint_every", "5"),
+        *more,
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYDENSE_DEBUG")}
     job = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -335,12 +337,15 @@ def test_a_second_driver_is_refused_and_sigterm_stops_the_first_which_then_resum
     """The issue's case as a user meets it: a pre-training is running, and the same command is
     started again on the same output. The second exits 2 at once, naming the first, and
     trains nothing; SIGTERM (``ray job stop``, an eviction) ends the first as Ctrl-C does:
-    exit 143, the hint, no native stack dump; the rerun resumes from its checkpoint and
-    finishes. Mutations: no lease (the second resumed the first's live checkpoint and
-    trained beside it); Ray's SIGTERM handler left in place (exit 134, a stack dump)."""
+    exit 143, the hint, no native stack dump, but first the workers save a checkpoint at
+    the step they were at; the rerun resumes from that step and finishes. Mutations: no
+    lease (the second resumed the first's live checkpoint and trained beside it); Ray's
+    SIGTERM handler left in place (exit 134, a stack dump); no stop request (the rerun
+    resumes from the last periodic checkpoint, a multiple of 5, before the stop's step)."""
+    import re
     import subprocess
 
-    command, out, env, job = _pretrain_until_sealed(tmp_path)
+    command, out, env, job = _pretrain_until_sealed(tmp_path, "--train.preemption_check_s", "0.5")
     repo = REPO
     second = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=120)
     assert second.returncode == 2, second.stderr[-3000:]
@@ -352,8 +357,11 @@ def test_a_second_driver_is_refused_and_sigterm_stops_the_first_which_then_resum
     assert job.returncode == 143, err[-3000:]
     assert lines[-1] == "interrupted (SIGTERM): rerun the same command to resume", err[-3000:]
     assert "SIGTERM received" not in err, err[-3000:]
+    stopped = re.search(r'"event": "stop_requested", "step": (\d+)', err)
+    assert stopped, err[-3000:]
     done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     (resume,) = summary["resumes"]
-    assert summary["steps"] == 60 and resume["step"] >= 5 and summary["steps_this_attempt"] == 60 - resume["step"]
+    assert resume["step"] == int(stopped.group(1)) >= 5, (resume, stopped.group(0))
+    assert summary["steps"] == 60 and summary["steps_this_attempt"] == 60 - resume["step"]
