@@ -68,6 +68,14 @@ def _ray_environment() -> None:
     os.environ.setdefault("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", "2")
 
 
+# The tests' Rays start no dashboard. Ray Train's placement-group cleaner asks the state API
+# whether its controller lives, at the dashboard it finds on the host: another test's or
+# job's Ray, which knows no such actor, so the cleaner removed a live run's placement
+# group and its workers died ("Destroying worker since its placement group was removed").
+# Named an address where nothing answers, the cleaner's asks fail and it keeps watching.
+NO_STATE_API = {"env_vars": {"RAY_API_SERVER_ADDRESS": "http://127.0.0.1:9"}}
+
+
 def _local_ray(owner: str, **resources):
     import ray
 
@@ -82,7 +90,13 @@ def _local_ray(owner: str, **resources):
         # Another fixture's Ray, or a connection left by an earlier module (a test's own
         # cluster, a Ray a library call auto-started): this one must be a fresh local one.
         ray.shutdown()
-    ray.init(address="local", **({"num_cpus": 4} | resources), include_dashboard=False, log_to_driver=True)
+    ray.init(
+        address="local",
+        **({"num_cpus": 4} | resources),
+        include_dashboard=False,
+        log_to_driver=True,
+        runtime_env=NO_STATE_API,
+    )
     _ray_owner["owner"] = owner
     return ray
 
@@ -126,7 +140,7 @@ def local_cluster():
     if ray.is_initialized():
         ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    ray.init(address=cluster.address, log_to_driver=True)
+    ray.init(address=cluster.address, log_to_driver=True, runtime_env=NO_STATE_API)
     _ray_owner["owner"] = "local_cluster"
     yield cluster
     _shutdown_if_owner("local_cluster")

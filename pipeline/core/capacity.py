@@ -102,16 +102,29 @@ class WorkerGroupWait:
         self.earlier = set(ray.util.placement_group_table())  # other runs' groups
         self.next_look = time.monotonic()
 
+    def groups(self) -> dict[str, dict]:
+        """The groups of this run's workers (created since it started), by id."""
+        return {
+            group_id: group
+            for group_id, group in ray.util.placement_group_table().items()
+            if group_id not in self.earlier and len(group.get("bundles", {})) == self.wait.count
+        }
+
+    def remove_waiting(self) -> None:
+        """Remove the run's groups still waiting: a group outlives the controller that made
+        it (it is the job's), and would keep asking the autoscaler for its nodes."""
+        from ray.util.placement_group import PlacementGroup
+
+        for group_id, group in self.groups().items():
+            if group.get("state") in ("PENDING", "RESCHEDULING"):
+                ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id))))
+
     def check(self) -> None:
         """Raise a :class:`CapacityError` once the workers waited ``wait_s`` with no change."""
         if self.wait.wait_s <= 0 or time.monotonic() < self.next_look:
             return
         self.next_look = time.monotonic() + CAPACITY_POLL_S
-        groups = [
-            group
-            for group_id, group in ray.util.placement_group_table().items()
-            if group_id not in self.earlier and len(group.get("bundles", {})) == self.wait.count
-        ]
+        groups = self.groups().values()
         if any(group.get("state") == "CREATED" for group in groups):
             self.wait.placed()
         else:

@@ -89,6 +89,7 @@ def _fit_interruptibly(trainer: TorchTrainer, capacity: WorkerGroupWait | None =
     except CapacityError:
         for controller in _train_controllers() - started:
             ray.kill(ray._private.worker.global_worker.core_worker.get_actor_handle(ray.ActorID.from_hex(controller)))
+        capacity.remove_waiting()  # type: ignore[union-attr]  # raised by it
         thread.join(30)
         raise
     if "error" in outcome:
