@@ -63,25 +63,29 @@ def _fit_interruptibly(trainer: TorchTrainer, capacity: WorkerGroupWait | None =
     workers see it at their next preemption check, save a checkpoint and end: the rerun
     then redoes none of the steps since the last periodic checkpoint."""
     outcome: dict = {}
+    # Set when fit returns. Not thread.join: a join interrupted by Ctrl-C or SIGTERM leaves
+    # the thread looking finished (is_alive() False) while fit still runs (CPython).
+    ended = threading.Event()
 
     def fit() -> None:
         try:
             outcome["result"] = trainer.fit()
         except BaseException as exc:  # noqa: BLE001 - raised again on the main thread
             outcome["error"] = exc
+        finally:
+            ended.set()
 
     started = _train_controllers() if capacity is not None else set()
     thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
     thread.start()
     try:
-        while thread.is_alive():
-            thread.join(0.5)  # a timed join: Ctrl-C interrupts it
+        while not ended.wait(0.5):  # a timed wait: Ctrl-C interrupts it
             if capacity is not None:
                 capacity.check()
     except KeyboardInterrupt:
         if stop_request and stop_signal() == "SIGTERM":
             storage.write_json(stop_request, {"signal": "SIGTERM", "at": time.time()})
-            thread.join(float(os.environ.get(STOP_GRACE_VAR, "25")))
+            ended.wait(float(os.environ.get(STOP_GRACE_VAR, "25")))
         # The run's actors go now: left to the interpreter's exit, the workers train on for
         # seconds and their forwarded lines follow the resume hint.
         ray.shutdown()
@@ -90,7 +94,7 @@ def _fit_interruptibly(trainer: TorchTrainer, capacity: WorkerGroupWait | None =
         for controller in _train_controllers() - started:
             ray.kill(ray._private.worker.global_worker.core_worker.get_actor_handle(ray.ActorID.from_hex(controller)))
         capacity.remove_waiting()  # type: ignore[union-attr]  # raised by it
-        thread.join(30)
+        ended.wait(30)
         raise
     if "error" in outcome:
         raise outcome["error"]
