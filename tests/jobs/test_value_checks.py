@@ -79,3 +79,32 @@ def test_every_numeric_option_refuses_what_it_cannot_mean_as_it_is_read(job):
                 continue
             accepted.append(f"--{name} {value} ({leaf.help[:60]})")
     assert not accepted, f"{job}: accepted without a check: " + "; ".join(accepted)
+
+
+@pytest.mark.parametrize("job", sorted(job_configs()))
+def test_a_value_an_options_help_gives_a_meaning_is_accepted(job):
+    """An option whose help says what 0 means ("0 = all") takes 0. Mutation: ``min 1`` on
+    ``data.teacher_depth`` (whose 0 is all candidates) refuses the recipe's own distillation
+    config, as a first sweep of the bounds did."""
+    cls = job_configs()[job]
+    refused = []
+    for name, leaf in numeric_options(cls).items():
+        if "0 =" in leaf.help:
+            try:
+                parse_config(cls, [*REQUIRED.get(job, []), f"--{name}", "0"])
+            except ConfigError as exc:
+                if "invalid value for" in str(exc):  # its own bound (not a check across options)
+                    refused.append(f"--{name} 0: {exc}")
+    assert not refused, f"{job}: " + "; ".join(refused)
+
+
+@pytest.mark.parametrize("job", sorted(job_configs()))
+def test_a_jobs_resolved_config_reads_back(job, tmp_path):
+    """What a job records and hands on (its resolved config as YAML, as the recipe writes a
+    stage's config for its job) parses again: no default lies outside its own bounds."""
+    from pipeline.core.config import dump_yaml
+
+    cls = job_configs()[job]
+    path = tmp_path / "config.yaml"
+    path.write_text(dump_yaml(parse_config(cls, REQUIRED.get(job, [])), redact_secrets=False))
+    parse_config(cls, ["--config", str(path)])
