@@ -58,7 +58,7 @@ def main() -> None:
     args = smoke.parse(parser, steps=2, variants="hardest")  # the plain mine: every other mining smoke run
     if args.smoke:
         args.output = tempfile.mkdtemp(prefix="bench-margin-")
-        args.data = smoke.nave_subset(f"{args.output}/data")
+        args.data = smoke.nave_subset(f"{args.output}/data", queries=10, passages=100)
     out, data = args.output, args.data
     job(
         "encode.py",

@@ -291,10 +291,10 @@ def main() -> None:
     )
     args = smoke.parse(
         parser,
-        sizes="2000,4000",
-        queries=50,
+        sizes="1000,2000",
+        queries=20,
         factory="IVF16,Flat",
-        rows_per_shard=1000,
+        rows_per_shard=500,
         compare_fanin=True,
     )
     if args.smoke:
