@@ -303,6 +303,7 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
         "run": run_uri,
         "similarity": encoded["similarity"],
         "encode_passages_per_s": encoded["passages_per_s"],
+        "encode_shards_resumed": encoded["shards_skipped"],
         "search_seconds": round(search_s, 2),
         "index_shards_built": indexed["shards_built"],
         "search_blocks": len(blocks),

@@ -816,6 +816,52 @@ def test_an_evaluation_rerun_reuses_its_encoding_index_and_searched_blocks(
     assert whole_short["metrics"] != pytest.approx(whole["metrics"])  # the length matters here
 
 
+@pytest.mark.runs_long  # two evaluations as a command, each with its own Ray: about a minute
+def test_an_evaluation_sent_sigterm_mid_encoding_exits_143_and_its_rerun_resumes(tiny_bert, tmp_path):  # noqa: F811
+    """``python jobs/evaluate.py`` sent SIGTERM (``ray job stop``, an eviction) once some of
+    its corpus shards are encoded: exit 143, the resume hint its last line, no native stack
+    dump (Ray's handler: ``*** SIGTERM received``, exit 134); the same command again keeps
+    every shard encoded before the signal and finishes. Mutation: run_job not putting its
+    SIGTERM handler back after ``ray.init`` (Ray's replaced it): the job aborts (-6)."""
+    import signal
+    import subprocess
+    import sys
+
+    docs = synthetic_docs(3000, seed=5)
+    queries = [{"_id": f"q{i}", "text": " ".join(docs[i]["text"].split()[:4])} for i in range(0, 3000, 150)]
+    (tmp_path / "qrels.tsv").write_text(
+        "query-id\tcorpus-id\tscore\n" + "".join(f"{q['_id']}\td{q['_id'][1:]}\t1\n" for q in queries)
+    )
+    out = tmp_path / "eval"
+    command = [
+        *(sys.executable, "jobs/evaluate.py", "--encoder.model", tiny_bert, "--pool.actors", "1"),
+        *("--corpus", write_jsonl(tmp_path / "corpus.jsonl", docs), "--docs_per_shard", "60"),
+        *("--queries", write_jsonl(tmp_path / "queries.jsonl", queries), "--qrels", str(tmp_path / "qrels.tsv")),
+        *("--output", str(out), "--k", "10", "--encoder.passage_max_len", "64", "--encoder.batch_size", "8"),
+    ]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYDENSE_DEBUG")}
+    job = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while job.poll() is None and time.time() < deadline and len(emb.finished_shards(str(out / "embeddings"))) < 2:
+        time.sleep(0.05)
+    assert job.poll() is None, job.communicate()[1][-3000:]
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=90)
+    encoded_before = len(emb.finished_shards(str(out / "embeddings")))
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert job.returncode == 143, err[-3000:]
+    assert lines[-1] == "interrupted (SIGTERM): rerun the same command to resume", err[-3000:]
+    assert "SIGTERM received" not in err, err[-3000:]
+    assert 2 <= encoded_before < 50 and not (out / "metrics.json").exists(), encoded_before
+
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["encode_shards_resumed"] == encoded_before and summary["passages"] == 3000, summary
+    assert summary["judged_queries"] == 20 and 0.0 <= summary["metrics"]["nDCG@10"] <= 1.0
+
+
 def _synthetic_corpus_index(folder, n: int, dim: int) -> str:
     """An embeddings folder of ``n`` random passages in 2 shards and its Flat index."""
     vectors = np.random.default_rng(n).standard_normal((n, dim)).astype(np.float32)

@@ -124,3 +124,45 @@ def test_pretraining_streamed_from_a_busy_s3_trains_the_weights_of_a_quiet_one(b
     busy = pretrain("busy")
     assert proxy.counts.injected - injected > 10
     assert busy == quiet
+
+
+@pytest.mark.runs_long  # two fine-tunings on Ray Train: about 2 minutes
+def test_fine_tuning_on_a_busy_s3_trains_the_weights_of_a_quiet_one(busy_ray, s3_bucket, tmp_path):
+    """BEIR data, the corpus's preparation, BM25 negatives, checkpoints and the export all on
+    S3, one worker: the exported weights are bit-equal to a fault-free run's. Mutation:
+    ``storage.is_transient`` answering False for every error: the corpus's staging meets
+    SlowDown on a CreateMultipartUpload and the run ends on StorageError (exit 2)."""
+    from pipeline.training.finetune import FinetuneConfig, run_finetuning
+    from pipeline.training.train_config import TrainConfig
+
+    proxy = busy_ray
+    proxy.faults = False
+    paths = _collection_on_s3(s3_bucket, tmp_path)
+
+    def finetune(name: str) -> bytes:
+        cfg = FinetuneConfig()
+        cfg.data.queries, cfg.data.qrels, cfg.data.negatives = paths["queries"], paths["qrels"], "bm25"
+        cfg.data.bm25_count, cfg.data.query_max_len, cfg.data.passage_max_len = 6, 12, 24
+        cfg.corpus.input, cfg.corpus.docs_per_shard = paths["corpus"], 40
+        cfg.model.init = paths["model"]
+        cfg.retriever.group_size = 3
+        cfg.train = TrainConfig(
+            output=f"s3://{s3_bucket}/{name}/run",
+            num_workers=1,
+            micro_batch_size=4,
+            max_steps=0,
+            epochs=1,
+            lr=1e-3,
+            checkpoint_every=2,
+        )
+        summary = run_finetuning(cfg)
+        assert summary["steps"] == 5  # 20 queries, 4 a step
+        proxy.faults = False
+        return storage.read_bytes(storage.join(summary["export_dir"], "model.safetensors"))
+
+    quiet = finetune("quiet")
+    proxy.faults = True
+    injected = proxy.counts.injected
+    busy = finetune("busy")
+    assert proxy.counts.injected - injected > 10
+    assert busy == quiet
