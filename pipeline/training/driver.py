@@ -101,6 +101,28 @@ def _fit_interruptibly(trainer: TorchTrainer, capacity: WorkerGroupWait | None =
     return outcome["result"]
 
 
+def _fit_past_storage_faults(trainer: TorchTrainer, capacity: WorkerGroupWait | None, stop_request: str):
+    """:func:`_fit_interruptibly`, again while Ray Train's controller dies of a transient
+    storage fault: its constructor checks the run's bucket once, outside any retry (a
+    HeadBucket answered 503 on a busy S3 ended the run on ActorDiedError). A fit that failed
+    otherwise (its workers past ``max_failures``) is not started again."""
+    failed: dict = {}
+
+    def attempt():
+        try:
+            return _fit_interruptibly(trainer, capacity, stop_request)
+        except ray.exceptions.ActorDiedError:
+            raise  # storage.retrying takes it when its cause is transient
+        except Exception as exc:  # noqa: BLE001 - raised below, never retried
+            failed["error"] = exc
+            return None
+
+    result = storage.retrying("start Ray Train's controller (it checks the run's storage)", attempt)
+    if "error" in failed:
+        raise failed["error"]
+    return result
+
+
 def _train_controllers() -> set[str]:
     """The ids of this job's Ray Train controllers not dead: the one a run started is ended
     with it when its workers were never placed (its placement group goes with it)."""
@@ -242,7 +264,7 @@ def fit(
     if stop_request:
         storage.delete_file(stop_request)  # the stop of an earlier attempt
     try:
-        result = _fit_interruptibly(trainer, _capacity_wait(train), stop_request)
+        result = _fit_past_storage_faults(trainer, _capacity_wait(train), stop_request)
     except ray.train.TrainingFailedError as exc:
         raise_user_error(marker)
         fed = fed_user_error(exc)  # a marker the worker could not write (a full disk)

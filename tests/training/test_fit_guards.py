@@ -58,3 +58,44 @@ def test_ctrl_c_during_fit_is_the_jobs_keyboard_interrupt_at_once(monkeypatch):
         driver._fit_interruptibly(trainer)
     assert trainer.on_main_thread is False
     assert time.monotonic() - started < 30 and shut == [True]  # the run's actors go with it
+
+
+class _ControllerDied(Exception):
+    """Stands in for ray.exceptions.ActorDiedError (its constructor wants a Ray cause)."""
+
+
+class _FakeTrainer:
+    def __init__(self, failures: list[BaseException]):
+        self.failures, self.fits = failures, 0
+
+    def fit(self):
+        self.fits += 1
+        if self.failures:
+            raise self.failures.pop(0)
+        return "fitted"
+
+
+def test_a_controller_killed_by_a_transient_storage_fault_is_started_again_and_nothing_else_is(monkeypatch):
+    """Ray Train's controller checks the run's bucket in its constructor, outside any retry:
+    on the busy S3 a HeadBucket answered 503 ended a fine-tuning on ActorDiedError. That fit
+    is started again; a controller killed by a missing bucket, and a fit that failed past its
+    workers' restarts, are not. Mutation: ``fit`` calling ``_fit_interruptibly`` directly
+    fails the first case."""
+    import ray
+
+    monkeypatch.setattr(ray.exceptions, "ActorDiedError", _ControllerDied)
+    monkeypatch.setenv("RAYDENSE_S3_RETRY_SECONDS", "5")
+    busy = "When testing for existence of bucket 'b': AWS Error UNKNOWN (HTTP status 503) during HeadBucket"
+    trainer = _FakeTrainer([_ControllerDied(busy), _ControllerDied(busy)])
+    assert driver._fit_past_storage_faults(trainer, None, "") == "fitted" and trainer.fits == 3
+
+    missing = _ControllerDied("AWS Error NO_SUCH_BUCKET (HTTP status 404) during HeadBucket")
+    trainer = _FakeTrainer([missing])
+    with pytest.raises(_ControllerDied, match="NO_SUCH_BUCKET"):
+        driver._fit_past_storage_faults(trainer, None, "")
+    assert trainer.fits == 1
+
+    trainer = _FakeTrainer([RuntimeError(f"training failed past max_failures: {busy}")])
+    with pytest.raises(RuntimeError, match="max_failures"):
+        driver._fit_past_storage_faults(trainer, None, "")
+    assert trainer.fits == 1
