@@ -352,6 +352,24 @@ def drain_for_preemption(address: str, node_id: str, deadline_s: float) -> None:
     assert accepted, why
 
 
+SIGTERM_HINT = "interrupted (SIGTERM): rerun the same command to resume"
+
+
+def stopped_by_sigterm(job, timeout_s: float = 90) -> str:
+    """Send a job's process (a ``subprocess.Popen`` with text pipes) SIGTERM and check that it
+    stopped as Ctrl-C stops it: exit 143, the resume hint its last stderr line, no native
+    stack dump (Ray's own handler printed ``*** SIGTERM received`` and aborted). Its stderr."""
+    import signal
+
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=timeout_s)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert job.returncode == 143, err[-3000:]
+    assert lines[-1] == SIGTERM_HINT, err[-3000:]
+    assert "SIGTERM received" not in err, err[-3000:]
+    return err
+
+
 def is_killed(actor, within_s: float = 30.0) -> bool:
     """Whether ``actor`` is dead within ``within_s``: ``ray.kill`` returns before the actor
     is, so a call made just after it may still be answered."""

@@ -20,7 +20,7 @@ from pipeline.data.position import DataPosition, restorable_checkpoint
 from pipeline.data.prepare import PrepareConfig
 from pipeline.training.pretrain import PretrainConfig, StreamConfig, run_pretraining
 from pipeline.training.train_config import TrainConfig
-from tests.helpers import drain_for_preemption, read_trace_entries, rows_in_the_final_model
+from tests.helpers import drain_for_preemption, read_trace_entries, rows_in_the_final_model, stopped_by_sigterm
 
 pytestmark = pytest.mark.ray
 
@@ -355,12 +355,7 @@ def test_a_second_driver_is_refused_and_sigterm_stops_the_first_which_then_resum
         return sorted(int(p.parent.name.split("_")[1]) for p in (out / "checkpoints").glob("checkpoint_*/seal_*.json"))
 
     before = saved()
-    job.send_signal(signal.SIGTERM)
-    _, err = job.communicate(timeout=90)
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert job.returncode == 143, err[-3000:]
-    assert lines[-1] == "interrupted (SIGTERM): rerun the same command to resume", err[-3000:]
-    assert "SIGTERM received" not in err, err[-3000:]
+    err = stopped_by_sigterm(job)
     after = saved()
     assert after[-1] > before[-1] and set(after) - set(before) == {after[-1]}, (before, after, err[-3000:])
     assert not (out / "checkpoints" / "finished.json").exists()  # stopped, not finished
