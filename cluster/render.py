@@ -9,7 +9,9 @@ Writes, under --out:
     kuberay/rayjob-<job>.yaml          one RayJob per entry of `jobs`, with its run config in a ConfigMap
     kuberay/karpenter.yaml             the EC2NodeClass and NodePools the pods land on
     kuberay/serviceaccount.yaml        the pods' S3 identity (IRSA)
+    kuberay/networkpolicy.yaml         who may reach the pods: each other, the KubeRay operator, client_cidrs
     iam/s3-policy.json, iam/head-policy.json
+    aws-ingress.json                   `ray up`'s security group rules: its own members, SSH from ssh_cidr
     configs/<job>.yaml                 the run configs, with your bucket
 
 The files under cluster/ hold example values; they are read, changed where a value goes, and
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ipaddress
 import json
 import re
 import sys
@@ -35,6 +38,12 @@ EXAMPLE_ACCOUNT = "123456789012"
 IMAGE_DIR = "/home/ray/raydense"  # where cluster/Dockerfile puts the checkout
 NODE_KEYS = {"instance_type", "vcpus", "memory_gib", "gpus", "scratch_gib"}
 WORKER_TYPES = ("cpu", "gpu1", "gpu8")
+AWS_TOKEN_PATH = "/home/ray/.ray/auth_token"  # in every `ray up` node's container
+K8S_NAME = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+AUTH_OFF_WARNING = (
+    "# WARNING: Ray's token authentication is OFF (values.yaml: ray_auth: false). Anyone who can\n"
+    "# reach the head's dashboard, GCS or client port can run code on this cluster, with its roles.\n"
+)
 
 
 class ValuesError(ValueError):
@@ -60,6 +69,9 @@ def check_values(values: dict) -> dict:
     for key in ("eks_cluster", "karpenter_node_role", "s3_role", "head_profile", "worker_profile"):
         need(key, r"[\w+=,.@-]+", "a name")
     need("ami", r"ami-[0-9a-f]{8,17}", "an AMI id")
+    need("security_group_id", r"sg-[0-9a-f]+", "a security group id (every `ray up` node joins it)")
+    _check_access(values, need)
+    _check_prefixes(values)
     types = values.get("node_types")
     if not isinstance(types, dict) or set(types) != {"head", *WORKER_TYPES}:
         raise ValuesError(f"values: node_types must name head, {', '.join(WORKER_TYPES)}")
@@ -74,7 +86,6 @@ def check_values(values: dict) -> dict:
         raise ValuesError("values: drain_margin_s must be at least 0 and less than spot_notice_s")
     if values.get("efa"):
         need("subnet_id", r"subnet-[0-9a-f]+", "a subnet id (efa: true needs it)")
-        need("security_group_id", r"sg-[0-9a-f]+", "a security group id (efa: true needs it)")
         if not types["gpu8"].get("efa_interfaces"):
             raise ValuesError("values: efa: true needs node_types.gpu8.efa_interfaces")
     for job, spec in (values.get("jobs") or {}).items():
@@ -82,6 +93,66 @@ def check_values(values: dict) -> dict:
             if not (REPO / spec.get(key, "")).is_file():
                 raise ValuesError(f"values: jobs.{job}.{key} {spec.get(key)!r} is not a file of the checkout")
     return values
+
+
+def _networks(values: dict, key: str) -> list[str]:
+    entries = values.get(key)
+    entries = [entries] if isinstance(entries, str) else entries
+    if not isinstance(entries, list):
+        raise ValuesError(f"values: {key} is {entries!r}, not a list of CIDR blocks")
+    for entry in entries:
+        try:
+            network = ipaddress.ip_network(str(entry))
+        except ValueError:
+            raise ValuesError(f"values: {key} holds {entry!r}, not a CIDR block such as 10.0.0.0/16") from None
+        if network.prefixlen == 0:
+            raise ValuesError(f"values: {key} holds {entry}, which is every address: name your own network")
+    return [str(e) for e in entries]
+
+
+def _check_access(values: dict, need) -> None:
+    """Authentication, the dashboard's reach and the Secrets' names."""
+    for key in ("ray_auth", "ray_client"):
+        if not isinstance(values.get(key), bool):
+            raise ValuesError(f"values: {key} is {values.get(key)!r}, not true or false")
+    for key in ("ray_token_secret", "checkpoint_key_secret", "operator_namespace"):
+        need(key, K8S_NAME, "a Kubernetes name")
+    if values.get("dashboard") not in ("port-forward", "internal-lb"):
+        raise ValuesError(f"values: dashboard is {values.get('dashboard')!r}, not port-forward or internal-lb")
+    clients = _networks(values, "client_cidrs")
+    if values["dashboard"] == "internal-lb" and not clients:
+        raise ValuesError("values: dashboard: internal-lb needs client_cidrs, the networks that may reach it")
+    _networks(values, "ssh_cidr")
+    kms = values.get("kms_key_arn", "")
+    if kms and not re.fullmatch(r"arn:aws[\w-]*:kms:[a-z0-9-]+:\d{12}:key/[\w-]+", str(kms)):
+        raise ValuesError(f"values: kms_key_arn is {kms!r}, not empty (SSE-S3) or a KMS key ARN")
+
+
+def _check_prefixes(values: dict) -> None:
+    """Input and run prefixes of the bucket: each ends in /, none inside another, and every
+    s3:// path of the jobs' configs under one of them (the roles grant nothing else)."""
+    prefixes = {}
+    for key in ("input_prefixes", "run_prefixes"):
+        entries = values.get(key)
+        if not isinstance(entries, list) or not entries:
+            raise ValuesError(f"values: {key} is {entries!r}, not a list of prefixes such as [data/]")
+        for entry in entries:
+            if not isinstance(entry, str) or not re.fullmatch(r"[\w.=-]+(/[\w.=-]+)*/", entry):
+                raise ValuesError(f"values: {key} holds {entry!r}, not a key prefix ending in / (data/)")
+            prefixes[entry] = key
+    for a in prefixes:
+        for b in prefixes:
+            if a != b and b.startswith(a):
+                raise ValuesError(f"values: {b} ({prefixes[b]}) lies inside {a} ({prefixes[a]})")
+    for job, spec in (values.get("jobs") or {}).items():
+        config = REPO / spec.get("config", "")
+        text = config.read_text() if config.is_file() else ""  # a missing one: check_values names it
+        for path in re.findall(rf"s3://{EXAMPLE_BUCKET}/(\S+)", text):
+            if not any(path.startswith(p) for p in prefixes):
+                raise ValuesError(
+                    f"values: jobs.{job}'s config names s3://<bucket>/{path}, under none of input_prefixes "
+                    "and run_prefixes: the roles would refuse it"
+                )
 
 
 def with_bucket(text: str, values: dict) -> str:
@@ -129,6 +200,7 @@ def set_pod(pod: dict, spec: dict, values: dict, capacity: str | None, efa: bool
     env = {e["name"]: e for e in container["env"]}
     env["AWS_DEFAULT_REGION"]["value"] = values["region"]
     env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"]["value"] = str(drain_s(values))
+    env["RAYDENSE_CHECKPOINT_KEY"]["valueFrom"]["secretKeyRef"]["name"] = values["checkpoint_key_secret"]
     if efa:
         asked["vpc.amazonaws.com/efa"] = str(spec["efa_interfaces"])
         container["env"] = list(env.values()) + efa_env()
@@ -136,6 +208,35 @@ def set_pod(pod: dict, spec: dict, values: dict, capacity: str | None, efa: bool
     for volume in pod["volumes"]:
         if volume["name"] in sizes:
             volume["emptyDir"]["sizeLimit"] = sizes[volume["name"]]
+
+
+def set_access(spec: dict, values: dict, job: bool) -> None:
+    """Who may use a RayCluster's (or a RayJob's cluster's) Ray: token authentication, where
+    the dashboard and job API listen, and whether Ray Client's port is exposed."""
+    spec["authOptions"] = (
+        {"mode": "token", "secretName": values["ray_token_secret"]} if values["ray_auth"] else {"mode": "disabled"}
+    )
+    head = spec["headGroupSpec"]
+    lb = values["dashboard"] == "internal-lb" and not job
+    # A RayJob's operator and submitter call the dashboard through the head's Service, so a
+    # RayJob binds it on every interface (networkpolicy.yaml keeps it to them); a standing
+    # cluster keeps it on the pod's loopback, unless an internal load balancer is asked for.
+    head["rayStartParams"]["dashboard-host"] = "0.0.0.0" if job or lb else "127.0.0.1"
+    head.pop("headService", None)
+    if lb:
+        head["headService"] = {
+            "metadata": {
+                "annotations": {
+                    "service.beta.kubernetes.io/aws-load-balancer-type": "external",
+                    "service.beta.kubernetes.io/aws-load-balancer-nlb-target-type": "ip",
+                    "service.beta.kubernetes.io/aws-load-balancer-scheme": "internal",
+                }
+            },
+            "spec": {"type": "LoadBalancer", "loadBalancerSourceRanges": _networks(values, "client_cidrs")},
+        }
+    (container,) = head["template"]["spec"]["containers"]
+    ports = [port for port in container["ports"] if port["name"] != "client"]
+    container["ports"] = ports + ([{"containerPort": 10001, "name": "client"}] if values["ray_client"] else [])
 
 
 def raycluster(values: dict) -> dict:
@@ -152,6 +253,7 @@ def raycluster(values: dict) -> dict:
         group["maxReplicas"] = node.get(f"max_{capacity}", group["maxReplicas"])
         efa = bool(values.get("efa")) and kind == "gpu8"
         set_pod(group["template"]["spec"], node, values, capacity, efa)
+    set_access(spec, values, job=False)
     if values.get("gcs_redis"):
         spec["gcsFaultToleranceOptions"] = {
             "redisAddress": values["gcs_redis"],
@@ -165,6 +267,7 @@ def rayjob(name: str, job: dict, cluster: dict, values: dict) -> list[dict]:
     a new cluster) and runs one job with its config from a ConfigMap mounted on the head."""
     spec = copy.deepcopy(cluster["spec"])
     spec.pop("gcsFaultToleranceOptions", None)
+    set_access(spec, values, job=True)
     config_map = f"raydense-{name}-config"
     head = spec["headGroupSpec"]["template"]["spec"]
     head["volumes"].append({"name": "run-config", "configMap": {"name": config_map}})
@@ -189,7 +292,96 @@ def rayjob(name: str, job: dict, cluster: dict, values: dict) -> list[dict]:
                 "shutdownAfterJobFinishes": True,
                 "ttlSecondsAfterFinished": 600,
                 "rayClusterSpec": spec,
+                # The submitter pod (K8sJobMode: KubeRay fills in its command and the token)
+                # carries the raydense label, so networkpolicy.yaml lets it reach the dashboard.
+                "submitterPodTemplate": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "restartPolicy": "Never",
+                        "containers": [
+                            {
+                                "name": "ray-job-submitter",
+                                "image": values["image"],
+                                "resources": {
+                                    "requests": {"cpu": "500m", "memory": "1Gi"},
+                                    "limits": {"cpu": "1", "memory": "1Gi"},
+                                },
+                            }
+                        ],
+                    },
+                },
             },
+        },
+    ]
+
+
+def networkpolicy(values: dict) -> dict:
+    doc = yaml.safe_load((CLUSTER / "kuberay" / "networkpolicy.yaml").read_text())
+    ingress = doc["spec"]["ingress"]
+    operator = ingress[1]["from"][0]["namespaceSelector"]["matchLabels"]
+    operator["kubernetes.io/metadata.name"] = values["operator_namespace"]
+    del ingress[2:]
+    if values["dashboard"] == "internal-lb":
+        ports = [8265] + ([10001] if values["ray_client"] else [])
+        ingress.append(
+            {
+                "from": [{"ipBlock": {"cidr": cidr}} for cidr in _networks(values, "client_cidrs")],
+                "ports": [{"port": port, "protocol": "TCP"} for port in ports],
+            }
+        )
+    return doc
+
+
+def s3_policy(values: dict) -> dict:
+    """The data role: the bucket's input prefixes read, its run prefixes read, written and
+    deleted, and the KMS key (when named) used for both. Listing covers the bucket: S3
+    answers a HEAD of a missing object with 404, not 403, only to a role that may list."""
+    bucket = f"arn:aws:s3:::{values['bucket']}"
+    statements = [
+        {
+            "Sid": "ListTheBucket",
+            "Effect": "Allow",
+            "Action": ["s3:ListBucket", "s3:GetBucketLocation"],
+            "Resource": bucket,
+        },
+        {
+            "Sid": "ReadTheInputs",
+            "Effect": "Allow",
+            "Action": "s3:GetObject",
+            "Resource": [f"{bucket}/{prefix}*" for prefix in values["input_prefixes"]],
+        },
+        {
+            "Sid": "ReadWriteAndDeleteTheRuns",
+            "Effect": "Allow",
+            "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
+            "Resource": [f"{bucket}/{prefix}*" for prefix in values["run_prefixes"]],
+        },
+    ]
+    if values.get("kms_key_arn"):
+        statements.append(
+            {
+                "Sid": "EncryptAndDecryptWithTheBucketsKey",
+                "Effect": "Allow",
+                "Action": ["kms:GenerateDataKey", "kms:Decrypt"],
+                "Resource": values["kms_key_arn"],
+            }
+        )
+    return {"Version": "2012-10-17", "Statement": statements}
+
+
+def aws_ingress(values: dict) -> list[dict]:
+    """The inbound rules of the security group every `ray up` node joins."""
+    group = values["security_group_id"]
+    return [
+        {
+            "IpProtocol": "-1",
+            "UserIdGroupPairs": [{"GroupId": group, "Description": "Ray between the cluster's nodes"}],
+        },
+        {
+            "IpProtocol": "tcp",
+            "FromPort": 22,
+            "ToPort": 22,
+            "IpRanges": [{"CidrIp": cidr, "Description": "SSH for ray up"} for cidr in _networks(values, "ssh_cidr")],
         },
     ]
 
@@ -222,6 +414,17 @@ def aws(values: dict) -> dict:
         f"--env AWS_DEFAULT_REGION={values['region']}" if o.startswith("--env AWS_DEFAULT_REGION=") else o
         for o in doc["docker"]["run_options"]
     ]
+    auth = [
+        o for o in doc["docker"]["run_options"] if not o.startswith(("--env RAY_AUTH_MODE=", "--env RAY_AUTH_TOKEN"))
+    ]
+    if values["ray_auth"]:
+        # Every node reads the token `ray up` copies from ~/.ray/auth_token (file_mounts).
+        auth += ["--env RAY_AUTH_MODE=token", f"--env RAY_AUTH_TOKEN_PATH={AWS_TOKEN_PATH}"]
+        doc["file_mounts"][AWS_TOKEN_PATH] = "~/.ray/auth_token"
+    else:
+        auth += ["--env RAY_AUTH_MODE=disabled"]
+        doc["file_mounts"].pop(AWS_TOKEN_PATH, None)
+    doc["docker"]["run_options"] = auth
     for name, node in doc["available_node_types"].items():
         node["node_config"] = copy.deepcopy(node["node_config"])
         kind = name.rsplit("-", 1)[0]
@@ -230,6 +433,7 @@ def aws(values: dict) -> dict:
         config["ImageId"] = values["ami"]
         config["InstanceType"] = spec["instance_type"]
         config["IamInstanceProfile"] = {"Name": values["head_profile" if name == "head" else "worker_profile"]}
+        config["SecurityGroupIds"] = [values["security_group_id"]]
         if name != "head":
             node["resources"] = {"CPU": spec["vcpus"], **({"GPU": spec["gpus"]} if spec["gpus"] else {})}
             node["max_workers"] = spec.get(f"max_{name.rsplit('-', 1)[1]}", node["max_workers"])
@@ -246,6 +450,7 @@ def aws(values: dict) -> dict:
                 for card in range(spec["efa_interfaces"])
             ]
             config["Placement"] = {"GroupName": "raydense-gpu8"}
+            del config["SecurityGroupIds"]  # EC2 takes an EFA node's groups on its interfaces only
     doc["worker_start_ray_commands"] = [
         re.sub(r"--margin_s=\d+", f"--margin_s={values['drain_margin_s']}", c) for c in doc["worker_start_ray_commands"]
     ]
@@ -259,21 +464,24 @@ def render(values: dict) -> dict[str, str]:
     check_values(values)
     dump = lambda docs: "---\n".join(yaml.safe_dump(d, sort_keys=False, width=120) for d in docs)  # noqa: E731
     cluster = raycluster(values)
+    warning = "" if values["ray_auth"] else AUTH_OFF_WARNING
     files = {
-        "aws.yaml": dump([aws(values)]),
-        "kuberay/raycluster.yaml": dump([cluster]),
+        "aws.yaml": warning + dump([aws(values)]),
+        "kuberay/raycluster.yaml": warning + dump([cluster]),
         "kuberay/karpenter.yaml": dump(karpenter(values)),
+        "kuberay/networkpolicy.yaml": dump([networkpolicy(values)]),
+        "aws-ingress.json": json.dumps(aws_ingress(values), indent=2) + "\n",
+        "iam/s3-policy.json": json.dumps(s3_policy(values), indent=2) + "\n",
     }
     account = (CLUSTER / "kuberay" / "serviceaccount.yaml").read_text()
     files["kuberay/serviceaccount.yaml"] = with_bucket(account, values).replace(
         "role/raydense-s3", f"role/{values['s3_role']}"
     )
-    for policy in ("s3-policy.json", "head-policy.json"):
-        text = with_bucket((CLUSTER / "iam" / policy).read_text(), values)
-        text = text.replace("/raydense-worker", f"/{values['worker_profile']}")
-        files[f"iam/{policy}"] = json.dumps(json.loads(text), indent=2) + "\n"
+    text = with_bucket((CLUSTER / "iam" / "head-policy.json").read_text(), values)
+    text = text.replace("/raydense-worker", f"/{values['worker_profile']}")
+    files["iam/head-policy.json"] = json.dumps(json.loads(text), indent=2) + "\n"
     for name, job in (values.get("jobs") or {}).items():
-        files[f"kuberay/rayjob-{name}.yaml"] = dump(rayjob(name, job, cluster, values))
+        files[f"kuberay/rayjob-{name}.yaml"] = warning + dump(rayjob(name, job, cluster, values))
         files[f"configs/{name}.yaml"] = with_bucket((REPO / job["config"]).read_text(), values)
     return files
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pipeline.core import storage
+from pipeline.core import sealed, storage
 
 # BERT's special tokens, at the ids a BERT vocabulary puts them.
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = 0, 1, 2, 3, 4
@@ -351,6 +351,9 @@ def drain_for_preemption(address: str, node_id: str, deadline_s: float) -> None:
     )
     assert accepted, why
 
+
+# What the tests' hand-made checkpoints are signed with (a run's own comes from seal_key).
+SEAL_KEY = sealed.SealKey(b"the tests' checkpoint key", "tests.helpers.SEAL_KEY")
 
 SIGTERM_HINT = "interrupted (SIGTERM): rerun the same command to resume"
 

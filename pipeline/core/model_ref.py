@@ -164,18 +164,13 @@ def materialize(reference: str, what: str = "model") -> str:
     return local
 
 
-def cache_root() -> str:
-    """Node-local; ``RAYDENSE_CACHE`` moves it (e.g. to a node's NVMe)."""
-    return os.environ.get("RAYDENSE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "raydense")
-
-
 def fetch_once(uri: str) -> tuple[str, bool]:
     """Copy the files under ``uri`` into this node's cache, once per version: the first
     caller downloads under a file lock, the others wait and reuse it. Returns the local
     directory and whether this call downloaded it."""
     version = storage.version(uri)
     key = hashlib.sha256(f"{uri}\n{version}".encode()).hexdigest()[:24]
-    root = os.path.join(cache_root(), "models")
+    root = os.path.join(storage.cache_root(), "models")
     target = os.path.join(root, key)
     # The marker sits beside the copy, not in it: the copy is handed on as it is (a
     # tokenizer folder gets saved into exports) and must hold only the stored files.

@@ -33,6 +33,12 @@ import pyarrow.parquet as pq
 from pipeline.core.errors import RaydenseError, StorageError, TransientStorageError
 
 
+def cache_root() -> str:
+    """This node's cache (models, checkpoint keys); ``RAYDENSE_CACHE`` moves it (e.g. to a
+    node's NVMe)."""
+    return os.environ.get("RAYDENSE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "raydense")
+
+
 def is_s3(uri: str) -> bool:
     return str(uri).startswith("s3://")
 

@@ -7,21 +7,33 @@ Checkpoint layout (one Ray Train checkpoint directory per save, ``checkpoint_<st
     trainer_state.json          step, tokens, loss history (rank 0)
     position_rank<r>.json       the corpus rows rank r consumed, per epoch
     counters_rank<r>.json       rank r's task counters
+    seal_rank<r>.json           the files rank r wrote, hashed and signed (pipeline.core.sealed)
 
 On the next worker-group start, the stream reads the position of the checkpoint Ray
 Train will restore (:func:`pipeline.data.position.read_position`).
+
+Nothing read back is executed. raydense's own files are JSON; a resume first checks every
+seal's signature (a folder planted in the bucket is refused), then its hashes, and DeepSpeed's
+``state/*.pt`` files load with ``torch.load(weights_only=True)``, allowing only the few types
+DeepSpeed's own state holds (:data:`DEEPSPEED_STATE_TYPES`), where DeepSpeed itself unpickles
+whatever a file holds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pickle
+import re
 import tempfile
 from dataclasses import asdict, dataclass, field
 
 import ray.train
+import torch
 
 from pipeline.core import sealed, storage
+from pipeline.core.errors import ArtifactError
 from pipeline.data.position import (
     DataPosition,
     checkpoint_folders,
@@ -32,6 +44,50 @@ from pipeline.data.position import (
 )
 
 CHECKPOINT_TAG = "state"
+
+
+def _deepspeed_state_types() -> list[type]:
+    """The classes DeepSpeed pickles into its checkpoints besides tensors and builtins
+    (found by loading every ZeRO stage's and precision's files with weights_only=True)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+class _WeightsOnlyLoads:
+    """The engine's checkpoint engine, its loads made with ``weights_only=True``."""
+
+    def __init__(self, inner, local_dir: str, name: str):
+        self.inner, self.local_dir, self.name = inner, local_dir, name
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def load(self, path: str, map_location=None):
+        try:
+            with torch.serialization.safe_globals(_deepspeed_state_types()):
+                return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+            what = f"the global {found.group(1)}" if found else "what no checkpoint holds"
+            raise ArtifactError(
+                f"checkpoint {self.name}: {os.path.relpath(path, self.local_dir)} holds {what}, which "
+                "DeepSpeed's state never does: not loading it (remove the folder to resume from an earlier one)"
+            ) from None
+
+
+@contextlib.contextmanager
+def weights_only_loads(engine, local_dir: str, name: str):
+    """While it is open, ``engine.load_checkpoint`` unpickles only tensors, builtins and
+    DeepSpeed's own state types (``name``: the checkpoint, for the message)."""
+    inner = engine.checkpoint_engine
+    engine.checkpoint_engine = _WeightsOnlyLoads(inner, local_dir, name)
+    try:
+        yield
+    finally:
+        engine.checkpoint_engine = inner
 
 
 @dataclass
@@ -48,7 +104,14 @@ class TrainState:
 
 
 def save_checkpoint(
-    engine, state: TrainState, position: DataPosition, rank: int, run_dir: str, metrics: dict, suffix: str = ""
+    engine,
+    state: TrainState,
+    position: DataPosition,
+    rank: int,
+    run_dir: str,
+    metrics: dict,
+    key: sealed.SealKey,
+    suffix: str = "",
 ) -> None:
     """``suffix``: set after a resume that passed over damaged checkpoints of later steps,
     which this attempt saves again under new names."""
@@ -62,7 +125,7 @@ def save_checkpoint(
         if rank == 0:
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
                 json.dump(asdict(state), f)
-        sealed.seal(tmp, f"rank{rank}")
+        sealed.seal(tmp, f"rank{rank}", key)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name)
     if rank == 0:
         write_pointer(run_dir, name, state.step)
@@ -79,7 +142,7 @@ class Restored:
     name_suffix: str
 
 
-def restore_checkpoint(engine, rank: int, run_dir: str) -> Restored:
+def restore_checkpoint(engine, rank: int, run_dir: str, key: sealed.SealKey) -> Restored:
     name = restorable_checkpoint(run_dir)
     if name is None:
         return Restored(TrainState(), DataPosition(), None, "")
@@ -91,13 +154,14 @@ def restore_checkpoint(engine, rank: int, run_dir: str) -> Restored:
         else ray.train.Checkpoint(uri)
     )
     with checkpoint.as_directory() as d:
-        problem = sealed.verify(d)
+        problem = sealed.verify(d, key, uri)
         if problem is not None:
             # Marked, then this start fails: the next one (Ray Train's retry, or a rerun)
             # resumes from an earlier checkpoint, as the stream will then too.
             sealed.mark_damaged(uri, problem)
             raise RuntimeError(f"checkpoint {uri} is damaged ({problem}); the next attempt resumes from an earlier one")
-        engine.load_checkpoint(d, tag=CHECKPOINT_TAG)
+        with weights_only_loads(engine, d, uri):
+            engine.load_checkpoint(d, tag=CHECKPOINT_TAG)
         with open(os.path.join(d, "trainer_state.json")) as f:
             state = TrainState(**json.load(f))
         position, counters = DataPosition(), {}

@@ -21,7 +21,7 @@ import ray.train.torch
 from ray import cloudpickle
 from ray.train.torch import TorchTrainer
 
-from pipeline.core import storage
+from pipeline.core import sealed, storage
 from pipeline.core.capacity import CapacityWait, WorkerGroupWait
 from pipeline.core.entry import stop_signal
 from pipeline.core.errors import CapacityError, ConfigError, StorageError
@@ -233,6 +233,7 @@ def fit(
         "deepspeed": deepspeed_config(train, train.num_workers),
         "replay_batches": replay_batches,
         "hparams": hparams,
+        "seal_key": _seal_key(run_dir),
     }
     # Datasets read one after another (a fine-tuning run's epochs): Ray Data runs each only
     # when the workers start reading it.
@@ -283,6 +284,25 @@ def fit(
 
 
 FINISHED = "finished.json"
+
+
+def _seal_key(run_dir: str) -> sealed.SealKey:
+    """The key this run's checkpoints are signed and checked with, said once where it was
+    generated on this machine: a rerun on another one cannot resume from them."""
+    key = sealed.seal_key(run_dir)
+    if key.source != f"${sealed.KEY_ENV}" and storage.is_s3(run_dir) and not _GENERATED_KEY_SAID:
+        _GENERATED_KEY_SAID.append(run_dir)
+        print(
+            f"warning: checkpoints under {run_dir} are signed with a key generated on this machine "
+            f"({key.source}): a rerun elsewhere cannot resume from them; set {sealed.KEY_ENV} "
+            "(on a cluster, its Secret: docs/deploy.md)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return key
+
+
+_GENERATED_KEY_SAID: list[str] = []  # once a process: a recipe fits many times
 
 
 def forget_gone_checkpoints(run_dir: str) -> None:

@@ -37,7 +37,7 @@ from ray import cloudpickle
 
 from models.batches import to_device
 from models.memory import ACTIVATION_SHARE, OPTIMIZER_BYTES_PER_PARAM, ActivationCost, fitting_micro_batch, free_memory
-from pipeline.core import storage
+from pipeline.core import sealed, storage
 from pipeline.core.config import to_dict
 from pipeline.data.position import read_position
 from pipeline.training.batches import chained, collated, shard_batches, timed
@@ -180,9 +180,9 @@ def _quiet_ray_train_reports() -> None:
     logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
-def _restore(engine, rank: int, run_dir: str) -> Restored:
+def _restore(engine, rank: int, run_dir: str, key: sealed.SealKey) -> Restored:
     """The checkpoint this start resumes from (state, data position), its resume event recorded."""
-    restored = restore_checkpoint(engine, rank, run_dir)
+    restored = restore_checkpoint(engine, rank, run_dir, key)
     state, position = restored.state, restored.position
     stream_position, stream_from = read_position(run_dir)
     if restored.checkpoint is not None or stream_from is not None:
@@ -235,7 +235,9 @@ class WorkerRun:
         self.engine, self.scheduler = build_engine(
             self.train, self.task, config["deepspeed"], self.world, ctx.get_local_world_size()
         )
-        restored = _restore(self.engine, self.rank, self.run_dir)
+        # The driver's key (pipeline.core.sealed.seal_key): the same on every node.
+        self.seal_key: sealed.SealKey = config["seal_key"]
+        restored = _restore(self.engine, self.rank, self.run_dir, self.seal_key)
         self.state, self.position = restored.state, restored.position
         self.checkpoint_suffix = restored.name_suffix  # after passing over damaged checkpoints
         self._fit_to_memory(ctx.get_local_world_size())
@@ -404,7 +406,14 @@ class WorkerRun:
     def _save(self, metrics: dict) -> None:
         self.trace = _flush_trace(self.trace, self.run_dir, self.rank, self.state)
         save_checkpoint(
-            self.engine, self.state, self.position, self.rank, self.run_dir, metrics, self.checkpoint_suffix
+            self.engine,
+            self.state,
+            self.position,
+            self.rank,
+            self.run_dir,
+            metrics,
+            self.seal_key,
+            self.checkpoint_suffix,
         )
         self.last_saved = self.state.step
 
@@ -446,7 +455,16 @@ class WorkerRun:
             **export,
         }
         if state.step > self.last_saved:
-            save_checkpoint(self.engine, state, self.position, self.rank, self.run_dir, summary, self.checkpoint_suffix)
+            save_checkpoint(
+                self.engine,
+                state,
+                self.position,
+                self.rank,
+                self.run_dir,
+                summary,
+                self.seal_key,
+                self.checkpoint_suffix,
+            )
         else:
             ray.train.report(summary)
         # Ray Train V2 keeps only checkpoints' metrics in its Result; rank 0's return value is

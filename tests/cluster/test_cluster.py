@@ -246,7 +246,7 @@ def test_kuberay_raycluster_autoscales_gpu_groups():
         assert res["requests"] == res["limits"], name  # Ray sizes the node from the limits
         # On SIGTERM (a reclaimed spot node drained) the pod's Ray node is marked preempted
         # with this deadline, inside EC2's 2 minutes and before Kubernetes kills the pod.
-        drain_s = float({e["name"]: e["value"] for e in container["env"]}["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"])
+        drain_s = float({e["name"]: e.get("value") for e in container["env"]}["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"])
         spot_notice = cluster_module("spot_notice")
         assert drain_s == spot_notice.NOTICE_S - spot_notice.DRAIN_MARGIN_S, name  # the watcher's arithmetic
         assert drain_s < pod["terminationGracePeriodSeconds"] <= spot_notice.NOTICE_S, name
@@ -324,7 +324,8 @@ def test_kuberay_rayjobs_run_each_job_with_its_config_from_a_configmap(rendered,
         assert job["apiVersion"] == "ray.io/v1"
         assert job["spec"]["shutdownAfterJobFinishes"] is True and job["spec"]["backoffLimit"] >= 1
         # The job's cluster is the standing cluster's, but for GCS fault tolerance (a retry is a
-        # new cluster) and the run config mounted on the head.
+        # new cluster), the run config mounted on the head, and the dashboard's reach (the
+        # operator's, on every interface; no load balancer: tests/cluster/test_access.py).
         spec = copy.deepcopy(job["spec"]["rayClusterSpec"])
         head = spec["headGroupSpec"]["template"]["spec"]
         entrypoint = job["spec"]["entrypoint"].split()
@@ -337,6 +338,9 @@ def test_kuberay_rayjobs_run_each_job_with_its_config_from_a_configmap(rendered,
         head["volumes"].remove(volume)
         expected = copy.deepcopy(cluster["spec"])
         assert expected.pop("gcsFaultToleranceOptions")["redisAddress"] == values["gcs_redis"]
+        assert expected["headGroupSpec"].pop("headService")["spec"]["type"] == "LoadBalancer"
+        assert spec["headGroupSpec"]["rayStartParams"].pop("dashboard-host") == "0.0.0.0"
+        expected["headGroupSpec"]["rayStartParams"].pop("dashboard-host")
         assert spec == expected
         # The ConfigMap carries the run config with the user's bucket, and it parses.
         text = config_map["data"][config_path[len(mount["mountPath"]) + 1 :]]
@@ -395,6 +399,17 @@ TEST_VALUES = {
     "worker_profile": "acme-worker",
     "subnet_id": "subnet-0abc1234",
     "security_group_id": "sg-0abc1234",
+    "ssh_cidr": "198.51.100.7/32",
+    "input_prefixes": ["data/", "models/"],
+    "run_prefixes": ["raydense/"],
+    "kms_key_arn": "arn:aws:kms:eu-central-1:210987654321:key/0a1b2c3d-4e5f-6789-abcd-ef0123456789",
+    "ray_auth": True,
+    "ray_token_secret": "acme-ray-token",
+    "checkpoint_key_secret": "acme-checkpoint-key",
+    "dashboard": "internal-lb",
+    "client_cidrs": ["10.20.0.0/16"],
+    "ray_client": False,
+    "operator_namespace": "ray-system",
     "node_types": {
         "head": {"instance_type": "m7i.4xlarge", "vcpus": 16, "memory_gib": 64, "gpus": 0, "scratch_gib": 40},
         "cpu": {"instance_type": "c7i.16xlarge", "vcpus": 64, "memory_gib": 128, "gpus": 0, "scratch_gib": 300},
@@ -470,7 +485,7 @@ def test_the_shipped_files_are_the_example_values_rendered():
     """render.py with cluster/values.yaml changes nothing: the files under cluster/ are what a
     user's values are applied to, and each value has exactly the places render.py sets."""
     files = cluster_module("render").render(copy.deepcopy(EXAMPLE_VALUES))
-    for relative in ("aws.yaml", "kuberay/raycluster.yaml", "kuberay/karpenter.yaml"):
+    for relative in ("aws.yaml", "kuberay/raycluster.yaml", "kuberay/karpenter.yaml", "kuberay/networkpolicy.yaml"):
         shipped = [d for d in yaml.safe_load_all((CLUSTER / relative).read_text()) if d]
         assert list(yaml.safe_load_all(files[relative])) == shipped, relative
     for relative in ("iam/s3-policy.json", "iam/head-policy.json"):
@@ -494,13 +509,20 @@ def test_rendered_kit_carries_every_value_and_no_example(rendered):
         "worker profile": "raydense-worker",
         "head profile": "raydense-head",
         "ami": "ami-0123456789abcdef0",
+        "security group": "sg-0123456789abcdef0",
+        "ssh cidr": "203.0.113.0/24",
+        "ray token secret": "raydense-ray-token",
+        "checkpoint key secret": "raydense-checkpoint-key",
+        "operator namespace": "kuberay-operator",
     }
     for relative, text in files.items():
         for what, example in examples.items():
             assert example not in text, f"{relative} still holds the example {what} ({example})"
     recipe = files["configs/recipe.yaml"]
     assert recipe.count(f"s3://{values['bucket']}/") == 8  # every input and output of msmarco.yaml
-    assert json.loads(files["iam/s3-policy.json"])["Statement"][1]["Resource"] == f"arn:aws:s3:::{values['bucket']}/*"
+    assert (
+        f"arn:aws:s3:::{values['bucket']}/raydense/*" in files["iam/s3-policy.json"]
+    )  # what it allows: test_access.py
     head_policy = files["iam/head-policy.json"]
     assert f"arn:aws:iam::{values['account_id']}:role/{values['worker_profile']}" in head_policy
     account = docs_of(files["kuberay/serviceaccount.yaml"])["ServiceAccount"]
@@ -548,7 +570,7 @@ def test_rendered_pods_have_disk_a_driver_check_one_zone_and_do_not_disrupt(rend
         assert scratch["emptyDir"]["sizeLimit"] == f"{node['scratch_gib']}Gi"
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         assert mounts["/tmp/ray"] == mounts["/mnt/scratch"] == "scratch"
-        env = {e["name"]: e["value"] for e in container["env"]}
+        env = {e["name"]: e.get("value") for e in container["env"]}
         for variable in ("RAYDENSE_CACHE", "HF_HOME", "TMPDIR"):
             assert env[variable].startswith("/mnt/scratch/"), (name, variable)
         assert env["AWS_DEFAULT_REGION"] == values["region"]
@@ -634,6 +656,15 @@ def test_rendered_aws_yaml_with_efa_is_valid_for_ray_and_ec2(rendered):
         ({"subnet_id": ""}, "subnet_id is '', not a subnet id (efa: true needs it)"),
         ({"drain_margin_s": 40}, "drain_margin_s must be at least 0 and less than spot_notice_s"),
         ({"jobs": {"recipe": {"script": "jobs/recipe.py", "config": "jobs/recipes/nope.yaml"}}}, "jobs.recipe.config"),
+        ({"ssh_cidr": "0.0.0.0/0"}, "ssh_cidr holds 0.0.0.0/0, which is every address"),
+        ({"client_cidrs": []}, "dashboard: internal-lb needs client_cidrs"),
+        ({"client_cidrs": ["10.20.0.0/33"]}, "client_cidrs holds '10.20.0.0/33', not a CIDR block"),
+        ({"ray_auth": "yes"}, "ray_auth is 'yes', not true or false"),
+        ({"dashboard": "public"}, "dashboard is 'public', not port-forward or internal-lb"),
+        ({"run_prefixes": ["data/runs/"]}, "data/runs/ (run_prefixes) lies inside data/ (input_prefixes)"),
+        ({"run_prefixes": ["runs/"]}, "'s config names s3://<bucket>/raydense/"),
+        ({"kms_key_arn": "alias/raydense"}, "kms_key_arn is 'alias/raydense', not empty (SSE-S3) or a KMS key ARN"),
+        ({"security_group_id": ""}, "security_group_id is '', not a security group id"),
     ],
 )
 def test_render_refuses_a_bad_value_naming_its_key(tmp_path, capsys, change, message):

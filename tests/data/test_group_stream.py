@@ -16,6 +16,7 @@ from pipeline.data.group_stream import (
     plan_epoch,
 )
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
+from tests.helpers import SEAL_KEY
 
 pytestmark = pytest.mark.ray
 
@@ -121,7 +122,7 @@ def test_the_stream_keeps_the_planned_order_across_epochs_and_resumes_with_the_r
     for r in whole[:taken]:
         position.add(int(r["epoch"]), r["source_rows"])
     storage.write_json(storage.join(run_dir, "checkpoint_000000009", "position_rank0.json"), position.to_json())
-    sealed.seal(storage.join(run_dir, "checkpoint_000000009"), "rank0")
+    sealed.seal(storage.join(run_dir, "checkpoint_000000009"), "rank0", SEAL_KEY)
     write_pointer(run_dir, "checkpoint_000000009", 9)
     rest = stream()
     # Each epoch is its own dataset, joining only that epoch's groups: what a start or a

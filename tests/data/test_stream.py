@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 
@@ -16,6 +18,7 @@ from pipeline.data.position import (
     write_pointer,
 )
 from pipeline.data.stream import StreamSpec, build_stream, configure_data_context, to_sequences
+from tests.helpers import SEAL_KEY
 
 CLS, SEP, PAD = 2, 3, 0
 
@@ -177,7 +180,7 @@ def test_read_position_merges_the_ranks_of_the_checkpoint_ray_will_restore(tmp_p
     stale.add(0, [99])
     storage.write_json(storage.join(run_dir, "checkpoint_000000005", "position_rank0.json"), stale.to_json())
     for name in ("checkpoint_000000005", "checkpoint_000000010"):
-        sealed.seal(storage.join(run_dir, name), "rank0")
+        sealed.seal(storage.join(run_dir, name), "rank0", SEAL_KEY)
     write_pointer(run_dir, "checkpoint_000000010", 10)
     position, name = read_position(run_dir)
     assert name == "checkpoint_000000010"
@@ -198,29 +201,78 @@ def _checkpoint(run_dir, name: str, payload: bytes = b"weights" * 100) -> str:
     folder = storage.join(run_dir, name)
     storage.write_bytes(storage.join(folder, "state", "model.pt"), payload)
     storage.write_json(storage.join(folder, "position_rank0.json"), DataPosition().to_json())
-    sealed.seal(folder, "rank0")
+    sealed.seal(folder, "rank0", SEAL_KEY)
     return folder
 
 
 def test_a_sealed_folder_is_whole_only_with_every_file_at_its_size_and_hash(tmp_path):
     folder = _checkpoint(str(tmp_path), "checkpoint_000000004")
-    assert sealed.damage(folder) is None and sealed.verify(folder) is None
+    assert sealed.damage(folder) is None and sealed.verify(folder, SEAL_KEY) is None
     model = os.path.join(folder, "state", "model.pt")
     data = open(model, "rb").read()
     with open(model, "r+b") as f:  # a bit flipped: the listing cannot tell, the hash can
         f.seek(10)
         f.write(bytes([data[10] ^ 1]))
     assert sealed.damage(folder) is None
-    assert sealed.verify(folder) == "state/model.pt does not hold what was written (SHA-256 differs)"
+    assert sealed.verify(folder, SEAL_KEY) == "state/model.pt does not hold what was written (SHA-256 differs)"
     with open(model, "wb") as f:
         f.write(data[:100])
-    assert sealed.damage(folder) == sealed.verify(folder) == "state/model.pt holds 100 bytes, 700 were written"
+    assert (
+        sealed.damage(folder) == sealed.verify(folder, SEAL_KEY) == "state/model.pt holds 100 bytes, 700 were written"
+    )
     os.remove(model)
     assert sealed.damage(folder) == "state/model.pt is missing"
     os.remove(os.path.join(folder, "seal_rank0.json"))
     assert sealed.damage(folder).startswith("not sealed")
     sealed.mark_damaged(folder, "state/model.pt does not hold what was written (SHA-256 differs)")
     assert sealed.damage(folder) == "state/model.pt does not hold what was written (SHA-256 differs)"
+
+
+def test_a_seal_rewritten_without_the_key_is_refused_before_any_file_is_hashed(tmp_path, monkeypatch):
+    """Whoever can write the bucket can write a checkpoint and a seal for it, but not sign the
+    seal. Mutation: verify without its signature check; the planted files' seal then passes
+    as whole (None) and the resume loads them."""
+    from pipeline.core.errors import ArtifactError
+
+    folder = _checkpoint(str(tmp_path), "checkpoint_000000004")
+    planted = b"a pickle that runs code" * 10
+    with open(os.path.join(folder, "state", "model.pt"), "wb") as f:
+        f.write(planted)
+    seal_path = os.path.join(folder, "seal_rank0.json")
+    content = json.loads(open(seal_path).read())
+    content["files"]["state/model.pt"] = [len(planted), hashlib.sha256(planted).hexdigest()]
+    hashed = []
+    monkeypatch.setattr(sealed, "_sha256", lambda path: hashed.append(path) or "")
+    forgeries = [
+        ({"files": content["files"], "hmac": "0" * 64}, "is not signed with this run's key (tests.helpers.SEAL_KEY)"),
+        ({"files": content["files"]}, "is not signed:"),  # as seals were before they were signed
+    ]
+    for forged, how in forgeries:
+        with open(seal_path, "w") as f:
+            json.dump(forged, f)
+        with pytest.raises(ArtifactError) as refused:
+            sealed.verify(folder, SEAL_KEY, "s3://bucket/run/checkpoint_000000004")
+        message = str(refused.value)
+        assert message.startswith("checkpoint s3://bucket/run/checkpoint_000000004: seal_rank0.json ")
+        assert how in message and sealed.KEY_ENV in message and "\n" not in message
+    assert hashed == []  # refused on the seal alone
+    # The key itself: a different one refuses the same folder, sealed properly with the first.
+    monkeypatch.undo()
+    sealed.seal(folder, "rank0", SEAL_KEY)
+    assert sealed.verify(folder, SEAL_KEY) is None
+    with pytest.raises(ArtifactError, match="is not signed with this run's key"):
+        sealed.verify(folder, sealed.SealKey(b"another run's key", "elsewhere"))
+
+
+def test_a_run_without_a_key_set_gets_one_of_its_own_kept_outside_its_storage(tmp_path, monkeypatch):
+    monkeypatch.delenv(sealed.KEY_ENV, raising=False)
+    monkeypatch.setenv("RAYDENSE_CACHE", str(tmp_path / "cache"))
+    first, again, other = (sealed.seal_key(run) for run in ("s3://b/run-a", "s3://b/run-a", "s3://b/run-b"))
+    assert first == again and first.secret != other.secret and len(first.secret) == 64
+    assert first.source.startswith(str(tmp_path / "cache")) and os.stat(first.source).st_mode & 0o077 == 0
+    assert "secret" not in repr(first) and first.secret.decode() not in repr(first)
+    monkeypatch.setenv(sealed.KEY_ENV, "from-the-secret")
+    assert sealed.seal_key("s3://b/run-a") == sealed.SealKey(b"from-the-secret", "$RAYDENSE_CHECKPOINT_KEY")
 
 
 def test_a_damaged_latest_checkpoint_is_passed_over_for_the_newest_whole_one(tmp_path, capsys):

@@ -127,3 +127,30 @@ def test_the_benchmark_figures_are_generated_from_the_results_files(tmp_path, mo
     assert figures.main(["--check"]) == 1
     (results / "unplaced-cpu.json").write_text('{"x": 1}')
     assert figures.main(["--check"]) == 1
+
+
+def test_the_deploy_pages_access_commands_name_what_render_writes():
+    """The Secrets the deploy page makes are the ones the rendered cluster reads (Ray's token
+    through authOptions, the checkpoint key through every pod's env), and its port-forward
+    names the rendered head's Service and dashboard port. Mutation: values.yaml's
+    ray_token_secret renamed: the page's command no longer makes the Secret the cluster reads."""
+    import yaml
+
+    spec = importlib.util.spec_from_file_location("render", REPO / "cluster" / "render.py")
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    files = render.render(yaml.safe_load((REPO / "cluster" / "values.yaml").read_text()))
+    cluster = yaml.safe_load(files["kuberay/raycluster.yaml"])
+    token_secret = cluster["spec"]["authOptions"]["secretName"]
+    (head,) = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    (key_env,) = [e for e in head["env"] if e["name"] == "RAYDENSE_CHECKPOINT_KEY"]
+    key_ref = key_env["valueFrom"]["secretKeyRef"]
+    (dashboard,) = [p["containerPort"] for p in head["ports"] if p["name"] == "dashboard"]
+    page = (DOCS / "deploy.md").read_text()
+    assert f"kubectl create secret generic {token_secret} --from-literal=auth_token=" in page
+    assert f"kubectl create secret generic {key_ref['name']} --from-literal={key_ref['key']}=" in page
+    assert f"kubectl port-forward service/{cluster['metadata']['name']}-head-svc {dashboard}:{dashboard}" in page
+    assert f"kubectl get secret {token_secret} -o jsonpath='{{.data.auth_token}}'" in page
+    assert f"--address http://127.0.0.1:{dashboard}" in page
+    access = (DOCS / "operations" / "access.md").read_text()
+    assert "file://cluster/rendered/aws-ingress.json" in access and "aws-ingress.json" in files
