@@ -1,10 +1,18 @@
-"""Nothing a checkpoint folder holds is executed on resume: DeepSpeed's own files load with
-weights_only=True (its few state types allowed), so a pickle planted in the bucket fails to
-load instead of running. The seal's signature (tests/data/test_stream.py) refuses a planted
-folder before this; here the seal is signed with the run's key, as if the key had leaked,
-so the loader is what stands.
+"""Resuming from a checkpoint, in one DeepSpeed process without Ray Train: the suite's fast
+check of what the long checks prove through whole runs.
 
-DeepSpeed runs in a spawned process (its process group must not outlive the test)."""
+- A ZeRO-3 run resumed from its checkpoint of step 2 trains steps 3 and 4 to the weights and
+  losses of the run never stopped, bit for bit: the sharded fp32 masters and Adam's moments
+  come back through :func:`restore_checkpoint`, as a worker restores them.
+- Nothing a checkpoint folder holds is executed on resume: DeepSpeed's own files load with
+  weights_only=True (its few state types allowed), so a pickle planted in the bucket fails to
+  load instead of running. The seal's signature (tests/data/test_stream.py) refuses a planted
+  folder before this; here the seal is signed with the run's key, as if the key had leaked,
+  so the loader is what stands.
+
+DeepSpeed runs in a spawned process (its process group must not outlive the tests), once for
+the module.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +20,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from models.condenser import CondenserConfig, CondenserMethod
@@ -57,45 +66,95 @@ def _params(engine) -> dict[str, torch.Tensor]:
     return {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
 
 
+STEPS, SAVED_AT = 4, 2
+
+
+def _batch(step: int) -> dict[str, torch.Tensor]:
+    words = random_word_batch(4, 16, seed=step, pad_rows=0.0)
+    ids, labels = whole_word_mask(words.input_ids, tiny_masking_vocab(), torch.Generator().manual_seed(step), 0.3)
+    return {"input_ids": ids, "attention_mask": words.attention_mask, "labels": labels}
+
+
+def _train(method, engine, first: int, last: int) -> list[float]:
+    losses = []
+    for step in range(first, last):
+        loss, _ = method.backward(engine, _batch(step))
+        engine.step()
+        losses.append(float(loss))
+    return losses
+
+
+def _checkpoint(engine, run_dir: str, step: int) -> str:
+    """What a worker's save writes, without Ray Train's report: DeepSpeed's state, the
+    trainer's state, the seal, the pointer."""
+    folder = os.path.join(run_dir, NAME)
+    engine.save_checkpoint(folder, tag=CHECKPOINT_TAG)
+    with open(os.path.join(folder, "trainer_state.json"), "w") as f:
+        json.dump({"step": step}, f)
+    sealed.seal(folder, "rank0", SEAL_KEY)
+    write_pointer(run_dir, NAME, step)
+    return folder
+
+
+def _planted(stage: int, precision: str, run_dir: str, folder: str, marker: str) -> str | None:
+    """Every state file replaced by a pickle that writes ``marker``, sealed with the key: the
+    resume's error (None: it loaded)."""
+    for state_file in sorted(os.listdir(os.path.join(folder, CHECKPOINT_TAG))):
+        torch.save(Planted(marker), os.path.join(folder, CHECKPOINT_TAG, state_file))
+    sealed.seal(folder, "rank0", SEAL_KEY)
+    try:
+        restore_checkpoint(_engine(stage, precision)[1], 0, run_dir, SEAL_KEY)
+        return None
+    except Exception as exc:  # what the test checks is the kind, and that nothing ran first
+        return str(exc) if isinstance(exc, ArtifactError) else f"{type(exc).__name__}: {exc}"
+
+
 def _worker(rank: int, world: int, out: dict, root: str):
     for stage, precision in SETTINGS:
-        run_dir = os.path.join(root, f"zero{stage}-{precision}")
-        folder = os.path.join(run_dir, NAME)
-        method, trained = _engine(stage, precision)
-        words = random_word_batch(4, 16, seed=1, pad_rows=0.0)
-        ids, labels = whole_word_mask(words.input_ids, tiny_masking_vocab(), torch.Generator().manual_seed(0), 0.3)
-        method.backward(trained, {"input_ids": ids, "attention_mask": words.attention_mask, "labels": labels})
-        trained.step()
-        trained.save_checkpoint(folder, tag=CHECKPOINT_TAG)
-        with open(os.path.join(folder, "trainer_state.json"), "w") as f:
-            json.dump({"step": 1}, f)
-        sealed.seal(folder, "rank0", SEAL_KEY)
-        write_pointer(run_dir, NAME, 1)
-        # A genuine checkpoint loads under the weights-only guard: the allowed types suffice.
+        setting = f"zero{stage}-{precision}"
+        run_dir = os.path.join(root, setting)
+        method, whole = _engine(stage, precision)
+        losses = _train(method, whole, 0, SAVED_AT)
+        folder = _checkpoint(whole, run_dir, SAVED_AT)
+        losses += _train(method, whole, SAVED_AT, STEPS)
+        # A genuine checkpoint loads under the weights-only guard (the allowed types suffice),
+        # and training on from it gives the uninterrupted run's steps.
         _, resumed = _engine(stage, precision)
         restored = restore_checkpoint(resumed, 0, run_dir, SEAL_KEY)
-        same = all(torch.equal(a, b) for a, b in zip(_params(trained).values(), _params(resumed).values()))
-        result: dict = {"step": restored.state.step, "same_weights": same}
-        marker = os.path.join(root, f"planted-{stage}.txt")
-        for state_file in sorted(os.listdir(os.path.join(folder, CHECKPOINT_TAG))):
-            torch.save(Planted(marker), os.path.join(folder, CHECKPOINT_TAG, state_file))
-        sealed.seal(folder, "rank0", SEAL_KEY)
-        try:
-            restore_checkpoint(_engine(stage, precision)[1], 0, run_dir, SEAL_KEY)
-            result["error"] = None
-        except Exception as exc:  # what the test checks is the kind, and that nothing ran first
-            result["error"] = str(exc) if isinstance(exc, ArtifactError) else f"{type(exc).__name__}: {exc}"
+        resumed_losses = _train(method, resumed, restored.state.step, STEPS)
+        same = all(torch.equal(a, b) for a, b in zip(_params(whole).values(), _params(resumed).values()))
+        result: dict = {"step": restored.state.step, "losses": losses, "resumed_losses": resumed_losses}
+        result["same_weights"] = same
+        marker = os.path.join(root, f"planted-{setting}.txt")
+        result["error"] = _planted(stage, precision, run_dir, folder, marker)
         result["planted_ran"] = os.path.exists(marker)
-        out[f"zero{stage}-{precision}"] = result
+        out[setting] = result
 
 
-def test_a_planted_pickle_in_a_checkpoint_fails_to_load_and_never_runs(tmp_path):
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory) -> tuple[dict, str]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    return distributed.spawn(_worker, 1, str(root), deepspeed=True), str(root)
+
+
+def test_a_zero3_run_resumed_from_its_checkpoint_trains_on_bit_for_bit(resumed):
+    """Mutation: restore_checkpoint loading DeepSpeed's state without its optimizer states
+    (``load_optimizer_states=False``): Adam's moments start again, and step 3's loss and the
+    final weights differ."""
+    out, _ = resumed
+    for setting, result in out.items():
+        assert result["step"] == SAVED_AT, setting
+        assert result["resumed_losses"] == result["losses"][SAVED_AT:], setting
+        assert result["same_weights"], setting
+        assert result["losses"][-1] != result["losses"][0]  # it trained
+
+
+def test_a_planted_pickle_in_a_checkpoint_fails_to_load_and_never_runs(resumed):
     """Mutation: ``weights_only_loads`` made a no-op (DeepSpeed's own torch.load with
     weights_only=False): the planted object runs, writing its marker, before any error."""
-    out = distributed.spawn(_worker, 1, str(tmp_path), deepspeed=True)
+    out, root = resumed
     for setting, result in out.items():
-        assert result["step"] == 1 and result["same_weights"], (setting, result)
         assert result["planted_ran"] is False, (setting, result["error"])
         error = result["error"] or ""
-        assert error.startswith(f"checkpoint {tmp_path / setting / NAME}: state/"), (setting, error)
+        assert error.startswith(f"checkpoint {os.path.join(root, setting, NAME)}: state/"), (setting, error)
         assert " holds the global " in error and "\n" not in error, error
