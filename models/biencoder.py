@@ -154,10 +154,7 @@ class BiEncoder(nn.Module):
 
     def __init__(self, query_encoder: nn.Module, passage_encoder: nn.Module | None, cfg: BiEncoderConfig):
         super().__init__()
-        if cfg.temperature <= 0:
-            raise ValueError(f"temperature must be positive, got {cfg.temperature}")
-        if cfg.pooling not in get_args(Pooling):
-            raise ValueError(f"pooling {cfg.pooling!r}: resolve 'auto' from the checkpoint first (folder_pooling)")
+        check_settings(cfg)
         self.cfg = cfg
         self.query_encoder = query_encoder
         # Shared towers are one module, registered once, so DeepSpeed sees each weight once.
@@ -307,12 +304,28 @@ def global_contrastive_loss(
     return contrastive_loss(model.compute_similarity(queries, passages), group_size) * world_size()
 
 
-def load_biencoder(export_dir: str, overrides: dict | None = None) -> BiEncoder:
-    """A retriever export (``retriever.json`` + one or two HF encoders) ready to encode;
-    ``overrides`` (e.g. ``{"pooling": "mean"}``) replace saved settings. Any plain HF
-    checkpoint also loads, with the settings given in ``overrides`` (default: its
-    sentence-transformers pooling, else CLS; dot)."""
+def check_settings(cfg: BiEncoderConfig) -> None:
+    if cfg.temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {cfg.temperature}")
+    if cfg.pooling not in get_args(Pooling):
+        raise ValueError(f"pooling {cfg.pooling!r}: resolve 'auto' from the checkpoint first (folder_pooling)")
 
+
+@dataclass
+class ExportShape:
+    """What a retriever export encodes with and how wide, read from its settings and its
+    towers' ``config.json`` without their weights (a driver's question)."""
+
+    cfg: BiEncoderConfig
+    query_width: int
+    passage_width: int
+    towers: dict[str, str]  # "query" and, for two towers, "passage": each one's folder
+
+
+def export_shape(export_dir: str, overrides: dict | None = None) -> ExportShape:
+    """``overrides`` (e.g. ``{"pooling": "mean"}``) replace saved settings. A plain HF
+    checkpoint has the settings given in ``overrides`` (default: its sentence-transformers
+    pooling, else CLS; dot)."""
     has_settings = os.path.isfile(os.path.join(export_dir, SETTINGS_FILE))
     settings = load_settings(export_dir) if has_settings else {}
     settings.pop("lora", None)  # how it was trained: its adapters are merged into the export
@@ -320,15 +333,26 @@ def load_biencoder(export_dir: str, overrides: dict | None = None) -> BiEncoder:
     cfg = BiEncoderConfig(**{k: v for k, v in {**settings, **(overrides or {})}.items() if k in known})
     if cfg.pooling == "auto":
         cfg.pooling = folder_pooling(export_dir)
+    check_settings(cfg)
+    cfg.shared_encoder = not settings.get("towers")
+    towers = (
+        {"query": export_dir}
+        if cfg.shared_encoder
+        else {name: os.path.join(export_dir, name) for name in ("query", "passage")}
+    )
+    widths = {}
+    for name, folder in towers.items():
+        with open(os.path.join(folder, "config.json")) as f:
+            widths[name] = int(json.load(f)["hidden_size"])
+    return ExportShape(cfg, widths["query"], widths.get("passage", widths["query"]), towers)
 
-    def encoder(path: str) -> nn.Module:
-        return load_pretrained(AutoModel, path).eval()
 
-    if settings.get("towers"):
-        cfg.shared_encoder = False
-        return BiEncoder(encoder(os.path.join(export_dir, "query")), encoder(os.path.join(export_dir, "passage")), cfg)
-    cfg.shared_encoder = True
-    return BiEncoder(encoder(export_dir), None, cfg)
+def load_biencoder(export_dir: str, overrides: dict | None = None) -> BiEncoder:
+    """A retriever export (``retriever.json`` + one or two HF encoders) ready to encode, with
+    :func:`export_shape`'s settings. Any plain HF checkpoint also loads."""
+    shape = export_shape(export_dir, overrides)
+    encoders = {name: load_pretrained(AutoModel, folder).eval() for name, folder in shape.towers.items()}
+    return BiEncoder(encoders["query"], encoders.get("passage"), shape.cfg)
 
 
 def own_group_scores(scores: torch.Tensor, group_size: int) -> torch.Tensor:

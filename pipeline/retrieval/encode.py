@@ -28,7 +28,7 @@ import numpy as np
 import ray
 import torch
 
-from models.biencoder import load_biencoder
+from models.biencoder import ExportShape, export_shape, load_biencoder
 from models.compiled import compile_in_place
 from models.framing import Framing
 from pipeline.core import model_ref, storage
@@ -338,7 +338,7 @@ def prepared_corpus(corpus: str, model_dir: str, prepared: str, docs_per_shard: 
     return prepare_corpus(cfg)
 
 
-def _made_by(cfg: EncodeConfig, model_dir: str, probe, corpus: PreparedCorpus) -> dict:
+def _made_by(cfg: EncodeConfig, model_dir: str, shape: ExportShape, corpus: PreparedCorpus) -> dict:
     """What the passage vectors depend on: the model (reference and stored version), the
     retriever settings it encodes with (pooling, similarity: the export's, overridden), the
     passage length and the precision it means on the pool's devices, and the prepared corpus
@@ -347,9 +347,9 @@ def _made_by(cfg: EncodeConfig, model_dir: str, probe, corpus: PreparedCorpus) -
     return {
         "model": cfg.encoder.model,
         "model_version": storage.version(model_dir),
-        "retriever": asdict(probe.cfg),
+        "retriever": asdict(shape.cfg),
         "passage_max_len": cfg.encoder.passage_max_len,
-        **made_in(cfg.encoder.precision, device, probe.passage_tower.config.hidden_size),
+        **made_in(cfg.encoder.precision, device, shape.passage_width),
         "corpus": corpus.folder,
         "corpus_version": corpus.version,
         "corpus_shards": [(s["first_row"], s["rows"]) for s in corpus.manifest["shards"]],
@@ -377,13 +377,14 @@ def run_encoding(cfg: EncodeConfig, before_work=None) -> dict:
     )
     manifest = corpus.manifest
     check_shards(corpus.folder, manifest)
-    probe = load_biencoder(model_dir, cfg.encoder.overrides())
-    dim, similarity = int(probe.query_encoder.config.hidden_size), probe.cfg.similarity
+    # The settings and widths from the export's JSON files: the driver never holds the weights
+    # (a 7B decoder's are 13.5 GB in the head's memory).
+    shape = export_shape(model_dir, cfg.encoder.overrides())
+    dim, similarity = shape.query_width, shape.cfg.similarity
     if before_work is not None:
         before_work(dim, corpus)
-    made_by = _made_by(cfg, model_dir, probe, corpus)
+    made_by = _made_by(cfg, model_dir, shape, corpus)
     claim(cfg.output, made_by)
-    del probe
 
     shards = manifest["shards"]
     done = finished_shards(cfg.output)

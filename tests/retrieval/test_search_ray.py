@@ -93,12 +93,21 @@ def test_every_passage_encoded_once_and_equal_to_a_direct_encoding(encoded, coll
     assert np.allclose(vectors, direct, atol=1e-4)
 
 
-def test_a_rerun_redoes_only_missing_shards(encoded, collection, capsys):
+def test_a_rerun_redoes_only_missing_shards(encoded, collection, capsys, monkeypatch):
+    """The driver reads the model's settings and width from its JSON files, never its weights
+    (counted in the driver's process; the actors load it in theirs). Mutation: the driver's
+    probe through load_biencoder again: one load."""
+    import models.biencoder
+
     cfg, _ = encoded
     before = read_all(cfg.output)
     os.remove(os.path.join(cfg.output, emb.shard_path(2)))
     capsys.readouterr()
+    loads = []
+    real_load = models.biencoder.load_pretrained
+    monkeypatch.setattr(models.biencoder, "load_pretrained", lambda *a, **k: loads.append(a) or real_load(*a, **k))
     again = run_encoding(cfg)
+    assert loads == []
     assert again["shards_encoded"] == 1 and again["shards_skipped"] == 4
     # stderr is not a terminal here: progress comes as whole lines, counting up to the
     # passages this run encodes, without carriage returns.
