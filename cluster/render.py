@@ -40,6 +40,20 @@ NODE_KEYS = {"instance_type", "vcpus", "memory_gib", "gpus", "scratch_gib"}
 WORKER_TYPES = ("cpu", "gpu1", "gpu8")
 AWS_TOKEN_PATH = "/home/ray/.ray/auth_token"  # in every `ray up` node's container
 K8S_NAME = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+# The GPU of each EC2 GPU family, as Ray names it (``accelerator_type``): the run configs'
+# searchers are pinned to the gpu1 nodes' GPU and sized by its memory.
+GPU_OF_FAMILY = {
+    "g4dn": "T4",
+    "g5": "A10G",
+    "g6": "L4",
+    "g6e": "L40S",
+    "p3": "V100",
+    "p4d": "A100-40G",
+    "p4de": "A100-80G",
+    "p5": "H100",
+    "p5e": "H200",
+    "p5en": "H200",
+}
 AUTH_OFF_WARNING = (
     "# WARNING: Ray's token authentication is OFF (values.yaml: ray_auth: false). Anyone who can\n"
     "# reach the head's dashboard, GCS or client port can run code on this cluster, with its roles.\n"
@@ -160,6 +174,22 @@ def with_bucket(text: str, values: dict) -> str:
     return text.replace(EXAMPLE_BUCKET, values["bucket"]).replace(EXAMPLE_ACCOUNT, values["account_id"])
 
 
+def run_config(path: Path, values: dict) -> str:
+    """A job's run config for this cluster: the user's bucket, and its searchers on the GPU
+    of the gpu1 nodes."""
+    text = with_bucket(path.read_text(), values)
+    if "accelerator_type:" not in text:
+        return text
+    instance = values["node_types"]["gpu1"]["instance_type"]
+    gpu = GPU_OF_FAMILY.get(instance.split(".")[0])
+    if gpu is None:
+        raise ValuesError(
+            f"values: node_types.gpu1.instance_type {instance}: its GPU is not one render.py knows "
+            f"({', '.join(sorted(GPU_OF_FAMILY))}); add its family to GPU_OF_FAMILY"
+        )
+    return re.sub(r"(accelerator_type:\s*)[\w-]+", rf"\g<1>{gpu}", text)
+
+
 def pod_resources(spec: dict) -> tuple[dict, dict]:
     """What a pod of this node type asks: 15/16 of the vCPUs, 7/8 of the memory, its GPUs and
     its scratch plus 10 GiB for the container's own writes; and the volume sizes."""
@@ -278,7 +308,7 @@ def rayjob(name: str, job: dict, cluster: dict, values: dict) -> list[dict]:
             "apiVersion": "v1",
             "kind": "ConfigMap",
             "metadata": {"name": config_map, "labels": labels},
-            "data": {f"{name}.yaml": with_bucket((REPO / job["config"]).read_text(), values)},
+            "data": {f"{name}.yaml": run_config(REPO / job["config"], values)},
         },
         {
             "apiVersion": "ray.io/v1",
@@ -482,7 +512,7 @@ def render(values: dict) -> dict[str, str]:
     files["iam/head-policy.json"] = json.dumps(json.loads(text), indent=2) + "\n"
     for name, job in (values.get("jobs") or {}).items():
         files[f"kuberay/rayjob-{name}.yaml"] = warning + dump(rayjob(name, job, cluster, values))
-        files[f"configs/{name}.yaml"] = with_bucket((REPO / job["config"]).read_text(), values)
+        files[f"configs/{name}.yaml"] = run_config(REPO / job["config"], values)
     return files
 
 

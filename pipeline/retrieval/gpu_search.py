@@ -66,11 +66,14 @@ def fault_env() -> dict:
     return {name: os.environ[name] for name in (FAULT_VAR, FAULT_MARKS_VAR) if name in os.environ}
 
 
-def gpu_memory_bytes(gpu_memory_gb: float, cluster: dict) -> int:
-    """One GPU's memory: ``gpu_memory_gb`` when set, else the datasheet's for the
-    accelerator type the cluster's resources name (the smallest, when several are up)."""
+def gpu_memory_bytes(gpu_memory_gb: float, cluster: dict, accelerator_type: str = "") -> int:
+    """One GPU's memory: ``gpu_memory_gb`` when set, else the datasheet's for
+    ``accelerator_type`` (the type searchers are pinned to), else for the accelerator type
+    the cluster's resources name (the smallest, when several are up)."""
     if gpu_memory_gb > 0:
         return int(gpu_memory_gb * 2**30)
+    if accelerator_type:
+        return int(GPU_MEMORY_GB[accelerator_type] * 2**30)
     known = [
         GPU_MEMORY_GB[k.split(":", 1)[1]]
         for k in cluster
@@ -78,7 +81,8 @@ def gpu_memory_bytes(gpu_memory_gb: float, cluster: dict) -> int:
     ]
     if not known:
         raise ConfigError(
-            "--searchers.use_gpu needs the GPUs' memory to size its searchers: set --searchers.gpu_memory_gb "
+            "--searchers.use_gpu needs the GPUs' memory to size its searchers: set --searchers.accelerator_type "
+            "(or --searchers.gpu_memory_gb) "
             f"(no GPU node of a known type is up; known: {', '.join(GPU_MEMORY_GB)})"
         )
     return int(min(known) * 2**30)

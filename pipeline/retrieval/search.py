@@ -76,7 +76,13 @@ class SearcherConfig(ServerLimits):
     gpu_memory_gb: float = field(
         default=0,
         metadata={
-            "help": "memory of one searcher's GPU, with use_gpu; 0 = the datasheet's for the accelerator type of the GPU nodes up"
+            "help": "memory of one searcher's GPU, with use_gpu; 0 = the datasheet's for accelerator_type, else for the smallest accelerator type of the GPU nodes up"
+        },
+    )
+    accelerator_type: str = field(
+        default="",
+        metadata={
+            "help": "with use_gpu, the GPU type searchers run on, as Ray names it (L4, A100-40G, H100, ...): they are placed only there and sized by its datasheet memory (what an autoscaling cluster with no GPU node up yet needs); empty = any GPU"
         },
     )
     gpu_fallback: Literal["fail", "torch", "cpu"] = field(
@@ -100,6 +106,11 @@ class SearcherConfig(ServerLimits):
             raise ValueError(f"blocks_in_flight must be >= 1, got {self.blocks_in_flight}")
         if self.gpu_fallback not in FALLBACKS:
             raise ValueError(f"gpu_fallback must be one of {', '.join(FALLBACKS)}, got {self.gpu_fallback!r}")
+        if self.accelerator_type and self.accelerator_type not in gpu_search.GPU_MEMORY_GB:
+            raise ValueError(
+                f"accelerator_type {self.accelerator_type!r} is not one the searcher planner knows "
+                f"({', '.join(gpu_search.GPU_MEMORY_GB)}); set gpu_memory_gb with it left empty"
+            )
 
 
 class IndexSearcher:
@@ -202,7 +213,7 @@ def plan_searchers(
     cluster = ray.cluster_resources() if cluster is None and (on_gpu or not cfg.searchers) else cluster or {}
     if on_gpu:
         held = _RunBytes(manifest, gpu_search.gpu_factory(manifest["factory"]))
-        card = gpu_search.gpu_memory_bytes(cfg.gpu_memory_gb, cluster)
+        card = gpu_search.gpu_memory_bytes(cfg.gpu_memory_gb, cluster, cfg.accelerator_type)
         budget = gpu_search.usable_bytes(card)
         shard = int(np.argmax(held.per_shard))
         if held.of([shard]) > budget:
@@ -224,7 +235,9 @@ def plan_searchers(
             f"{len(runs)} searchers hold {index_memory.gib(max(map(held.of, runs)))} each on a GPU, more than the {index_memory.gib(budget)} "
             "a searcher has: ask for more (--searchers.searchers) or leave it 0 to size them by memory"
         )
-    options = {"num_cpus": SEARCHER_CPUS, "num_gpus": 1.0 if on_gpu else 0.0}
+    options: dict = {"num_cpus": SEARCHER_CPUS, "num_gpus": 1.0 if on_gpu else 0.0}
+    if on_gpu and cfg.accelerator_type:
+        options["accelerator_type"] = cfg.accelerator_type  # Ray's own pin to that GPU type's nodes
     return [([shards[i] for i in run], options | {"memory": host.of(run) + PROCESS_BYTES}) for run in runs]
 
 
@@ -332,6 +345,7 @@ class ShardedIndex(ShardFanout):
         failure, naming the node and the cause."""
         canary = ray.remote(gpu_search.gpu_canary).options(
             num_gpus=1,
+            accelerator_type=self.config.accelerator_type or None,  # the GPU type the searchers get
             num_cpus=SEARCHER_CPUS,
             max_retries=0,
             runtime_env=_searcher_env(),

@@ -346,7 +346,10 @@ def test_kuberay_rayjobs_run_each_job_with_its_config_from_a_configmap(rendered,
         text = config_map["data"][config_path[len(mount["mountPath"]) + 1 :]]
         assert text == files[f"configs/{name}.yaml"]
         source = (REPO / values["jobs"][name]["config"]).read_text()
-        assert text == source.replace("your-bucket", values["bucket"])
+        # Searchers on the GPU of the gpu1 nodes (g6e: L40S), sized by its memory.
+        assert text == source.replace("your-bucket", values["bucket"]).replace(
+            "accelerator_type: L4", "accelerator_type: L40S"
+        )
         config_file = tmp_path / f"{name}.yaml"
         config_file.write_text(text)
         cfg = parse_config(config_class, ["--config", str(config_file)])

@@ -115,7 +115,10 @@ def test_gpu_memory_comes_from_the_accelerator_type_and_an_index_no_gpu_holds_is
     larger than a GPU fails before any work, with the sizes and factories that fit."""
     by_type = plan_searchers(CORPUS_50M, SearcherConfig(use_gpu=True), cluster={"GPU": 8, "accelerator_type:L4": 1})
     assert by_type == plan_searchers(CORPUS_50M, SearcherConfig(use_gpu=True, gpu_memory_gb=24), cluster={})
-    with pytest.raises(ConfigError, match=r"set --searchers.gpu_memory_gb \(no GPU node of a known type is up"):
+    with pytest.raises(
+        ConfigError,
+        match=r"set --searchers.accelerator_type \(or --searchers.gpu_memory_gb\) \(no GPU node of a known type is up",
+    ):
         plan_searchers(CORPUS_50M, SearcherConfig(use_gpu=True), cluster={"GPU": 8})
     big = _manifest([20_000_000, 20_000_000, 10_000_000])  # 28.8 GiB a shard in fp16
     with pytest.raises(
@@ -176,3 +179,24 @@ def test_an_encoder_pool_asks_for_the_gpus_its_config_names(tmp_path, fake_gpu_r
     stored = StoredQueryVectors(lambda b: str(tmp_path / f"queries-{b}.npy"), 3, 3)
     with pytest.raises(Exception, match=r"reserved GPU \[.\d.\] \(pool.use_gpu\) but torch sees no CUDA device"):
         store_query_vectors(EncoderSettings(model=model), lambda b: ["a query"] * 3, [0], pool, stored)
+
+
+def test_searchers_pinned_to_a_gpu_type_are_sized_by_it_with_no_gpu_node_up():
+    """An autoscaling cluster at zero GPU nodes: searchers pinned to the L4 (the kit's gpu1
+    nodes) are planned as 24 GB cards and ask Ray for that type; with an H100 and an L4 node
+    up, the pin still plans for the L4, where the searchers will run. Mutation: the plan
+    ignoring accelerator_type: refused (no GPU node up), and the options carry no pin."""
+    pinned = SearcherConfig(use_gpu=True, accelerator_type="L4")
+    plan = plan_searchers(CORPUS_50M, pinned, cluster={"CPU": 8})
+    assert [entries for entries, _ in plan] == [
+        entries for entries, _ in plan_searchers(CORPUS_50M, SearcherConfig(use_gpu=True, gpu_memory_gb=24), cluster={})
+    ]
+    assert {options["accelerator_type"] for _, options in plan} == {"L4"}
+    mixed = {"GPU": 9, "accelerator_type:H100": 1, "accelerator_type:L4": 1}
+    assert len(plan_searchers(CORPUS_50M, pinned, cluster=mixed)) == len(plan)
+    on_h100 = plan_searchers(CORPUS_50M, SearcherConfig(use_gpu=True, accelerator_type="H100"), cluster=mixed)
+    assert len(on_h100) < len(plan)
+    unpinned = plan_searchers(CORPUS_50M, SearcherConfig(use_gpu=True, gpu_memory_gb=24), cluster={})
+    assert all("accelerator_type" not in options for _, options in unpinned)
+    with pytest.raises(ValueError, match="accelerator_type 'B300' is not one the searcher planner knows"):
+        SearcherConfig(use_gpu=True, accelerator_type="B300")
