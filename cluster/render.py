@@ -35,6 +35,8 @@ CLUSTER = Path(__file__).resolve().parent
 REPO = CLUSTER.parent
 EXAMPLE_BUCKET = "your-bucket"
 EXAMPLE_ACCOUNT = "123456789012"
+EXAMPLE_REGION = "us-west-2"
+EXAMPLE_VALUES = {"ami": "ami-0123456789abcdef0", "security_group_id": "sg-0123456789abcdef0"}  # values.yaml's
 IMAGE_DIR = "/home/ray/raydense"  # where cluster/Dockerfile puts the checkout
 NODE_KEYS = {"instance_type", "vcpus", "memory_gib", "gpus", "scratch_gib"}
 WORKER_TYPES = ("cpu", "gpu1", "gpu8")
@@ -84,6 +86,10 @@ def check_values(values: dict) -> dict:
         need(key, r"[\w+=,.@-]+", "a name")
     need("ami", r"ami-[0-9a-f]{8,17}", "an AMI id")
     need("security_group_id", r"sg-[0-9a-f]+", "a security group id (every `ray up` node joins it)")
+    if region != EXAMPLE_REGION:  # the example's ids exist in no account, and ids are per region
+        for key in ("ami", "security_group_id"):
+            if values[key] == EXAMPLE_VALUES[key]:
+                raise ValuesError(f"values: {key} is still the example's {values[key]}: name the one of {region}")
     _check_access(values, need)
     _check_prefixes(values)
     types = values.get("node_types")
@@ -93,8 +99,9 @@ def check_values(values: dict) -> dict:
         missing = NODE_KEYS - set(spec)
         if missing:
             raise ValuesError(f"values: node_types.{name} lacks {', '.join(sorted(missing))}")
-        for key in NODE_KEYS - {"instance_type"}:
-            if not isinstance(spec[key], int) or spec[key] < 0:
+        counts = (NODE_KEYS - {"instance_type"}) | ({"max_spot", "max_ondemand", "efa_interfaces"} & set(spec))
+        for key in sorted(counts):
+            if not isinstance(spec[key], int) or isinstance(spec[key], bool) or spec[key] < 0:
                 raise ValuesError(f"values: node_types.{name}.{key} is {spec[key]!r}, not a whole number")
     if not 0 <= values.get("drain_margin_s", -1) < values.get("spot_notice_s", 0):
         raise ValuesError("values: drain_margin_s must be at least 0 and less than spot_notice_s")
@@ -516,13 +523,29 @@ def render(values: dict) -> dict[str, str]:
     return files
 
 
+def read_values(path: Path) -> dict:
+    """The values file as a mapping; malformed YAML is one line naming where."""
+    try:
+        values = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValuesError(f"not valid YAML{where}: {problem}") from None
+    if not isinstance(values, dict):
+        raise ValuesError(f"not a mapping of values (it holds {type(values).__name__})")
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--values", type=Path, default=CLUSTER / "values.yaml", help="your values")
     parser.add_argument("--out", type=Path, default=CLUSTER / "rendered", help="where the rendered files go")
     args = parser.parse_args(argv)
     try:
-        files = render(yaml.safe_load(args.values.read_text()))
+        files = render(read_values(args.values))
+        if args.out.exists() and not args.out.is_dir():
+            raise ValuesError(f"--out {args.out} is a file, not a folder to write the kit into")
     except (OSError, ValuesError) as err:
         print(f"error: {args.values}: {err}", file=sys.stderr)
         return 2

@@ -668,6 +668,11 @@ def test_rendered_aws_yaml_with_efa_is_valid_for_ray_and_ec2(rendered):
         ({"run_prefixes": ["runs/"]}, "'s config names s3://<bucket>/raydense/"),
         ({"kms_key_arn": "alias/raydense"}, "kms_key_arn is 'alias/raydense', not empty (SSE-S3) or a KMS key ARN"),
         ({"security_group_id": ""}, "security_group_id is '', not a security group id"),
+        (
+            {"node_types": {**TEST_VALUES["node_types"], "gpu1": {**TEST_VALUES["node_types"]["gpu1"], "max_spot": -2}}},
+            "node_types.gpu1.max_spot is -2, not a whole number",
+        ),
+        ({"ami": "ami-0123456789abcdef0"}, "ami is still the example's ami-0123456789abcdef0: name the one of eu-central-1"),
     ],
 )
 def test_render_refuses_a_bad_value_naming_its_key(tmp_path, capsys, change, message):
@@ -679,6 +684,30 @@ def test_render_refuses_a_bad_value_naming_its_key(tmp_path, capsys, change, mes
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {path}: values: ") and message in err and "\n" not in err
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_render_says_in_one_line_what_is_wrong_with_the_file_or_the_output(tmp_path, capsys):
+    """Malformed YAML, a file that is no mapping, and --out naming a file: one line each,
+    nothing written (they were tracebacks)."""
+    render = cluster_module("render")
+    good = tmp_path / "values.yaml"
+    good.write_text(yaml.safe_dump(TEST_VALUES))
+    cases = {
+        "bucket: [unclosed\nregion: x\n": "not valid YAML at line 2, column 7: expected ',' or ']'",
+        "- just\n- a list\n": "not a mapping of values (it holds list)",
+    }
+    for text, message in cases.items():
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        assert render.main(["--values", str(bad), "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: {bad}: ") and message in err and "\n" not in err, err
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    assert render.main(["--values", str(good), "--out", str(a_file)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"--out {a_file} is a file, not a folder to write the kit into") and "\n" not in err
+    assert not (tmp_path / "out").exists()
 
 
 # -- the driver check and the spot watcher's deadline ------------------------------------
