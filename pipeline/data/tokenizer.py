@@ -11,6 +11,8 @@ from typing import Iterable
 from tokenizers import BertWordPieceTokenizer
 from transformers import AutoTokenizer, BertTokenizerFast, PreTrainedTokenizerBase
 
+from pipeline.core import model_ref
+from pipeline.core.errors import ConfigError
 from pipeline.data.wordpiece import count_words, learn_vocabulary
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -38,6 +40,44 @@ def train_wordpiece(
     )
     tokenizer.save_pretrained(out_dir)
     return tokenizer
+
+
+# The files a tokenizer's vocabulary lives in (WordPiece, byte-level BPE, SentencePiece).
+VOCABULARY_FILES = (
+    "tokenizer.json",
+    "vocab.txt",
+    "vocab.json",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tokenizer.model",
+)
+
+
+def check_model_tokenizer(reference: str, what: str) -> None:
+    """Before any work: the model (its query tower, in an export of two) carries a tokenizer
+    with a vocabulary. From a folder without one, transformers builds a tokenizer of its
+    special tokens alone, and every word reads as [UNK]: an evaluation then ends with exit 0
+    and all-zero metrics. A Hub model's repository holds its own."""
+    ref = model_ref.parse(reference, what)
+    if ref.kind == "hub":
+        return
+    towers = model_ref.has_file(reference, "query/config.json")
+    folder = model_ref.join(reference, "query") if towers else ref.text
+    if ref.kind == "storage":
+        if not any(model_ref.has_file(folder, name) for name in VOCABULARY_FILES):
+            raise ConfigError(f"{what} {folder}: holds no tokenizer (none of {', '.join(VOCABULARY_FILES)})")
+        return
+    path = model_ref.join(reference, "query") if towers else model_ref.join(reference, "")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{what} {folder}: its tokenizer does not load ({str(exc).splitlines()[0]})") from None
+    specials = len(set(tokenizer.all_special_ids))
+    if len(tokenizer) <= specials:
+        raise ConfigError(
+            f"{what} {folder}: holds no tokenizer vocabulary (none of {', '.join(VOCABULARY_FILES)}; what loads is "
+            f"its {specials} special tokens alone, every word {tokenizer.unk_token}): save the model's tokenizer beside it"
+        )
 
 
 # What masked-language-model pre-training and the re-ranker's pairs need of a tokenizer.

@@ -27,7 +27,7 @@ from pipeline.data.group_stream import GroupSpec, GroupStream
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
 from pipeline.data.shards import PreparedCorpus
 from pipeline.data.tevatron import extract_tevatron_corpus, read_tevatron, tevatron_example
-from pipeline.data.tokenizer import load_tokenizer, prefix_token_ids
+from pipeline.data.tokenizer import check_model_tokenizer, load_tokenizer, prefix_token_ids
 from pipeline.retrieval.bm25_negatives import Bm25Negatives, mine_negatives
 from pipeline.retrieval.encode import EncoderSettings
 from pipeline.retrieval.evaluate import EvaluateJobConfig, evaluation_job, run_evaluation
@@ -88,6 +88,7 @@ class EncoderInit(Section):
 
     def check_inputs(self, prefix: str) -> None:
         model_ref.check(self.init, f"{prefix}init")
+        check_model_tokenizer(self.init, f"{prefix}init")
 
 
 class GroupTask(Task):

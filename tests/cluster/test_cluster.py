@@ -669,10 +669,18 @@ def test_rendered_aws_yaml_with_efa_is_valid_for_ray_and_ec2(rendered):
         ({"kms_key_arn": "alias/raydense"}, "kms_key_arn is 'alias/raydense', not empty (SSE-S3) or a KMS key ARN"),
         ({"security_group_id": ""}, "security_group_id is '', not a security group id"),
         (
-            {"node_types": {**TEST_VALUES["node_types"], "gpu1": {**TEST_VALUES["node_types"]["gpu1"], "max_spot": -2}}},
+            {
+                "node_types": {
+                    **TEST_VALUES["node_types"],
+                    "gpu1": {**TEST_VALUES["node_types"]["gpu1"], "max_spot": -2},
+                }
+            },
             "node_types.gpu1.max_spot is -2, not a whole number",
         ),
-        ({"ami": "ami-0123456789abcdef0"}, "ami is still the example's ami-0123456789abcdef0: name the one of eu-central-1"),
+        (
+            {"ami": "ami-0123456789abcdef0"},
+            "ami is still the example's ami-0123456789abcdef0: name the one of eu-central-1",
+        ),
     ],
 )
 def test_render_refuses_a_bad_value_naming_its_key(tmp_path, capsys, change, message):

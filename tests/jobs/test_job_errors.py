@@ -135,6 +135,19 @@ def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path
             "score must be an integer, got 'high'",
         ),
     }
+    # A model folder whose tokenizer files were left behind: transformers loads a tokenizer of
+    # 5 special tokens from it, and the job ran to exit 0 on every word as [UNK].
+    no_tokenizer = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_model, no_tokenizer, ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "special_tokens*"))
+    untokenized = "holds no tokenizer vocabulary (none of tokenizer.json, vocab.txt"
+    cases["evaluating a model without its tokenizer"] = (
+        [*evaluate, *dev_qrels, "--encoder.model", str(no_tokenizer)],
+        f"--encoder.model {no_tokenizer}: {untokenized}",
+    )
+    cases["fine-tuning a model without its tokenizer"] = (
+        ["jobs.finetune", "--model.init", str(no_tokenizer), "--train.output", str(tmp_path / "run")],
+        f"--model.init {no_tokenizer}: {untokenized}",
+    )
     run = ["--train.output", str(tmp_path / "run")]
     for option, value, named in [
         ("num_workers", "0", "num_workers must be >= 1, got 0"),
