@@ -103,9 +103,12 @@ def _fit_interruptibly(trainer: TorchTrainer, capacity: WorkerGroupWait | None =
 
 def _fit_past_storage_faults(trainer: TorchTrainer, capacity: WorkerGroupWait | None, stop_request: str):
     """:func:`_fit_interruptibly`, again while Ray Train's controller dies of a transient
-    storage fault: its constructor checks the run's bucket once, outside any retry (a
-    HeadBucket answered 503 on a busy S3 ended the run on ActorDiedError). A fit that failed
-    otherwise (its workers past ``max_failures``) is not started again."""
+    storage fault. Its constructor checks the run's bucket once, outside any retry (a
+    HeadBucket answered 503 on a busy S3 ended the run on ActorDiedError), and it writes its
+    checkpoint registry with the SDK's retries alone, which a storm outlasts (an UploadPart
+    answered SlowDown ended the run on ControllerError). The next fit resumes from the
+    registered checkpoint. A fit that failed otherwise (its workers past ``max_failures``)
+    is not started again."""
     failed: dict = {}
 
     def attempt():
@@ -113,6 +116,11 @@ def _fit_past_storage_faults(trainer: TorchTrainer, capacity: WorkerGroupWait | 
             return _fit_interruptibly(trainer, capacity, stop_request)
         except ray.exceptions.ActorDiedError:
             raise  # storage.retrying takes it when its cause is transient
+        except ray.train.ControllerError as exc:
+            if storage.is_transient(exc):
+                raise
+            failed["error"] = exc
+            return None
         except Exception as exc:  # noqa: BLE001 - raised below, never retried
             failed["error"] = exc
             return None

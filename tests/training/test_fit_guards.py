@@ -80,8 +80,10 @@ def test_a_controller_killed_by_a_transient_storage_fault_is_started_again_and_n
     on the busy S3 a HeadBucket answered 503 ended a fine-tuning on ActorDiedError. That fit
     is started again; a controller killed by a missing bucket, and a fit that failed past its
     workers' restarts, are not. Mutation: ``fit`` calling ``_fit_interruptibly`` directly
-    fails the first case."""
+    fails the first case; ControllerError left to the last branch fails the throttled
+    registry write's."""
     import ray
+    import ray.train
 
     monkeypatch.setattr(ray.exceptions, "ActorDiedError", _ControllerDied)
     monkeypatch.setenv("RAYDENSE_S3_RETRY_SECONDS", "5")
@@ -97,5 +99,15 @@ def test_a_controller_killed_by_a_transient_storage_fault_is_started_again_and_n
 
     trainer = _FakeTrainer([RuntimeError(f"training failed past max_failures: {busy}")])
     with pytest.raises(RuntimeError, match="max_failures"):
+        driver._fit_past_storage_faults(trainer, None, "")
+    assert trainer.fits == 1
+
+    # The controller's own write of its checkpoint registry, past the SDK's retries in a storm
+    # (bench_storage_faults' busy pre-training met it): started again; denied access is not.
+    throttled = OSError("When uploading part for key 'run/checkpoint_manager_snapshot.json': AWS Error SLOW_DOWN")
+    trainer = _FakeTrainer([ray.train.ControllerError(throttled)])
+    assert driver._fit_past_storage_faults(trainer, None, "") == "fitted" and trainer.fits == 2
+    trainer = _FakeTrainer([ray.train.ControllerError(OSError("AWS Error ACCESS_DENIED during PutObject"))])
+    with pytest.raises(ray.train.ControllerError, match="ACCESS_DENIED"):
         driver._fit_past_storage_faults(trainer, None, "")
     assert trainer.fits == 1
