@@ -149,9 +149,7 @@ def test_a_compiled_encoder_gives_the_eager_embeddings_at_every_batch_width(tmp_
 def test_encodings_record_the_precision_auto_meant_on_their_devices(tmp_path):
     """made_by.json holds the precision a setting resolved to: auto's vectors of a GPU run are
     fp16's, and not taken for a CPU run's fp32 ones (nor the reverse)."""
-    from types import SimpleNamespace
-
-    from models.biencoder import BiEncoderConfig
+    from models.biencoder import BiEncoderConfig, ExportShape
     from pipeline.data.shards import PreparedCorpus
     from pipeline.retrieval.encode import EncodeConfig, _made_by
 
@@ -163,10 +161,8 @@ def test_encodings_record_the_precision_auto_meant_on_their_devices(tmp_path):
     def made_by(use_gpu: bool, hidden: int, precision: str = "auto") -> dict:
         cfg = EncodeConfig()
         cfg.pool.use_gpu, cfg.encoder.precision = use_gpu, precision
-        probe = SimpleNamespace(
-            cfg=BiEncoderConfig(), passage_tower=SimpleNamespace(config=SimpleNamespace(hidden_size=hidden))
-        )
-        return _made_by(cfg, str(tmp_path / "model"), probe, PreparedCorpus(str(tmp_path / "corpus"), {"shards": []}))
+        shape = ExportShape(BiEncoderConfig(), hidden, hidden, {"query": str(tmp_path / "model")})
+        return _made_by(cfg, str(tmp_path / "model"), shape, PreparedCorpus(str(tmp_path / "corpus"), {"shards": []}))
 
     assert made_by(False, 768)["precision"] == "fp32" and made_by(True, 768)["precision"] == "fp16"
     assert made_by(False, 768) != made_by(True, 768) and made_by(False, 768) == made_by(True, 768, "fp32")

@@ -50,12 +50,16 @@ def test_ctrl_c_during_fit_is_the_jobs_keyboard_interrupt_at_once(monkeypatch):
     interrupt waits for fit."""
     shut = []
     monkeypatch.setattr(driver.ray, "shutdown", lambda: shut.append(True))
+    # Python's own Ctrl-C, as a job's process starts with: a handler an earlier test left in
+    # this worker's process swallowed the signal once (the suite beside two busy loops).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     trainer = _BlockingTrainer()
     timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
     timer.start()
     started = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         driver._fit_interruptibly(trainer)
+    signal.signal(signal.SIGINT, previous)
     assert trainer.on_main_thread is False
     assert time.monotonic() - started < 30 and shut == [True]  # the run's actors go with it
 
