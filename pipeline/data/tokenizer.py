@@ -61,13 +61,13 @@ def check_model_tokenizer(reference: str, what: str) -> None:
     ref = model_ref.parse(reference, what)
     if ref.kind == "hub":
         return
-    towers = model_ref.has_file(reference, "query/config.json")
-    folder = model_ref.join(reference, "query") if towers else ref.text
+    tower = "query" if model_ref.has_file(reference, "query/config.json") else ""
+    folder = model_ref.join(reference, tower) if tower else ref.text
     if ref.kind == "storage":
         if not any(model_ref.has_file(folder, name) for name in VOCABULARY_FILES):
             raise ConfigError(f"{what} {folder}: holds no tokenizer (none of {', '.join(VOCABULARY_FILES)})")
         return
-    path = model_ref.join(reference, "query") if towers else model_ref.join(reference, "")
+    path = model_ref.join(reference, tower)  # a local path (a package's too)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:

@@ -15,8 +15,8 @@ Train will restore (:func:`pipeline.data.position.read_position`).
 Nothing read back is executed. raydense's own files are JSON; a resume first checks every
 seal's signature (a folder planted in the bucket is refused), then its hashes, and DeepSpeed's
 ``state/*.pt`` files load with ``torch.load(weights_only=True)``, allowing only the few types
-DeepSpeed's own state holds (:data:`DEEPSPEED_STATE_TYPES`), where DeepSpeed itself unpickles
-whatever a file holds.
+DeepSpeed's own state holds (:func:`_deepspeed_state_types`), where DeepSpeed itself
+unpickles whatever a file holds.
 """
 
 from __future__ import annotations

@@ -116,12 +116,9 @@ def _fit_past_storage_faults(trainer: TorchTrainer, capacity: WorkerGroupWait | 
             return _fit_interruptibly(trainer, capacity, stop_request)
         except ray.exceptions.ActorDiedError:
             raise  # storage.retrying takes it when its cause is transient
-        except ray.train.ControllerError as exc:
-            if storage.is_transient(exc):
-                raise
-            failed["error"] = exc
-            return None
         except Exception as exc:  # noqa: BLE001 - raised below, never retried
+            if isinstance(exc, ray.train.ControllerError) and storage.is_transient(exc):
+                raise  # storage.retrying takes it
             failed["error"] = exc
             return None
 
