@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from pipeline.core import sealed, storage
+from tests.pace import bound_s
 
 # BERT's special tokens, at the ids a BERT vocabulary puts them.
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = 0, 1, 2, 3, 4
@@ -365,7 +366,7 @@ def stopped_by_sigterm(job, timeout_s: float = 90) -> str:
     import signal
 
     job.send_signal(signal.SIGTERM)
-    _, err = job.communicate(timeout=timeout_s)
+    _, err = job.communicate(timeout=bound_s(timeout_s))
     lines = [line for line in err.splitlines() if line.strip()]
     assert job.returncode == 143, err[-3000:]
     assert lines[-1] == SIGTERM_HINT, err[-3000:]
@@ -374,11 +375,12 @@ def stopped_by_sigterm(job, timeout_s: float = 90) -> str:
 
 
 def is_killed(actor, within_s: float = 30.0) -> bool:
-    """Whether ``actor`` is dead within ``within_s``: ``ray.kill`` returns before the actor
-    is, so a call made just after it may still be answered."""
+    """Whether ``actor`` is dead within ``within_s`` (on an idle machine; scaled to this one's
+    pace): ``ray.kill`` returns before the actor is, so a call made just after it may still
+    be answered."""
     import ray
 
-    deadline = time.monotonic() + within_s
+    deadline = time.monotonic() + bound_s(within_s)
     while time.monotonic() < deadline:
         try:
             ray.get(actor.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))

@@ -13,6 +13,7 @@ from ray import cloudpickle
 from pipeline.core.actor_pool import ActorConfig, run_actor_pool
 from pipeline.core.capacity import CapacityWait
 from pipeline.core.errors import CapacityError
+from tests.pace import bound_s
 
 pytestmark = pytest.mark.ray
 
@@ -34,7 +35,7 @@ def test_a_pool_no_node_can_hold_fails_in_its_wait_naming_the_resources(shared_r
     pool = ActorConfig(actors=2, cpus_per_actor=64, capacity_wait_s=2)
     remote = ray.remote(_Doubler).options(**pool.remote_options(), max_restarts=0)
     started = time.monotonic()
-    with pytest.raises(CapacityError, match=r"2 test actors of num_cpus 64 each: 0 placed after [2-9] s") as caught:
+    with pytest.raises(CapacityError, match=r"2 test actors of num_cpus 64 each: 0 placed after \d+ s") as caught:
         run_actor_pool(
             lambda: remote.remote(),
             [1, 2, 3],
@@ -43,7 +44,7 @@ def test_a_pool_no_node_can_hold_fails_in_its_wait_naming_the_resources(shared_r
             pool.actors,
             capacity=CapacityWait.of(pool, "test actors"),
         )
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < bound_s(30)
     assert "CPU 4" in str(caught.value) and caught.value.exit_code == 1
 
 
@@ -104,8 +105,8 @@ def test_tasks_no_node_can_run_end_their_wait_and_long_tasks_do_not(shared_ray, 
     monkeypatch.setenv(TASK_WAIT_VAR, "2")
     never = ray.remote(_sleep_then).options(num_cpus=64)
     started = time.monotonic()
-    with pytest.raises(CapacityError, match=r"2 prepare tasks of what they ask each: 0 placed after [2-9] s") as caught:
+    with pytest.raises(CapacityError, match=r"2 prepare tasks of what they ask each: 0 placed after \d+ s") as caught:
         get_counted([never.remote(i, 0) for i in range(2)], "prepare", "documents")
-    assert time.monotonic() - started < 30 and "RAYDENSE_TASK_CAPACITY_WAIT_S" in str(caught.value)
+    assert time.monotonic() - started < bound_s(30) and "RAYDENSE_TASK_CAPACITY_WAIT_S" in str(caught.value)
     slow = ray.remote(_sleep_then).options(num_cpus=1)
     assert get_counted([slow.remote(i, 8) for i in range(2)], "prepare", "documents") == [0, 1]

@@ -21,6 +21,7 @@ from pipeline.data.prepare import PrepareConfig
 from pipeline.training.pretrain import PretrainConfig, StreamConfig, run_pretraining
 from pipeline.training.train_config import TrainConfig
 from tests.helpers import drain_for_preemption, read_trace_entries, rows_in_the_final_model, stopped_by_sigterm
+from tests.pace import bound_s
 
 pytestmark = pytest.mark.ray
 
@@ -82,16 +83,18 @@ def test_killed_worker_resumes_from_checkpoint_without_losing_documents(tmp_path
     runner = threading.Thread(target=lambda: result.update(run_pretraining(cfg)), daemon=True)
     runner.start()
     run_dir = os.path.join(out, "checkpoints")
-    deadline = time.time() + 300
+    deadline = time.time() + bound_s(300)
     while runner.is_alive() and time.time() < deadline:
         if os.path.exists(os.path.join(run_dir, "checkpoint_manager_snapshot.json")) and restorable_checkpoint(run_dir):
             break
         time.sleep(0.2)
-    assert restorable_checkpoint(run_dir), "no checkpoint was registered"
+    assert restorable_checkpoint(run_dir), (
+        f"no checkpoint was registered (the run {'ended' if not runner.is_alive() else 'still runs'})"
+    )
     victims = _train_worker_pids()
     assert len(victims) == 2, victims
     os.kill(victims[-1], signal.SIGKILL)
-    runner.join(timeout=400)
+    runner.join(timeout=bound_s(400))
     assert not runner.is_alive() and result, "the run did not finish after the failure"
 
     assert result["steps"] == 12 and result["restarts"] == 1
@@ -181,7 +184,7 @@ def test_a_preemption_notice_saves_a_checkpoint_the_restarted_run_resumes_from(t
     result: dict = {}
     runner = threading.Thread(target=lambda: result.update(run_pretraining(cfg)), daemon=True)
     runner.start()
-    history, deadline = os.path.join(out, "history.json"), time.time() + 300
+    history, deadline = os.path.join(out, "history.json"), time.time() + bound_s(300)
     while runner.is_alive() and time.time() < deadline:  # rank 0 rewrites it at each log step
         with contextlib.suppress(OSError, ValueError):
             if json.load(open(history))[-1]["step"] >= 10:
@@ -190,7 +193,7 @@ def test_a_preemption_notice_saves_a_checkpoint_the_restarted_run_resumes_from(t
     assert runner.is_alive(), result
     drain_for_preemption(local_cluster.address, spot.node_id, deadline_s=4)
     local_cluster.add_node(num_cpus=4)
-    runner.join(timeout=400)
+    runner.join(timeout=bound_s(400))
     assert not runner.is_alive() and result, "the run did not finish after the preemption"
 
     (notice,) = result["preemptions"]
@@ -272,7 +275,7 @@ def _pretrain_until_sealed(tmp_path, *more: str):
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYDENSE_DEBUG")}
     job = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
+    deadline = time.time() + bound_s(240)
     while job.poll() is None and time.time() < deadline:
         if list((out / "checkpoints").glob("checkpoint_*/seal_*.json")):
             break

@@ -12,6 +12,7 @@ from pipeline.core import runtime
 from pipeline.core.errors import CapacityError
 from pipeline.training import driver
 from pipeline.training.train_config import TrainConfig
+from tests.pace import bound_s
 
 pytestmark = pytest.mark.ray
 
@@ -32,9 +33,9 @@ def test_workers_an_autoscaling_cluster_never_places_fail_in_their_wait(shared_r
     message = str(caught.value)
     assert "1 Ray Train workers of CPU 64 each: 0 placed after" in message, message
     assert "--train.capacity_wait_s" in message and caught.value.exit_code == 1
-    assert waited < 90, f"the run ended {waited:.0f} s after it started, for a 3 s wait"
+    assert waited < bound_s(90), f"the run ended {waited:.0f} s after it started, for a 3 s wait"
     # The run's controller is gone, and with it the pending placement group.
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + bound_s(30)
     while driver._train_controllers() - before and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not driver._train_controllers() - before, "the run's Ray Train controller is still alive"
