@@ -28,13 +28,10 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipeline.core import storage
-from pipeline.core.capacity import wait_for_tasks
-from pipeline.core.errors import InputError, RaydenseError
-from pipeline.core.progress import get_counted
+from pipeline.core.errors import InputError
+from pipeline.core.tasks import StorageTasks
 from pipeline.data.corpus import (
     MAX_SKIPPED_EXAMPLES,
     CorpusStats,
@@ -138,52 +135,7 @@ def _repeated(*arrays: np.ndarray) -> set[int]:
     return repeated_hashes(list(arrays))
 
 
-class _Tasks:
-    """Runs staging's functions as Ray tasks when Ray is up (pinned to this node when the
-    corpus or the staging folder is a local path, which only this node can read), or as
-    plain calls in this process when it is not (a test or a tool without a cluster), or
-    when the path is local and this node offers Ray no CPU."""
-
-    def __init__(self, *uris: str):
-        self.ray = ray.is_initialized()
-        self.options: dict = {"num_cpus": 1, "max_retries": 3}
-        if self.ray and not all(storage.is_s3(u) for u in uris):
-            node = ray.get_runtime_context().get_node_id()
-            cpus = next((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["NodeID"] == node), 0)
-            # A head that offers no CPU (as KubeRay's usually do) runs no task: it reads here.
-            self.ray = cpus >= 1
-            self.options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
-
-    def map(self, fn, calls: list[tuple], desc: str = "", unit: str = "", num_returns: int = 1) -> list:
-        """``fn(*args)`` for each of ``calls``, in order (tuples of refs where ``num_returns``
-        > 1: only the first is fetched). An InputError raised in a task is raised here as it
-        is: the first in corpus order."""
-        if not self.ray:
-            return [fn(*args) for args in calls]
-        task = ray.remote(fn).options(**self.options, num_returns=num_returns)
-        refs = [task.remote(*args) for args in calls]
-        firsts = [r[0] for r in refs] if num_returns > 1 else refs
-        try:
-            if desc:
-                values = get_counted(firsts, desc, unit)
-            else:
-                wait_for_tasks(firsts, f"{fn.__name__} tasks")
-                values = ray.get(firsts)
-        except ray.exceptions.RayTaskError as exc:
-            # Every failed task's other returns hold its error too: taken here, or Ray logs
-            # each one's traceback as "unhandled" when it is freed, after the job's one line.
-            for ref in (r for returns in refs for r in (returns if num_returns > 1 else [returns])):
-                try:
-                    ray.get(ref)
-                except ray.exceptions.RayError:
-                    pass
-            if isinstance(getattr(exc, "cause", None), RaydenseError):
-                raise exc.cause from None
-            raise
-        return [(v, *r[1:]) for v, r in zip(values, refs)] if num_returns > 1 else values
-
-
-def _numbered(pieces: list[Piece], tasks: _Tasks) -> list[Piece]:
+def _numbered(pieces: list[Piece], tasks: StorageTasks) -> list[Piece]:
     """``pieces`` with each one's ``first_line``: the lines before it in its file, counted
     in parallel (a byte count of newlines, not a parse)."""
     counted = [i for i, p in enumerate(pieces) if p.end is not None and i + 1 < len(pieces) and pieces[i + 1].start]
@@ -206,7 +158,7 @@ def _write_staging(corpus: str, folder: str, docs_per_shard: int, on_empty: str,
     (``index``, ``text_uri``, ``first_row``, ``rows``, ``text_bytes``) and the stats."""
     if docs_per_shard < 1:
         raise ValueError(f"docs_per_shard must be >= 1, got {docs_per_shard}")
-    tasks = _Tasks(corpus, folder)
+    tasks = StorageTasks(corpus, folder)
     pieces = _numbered(corpus_pieces(corpus, PIECE_BYTES), tasks)
     groups = [pieces] if (join or JoinConfig()).group_by else [[p] for p in pieces]
     calls = [(group, folder, f"text-{i:05d}", docs_per_shard, on_empty, join) for i, group in enumerate(groups)]

@@ -21,7 +21,7 @@ from pipeline.core import model_ref, storage
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.sections import Collection, Lengths, Queries, Section, TrainingQueries
 from pipeline.data.beir import read_qrels, read_queries
-from pipeline.data.corpus_ids import CorpusIds
+from pipeline.data.corpus_ids import CorpusIds, IdRecorder, NamedIds
 from pipeline.data.examples import DataStats, ExampleRows, load_training_examples
 from pipeline.data.group_stream import GroupSpec, GroupStream
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
@@ -183,6 +183,21 @@ def load_examples(cfg, corpus_ids: CorpusIds) -> tuple[ExampleRows, DataStats, d
     return examples, stats, bm25_summary
 
 
+def _examples_by_row(cfg, corpus: PreparedCorpus, load) -> tuple[ExampleRows, DataStats, dict | None]:
+    """The examples as corpus rows, the head holding only the ids they name: the data is
+    read once to learn those ids (an :class:`IdRecorder` answers its lookups), one task per
+    shard finds their rows, and the data is read again against them. Every corpus id on
+    the head would be 16-42 GB at 500M passages; the ids a training set names are bounded by
+    it, whatever the corpus."""
+    source = storage.resolve(corpus.folder).describe()
+    recorder = IdRecorder(corpus.docs, source)
+    _, _, bm25_summary = load(cfg, recorder)  # BM25's negatives are mined here, and reused below
+    named = NamedIds.of(corpus.folder, corpus.manifest["shards"], recorder.keys(), corpus.docs)
+    del recorder
+    examples, stats, _ = load(cfg, named)
+    return examples, stats, bm25_summary
+
+
 def _check_vocab(init: str, vocab_size: int) -> None:
     model_vocab = model_ref.read_config(init, "--model.init")["vocab_size"]
     if model_vocab < vocab_size:
@@ -217,7 +232,8 @@ def prepare_group_training(cfg, group_size: int, load=None) -> GroupTraining:
     """Prepare the corpus, read (or mine) the examples and plan the stream for a config
     with ``data``, ``corpus``, ``model``, ``train`` (and ``eval``) sections like
     :class:`FinetuneConfig`. Sets ``cfg.train.max_steps`` when it is derived from epochs.
-    ``load(cfg, doc_ids)`` replaces :func:`load_examples`. A ``retriever`` section's
+    ``load(cfg, doc_ids)`` replaces :func:`load_examples` (it is called twice: see
+    :func:`_examples_by_row`). A ``retriever`` section's
     prefixes go before every query and passage, and its pooling decides the framing, as
     the trained retriever's encoder will put them."""
     if cfg.train.epochs < 1 and cfg.train.max_steps < 1:
@@ -233,9 +249,7 @@ def prepare_group_training(cfg, group_size: int, load=None) -> GroupTraining:
     _check_vocab(cfg.model.init, corpus.manifest["vocab_size"])
     tokenizer = load_tokenizer(model_ref.materialize(corpus.tokenizer, "tokenizer"))
 
-    corpus_ids = CorpusIds.read(corpus.folder, corpus.manifest["shards"])
-    examples, stats, bm25_summary = (load or load_examples)(cfg, corpus_ids)
-    del corpus_ids
+    examples, stats, bm25_summary = _examples_by_row(cfg, corpus, load or load_examples)
     if not len(examples):
         raise InputError("no training example: every query lacks a positive (see data_stats)")
     retriever = getattr(cfg, "retriever", None)

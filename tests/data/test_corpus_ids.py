@@ -4,6 +4,7 @@ its memory per passage is a small constant (a dict of strings costs about ten ti
 from __future__ import annotations
 
 import os
+import sys
 import tracemalloc
 
 import numpy as np
@@ -12,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.core.errors import ArtifactError, InputError
-from pipeline.data.corpus_ids import CorpusIds
+from pipeline.data.corpus_ids import CorpusIds, IdRecorder, NamedIds, id_keys
 
 
 def _shards(folder, ids: list[str], per_shard: int, first_row: int = 0) -> list[dict]:
@@ -82,3 +83,69 @@ def test_memory_per_passage_is_a_small_constant(tmp_path):
     small, large = peak_per_passage(20_000), peak_per_passage(200_000)
     assert large <= 64, large
     assert large <= 1.2 * small + 8, (small, large)  # linear in the corpus, no worse
+
+
+def test_named_ids_find_the_rows_the_whole_corpus_index_finds(tmp_path):
+    """:class:`NamedIds` over a sample of a corpus's ids (plus ids it lacks) answers every
+    lookup as :class:`CorpusIds` over the whole corpus does; an id in two shards is refused
+    as there. Here without Ray: each shard a plain call."""
+    rng = np.random.default_rng(1)
+    ids = [f"doc-{x}" for x in rng.choice(10**6, size=3_000, replace=False)]
+    shards = _shards(tmp_path, ids, 700)
+    whole = CorpusIds.read(str(tmp_path), shards)
+    asked = [ids[i] for i in rng.choice(len(ids), 400, replace=False)] + ["doc-absent", "z"]
+    named = NamedIds.of(str(tmp_path), shards, np.unique(id_keys(asked)), len(ids))
+    keys = id_keys(asked + [ids[0]])  # one the sample lacks, though the corpus has it
+    expected = whole.find(keys)
+    expected[-1] = -1
+    assert named.find(keys).tolist() == expected.tolist() and len(named) == 3_000
+    assert named.holds(id_keys(["doc-absent", asked[0]])).tolist() == [False, True]
+    assert named.ids(whole.rows(asked[:5])) == asked[:5]
+    with pytest.raises(KeyError, match="doc-absent"):
+        named.rows([asked[0], "doc-absent"])
+    doubled = _shards(tmp_path / "doubled", ["a", "b", "c", "a"], 2)
+    with pytest.raises(InputError, match=r"document id 'a' is in rows \[0, 3\]"):
+        NamedIds.of(str(tmp_path / "doubled"), doubled, id_keys(["a", "c"]), 4)
+
+
+def test_the_recorder_keeps_every_id_asked_of_it_distinct_and_sorted(monkeypatch):
+    """Merged when the pending ids outgrow the merged ones (here past 1,000). Mutation:
+    ``_merge`` keeping only the pending ids loses the first merge's."""
+    monkeypatch.setattr(IdRecorder, "MERGE_AT", 1_000)
+    recorder = IdRecorder(10, "the corpus")
+    for start in range(0, 12_000, 400):
+        recorder.find(np.char.add(b"d", (np.arange(start, start + 400) % 4_000).astype("S7")))
+    assert recorder._pending_count < 12_000  # merged on the way
+    assert "x" in recorder and recorder.holds(id_keys(["y"])).tolist() == [True]
+    keys = recorder.keys()
+    assert len(keys) == 4_002 and np.all(keys[1:] > keys[:-1])
+
+
+def test_named_ids_are_looked_up_in_one_task_a_shard_off_the_head(tmp_path, shared_ray, monkeypatch):
+    """With Ray, each shard's ids are read by a task in a worker process, one a shard, never
+    by the driver. Counted by the tasks' marks (each holds its process id); the driver's own
+    reads fail. Mutation: ``StorageTasks.map`` as plain calls on the driver reads here and
+    fails; ``_rows_in_shard`` over all shards in one task leaves one mark."""
+    from ray import cloudpickle
+
+    from pipeline.core import storage
+    from pipeline.data import corpus_ids as module
+
+    ids = [f"p{i}" for i in range(1_000)]
+    shards = _shards(tmp_path / "corpus", ids, 150)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    looked_up = module._rows_in_shard
+
+    def marked(uri, first_row, keys):
+        (marks / f"{os.getpid()}-{first_row}").write_text("")
+        return looked_up(uri, first_row, keys)
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    monkeypatch.setattr(module, "_rows_in_shard", marked)
+    monkeypatch.setattr(storage, "read_parquet", lambda *a, **k: pytest.fail("the driver read a shard"))
+    named = NamedIds.of(str(tmp_path / "corpus"), shards, np.unique(id_keys(["p3", "p999", "p500"])), 1_000)
+    assert named.rows(["p3", "p500", "p999"]).tolist() == [3, 500, 999]
+    seen = [name.split("-") for name in os.listdir(marks)]
+    assert sorted(int(first) for _, first in seen) == [s["first_row"] for s in shards]
+    assert str(os.getpid()) not in {pid for pid, _ in seen}
