@@ -12,10 +12,13 @@ built (pipeline/retrieval/index_memory.py).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Iterator, Literal
 
 import faiss
 import numpy as np
@@ -368,26 +371,55 @@ def _mergeable_sizes(index_uri: str, entry: dict) -> list[int] | None:
     return storage.read_json(record).get("list_sizes") if storage.exists(record) else None
 
 
-def load_merged_shards(index_uri: str, entries: list[dict]) -> list:
-    """The index shards of ``entries``, read one at a time, with each run of consecutive IVF
-    shards filled from one trained index (the same ``trained`` key) merged into one index.
+# Index shards a searcher reads side by side: their GETs (or file reads) and FAISS's parse
+# overlap, where one at a time left a searcher of 500M passages hours from ready. An IVF
+# run's shards are merged one after another as they arrive, so at most this many more are
+# held at once besides the merged index.
+READ_AHEAD = 4
+
+
+def load_merged_shards(index_uri: str, entries: list[dict], on_read: Callable[[], None] | None = None) -> list:
+    """The index shards of ``entries``, read ``READ_AHEAD`` at a time in threads, with each
+    run of consecutive IVF shards filled from one trained index (the same ``trained`` key)
+    merged into one index; ``on_read()`` after each shard is read.
 
     A query then ranks the quantiser's centroids once instead of once per shard (88 times at
     8.8M passages in shards of 100k, most of a CPU searcher's time) and probes the same
     lists, so the results are the per-shard top-k merged, ties aside. Each merged list is
     sized once, from the sizes the shards' records keep, and each shard's entries are copied
-    in as it is read, then the shard is freed: the searcher holds the index plus one shard.
-    (Appending shard after shard would grow every list by doubling: twice the memory.)
+    in as it is read, then the shard is freed. (Appending shard after shard would grow every
+    list by doubling: twice the memory.)
     """
-    groups: list[list[tuple[dict, list[int] | None]]] = []
-    for entry in entries:
-        sizes = _mergeable_sizes(index_uri, entry)
-        last = groups[-1][0] if groups else None
-        if sizes is not None and last is not None and last[1] is not None and last[0]["trained"] == entry["trained"]:
-            groups[-1].append((entry, sizes))
-        else:
-            groups.append([(entry, sizes)])
-    return [index for group in groups for index in _load_merged(index_uri, group)]
+    with ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="read-index") as pool:
+        sizes = list(pool.map(functools.partial(_mergeable_sizes, index_uri), entries))
+        groups: list[list[tuple[dict, list[int] | None]]] = []
+        for entry, entry_sizes in zip(entries, sizes):
+            last = groups[-1][0] if groups else None
+            mergeable = entry_sizes is not None and last is not None and last[1] is not None
+            if mergeable and last[0]["trained"] == entry["trained"]:
+                groups[-1].append((entry, entry_sizes))
+            else:
+                groups.append([(entry, entry_sizes)])
+        shards = _read_in_order(pool, index_uri, list(zip(entries, sizes)), on_read or (lambda: None))
+        return [index for group in groups for index in _load_merged(group, shards)]
+
+
+def _read_in_order(pool: ThreadPoolExecutor, index_uri: str, members: list, on_read: Callable[[], None]):
+    """The shards of ``members`` in order, each read in ``pool`` with up to ``READ_AHEAD``
+    more being read behind it."""
+    ahead: deque = deque()
+    for member in members:
+        ahead.append(pool.submit(_read_with_sizes, index_uri, *member))
+        if len(ahead) > READ_AHEAD:
+            yield _arrived(ahead.popleft(), on_read)
+    while ahead:
+        yield _arrived(ahead.popleft(), on_read)
+
+
+def _arrived(read: Future, on_read: Callable[[], None]):
+    index = read.result()
+    on_read()
+    return index
 
 
 def _read_with_sizes(index_uri: str, entry: dict, sizes: list[int] | None):
@@ -398,18 +430,19 @@ def _read_with_sizes(index_uri: str, entry: dict, sizes: list[int] | None):
     return index
 
 
-def _load_merged(index_uri: str, group: list[tuple[dict, list[int] | None]]) -> list:
-    merged = _read_with_sizes(index_uri, *group[0])
+def _load_merged(group: list[tuple[dict, list[int] | None]], shards: Iterator) -> list:
+    """The ``len(group)`` next of ``shards`` (read in order), merged where they can be."""
+    merged = next(shards)
     ivf = faiss.try_extract_index_ivf(merged)
     lists = None if ivf is None else faiss.downcast_InvertedLists(ivf.invlists)
     if len(group) == 1 or not isinstance(lists, faiss.ArrayInvertedLists):  # (lists on disk: left apart)
-        return [merged, *(_read_with_sizes(index_uri, *member) for member in group[1:])]
+        return [merged, *(next(shards) for _ in group[1:])]
     filled = np.asarray(group[0][1], dtype=np.int64)
     totals = np.sum([sizes for _, sizes in group], axis=0, dtype=np.int64)
     for i in np.flatnonzero(totals > filled):
         lists.resize(int(i), int(totals[i]))
-    for entry, sizes in group[1:]:
-        shard = _read_with_sizes(index_uri, entry, sizes)
+    for _, sizes in group[1:]:
+        shard = next(shards)
         source = faiss.extract_index_ivf(shard).invlists
         for i in np.flatnonzero(sizes):
             n = int(sizes[i])

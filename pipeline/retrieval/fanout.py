@@ -21,10 +21,12 @@ from typing import Callable, Container, Iterator, Sequence
 import numpy as np
 import ray
 
+from pipeline.core import storage
 from pipeline.core.draining import DrainingNodes
-from pipeline.core.errors import ConfigError, ServerError
+from pipeline.core.errors import ConfigError, ServerError, TransientStorageError
 from pipeline.core.progress import progress
 from pipeline.data.beir import Judgments, read_qrels
+from pipeline.retrieval import loading
 from pipeline.retrieval.query_vectors import StoredQueryVectors
 
 log = logging.getLogger(__name__)
@@ -147,7 +149,7 @@ class ServerLimits:
         default=900.0,
         metadata={
             "above": 0,
-            "help": "seconds the servers (and a GPU canary) may take to come up, an autoscaler's new nodes included",
+            "help": "seconds a server (and a GPU canary) may go without progress coming up: placed (an autoscaler's new nodes included), then each shard it loads; a searcher is waited for as long as it loads",
         },
     )
     stall_timeout_s: float = field(
@@ -179,6 +181,10 @@ def death_cause(exc: BaseException) -> str:
     """Ray's reason for an actor's death, in one line (its message runs to a paragraph of
     troubleshooting advice)."""
     text = str(getattr(exc, "error_msg", "") or exc)
+    if getattr(exc, "actor_init_failed", False):  # its constructor raised: that exception's line
+        raised = [line for line in text.strip().splitlines() if re.match(r"^[\w.]+(Error|Exception): ", line)]
+        if raised:
+            return "its constructor raised " + re.sub(r"^(\w+\.)+", "", raised[-1].strip())
     because = re.search(r"The actor is dead because (.*)", text, re.S)
     reason = because.group(1) if because else text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     reason = reason.split(" Some common causes", 1)[0]
@@ -209,6 +215,15 @@ def failed_server(refs: Sequence) -> tuple[int, BaseException] | None:
     return None
 
 
+def _failed_start_was_transient(exc: BaseException) -> bool:
+    """Whether a server's constructor raised a transient fault (storage still throttled past
+    its own retries, a reset). Ray reports a constructor's exception as an ActorDiedError
+    that keeps only its text, so the text is what is read."""
+    return bool(getattr(exc, "actor_init_failed", False)) and (
+        TransientStorageError.__name__ in str(exc) or storage.is_transient(exc)
+    )
+
+
 def _was_restarted(server) -> bool:
     return ray.get_runtime_context().was_current_actor_reconstructed
 
@@ -235,48 +250,81 @@ class ShardActors:
     label: str = "search"  # the progress line's name, and the log's
     limits: ServerLimits = ServerLimits()
 
-    def _serve(self, starts: Sequence[Callable[[], object]]) -> None:
+    def _serve(self, starts: Sequence[Callable[..., object]], reports: bool = False) -> None:
         """Start one server per shard, ``starts[i]()`` starting shard i's (again, for a copy),
-        each given ``self.limits.actor_options()``; return once all are up."""
-        self._starts = list(starts)
-        self.actors = [start() for start in self._starts]
+        each given ``self.limits.actor_options()``; return once all are up. With
+        ``reports``, each start is called with ``load_key=``, the key its constructor writes
+        its progress under (:mod:`pipeline.retrieval.loading`)."""
+        self._starts, self._reports = list(starts), reports
+        self._load_keys = [loading.new_key(self.label) if reports else "" for _ in self._starts]
+        self.actors = [self._start_server(shard) for shard in range(len(self._starts))]
         self._draining = DrainingNodes()
         for server in self.actors:
             self._draining.started(server)
         self._copies: dict[int, tuple] = {}  # shard -> (its copy, the copy's ready ref, when started)
         self._leaving: list[tuple] = []  # (a replaced server, the calls it still owes)
         self.moves: list[dict] = []  # one per server moved off a draining node
+        self.start_retries = 0  # servers started again after their constructor met a transient fault
         try:
             self._await_ready()
         except BaseException:
             self.close()
             raise
+        finally:
+            loading.forget(self._load_keys)
+
+    def _start_server(self, shard: int, key: str | None = None):
+        """Shard ``shard``'s server, reporting under ``key`` (default: its own key)."""
+        start = self._starts[shard]
+        return start(load_key=self._load_keys[shard] if key is None else key) if self._reports else start()
 
     def server_name(self, shard: int) -> str:
         """How errors name server ``shard``."""
         return f"server {shard} of {len(self.actors)}"
 
     def _await_ready(self) -> None:
-        """Wait until every server's constructor has returned: a server that died past its
-        restarts, or is not up in time (no node can hold it, an autoscaler that never
-        brings one), fails the stage here, before any block is asked."""
+        """Wait until every server's constructor has returned. A server fails the stage here,
+        before any block is asked, when it died past its restarts, when its constructor
+        raised a user's or an artifact's error, or when it showed no progress for
+        ``limits.ready_timeout_s`` (never placed: no node can hold it, an autoscaler that
+        never brings one; or stuck while loading). A server that reports its loading is
+        waited for as long as it loads. A constructor that met a transient fault (storage
+        still throttled past its retries) is started again, like a lost node, up to
+        ``limits.restarts`` times a server."""
         pending = {server.__ray_ready__.remote(): shard for shard, server in enumerate(self.actors)}
-        deadline = time.monotonic() + self.limits.ready_timeout_s
+        watch = loading.LoadWatch(list(self._load_keys), self.limits.ready_timeout_s)
+        again = [0] * len(self.actors)
         while pending:
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=min(5.0, self.limits.ready_timeout_s))
             if not done:
-                waiting = sorted(pending.values())
-                raise ServerError(
-                    f"{self.label}: {self.server_name(waiting[0])}"
-                    f"{f' and {len(waiting) - 1} more' if len(waiting) > 1 else ''} not up after "
-                    f"{self.limits.ready_timeout_s:g} s (no node could hold it, or it is still loading): "
-                    "see `ray status`; --searchers.ready_timeout_s waits longer"
-                )
+                stalled = sorted(shard for shard in pending.values() if watch.stalled(shard))
+                if stalled:
+                    raise self._not_up(stalled, watch)
+                continue
             shard = pending.pop(done[0])
             try:
                 ray.get(done[0])
             except ray.exceptions.RayActorError as exc:
-                raise self._died(shard, exc) from None
+                if not _failed_start_was_transient(exc) or again[shard] >= self.limits.restarts:
+                    raise self._died(shard, exc) from None
+                again[shard] += 1
+                self.start_retries += 1
+                log.warning("%s: %s met a transient fault starting: started again", self.label, self.server_name(shard))
+                self._draining.forget(self.actors[shard])
+                self._load_keys[shard] = loading.new_key(self.label) if self._reports else ""
+                self.actors[shard] = self._start_server(shard)
+                self._draining.started(self.actors[shard])
+                watch.restarted(shard, self._load_keys[shard])
+                pending[self.actors[shard].__ray_ready__.remote()] = shard
+
+    def _not_up(self, stalled: list[int], watch: loading.LoadWatch) -> ServerError:
+        first = stalled[0]
+        more = f" and {len(stalled) - 1} more" if len(stalled) > 1 else ""
+        return ServerError(
+            f"{self.label}: {self.server_name(first)}{more} not up, no progress for {watch.waited_s(first):.0f} s"
+            f"{watch.said(first)} (no node could hold it, or its loading is stuck): "
+            "see `ray status`; --searchers.ready_timeout_s waits longer"
+        )
 
     def _died(self, shard: int, exc: BaseException, server=None) -> BaseException:
         """The error to end the stage with, for server ``shard`` dead past its restarts:
@@ -296,7 +344,7 @@ class ShardActors:
         used, whose answers a replaced server still owes before it is let go."""
         for shard, server in enumerate(self.actors):
             if shard not in self._copies and self._draining.holds(server):
-                copy = self._starts[shard]()
+                copy = self._start_server(shard, key="")  # its server is up: nobody watches it load
                 self._draining.started(copy)
                 self._copies[shard] = (copy, copy.__ray_ready__.remote(), time.monotonic())
         for shard, (copy, ready, since) in list(self._copies.items()):

@@ -28,7 +28,7 @@ from pipeline.core import storage
 from pipeline.core.errors import ArtifactError, ConfigError, ServerError
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.retrieval import embeddings as emb
-from pipeline.retrieval import faiss_index, gpu_search, index_memory
+from pipeline.retrieval import faiss_index, gpu_search, index_memory, loading
 from pipeline.retrieval.fanout import (
     BLOCKS_IN_FLIGHT,
     ServerLimits,
@@ -127,16 +127,20 @@ class IndexSearcher:
         threads: int,
         mode: str,
         metric: str,
+        load_key: str = "",
     ):
         # A searcher holds a share of the corpus that memory sized, not a core's worth: its
         # FAISS threads are the node's cores unless told (one thread made a single CPU
         # searcher of 88 shards search at 41 queries/s on 2 cores, one core idle).
         faiss.omp_set_num_threads(max(1, threads or os.cpu_count() or 1))
-        self.indexes = faiss_index.load_merged_shards(index_uri, entries)
+        own = [i for entry in entries for i in entry["embedding_shards"]]
+        report = loading.LoadReport(load_key, planned=len(entries) + len(own))
+        report.add(0)  # up: the process's start (imports, Ray's worker) is behind it
+        self.indexes = faiss_index.load_merged_shards(index_uri, entries, on_read=report.add)
         self.shards = len(entries)
         shards = emb.load_manifest(embeddings)["shards"]
         # The run's embedding shards follow on without a gap: one id table for all.
-        self.ids = CorpusIds.read(embeddings, [shards[i] for entry in entries for i in entry["embedding_shards"]])
+        self.ids = CorpusIds.read(embeddings, [shards[i] for i in own], on_read=report.add)
         self._gpu = None  # FAISS's GPU resources (one scratch space) live as long as the indexes
         if mode == "faiss-gpu":
             for i, index in enumerate(self.indexes):
@@ -238,7 +242,10 @@ def plan_searchers(
     options: dict = {"num_cpus": SEARCHER_CPUS, "num_gpus": 1.0 if on_gpu else 0.0}
     if on_gpu and cfg.accelerator_type:
         options["accelerator_type"] = cfg.accelerator_type  # Ray's own pin to that GPU type's nodes
-    return [([shards[i] for i in run], options | {"memory": host.of(run) + PROCESS_BYTES}) for run in runs]
+    return [
+        ([shards[i] for i in run], options | {"memory": host.of(run) + host.loading(run) + PROCESS_BYTES})
+        for run in runs
+    ]
 
 
 class _RunBytes:
@@ -254,6 +261,15 @@ class _RunBytes:
 
     def of(self, run) -> int:
         return self.fixed + sum(self.per_shard[i] for i in run)
+
+    def loading(self, run) -> int:
+        """What a searcher holds besides its index while it loads ``run``: the IVF shards read
+        ahead of the one being merged in (each with its own copy of the quantiser); none for
+        shards kept as they are read (a Flat index's)."""
+        run = list(run)
+        if len(run) < 2 or "IVF" not in self.factory:
+            return 0
+        return min(len(run), faiss_index.READ_AHEAD + 1) * (self.fixed + max(self.per_shard[i] for i in run))
 
     def fewest_runs(self, budget: int) -> int:
         """The fewest searchers whose even split of the shards into contiguous runs puts at
@@ -333,7 +349,8 @@ class ShardedIndex(ShardFanout):
                     self.metric,
                 )
                 for entries, options in plan
-            ]
+            ],
+            reports=True,
         )
 
     def server_name(self, shard: int) -> str:

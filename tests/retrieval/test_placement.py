@@ -13,7 +13,7 @@ from pipeline.core import storage
 from pipeline.core.actor_pool import ActorConfig
 from pipeline.core.errors import ConfigError
 from pipeline.retrieval.encode import EncoderSettings, store_query_vectors
-from pipeline.retrieval.faiss_index import IndexConfig, brute_force_topk, load_index_manifest
+from pipeline.retrieval.faiss_index import READ_AHEAD, IndexConfig, brute_force_topk, load_index_manifest
 from pipeline.retrieval.fanout import query_block
 from pipeline.retrieval.gpu_search import FAULT_VAR
 from pipeline.retrieval.index_build import IndexJobConfig, run_indexing
@@ -43,14 +43,16 @@ def test_gpu_searchers_hold_a_run_of_shards_one_gpu_each_and_reserve_their_memor
         stats = index.stats()
         queries = vectors[:5] + 0.01
         scores, found = index.search(queries, 10)
-    # The quantiser once a searcher (its shards merge into one index), each shard's lists.
+    # The quantiser once a searcher (its shards merge into one index), each shard's lists,
+    # and the shards read ahead of the merge (each a whole shard: its quantiser copy too).
     quantiser, shard = (p["bytes"] for p in plan_memory("IVF4,Flat", DIM, [0, PER_SHARD]))
+    ahead = min(SHARDS // 2, READ_AHEAD + 1) * shard
     assert [s["shards"] for s in stats] == [SHARDS // 2] * 2
     assert sum(s["vectors"] for s in stats) == len(vectors)
     for searcher in stats:
         reserved = searcher["reserved"]
         assert reserved["GPU"] == 1 and reserved["CPU"] == pytest.approx(SEARCHER_CPUS)
-        assert reserved["memory"] == quantiser + 6 * (shard - quantiser) + PROCESS_BYTES
+        assert reserved["memory"] == quantiser + 6 * (shard - quantiser) + ahead + PROCESS_BYTES
         assert searcher["indexes"] == 1
         assert searcher["search"] == "faiss-gpu"
     ref_scores, ref_rows = brute_force_topk(queries, vectors, 10, rows=rows)
