@@ -259,6 +259,14 @@ class Judgments(Mapping[str, dict[str, int]]):
         rows = self._queries.find(id_keys(qids))
         return {qid: self._judged(int(row)) for qid, row in zip(qids, rows) if row >= 0}
 
+    def restricted_to(self, queries: Container[str]) -> "Judgments":
+        """The judgments of the queries ``queries`` holds (a :class:`Queries`): what an
+        evaluation of those queries is scored on (qrels of every dev query, a sample of them
+        evaluated)."""
+        qids = np.repeat(self._queries.by_row, np.diff(self._starts))  # each judgment's query
+        keep = _known(qids, functools.partial(_held, queries)) if len(qids) else np.zeros(0, bool)
+        return Judgments(self.source, qids[keep], self.docs[keep], self.scores[keep], self.lines[keep])
+
     def check_documents(self, holds: Callable[[np.ndarray], np.ndarray]) -> None:
         """An :class:`InputError` at the first line whose document ``holds`` (bytes ids ->
         which are held) says is not in the corpus."""

@@ -208,7 +208,19 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
     output = storage.resolve(cfg.output).uri
     queries = read_queries(storage.resolve(cfg.queries).uri)  # duplicate ids fail here, before any work
     qrels_uri = storage.resolve(cfg.qrels).uri
-    qrels = read_qrels(qrels_uri, query_ids=queries)  # its format and query ids: before any work
+    if not len(queries):
+        raise InputError(f"{queries.source}: no query to evaluate")
+    every = read_qrels(qrels_uri)  # its format: before any work
+    # Qrels of every dev query, a sample of them given: scored on the sample's judgments
+    # (an unjudged query scores 0 in every measure, so the others must not be counted).
+    qrels = every.restricted_to(queries)
+    if len(qrels) < len(every):
+        print(
+            f"evaluate: {len(every) - len(qrels)} of the {len(every)} queries judged in {qrels_uri} are not in "
+            f"{queries.source}: scoring the {len(qrels)} given",
+            file=sys.stderr,
+            flush=True,
+        )
     # BEIR's queries.jsonl holds every split's queries: only the ones the qrels judge are
     # evaluated (MS MARCO's would be 509,962 for its 6,980 dev ones), and that is said.
     judged = queries.judged_only(qrels)
@@ -227,7 +239,11 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
         """What can fail later, checked once the corpus is prepared, before it is encoded."""
         passages = corpus.manifest["num_docs"]
         if cfg.k > passages:
-            raise ConfigError(f"--k {cfg.k} is larger than the corpus ({passages} passages)")
+            print(
+                f"evaluate: --k {cfg.k} is more than the corpus's {passages} passages: every passage is ranked",
+                file=sys.stderr,
+                flush=True,
+            )
         validate_factory(cfg.index, dim)
         qrels.check_documents(functools.partial(held_ids, corpus.folder, corpus.manifest))
 
@@ -241,6 +257,7 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
         ),
         before_work,
     )
+    k = min(cfg.k, encoded["passages"])  # --k's help: capped at the corpus size
     indexed = run_indexing(
         IndexJobConfig(
             embeddings=encoded["output"],
@@ -258,10 +275,10 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
         "model_version": model_ref.version(cfg.encoder.model, "--encoder.model"),
         "device": "cuda" if cfg.pool.use_gpu else "cpu",
     }
-    claim(searched, {"index": indexed["version"], **versions, "k": cfg.k, **encoder})
+    claim(searched, {"index": indexed["version"], **versions, "k": k, **encoder})
     per_block = StreamedMetrics(qrels, JOB_MEASURES.values())  # a searched block's sums, to store
     # Recorded with the first block: a resumed evaluation keeps its blocks on another cluster.
-    block = recorded_block(searched, query_block_of(indexed["output"], cfg.searchers, cfg.k))
+    block = recorded_block(searched, query_block_of(indexed["output"], cfg.searchers, k))
     blocks = list(range(-(-len(queries) // block)))
     done = finished_blocks(searched)
     todo = [b for b in blocks if b not in done]
@@ -274,7 +291,7 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
     # searches only the blocks it lacks.
     with ShardedIndex(indexed["output"], nprobe=cfg.nprobe, searchers=cfg.searchers) as index:
         search_start = time.perf_counter()
-        for start, scores, _, ids in index.search_blocks(vectors, cfg.k, block=block, only=todo):
+        for start, scores, _, ids in index.search_blocks(vectors, k, block=block, only=todo):
             run_block, files = {}, BlockFiles(("run.trec",))
             for qid, row_scores, row_ids in zip(queries.ids(start, start + len(scores)), scores, ids):
                 ranked = ranked_ids(row_ids)
@@ -291,7 +308,7 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
         scored.add_sums(sums)
     storage.delete_dir(searched)
     values = scored.result()
-    metrics = {name: values[measure] for name, measure in measures_within(cfg.k, encoded["passages"]).items()}
+    metrics = {name: values[measure] for name, measure in measures_within(k, encoded["passages"]).items()}
     summary = {
         "job": "evaluate",
         "metrics": metrics,
@@ -299,7 +316,7 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
         "judged_queries": len(qrels),
         "passages": encoded["passages"],
         "index": cfg.index,
-        "k": cfg.k,
+        "k": k,
         "run": run_uri,
         "similarity": encoded["similarity"],
         "encode_passages_per_s": encoded["passages_per_s"],

@@ -728,21 +728,30 @@ def test_evaluate_job_matches_ir_measures_on_a_brute_force_run(encoded, collecti
     with pytest.raises(InputError, match=r"other: no qrels/test.tsv or qrels.test.tsv \(split 'test'\)"):
         main([*args, "--collections", ",".join(f for f, _ in folders), "--output", str(tmp_path / "broken")])
     assert not (tmp_path / "broken").exists()
-    with pytest.raises(ValueError, match="--k 1000 is larger than the corpus"):
-        main(
-            [
-                "--model",
-                tiny_bert,
-                "--corpus",
-                collection["corpus"],
-                "--queries",
-                collection["queries"],
-                "--qrels",
-                collection["qrels"],
-                "--output",
-                str(tmp_path / "eval2"),
-            ]
-        )
+
+    # A sample of the queries with every query's qrels, at the default --k 1000 on 90
+    # passages: scored on the sample's judgments, every passage ranked, both said.
+    # Mutation: scoring on the whole qrels counts the 12 queries left out as zeros.
+    sample = write_jsonl(tmp_path / "sample.jsonl", [json.loads(line) for line in open(collection["queries"])][:8])
+    capsys.readouterr()
+    subset = main(
+        [*args, "--corpus", collection["corpus"], "--queries", sample, "--qrels", collection["qrels"]]
+        + ["--output", str(tmp_path / "eval2")]
+    )
+    said = capsys.readouterr().err
+    assert "12 of the 20 queries judged in" in said and "scoring the 8 given" in said
+    assert "--k 1000 is more than the corpus's 90 passages: every passage is ranked" in said
+    assert subset["k"] == N_DOCS and subset["queries"] == 8
+    queries = read_queries(sample)
+    passages = encoder.encode_texts([d["text"] for d in collection["docs"]], 128, tower="passage")
+    scores, idx = brute_force_topk(encoder.encode_texts(list(queries.values()), 32, tower="query"), passages, 10)
+    run = {
+        q: {collection["docs"][j]["_id"]: float(v) for v, j in zip(srow, irow)}
+        for q, srow, irow in zip(queries, scores, idx)
+    }
+    judged = {q: j for q, j in read_qrels(collection["qrels"]).items() if q in queries}
+    expected = ir_measures.calc_aggregate(measures, judged, run)
+    assert subset["metrics"]["MRR@10"] == pytest.approx(expected[measures[0]], abs=1e-6)
 
 
 @pytest.mark.runs_long  # four evaluations (whole, stopped, two reruns): 1-1.5 minutes in the suite
