@@ -1,7 +1,8 @@
 """Run the whole retriever recipe from one config, stage by stage, resumable.
 
-Stages: pretrain (optional), bm25, zeroshot, round1, mine1, round2, mine2, reranker,
-rerank, teacher, distill. Finished stages are recorded in <output>/recipe.json and
+Stages: pretrain (optional), bm25 (unless --bm25.enabled false), zeroshot, mine0 (with
+--mine.bm25_negatives false), round1, mine1, round2, mine2, reranker, rerank, teacher,
+distill. Finished stages are recorded in <output>/recipe.json and
 skipped on a rerun; --only STAGE reruns one stage, --from STAGE restarts from a stage.
 With no arguments it runs the embedded recipe: a tiny Condenser pre-trained on the bundled
 Bible sample, then every stage on its queries. Prints a JSON summary as its last line, and

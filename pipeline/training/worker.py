@@ -399,9 +399,21 @@ class WorkerRun:
         self.state.history.append(entry)
         ray.train.report(entry)  # every rank: Ray keeps rank 0's, for its dashboard and result
         if self.run_log is not None:
-            log(entry)
+            log(self._progress() | entry)
             self.run_log.log(entry)
         window.reset()
+
+    def _progress(self) -> dict:
+        """Where the run stands, for the log line only: the step of how many, and the time
+        left at this attempt's pace so far (its start, the join of the first epoch and the
+        compile included: the estimate is high early on)."""
+        done = self.state.step - self.start_step
+        per_step = (time.perf_counter() - self.started) / max(done, 1)
+        return {
+            "step": self.state.step,
+            "of": self.train.max_steps,
+            "eta_s": round(per_step * max(0, self.train.max_steps - self.state.step)),
+        }
 
     def _save(self, metrics: dict) -> None:
         self.trace = _flush_trace(self.trace, self.run_dir, self.rank, self.state)

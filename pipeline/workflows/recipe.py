@@ -3,9 +3,10 @@
 Stages, in order (``STAGES``); each reads the outputs of earlier ones from the manifest:
 
 - ``pretrain``   (optional) continue pre-training the initial checkpoint on the corpus;
-- ``bm25``       BM25 on the dev queries (the baseline row of the results);
+- ``bm25``       BM25 on the dev queries (the baseline row of the results; ``--bm25.enabled``);
 - ``zeroshot``   the initial encoder, untrained for retrieval, on the dev queries;
-- ``round1``     fine-tune with BM25 negatives, then evaluate (encode, index, search);
+- ``mine0``      (only with ``--mine.bm25_negatives false``) mine the zero-shot index;
+- ``round1``     fine-tune with BM25 negatives (or mine0's), then evaluate (encode, index, search);
 - ``mine1``      mine the training queries' negatives in the round-1 index;
 - ``round2``     fine-tune again from the pre-trained checkpoint on those negatives, evaluate;
 - ``mine2``      mine the round-2 index (re-ranker negatives, and the teacher's candidates);
@@ -85,7 +86,27 @@ FORMER_MANIFEST = "pipeline.json"  # run folders written before the recipe was n
 
 @dataclass
 class MineStage(MiningSettings, Bm25Negatives):
-    """The recipe's mining: round 1's BM25 negatives, then each round's dense mining."""
+    """The recipe's mining: round 1's BM25 negatives (or the zero-shot retriever's), then
+    each round's dense mining."""
+
+    bm25_negatives: bool = field(
+        default=True,
+        metadata={
+            "help": "round 1 trains on BM25 negatives; false: on the zero-shot dense retriever's, mined in the index its dev evaluation built (stage mine0; no BM25 index over the corpus)"
+        },
+    )
+
+
+@dataclass
+class Bm25Stage:
+    """The BM25 row of the results: BM25 over the whole corpus on the dev queries."""
+
+    enabled: bool = field(
+        default=True,
+        metadata={
+            "help": "run the bm25 stage (the baseline row); its shard actors hold every passage's text and postings in memory, about 12x the text's bytes"
+        },
+    )
 
 
 @dataclass
@@ -166,6 +187,7 @@ class RecipeConfig(
         default_factory=PretrainStage,
         metadata={"help": "the pre-training stage; disabled, the retrievers start from --model.init"},
     )
+    bm25: Bm25Stage = field(default_factory=Bm25Stage)
     round1: RetrieverStage = field(default_factory=RetrieverStage)
     mine: MineStage = field(default_factory=MineStage)
     round2: RetrieverStage = field(default_factory=RetrieverStage)
@@ -286,7 +308,8 @@ def stage_zeroshot(ctx: StageContext) -> dict:
         pooling=retriever.pooling,
         similarity=retriever.similarity,
     )
-    return {"outputs": {"run": summary["run"]}, "metrics": summary["metrics"], "summary": summary}
+    outputs = {"run": summary["run"], "index": storage.join(ctx.folder("zeroshot"), "index"), "export": init}
+    return {"outputs": outputs, "metrics": summary["metrics"], "summary": summary}
 
 
 def _finetune_config(ctx: StageContext, stage: str, settings: RetrieverStage, init: str, negatives: str):
@@ -309,12 +332,24 @@ def _retriever_stage(ctx: StageContext, stage: str, settings: RetrieverStage, ne
 
 
 def stage_round1(ctx: StageContext) -> dict:
-    return _retriever_stage(ctx, "round1", ctx.cfg.round1, "bm25")
+    if ctx.cfg.mine.bm25_negatives:
+        return _retriever_stage(ctx, "round1", ctx.cfg.round1, "bm25")
+    record = _retriever_stage(ctx, "round1", ctx.cfg.round1, ctx.output("mine0", "negatives"))
+    record["summary"]["result_label"] = "round 1 (zero-shot negatives)"
+    return record
 
 
-def mine_job(ctx: StageContext, stage: str, retriever_stage: str) -> MineConfig:
+def stage_mine0(ctx: StageContext) -> dict:
+    """Round 1's negatives without BM25: the zero-shot retriever's, mined in the index its
+    dev evaluation built, its queries encoded as that evaluation encoded them."""
+    retriever = ctx.cfg.round1.retriever
+    return _mine(ctx, "mine0", "zeroshot", pooling=retriever.pooling, similarity=retriever.similarity)
+
+
+def mine_job(ctx: StageContext, stage: str, retriever_stage: str, **encoding: str) -> MineConfig:
     """Mining with ``retriever_stage``'s export over its index, searched as the dev
-    evaluations are (the same pool, searchers and nprobe)."""
+    evaluations are (the same pool, searchers and nprobe); ``encoding``: the pooling and
+    similarity its evaluation used, where the export does not record them (zero-shot)."""
     cfg = ctx.cfg
     return MineConfig(
         index=ctx.output(retriever_stage, "index"),
@@ -323,15 +358,18 @@ def mine_job(ctx: StageContext, stage: str, retriever_stage: str) -> MineConfig:
         **MiningSettings.values_of(cfg.mine),
         nprobe=cfg.eval.nprobe,
         encoder=EncoderSettings(
-            model=ctx.output(retriever_stage, "export"), precision=cfg.eval.precision, **Lengths.values_of(cfg.data)
+            model=ctx.output(retriever_stage, "export"),
+            precision=cfg.eval.precision,
+            **Lengths.values_of(cfg.data),
+            **encoding,
         ),
         pool=cfg.eval.pool,
         searchers=cfg.eval.searchers,
     )
 
 
-def _mine(ctx: StageContext, stage: str, retriever_stage: str) -> dict:
-    summary = run_mining(mine_job(ctx, stage, retriever_stage))
+def _mine(ctx: StageContext, stage: str, retriever_stage: str, **encoding: str) -> dict:
+    summary = run_mining(mine_job(ctx, stage, retriever_stage, **encoding))
     return {
         "outputs": {"negatives": summary["negatives"], "run": summary["run"], "tevatron": summary["tevatron"]},
         "summary": summary,
@@ -538,6 +576,13 @@ def _mined(cfg: RecipeConfig) -> dict:
     return dict(mine=cfg.mine, data=_without(cfg.data, "dev"), eval=_without(cfg.eval, "k"))
 
 
+def _round1(cfg: RecipeConfig) -> dict:
+    """Round 1 is made from BM25's settings, or (without) from mine0's record."""
+    if cfg.mine.bm25_negatives:
+        return dict(stage=cfg.round1, bm25=[cfg.mine.bm25_depth, cfg.mine.bm25_count], **_trained(cfg))
+    return dict(stage=cfg.round1, negatives="mine0", **_trained(cfg))
+
+
 def _not_mined(cfg: RecipeConfig) -> dict:
     return dict(data={"dev": cfg.data.dev}, eval={"k": cfg.eval.k})
 
@@ -557,11 +602,12 @@ RECIPE = (
         lambda c: dict(retriever=c.round1.retriever, data=c.data, eval=c.eval, **_init(c)),
         "zero-shot",
     ),
+    RecipeStage("mine0", stage_mine0, ("zeroshot",), _mined, evaluation=_not_mined),
     RecipeStage(
         "round1",
         stage_round1,
-        ("pretrain",),
-        lambda c: dict(stage=c.round1, bm25=[c.mine.bm25_depth, c.mine.bm25_count], **_trained(c)),
+        ("pretrain", "mine0"),
+        _round1,
         "round 1 (BM25 negatives)",
         _dev_evaluation,
     ),
@@ -623,6 +669,8 @@ def enabled_stages(cfg: RecipeConfig) -> list[str]:
         s
         for s in STAGES
         if (s != "pretrain" or cfg.pretrain.enabled)
+        and (s != "bm25" or cfg.bm25.enabled)
+        and (s != "mine0" or not cfg.mine.bm25_negatives)
         and (s not in RERANK_STAGES or cfg.reranker.enabled)
         and (s not in DISTILL_STAGES or cfg.distill.enabled)
     ]
@@ -664,6 +712,7 @@ def run_recipe(cfg: RecipeConfig, stage_functions: dict[str, Callable[[StageCont
     )
     final = export_final(cfg, manifest)
     results = write_results(cfg.output, manifest, final)
+    print(closing_lines(cfg, manifest, ran, final), file=sys.stderr, flush=True)
     return {
         "job": "recipe",
         "output": cfg.output,
@@ -719,9 +768,9 @@ def export_final(cfg: RecipeConfig, manifest: RunManifest) -> dict | None:
 RESULT_METRICS = ("MRR@10", "R@10", "R@100", "R@1000", "nDCG@10")
 
 
-def write_results(output: str, manifest: RunManifest, final: dict | None = None) -> str:
-    """``results.md``: a row per evaluated stage, the final retriever and how it was chosen,
-    and every stage's wall time."""
+def results_table(manifest: RunManifest, final: dict | None) -> list[str]:
+    """The dev metrics of each evaluated stage, and the final retriever: the head of
+    ``results.md``, and what the recipe prints as it ends."""
     lines = [
         "| stage | " + " | ".join(RESULT_METRICS) + " | wall time (s) |",
         "|---|" + "---:|" * (len(RESULT_METRICS) + 1),
@@ -729,12 +778,35 @@ def write_results(output: str, manifest: RunManifest, final: dict | None = None)
     stages = manifest.data["stages"]
     for stage, label in RESULT_ROWS:
         if stage in stages and stages[stage].get("metrics"):
+            label = stages[stage].get("summary", {}).get("result_label", label)
             metrics = stages[stage]["metrics"]
             cells = [f"{metrics[m]:.4f}" if m in metrics else "" for m in RESULT_METRICS]
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {stages[stage]['seconds']:.0f} |")
     if final:
         label = dict(RESULT_ROWS)[final["stage"]]
         lines += ["", f"Final retriever: **{label}** ({final['chosen_by']}), in `{final['export']}`."]
+    return lines
+
+
+def closing_lines(cfg: RecipeConfig, manifest: RunManifest, ran: list[str], final: dict | None) -> str:
+    """What the recipe prints on stderr as it ends: the results, and which stages this run
+    ran, found recorded (skipped), or left out (switched off)."""
+    enabled = enabled_stages(cfg)
+    recorded = [s for s in enabled if manifest.done(s) and s not in ran]
+    off = [s for s in STAGES if s not in enabled and s != "mine0"]  # (mine0 stands in for BM25's negatives)
+    said = [f"[recipe] ran: {', '.join(ran) or 'nothing'}"]
+    if recorded:
+        said.append(f"recorded before, skipped: {', '.join(recorded)}")
+    if off:
+        said.append(f"switched off: {', '.join(off)}")
+    return "\n".join([*results_table(manifest, final), "", "; ".join(said)])
+
+
+def write_results(output: str, manifest: RunManifest, final: dict | None = None) -> str:
+    """``results.md``: a row per evaluated stage, the final retriever and how it was chosen,
+    and every stage's wall time."""
+    lines = results_table(manifest, final)
+    stages = manifest.data["stages"]
     lines += ["", "| stage | wall time (s) | outputs |", "|---|---:|---|"]
     for stage in STAGES:
         if stage in stages:

@@ -22,11 +22,15 @@ from pipeline.data.shards import PreparedCorpus
 from pipeline.workflows.manifest import RunManifest
 from pipeline.workflows.recipe import (
     MANIFEST,
-    STAGES,
     RecipeConfig,
     cli_args,
     run_recipe,
 )
+from pipeline.workflows.recipe import STAGES as ALL_STAGES  # noqa: E402
+
+# The stages a run with the defaults and distillation on goes through: mine0 runs only
+# in place of BM25's negatives (the switch's own test below).
+STAGES = tuple(s for s in ALL_STAGES if s != "mine0")
 
 
 class Killed(BaseException):
@@ -55,14 +59,15 @@ def fake_stages(calls: list, kill_at: tuple[str, str] | None = None):
                     raise Killed(stage)
                 done_units.append(unit)
                 json.dump(done_units, open(progress, "w"))
-            # A stage reads what the previous stage recorded (and fails if it is missing).
-            previous = STAGES[STAGES.index(stage) - 1] if stage != "pretrain" else None
+            # A stage reads what the previous stage on recorded (and fails if it is missing).
+            before = [s for s in ALL_STAGES[: ALL_STAGES.index(stage)] if ctx.manifest.done(s)]
+            previous = before[-1] if before else None
             upstream = ctx.output(previous, "file") if previous else None
             return {"outputs": {"file": progress, "upstream": upstream}, "metrics": {"MRR@10": 0.1}}
 
         return run
 
-    return {s: make(s) for s in STAGES}
+    return {s: make(s) for s in ALL_STAGES}
 
 
 def cfg_for(tmp_path, **kw) -> RecipeConfig:
@@ -73,9 +78,14 @@ def cfg_for(tmp_path, **kw) -> RecipeConfig:
     return cfg
 
 
-def test_full_run_records_every_stage_and_a_rerun_does_nothing(tmp_path):
+def test_full_run_records_every_stage_and_a_rerun_does_nothing(tmp_path, capsys):
+    """The run ends with its results table on stderr and what it ran; the rerun with what
+    it found recorded, and the stages switched off."""
     calls = []
     summary = run_recipe(cfg_for(tmp_path), fake_stages(calls))
+    said = capsys.readouterr().err.splitlines()
+    assert "| round 2 (mined negatives) | 0.1000 |" in "\n".join(said)
+    assert said[-1] == f"[recipe] ran: {', '.join(STAGES)}"
     assert [c[0] for c in calls] == list(STAGES)
     assert summary["ran"] == list(STAGES)
     manifest = RunManifest(str(tmp_path / "run"), MANIFEST)
@@ -91,6 +101,14 @@ def test_full_run_records_every_stage_and_a_rerun_does_nothing(tmp_path):
     calls.clear()
     summary = run_recipe(cfg_for(tmp_path), fake_stages(calls))
     assert calls == [] and summary["ran"] == [] and summary["skipped"] == list(STAGES)
+    assert (
+        capsys.readouterr().err.splitlines()[-1]
+        == f"[recipe] ran: nothing; recorded before, skipped: {', '.join(STAGES)}"
+    )
+    without_distillation = cfg_for(tmp_path)
+    without_distillation.distill.enabled = False
+    run_recipe(without_distillation, fake_stages(calls))
+    assert capsys.readouterr().err.splitlines()[-1].endswith("; switched off: teacher, distill")
 
 
 def test_killed_between_stages_the_rerun_starts_at_the_next_stage(tmp_path):
@@ -625,3 +643,43 @@ def test_a_run_recorded_before_the_evaluation_split_is_still_current(tmp_path):
     calls = []
     run_recipe(cfg_for(tmp_path), fake_stages(calls))
     assert calls == []
+
+
+def test_bm25_switched_off_runs_neither_bm25_stage_and_round1_trains_on_the_zero_shot_negatives(tmp_path, monkeypatch):
+    """--bm25.enabled false drops the BM25 row; --mine.bm25_negatives false mines round 1's
+    negatives in the zero-shot index (mine0, its queries encoded as the zero-shot
+    evaluation's were) and round 1 trains on them, its row named so. The defaults keep
+    round 1's recorded settings (a finished run still matches). Mutation: round 1 given
+    "bm25" whatever the switch trains on BM25's negatives."""
+    from pipeline.workflows import recipe
+    from pipeline.workflows.recipe import RECIPE, StageContext, mine_job, stage_round1
+    from pipeline.workflows.units import unit_settings
+
+    cfg = cfg_for(tmp_path)
+    cfg.bm25.enabled, cfg.mine.bm25_negatives = False, False
+    calls = []
+    run_recipe(cfg, fake_stages(calls))
+    assert [c[0] for c in calls] == [s for s in ALL_STAGES if s != "bm25"]
+    assert ALL_STAGES.index("zeroshot") < ALL_STAGES.index("mine0") < ALL_STAGES.index("round1")
+    default = cfg_for(tmp_path)
+    round1 = next(s for s in RECIPE if s.name == "round1")
+    assert round1.sections(default)["bm25"] == [default.mine.bm25_depth, default.mine.bm25_count]
+    assert unit_settings(**round1.sections(default)) != unit_settings(**round1.sections(cfg))
+
+    manifest = RunManifest(str(tmp_path / "run"), MANIFEST)
+    manifest.save("mine0", {"outputs": {"negatives": "/mined/negatives.jsonl"}})
+    manifest.save("zeroshot", {"outputs": {"export": "/init", "index": "/zeroshot/index"}})
+    ctx = StageContext(cfg, manifest)
+    seen = []
+    monkeypatch.setattr(
+        recipe, "_retriever_stage", lambda c, s, st, negatives: seen.append(negatives) or {"summary": {}}
+    )
+    assert stage_round1(ctx)["summary"]["result_label"] == "round 1 (zero-shot negatives)"
+    assert seen == ["/mined/negatives.jsonl"]
+    job = mine_job(ctx, "mine0", "zeroshot", pooling="mean", similarity="cos")
+    assert (job.index, job.encoder.model, job.encoder.pooling, job.encoder.similarity) == (
+        "/zeroshot/index",
+        "/init",
+        "mean",
+        "cos",
+    )
