@@ -12,7 +12,8 @@ Flat indexes), or ``cpu``, FAISS on the host; or ``fail`` ends the stage with on
 ``RAYDENSE_TEST_GPU_FAULT`` (tests only) stands in for a FAISS GPU build on a machine with
 none: set, FAISS's GPU moves are no-ops, and its value names the step that aborts the
 process as a broken build would: ``canary``, ``load`` (a searcher moving its shards) or
-``search``. Unset, nothing of it runs.
+``search``; ``load-oom`` raises FAISS's out-of-memory error at the load instead, as a GPU
+smaller than the plan's does. Unset, nothing of it runs.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ GPU_USABLE_SHARE = 0.9
 
 def fault(step: str) -> None:
     """Abort this process at ``step`` when a test asks for it (see the module's doc)."""
+    if os.environ.get(FAULT_VAR) == f"{step}-oom":
+        raise RuntimeError(
+            "Error in virtual void* faiss::gpu::StandardGpuResourcesImpl::allocMemory(const faiss::gpu::AllocRequest&) "
+            "at StandardGpuResources.cpp:530: Error: 'err == cudaSuccess' failed: cudaMalloc error 2 [out of memory]"
+        )
     if os.environ.get(FAULT_VAR) == step:
         marks = os.environ.get(FAULT_MARKS_VAR)
         if marks:  # a test counts the processes that got this far (a restart is one more)

@@ -87,6 +87,23 @@ def test_a_searcher_that_aborts_falls_back_and_answers_as_brute_force(flat_index
     assert np.array_equal(rows, ref_rows) and np.allclose(scores, ref_scores, atol=1e-4)
 
 
+def test_a_gpu_out_of_memory_at_a_searchers_load_is_a_server_error_the_fallback_takes(flat_index, monkeypatch):
+    """FAISS's cudaMalloc failure as a searcher moves its shards to a GPU smaller than the
+    plan's: one line naming the searcher and the error, exit 1, not started again (it would
+    fail the same way); with ``gpu_fallback cpu`` the searchers start on the host and answer
+    as brute force."""
+    index_uri, _, queries, (_, ref_rows) = flat_index
+    monkeypatch.setenv(FAULT_VAR, "load-oom")
+    with pytest.raises(
+        ServerError, match=r"died after 0 of its 1 restarts.*its constructor raised RuntimeError: .*out of memory\]"
+    ) as failure:
+        _search(index_uri, queries)
+    assert failure.value.exit_code == 1 and "\n" not in str(failure.value)
+    index, _, rows = _search(index_uri, queries, gpu_fallback="cpu")
+    assert index.search_mode == "faiss-cpu" and "out of memory" in index.fallback
+    assert np.array_equal(rows, ref_rows)
+
+
 def test_the_gpu_canary_stops_a_broken_or_missing_faiss_gpu_before_any_searcher(flat_index, monkeypatch):
     """A canary that aborts (a broken build) fails the stage with its cause, or falls back;
     with no stand-in, faiss-cpu cannot search on a GPU, and says so instead of searching on
