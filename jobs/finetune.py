@@ -2,8 +2,9 @@
 
 With no arguments it runs the embedded default: the tiny Condenser that
 `python jobs/pretrain.py` exports, fine-tuned on the bundled sample's training queries
-with BM25 negatives (mined here with bm25s), then evaluated on its dev queries by exact
-search. Prints a JSON summary as its last line.
+with BM25 negatives (mined here with bm25s). With --eval.queries and --eval.qrels it then
+evaluates the export (encoders, FAISS, searchers); the default run does not. Prints a JSON
+summary as its last line.
 """
 
 from pipeline.core.entry import run_job
