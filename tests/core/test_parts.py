@@ -59,3 +59,33 @@ def test_each_output_is_joined_by_a_task_of_its_own_side_by_side(tmp_path, share
     assert os.getpid() not in pids and len(pids) == 2, pids
     assert met, "the joins ran one after another"
     assert storage.read_bytes(outputs["b.trec"]) == b"b\n"
+
+
+def test_many_blocks_are_joined_by_ranges_side_by_side_then_concatenated(tmp_path, shared_ray, monkeypatch):
+    """Past ``BLOCKS_PER_JOIN`` (2 here) blocks, each output is joined by a task per range of
+    blocks (3 for 5 blocks), side by side off the driver, then its pieces concatenated: the
+    same bytes and counts, in block order, and no piece left. Mutation: one task over every
+    block (the range split dropped) makes one join call per output, and the ranges never meet."""
+    import os
+
+    from pipeline.core import parts
+    from tests.helpers import side_by_side, side_by_side_seen
+
+    folder = str(tmp_path / "stage")
+    expected = b""
+    for block in (4, 0, 3, 1, 2):
+        files = BlockFiles(("run.trec",))
+        files["run.trec"].write(f"block {block}\n".encode() * (block + 1))
+        files.commit(folder, block, {"block": block})
+    for block in range(5):
+        expected += f"block {block}\n".encode() * (block + 1)
+    marks = str(tmp_path / "marks")
+    monkeypatch.setattr(parts, "BLOCKS_PER_JOIN", 2)
+    monkeypatch.setattr(parts, "_join_file", side_by_side(parts._join_file, marks, peers=3))
+    output = str(tmp_path / "out" / "run.trec")
+    assert join_blocks(folder, list(range(5)), {"run.trec": output}) == [{"block": b} for b in range(5)]
+    assert storage.read_bytes(output) == expected
+    pids, met = side_by_side_seen(marks)
+    assert len([m for m in os.listdir(marks) if m.endswith(".started")]) == 3 and met
+    assert os.getpid() not in pids
+    assert not storage.exists(storage.join(folder, parts.JOINED))
