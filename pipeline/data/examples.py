@@ -284,8 +284,13 @@ def load_training_examples(
 ) -> tuple[ExampleRows, DataStats]:
     """Read and validate BEIR queries + qrels (+ a negatives jsonl, streamed a line at a time
     into arrays) and join them as :func:`build_training_examples` does, as corpus rows: no
-    Python object per negative. Qrels and negatives naming documents outside the corpus
-    are errors at their line."""
+    Python object per negative.
+
+    The negatives file is audited before any training reads it: a negative outside the
+    corpus, one listed twice for a query, one that is a judged positive of its query (the
+    file was mined against other qrels: it would teach the model the opposite) and a score
+    that is not finite are each an error at its line, naming the query and the passage.
+    Qrels naming documents outside the corpus are errors at their line too."""
     q = read_queries(queries)
     judged = read_qrels(qrels, corpus_ids, q)
     mined, mined_at = None, {}  # query id -> its place in mined
@@ -293,10 +298,21 @@ def load_training_examples(
         builder = ExampleRowsBuilder(corpus_ids)
         none = np.zeros(0, ROW)
         for source, number, qid, ids in iter_negatives(negatives, set(q)):
+            judged_positive = set(positives(judged.get(qid, {}))).intersection(ids)
+            if judged_positive:
+                first = next(d for d in ids if d in judged_positive)
+                raise line_error(
+                    source,
+                    number,
+                    f"query {qid!r}: negative {first!r} is a judged positive of the query in {judged.source}: "
+                    "the file was mined against other qrels (mine again with these)",
+                )
             rows = corpus_ids.find(id_keys(ids)) if ids else none
             unknown = np.flatnonzero(rows < 0)
             if len(unknown):
-                raise line_error(source, number, f"unknown document id {ids[unknown[0]]!r} (not in the corpus)")
+                raise line_error(
+                    source, number, f"query {qid!r}: unknown document id {ids[unknown[0]]!r} (not in the corpus)"
+                )
             mined_at[qid] = len(builder.query_ids)
             builder.add(qid, "", none, rows)
         mined = builder.build()

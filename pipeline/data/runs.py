@@ -51,8 +51,24 @@ def iter_negatives(uri: str, query_ids: set[str] | None = None) -> Iterator[tupl
             for i, d in enumerate(get_field(obj, "negatives", list, source, number))
         ]
         if len(set(ids)) != len(ids):
-            raise line_error(source, number, f"query {qid!r} lists a negative twice")
+            repeated = next(d for i, d in enumerate(ids) if d in ids[:i])
+            raise line_error(source, number, f"query {qid!r} lists negative {repeated!r} twice")
+        scores = obj.get("scores")
+        if scores is not None:
+            _check_scores(scores, ids, qid, source, number)
         yield source, number, qid, ids
+
+
+def _check_scores(scores, ids: list[str], qid: str, source: str, number: int) -> None:
+    """A negatives line's scores: one finite number per negative (NaN or inf from a broken
+    scorer would pass as a rank)."""
+    if not isinstance(scores, list) or len(scores) != len(ids):
+        raise line_error(source, number, f"query {qid!r}: expected a list of {len(ids)} scores, one per negative")
+    for doc_id, score in zip(ids, scores):
+        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+            raise line_error(
+                source, number, f"query {qid!r}: negative {doc_id!r} has the score {score!r}, not a finite number"
+            )
 
 
 def negatives_record(qid: str, ids: list[str], scores: list[float] | None) -> dict:

@@ -8,7 +8,7 @@ from typing import Callable, Iterable, Iterator
 
 from pipeline.core import storage
 from pipeline.data.corpus import iter_documents, json_type
-from pipeline.data.examples import DataStats, TrainExample, clean_negatives
+from pipeline.data.examples import DataStats, TrainExample
 from pipeline.data.records import (
     check_new,
     get_field,
@@ -64,9 +64,9 @@ def write_tevatron(examples: Iterable[TrainExample], corpus_lookup: Callable[[st
 
 
 def read_tevatron(uri: str, stats: DataStats | None = None) -> Iterator[dict]:
-    """Validated Tevatron train records, with :func:`build_training_examples`' rules: a record
-    without positive passages is skipped, a negative passage whose docid is also positive is
-    dropped, both counted in ``stats``; duplicate query ids and missing fields are errors."""
+    """Validated Tevatron train records: a record without positive passages is skipped and
+    counted in ``stats``; duplicate query ids, missing fields, a negative listed twice and a
+    negative that is also a positive are errors at their line."""
     stats = stats if stats is not None else DataStats()
     lines: dict[str, int] = {}
     for source, number, obj in json_lines(uri):
@@ -80,14 +80,11 @@ def read_tevatron(uri: str, stats: DataStats | None = None) -> Iterator[dict]:
         if not pos:
             stats.count("skipped_no_positive", qid)
             continue
-        kept = set(clean_negatives(qid, [p["docid"] for p in neg], {p["docid"] for p in pos}, stats))
+        _audit_negatives(qid, [p["docid"] for p in pos], [p["docid"] for p in neg], source, number)
+        if not neg:
+            stats.count("no_negatives", qid)  # kept: its groups draw random corpus passages
         stats.examples += 1
-        yield {
-            "query_id": qid,
-            "query": query,
-            "positive_passages": pos,
-            "negative_passages": [p for p in neg if p["docid"] in kept],
-        }
+        yield {"query_id": qid, "query": query, "positive_passages": pos, "negative_passages": neg}
 
 
 def _passages(obj: dict, key: str, source: str, number: int) -> list[dict]:
@@ -104,6 +101,18 @@ def _passages(obj: dict, key: str, source: str, number: int) -> list[dict]:
             }
         )
     return out
+
+
+def _audit_negatives(qid: str, positive: list[str], negative: list[str], source: str, number: int) -> None:
+    """A record's negatives, audited as a negatives file's are: none listed twice, none a
+    positive of the record."""
+    seen: set[str] = set()
+    for doc_id in negative:
+        if doc_id in seen:
+            raise line_error(source, number, f"query {qid!r} lists negative {doc_id!r} twice")
+        if doc_id in positive:
+            raise line_error(source, number, f"query {qid!r}: negative {doc_id!r} is also one of its positive passages")
+        seen.add(doc_id)
 
 
 def tevatron_example(record: dict) -> TrainExample:

@@ -10,6 +10,7 @@ Ray Data joins the passages (``pipeline/data/group_stream.py``).
 from __future__ import annotations
 
 import copy
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -218,6 +219,7 @@ class GroupTraining:
     bm25: dict | None
     stream: GroupStream
     epochs: int
+    negatives_audit: dict
 
     def summary_fields(self) -> dict:
         return {
@@ -225,7 +227,33 @@ class GroupTraining:
             "epochs": self.epochs,
             "corpus_docs": self.corpus.docs,
             "data_stats": self.stats.as_dict(),
+            "negatives_audit": self.negatives_audit,
         }
+
+
+def audit_negatives(examples: ExampleRows, group_size: int) -> dict:
+    """What the loaded examples' negatives give each group (their file was audited for
+    defects as it was read): the queries with fewer negatives than a group needs, which
+    draw their own with replacement, and those with none, which draw random corpus
+    passages (:func:`pipeline.data.groups.select_group`). Said on stderr when any is short."""
+    need = max(0, group_size - 1)
+    counts = np.diff(examples.negative_offsets)
+    audit = {
+        "queries": len(examples),
+        "negatives": int(counts.sum()),
+        "needed_per_query": need,
+        "short": int((counts < need).sum()),
+        "none": int((counts == 0).sum()),
+    }
+    if audit["short"]:
+        print(
+            f"training data: {audit['short']:,} of {audit['queries']:,} queries have fewer than {need} negatives "
+            f"(a group of {group_size}): their groups draw their own with replacement, and the {audit['none']:,} "
+            "with none draw random corpus passages",
+            file=sys.stderr,
+            flush=True,
+        )
+    return audit
 
 
 def prepare_group_training(cfg, group_size: int, load=None) -> GroupTraining:
@@ -259,6 +287,7 @@ def prepare_group_training(cfg, group_size: int, load=None) -> GroupTraining:
         tokenizer, [query_prefix + text for text in examples.queries], framing.room(cfg.data.query_max_len)
     )
     examples = examples.without_text()
+    negatives_audit = audit_negatives(examples, group_size)
 
     per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.train.num_workers
     warn_if_a_step_exceeds_an_epoch(cfg.train, len(examples), "training queries")
@@ -276,7 +305,7 @@ def prepare_group_training(cfg, group_size: int, load=None) -> GroupTraining:
         passage_prefix=tuple(_passage_prefix_ids(tokenizer, passage_prefix)),
     )
     stream = GroupStream(spec, examples, query_ids, epochs, corpus.docs, storage.join(cfg.train.output, "checkpoints"))
-    return GroupTraining(corpus, examples, stats, bm25_summary, stream, epochs)
+    return GroupTraining(corpus, examples, stats, bm25_summary, stream, epochs, negatives_audit)
 
 
 def _model_on_meta(cfg) -> torch.nn.Module:

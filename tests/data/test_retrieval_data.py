@@ -172,7 +172,15 @@ def test_negatives_round_trip_and_errors(tmp_path):
         (jsonl({"query_id": "q1"}), r"neg\.jsonl line 1: missing field 'negatives'"),
         (jsonl({"query_id": "q1", "negatives": "d2"}), r"line 1: field 'negatives' must be an array"),
         (jsonl({"query_id": "q1", "negatives": ["d2", None]}), r"line 1: negatives\[1\] must be a string or a number"),
-        (jsonl({"query_id": "q1", "negatives": ["d2", "d2"]}), r"line 1: query 'q1' lists a negative twice"),
+        (jsonl({"query_id": "q1", "negatives": ["d2", "d2"]}), r"line 1: query 'q1' lists negative 'd2' twice"),
+        (
+            '{"query_id": "q1", "negatives": ["d2", "d3"], "scores": [1.0, NaN]}\n',
+            r"line 1: query 'q1': negative 'd3' has the score nan, not a finite number",
+        ),
+        (
+            jsonl({"query_id": "q1", "negatives": ["d2", "d3"], "scores": [1.0]}),
+            r"line 1: query 'q1': expected a list of 2 scores, one per negative",
+        ),
         (jsonl({"query_id": "q1", "negatives": ["d9"]}), r"line 1: unknown document id 'd9'"),
         (
             jsonl({"query_id": "q1", "negatives": []}, {"query_id": "q1", "negatives": []}),
@@ -244,16 +252,25 @@ def test_beir_to_tevatron_round_trip(tmp_path):
     )
     examples, _ = build_training_examples(queries, qrels, NEGATIVES)
     negatives = str(tmp_path / "beir" / "neg.jsonl")
-    write_negatives([(q, [d for d in NEGATIVES[q]], None) for q in ("q1", "q4")], negatives)
-    # Read from files, the same examples as corpus rows (and the same counts).
+    # A negatives file as mining writes it (judged positives left out): read from files, the
+    # same examples as corpus rows, and the same counts but the drops.
+    mined = {q: [d for d in NEGATIVES[q] if qrels.get(q, {}).get(d, 0) <= 0] for q in ("q1", "q4")}
+    write_negatives([(q, ids, None) for q, ids in mined.items()], negatives)
     corpus_ids = CorpusIds.from_strings(f"d{i}" for i in range(1, 6))
-    rows, row_stats = load_training_examples(
-        str(tmp_path / "beir" / "queries.jsonl"), str(tmp_path / "beir" / "qrels.tsv"), negatives, corpus_ids
-    )
+    files = (str(tmp_path / "beir" / "queries.jsonl"), str(tmp_path / "beir" / "qrels.tsv"))
+    rows, row_stats = load_training_examples(*files, negatives, corpus_ids)
     assert [
         TrainExample(e.query_id, e.query, corpus_ids.ids(e.positives), corpus_ids.ids(e.negatives)) for e in rows
     ] == examples
-    assert row_stats == build_training_examples(queries, qrels, NEGATIVES)[1]
+    built = build_training_examples(queries, qrels, NEGATIVES)[1]
+    built.dropped_negative_is_positive, built.dropped_negative_is_positive_examples = 0, []
+    assert row_stats == built
+    # The audit: a file mined against other qrels (a judged positive among the negatives)
+    # fails at its line, naming the query and the passage. Mutation: the check dropped, the
+    # loader drops the positive and trains on the rest.
+    write_negatives([(q, NEGATIVES[q], None) for q in ("q1", "q4")], negatives)
+    with fails(r"neg\.jsonl line 1: query 'q1': negative 'd1' is a judged positive of the query in .*qrels\.tsv"):
+        load_training_examples(*files, negatives, corpus_ids)
     assert rows.negatives.dtype == np.int32 and len(rows.negatives) == 2
     lookup = passage_lookup(corpus)
     out = str(tmp_path / "tev" / "train.jsonl.gz")
@@ -289,7 +306,7 @@ def test_read_tevatron_skips_and_drops(tmp_path):
                 "query_id": 2,
                 "query": "b",
                 "positive_passages": [passage("p")],
-                "negative_passages": [passage("p"), passage("n")],
+                "negative_passages": [passage("n")],
             },
         ),
     )
@@ -297,13 +314,7 @@ def test_read_tevatron_skips_and_drops(tmp_path):
     assert list(read_tevatron(path, stats)) == [
         {"query_id": "2", "query": "b", "positive_passages": [passage("p")], "negative_passages": [passage("n")]}
     ]
-    assert stats == DataStats(
-        examples=1,
-        skipped_no_positive=1,
-        skipped_no_positive_examples=["q1"],
-        dropped_negative_is_positive=1,
-        dropped_negative_is_positive_examples=["2:p"],
-    )
+    assert stats == DataStats(examples=1, skipped_no_positive=1, skipped_no_positive_examples=["q1"])
 
 
 @pytest.mark.parametrize(
@@ -327,6 +338,19 @@ def test_read_tevatron_skips_and_drops(tmp_path):
         (
             {"query_id": "q1", "query": "a", "positive_passages": [], "negative_passages": []},
             r"line 2: duplicate query id 'q1' \(first at line 1\)",
+        ),
+        (  # the audit of a record's negatives, as of a negatives file's
+            {"query_id": "q2", "query": "a", "positive_passages": [passage("p")], "negative_passages": [passage("p")]},
+            r"line 2: query 'q2': negative 'p' is also one of its positive passages",
+        ),
+        (
+            {
+                "query_id": "q2",
+                "query": "a",
+                "positive_passages": [passage("p")],
+                "negative_passages": [passage("n"), passage("n")],
+            },
+            r"line 2: query 'q2' lists negative 'n' twice",
         ),
     ],
 )

@@ -132,3 +132,23 @@ def test_pooling_auto_is_resolved_on_the_driver_from_the_init(tmp_path, monkeypa
         ("bert", "auto"): "cls",
         ("bert", "mean"): "mean",
     }
+
+
+def test_the_negatives_audit_counts_the_queries_a_group_finds_short(capsys):
+    """Negatives per query 3, 0, 7 and 1 for groups of 4 (3 negatives each): two short, one
+    with none, 11 in all, and a line that says what their groups do. Mutation: ``<=`` for
+    ``<`` counts the query with exactly 3 as short."""
+    import numpy as np
+
+    from pipeline.data.examples import ExampleRows
+    from pipeline.training.group_training import audit_negatives
+
+    counts = [3, 0, 7, 1]
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    examples = ExampleRows(
+        ["a", "b", "c", "d"], [], np.arange(5), np.arange(4), offsets, np.arange(sum(counts)).astype(np.int32)
+    )
+    assert audit_negatives(examples, 4) == {"queries": 4, "negatives": 11, "needed_per_query": 3, "short": 2, "none": 1}
+    said = capsys.readouterr().err
+    assert "2 of 4 queries have fewer than 3 negatives (a group of 4)" in said and "the 1 with none draw random" in said
+    assert audit_negatives(examples, 1)["short"] == 0 and capsys.readouterr().err == ""
