@@ -203,47 +203,49 @@ def _evaluate_collections(cfg: EvaluateJobConfig) -> dict:
     return summary
 
 
-def _evaluate(cfg: EvaluateJobConfig) -> dict:
-    started = time.perf_counter()
-    output = storage.resolve(cfg.output).uri
-    queries = read_queries(storage.resolve(cfg.queries).uri)  # duplicate ids fail here, before any work
+def _say(text: str) -> None:
+    print(f"evaluate: {text}", file=sys.stderr, flush=True)
+
+
+def _judged_queries(cfg: EvaluateJobConfig) -> tuple:
+    """The queries to evaluate, their judgments and the qrels' URI, checked before any work.
+
+    BEIR's queries.jsonl holds every split's queries: only the ones the qrels judge are
+    evaluated (MS MARCO's would be 509,962 for its 6,980 dev ones). Qrels of every dev
+    query with a sample of them given are scored on the sample's judgments (an unjudged
+    query scores 0 in every measure, so the others must not be counted). Both are said."""
+    queries = read_queries(storage.resolve(cfg.queries).uri)  # duplicate ids fail here
     qrels_uri = storage.resolve(cfg.qrels).uri
     if not len(queries):
         raise InputError(f"{queries.source}: no query to evaluate")
-    every = read_qrels(qrels_uri)  # its format: before any work
-    # Qrels of every dev query, a sample of them given: scored on the sample's judgments
-    # (an unjudged query scores 0 in every measure, so the others must not be counted).
+    every = read_qrels(qrels_uri)  # its format
     qrels = every.restricted_to(queries)
     if len(qrels) < len(every):
-        print(
-            f"evaluate: {len(every) - len(qrels)} of the {len(every)} queries judged in {qrels_uri} are not in "
-            f"{queries.source}: scoring the {len(qrels)} given",
-            file=sys.stderr,
-            flush=True,
+        _say(
+            f"{len(every) - len(qrels)} of the {len(every)} queries judged in {qrels_uri} are not in "
+            f"{queries.source}: scoring the {len(qrels)} given"
         )
-    # BEIR's queries.jsonl holds every split's queries: only the ones the qrels judge are
-    # evaluated (MS MARCO's would be 509,962 for its 6,980 dev ones), and that is said.
     judged = queries.judged_only(qrels)
     if not len(judged):
         raise InputError(f"{qrels_uri}: judges none of the {len(queries)} queries of {queries.source}")
     if len(judged) < len(queries):
-        print(
-            f"evaluate: {len(queries) - len(judged)} of the {len(queries)} queries in {queries.source} have no "
-            f"judgment in {qrels_uri}: evaluating the {len(judged)} judged ones",
-            file=sys.stderr,
-            flush=True,
+        _say(
+            f"{len(queries) - len(judged)} of the {len(queries)} queries in {queries.source} have no "
+            f"judgment in {qrels_uri}: evaluating the {len(judged)} judged ones"
         )
-    queries = judged
+    return judged, qrels, qrels_uri
+
+
+def _evaluate(cfg: EvaluateJobConfig) -> dict:
+    started = time.perf_counter()
+    output = storage.resolve(cfg.output).uri
+    queries, qrels, qrels_uri = _judged_queries(cfg)
 
     def before_work(dim: int, corpus: PreparedCorpus) -> None:
         """What can fail later, checked once the corpus is prepared, before it is encoded."""
         passages = corpus.manifest["num_docs"]
         if cfg.k > passages:
-            print(
-                f"evaluate: --k {cfg.k} is more than the corpus's {passages} passages: every passage is ranked",
-                file=sys.stderr,
-                flush=True,
-            )
+            _say(f"--k {cfg.k} is more than the corpus's {passages} passages: every passage is ranked")
         validate_factory(cfg.index, dim)
         qrels.check_documents(functools.partial(held_ids, corpus.folder, corpus.manifest))
 
