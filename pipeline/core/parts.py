@@ -180,11 +180,11 @@ def join_blocks(folder: str, blocks: list[int], outputs: dict[str, str]) -> list
         joined = ray.get(refs)
         return joined[0] if joined else block_metas(folder, blocks)
     pieces = {name: [storage.join(folder, JOINED, f"{name}.{r:05d}") for r in range(len(ranges))] for name in outputs}
-    refs = {
+    by_output = {
         name: [join.remote(folder, part, name, piece) for part, piece in zip(ranges, pieces[name])] for name in outputs
     }
-    wait_for_tasks([ref for each in refs.values() for ref in each], "join tasks")
-    metas = [meta for each in ray.get(next(iter(refs.values()))) for meta in each] if refs else []
+    wait_for_tasks([ref for each in by_output.values() for ref in each], "join tasks")
+    metas = [meta for each in ray.get(next(iter(by_output.values()))) for meta in each] if by_output else []
     concat = ray.remote(_concatenated).options(num_cpus=0.5, max_retries=3)
     done = [concat.remote(pieces[name], uri) for name, uri in outputs.items()]
     wait_for_tasks(done, "join tasks")
