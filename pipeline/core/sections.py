@@ -69,16 +69,26 @@ class Queries(Section):
     """Queries and their judgments, in BEIR layout. The defaults are the bundled sample's
     dev split."""
 
-    queries: str = field(default=SAMPLE_DEV_QUERIES, metadata={"help": "BEIR queries.jsonl (local or s3://)"})
+    queries: str = field(
+        default=SAMPLE_DEV_QUERIES,
+        metadata={"help": "BEIR queries.jsonl or MS MARCO's queries.*.tsv (id<TAB>text); local or s3://"},
+    )
     qrels: str = field(
         default=SAMPLE_DEV_QRELS,
-        metadata={"help": "BEIR qrels TSV with a header (local or s3://): a score > 0 marks a positive"},
+        metadata={
+            "help": "BEIR qrels TSV (header optional) or TREC's four columns (MS MARCO's qrels.*.tsv); local or s3://: a score > 0 marks a positive"
+        },
     )
 
 
 @dataclass
 class Corpus(Section):
-    corpus: str = field(default=SAMPLE_CORPUS, metadata={"help": "BEIR corpus.jsonl (local or s3://)"})
+    corpus: str = field(
+        default=SAMPLE_CORPUS,
+        metadata={
+            "help": "BEIR corpus.jsonl, MS MARCO's collection.tsv (id<TAB>text), .txt, .gz or a folder; local or s3://"
+        },
+    )
 
 
 @dataclass

@@ -36,7 +36,7 @@ class PrepareConfig(Output.with_defaults(output="runs/corpus", notes={"output": 
     input: str = field(
         default=SAMPLE_CORPUS,
         metadata={
-            "help": "BEIR corpus.jsonl, a .txt file (blank-line separated documents), or a folder of them; local or s3://"
+            "help": "BEIR corpus.jsonl, MS MARCO's collection.tsv (id<TAB>text), a .txt file (blank-line separated documents), their .gz, or a folder of them; local or s3://"
         },
     )
     tokenizer: str = field(

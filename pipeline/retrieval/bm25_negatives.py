@@ -223,7 +223,9 @@ def mine_negatives(cfg: Bm25Config) -> dict:
     claim(folder, _made_by(cfg), what="retrieved blocks' files")
     text = stage_text(cfg.corpus, _text_folder(cfg), cfg.docs_per_shard)
     block = recorded_block(
-        folder, cfg.batch_size or query_block(len(group_shards(text["shards"], cfg.docs_per_shard)), cfg.depth)
+        folder,
+        cfg.batch_size
+        or query_block(len(group_shards(text["shards"], cfg.docs_per_shard)), cfg.depth, queries=len(queries)),
     )
     blocks = list(range(-(-len(queries) // block)))
     todo = [b for b in blocks if b not in finished_blocks(folder)]

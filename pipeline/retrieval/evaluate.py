@@ -280,7 +280,7 @@ def _evaluate(cfg: EvaluateJobConfig) -> dict:
     claim(searched, {"index": indexed["version"], **versions, "k": k, **encoder})
     per_block = StreamedMetrics(qrels, JOB_MEASURES.values())  # a searched block's sums, to store
     # Recorded with the first block: a resumed evaluation keeps its blocks on another cluster.
-    block = recorded_block(searched, query_block_of(indexed["output"], cfg.searchers, k))
+    block = recorded_block(searched, query_block_of(indexed["output"], cfg.searchers, k, len(queries)))
     blocks = list(range(-(-len(queries) // block)))
     done = finished_blocks(searched)
     todo = [b for b in blocks if b not in done]

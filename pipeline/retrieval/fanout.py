@@ -124,13 +124,22 @@ HIT_BYTES = 4 + 8 + 32  # a hit in a server's answer: score, corpus row, doc id 
 MIN_BLOCK, MAX_BLOCK = 64, 16384
 
 
-def query_block(servers: int, k: int, dim: int = 0) -> int:
+# A search of many queries is cut into at least this many blocks, so that its progress line
+# moves (BM25's 4,434 Nave training queries were one block: "0/4,434" until the end).
+PROGRESS_BLOCKS = 16
+
+
+def query_block(servers: int, k: int, dim: int = 0, queries: int = 0) -> int:
     """Queries per block when ``servers`` servers each answer a block with their top ``k``
     (and a query vector is ``dim`` floats): as many as fit ``BLOCK_BYTES`` in the task that
-    merges the block, within [MIN_BLOCK, MAX_BLOCK]. 16,384 queries a block at MS MARCO's
-    depth 200 on one searcher (31 blocks for 502k queries), 3,600 on eight."""
+    merges the block, within [MIN_BLOCK, MAX_BLOCK], and, given the search's ``queries``, no
+    more than a ``PROGRESS_BLOCKS``-th of them. 16,384 queries a block at MS MARCO's depth
+    200 on one searcher (31 blocks for 502k queries), 3,600 on eight."""
     per_query = max(1, servers) * max(1, k) * HIT_BYTES + 4 * dim
-    return int(min(MAX_BLOCK, max(MIN_BLOCK, BLOCK_BYTES // per_query)))
+    fits = min(MAX_BLOCK, BLOCK_BYTES // per_query)
+    if queries:
+        fits = min(fits, -(-queries // PROGRESS_BLOCKS))
+    return int(max(MIN_BLOCK, fits))
 
 
 @dataclass
@@ -459,7 +468,7 @@ class ShardFanout(ShardActors):
         A block unanswered for ``limits.stall_timeout_s`` ends the search; so does a server
         dead past its restarts, unless :meth:`_recover` replaces the servers, when every
         block in flight is asked again of the new ones."""
-        block = block or query_block(len(self.actors), k, self.dim)
+        block = block or query_block(len(self.actors), k, self.dim, len(queries))
         check_k(k, self.total)
         starts = range(0, len(queries), block) if only is None else [b * block for b in only]
         asked: deque = deque()  # [start, size, block ref, what to wait for, servers, their refs]

@@ -68,7 +68,7 @@ class MiningSettings(Section):
         default=0,
         metadata={
             "min": 0,
-            "help": "queries per search block: the unit written, resumed and redone after a lost node; 0 = as many as keep a block's answers near 256 MiB (thousands), recorded for a resumed run",
+            "help": "queries per search block: the unit written, resumed and redone after a lost node; 0 = as many as keep a block's answers near 256 MiB (thousands; at most a 16th of the queries, so progress shows), recorded for a resumed run",
         },
     )
 
@@ -248,7 +248,7 @@ def run_mining(cfg: MineConfig) -> dict:
     made_by = _made_by(cfg)  # names a missing model or file first
     _check_width(cfg)
     claim(output, made_by, what="mined blocks' files")
-    block = recorded_block(output, cfg.query_block or query_block_of(cfg.index, cfg.searchers, cfg.depth))
+    block = recorded_block(output, cfg.query_block or query_block_of(cfg.index, cfg.searchers, cfg.depth, len(queries)))
     blocks = list(range(-(-len(queries) // block)))
     done = finished_blocks(output)
     sampling = Sampling.of(cfg)

@@ -280,11 +280,11 @@ class _RunBytes:
         return count
 
 
-def query_block_of(index_uri: str, cfg: SearcherConfig, k: int) -> int:
-    """The default query block of a search of ``index_uri`` to depth ``k`` by the searchers
-    ``cfg`` plans (:func:`pipeline.retrieval.fanout.query_block`)."""
+def query_block_of(index_uri: str, cfg: SearcherConfig, k: int, queries: int = 0) -> int:
+    """The default query block of a search of ``queries`` queries of ``index_uri`` to depth
+    ``k`` by the searchers ``cfg`` plans (:func:`pipeline.retrieval.fanout.query_block`)."""
     manifest = faiss_index.load_index_manifest(storage.resolve(index_uri).uri, check=False)
-    return query_block(len(plan_searchers(manifest, cfg)), k, manifest["dim"])
+    return query_block(len(plan_searchers(manifest, cfg)), k, manifest["dim"], queries)
 
 
 class ShardedIndex(ShardFanout):

@@ -26,3 +26,16 @@ def test_the_default_block_follows_the_searchers_and_the_depth(monkeypatch, sear
     monkeypatch.setattr(search.faiss_index, "load_index_manifest", lambda uri, check=True: _manifest([1000] * 8))
     cfg = SearcherConfig(searchers=searchers)
     assert query_block_of("/an/index", cfg, k) == expected
+
+
+@pytest.mark.parametrize(
+    "queries,expected",
+    # 6,980 dev queries at k 1000: a 16th, 437 (5,702 would be 2 blocks); 502,939 training
+    # queries: 5,702 still (a 16th is 31,434); 300 queries: MIN_BLOCK, 64.
+    [(6_980, 437), (502_939, 5702), (300, 64), (0, 5702)],
+)
+def test_a_search_of_many_queries_is_at_least_sixteen_blocks_so_its_progress_moves(monkeypatch, queries, expected):
+    """Mutation: ``queries`` ignored in ``query_block`` gives 5,702 for the dev queries, and
+    the progress line sits at 0 until the second of two blocks."""
+    monkeypatch.setattr(search.faiss_index, "load_index_manifest", lambda uri, check=True: _manifest([1000] * 8))
+    assert query_block_of("/an/index", SearcherConfig(searchers=1), 1000, queries) == expected

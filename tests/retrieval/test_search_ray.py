@@ -603,7 +603,7 @@ def test_mining_killed_mid_way_resumes_from_its_finished_blocks(encoded, collect
     cfg, _ = encoded
     index_dir = str(tmp_path / "index")
     run_indexing(IndexJobConfig(embeddings=cfg.output, output=index_dir))
-    monkeypatch.setattr(mining, "query_block_of", lambda index, searchers, k: 6)  # 20 queries: 4 blocks
+    monkeypatch.setattr(mining, "query_block_of", lambda index, searchers, k, queries: 6)  # 20 queries: 4 blocks
     settings = dict(index=index_dir, queries=collection["queries"], qrels=collection["qrels"], depth=40, count=6)
     job = dict(**settings, encoder=cfg.encoder, pool=ActorConfig(actors=1))
     whole = mining.run_mining(mining.MineConfig(**job, output=str(tmp_path / "whole")))
@@ -768,7 +768,7 @@ def test_an_evaluation_rerun_reuses_its_encoding_index_and_searched_blocks(
     metrics as an evaluation never stopped."""
     from pipeline.retrieval import evaluate as evaluation
 
-    monkeypatch.setattr(evaluation, "query_block_of", lambda index, searchers, k: 5)
+    monkeypatch.setattr(evaluation, "query_block_of", lambda index, searchers, k, queries: 5)
     job = evaluation.EvaluateJobConfig(
         encoder=EncoderSettings(model=tiny_bert, pooling="mean"),
         corpus=collection["corpus"],
@@ -1030,7 +1030,7 @@ def test_evaluations_driver_memory_does_not_grow_with_the_query_vectors(collecti
         )
         for width in (64, 4096)
     }
-    monkeypatch.setattr(evaluation, "query_block_of", lambda index, searchers, k: 64)
+    monkeypatch.setattr(evaluation, "query_block_of", lambda index, searchers, k, queries: 64)
     picked = np.random.default_rng(n).integers(0, N_DOCS, n)
     queries = [{"_id": f"q{i}", "text": " ".join(docs[d]["text"].split()[:5])} for i, d in enumerate(picked)]
     qrels = tmp_path / "qrels.tsv"

@@ -290,7 +290,7 @@ def test_preemption_asks_are_spaced_by_seconds_at_the_slowest_ranks_step_time():
 def test_the_log_line_says_the_step_of_how_many_and_the_time_left_at_this_attempts_pace(monkeypatch):
     """Resumed at step 40 of 100, 60 s in at step 70: 2 s a step this attempt, 60 s left.
     Mutation: the pace over every step since 0 (the resumed attempt never trained the first
-    40) says 35 s."""
+    40) says 26 s."""
     from types import SimpleNamespace
 
     from pipeline.training import worker
