@@ -177,8 +177,12 @@ def _disk_full(exc: BaseException) -> OutOfSpace | None:
 
 
 def out_of_space(where: str | None, detail: str) -> OutOfSpace:
-    return OutOfSpace(
+    """The full disk's error; ``where`` (a file or folder) as named, kept with ``detail`` on
+    the error so that code knowing more can name it (``OutOfSpace.where`` None: unnamed)."""
+    full = OutOfSpace(
         f"{'disk quota exceeded' if 'quota' in detail.lower() else 'no space left'} writing {where or 'the outputs'} "
         f"({detail}): free space there, or give the outputs a larger disk, then rerun the same command: "
         "what was finished is kept"
     )
+    full.where, full.detail = where, detail
+    return full

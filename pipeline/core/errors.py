@@ -63,7 +63,11 @@ class StorageError(RaydenseError, OSError):
 
 class OutOfSpace(StorageError):
     """A disk or quota filled up while writing: the job ends (a retry would fill it again),
-    naming where; what was finished is kept for the rerun."""
+    naming where; what was finished is kept for the rerun. ``where`` is the file or folder
+    named (None where the library that wrote said none), ``detail`` its own words."""
+
+    where: str | None = None
+    detail: str = ""
 
 
 class LeaseHeld(RaydenseError):

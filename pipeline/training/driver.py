@@ -29,7 +29,7 @@ from pipeline.core.runtime import autoscales, placement_problem
 from pipeline.data.position import RAY_SNAPSHOT, checkpoint_folders, restorable_checkpoint
 from pipeline.data.stream import configure_data_context
 from pipeline.training.deepspeed_config import deepspeed_config
-from pipeline.training.failures import USER_ERROR, fed_user_error, raise_user_error
+from pipeline.training.failures import USER_ERROR, fed_user_error, forget_user_error, raise_user_error
 from pipeline.training.train_config import TrainConfig
 from pipeline.training.worker import STOP_REQUEST, TrainTask, train_worker
 
@@ -265,7 +265,7 @@ def fit(
         datasets=datasets,
     )
     marker = storage.join(run_dir, USER_ERROR)
-    storage.delete_file(marker)  # an earlier run's: this one may have been given the fix
+    forget_user_error(marker)
     stop_request = storage.join(run_dir, STOP_REQUEST) if train.preemption_check_s > 0 else ""
     if stop_request:
         storage.delete_file(stop_request)  # the stop of an earlier attempt
@@ -273,7 +273,7 @@ def fit(
         result = _fit_past_storage_faults(trainer, _capacity_wait(train), stop_request)
     except ray.train.TrainingFailedError as exc:
         raise_user_error(marker)
-        fed = fed_user_error(exc)  # a marker the worker could not write (a full disk)
+        fed = fed_user_error(exc, run_dir)  # a worker's error that reached no marker
         if fed is not None:
             raise fed from None
         raise

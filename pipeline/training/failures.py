@@ -3,20 +3,26 @@
 A deterministic error (a user's setting, a damaged input, a full disk) must end the job
 with its own one line, once: Ray Train's retries are for lost workers and nodes, and
 would redo the failing work ``max_failures`` times. The worker that meets one writes it
-to a marker in the run folder (every worker of a later attempt stops at its start), and
-the driver raises it as what it was. Anything else is Ray Train's to retry, sent so that
+to a marker in the run folder, or in Ray's key-value store where that disk is full (every
+worker of a later attempt stops at its start), and the driver raises it as what it was. Anything else is Ray Train's to retry, sent so that
 its type and message survive the trip.
 """
 
 from __future__ import annotations
 
-import contextlib
+import json
 import re
 import traceback
 from typing import NoReturn
 
 import torch
 from ray import cloudpickle
+from ray.experimental.internal_kv import (
+    _internal_kv_del,
+    _internal_kv_get,
+    _internal_kv_initialized,
+    _internal_kv_put,
+)
 
 from pipeline.core import storage
 from pipeline.core.entry import FULL_DISK, out_of_space, user_error
@@ -37,12 +43,14 @@ _REMOTE_USER_ERROR = re.compile(
 )
 
 
-def fed_user_error(exc: BaseException) -> RaydenseError | None:
+def fed_user_error(exc: BaseException, where: str | None = None) -> RaydenseError | None:
     """A deterministic error raised in a Ray Data task that fed this worker (a damaged corpus
     shard), or None. Ray Data wraps it in a UserCodeException whose cause does not survive
     the trip to the worker, only the remote traceback's text, which names it on a line of
-    its own."""
+    its own. A full disk the text alone names is said to be ``where`` (the run's folder)."""
     found = user_error(exc)
+    if isinstance(found, OutOfSpace) and found.where is None and where:
+        return out_of_space(where, found.detail)
     if isinstance(found, DETERMINISTIC):
         return found
     named = _REMOTE_USER_ERROR.findall(str(exc))
@@ -50,12 +58,37 @@ def fed_user_error(exc: BaseException) -> RaydenseError | None:
         kind, message = named[-1]
         return {cls.__name__: cls for cls in DETERMINISTIC}[kind](message)
     full = [line for line in str(exc).splitlines() if any(reason in line for reason in FULL_DISK.values())]
-    return out_of_space(None, full[-1].strip()) if full else None
+    return out_of_space(where, full[-1].strip()) if full else None
+
+
+# Where a marker goes when the run folder cannot take it (its disk is full: every attempt
+# Ray Train started again met the same full disk, a traceback each): Ray's key-value store
+# in the GCS, under the marker's URI, read and cleared with it.
+MARKER_NAMESPACE = "raydense-user-errors"
 
 
 def write_user_error(marker: str, exc: BaseException) -> None:
-    with contextlib.suppress(StorageError):  # a full disk: the driver reads it from the error's text
-        storage.write_json(marker, {"kind": type(exc).__name__, "message": str(exc)})
+    record = {"kind": type(exc).__name__, "message": str(exc)}
+    try:
+        storage.write_json(marker, record)
+    except StorageError:
+        _internal_kv_put(marker, json.dumps(record), overwrite=True, namespace=MARKER_NAMESPACE)
+
+
+def recorded_user_error(marker: str) -> dict | None:
+    """The deterministic error a worker of this run recorded, from the run folder or, where
+    that could not be written, from Ray's key-value store; None if none was."""
+    if storage.exists(marker):
+        return storage.read_json(marker)
+    value = _internal_kv_get(marker, namespace=MARKER_NAMESPACE) if _internal_kv_initialized() else None
+    return json.loads(value) if value else None
+
+
+def forget_user_error(marker: str) -> None:
+    """Clear an earlier run's record (this one may have been given the fix)."""
+    storage.delete_file(marker)
+    if _internal_kv_initialized():
+        _internal_kv_del(marker, namespace=MARKER_NAMESPACE)
 
 
 class WorkerError(RuntimeError):
@@ -92,8 +125,8 @@ def round_trips(exc: BaseException) -> bool:
 
 def raise_user_error(marker: str) -> None:
     """A worker's deterministic error, raised here as what it was (a job exits 2 on it)."""
-    if storage.exists(marker):
-        error = storage.read_json(marker)
+    error = recorded_user_error(marker)
+    if error is not None:
         kind = {cls.__name__: cls for cls in DETERMINISTIC}.get(error["kind"], ArtifactError)
         raise kind(error["message"])
 
@@ -106,7 +139,7 @@ def raise_from_worker(exc: Exception, marker: str, train: TrainConfig | None) ->
     if isinstance(exc, DETERMINISTIC):
         write_user_error(marker, exc)
         raise exc
-    fed = fed_user_error(exc)
+    fed = fed_user_error(exc, marker.rsplit("/", 1)[0])  # the run folder
     if fed is not None:
         write_user_error(marker, fed)
         raise fed from None

@@ -43,7 +43,7 @@ from pipeline.data.position import read_position
 from pipeline.training.batches import chained, collated, shard_batches, timed
 from pipeline.training.checkpoints import Restored, TrainState, restore_checkpoint, save_checkpoint
 from pipeline.training.engine import build_engine, export_model, mixed_precision_state
-from pipeline.training.failures import USER_ERROR, raise_from_worker
+from pipeline.training.failures import USER_ERROR, raise_from_worker, recorded_user_error
 from pipeline.training.profiling import StepProfiler
 from pipeline.training.tracking import RunLog
 from pipeline.training.train_config import TrainConfig
@@ -155,8 +155,9 @@ def train_worker(config: dict) -> dict:
         config = cloudpickle.loads(config["pickled"])
     _quiet_ray_train_reports()
     marker = storage.join(config["run_dir"], USER_ERROR)
-    if storage.exists(marker):
-        return {"user_error": storage.read_json(marker)}
+    recorded = recorded_user_error(marker)
+    if recorded is not None:
+        return {"user_error": recorded}
     try:
         run = WorkerRun(config)
         for batch, tensors in run.batches():

@@ -338,6 +338,39 @@ def test_a_worker_error_that_cannot_reach_the_controller_is_raised_as_text(tmp_p
         worker.train_worker({"run_dir": str(tmp_path)})
 
 
+def test_a_full_disk_stops_the_next_attempt_too_and_names_the_run_folder(tmp_path, monkeypatch, shared_ray):
+    """A full disk met by a worker (here in a Ray Data task's text, as pyarrow says it): its
+    marker cannot be written to the run folder (that disk is full), so it goes to Ray's
+    key-value store; the next attempt stops at its start, the driver raises it naming the
+    folder, and the next run's start clears it. Mutation: the marker write swallowed on a
+    full disk (as before): the next attempt trains again, and Ray Train's every retry met
+    the same disk, a traceback each."""
+    from pipeline.core.errors import OutOfSpace, StorageError
+    from pipeline.training import failures, worker
+
+    run_dir = str(tmp_path / "checkpoints")
+    marker = os.path.join(run_dir, failures.USER_ERROR)
+
+    class FullDisk:
+        def __init__(self, config):
+            raise RuntimeError("ray.data UserCodeException: [errno 28] No space left on device")
+
+    def no_space(uri, obj, **_):
+        raise StorageError(f"cannot write {uri}: [Errno 28] No space left on device")
+
+    monkeypatch.setattr(worker, "WorkerRun", FullDisk)
+    monkeypatch.setattr(failures.storage, "write_json", no_space)
+    with pytest.raises(OutOfSpace, match=f"no space left writing {run_dir} "):
+        worker.train_worker({"run_dir": run_dir})
+    assert not os.path.exists(marker)
+    monkeypatch.setattr(worker, "WorkerRun", lambda config: pytest.fail("the next attempt trained again"))
+    assert worker.train_worker({"run_dir": run_dir})["user_error"]["kind"] == "OutOfSpace"
+    with pytest.raises(OutOfSpace, match=f"no space left writing {run_dir} "):
+        failures.raise_user_error(marker)
+    failures.forget_user_error(marker)
+    assert failures.recorded_user_error(marker) is None
+
+
 def test_a_failed_compile_is_the_users_error_and_not_retried(tmp_path, monkeypatch):
     """With --train.compile, torch.compile's failure (here a backend raising, as torch 2.11's
     Inductor did on an H200) is a ConfigError naming the flag: written down, so Ray Train's
