@@ -154,3 +154,19 @@ def test_the_deploy_pages_access_commands_name_what_render_writes():
     assert f"--address http://127.0.0.1:{dashboard}" in page
     access = (DOCS / "operations" / "access.md").read_text()
     assert "file://cluster/rendered/aws-ingress.json" in access and "aws-ingress.json" in files
+
+
+def test_the_tutorials_commands_are_jobs_and_its_printed_keys_are_the_codes_own():
+    """Every command of docs/tutorial.md runs a job that exists, and every key its example
+    lines show (summaries, log lines) is one the code writes: a quoted literal in
+    ``pipeline/`` or ``jobs/``. Mutation: the log line's ``eta_s`` renamed in the worker
+    leaves the tutorial's key unknown."""
+    text = (DOCS / "tutorial.md").read_text()
+    blocks = re.findall(r"```(\w+)\n(.*?)```", text, re.S)
+    commands = [line for kind, body in blocks if kind == "bash" for line in body.splitlines() if line.strip()]
+    assert commands and all((REPO / line.split()[1]).is_file() for line in commands), commands
+    code = "\n".join(p.read_text() for folder in ("pipeline", "jobs") for p in (REPO / folder).rglob("*.py"))
+    keys = {key for kind, body in blocks if kind == "json" for key in re.findall(r'"(\w+)":', body)}
+    assert {"step", "of", "eta_s", "job", "metrics"} <= keys
+    unknown = sorted(key for key in keys if f'"{key}"' not in code)
+    assert not unknown, f"docs/tutorial.md shows keys no code writes: {unknown}"
