@@ -220,14 +220,14 @@ def _judged_queries(cfg: EvaluateJobConfig) -> tuple:
         raise InputError(f"{queries.source}: no query to evaluate")
     every = read_qrels(qrels_uri)  # its format
     qrels = every.restricted_to(queries)
+    if not len(qrels):  # other qrels, or another split's: said before any note
+        raise InputError(f"{qrels_uri}: judges none of the {len(queries)} queries of {queries.source}")
     if len(qrels) < len(every):
         _say(
             f"{len(every) - len(qrels)} of the {len(every)} queries judged in {qrels_uri} are not in "
             f"{queries.source}: scoring the {len(qrels)} given"
         )
     judged = queries.judged_only(qrels)
-    if not len(judged):
-        raise InputError(f"{qrels_uri}: judges none of the {len(queries)} queries of {queries.source}")
     if len(judged) < len(queries):
         _say(
             f"{len(queries) - len(judged)} of the {len(queries)} queries in {queries.source} have no "
