@@ -344,7 +344,8 @@ def test_a_second_driver_is_refused_and_sigterm_stops_the_first_which_then_resum
     the step they were at; the rerun resumes from that step and finishes. Mutations: no
     lease (the second resumed the first's live checkpoint and trained beside it); Ray's
     SIGTERM handler left in place (exit 134, a stack dump); no stop request (no checkpoint
-    saved after the signal: the rerun resumes from the last periodic one)."""
+    saved after the signal: failed here only when no periodic one falls between the snapshot
+    and the stop, as it usually does not)."""
     import subprocess
 
     command, out, env, job = _pretrain_until_sealed(tmp_path, "--train.preemption_check_s", "0.5")
@@ -360,7 +361,11 @@ def test_a_second_driver_is_refused_and_sigterm_stops_the_first_which_then_resum
     before = saved()
     err = stopped_by_sigterm(job)
     after = saved()
-    assert after[-1] > before[-1] and set(after) - set(before) == {after[-1]}, (before, after, err[-3000:])
+    # The stop's own checkpoint is the last; periodic ones (every 5 steps) may come between
+    # the snapshot and the moment the workers see the stop (CI saw 15 beside the stop's 17).
+    new = sorted(set(after) - set(before))
+    assert new and new[-1] == after[-1] > before[-1], (before, after, err[-3000:])
+    assert all(step % 5 == 0 for step in new[:-1]), (before, after)
     assert not (out / "checkpoints" / "finished.json").exists()  # stopped, not finished
     done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
