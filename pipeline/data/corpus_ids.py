@@ -50,15 +50,9 @@ class CorpusIds:
         first_row = int(shards[0]["first_row"]) if shards else 0
         parts, next_row = [], first_row
         for shard in shards:
-            uri = storage.join(folder, shard["path"])
-            table = storage.read_parquet(uri, columns=["row", "doc_id"])
-            rows = table.column("row").to_numpy()
-            if len(rows) and not np.array_equal(rows, np.arange(next_row, next_row + len(rows))):
-                raise ArtifactError(
-                    f"{storage.resolve(uri).describe()}: rows {rows[0]}..{rows[-1]} do not continue from row {next_row}"
-                )
+            rows, ids = _shard_rows_and_ids(storage.join(folder, shard["path"]), next_row)
             next_row += len(rows)
-            parts.append(_as_bytes(table.column("doc_id").cast("binary").to_numpy(zero_copy_only=False)))
+            parts.append(ids)
             if on_read is not None:
                 on_read()
         ids = np.concatenate(parts) if parts else np.zeros(0, "S1")
@@ -163,16 +157,22 @@ class NamedIds(CorpusIds):
         return self._sorted.nbytes + self._order.nbytes + self._by_row.nbytes
 
 
-def _rows_in_shard(uri: str, first_row: int, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Which of ``keys`` (sorted) one prepared shard holds: their places in ``keys`` and
-    their corpus rows. The shard's rows must run on from ``first_row``."""
+def _shard_rows_and_ids(uri: str, first_row: int) -> tuple[np.ndarray, np.ndarray]:
+    """One shard's ``row`` and ``doc_id`` columns (ids as bytes); its rows must run on from
+    ``first_row``."""
     table = storage.read_parquet(uri, columns=["row", "doc_id"])
     rows = table.column("row").to_numpy()
     if len(rows) and not np.array_equal(rows, np.arange(first_row, first_row + len(rows))):
         raise ArtifactError(
-            f"{storage.resolve(uri).describe()}: rows {rows[0]}..{rows[-1]} do not start at {first_row}"
+            f"{storage.resolve(uri).describe()}: rows {rows[0]}..{rows[-1]} do not continue from row {first_row}"
         )
-    ids = _as_bytes(table.column("doc_id").cast("binary").to_numpy(zero_copy_only=False))
+    return rows, _as_bytes(table.column("doc_id").cast("binary").to_numpy(zero_copy_only=False))
+
+
+def _rows_in_shard(uri: str, first_row: int, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Which of ``keys`` (sorted) one prepared shard holds: their places in ``keys`` and
+    their corpus rows. The shard's rows must run on from ``first_row``."""
+    rows, ids = _shard_rows_and_ids(uri, first_row)
     if not len(keys) or not len(ids):
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     at = np.minimum(np.searchsorted(keys, ids), len(keys) - 1)

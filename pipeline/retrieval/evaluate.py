@@ -21,7 +21,7 @@ from pipeline.core.plots import plot_metrics
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_DEV_QUERIES
 from pipeline.core.sections import Collection, Output, Section
-from pipeline.data.beir import read_qrels, read_queries
+from pipeline.data.beir import Judgments, Queries, read_qrels, read_queries
 from pipeline.data.runs import write_trec_lines
 from pipeline.data.shards import PreparedCorpus, held_ids
 from pipeline.retrieval.encode import EncodeConfig, EncoderSettings, run_encoding, store_query_vectors
@@ -207,7 +207,7 @@ def _say(text: str) -> None:
     print(f"evaluate: {text}", file=sys.stderr, flush=True)
 
 
-def _judged_queries(cfg: EvaluateJobConfig) -> tuple:
+def _judged_queries(cfg: EvaluateJobConfig) -> tuple[Queries, Judgments, str]:
     """The queries to evaluate, their judgments and the qrels' URI, checked before any work.
 
     BEIR's queries.jsonl holds every split's queries: only the ones the qrels judge are

@@ -320,6 +320,7 @@ class ShardActors:
                 self.start_retries += 1
                 log.warning("%s: %s met a transient fault starting: started again", self.label, self.server_name(shard))
                 self._draining.forget(self.actors[shard])
+                loading.forget([self._load_keys[shard]])  # the failed start's reports
                 self._load_keys[shard] = loading.new_key(self.label) if self._reports else ""
                 self.actors[shard] = self._start_server(shard)
                 self._draining.started(self.actors[shard])

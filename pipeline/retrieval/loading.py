@@ -6,8 +6,8 @@ stuck on the next shard).
 
 The driver waits for a server as long as it makes progress (``ShardActors._await_ready``):
 a searcher that reads a 500M-passage index for an hour is waited for, and one stuck on its
-tenth shard is not. A fixed ready timeout did neither: at 50M passages a searcher's start
-outlasted its 900 s, at 8.8k the same 900 s let a wedged one hold the stage for 15 minutes.
+tenth shard is not. A fixed ready timeout did not scale: at 50M passages a searcher's start
+outlasted its 900 s.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ A deterministic error (a user's setting, a damaged input, a full disk) must end 
 with its own one line, once: Ray Train's retries are for lost workers and nodes, and
 would redo the failing work ``max_failures`` times. The worker that meets one writes it
 to a marker in the run folder, or in Ray's key-value store where that disk is full (every
-worker of a later attempt stops at its start), and the driver raises it as what it was. Anything else is Ray Train's to retry, sent so that
-its type and message survive the trip.
+worker of a later attempt stops at its start), and the driver raises it as what it was.
+Anything else is Ray Train's to retry, sent so that its type and message survive the trip.
 """
 
 from __future__ import annotations
