@@ -150,7 +150,7 @@ def test_a_searcher_reads_its_shards_side_by_side_and_merges_them_in_order(ivf_i
     monkeypatch.setattr(faiss_index, "_read_with_sizes", counted)
     said = []
     (merged,) = faiss_index.load_merged_shards(index_uri, entries, on_read=lambda: said.append(1))
-    assert most[0] == faiss_index.READ_AHEAD and len(said) == SHARDS
+    assert most[0] == faiss_index.READ_AHEAD > 1 and len(said) == SHARDS
     monkeypatch.setattr(faiss_index, "READ_AHEAD", 1)
     (one_at_a_time,) = faiss_index.load_merged_shards(index_uri, entries)
     for index in (merged, one_at_a_time):
