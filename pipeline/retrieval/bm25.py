@@ -3,16 +3,18 @@ index's over the whole corpus.
 
 The corpus (title + text, as :func:`pipeline.data.corpus.iter_documents` joins them) is
 staged as text shards in the run's storage (:func:`pipeline.data.text_shards.stage_text`:
-once per run, shared with preparation and the passage servers); one :class:`Bm25Shard`
-actor per load of consecutive shards tokenizes it and reports its terms' document
-frequencies, a Ray task sums them, and each actor builds its bm25s index with the corpus's
-document count, mean length and document frequencies. A shard's scores are then those of
-one index over the whole corpus, and the merge of every shard's top-k
+once per run, shared with preparation and the passage servers). Its index is built once
+per staging and scoring, in Ray tasks, and stored beside the staging
+(:mod:`pipeline.retrieval.bm25_index`): every stage and rerun asking for the same index
+reads it. One :class:`Bm25Shard` actor per stored shard serves it; each shard scores with
+the whole corpus's statistics, so the merge of every shard's top-k
 (:mod:`pipeline.retrieval.fanout`) is the exact global top-k.
 
-Memory: the driver holds no document id, text or posting: the shard actors do, each
-reserving an estimate of its peak from Ray. Results arrive a block of queries at a time, as
-ids. The round-1 negatives job on top of it: :mod:`pipeline.retrieval.bm25_negatives`.
+Memory: the driver holds no document id, text, term or posting. A shard actor reserves
+what it holds (its arrays, vocabulary and ids, as its build measured them); a build task
+reserves what it builds. Results arrive a block of queries at a time, as ids, or are merged
+and used in tasks (:meth:`ShardFanout.map_blocks`: the round-1 negatives of
+:mod:`pipeline.retrieval.bm25_negatives`).
 """
 
 from __future__ import annotations
@@ -24,133 +26,40 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Iterator
 
-import bm25s
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 import ray
 
-from pipeline.core.progress import get_counted
 from pipeline.data.beir import Queries
 from pipeline.data.corpus_ids import CorpusIds
-from pipeline.data.text_shards import group_shards, read_text_load
+from pipeline.retrieval.bm25_index import IndexPlan, load_shard, serve_memory, stemmer_of, stored_index
 from pipeline.retrieval.fanout import ShardFanout, ranked_ids
 
 SHARD_CPUS = 0.01  # a token share, as searchers take (see pipeline.retrieval.search.plan_searchers)
-PROCESS_BYTES = 512 * 2**20
-# A shard actor's memory per UTF-8 byte of its texts, while it tokenizes and builds (token id
-# lists, bm25s's build arrays); measured on the Nave corpus (docs/retrieval.md), with margin.
-BYTES_PER_TEXT_BYTE = 12
 
 
-class _CorpusStatsBM25(bm25s.BM25):
-    """bm25s scoring one shard of a corpus with the whole corpus's statistics (document count,
-    mean length, each term's document frequency), so a shard's scores are those of one index
-    over the whole corpus and the merged top-k is exact. bm25s invites overriding this one
-    method; the scoring functions are its own."""
+def _load_ids(load: list[dict]) -> CorpusIds:
+    """A load's doc ids (first row set), read from the staged text's id column alone."""
+    import pyarrow as pa
 
-    def __init__(self, corpus_df: np.ndarray, corpus_docs: int, corpus_avgdl: float, **kwargs):
-        super().__init__(**kwargs)
-        self.corpus_df, self.corpus_docs, self.corpus_avgdl = corpus_df, corpus_docs, corpus_avgdl
+    from pipeline.core import storage
 
-    def build_index_from_ids(self, unique_token_ids, corpus_token_ids, show_progress=True, leave_progress=False):
-        from bm25s import scoring
-
-        shard_df = scoring._calculate_doc_freqs(corpus_token_ids, unique_token_ids, show_progress=False)
-        corpus_df = {t: int(self.corpus_df[t]) for t in shard_df}
-        idf_fn = scoring._select_idf_scorer(self.idf_method)
-        self.nonoccurrence_array = None
-        if self.method in self.methods_requiring_nonoccurrence:
-            self.nonoccurrence_array = scoring._build_nonoccurrence_array(
-                doc_frequencies=corpus_df,
-                n_docs=self.corpus_docs,
-                compute_idf_fn=idf_fn,
-                calculate_tfc_fn=scoring._select_tfc_scorer(self.method),
-                l_d=self.corpus_avgdl,
-                l_avg=self.corpus_avgdl,
-                k1=self.k1,
-                b=self.b,
-                delta=self.delta,
-                dtype=self.dtype,
-            )
-        idf = scoring._build_idf_array(corpus_df, n_docs=self.corpus_docs, compute_idf_fn=idf_fn, dtype=self.dtype)
-        values, doc_rows, term_cols = scoring._build_scores_and_indices_for_matrix(
-            corpus_token_ids=corpus_token_ids,
-            idf_array=idf,
-            avg_doc_len=self.corpus_avgdl,
-            doc_frequencies=shard_df,  # sizes the arrays: this shard's postings
-            k1=self.k1,
-            b=self.b,
-            delta=self.delta,
-            nonoccurrence_array=self.nonoccurrence_array,
-            method=self.method,
-            dtype=self.dtype,
-            int_dtype=self.int_dtype,
-            show_progress=False,
-        )
-        data, indices, indptr = self._np_csc(
-            data=values, rows=doc_rows, cols=term_cols, shape=(len(corpus_token_ids), len(shard_df))
-        )
-        return {
-            "data": data.astype(self.dtype),
-            "indices": indices,
-            "indptr": indptr,
-            "num_docs": len(corpus_token_ids),
-        }
-
-
-def _tokenizer(scoring: dict) -> bm25s.tokenization.Tokenizer:
-    stopwords = scoring["stopwords"]
-    return bm25s.tokenization.Tokenizer(
-        lower=scoring["lowercase"],
-        stopwords=None if stopwords.lower() in ("", "none") else stopwords,
-        stemmer=_stemmer(scoring["stemmer"]),
+    column = pa.concat_arrays(
+        [storage.read_parquet(i["text_uri"], ["doc_id"]).column("doc_id").combine_chunks() for i in load]
     )
-
-
-def _tokenized(load: list[dict], scoring: dict) -> tuple[CorpusIds, bm25s.tokenization.Tokenizer, list]:
-    """A load's doc ids (first row set), its tokenizer and its documents' token ids."""
-    table = read_text_load(load)
-    ids = CorpusIds(table.column("doc_id").cast("binary").to_numpy(zero_copy_only=False).astype(bytes))
+    ids = CorpusIds(column.cast("binary").to_numpy(zero_copy_only=False).astype(bytes))
     ids.first_row = load[0]["first_row"]
-    tokenizer = _tokenizer(scoring)
-    return ids, tokenizer, list(tokenizer.streaming_tokenize(table.column("text").to_pylist()))
-
-
-def _terms(tokenizer) -> np.ndarray:
-    """A tokenizer's vocabulary by token id (bm25s numbers its tokens from 0)."""
-    vocab = tokenizer.get_vocab_dict()
-    terms = np.empty(len(vocab), dtype=object)
-    terms[np.fromiter(vocab.values(), np.int64, len(vocab))] = list(vocab)
-    return terms
-
-
-def _load_term_stats(load: list[dict], scoring: dict) -> tuple[pa.Table, tuple[int, int]]:
-    """A Ray task: (term, df) of one load, and (its documents, its tokens: bm25s's document
-    lengths), the first pass over the corpus, whose sums every shard scores with."""
-    _, tokenizer, token_ids = _tokenized(load, scoring)
-    terms = _terms(tokenizer)
-    present = np.concatenate([np.unique(np.asarray(t, np.int64)) for t in token_ids])
-    df = np.bincount(present, minlength=len(terms))
-    tokens = int(sum(len(t) for t in token_ids))
-    return pa.table({"term": pa.array(terms, pa.string()), "df": df}), (len(token_ids), tokens)
+    return ids
 
 
 class Bm25Shard:
-    """A Ray actor: one load's BM25 index, built with the whole corpus's statistics, answering
-    top-k for blocks of query texts as corpus rows and doc ids. Everything it serves comes
-    from its arguments (the staged text, the corpus statistics), so Ray can restart it, on
-    another node when its own is lost, and it builds the same index again."""
+    """A Ray actor: one stored shard of a BM25 index, answering top-k for blocks of query
+    texts as corpus rows and doc ids. Everything it serves comes from storage (the index's
+    shard, the staged ids), so Ray can restart it, on another node when its own is lost,
+    and it serves the same index again."""
 
-    def __init__(self, load: list[dict], scoring: dict, corpus_terms: pa.Table, corpus_docs: int, corpus_avgdl: float):
-        self.ids, self.tokenizer, token_ids = _tokenized(load, scoring)
-        terms = _terms(self.tokenizer)
-        at = pc.index_in(pa.array(terms, pa.string()), value_set=corpus_terms.column("term")).to_numpy()
-        corpus_df = corpus_terms.column("df").to_numpy()[at.astype(np.int64)]
-        self.retriever = _CorpusStatsBM25(
-            corpus_df, corpus_docs, corpus_avgdl, k1=scoring["k1"], b=scoring["b"], method=scoring["method"]
-        )
-        self.retriever.index(self.tokenizer.to_tokenized_tuple(token_ids), show_progress=False)
+    def __init__(self, load: list[dict], scoring: dict, shard_folder: str):
+        self.ids = _load_ids(load)
+        self.tokenizer, self.retriever = load_shard(shard_folder, scoring)
 
     def stats(self) -> dict:
         return {
@@ -177,74 +86,42 @@ class Bm25Shard:
         return self.ids.holds(doc_ids)
 
 
-def _merge_term_stats(*shards: pa.Table) -> tuple[pa.Table, int]:
-    """A Ray task: the corpus's document frequency of every term (the sum over shards), and
-    the vocabulary's size, so neither the driver nor any one shard actor holds every shard's
-    vocabulary at once."""
-    merged = pa.concat_tables(shards).group_by("term").aggregate([("df", "sum")])
-    return merged.rename_columns(["term", "df"]), merged.num_rows
-
-
 class ShardedBm25(ShardFanout):
     """The driver's handle on a BM25 index over a staged corpus (``text``: the manifest of
     :func:`stage_text`, in run storage every node reads), one :class:`Bm25Shard` actor per
     ``docs_per_shard`` documents, scored with global statistics, so the merged top-k equals
     one index over the corpus. The driver holds no document id or text: results arrive per
-    query block as ids."""
+    query block as ids, or are used in tasks."""
 
     label = "bm25"
 
     def __init__(self, text: dict, scoring: dict, docs_per_shard: int = 1_000_000):
         started = time.perf_counter()
         self.corpus_stats = text["corpus_stats"]
-        loads = group_shards(text["shards"], docs_per_shard)
-        memory = [PROCESS_BYTES + BYTES_PER_TEXT_BYTE * sum(i["text_bytes"] for i in load) for load in loads]
-        # Two passes over the text: tasks count each load's terms, a task sums them (the
-        # driver gets only the counts, as loads finish tokenizing), then each shard actor
-        # tokenizes its load again and builds with the sums. The second tokenization buys an
-        # actor that rebuilds itself from its arguments when Ray restarts it.
-        count = ray.remote(_load_term_stats)
-        tables, counts = zip(
-            *[
-                count.options(num_cpus=SHARD_CPUS, memory=m, num_returns=2, max_retries=3).remote(load, scoring)
-                for load, m in zip(loads, memory)
-            ]
-        )
-        counts = get_counted(list(counts), "bm25 index", "documents", [sum(i["rows"] for i in load) for load in loads])
-        self.total = sum(docs for docs, _ in counts)
-        avgdl = sum(tokens for _, tokens in counts) / self.total
-        corpus_terms, vocab_size = ray.remote(_merge_term_stats).options(num_returns=2).remote(*tables)
+        self.index = stored_index(text, scoring, docs_per_shard)
+        self.total = self.index["docs"]
+        self.vocab_size = self.index["vocab_size"]
+        self.build_seconds = 0.0 if self.index["reused"] else time.perf_counter() - started
         actor = ray.remote(Bm25Shard)
         self._serve(
             [
                 functools.partial(
-                    actor.options(num_cpus=SHARD_CPUS, memory=m, **self.limits.actor_options()).remote,
+                    actor.options(
+                        num_cpus=SHARD_CPUS, memory=serve_memory(shard), **self.limits.actor_options()
+                    ).remote,
                     load,
                     scoring,
-                    corpus_terms,
-                    self.total,
-                    avgdl,
+                    shard["folder"],
                 )
-                for load, m in zip(loads, memory)
+                for load, shard in zip(IndexPlan.of(text, docs_per_shard).loads, self.index["shards"])
             ]
         )
         self.shards = ray.get([a.stats.remote() for a in self.actors])
-        self.vocab_size = ray.get(vocab_size)
         self.seconds = time.perf_counter() - started
 
     @property
     def nbytes(self) -> int:
         return sum(s["index_bytes"] for s in self.shards)
-
-
-def _stemmer(name: str):
-    if not name:
-        return None
-    try:
-        import Stemmer
-    except ImportError as exc:
-        raise ImportError(f"stemmer {name!r} needs PyStemmer: pip install PyStemmer") from exc
-    return Stemmer.Stemmer(name)
 
 
 def build_index(
@@ -261,7 +138,7 @@ def build_index(
     """BM25 on Ray actors over a staged corpus (``text``: the manifest of :func:`stage_text`).
     Close it (or use ``with``)."""
     scoring = {"k1": k1, "b": b, "method": method, "lowercase": lowercase, "stopwords": stopwords, "stemmer": stemmer}
-    _stemmer(stemmer)  # a missing PyStemmer fails here, not in every actor
+    stemmer_of(stemmer)  # a missing PyStemmer fails here, not in every actor
     return ShardedBm25(text, scoring, docs_per_shard)
 
 

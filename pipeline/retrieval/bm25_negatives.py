@@ -8,14 +8,16 @@ keep ``count``: the best ranked (``sample="top"``) or a random ``count`` of them
 not depend on the others; kept in rank order). Judged non-relevant documents (score <= 0)
 stay: they are negatives by judgment.
 
-The driver streams the corpus once into the text shards (a row group at a time, and not at
-all when the run staged it already). Each block of queries is written to part files as it
-comes back, so a rerun retrieves only the blocks it lacks.
+The corpus is staged once into text shards (not at all when the run staged it already) and
+its BM25 index built once per staging and scoring (:mod:`pipeline.retrieval.bm25_index`):
+a rerun, or another stage asking for the same index, reads it. Each block of queries is
+merged from the shards' answers and written to part files by a Ray task
+(:meth:`ShardFanout.map_blocks`, as mining's are): the driver only asks, and a rerun
+retrieves only the blocks it lacks.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
@@ -25,15 +27,15 @@ from pipeline.core.errors import StorageError
 from pipeline.core.parts import BlockFiles, claim, finished_blocks, join_blocks, recorded_block, summed
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sections import TRAINING_SPLIT, Collection, Output, Section
-from pipeline.data.beir import positives, read_qrels, read_queries
+from pipeline.data.beir import Queries, positives, read_qrels, read_queries
 from pipeline.data.examples import build_training_examples
 from pipeline.data.groups import select_negatives
 from pipeline.data.records import write_json_line
 from pipeline.data.runs import negatives_record, read_negatives, write_trec_lines
 from pipeline.data.tevatron import passage_lookup, write_tevatron
 from pipeline.data.text_shards import group_shards, stage_text
-from pipeline.retrieval.bm25 import ShardedBm25, build_index, search
-from pipeline.retrieval.fanout import query_block, read_qrels_of_corpus
+from pipeline.retrieval.bm25 import ShardedBm25, build_index
+from pipeline.retrieval.fanout import query_block, ranked_ids, read_qrels_of_corpus
 
 
 @dataclass
@@ -180,16 +182,19 @@ def _made_by(cfg: Bm25Config) -> dict:
     }
 
 
-def _retrieve_block(cfg: Bm25Config, folder: str, block: int, hits, qrels: dict) -> None:
-    """One block's run lines, negatives and counts, as one object."""
+def _write_block(scores, rows, ids, cfg: Bm25Config, folder: str, block: int, qids: list[str], qrels: dict) -> None:
+    """:meth:`ShardFanout.map_blocks`' work, in the task that merged the block's answers:
+    its run lines, negatives and counts, as one object (the hits never reach the driver)."""
     counts = dict.fromkeys(COUNTS, 0)
     files = BlockFiles(OUTPUTS)
-    for qid, ids, scores in hits:
-        write_trec_lines(files["run.trec"], qid, ids, scores, tag="bm25")
+    for qid, row_ids, row_scores in zip(qids, ids, scores):
+        ranked = ranked_ids(row_ids)
+        ranked_scores = row_scores[: len(ranked)].astype(float).tolist()
+        write_trec_lines(files["run.trec"], qid, ranked, ranked_scores, tag="bm25")
         judged = set(positives(qrels.get(qid, {})))
-        negs, neg_scores = select_negatives(qid, ids, scores, judged, cfg)
+        negs, neg_scores = select_negatives(qid, ranked, ranked_scores, judged, cfg)
         counts["negatives"] += len(negs)
-        counts["positives_dropped"] += sum(d in judged for d in ids)
+        counts["positives_dropped"] += sum(d in judged for d in ranked)
         counts["short"] += len(negs) < cfg.count
         counts["none"] += not negs
         write_json_line(files["negatives.jsonl"], negatives_record(qid, negs, neg_scores if cfg.write_scores else None))
@@ -204,6 +209,8 @@ def _index_summary(index: ShardedBm25) -> dict:
         "index_bytes": index.nbytes,
         "shard_peak_rss_bytes": max(s["peak_rss_bytes"] for s in index.shards),
         "index_seconds": round(index.seconds, 2),
+        "index_reused": index.index["reused"],
+        "index_folder": index.index["folder"],
         "corpus": index.corpus_stats,
     }
 
@@ -212,8 +219,8 @@ def mine_negatives(cfg: Bm25Config) -> dict:
     """Write the negatives jsonl (and the run); returns the job summary.
 
     Query blocks go to part files beside the output first (:mod:`pipeline.core.parts`): a
-    run stopped mid-way and rerun builds the index again but retrieves only the blocks it
-    lacks (none: not even the index), unless a setting or an input changed."""
+    run stopped mid-way and rerun reads the stored index and retrieves only the blocks it
+    lacks (none: no index served at all), unless a setting or an input changed."""
     start = time.perf_counter()
     for uri in (cfg.corpus, cfg.queries, cfg.qrels):  # fail before spending minutes on the index
         if not storage.exists(uri):
@@ -236,10 +243,18 @@ def mine_negatives(cfg: Bm25Config) -> dict:
             storage.write_json(storage.join(folder, "index.json"), _index_summary(index))
             qrels = read_qrels_of_corpus(cfg.qrels, index.holds, queries)
             retrieve_start = time.perf_counter()
-            hits = search(index, queries, cfg.depth, batch_size=block, threads=cfg.threads, only=todo)
-            for b in todo:
-                size = min(block, len(queries) - b * block)
-                _retrieve_block(cfg, folder, b, itertools.islice(hits, size), qrels)
+            named = Queries.of(queries)
+
+            def block_args(start: int, size: int) -> tuple:
+                qids = named.ids(start, start + size)
+                return cfg, folder, start // block, qids, qrels.of(qids)
+
+            k = min(cfg.depth, index.total)
+            asked = index.map_blocks(
+                named.text_rows, k, _write_block, block_args, block=block, only=todo, threads=cfg.threads
+            )
+            for _ in asked:
+                pass
             retrieve_s = time.perf_counter() - retrieve_start
     else:
         qrels = read_qrels(cfg.qrels, query_ids=queries)  # its documents were checked when retrieved

@@ -104,7 +104,7 @@ class Bm25Stage:
     enabled: bool = field(
         default=True,
         metadata={
-            "help": "run the bm25 stage (the baseline row); its shard actors hold every passage's text and postings in memory, about 12x the text's bytes"
+            "help": "run the bm25 stage (the baseline row); its index is built once per corpus and shared with round 1's BM25 negatives (docs/retrieval/bm25.md)"
         },
     )
 

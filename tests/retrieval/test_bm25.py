@@ -215,31 +215,46 @@ def test_negatives_exclude_judged_positives(beir, corpus_index):
         assert p["text"] == texts[p["docid"]]
 
 
-def test_bm25_negatives_stopped_mid_way_resume_from_their_finished_blocks(beir, shared_ray, monkeypatch):
-    """One query per block: stopped after two blocks and rerun, the job retrieves only the
-    third and writes what an unstopped run writes."""
+def test_bm25_negatives_stopped_mid_way_resume_from_their_finished_blocks(beir, shared_ray, monkeypatch, tmp_path):
+    """One query per block: the third block's task fails, and the rerun retrieves only that
+    block and writes what an unstopped run writes. Every block is merged and written in a
+    task, never by the driver: counted by the work's marks (each names its process), with
+    the driver's own merge made to fail. Mutation: the blocks merged on the driver
+    (``search_blocks``) fails on the driver's merge."""
+    import os
+    import sys
+
+    from ray import cloudpickle
+
     from pipeline.retrieval import bm25_negatives as bm25
+    from pipeline.retrieval import fanout
 
     whole = config(beir, count=3, batch_size=1, output=str(beir / "whole" / "neg.jsonl"))
     assert mine_negatives(whole)["blocks"] == 3
-    write_block, written = bm25._retrieve_block, []
+    write_block, marks = bm25._write_block, tmp_path / "marks"
+    marks.mkdir()
 
-    def stopped_after_two(cfg, folder, block, hits, qrels):
-        if len(written) == 2:
-            raise KeyboardInterrupt
-        write_block(cfg, folder, block, hits, qrels)
-        written.append(block)
+    def stopped_at_the_third(scores, rows, ids, cfg, folder, block, *args):
+        if block == 2 and not (marks / "resumed").exists():
+            raise RuntimeError("stopped")
+        (marks / f"{os.getpid()}-{block}").write_text("")
+        return write_block(scores, rows, ids, cfg, folder, block, *args)
 
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    monkeypatch.setattr(bm25, "_write_block", stopped_at_the_third)
+    monkeypatch.setattr(fanout, "merge_topk", lambda *a, **k: pytest.fail("the driver merged a block"))
     stopped = replace(whole, output=str(beir / "stopped" / "neg.jsonl"))
-    monkeypatch.setattr(bm25, "_retrieve_block", stopped_after_two)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(Exception, match="stopped"):
         mine_negatives(stopped)
-    monkeypatch.setattr(bm25, "_retrieve_block", write_block)
+    (marks / "resumed").write_text("")
     resumed = mine_negatives(stopped)
     assert (resumed["blocks"], resumed["blocks_resumed"]) == (3, 2)
     for name in ("neg.jsonl", "neg.run.trec"):
         assert (beir / "stopped" / name).read_bytes() == (beir / "whole" / name).read_bytes(), name
     assert not (beir / "stopped" / "neg.parts").exists()
+    written = [name.split("-") for name in os.listdir(marks) if name != "resumed"]
+    assert sorted(int(block) for _, block in written) == [0, 1, 2]
+    assert str(os.getpid()) not in {pid for pid, _ in written}
 
 
 def test_random_sample_is_seeded_subset_in_rank_order(beir, corpus_index):
