@@ -19,13 +19,14 @@ from typing import Any, Literal
 import ray
 
 from pipeline.core import model_ref, storage
+from pipeline.core.parts import claim
 from pipeline.core.progress import get_counted
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sample import SAMPLE_CORPUS
 from pipeline.core.sections import Output
 from pipeline.data.corpus import corpus_files
 from pipeline.data.join import JoinConfig
-from pipeline.data.shard_tokenizing import ShardTokenizer, continuation_table, tokenize_shard
+from pipeline.data.shard_tokenizing import PROGRESS, ShardTokenizer, continuation_table, tokenized_shard
 from pipeline.data.shards import FORMAT, MANIFEST, WORD_PIECES, PreparedCorpus, check_shard_sizes
 from pipeline.data.text_shards import iter_texts, stage_text
 from pipeline.data.tokenizer import load_tokenizer, train_wordpiece
@@ -81,6 +82,23 @@ def prepare_corpus(cfg: PrepareConfig) -> PreparedCorpus:
     return PreparedCorpus(cfg.output, _prepare(cfg))
 
 
+def _stored_tokenizer(cfg: PrepareConfig, items: list[dict], tokenizer_uri: str):
+    """The preparation's tokenizer: the one an earlier attempt stored (its record says it is
+    whole), else loaded or trained now and stored."""
+    stored = storage.join(cfg.output, PROGRESS, "tokenizer.json")
+    if storage.exists(stored):
+        return load_tokenizer(model_ref.materialize(tokenizer_uri, "the stored tokenizer"))
+    with tempfile.TemporaryDirectory() as tmp:
+        if cfg.tokenizer:
+            tokenizer = load_tokenizer(model_ref.materialize(cfg.tokenizer, "--corpus.tokenizer"))
+            tokenizer.save_pretrained(tmp)
+        else:
+            tokenizer = train_wordpiece(iter_texts(items), tmp, cfg.vocab_size, cfg.lowercase)
+        storage.upload_dir(tmp, tokenizer_uri)
+    storage.write_json(stored, {"vocab_size": len(tokenizer)})
+    return tokenizer
+
+
 def _prepare(cfg: PrepareConfig) -> dict:
 
     manifest_uri = storage.join(cfg.output, MANIFEST)
@@ -106,18 +124,18 @@ def _prepare(cfg: PrepareConfig) -> dict:
     text = stage_text(cfg.input, staging, cfg.docs_per_shard, on_empty=cfg.on_empty, join=cfg.join)
     items = text["shards"]
 
+    # A preparation cut short by the same input and settings resumes from what it stored
+    # (its tokenizer, its finished shards); any other's files are deleted first.
+    if cfg.overwrite:
+        storage.delete_dir(storage.join(cfg.output, PROGRESS))
+    made_by = {"format": FORMAT, "settings": _settings(cfg), "input_version": input_version}
+    claim(cfg.output, made_by, work=("shards", "tokenizer", PROGRESS, WORD_PIECES), what="prepared files")
     tokenizer_uri = storage.join(cfg.output, "tokenizer")
-    with tempfile.TemporaryDirectory() as tmp:
-        if cfg.tokenizer:
-            tokenizer = load_tokenizer(model_ref.materialize(cfg.tokenizer, "--corpus.tokenizer"))
-            tokenizer.save_pretrained(tmp)
-        else:
-            tokenizer = train_wordpiece(iter_texts(items), tmp, cfg.vocab_size, cfg.lowercase)
-        storage.upload_dir(tmp, tokenizer_uri)
+    tokenizer = _stored_tokenizer(cfg, items, tokenizer_uri)
 
     # Plain tasks, one per shard (a shard is already a big unit of work): Ray schedules
     # them on free CPUs, with no actor pool to start or tear down.
-    tokenize = ray.remote(tokenize_shard).options(num_cpus=1, max_retries=3, num_returns=2)
+    tokenize = ray.remote(tokenized_shard).options(num_cpus=1, max_retries=3, num_returns=2)
     shard_tokenizer = ray.put(ShardTokenizer.of(tokenizer, tokenizer_uri))  # one copy for every task
     calls = [tokenize.remote(item, shard_tokenizer, cfg.output) for item in items]  # (entry, counts) refs
     shards = get_counted([entry for entry, _ in calls], "prepare", "documents", [item["rows"] for item in items])
@@ -141,6 +159,7 @@ def _prepare(cfg: PrepareConfig) -> dict:
         word_pieces = {"word_pieces": WORD_PIECES}
     if not cfg.text:
         storage.delete_dir(staging)
+    storage.delete_dir(storage.join(cfg.output, PROGRESS))
     manifest = {
         "format": FORMAT,
         "completed": True,

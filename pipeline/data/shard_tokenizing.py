@@ -12,6 +12,7 @@ tokenizer) is loaded through transformers in the task instead.
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,6 +83,27 @@ def tokenize_shard(item: dict, tokenizer: ShardTokenizer, output: str) -> tuple[
         "tokens": int(sum(len(e) for e in encoded)),
     }
     return entry, word_piece_counts(encodings, tokenizer.vocab_size)
+
+
+PROGRESS = "_progress"  # in a preparation's output: what each attempt committed, until the manifest
+
+
+def tokenized_shard(item: dict, tokenizer: ShardTokenizer, output: str) -> tuple[dict, np.ndarray | None]:
+    """:func:`tokenize_shard`, committed: its entry and word-piece counts are stored once
+    the shard is, so a preparation cut short and rerun reads them back for the shards it
+    finished instead of tokenizing them again."""
+    record_uri = storage.join(output, PROGRESS, f"part-{item['index']:05d}.json")
+    counts_uri = storage.join(output, PROGRESS, f"part-{item['index']:05d}.counts.npy")
+    if storage.exists(record_uri):
+        entry = storage.read_json(record_uri)
+        counts = np.load(io.BytesIO(storage.read_bytes(counts_uri)), allow_pickle=False) if entry["counted"] else None
+        return {k: v for k, v in entry.items() if k != "counted"}, counts
+    entry, counts = tokenize_shard(item, tokenizer, output)
+    if counts is not None:
+        with storage.open_output(counts_uri) as f:
+            np.save(f, counts, allow_pickle=False)
+    storage.write_json(record_uri, {**entry, "counted": counts is not None})
+    return entry, counts
 
 
 def word_piece_counts(encodings: list | None, vocab_size: int) -> np.ndarray | None:

@@ -20,8 +20,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import io
 import itertools
 import json
+import sys
 from dataclasses import asdict
 from typing import Iterator
 
@@ -51,6 +53,12 @@ ROW_GROUP = 4096
 PIECE_BYTES = 32 << 20  # of raw input a staging task reads: MS MARCO's 2.9 GB collection is 87 of them
 HASH_BUCKET_BITS = 4
 HASH_BUCKETS = 1 << HASH_BUCKET_BITS
+PIECES = "pieces"  # each staged piece's record, stored once its shards are
+# A gzip file is one piece (it cannot be cut at byte offsets): past this size its one task
+# bounds the staging, and the driver says so. The rate a task stages compressed JSONL at,
+# measured here (2 cores; bench/README.md), names the time it will take.
+ONE_TASK_WARN_BYTES = 1 << 30
+GZIP_STAGE_BYTES_PER_S = 8e6
 
 
 class _ShardWriter:
@@ -92,8 +100,7 @@ def write_text_shards(
     """A staging task (or a plain call, without Ray): the documents of ``pieces``, in order
     and joined into passages where ``join`` says, cut into ``folder/{prefix}-NNNN.parquet``.
     Returns ``{"shards": [{text_uri, rows, text_bytes}], "stats": CorpusStats.as_dict()}``
-    and then the documents' id hashes in :data:`HASH_BUCKETS` arrays, split by hash, so
-    the duplicate check over the whole corpus runs in as many tasks and never on the head."""
+    and the documents' id hashes (empty ones' included), for the duplicate check."""
     stats, seen = CorpusStats(), IdHashes()
     shards: list[dict] = []
     writer: _ShardWriter | None = None
@@ -126,9 +133,29 @@ def write_text_shards(
         if writer is not None:
             writer.abandon(exc)
         raise
-    hashes = seen.array()
+    return {"shards": shards, "stats": stats.as_dict()}, seen.array()
+
+
+def _staged_piece(
+    pieces: list[Piece], folder: str, prefix: str, docs_per_shard: int, on_empty: str, join: JoinConfig | None
+) -> tuple:
+    """A staging task that commits: :func:`write_text_shards`, then the piece's record (its
+    shards, stats and id hashes), stored last. A piece whose record is there was staged by
+    an earlier attempt of this staging and is read back, not staged again. Returns the
+    summary and the id hashes in :data:`HASH_BUCKETS` arrays, split by hash, so the
+    duplicate check over the whole corpus runs in as many tasks and never on the head."""
+    record_uri = storage.join(folder, PIECES, f"{prefix}.json")
+    hashes_uri = storage.join(folder, PIECES, f"{prefix}.hashes.npy")
+    if storage.exists(record_uri):
+        summary = storage.read_json(record_uri)
+        hashes = np.load(io.BytesIO(storage.read_bytes(hashes_uri)), allow_pickle=False)
+    else:
+        summary, hashes = write_text_shards(pieces, folder, prefix, docs_per_shard, on_empty, join)
+        with storage.open_output(hashes_uri) as f:
+            np.save(f, hashes, allow_pickle=False)
+        storage.write_json(record_uri, summary)
     bucket = hashes >> np.uint64(64 - HASH_BUCKET_BITS)
-    return ({"shards": shards, "stats": stats.as_dict()}, *(hashes[bucket == b] for b in range(HASH_BUCKETS)))
+    return (summary, *(hashes[bucket == b] for b in range(HASH_BUCKETS)))
 
 
 def _repeated(*arrays: np.ndarray) -> set[int]:
@@ -160,9 +187,10 @@ def _write_staging(corpus: str, folder: str, docs_per_shard: int, on_empty: str,
         raise ValueError(f"docs_per_shard must be >= 1, got {docs_per_shard}")
     tasks = StorageTasks(corpus, folder)
     pieces = _numbered(corpus_pieces(corpus, PIECE_BYTES), tasks)
+    _warn_of_large_single_pieces(pieces)
     groups = [pieces] if (join or JoinConfig()).group_by else [[p] for p in pieces]
     calls = [(group, folder, f"text-{i:05d}", docs_per_shard, on_empty, join) for i, group in enumerate(groups)]
-    results = tasks.map(write_text_shards, calls, "stage text", "pieces", num_returns=1 + HASH_BUCKETS)
+    results = tasks.map(_staged_piece, calls, "stage text", "pieces", num_returns=1 + HASH_BUCKETS)
     buckets = [[r[1 + b] for r in results] for b in range(HASH_BUCKETS)]
     repeated = set().union(*tasks.map(_repeated, buckets))
     if repeated:
@@ -180,6 +208,25 @@ def _write_staging(corpus: str, folder: str, docs_per_shard: int, on_empty: str,
     if not items:
         raise InputError(f"{corpus}: no documents ({stats.skipped_empty} empty ones skipped)", source=corpus)
     return items, stats
+
+
+def _warn_of_large_single_pieces(pieces: list[Piece]) -> None:
+    """One line on stderr for each whole compressed file big enough to bound the staging:
+    how long its one task will take, and how to split it so that tasks share the work."""
+    for piece in pieces:
+        if piece.end is not None:
+            continue
+        size = storage.info(piece.source).size
+        if size > ONE_TASK_WARN_BYTES:
+            hours = size / GZIP_STAGE_BYTES_PER_S / 3600
+            print(
+                f"stage text: warning: {piece.source} is one compressed file of {size / 1e9:.1f} GB, staged by one "
+                f"task (about {hours:.1f} h at {GZIP_STAGE_BYTES_PER_S / 1e6:g} MB/s); split it into files of about "
+                f"{PIECE_BYTES >> 20} MB (e.g. zcat FILE | split -C {PIECE_BYTES >> 20}M -d --filter='gzip > $FILE.gz' - part-) "
+                "and pass their folder, so that tasks stage them side by side",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 TEXT_FORMAT = "raydense-text-shards-v2"
@@ -206,7 +253,14 @@ def stage_text(
         manifest = storage.read_json(manifest_uri)
         if (manifest.get("format"), manifest.get("source"), manifest.get("version")) == (TEXT_FORMAT, source, version):
             return manifest
-    storage.delete_dir(target)  # another version's shards, or a staging cut short
+    # A staging cut short by the same input, reading and cut resumes from its stored pieces;
+    # another version's, or another cut's, is deleted first.
+    made_by = {"format": TEXT_FORMAT, "source": source, "version": version, **reading}
+    made_by |= {"docs_per_shard": docs_per_shard, "piece_bytes": PIECE_BYTES}
+    record = storage.join(target, "made_by.json")
+    if not storage.exists(record) or storage.read_json(record) != json.loads(json.dumps(made_by)):
+        storage.delete_dir(target)
+        storage.write_json(record, made_by)
     shards, stats = _write_staging(source, target, docs_per_shard, on_empty, join)
     manifest = {
         "format": TEXT_FORMAT,
@@ -218,6 +272,7 @@ def stage_text(
         "shards": shards,
     }
     storage.write_json(manifest_uri, manifest)  # last: present means complete
+    storage.delete_dir(storage.join(target, PIECES))  # the shards' own records: kept in the manifest
     return manifest
 
 

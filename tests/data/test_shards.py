@@ -164,3 +164,58 @@ def test_the_tasks_tokenizer_gives_the_hf_tokenizers_ids_and_word_ids(kind, tmp_
         assert np.array_equal(
             word_piece_counts(encodings, len(tokenizer)), word_piece_counts(expected.encodings, len(tokenizer))
         )
+
+
+def test_a_preparation_cut_short_tokenizes_only_the_shards_it_had_not_stored(tmp_path, shared_ray, monkeypatch):
+    """The third of four shards fails to tokenize: the rerun trains no tokenizer, tokenizes
+    that shard alone (counted by the tasks' marks) and gives what an uninterrupted
+    preparation gives: the same shards, word-piece table and counts. Mutation: the stored
+    shard records not looked for tokenizes all four again."""
+    import os
+    import sys
+
+    from ray import cloudpickle
+
+    from pipeline.data import prepare, shard_tokenizing
+
+    docs = synthetic_docs(70, seed=3)
+    corpus = write_jsonl(tmp_path / "c.jsonl", docs)
+    whole = prepare_corpus(
+        PrepareConfig(input=corpus, output=str(tmp_path / "whole"), vocab_size=150, docs_per_shard=20)
+    )
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    real = shard_tokenizing.tokenize_shard
+
+    def third_fails(item, *args):
+        if item["index"] == 2 and not (marks / "rerun").exists():
+            raise RuntimeError("node lost")
+        (marks / f"{item['index']}-{os.getpid()}-{len(os.listdir(marks))}").write_text("")
+        return real(item, *args)
+
+    def tokenized(item, tokenizer, output):  # in the task's process: its own module patched for the call
+        own = shard_tokenizing.tokenize_shard
+        shard_tokenizing.tokenize_shard = third_fails
+        try:
+            return shard_tokenizing.tokenized_shard(item, tokenizer, output)
+        finally:
+            shard_tokenizing.tokenize_shard = own
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    monkeypatch.setattr(prepare, "tokenized_shard", tokenized)
+    cut = PrepareConfig(input=corpus, output=str(tmp_path / "cut"), vocab_size=150, docs_per_shard=20)
+    with pytest.raises(Exception, match="node lost"):
+        prepare_corpus(cut)
+    (marks / "rerun").write_text("")
+    trained = prepare.train_wordpiece
+    monkeypatch.setattr(prepare, "train_wordpiece", lambda *a: pytest.fail("trained the tokenizer again"))
+    before = set(os.listdir(marks))
+    resumed = prepare_corpus(cut).manifest
+    monkeypatch.setattr(prepare, "train_wordpiece", trained)
+    assert sorted(m.split("-")[0] for m in set(os.listdir(marks)) - before - {"rerun"}) == ["2"]
+    for s_whole, s_cut in zip(whole.manifest["shards"], resumed["shards"]):
+        assert pq.read_table(tmp_path / "whole" / s_whole["path"]) == pq.read_table(tmp_path / "cut" / s_cut["path"])
+    keys = ("num_docs", "num_tokens", "vocab_size")
+    assert {k: resumed[k] for k in keys} == {k: whole.manifest[k] for k in keys}
+    assert (tmp_path / "cut" / "word_pieces.json").read_text() == (tmp_path / "whole" / "word_pieces.json").read_text()
+    assert not (tmp_path / "cut" / shard_tokenizing.PROGRESS).exists()

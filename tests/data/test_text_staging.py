@@ -188,7 +188,7 @@ def test_without_ray_staging_reads_the_pieces_in_this_process(tmp_path, monkeypa
 
 def test_staging_writes_its_pieces_in_tasks_side_by_side(tmp_path, shared_ray, monkeypatch):
     """Mutation: every piece staged one after another on the driver (``tasks.map`` of
-    ``write_text_shards`` as ``[write_text_shards(*c) for c in calls]``): the pieces' process
+    ``_staged_piece`` as ``[_staged_piece(*c) for c in calls]``): the pieces' process
     is the driver's, and each waits alone."""
     import os
 
@@ -199,9 +199,84 @@ def test_staging_writes_its_pieces_in_tasks_side_by_side(tmp_path, shared_ray, m
     docs = synthetic_docs(40, seed=6)
     corpus = write_jsonl(tmp_path / "corpus.jsonl", docs)
     marks = str(tmp_path / "marks")
-    monkeypatch.setattr(text_shards, "write_text_shards", side_by_side(text_shards.write_text_shards, marks))
+    monkeypatch.setattr(text_shards, "_staged_piece", side_by_side(text_shards._staged_piece, marks))
     staged = stage_text(corpus, str(tmp_path / "text"), 25)
     assert staged_rows(staged) == [(d["_id"], d["text"]) for d in docs]
     pids, met = side_by_side_seen(marks)
     assert os.getpid() not in pids and len(pids) >= 2, pids
     assert met, "the pieces were staged one after another"
+
+
+def test_a_staging_cut_short_resumes_from_the_pieces_it_stored(tmp_path, monkeypatch):
+    """The third of six pieces fails: the rerun stages the pieces from the third on, and
+    reads the first two back (their shards not written again), giving what one staging
+    gives; an id repeated between a stored piece and a new one is still refused, and a
+    staging of another cut starts afresh. Mutation: the piece records not looked for
+    stages all six again and fails on the count."""
+    from pipeline.core import tasks
+    from pipeline.data import text_shards
+
+    monkeypatch.setattr(tasks.ray, "is_initialized", lambda: False)  # staged in this process, as counted
+    monkeypatch.setattr(text_shards, "PIECE_BYTES", 400)
+    docs = synthetic_docs(60, seed=8)
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", docs)
+    staged_prefixes: list[str] = []
+    real = text_shards.write_text_shards
+
+    def third_fails(pieces, folder, prefix, *args):
+        if prefix == "text-00002" and "failed" not in staged_prefixes:
+            staged_prefixes.append("failed")
+            raise OSError("node lost")
+        staged_prefixes.append(prefix)
+        return real(pieces, folder, prefix, *args)
+
+    monkeypatch.setattr(text_shards, "write_text_shards", third_fails)
+    pieces = len(text_shards.corpus_pieces(corpus, 400))
+    assert pieces >= 6
+    with pytest.raises(OSError, match="node lost"):
+        stage_text(corpus, str(tmp_path / "text"), 7)
+    first_two = sorted((tmp_path / "text").rglob("text-0000[01]-*.parquet"))
+    before = [p.stat().st_mtime_ns for p in first_two]
+    staged = stage_text(corpus, str(tmp_path / "text"), 7)
+    assert staged_prefixes == ["text-00000", "text-00001", "failed"] + [f"text-{i:05d}" for i in range(2, pieces)]
+    assert [p.stat().st_mtime_ns for p in first_two] == before and first_two
+    assert staged_rows(staged) == [(d["_id"], d["text"]) for d in docs]
+    assert not list((tmp_path / "text").rglob("pieces"))  # the records go once the manifest is written
+
+    # An id of the first piece repeated in the last: found on the rerun, from the stored
+    # piece's id hashes.
+    write_jsonl(tmp_path / "corpus.jsonl", docs[:59] + [{"_id": docs[1]["_id"], "text": "again"}])
+    staged_prefixes.clear()
+    with pytest.raises(OSError):
+        stage_text(corpus, str(tmp_path / "again"), 7)
+    with pytest.raises(InputError, match=f"duplicate id '{docs[1]['_id']}'"):
+        stage_text(corpus, str(tmp_path / "again"), 7)
+    assert staged_prefixes.count("text-00000") == 1
+
+
+def test_a_folder_of_gzip_files_stages_one_task_a_file_and_a_large_one_is_warned_of(tmp_path, monkeypatch, capsys):
+    """Three .gz files: three staging calls, one file each, and the documents in order. A
+    file past ``ONE_TASK_WARN_BYTES`` is named on stderr with its one task's time and how
+    to split it. Mutation: the warning's size check inverted warns of none."""
+    import gzip
+    import json
+
+    from pipeline.core import tasks
+    from pipeline.data import text_shards
+
+    monkeypatch.setattr(tasks.ray, "is_initialized", lambda: False)  # staged in this process, as counted
+    docs = synthetic_docs(90, seed=9)
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for part in range(3):
+        with gzip.open(folder / f"part-{part}.jsonl.gz", "wt") as f:
+            f.writelines(json.dumps(d) + "\n" for d in docs[30 * part : 30 * part + 30])
+    calls: list[list] = []
+    real = text_shards._staged_piece
+    monkeypatch.setattr(text_shards, "_staged_piece", lambda pieces, *a: calls.append(pieces) or real(pieces, *a))
+    monkeypatch.setattr(text_shards, "ONE_TASK_WARN_BYTES", (folder / "part-1.jsonl.gz").stat().st_size - 1)
+    staged = stage_text(str(folder), str(tmp_path / "text"), 1000)
+    assert staged_rows(staged) == [(d["_id"], d["text"]) for d in docs]
+    assert [[p.source.rsplit("/", 1)[1] for p in c] for c in calls] == [[f"part-{i}.jsonl.gz"] for i in range(3)]
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning:" in line]
+    assert warned and all("one compressed file" in w and " h at 8 MB/s" in w and "split" in w for w in warned)
