@@ -10,6 +10,9 @@ below it is read, in sorted order. Three formats, chosen by suffix:
 - ``.tsv``: MS MARCO's ``collection.tsv``, ``id<TAB>text`` a line, no header.
 - ``.txt``: plain text, documents separated by one or more blank lines; the id of the n-th
   document (from 0) of ``notes.txt`` is ``"notes:n"``.
+- ``.parquet``: a table with an id, an optional title and a text column, found by name
+  (:data:`PARQUET_COLUMNS`) or named by a mapping (``id=docid,title=title,text=body``).
+  Read a row group at a time, each row group a piece of its own; errors name the row.
 
 ``.gz`` files are decompressed on the fly. Files are streamed line by line, never read whole.
 
@@ -33,7 +36,14 @@ from pipeline.core import storage
 from pipeline.core.errors import InputError
 from pipeline.data.records import decode_line, json_type, line_error, numbered_lines
 
-SUFFIXES = (".jsonl", ".jsonl.gz", ".tsv", ".tsv.gz", ".txt", ".txt.gz")
+SUFFIXES = (".jsonl", ".jsonl.gz", ".tsv", ".tsv.gz", ".txt", ".txt.gz", ".parquet")
+# A Parquet corpus's columns, where no mapping names them: the first of each present (BEIR
+# on the Hugging Face hub: _id, title, text; Tevatron's corpora: docid, title, text).
+PARQUET_COLUMNS = {
+    "id": ("_id", "id", "docid", "doc_id", "pid"),
+    "title": ("title",),
+    "text": ("text", "contents", "passage"),
+}
 ON_EMPTY = ("skip", "error")
 MAX_SKIPPED_EXAMPLES = 20
 
@@ -110,16 +120,17 @@ class Piece:
     ``[start, end)`` (``end`` None: the whole file), the first numbered ``first_line``."""
 
     source: str
-    start: int = 0
+    start: int = 0  # a Parquet file's: row groups [start, end), its first row numbered first_line
     end: int | None = None
     first_line: int = 1
+    columns: str = ""  # a Parquet file's column mapping (see parquet_columns)
 
     @property
     def span(self) -> tuple[int, int, int] | None:
         return None if self.end is None else (self.start, self.end, self.first_line)
 
 
-def corpus_pieces(uri: str, piece_bytes: int) -> list[Piece]:
+def corpus_pieces(uri: str, piece_bytes: int, columns: str = "") -> list[Piece]:
     """The corpus at ``uri`` in pieces of about ``piece_bytes``, in corpus order, for parallel
     readers. Only uncompressed JSONL and TSV files are cut (a line is a record); a gzip or
     ``.txt`` file (whose ids count its documents) is one piece. Every piece numbers its lines
@@ -127,6 +138,9 @@ def corpus_pieces(uri: str, piece_bytes: int) -> list[Piece]:
     ``first_line``, so an error names the file's own line."""
     pieces: list[Piece] = []
     for source in corpus_files(uri):
+        if is_parquet(source):
+            pieces.extend(_row_group_pieces(source, columns))
+            continue
         size = storage.info(source).size
         if _suffix(source) not in (".jsonl", ".tsv") or size <= piece_bytes:
             pieces.append(Piece(source))
@@ -136,11 +150,56 @@ def corpus_pieces(uri: str, piece_bytes: int) -> list[Piece]:
     return pieces
 
 
+def is_parquet(source: str) -> bool:
+    return _suffix(source) == ".parquet"
+
+
+def _row_group_pieces(source: str, columns: str) -> list[Piece]:
+    """A Parquet file's row groups, a piece each (its columns checked here, before any task)."""
+    metadata = storage.read_parquet_metadata(source)
+    parquet_columns(source, metadata.schema.names, columns)
+    pieces, first = [], 1
+    for group in range(metadata.num_row_groups):
+        pieces.append(Piece(source, group, group + 1, first, columns))
+        first += metadata.row_group(group).num_rows
+    return pieces
+
+
+def parquet_columns(source: str, names: list[str], mapping: str) -> dict[str, str | None]:
+    """The id, title and text columns of a Parquet corpus: as ``mapping`` names them
+    (``id=docid,title=title,text=body``; ``title=`` for none), else the first present of
+    :data:`PARQUET_COLUMNS`. An unknown key or a column the file lacks is an error naming
+    the file and its columns."""
+    given: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in mapping.split(","))):
+        key, eq, column = part.partition("=")
+        if not eq or key.strip() not in PARQUET_COLUMNS:
+            raise InputError(f"--corpus.columns {mapping!r}: {part!r} is not id=, title= or text=COLUMN", source=source)
+        given[key.strip()] = column.strip()
+    found: dict[str, str | None] = {}
+    for key, candidates in PARQUET_COLUMNS.items():
+        column = given.get(key, next((c for c in candidates if c in names), None))
+        if column and column not in names:
+            raise InputError(f"{source}: no column {column!r} for the {key} (it has {', '.join(names)})", source=source)
+        if not column and key != "title":
+            raise InputError(
+                f"{source}: no {key} column (it has {', '.join(names)}; name it with --corpus.columns {key}=COLUMN)",
+                source=source,
+            )
+        found[key] = column or None
+    return found
+
+
 def piece_documents(piece: Piece, on_empty: str, stats: CorpusStats, seen: IdHashes) -> Iterator[Document]:
     """The documents of one piece, validated, their ids added to ``seen`` (the caller checks
     those for duplicates once every piece is read); empty ones skipped or refused as
     :func:`iter_documents` says."""
-    for doc in _parser(piece.source)(piece.source, piece.span):
+    documents = (
+        _parse_parquet(piece.source, piece.span, piece.columns)
+        if is_parquet(piece.source)
+        else _parser(piece.source)(piece.source, piece.span)
+    )
+    for doc in documents:
         seen.add(doc.doc_id)
         if not doc.text.strip():
             where = f"{doc.source} line {doc.line}: empty text (id {doc.doc_id})"
@@ -229,7 +288,40 @@ def _stem(source: str) -> str:
 
 
 def _parser(source: str) -> Callable[[str, tuple[int, int, int] | None], Iterator[Document]]:
-    return {".jsonl": _parse_jsonl, ".tsv": _parse_tsv, ".txt": _parse_txt}[_suffix(source).removesuffix(".gz")]
+    return {".jsonl": _parse_jsonl, ".tsv": _parse_tsv, ".txt": _parse_txt, ".parquet": _parse_parquet}[
+        _suffix(source).removesuffix(".gz")
+    ]
+
+
+def _parse_parquet(source: str, span: tuple[int, int, int] | None, columns: str = "") -> Iterator[Document]:
+    """A Parquet corpus, a row group at a time: ``span`` = (first row group, end, its first
+    row's number), or the whole file. A row's id must be a string or an integer, its text a
+    string, its title a string or null."""
+    import pyarrow.parquet as pq
+
+    with storage.open_input(source, random_access=True) as f:
+        file = pq.ParquetFile(f)
+        names = parquet_columns(source, file.schema_arrow.names, columns)
+        start, end, row = span if span is not None else (0, file.num_row_groups, 1)
+        wanted = [c for c in names.values() if c]
+        for group in range(start, end):
+            table = file.read_row_group(group, columns=wanted)
+            ids = table.column(names["id"]).to_pylist()
+            texts = table.column(names["text"]).to_pylist()
+            titles = table.column(names["title"]).to_pylist() if names["title"] else [None] * len(ids)
+            for doc_id, title, text in zip(ids, titles, texts):
+                yield _parquet_document(source, row, doc_id, title, text)
+                row += 1
+
+
+def _parquet_document(source: str, row: int, doc_id, title, text) -> Document:
+    if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)) or doc_id == "":
+        raise line_error(source, row, f"the id must be a non-empty string or an integer, got {json_type(doc_id)}")
+    if not isinstance(text, str):
+        raise line_error(source, row, f"the text must be a string, got {json_type(text)} (id {doc_id})")
+    if title is not None and not isinstance(title, str):
+        raise line_error(source, row, f"the title must be a string, got {json_type(title)} (id {doc_id})")
+    return Document(str(doc_id), f"{title}\n{text}" if title and title.strip() else text, source, row)
 
 
 def _parse_tsv(source: str, span: tuple[int, int, int] | None) -> Iterator[Document]:

@@ -37,7 +37,7 @@ class PrepareConfig(Output.with_defaults(output="runs/corpus", notes={"output": 
     input: str = field(
         default=SAMPLE_CORPUS,
         metadata={
-            "help": "BEIR corpus.jsonl, MS MARCO's collection.tsv (id<TAB>text), a .txt file (blank-line separated documents), their .gz, or a folder of them; local or s3://"
+            "help": "BEIR corpus.jsonl, MS MARCO's collection.tsv (id<TAB>text), a .txt file (blank-line separated documents), their .gz, a Parquet file (see --corpus.columns), or a folder of them; local or s3://"
         },
     )
     tokenizer: str = field(
@@ -49,6 +49,12 @@ class PrepareConfig(Output.with_defaults(output="runs/corpus", notes={"output": 
     vocab_size: int = field(default=8000, metadata={"min": 1, "help": "size of a trained vocabulary"})
     lowercase: bool = field(default=True, metadata={"help": "lowercase when training a vocabulary"})
     join: JoinConfig = field(default_factory=JoinConfig)
+    columns: str = field(
+        default="",
+        metadata={
+            "help": "a Parquet corpus's columns, e.g. id=docid,title=title,text=body; empty = found by name (_id/id/docid/doc_id/pid, title, text/contents/passage)"
+        },
+    )
     docs_per_shard: int = field(default=20000, metadata={"min": 1, "help": "documents per Parquet shard"})
     on_empty: Literal["skip", "error"] = field(
         default="skip", metadata={"help": "empty documents: skip (counted in the manifest) or error"}
@@ -72,6 +78,8 @@ def _settings(cfg: PrepareConfig) -> dict[str, Any]:
     """What the prepared shards depend on: not where they or the staged text live. The
     input is its resolved URI, so a relative and an absolute path are one input."""
     settings = {k: v for k, v in asdict(cfg).items() if k not in ("output", "overwrite", "text")}
+    if not settings["columns"]:  # unset: the settings earlier preparations recorded
+        del settings["columns"]
     settings["input"] = storage.resolve(cfg.input).uri
     return settings
 
@@ -121,7 +129,7 @@ def _prepare(cfg: PrepareConfig) -> dict:
             return manifest | {"reused": True}
     started = time.time()
     staging = cfg.text or storage.join(cfg.output, "_staging")
-    text = stage_text(cfg.input, staging, cfg.docs_per_shard, on_empty=cfg.on_empty, join=cfg.join)
+    text = stage_text(cfg.input, staging, cfg.docs_per_shard, on_empty=cfg.on_empty, join=cfg.join, columns=cfg.columns)
     items = text["shards"]
 
     # A preparation cut short by the same input and settings resumes from what it stored

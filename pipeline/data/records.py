@@ -170,10 +170,18 @@ def read_lines(uri: str) -> Iterator[tuple[str, int, str]]:
 
 
 def line_error(source: str, number: int, problem: str) -> InputError:
-    return InputError(f"{source} line {number}: {problem}", source=source, line=number)
+    """An error at a line of a text file, or at a row of a Parquet file (numbered from 1)."""
+    unit = "row" if source.lower().endswith(".parquet") else "line"
+    return InputError(f"{source} {unit} {number}: {problem}", source=source, line=number)
 
 
 def json_lines(uri: str) -> Iterator[tuple[str, int, dict]]:
+    """(file, 1-based number, object) of each record: a JSONL file's lines, or a Parquet
+    file's rows (read a row group at a time; nested lists and structs as lists and dicts),
+    so every record format reads from either, with errors naming the line or row."""
+    if uri.lower().endswith(".parquet"):
+        yield from _parquet_rows(uri)
+        return
     for source, number, text in read_lines(uri):
         try:
             obj = json.loads(text)
@@ -182,6 +190,19 @@ def json_lines(uri: str) -> Iterator[tuple[str, int, dict]]:
         if not isinstance(obj, dict):
             raise line_error(source, number, f"expected a JSON object, got {json_type(obj)}")
         yield source, number, obj
+
+
+def _parquet_rows(uri: str) -> Iterator[tuple[str, int, dict]]:
+    import pyarrow.parquet as pq
+
+    source = storage.resolve(uri).uri
+    number = 0
+    with storage.open_input(source, random_access=True) as f:
+        file = pq.ParquetFile(f)
+        for group in range(file.num_row_groups):
+            for row in file.read_row_group(group).to_pylist():
+                number += 1
+                yield source, number, row
 
 
 def as_id(value: Any, what: str, source: str, number: int) -> str:

@@ -41,6 +41,7 @@ from pipeline.data.corpus import (
     Piece,
     corpus_files,
     corpus_pieces,
+    is_parquet,
     piece_documents,
     raise_duplicate,
     repeated_hashes,
@@ -165,7 +166,12 @@ def _repeated(*arrays: np.ndarray) -> set[int]:
 def _numbered(pieces: list[Piece], tasks: StorageTasks) -> list[Piece]:
     """``pieces`` with each one's ``first_line``: the lines before it in its file, counted
     in parallel (a byte count of newlines, not a parse)."""
-    counted = [i for i, p in enumerate(pieces) if p.end is not None and i + 1 < len(pieces) and pieces[i + 1].start]
+    # A Parquet piece is a row group, numbered by its rows when it was cut.
+    counted = [
+        i
+        for i, p in enumerate(pieces)
+        if p.end is not None and not is_parquet(p.source) and i + 1 < len(pieces) and pieces[i + 1].start
+    ]
     counts = dict(
         zip(
             counted, tasks.map(count_line_starts, [(pieces[i].source, pieces[i].start, pieces[i].end) for i in counted])
@@ -173,20 +179,25 @@ def _numbered(pieces: list[Piece], tasks: StorageTasks) -> list[Piece]:
     )
     numbered, line = [], 1
     for i, piece in enumerate(pieces):
+        if is_parquet(piece.source):
+            numbered.append(piece)
+            continue
         line = 1 if piece.start == 0 else line
         numbered.append(dataclasses.replace(piece, first_line=line))
         line += counts.get(i, 0)
     return numbered
 
 
-def _write_staging(corpus: str, folder: str, docs_per_shard: int, on_empty: str, join: JoinConfig | None) -> tuple:
+def _write_staging(
+    corpus: str, folder: str, docs_per_shard: int, on_empty: str, join: JoinConfig | None, columns: str
+) -> tuple:
     """Stage ``corpus`` into ``folder`` with parallel tasks, one a piece of the input (one in
     all when records are joined: a joined passage may span pieces). Returns the shard items
     (``index``, ``text_uri``, ``first_row``, ``rows``, ``text_bytes``) and the stats."""
     if docs_per_shard < 1:
         raise ValueError(f"docs_per_shard must be >= 1, got {docs_per_shard}")
     tasks = StorageTasks(corpus, folder)
-    pieces = _numbered(corpus_pieces(corpus, PIECE_BYTES), tasks)
+    pieces = _numbered(corpus_pieces(corpus, PIECE_BYTES, columns), tasks)
     _warn_of_large_single_pieces(pieces)
     groups = [pieces] if (join or JoinConfig()).group_by else [[p] for p in pieces]
     calls = [(group, folder, f"text-{i:05d}", docs_per_shard, on_empty, join) for i, group in enumerate(groups)]
@@ -233,7 +244,13 @@ TEXT_FORMAT = "raydense-text-shards-v2"
 
 
 def stage_text(
-    corpus: str, folder: str, docs_per_shard: int, *, on_empty: str = "skip", join: JoinConfig | None = None
+    corpus: str,
+    folder: str,
+    docs_per_shard: int,
+    *,
+    on_empty: str = "skip",
+    join: JoinConfig | None = None,
+    columns: str = "",
 ) -> dict:
     """``corpus`` staged as text shards below ``folder``, or the staging already there when it
     was made from the same stored version with the same validation and joining (its cut,
@@ -245,6 +262,8 @@ def stage_text(
     without evicting each other."""
     source = storage.resolve(corpus).uri
     reading = {"on_empty": on_empty, "join": asdict(join or JoinConfig())}
+    if columns:  # a Parquet corpus's mapping; absent when unset, so earlier stagings keep their key
+        reading["columns"] = columns
     key = json.dumps({"source": source, **reading}, sort_keys=True)
     target = storage.join(folder, hashlib.sha1(key.encode()).hexdigest()[:10])
     manifest_uri = storage.join(target, "manifest.json")
@@ -261,7 +280,7 @@ def stage_text(
     if not storage.exists(record) or storage.read_json(record) != json.loads(json.dumps(made_by)):
         storage.delete_dir(target)
         storage.write_json(record, made_by)
-    shards, stats = _write_staging(source, target, docs_per_shard, on_empty, join)
+    shards, stats = _write_staging(source, target, docs_per_shard, on_empty, join, columns)
     manifest = {
         "format": TEXT_FORMAT,
         "source": source,

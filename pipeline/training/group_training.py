@@ -57,7 +57,12 @@ class FinetuneDataConfig(Bm25Negatives, Lengths, TrainingQueries):
             "help": "negatives jsonl ({query_id, negatives}); 'bm25' = mine them here with bm25s (round 1); empty = in-batch and random negatives only"
         },
     )
-    tevatron: str = field(default="", metadata={"help": "Tevatron train jsonl, instead of queries/qrels/negatives"})
+    tevatron: str = field(
+        default="",
+        metadata={
+            "help": "Tevatron train jsonl or Parquet (query_id, query, positive_passages, negative_passages), instead of queries/qrels/negatives"
+        },
+    )
 
 
 @dataclass
