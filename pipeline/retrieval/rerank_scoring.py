@@ -3,7 +3,7 @@ cross-encoder, written as a TREC run and evaluated against the first stage.
 
 Streamed end to end, so the driver's memory does not grow with the run or the corpus: the
 first-stage run is read a query at a time (:func:`pipeline.data.runs.iter_trec_run`) and
-cut into blocks of ``queries_per_task`` queries that carry ids only; each re-ranker actor
+cut into blocks of queries (sized by the bytes they carry, :func:`scoring_block`) that carry ids only; each re-ranker actor
 fetches its block's passage texts from the passage servers
 (:mod:`pipeline.retrieval.passages`) and returns scores; the driver writes each block's
 lines and adds its metrics (:class:`pipeline.retrieval.metrics.StreamedMetrics`) as results
@@ -33,7 +33,7 @@ from pipeline.core import model_ref, storage
 from pipeline.core.actor_pool import ActorConfig, actor_device, stream_actor_pool
 from pipeline.core.capacity import CapacityWait
 from pipeline.core.errors import InputError
-from pipeline.core.parts import BlockFiles, claim, finished_blocks, join_blocks, remove_parts
+from pipeline.core.parts import BlockFiles, claim, finished_blocks, join_blocks, recorded_block, remove_parts
 from pipeline.core.progress import progress
 from pipeline.core.runtime import RayConfig
 from pipeline.core.sections import Collection, Output
@@ -41,6 +41,7 @@ from pipeline.data.beir import positives, read_qrels, read_queries
 from pipeline.data.runs import count_run_queries, iter_trec_run, write_trec_lines
 from pipeline.data.text_shards import stage_text
 from pipeline.data.tokenizer import BERT_SPECIALS, load_tokenizer
+from pipeline.retrieval.fanout import PROGRESS_BLOCKS
 from pipeline.retrieval.inference import (
     batch_limits,
     check_finite,
@@ -121,7 +122,11 @@ class RerankScoreConfig(
         },
     )
     queries_per_task: int = field(
-        default=64, metadata={"min": 1, "help": "queries per actor task (the unit of retry after an actor died)"}
+        default=0,
+        metadata={
+            "min": 0,
+            "help": "queries per actor task (the unit written, resumed and retried after an actor died); 0 = sized by bytes: about 32 MiB of candidate text a task",
+        },
     )
     docs_per_server: int = field(
         default=2_000_000, metadata={"help": "corpus documents per passage server (a Ray actor holding their texts)"}
@@ -137,10 +142,10 @@ class RerankScoreConfig(
     ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self):
-        for name in ("depth", "queries_per_task", "docs_per_server"):
+        for name in ("depth", "docs_per_server"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("batch_size", "batch_tokens"):
+        for name in ("batch_size", "batch_tokens", "queries_per_task"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -262,8 +267,26 @@ def _pair_lengths(cfg: RerankScoreConfig, model_uri: str) -> PairLengths:
     return lengths
 
 
-def _blocks(cfg: RerankScoreConfig, run_uri: str, qrels_uri: str, queries: dict, qrels: dict, counts: dict):
-    """The first-stage run in blocks of ``queries_per_task`` queries, by id: each query's
+# A scoring task's block is sized as the fan-out's are (pipeline.retrieval.fanout), by the
+# bytes it carries: its candidates' texts, fetched by the actor, and their ids and scores.
+SCORING_BLOCK_BYTES = 32 * 2**20
+PAIR_BYTES = 1024  # a candidate's text (MS MARCO's average 340 bytes, with margin), id and scores
+MIN_SCORING_BLOCK, MAX_SCORING_BLOCK = 16, 4096
+
+
+def scoring_block(depth: int, queries: int) -> int:
+    """Queries per scoring task at ``depth`` candidates a query: as many as carry about
+    ``SCORING_BLOCK_BYTES``, within [MIN_SCORING_BLOCK, MAX_SCORING_BLOCK], and at most a
+    ``PROGRESS_BLOCKS``-th of the ``queries`` (so that progress moves). MS MARCO's 502,939
+    training queries at the teacher's depth 30: 1,092 a task, 461 tasks (64 a task made 7,859)."""
+    fits = min(MAX_SCORING_BLOCK, max(MIN_SCORING_BLOCK, SCORING_BLOCK_BYTES // (max(1, depth) * PAIR_BYTES)))
+    return max(1, min(fits, -(-queries // PROGRESS_BLOCKS)))
+
+
+def _blocks(
+    cfg: RerankScoreConfig, block_queries: int, run_uri: str, qrels_uri: str, queries: dict, qrels: dict, counts: dict
+):
+    """The first-stage run in blocks of ``block_queries`` queries, by id: each query's
     best ``depth`` candidates (and, with ``include_positives``, its judged positives the run
     missed), their first-stage scores, and where each id was named (for a missing
     document's error)."""
@@ -289,7 +312,7 @@ def _blocks(cfg: RerankScoreConfig, run_uri: str, qrels_uri: str, queries: dict,
         block["candidates"].append(candidates)
         block["first_stage"].append([score for _, score, _ in ranked])
         block["named"].update(named)
-        if len(block["query_ids"]) == cfg.queries_per_task:
+        if len(block["query_ids"]) == block_queries:
             yield block
             block = empty()
     if block["query_ids"]:
@@ -307,7 +330,7 @@ def _made_by(cfg: RerankScoreConfig, model_uri: str, lengths: PairLengths) -> di
         "model": model_uri,
         "model_version": model_ref.version(model_uri, "--model"),
         "lengths": asdict(lengths),
-        "pairs": {k: getattr(cfg, k) for k in ("depth", "include_positives", "queries_per_task")} | precision,
+        "pairs": {k: getattr(cfg, k) for k in ("depth", "include_positives")} | precision,
         "versions": {name: storage.version(uri) for name, uri in inputs.items()},
     }
 
@@ -346,11 +369,12 @@ def run_scoring(cfg: RerankScoreConfig) -> dict:
     claim(output, _made_by(cfg, model_uri, lengths), what="scored blocks' files")
     done = finished_blocks(output)
     run_queries = count_run_queries(run_uri)  # one pass over a run that may hold ~100M lines
-    blocks = list(range(-(-run_queries // cfg.queries_per_task)))
+    block_queries = recorded_block(output, cfg.queries_per_task or scoring_block(cfg.depth, run_queries))
+    blocks = list(range(-(-run_queries // block_queries)))
 
     def todo():
         """The run's blocks not yet scored (every block is read: it counts the pairs)."""
-        for b, block in enumerate(_blocks(cfg, run_uri, qrels_uri, queries, qrels, counts)):
+        for b, block in enumerate(_blocks(cfg, block_queries, run_uri, qrels_uri, queries, qrels, counts)):
             if b not in done:
                 yield {**block, "index": b}
 

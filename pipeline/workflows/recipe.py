@@ -131,8 +131,11 @@ class RerankerStage(RerankerConfig):
         },
     )
     queries_per_task: int = field(
-        default=64,
-        metadata={"min": 1, "help": "queries per scoring task: the unit written, resumed and redone after a lost node"},
+        default=0,
+        metadata={
+            "min": 0,
+            "help": "queries per scoring task: the unit written, resumed and redone after a lost node; 0 = sized by bytes (about 32 MiB of candidate text a task)",
+        },
     )
     pool: ActorConfig = field(default_factory=ActorConfig)
 

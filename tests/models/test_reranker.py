@@ -435,6 +435,7 @@ def test_a_run_naming_a_document_outside_the_corpus_is_an_error(tiny_reranker, t
         corpus=data["corpus"],
         qrels="",
         depth=100,
+        queries_per_task=64,  # one block: the run is read whole before any scoring fails
         output=str(tmp_path / "out"),
     )
     lines = len(open(data["run"]).readlines())
@@ -551,3 +552,18 @@ def test_pair_scorer_with_packed_linears_scores_as_the_blas_path(tiny_reranker, 
     got, expected = (np.concatenate(s.score(queries, candidates, docs)) for s in scorers.values())
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
     assert np.abs(expected).max() > 0.1
+
+
+def test_scoring_blocks_are_sized_by_the_bytes_they_carry():
+    """At MS MARCO's training queries and the teacher's depth, a task carries ~32 MiB of
+    candidates: 461 tasks, not 7,859 of 64 queries; a deeper run takes fewer queries a task;
+    a small run is still cut into PROGRESS_BLOCKS; the bounds hold at the extremes."""
+    from pipeline.retrieval.fanout import PROGRESS_BLOCKS
+    from pipeline.retrieval.rerank_scoring import MAX_SCORING_BLOCK, MIN_SCORING_BLOCK, PAIR_BYTES, scoring_block
+
+    block = scoring_block(30, 502_939)
+    assert block * 30 * PAIR_BYTES <= 32 * 2**20 < (block + 1) * 30 * PAIR_BYTES
+    assert -(-502_939 // block) == 461
+    assert scoring_block(100, 502_939) < block
+    assert -(-1_000 // scoring_block(30, 1_000)) >= PROGRESS_BLOCKS
+    assert scoring_block(100_000, 10**7) == MIN_SCORING_BLOCK and scoring_block(1, 10**9) == MAX_SCORING_BLOCK
