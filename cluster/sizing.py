@@ -110,5 +110,69 @@ def table() -> str:
     return "\n".join(rows)
 
 
+# The per-stage table: MS MARCO's mean passage (340 bytes of text) and a bm25s vocabulary of
+# 2M entries a 1M-passage shard (Nave measured 15k entries for 37k verses; a web corpus's
+# long tail is assumed). The stored BM25 index is 0.86 bytes a byte of text, measured on
+# Nave (docs/retrieval/bm25.md).
+PASSAGE_TEXT_BYTES = 340
+BM25_VOCAB_PER_SHARD = 2_000_000
+BM25_INDEX_PER_TEXT_BYTE = 0.86
+TRAINING_QUERIES = 502_939  # MS MARCO's; the teacher scores them at depth 30, mining at 200
+STAGE_CORPORA = [(8_841_823, "8.8M (MS MARCO)"), (50_000_000, "50M"), (500_000_000, "500M")]
+
+
+def staged(n: int, shard_docs: int = 50_000) -> dict:
+    """A synthetic text staging of ``n`` passages, as stage_text's manifest lists it."""
+    shards = [
+        {"first_row": i, "rows": min(shard_docs, n - i), "text_bytes": min(shard_docs, n - i) * PASSAGE_TEXT_BYTES}
+        for i in range(0, n, shard_docs)
+    ]
+    return {"docs": n, "shards": shards}
+
+
+def stages_table() -> str:
+    from pipeline.retrieval.bm25_index import IndexPlan, serve_memory
+    from pipeline.retrieval.fanout import query_block
+    from pipeline.retrieval.rerank_scoring import scoring_block
+
+    rows = [
+        "| corpus | staged text | BM25: index stored | BM25: servers x reservation (total) | BM25: a build task reserves "
+        "| embeddings, one encoding (768-d fp32) | IVF,PQ64 index | mining: query blocks (objects) "
+        "| teacher scoring: tasks (objects) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for n, name in STAGE_CORPORA:
+        text = staged(n)
+        plan = IndexPlan.of(text, 1_000_000)
+        servers = [
+            serve_memory(
+                {
+                    "index_bytes": int(BM25_INDEX_PER_TEXT_BYTE * PASSAGE_TEXT_BYTES * sum(i["rows"] for i in load)),
+                    "vocab_entries": BM25_VOCAB_PER_SHARD,
+                    "docs": sum(i["rows"] for i in load),
+                }
+            )
+            for load in plan.loads
+        ]
+        build = max(plan.build_memory(load, 0) for load in plan.loads)
+        ivf_bytes, ivf_shards = shard_plan(f"IVF{ivf_nlist(n)},PQ64", n)
+        block = query_block(ivf_shards, 200, DIM, TRAINING_QUERIES)
+        cells = [
+            name,
+            gib(n * PASSAGE_TEXT_BYTES),
+            gib(BM25_INDEX_PER_TEXT_BYTE * n * PASSAGE_TEXT_BYTES),
+            f"{len(servers)} x {gib(max(servers))} ({gib(sum(servers))})",
+            gib(build),
+            gib(n * DIM * 4),
+            gib(ivf_bytes),
+            f"{-(-TRAINING_QUERIES // block):,}",
+            f"{-(-TRAINING_QUERIES // scoring_block(30, TRAINING_QUERIES)):,}",
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 if __name__ == "__main__":
     print(table())
+    print()
+    print(stages_table())

@@ -883,6 +883,7 @@ def test_readme_sizing_table_is_the_planners_output(monkeypatch):
 
     readme = (CLUSTER / "guide" / "sizing.md").read_text()
     assert sizing.table() in readme, "regenerate it: python cluster/sizing.py"
+    assert sizing.stages_table() in readme, "regenerate it: python cluster/sizing.py"
     # The one measured rate it scales must still be the benchmark's published figure.
     (report,) = (REPO / "bench" / "reports").glob("*-bench-search.md")
     bench = report.read_text()
