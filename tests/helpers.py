@@ -247,12 +247,15 @@ def assert_same_loss_and_gradients(
 
 def save_tiny_bert(out_dir: str, texts: list[str], seed: int = 0, **config_overrides) -> str:
     """A random tiny ``BertModel`` checkpoint with its own WordPiece tokenizer trained on
-    ``texts``: what ``--model.init`` points at in the trainers' Ray tests."""
+    ``texts``: what ``--model.init`` points at in the trainers' Ray tests. It holds 128
+    positions, as the jobs' default passage length asks (the jobs refuse a length past a
+    model's positions)."""
     from transformers import BertModel
 
     tokenizer = make_tokenizer_dir(out_dir, texts=texts)
     torch.manual_seed(seed)
-    BertModel(tiny_bert_config(len(tokenizer), **config_overrides)).save_pretrained(out_dir)
+    config = tiny_bert_config(len(tokenizer), **{"max_position": 128, **config_overrides})
+    BertModel(config).save_pretrained(out_dir)
     return out_dir
 
 

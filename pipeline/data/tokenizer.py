@@ -80,6 +80,33 @@ def check_model_tokenizer(reference: str, what: str) -> None:
         )
 
 
+# Families whose positions are numbered from the padding id + 1 (fairseq's convention): a
+# config of N positions holds N - pad_token_id - 1 tokens (514 -> 512 for RoBERTa).
+OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "longformer", "mpnet", "bart")
+
+
+def check_lengths(reference: str, what: str, **lengths: int) -> None:
+    """Before any work: each of ``lengths`` (an option's name: its tokens, specials
+    included) within the positions the model's ``config.json`` gives (its passage tower's,
+    in an export of two). Past them, the model fails in its embeddings on the first long
+    text, a traceback minutes into the run."""
+    if not lengths or model_ref.parse(reference, what).kind == "hub":
+        return
+    tower = "passage" if model_ref.has_file(reference, "passage/config.json") else ""
+    config = model_ref.read_config(model_ref.join(reference, tower) if tower else reference, what)
+    positions = config.get("max_position_embeddings")
+    if not positions:
+        return
+    if config.get("model_type") in OFFSET_POSITIONS:
+        positions -= int(config.get("pad_token_id") or 0) + 1
+    for name, tokens in lengths.items():
+        if tokens > positions:
+            raise ConfigError(
+                f"{name} {tokens} is more than the {positions} tokens {what} {reference} holds "
+                "(its config.json's max_position_embeddings)"
+            )
+
+
 # What masked-language-model pre-training and the re-ranker's pairs need of a tokenizer.
 BERT_SPECIALS = ("cls_token_id", "sep_token_id", "pad_token_id", "mask_token_id")
 

@@ -40,7 +40,7 @@ from pipeline.core.runtime import RayConfig
 from pipeline.core.sections import Corpus, Lengths, Output
 from pipeline.data.prepare import PrepareConfig, prepare_corpus
 from pipeline.data.shards import PreparedCorpus, check_shards
-from pipeline.data.tokenizer import check_model_tokenizer, load_tokenizer, prefix_token_ids
+from pipeline.data.tokenizer import check_lengths, check_model_tokenizer, load_tokenizer, prefix_token_ids
 from pipeline.retrieval.embeddings import (
     claim,
     finished_shards,
@@ -142,6 +142,10 @@ class EncoderSettings(Lengths):
         if self.model:
             model_ref.check(self.model, f"{prefix}model")
             check_model_tokenizer(self.model, f"{prefix}model")
+            set_lengths = {
+                f"{prefix}{n}": getattr(self, n) for n in ("query_max_len", "passage_max_len") if getattr(self, n)
+            }
+            check_lengths(self.model, f"{prefix}model", **set_lengths)
 
     def batch_limits(self, device: str) -> tuple[int, int]:
         """(passages, padded tokens) per forward on ``device``, auto resolved

@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from models.biencoder import BiEncoderConfig, ContrastiveObjective
-from pipeline.core import storage
+from pipeline.core import model_ref, storage
 from pipeline.core.config import to_dict
 from pipeline.core.runtime import RayConfig, write_run_files
+from pipeline.data.tokenizer import check_lengths
 from pipeline.retrieval.evaluate import EvalConfig, trainer_eval
 from pipeline.training.driver import fit
 from pipeline.training.group_training import (
@@ -36,6 +37,12 @@ class FinetuneConfig:
     eval: EvalConfig = field(default_factory=trainer_eval)
     train: TrainConfig = field(default_factory=lambda: embedded_train("finetune"))
     ray: RayConfig = field(default_factory=RayConfig)
+
+    def check_inputs(self, prefix: str) -> None:
+        """The training lengths within the initial model's positions, before Ray starts."""
+        lengths = {f"{prefix}data.{n}": getattr(self.data, n) for n in ("query_max_len", "passage_max_len")}
+        model_ref.check(self.model.init, f"{prefix}model.init")
+        check_lengths(self.model.init, f"{prefix}model.init", **lengths)
 
 
 def run_finetuning(cfg: FinetuneConfig) -> dict:

@@ -147,6 +147,24 @@ def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path
         ["jobs.finetune", "--model.init", str(no_tokenizer), "--train.output", str(tmp_path / "run")],
         f"--model.init {no_tokenizer}: {untokenized}",
     )
+    # Lengths past the model's positions: a 98-line RuntimeError in its embeddings, minutes in.
+    past_positions = "1024 is more than the"
+    cases["an encoder length past the model's positions"] = (
+        [*evaluate, *dev_qrels, "--encoder.passage_max_len", "1024"],
+        f"--encoder.passage_max_len {past_positions}",
+    )
+    cases["a training length past the model's positions"] = (
+        [
+            "jobs.finetune",
+            "--model.init",
+            str(tiny_model),
+            "--data.query_max_len",
+            "1024",
+            "--train.output",
+            str(tmp_path / "run"),
+        ],
+        f"--data.query_max_len {past_positions}",
+    )
     run = ["--train.output", str(tmp_path / "run")]
     for option, value, named in [
         ("num_workers", "0", "num_workers must be >= 1, got 0"),

@@ -297,7 +297,7 @@ def test_training_settings_that_cannot_work_fail_before_any_work(tiny_checkpoint
         ),
         ({"data__negatives": ""}, ValueError, "trains on hard negatives"),
         ({"reranker__max_len": 13}, ValueError, "at least query_max_len \\+ 2"),
-        ({"reranker__max_len": 100}, ValueError, "exceeds the model's 64 positions"),
+        ({"reranker__max_len": 200}, ValueError, "exceeds the model's 128 positions"),
         ({"reranker__group_size": 1}, ValueError, "group_size must be >= 2"),
     ]
     for changes, error, message in cases:
