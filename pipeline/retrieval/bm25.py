@@ -27,8 +27,10 @@ from collections.abc import Mapping, Sequence
 from typing import Iterator
 
 import numpy as np
+import pyarrow as pa
 import ray
 
+from pipeline.core import storage
 from pipeline.data.beir import Queries
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.retrieval.bm25_index import IndexPlan, load_shard, serve_memory, stemmer_of, stored_index
@@ -39,10 +41,6 @@ SHARD_CPUS = 0.01  # a token share, as searchers take (see pipeline.retrieval.se
 
 def _load_ids(load: list[dict]) -> CorpusIds:
     """A load's doc ids (first row set), read from the staged text's id column alone."""
-    import pyarrow as pa
-
-    from pipeline.core import storage
-
     column = pa.concat_arrays(
         [storage.read_parquet(i["text_uri"], ["doc_id"]).column("doc_id").combine_chunks() for i in load]
     )

@@ -56,6 +56,17 @@ MERGE_BYTES_PER_INPUT_BYTE = 4  # Arrow's hash aggregation over its inputs, with
 VOCAB_ENTRY_BYTES = 200  # a vocabulary entry in a Python dict: key, value, slot
 ID_BYTES = 64  # a document id as a shard holds it
 TASK_OPTIONS = {"num_cpus": 1, "max_retries": 3}  # every build task's; each reserves its own memory
+# A task reserving more than this runs in a worker process of its own (max_calls=1): a reused
+# worker kept what earlier tasks' Python heaps left, and peaked at 1.5x its reservation at 1M
+# passages (bench/bench_bm25_scale.py). Small tasks share workers: a process start each
+# would cost more than their work.
+OWN_PROCESS_BYTES = PROCESS_BYTES + 256 * 2**20
+
+
+def _task(fn, memory: int, returns: int = 1):
+    """``fn`` as a Ray task reserving ``memory``, in a fresh worker process when that is large."""
+    remote = ray.remote(max_calls=1)(fn) if memory > OWN_PROCESS_BYTES else ray.remote(fn)
+    return remote.options(**TASK_OPTIONS, memory=memory, num_returns=returns)
 
 
 @dataclass(frozen=True)
@@ -174,7 +185,6 @@ def summed_terms(leaves: list[list], sizes: list[list[int]]) -> tuple[list, list
     tasks, ``FAN_IN`` a task, every partition's level at once: (a table ref, its bytes) per
     partition. Each task reserves :func:`merge_memory` of what its inputs measured, so the
     next level is planned from the sizes this one returned."""
-    task = ray.remote(_sum_terms)
     level = 0
     while any(len(refs) > 1 for refs in leaves):
         level += 1
@@ -185,9 +195,7 @@ def summed_terms(leaves: list[list], sizes: list[list[int]]) -> tuple[list, list
             for i in range(0, len(refs), FAN_IN):
                 group = range(i, min(i + FAN_IN, len(refs)))
                 memory = merge_memory(sum(part_sizes[j] for j in group))
-                asked.append(
-                    (p, *task.options(**TASK_OPTIONS, num_returns=2, memory=memory).remote(*[refs[j] for j in group]))
-                )
+                asked.append((p, *_task(_sum_terms, memory, 2).remote(*[refs[j] for j in group])))
         measured = get_counted([size for _, _, size in asked], f"bm25 terms (merge level {level})", "merges")
         for p in {p for p, _, _ in asked}:
             leaves[p], sizes[p] = [], []
@@ -340,11 +348,8 @@ def _stored_terms(plan: IndexPlan, scoring: dict, folder: str) -> dict:
     record_uri = storage.join(folder, "terms", "terms.json")
     if storage.exists(record_uri):
         return storage.read_json(record_uri)
-    count = ray.remote(_count_terms).options
     refs = [
-        count(**TASK_OPTIONS, num_returns=1 + plan.partitions, memory=plan.count_memory(load)).remote(
-            load, scoring, plan.partitions
-        )
+        _task(_count_terms, plan.count_memory(load), 1 + plan.partitions).remote(load, scoring, plan.partitions)
         for load in plan.loads
     ]
     counts = get_counted(
@@ -355,10 +360,7 @@ def _stored_terms(plan: IndexPlan, scoring: dict, folder: str) -> dict:
         [[c["bytes"][p] for c in counts] for p in range(plan.partitions)],
     )
     uris = [storage.join(folder, "terms", f"terms-{p:04d}.parquet") for p in range(plan.partitions)]
-    store = ray.remote(_store_terms).options
-    rows = ray.get(
-        [store(**TASK_OPTIONS, memory=merge_memory(b)).remote(t, u) for t, b, u in zip(roots, root_bytes, uris)]
-    )
+    rows = ray.get([_task(_store_terms, merge_memory(b)).remote(t, u) for t, b, u in zip(roots, root_bytes, uris)])
     docs, tokens = sum(c["docs"] for c in counts), sum(c["tokens"] for c in counts)
     record = {
         "docs": docs,
@@ -381,10 +383,9 @@ def _stored_shards(plan: IndexPlan, scoring: dict, terms: dict, folder: str) -> 
         if storage.exists(storage.join(f, SHARD))
     }
     todo = [i for i in range(len(plan.loads)) if i not in records]
-    build = ray.remote(_build_shard).options
     largest = max(terms["partition_bytes"])
     refs = [
-        build(**TASK_OPTIONS, memory=plan.build_memory(plan.loads[i], largest)).remote(
+        _task(_build_shard, plan.build_memory(plan.loads[i], largest)).remote(
             plan.loads[i], scoring, terms["partitions"], terms["docs"], terms["avgdl"], folders[i]
         )
         for i in todo
