@@ -386,9 +386,10 @@ def load_merged_shards(index_uri: str, entries: list[dict], on_read: Callable[[]
     A query then ranks the quantiser's centroids once instead of once per shard (88 times at
     8.8M passages in shards of 100k, most of a CPU searcher's time) and probes the same
     lists, so the results are the per-shard top-k merged, ties aside. Each merged list is
-    sized once, from the sizes the shards' records keep, and each shard's entries are copied
-    in as it is read, then the shard is freed. (Appending shard after shard would grow every
-    list by doubling: twice the memory.)
+    sized once, from the sizes the shards' records keep, and each shard's lists are merged in
+    by FAISS's C++ (``InvertedLists.merge_from``) as the shard is read, then the shard is
+    freed. (Appending shard after shard into unsized lists would grow every list by
+    doubling: twice the memory.)
     """
     with ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="read-index") as pool:
         sizes = list(pool.map(functools.partial(_mergeable_sizes, index_uri), entries))
@@ -440,14 +441,14 @@ def _load_merged(group: list[tuple[dict, list[int] | None]], shards: Iterator) -
     filled = np.asarray(group[0][1], dtype=np.int64)
     totals = np.sum([sizes for _, sizes in group], axis=0, dtype=np.int64)
     for i in np.flatnonzero(totals > filled):
+        # Each list's room for every shard's entries, once: a vector resized down keeps its
+        # capacity, so FAISS's merge below appends in place instead of growing by doubling.
         lists.resize(int(i), int(totals[i]))
-    for _, sizes in group[1:]:
+        lists.resize(int(i), int(filled[i]))
+    for _ in group[1:]:
         shard = next(shards)
         source = faiss.extract_index_ivf(shard).invlists
-        for i in np.flatnonzero(sizes):
-            n = int(sizes[i])
-            lists.update_entries(int(i), int(filled[i]), n, source.get_ids(int(i)), source.get_codes(int(i)))
-            filled[i] += n
+        lists.merge_from(source, 0)  # in FAISS's C++, every list at once; the ids kept as they are
         ivf.ntotal += shard.ntotal
         if int(ivf.this) != int(merged.this):  # a wrapper (e.g. a pre-transform) counts its own
             merged.ntotal += shard.ntotal
