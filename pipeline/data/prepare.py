@@ -137,7 +137,7 @@ def _prepare(cfg: PrepareConfig) -> dict:
     if cfg.overwrite:
         storage.delete_dir(storage.join(cfg.output, PROGRESS))
     made_by = {"format": FORMAT, "settings": _settings(cfg), "input_version": input_version}
-    claim(cfg.output, made_by, work=("shards", "tokenizer", PROGRESS, WORD_PIECES), what="prepared files")
+    claim(cfg.output, made_by, work=(MANIFEST, "shards", "tokenizer", PROGRESS, WORD_PIECES), what="prepared files")
     tokenizer_uri = storage.join(cfg.output, "tokenizer")
     tokenizer = _stored_tokenizer(cfg, items, tokenizer_uri)
 
