@@ -360,7 +360,8 @@ def _stored_terms(plan: IndexPlan, scoring: dict, folder: str) -> dict:
         [[c["bytes"][p] for c in counts] for p in range(plan.partitions)],
     )
     uris = [storage.join(folder, "terms", f"terms-{p:04d}.parquet") for p in range(plan.partitions)]
-    rows = ray.get([_task(_store_terms, merge_memory(b)).remote(t, u) for t, b, u in zip(roots, root_bytes, uris)])
+    stores = [_task(_store_terms, merge_memory(b)).remote(t, u) for t, b, u in zip(roots, root_bytes, uris)]
+    rows = get_counted(stores, "bm25 terms (stored)", "partitions")
     docs, tokens = sum(c["docs"] for c in counts), sum(c["tokens"] for c in counts)
     record = {
         "docs": docs,
