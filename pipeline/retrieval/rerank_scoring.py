@@ -271,16 +271,17 @@ def _pair_lengths(cfg: RerankScoreConfig, model_uri: str) -> PairLengths:
 # bytes it carries: its candidates' texts, fetched by the actor, and their ids and scores.
 SCORING_BLOCK_BYTES = 32 * 2**20
 PAIR_BYTES = 1024  # a candidate's text (MS MARCO's average 340 bytes, with margin), id and scores
-MIN_SCORING_BLOCK, MAX_SCORING_BLOCK = 16, 4096
+MIN_SCORING_BLOCK, MAX_SCORING_BLOCK = 64, 4096  # 64: a small run stays one task, as it was
 
 
 def scoring_block(depth: int, queries: int) -> int:
     """Queries per scoring task at ``depth`` candidates a query: as many as carry about
     ``SCORING_BLOCK_BYTES``, within [MIN_SCORING_BLOCK, MAX_SCORING_BLOCK], and at most a
-    ``PROGRESS_BLOCKS``-th of the ``queries`` (so that progress moves). MS MARCO's 502,939
+    ``PROGRESS_BLOCKS``-th of the ``queries`` (so that progress moves), but never under
+    MIN_SCORING_BLOCK (a task and an object each cost more than a few queries' scoring). MS MARCO's 502,939
     training queries at the teacher's depth 30: 1,092 a task, 461 tasks (64 a task made 7,859)."""
     fits = min(MAX_SCORING_BLOCK, max(MIN_SCORING_BLOCK, SCORING_BLOCK_BYTES // (max(1, depth) * PAIR_BYTES)))
-    return max(1, min(fits, -(-queries // PROGRESS_BLOCKS)))
+    return max(1, min(fits, max(MIN_SCORING_BLOCK, -(-queries // PROGRESS_BLOCKS))))
 
 
 def _blocks(
