@@ -92,7 +92,7 @@ def random_encoder(folder: Path, texts_file: str) -> str:
         num_hidden_layers=2,
         num_attention_heads=12,
         intermediate_size=4 * DIM,
-        max_position_embeddings=64,
+        max_position_embeddings=128,  # the jobs' default passage length; longer than the model holds is refused
     )
     torch.manual_seed(0)  # the same weights every run: two runs' mined counts compare
     BertModel(config).save_pretrained(str(folder))
