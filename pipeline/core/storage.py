@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import gzip
 import hashlib
+import io
 import json
 import os
 import posixpath
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator, TypeVar
 
+import numpy as np
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -484,6 +486,21 @@ def write_json(uri: str, obj: Any, *, keep_same: bool = False) -> None:
     if keep_same and exists(uri) and read_bytes(uri) == data:
         return
     write_bytes(uri, data)
+
+
+def read_array(uri: str) -> np.ndarray:
+    """A ``.npy`` array as :func:`write_array` stored it, read with ``allow_pickle=False``:
+    an object array (a pickle) in storage is refused, never run."""
+    try:
+        return np.load(io.BytesIO(read_bytes(uri)), allow_pickle=False)
+    except ValueError as exc:
+        raise StorageError(f"{uri}: not a plain .npy array ({exc})") from exc
+
+
+def write_array(uri: str, array: np.ndarray) -> None:
+    """``array`` as ``.npy`` at ``uri``, refusing object arrays (they would be pickles)."""
+    with open_output(uri) as f:
+        np.save(f, array, allow_pickle=False)
 
 
 def _listing(loc: Location) -> list[pafs.FileInfo]:

@@ -12,7 +12,6 @@ tokenizer) is loaded through transformers in the task instead.
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,12 +95,11 @@ def tokenized_shard(item: dict, tokenizer: ShardTokenizer, output: str) -> tuple
     counts_uri = storage.join(output, PROGRESS, f"part-{item['index']:05d}.counts.npy")
     if storage.exists(record_uri):
         entry = storage.read_json(record_uri)
-        counts = np.load(io.BytesIO(storage.read_bytes(counts_uri)), allow_pickle=False) if entry["counted"] else None
+        counts = storage.read_array(counts_uri) if entry["counted"] else None
         return {k: v for k, v in entry.items() if k != "counted"}, counts
     entry, counts = tokenize_shard(item, tokenizer, output)
     if counts is not None:
-        with storage.open_output(counts_uri) as f:
-            np.save(f, counts, allow_pickle=False)
+        storage.write_array(counts_uri, counts)
     storage.write_json(record_uri, {**entry, "counted": counts is not None})
     return entry, counts
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import io
 import itertools
 import json
 import sys
@@ -149,11 +148,10 @@ def _staged_piece(
     hashes_uri = storage.join(folder, PIECES, f"{prefix}.hashes.npy")
     if storage.exists(record_uri):
         summary = storage.read_json(record_uri)
-        hashes = np.load(io.BytesIO(storage.read_bytes(hashes_uri)), allow_pickle=False)
+        hashes = storage.read_array(hashes_uri)
     else:
         summary, hashes = write_text_shards(pieces, folder, prefix, docs_per_shard, on_empty, join)
-        with storage.open_output(hashes_uri) as f:
-            np.save(f, hashes, allow_pickle=False)
+        storage.write_array(hashes_uri, hashes)
         storage.write_json(record_uri, summary)
     bucket = hashes >> np.uint64(64 - HASH_BUCKET_BITS)
     return (summary, *(hashes[bucket == b] for b in range(HASH_BUCKETS)))

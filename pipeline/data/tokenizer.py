@@ -111,6 +111,21 @@ def check_lengths(reference: str, what: str, **lengths: int) -> None:
 BERT_SPECIALS = ("cls_token_id", "sep_token_id", "pad_token_id", "mask_token_id")
 
 
+def check_special_tokens(reference: str, what: str, required: tuple[str, ...]) -> None:
+    """Before any work: the tokenizer at ``reference`` (a local folder or a package; one in
+    storage or on the Hub is checked where it is loaded) has the special tokens ``required``.
+    Pre-training without [MASK] or [CLS] used to fail only once the corpus was prepared."""
+    if model_ref.parse(reference, what).kind not in ("local", "package"):
+        return
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_ref.materialize(reference, what))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{what} {reference}: its tokenizer does not load ({str(exc).splitlines()[0]})") from None
+    missing = [name.removesuffix("_id") for name in required if getattr(tokenizer, name) is None]
+    if missing:
+        raise ConfigError(f"{what} {reference}: its tokenizer has no {', '.join(missing)}, which this stage needs")
+
+
 def load_tokenizer(path: str, required: tuple[str, ...] = ()) -> PreTrainedTokenizerBase:
     """The tokenizer in a local directory, with the special tokens ``required`` of it (a
     decoder's has no [CLS], [SEP] or [MASK]: retrievers frame texts as it does itself)."""

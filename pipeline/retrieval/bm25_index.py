@@ -292,8 +292,7 @@ def _build_shard(load: list[dict], scoring: dict, partitions: list[str], docs: i
     if retriever.nonoccurrence_array is not None:
         arrays["nonoccurrence"] = retriever.nonoccurrence_array
     for name, array in arrays.items():
-        with storage.open_output(storage.join(folder, f"{name}.npy")) as f:
-            np.save(f, array, allow_pickle=False)
+        storage.write_array(storage.join(folder, f"{name}.npy"), array)
     vocab = {
         "word_to_stem": tokenizer.word_to_stem,
         "stem_to_sid": tokenizer.stem_to_sid,
@@ -323,10 +322,7 @@ def load_shard(folder: str, scoring: dict) -> tuple[bm25s.tokenization.Tokenizer
         vocab["stem_to_sid"],
         vocab["word_to_id"],
     )
-    arrays = {
-        name: np.load(io.BytesIO(storage.read_bytes(storage.join(folder, f"{name}.npy"))), allow_pickle=False)
-        for name in record["arrays"]
-    }
+    arrays = {name: storage.read_array(storage.join(folder, f"{name}.npy")) for name in record["arrays"]}
     retriever = bm25s.BM25(k1=scoring["k1"], b=scoring["b"], method=scoring["method"])
     retriever.scores = {name: arrays[name] for name in ARRAYS} | {"num_docs": record["docs"]}
     retriever.nonoccurrence_array = arrays.get("nonoccurrence")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import io
 from typing import Callable
 
 import numpy as np
@@ -20,13 +19,11 @@ QUERY_VECTORS = "query_vectors.npy"  # a block's file among a stage's parts
 
 
 def write_vectors(uri: str, vectors: np.ndarray) -> None:
-    buffer = io.BytesIO()
-    np.save(buffer, np.ascontiguousarray(vectors, dtype=np.float32))
-    storage.write_bytes(uri, buffer.getvalue())  # appears whole or not at all
+    storage.write_array(uri, np.ascontiguousarray(vectors, dtype=np.float32))
 
 
 def read_vectors(uri: str) -> np.ndarray:
-    return np.load(io.BytesIO(storage.read_bytes(uri)), allow_pickle=False)
+    return storage.read_array(uri)
 
 
 class StoredQueryVectors:

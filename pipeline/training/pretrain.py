@@ -33,7 +33,7 @@ from pipeline.data.stream import (
     TrainingStream,
     estimate_sequences_per_epoch,
 )
-from pipeline.data.tokenizer import BERT_SPECIALS, load_tokenizer
+from pipeline.data.tokenizer import BERT_SPECIALS, check_special_tokens, load_tokenizer
 from pipeline.training.driver import check_placement, fit
 from pipeline.training.task import Task, run_summary, write_summary
 from pipeline.training.tracking import flatten
@@ -298,6 +298,9 @@ def run_pretraining(cfg: PretrainConfig, *, replay_batches: int = 0) -> dict:
         if cfg.corpus.input and not cfg.corpus.tokenizer:
             # A checkpoint reads its own token ids: never a vocabulary trained here.
             cfg.corpus.tokenizer = cfg.model.init
+    if cfg.corpus.input and cfg.corpus.tokenizer:
+        given = "--model.init" if cfg.corpus.tokenizer == cfg.model.init else "--corpus.tokenizer"
+        check_special_tokens(cfg.corpus.tokenizer, given, BERT_SPECIALS)
     if cfg.corpus.input and not storage.is_s3(cfg.corpus.input):
         cfg.corpus.input = os.path.abspath(cfg.corpus.input)
     storage.check_reachable(cfg.corpus.output)

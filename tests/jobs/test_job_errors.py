@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path, shared_ray, monkeypatch, capsys):
     from transformers import GPT2Config, ModernBertConfig
 
-    from tests.helpers import index_of_random_vectors, save_tiny_bert
+    from tests.helpers import index_of_random_vectors, save_tiny_bert, train_decoder_tokenizer
 
     tiny_model = save_tiny_bert(str(tmp_path / "tiny"), [d["text"] for d in synthetic_docs(30)])
     bad_queries = tmp_path / "queries.jsonl"
@@ -185,6 +185,15 @@ def test_each_kind_of_user_error_exits_2_with_one_line_naming_the_value(tmp_path
             [job, *run, *init, "--train.num_workers", "2", "--train.cpus_per_worker", "2"],
             "--train.num_workers 2 x --train.cpus_per_worker 2 take 4 of this cluster's 4 CPUs, leaving none for Ray Data",
         )
+    # A decoder's tokenizer has no [CLS] or [MASK]: pre-training failed on it once the corpus was
+    # prepared. Mutation: check_special_tokens not called in run_pretraining (the row fails).
+    decoder_tokenizer = train_decoder_tokenizer(str(tmp_path / "qwen2-tokenizer"), "qwen2", ["a b c", "d e f"])
+    decoder_tokenizer.save_pretrained(str(tmp_path / "qwen2-tokenizer"))
+    cases["pre-training with a tokenizer that has no [MASK]"] = (
+        ["jobs.pretrain", *run, "--corpus.input", str(sample / "corpus.jsonl"), "--corpus.output", str(tmp_path / "p2")]
+        + ["--corpus.tokenizer", str(tmp_path / "qwen2-tokenizer")],
+        f"--corpus.tokenizer {tmp_path / 'qwen2-tokenizer'}: its tokenizer has no cls_token",
+    )
     cases["no steps and no epochs"] = (
         ["jobs.finetune", *run, "--train.max_steps", "0", "--train.epochs", "0"],
         "max_steps and epochs are both 0",
