@@ -1,7 +1,7 @@
 """Every benchmark's ``--smoke``: the same code at tiny sizes (seconds to two minutes, most
-of it Ray and job start-ups), which CI's long checks run (tests/project/test_bench_smoke.py), so
-that a benchmark that no longer runs fails CI. Its figures mean nothing; a smoke run writes
-them only where ``--json`` says."""
+of it Ray and job start-ups), which ``pytest -m bench_smoke`` runs before a release
+(tests/project/test_bench_smoke.py), so that a benchmark that no longer runs fails there.
+Its figures mean nothing; a smoke run writes them only where ``--json`` says."""
 
 from __future__ import annotations
 

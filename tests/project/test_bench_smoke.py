@@ -1,9 +1,10 @@
 """Every benchmark in bench/ runs: each script as a command, in its ``--smoke`` mode (tiny
 sizes, bench/smoke.py), so that one that no longer runs with today's code fails here, not
 when someone next needs its figures. A script added to bench/ is picked up by name; one
-without a smoke mode fails (argparse refuses ``--smoke``). CI runs them as its second step
-(``pytest -m bench_smoke``): they take minutes of Ray starts and job processes, past the
-suite's budget."""
+without a smoke mode fails (argparse refuses ``--smoke``). Run before a release (``pytest -m
+bench_smoke``, README): together about 40 minutes of Ray starts and job processes, past CI's
+time; CI's suite checks that each script imports and parses its options
+(test_bench_scripts.py)."""
 
 from __future__ import annotations
 

@@ -593,6 +593,7 @@ def test_mined_negatives_exclude_positives_and_are_reproducible(encoded, collect
     assert 0 < easiest["margin_dropped"] < margined["margin_dropped"]
 
 
+@pytest.mark.runs_long  # three minings, one stopped: 84 s in CI's suite (stop 93)
 def test_mining_killed_mid_way_resumes_from_its_finished_blocks(encoded, collection, tmp_path, monkeypatch, capsys):
     """Blocks of 6 queries: a run stopped after two blocks, rerun, searches only the rest and
     writes the same files as a run never stopped; a rerun with another setting starts over.

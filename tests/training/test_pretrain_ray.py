@@ -62,6 +62,7 @@ def _train_worker_pids() -> list[int]:
     return sorted(pids)
 
 
+@pytest.mark.runs_long  # two Ray Train runs, one losing a worker: 136 s in CI's suite (stop 93)
 def test_killed_worker_resumes_from_checkpoint_without_losing_documents(tmp_path, ray_session):
     docs = synthetic_docs(72, seed=5)
     out = str(tmp_path / "run")
