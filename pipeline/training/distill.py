@@ -111,4 +111,5 @@ def run_distillation(cfg: DistillConfig) -> dict:
         teacher_depth=cfg.data.teacher_depth,
         alpha=cfg.distill.alpha,
         teacher_temperature=cfg.distill.teacher_temperature,
+        teacher_loss=cfg.distill.teacher_loss,
     )

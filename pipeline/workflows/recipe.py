@@ -78,6 +78,7 @@ from pipeline.workflows.stages import (
 )
 from pipeline.workflows.units import Unit, run_units
 
+ROUND2_INIT = "round2"  # --distill.init's name for round 2's export
 RERANK_STAGES = ("mine2", "reranker", "rerank", "teacher", "distill")
 DISTILL_STAGES = ("teacher", "distill")
 MANIFEST = "recipe.json"
@@ -158,7 +159,9 @@ class DistillStage(RetrieverStage):
     )
     init: str = field(
         default="",
-        metadata={"help": "student's initial checkpoint; empty = the pre-trained encoder (as rounds 1 and 2)"},
+        metadata={
+            "help": "student's initial checkpoint; empty = the pre-trained encoder (as rounds 1 and 2); round2 = round 2's export (needs its shared encoder)"
+        },
     )
 
 
@@ -222,6 +225,11 @@ class RecipeConfig(
         if self.final.stage and self.final.stage not in [s for s in RETRIEVER_STAGES if s in enabled]:
             chosen = ", ".join(s for s in RETRIEVER_STAGES if s in enabled)
             raise ConfigError(f"--final.stage {self.final.stage}: not a retriever stage of this recipe ({chosen})")
+        if self.distill.init == ROUND2_INIT and not self.round2.retriever.shared_encoder:
+            raise ConfigError(
+                "--distill.init round2 starts the student from round 2's export, which holds two towers "
+                "with --round2.retriever.shared_encoder false: give a checkpoint, or share round 2's encoder"
+            )
         return ("model",) if self.pretrain.enabled else ()  # the retrievers start from the pre-training's export
 
 
@@ -506,9 +514,21 @@ def stage_teacher(ctx: StageContext) -> dict:
     return {"outputs": {"scores": summary["run"]}, "summary": summary}
 
 
+def distill_init(ctx: StageContext) -> tuple[str, str]:
+    """The student's initial checkpoint and the model whose tokenizer reads the corpus for it:
+    round 2's export (``round2``; distillation runs after it, through the teacher that scored
+    its run) with the retrievers' tokenizer, which round 2 kept, so the corpus is not
+    prepared again; or the checkpoint given, or the retrievers' own, each with its own."""
+    init = ctx.cfg.distill.init
+    if init == ROUND2_INIT:
+        return ctx.output("round2", "export"), ctx.encoder_init()
+    init = init or ctx.encoder_init()
+    return init, init
+
+
 def distill_job(ctx: StageContext) -> DistillConfig:
     cfg, stage = ctx.cfg, ctx.cfg.distill
-    init = stage.init or ctx.encoder_init()
+    init, tokens = distill_init(ctx)
     train = copy.deepcopy(stage.train)
     train.output = ctx.folder("distill")
     return DistillConfig(
@@ -518,7 +538,7 @@ def distill_job(ctx: StageContext) -> DistillConfig:
             teacher_depth=stage.teacher_best,
             **Lengths.values_of(cfg.data),
         ),
-        corpus=corpus_section(ctx.corpus, ctx.prepared_corpus(init)),
+        corpus=replace(corpus_section(ctx.corpus, ctx.prepared_corpus(tokens)), tokenizer=tokens),
         model=EncoderInit(init=init),
         retriever=ctx.retriever(stage.retriever, init),
         distill=copy.deepcopy(stage.loss),
@@ -529,10 +549,9 @@ def distill_job(ctx: StageContext) -> DistillConfig:
 
 
 def stage_distill(ctx: StageContext) -> dict:
-    stage = ctx.cfg.distill
-    init = stage.init or ctx.encoder_init()
+    _, tokens = distill_init(ctx)
     summary = run_distillation(distill_job(ctx))
-    evaluation = ctx.evaluate(summary["export_dir"], storage.join(ctx.folder("distill"), "eval"), init)
+    evaluation = ctx.evaluate(summary["export_dir"], storage.join(ctx.folder("distill"), "eval"), tokens)
     return {
         "outputs": {"export": summary["export_dir"], "run": evaluation["run"]},
         "metrics": evaluation["metrics"],

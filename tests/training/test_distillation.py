@@ -75,6 +75,62 @@ def test_kl_plus_ce_equals_a_hand_computation(temperature):
         distillation_loss(torch.zeros(2, 3), torch.zeros(2, 4), ce, 0.2)
 
 
+def hand_listmle(student: list[list[float]], teacher: list[list[float]]) -> float:
+    """Mean over queries of -log P(teacher's order), P the Plackett-Luce product of the
+    student's softmax over the passages not yet placed."""
+    total = 0.0
+    for s_row, t_row in zip(student, teacher):
+        order = sorted(range(len(t_row)), key=lambda j: -t_row[j])  # sorted() is stable: ties in group order
+        for place, j in enumerate(order):
+            left = order[place:]
+            total -= math.log(math.exp(s_row[j]) / sum(math.exp(s_row[k]) for k in left))
+    return total / len(student)
+
+
+def test_listmle_equals_the_plackett_luce_likelihood_of_the_teachers_order_by_hand():
+    """The teacher's order with a tie (2.5, 2.5: kept in group order) and a student that
+    disagrees. Mutations: sorting ascending, or the cumulative logsumexp taken from the top
+    instead of the bottom, each differ from the hand figure."""
+    student = [[2.0, 0.5, -1.0, 0.7], [0.0, 1.5, 0.3, -0.4]]
+    teacher = [[4.0, 1.0, 0.0, 2.0], [-2.0, 2.5, 2.5, 0.1]]
+    ce = torch.tensor(1.7)
+    got = distillation_loss(torch.tensor(student), torch.tensor(teacher), ce, 0.2, teacher_loss="listmle")
+    assert got.item() == pytest.approx(hand_listmle(student, teacher) + 0.2 * 1.7, rel=1e-6)
+    # Only the teacher's order counts: its scores squashed or stretched give the same loss.
+    stretched = distillation_loss(torch.tensor(student), torch.tensor(teacher) * 7 - 3, ce, 0.2, 5.0, "listmle")
+    assert stretched.item() == pytest.approx(got.item(), rel=1e-6)
+    with pytest.raises(ValueError, match="same"):
+        distillation_loss(torch.zeros(2, 3), torch.zeros(2, 4), ce, 0.2, teacher_loss="listmle")
+
+
+def test_the_listmle_gradient_equals_the_hand_likelihoods_gradient():
+    student = torch.tensor([[2.0, 0.5, -1.0, 0.7], [0.0, 1.5, 0.3, -0.4]], dtype=torch.float64, requires_grad=True)
+    teacher = torch.tensor([[4.0, 1.0, 0.0, 2.0], [-2.0, 2.5, 2.5, 0.1]])
+    distillation_loss(student, teacher, torch.tensor(0.0), 0.0, teacher_loss="listmle").backward()
+    reference = student.detach().clone().requires_grad_(True)
+    hand = 0.0
+    for row in range(2):
+        order = sorted(range(4), key=lambda j: -teacher[row, j].item())
+        for place, j in enumerate(order):
+            hand = hand - reference[row, j] + torch.logsumexp(reference[row, order[place:]], dim=0)
+    (hand / 2).backward()
+    assert torch.allclose(student.grad, reference.grad, atol=1e-6)
+
+
+def test_backward_with_listmle_logs_it_and_returns_it_plus_alpha_ce():
+    batch = teacher_for(_full_batch(pad_rows=1.0))
+    model = biencoder(pooling="mean", similarity="cos", temperature=0.1)
+    with torch.no_grad():
+        q = model.encode_query(batch["q_input_ids"], batch["q_attention_mask"]).double()
+        d = model.encode_passage(batch["d_input_ids"], batch["d_attention_mask"]).double()
+    scores = ((q @ d.T) / 0.1).tolist()
+    own = [row[3 * i : 3 * i + 3] for i, row in enumerate(scores)]
+    listmle, ce = hand_listmle(own, batch["d_teacher_scores"].tolist()), hand_ce(scores, 3)
+    loss, stats = distillation_backward(PlainEngine(model), batch, group_size=3, alpha=0.3, teacher_loss="listmle")
+    assert "kl" not in stats and stats["listmle"].item() == pytest.approx(listmle, rel=1e-4)
+    assert loss.item() == pytest.approx(listmle + 0.3 * ce, rel=1e-4)
+
+
 def teacher_for(batch: dict, seed: int = 5) -> dict:
     n_queries = batch["q_input_ids"].shape[0]
     group = batch["d_input_ids"].shape[0] // n_queries

@@ -683,3 +683,56 @@ def test_bm25_switched_off_runs_neither_bm25_stage_and_round1_trains_on_the_zero
         "mean",
         "cos",
     )
+
+
+def test_a_student_started_from_round2_takes_its_export_and_the_encoders_prepared_corpus(tmp_path, monkeypatch):
+    """``--distill.init round2``: the student's checkpoint is round 2's recorded export, and
+    it reads the corpus prepared with the retrievers' tokenizer (which round 2 kept), so the
+    corpus is not prepared again. Mutation: ``distill_init`` returning the export as the
+    tokenizer too: a second preparation folder, and this fails."""
+    from types import SimpleNamespace
+
+    from pipeline.workflows import recipe
+
+    cfg = parse_config(RecipeConfig, ["--output", str(tmp_path / "run"), "--distill.init", "round2"])
+    exports = {
+        stage: {"outputs": {"export": f"s3://b/{stage}/export", "scores": "s3://b/t/run.trec"}} for stage in ALL_STAGES
+    }
+    ctx = recipe.StageContext(cfg, SimpleNamespace(record=lambda stage: exports[stage]))
+    job = recipe.distill_job(ctx)
+    assert job.model.init == "s3://b/round2/export"
+    assert job.corpus.output == ctx.prepared_corpus(ctx.encoder_init())
+    assert job.corpus.tokenizer == ctx.encoder_init() == "s3://b/pretrain/export"
+    assert (
+        recipe.distill_job(recipe.StageContext(cfg_for(tmp_path), ctx.manifest)).model.init == "s3://b/pretrain/export"
+    )
+
+
+def test_a_student_from_round2_needs_round2s_shared_encoder():
+    two_towers = parse_config(RecipeConfig, ["--distill.init", "round2", "--round2.retriever.shared_encoder", "false"])
+    with pytest.raises(ConfigError, match="--distill.init round2 starts the student from round 2's export"):
+        two_towers.check_inputs("--")
+
+
+def test_a_student_built_from_a_retriever_export_starts_with_its_weights(tmp_path):
+    """What ``init: round2`` trains from: the fine-tuning objective's model built from a
+    retriever export (as ``GroupTask.build_model`` builds it) holds the export's weights,
+    bit for bit, not the checkpoint round 2 started from (moved by 0.01 here)."""
+    import torch
+    from conftest import synthetic_docs
+    from safetensors.torch import load_file
+
+    from models.biencoder import BiEncoderConfig, ContrastiveObjective
+    from tests.helpers import save_tiny_bert
+
+    init = save_tiny_bert(str(tmp_path / "bert"), [d["text"] for d in synthetic_docs(20)])
+    objective = ContrastiveObjective(BiEncoderConfig(pooling="cls"))
+    trained = objective.build(init)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.01)  # round 2's training, in short
+    objective.export(trained, str(tmp_path / "round2"), init)
+    student = ContrastiveObjective(BiEncoderConfig(pooling="cls")).build(str(tmp_path / "round2"))
+    saved = load_file(str(tmp_path / "round2" / "model.safetensors"))
+    state = student.state_dict()
+    assert saved and all(torch.equal(state[f"query_encoder.{k}"], v) for k, v in saved.items())
