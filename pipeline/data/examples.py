@@ -340,6 +340,11 @@ class DistillDataStats(DataStats):
     skipped_not_scored_examples: list[str] = field(default_factory=list)
     skipped_no_scored_negative: int = 0
     skipped_no_scored_negative_examples: list[str] = field(default_factory=list)
+    # Teacher-cleaned (--data.teacher_margin): candidates dropped as likely unjudged positives,
+    # in all, and the queries that lost any ("qid:dropped" examples).
+    teacher_dropped: int = 0
+    teacher_dropped_queries: int = 0
+    teacher_dropped_queries_examples: list[str] = field(default_factory=list)
 
 
 def build_distillation_examples(
@@ -349,6 +354,7 @@ def build_distillation_examples(
     corpus_ids: CorpusIds,
     depth: int = 0,
     source: str = "",
+    teacher_margin: float | None = None,
 ) -> tuple[ExampleRows, DistillDataStats]:
     """One scored example per query (in ``queries`` order) with at least one positive, as
     corpus rows.
@@ -358,7 +364,9 @@ def build_distillation_examples(
     query's candidates are ever held as Python objects; the kept ones go into arrays.
     Positives come from the qrels; negatives are the scored candidates that are not judged
     positive, best first by teacher score, the first ``depth`` kept (0 = all); ``scores``
-    holds the teacher's score of every positive and negative. Skipped and counted: a query
+    holds the teacher's score of every positive and negative. ``teacher_margin`` cleans them
+    first (RocketQA's denoising): a candidate the teacher scores above the query's lowest
+    positive score minus the margin is taken for an unjudged positive and dropped, counted. Skipped and counted: a query
     without a positive, one absent from the run (the teacher may score a sample of the
     queries), and one whose candidates are all positives. Errors (``source`` names the run):
     a candidate outside the corpus (at its line), and a judged positive missing from its
@@ -367,6 +375,7 @@ def build_distillation_examples(
     """
     where = f" in {source}" if source else ""
     builder = ExampleRowsBuilder(corpus_ids)
+    stats = DistillDataStats()
     outcome: dict[str, int] = {}  # query id -> its example's place in the builder, -1 if no negative
     for qid, ranked in teacher_run:
         ids = [d for d, _, _ in ranked]
@@ -387,7 +396,15 @@ def build_distillation_examples(
                 "scoring stage scores every judged positive: is the run of these qrels?)"
             )
         judged = np.array([at[d] for d in pos], np.int64)
-        candidates = np.flatnonzero(~np.isin(np.arange(len(ids)), judged))[: depth or None]
+        candidates = np.flatnonzero(~np.isin(np.arange(len(ids)), judged))
+        if teacher_margin is not None:
+            ceiling = float(scores[judged].min()) - teacher_margin
+            dropped = int(np.count_nonzero(scores[candidates] > ceiling))
+            candidates = candidates[scores[candidates] <= ceiling]
+            if dropped:
+                stats.teacher_dropped += dropped
+                stats.count("teacher_dropped_queries", f"{qid}:{dropped}")
+        candidates = candidates[: depth or None]
         if not len(candidates):
             outcome[qid] = -1
             continue
@@ -396,7 +413,6 @@ def build_distillation_examples(
             qid, queries[qid], rows[judged], rows[candidates], np.concatenate([scores[judged], scores[candidates]])
         )
 
-    stats = DistillDataStats()
     order = []
     for qid, _, _ in _judged_queries(queries, qrels, stats):
         kept = outcome.get(qid)
@@ -411,7 +427,12 @@ def build_distillation_examples(
 
 
 def load_distillation_examples(
-    queries: str, qrels: str, teacher_scores: str, corpus_ids: CorpusIds, depth: int = 0
+    queries: str,
+    qrels: str,
+    teacher_scores: str,
+    corpus_ids: CorpusIds,
+    depth: int = 0,
+    teacher_margin: float | None = None,
 ) -> tuple[ExampleRows, DistillDataStats]:
     """Read and validate BEIR queries + qrels, stream the teacher's TREC run a query at a
     time, and join them as in :func:`build_distillation_examples`: the driver's memory grows
@@ -421,7 +442,7 @@ def load_distillation_examples(
     judged = read_qrels(qrels, corpus_ids, q)
     source = storage.resolve(teacher_scores).uri
     return build_distillation_examples(
-        q, judged, iter_trec_run(teacher_scores, query_ids=set(q)), corpus_ids, depth, source
+        q, judged, iter_trec_run(teacher_scores, query_ids=set(q)), corpus_ids, depth, source, teacher_margin
     )
 
 

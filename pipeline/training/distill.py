@@ -50,6 +50,12 @@ class DistillDataConfig(Lengths, TrainingQueries):
             "help": "negatives per query: the best this many scored candidates by teacher score, judged positives excluded; 0 = all",
         },
     )
+    teacher_margin: float | None = field(
+        default=None,
+        metadata={
+            "help": "teacher-cleaned negatives (RocketQA's denoising): drop candidates the teacher scores above the query's lowest positive score minus this, as likely unjudged positives, before --data.teacher_depth; counted in data_stats; unset = off"
+        },
+    )
 
 
 @dataclass
@@ -68,7 +74,12 @@ def load_scored_examples(cfg: DistillConfig, corpus_ids: CorpusIds) -> tuple[Exa
     """``prepare_group_training``'s loader: the examples with their teacher scores, the
     teacher's run streamed a query at a time into arrays."""
     examples, stats = load_distillation_examples(
-        cfg.data.queries, cfg.data.qrels, cfg.data.teacher_scores, corpus_ids, cfg.data.teacher_depth
+        cfg.data.queries,
+        cfg.data.qrels,
+        cfg.data.teacher_scores,
+        corpus_ids,
+        cfg.data.teacher_depth,
+        cfg.data.teacher_margin,
     )
     return examples, stats, None
 
@@ -109,6 +120,7 @@ def run_distillation(cfg: DistillConfig) -> dict:
         "retriever distillation",
         teacher_scores=cfg.data.teacher_scores,
         teacher_depth=cfg.data.teacher_depth,
+        teacher_margin=cfg.data.teacher_margin,
         alpha=cfg.distill.alpha,
         teacher_temperature=cfg.distill.teacher_temperature,
         teacher_loss=cfg.distill.teacher_loss,

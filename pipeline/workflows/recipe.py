@@ -157,6 +157,12 @@ class DistillStage(RetrieverStage):
             "help": "negatives drawn from the teacher's best this many scored candidates of each query (judged positives aside); 0 = every candidate it scored",
         },
     )
+    teacher_margin: float | None = field(
+        default=None,
+        metadata={
+            "help": "teacher-cleaned negatives: candidates the teacher scores above the query's lowest positive minus this are dropped as likely unjudged positives; unset = off"
+        },
+    )
     init: str = field(
         default="",
         metadata={
@@ -536,6 +542,7 @@ def distill_job(ctx: StageContext) -> DistillConfig:
             **Queries.values_of(cfg.data.train),
             teacher_scores=ctx.output("teacher", "scores"),
             teacher_depth=stage.teacher_best,
+            teacher_margin=stage.teacher_margin,
             **Lengths.values_of(cfg.data),
         ),
         corpus=replace(corpus_section(ctx.corpus, ctx.prepared_corpus(tokens)), tokenizer=tokens),

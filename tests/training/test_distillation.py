@@ -295,6 +295,47 @@ def test_examples_take_positives_from_qrels_and_the_best_scored_negatives(tmp_pa
         )
 
 
+def test_teacher_cleaning_drops_exactly_the_candidates_above_the_lowest_positive_minus_the_margin(tmp_path):
+    """Two positives scored 3.0 and 6.0, margin 1.0: the ceiling is 3.0 - 1.0 = 2.0 (the
+    hardest positive's), so a (9.0), c (5.5) and d (4.0) go; e at exactly 2.0 and b stay,
+    and the depth then keeps the best of what is left. q3's one negative (-0.5) is below its
+    ceiling (0.0): nothing dropped. Mutations: the easiest positive's ceiling (6.0 - 1.0 keeps d),
+    or keeping ``<`` the ceiling for ``<=`` (drops e), each fail."""
+    run_file = write_run(
+        tmp_path / "run.trec",
+        [
+            ("q1", "a", 1, 9.0),
+            ("q1", "p2", 2, 6.0),
+            ("q1", "c", 3, 5.5),
+            ("q1", "d", 4, 4.0),
+            ("q1", "p1", 5, 3.0),
+            ("q1", "e", 6, 2.0),
+            ("q1", "b", 7, -1.0),
+            ("q3", "p3", 1, 1.0),
+            ("q3", "x", 2, -0.5),
+        ],
+    )
+    corpus_ids = CorpusIds.from_strings(["a", "b", "c", "d", "e", "p1", "p2", "p3", "x"])
+    queries, qrels = {"q1": "one", "q3": "three"}, {"q1": {"p1": 1, "p2": 1}, "q3": {"p3": 1}}
+
+    def build(depth, margin):
+        return build_distillation_examples(
+            queries, qrels, iter_trec_run(run_file), corpus_ids, depth, teacher_margin=margin
+        )
+
+    (q1, q3), stats = build(0, 1.0)
+    assert corpus_ids.ids(q1.negatives) == ["e", "b"] and q1.scores.tolist()[-2:] == [2.0, -1.0]
+    assert corpus_ids.ids(q3.negatives) == ["x"]
+    assert (stats.teacher_dropped, stats.teacher_dropped_queries, stats.teacher_dropped_queries_examples) == (
+        3,
+        1,
+        ["q1:3"],
+    )
+    assert corpus_ids.ids(build(1, 1.0)[0][0].negatives) == ["e"]  # cleaned first, then the depth
+    uncleaned, none = build(0, None)
+    assert corpus_ids.ids(uncleaned[0].negatives) == ["a", "c", "d", "e", "b"] and none.teacher_dropped == 0
+
+
 def test_example_rows_reorder_and_round_trip_examples():
     corpus_ids = CorpusIds.from_strings(f"d{i}" for i in range(10))
     examples = [
