@@ -8,6 +8,7 @@ Ray Data, so that no worker has to hold the whole corpus.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
@@ -66,6 +67,13 @@ class DataStats:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def query_seed(seed: int, query_id: str) -> int:
+    """A per-query seed that is the same in every process (Python's hash() is salted)."""
+
+    digest = hashlib.blake2b(f"{seed}\x00{query_id}".encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 # A corpus row: int32 holds 2 billion passages, and a third less of distillation's arrays
@@ -355,6 +363,8 @@ def build_distillation_examples(
     depth: int = 0,
     source: str = "",
     teacher_margin: float | None = None,
+    deep: int = 0,
+    seed: int = 0,
 ) -> tuple[ExampleRows, DistillDataStats]:
     """One scored example per query (in ``queries`` order) with at least one positive, as
     corpus rows.
@@ -366,7 +376,9 @@ def build_distillation_examples(
     positive, best first by teacher score, the first ``depth`` kept (0 = all); ``scores``
     holds the teacher's score of every positive and negative. ``teacher_margin`` cleans them
     first (RocketQA's denoising): a candidate the teacher scores above the query's lowest
-    positive score minus the margin is taken for an unjudged positive and dropped, counted. Skipped and counted: a query
+    positive score minus the margin is taken for an unjudged positive and dropped, counted.
+    ``deep`` mixes in, for recall, that many more drawn from the candidates below the best
+    ``depth`` (a draw seeded by ``seed`` and the query id, kept in teacher order). Skipped and counted: a query
     without a positive, one absent from the run (the teacher may score a sample of the
     queries), and one whose candidates are all positives. Errors (``source`` names the run):
     a candidate outside the corpus (at its line), and a judged positive missing from its
@@ -404,7 +416,13 @@ def build_distillation_examples(
             if dropped:
                 stats.teacher_dropped += dropped
                 stats.count("teacher_dropped_queries", f"{qid}:{dropped}")
-        candidates = candidates[: depth or None]
+        if deep and len(candidates) > depth:
+            below = candidates[depth:]
+            rng = np.random.default_rng([query_seed(seed, qid) % 2**63])
+            drawn = np.sort(rng.choice(len(below), min(deep, len(below)), replace=False))
+            candidates = np.concatenate([candidates[:depth], below[drawn]])
+        else:
+            candidates = candidates[: depth or None]
         if not len(candidates):
             outcome[qid] = -1
             continue
@@ -433,6 +451,8 @@ def load_distillation_examples(
     corpus_ids: CorpusIds,
     depth: int = 0,
     teacher_margin: float | None = None,
+    deep: int = 0,
+    seed: int = 0,
 ) -> tuple[ExampleRows, DistillDataStats]:
     """Read and validate BEIR queries + qrels, stream the teacher's TREC run a query at a
     time, and join them as in :func:`build_distillation_examples`: the driver's memory grows
@@ -442,7 +462,15 @@ def load_distillation_examples(
     judged = read_qrels(qrels, corpus_ids, q)
     source = storage.resolve(teacher_scores).uri
     return build_distillation_examples(
-        q, judged, iter_trec_run(teacher_scores, query_ids=set(q)), corpus_ids, depth, source, teacher_margin
+        q,
+        judged,
+        iter_trec_run(teacher_scores, query_ids=set(q)),
+        corpus_ids,
+        depth,
+        source,
+        teacher_margin,
+        deep,
+        seed,
     )
 
 

@@ -3,18 +3,9 @@ mining alike), and which positive and negatives it trains on in each epoch (grou
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 
-from pipeline.data.examples import TrainExample
-
-
-def query_seed(seed: int, query_id: str) -> int:
-    """A per-query seed that is the same in every process (Python's hash() is salted)."""
-
-    digest = hashlib.blake2b(f"{seed}\x00{query_id}".encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+from pipeline.data.examples import TrainExample, query_seed
 
 
 def select_negatives(

@@ -50,6 +50,13 @@ class DistillDataConfig(Lengths, TrainingQueries):
             "help": "negatives per query: the best this many scored candidates by teacher score, judged positives excluded; 0 = all",
         },
     )
+    teacher_deep: int = field(
+        default=0,
+        metadata={
+            "min": 0,
+            "help": "the mix for recall: this many more negatives per query drawn (seeded by --train.seed and the query) from the scored candidates below the best --data.teacher_depth; 0 = none",
+        },
+    )
     teacher_margin: float | None = field(
         default=None,
         metadata={
@@ -80,6 +87,8 @@ def load_scored_examples(cfg: DistillConfig, corpus_ids: CorpusIds) -> tuple[Exa
         corpus_ids,
         cfg.data.teacher_depth,
         cfg.data.teacher_margin,
+        cfg.data.teacher_deep,
+        cfg.train.seed,
     )
     return examples, stats, None
 
@@ -92,6 +101,11 @@ def run_distillation(cfg: DistillConfig) -> dict:
         )
     if cfg.data.teacher_depth < 0:
         raise ConfigError(f"--data.teacher_depth must be >= 0 (0 = all candidates), got {cfg.data.teacher_depth}")
+    if cfg.data.teacher_deep and not cfg.data.teacher_depth:
+        raise ConfigError(
+            f"--data.teacher_deep {cfg.data.teacher_deep} draws below the best --data.teacher_depth candidates, "
+            "which is 0 (every candidate already): set a depth"
+        )
     if cfg.distill.alpha < 0 or cfg.distill.teacher_temperature <= 0:
         raise ConfigError(
             f"--distill.alpha must be >= 0 and --distill.teacher_temperature > 0, got "
@@ -121,6 +135,7 @@ def run_distillation(cfg: DistillConfig) -> dict:
         teacher_scores=cfg.data.teacher_scores,
         teacher_depth=cfg.data.teacher_depth,
         teacher_margin=cfg.data.teacher_margin,
+        teacher_deep=cfg.data.teacher_deep,
         alpha=cfg.distill.alpha,
         teacher_temperature=cfg.distill.teacher_temperature,
         teacher_loss=cfg.distill.teacher_loss,

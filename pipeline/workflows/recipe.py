@@ -157,6 +157,13 @@ class DistillStage(RetrieverStage):
             "help": "negatives drawn from the teacher's best this many scored candidates of each query (judged positives aside); 0 = every candidate it scored",
         },
     )
+    teacher_deep: int = field(
+        default=0,
+        metadata={
+            "min": 0,
+            "help": "the mix: this many more negatives per query drawn from the scored candidates below the teacher's best --distill.teacher_best (deeper ranks, for recall); 0 = none",
+        },
+    )
     teacher_margin: float | None = field(
         default=None,
         metadata={
@@ -543,6 +550,7 @@ def distill_job(ctx: StageContext) -> DistillConfig:
             teacher_scores=ctx.output("teacher", "scores"),
             teacher_depth=stage.teacher_best,
             teacher_margin=stage.teacher_margin,
+            teacher_deep=stage.teacher_deep,
             **Lengths.values_of(cfg.data),
         ),
         corpus=replace(corpus_section(ctx.corpus, ctx.prepared_corpus(tokens)), tokenizer=tokens),

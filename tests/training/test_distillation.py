@@ -336,6 +336,43 @@ def test_teacher_cleaning_drops_exactly_the_candidates_above_the_lowest_positive
     assert corpus_ids.ids(uncleaned[0].negatives) == ["a", "c", "d", "e", "b"] and none.teacher_dropped == 0
 
 
+def test_the_mixed_draw_takes_the_teachers_best_and_a_seeded_draw_from_below_them(tmp_path):
+    """Ten scored negatives, depth 3 and deep 2: the teacher's best three, then two of the
+    seven below them (distinct, in teacher order, the same draw for the same seed and query);
+    deep past what is left takes all of it. Mutation: drawing from every candidate instead of
+    those below the depth (a best one can be drawn twice, or the counts differ) fails."""
+    scored = [(f"n{i}", 10.0 - i) for i in range(10)]
+    run_file = write_run(
+        tmp_path / "run.trec",
+        [("q1", "p1", 1, 20.0)] + [("q1", d, r + 2, score) for r, (d, score) in enumerate(scored)],
+    )
+    corpus_ids = CorpusIds.from_strings(["p1"] + [d for d, _ in scored])
+    queries, qrels = {"q1": "one"}, {"q1": {"p1": 1}}
+
+    def negatives(deep, seed=0):
+        (q1,), _ = build_distillation_examples(
+            queries, qrels, iter_trec_run(run_file), corpus_ids, 3, deep=deep, seed=seed
+        )
+        return corpus_ids.ids(q1.negatives), q1.scores.tolist()
+
+    ids, scores = negatives(2)
+    assert ids[:3] == ["n0", "n1", "n2"] and len(ids) == 5 and len(set(ids)) == 5
+    assert set(ids[3:]) <= {f"n{i}" for i in range(3, 10)} and scores[1:] == sorted(scores[1:], reverse=True)
+    assert negatives(2) == (ids, scores)
+    assert {tuple(negatives(2, seed)[0]) for seed in range(8)} != {tuple(ids)}  # the seed draws
+    assert negatives(20)[0] == [f"n{i}" for i in range(10)]
+
+
+def test_a_deep_draw_without_a_depth_is_refused_before_any_work():
+    from pipeline.core.errors import ConfigError
+    from pipeline.training.distill import DistillConfig, run_distillation
+
+    cfg = DistillConfig()
+    cfg.data.teacher_scores, cfg.data.teacher_depth, cfg.data.teacher_deep = "run.trec", 0, 4
+    with pytest.raises(ConfigError, match="--data.teacher_deep 4 draws below the best --data.teacher_depth"):
+        run_distillation(cfg)
+
+
 def test_example_rows_reorder_and_round_trip_examples():
     corpus_ids = CorpusIds.from_strings(f"d{i}" for i in range(10))
     examples = [
