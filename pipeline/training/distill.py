@@ -20,7 +20,7 @@ from pipeline.core import storage
 from pipeline.core.config import to_dict
 from pipeline.core.errors import ConfigError
 from pipeline.core.runtime import RayConfig, write_run_files
-from pipeline.core.sections import Lengths, TrainingQueries
+from pipeline.core.sections import Lengths, Section, TrainingQueries
 from pipeline.data.corpus_ids import CorpusIds
 from pipeline.data.examples import DistillDataStats, ExampleRows, load_distillation_examples
 from pipeline.retrieval.evaluate import EvalConfig, trainer_eval
@@ -36,7 +36,27 @@ from pipeline.training.train_config import TrainConfig, embedded_train
 
 
 @dataclass
-class DistillDataConfig(Lengths, TrainingQueries):
+class TeacherDraw(Section):
+    """How a query's negatives are drawn from the teacher's scored candidates, besides its
+    best ``teacher_depth``: the recipe's distillation stage composes the same section."""
+
+    teacher_deep: int = field(
+        default=0,
+        metadata={
+            "min": 0,
+            "help": "the mix for recall: this many more negatives per query drawn (seeded by --train.seed and the query) from the scored candidates below the best --data.teacher_depth (the recipe's --distill.teacher_best); 0 = none",
+        },
+    )
+    teacher_margin: float | None = field(
+        default=None,
+        metadata={
+            "help": "teacher-cleaned negatives (RocketQA's denoising): drop candidates the teacher scores above the query's lowest positive score minus this, as likely unjudged positives, before the depth cut; counted in data_stats; unset = off"
+        },
+    )
+
+
+@dataclass
+class DistillDataConfig(TeacherDraw, Lengths, TrainingQueries):
     teacher_scores: str = field(
         default="",
         metadata={
@@ -48,19 +68,6 @@ class DistillDataConfig(Lengths, TrainingQueries):
         metadata={
             "min": 0,
             "help": "negatives per query: the best this many scored candidates by teacher score, judged positives excluded; 0 = all",
-        },
-    )
-    teacher_deep: int = field(
-        default=0,
-        metadata={
-            "min": 0,
-            "help": "the mix for recall: this many more negatives per query drawn (seeded by --train.seed and the query) from the scored candidates below the best --data.teacher_depth; 0 = none",
-        },
-    )
-    teacher_margin: float | None = field(
-        default=None,
-        metadata={
-            "help": "teacher-cleaned negatives (RocketQA's denoising): drop candidates the teacher scores above the query's lowest positive score minus this, as likely unjudged positives, before --data.teacher_depth; counted in data_stats; unset = off"
         },
     )
 

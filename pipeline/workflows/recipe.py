@@ -56,7 +56,7 @@ from pipeline.retrieval.evaluate import EvalConfig, EvaluateJobConfig
 from pipeline.retrieval.metrics import JOB_MEASURES, evaluate
 from pipeline.retrieval.mine import MineConfig, MiningSettings, run_mining
 from pipeline.retrieval.rerank_scoring import RerankScoreConfig, run_scoring
-from pipeline.training.distill import DistillConfig, DistillDataConfig, run_distillation
+from pipeline.training.distill import DistillConfig, DistillDataConfig, TeacherDraw, run_distillation
 from pipeline.training.group_training import EncoderInit, FinetuneDataConfig, auto_pooling
 from pipeline.training.pretrain import PretrainConfig, run_pretraining
 from pipeline.training.rerank import RerankConfig, RerankEvalConfig, run_reranker_training
@@ -142,7 +142,7 @@ class RerankerStage(RerankerConfig):
 
 
 @dataclass
-class DistillStage(RetrieverStage):
+class DistillStage(TeacherDraw, RetrieverStage):
     enabled: bool = field(
         default=False,
         metadata={
@@ -155,19 +155,6 @@ class DistillStage(RetrieverStage):
         metadata={
             "min": 0,
             "help": "negatives drawn from the teacher's best this many scored candidates of each query (judged positives aside); 0 = every candidate it scored",
-        },
-    )
-    teacher_deep: int = field(
-        default=0,
-        metadata={
-            "min": 0,
-            "help": "the mix: this many more negatives per query drawn from the scored candidates below the teacher's best --distill.teacher_best (deeper ranks, for recall); 0 = none",
-        },
-    )
-    teacher_margin: float | None = field(
-        default=None,
-        metadata={
-            "help": "teacher-cleaned negatives: candidates the teacher scores above the query's lowest positive minus this are dropped as likely unjudged positives; unset = off"
         },
     )
     init: str = field(
@@ -549,8 +536,7 @@ def distill_job(ctx: StageContext) -> DistillConfig:
             **Queries.values_of(cfg.data.train),
             teacher_scores=ctx.output("teacher", "scores"),
             teacher_depth=stage.teacher_best,
-            teacher_margin=stage.teacher_margin,
-            teacher_deep=stage.teacher_deep,
+            **TeacherDraw.values_of(stage),
             **Lengths.values_of(cfg.data),
         ),
         corpus=replace(corpus_section(ctx.corpus, ctx.prepared_corpus(tokens)), tokenizer=tokens),
@@ -618,6 +604,21 @@ def _round1(cfg: RecipeConfig) -> dict:
     if cfg.mine.bm25_negatives:
         return dict(stage=cfg.round1, bm25=[cfg.mine.bm25_depth, cfg.mine.bm25_count], **_trained(cfg))
     return dict(stage=cfg.round1, negatives="mine0", **_trained(cfg))
+
+
+# Distillation settings added after runs were recorded, at the values that mean "as before":
+# left out of the stage's identity there, so a finished distillation is still reused.
+DISTILL_AS_BEFORE = {"teacher_deep": 0, "teacher_margin": None}
+DISTILL_LOSS_AS_BEFORE = {"teacher_loss": "kl"}
+
+
+def _distilled(cfg: RecipeConfig) -> dict:
+    stage = to_dict(cfg.distill)
+    for settings, as_before in ((stage, DISTILL_AS_BEFORE), (stage["loss"], DISTILL_LOSS_AS_BEFORE)):
+        for key, value in as_before.items():
+            if settings[key] == value:
+                del settings[key]
+    return dict(stage=stage, **_trained(cfg))
 
 
 def _not_mined(cfg: RecipeConfig) -> dict:
@@ -693,7 +694,7 @@ RECIPE = (
         "distill",
         stage_distill,
         ("pretrain", "teacher"),
-        lambda c: dict(stage=c.distill, **_trained(c)),
+        _distilled,
         "distillation",
         _dev_evaluation,
     ),

@@ -736,3 +736,29 @@ def test_a_student_built_from_a_retriever_export_starts_with_its_weights(tmp_pat
     saved = load_file(str(tmp_path / "round2" / "model.safetensors"))
     state = student.state_dict()
     assert saved and all(torch.equal(state[f"query_encoder.{k}"], v) for k, v in saved.items())
+
+
+def test_distillations_new_settings_at_their_defaults_keep_a_finished_runs_record(tmp_path):
+    """The teacher's mixed draw, its cleaning margin and the listwise loss, left at their
+    defaults, give the distillation stage the settings a run recorded before they existed (a
+    finished distillation is reused); set, each changes them. Mutation: the stage's section
+    passed whole (``stage=c.distill``): the defaults differ from the record."""
+    from pipeline.workflows.recipe import RECIPE
+    from pipeline.workflows.units import unit_settings
+
+    distill = next(s for s in RECIPE if s.name == "distill")
+    cfg = cfg_for(tmp_path)
+    now = unit_settings(**distill.sections(cfg))
+    before = {
+        k: v
+        for k, v in now.items()
+        if k not in ("stage.teacher_deep", "stage.teacher_margin", "stage.loss.teacher_loss")
+    }
+    assert now == before  # what a run recorded before the three settings
+    for name, value in (("teacher_deep", 4), ("teacher_margin", 0.5)):
+        changed = cfg_for(tmp_path)
+        setattr(changed.distill, name, value)
+        assert unit_settings(**distill.sections(changed))[f"stage.{name}"] == value
+    listwise = cfg_for(tmp_path)
+    listwise.distill.loss.teacher_loss = "listmle"
+    assert unit_settings(**distill.sections(listwise))["stage.loss.teacher_loss"] == "listmle"
