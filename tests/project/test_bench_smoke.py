@@ -35,7 +35,7 @@ def run(argv: list[str], **env: str) -> subprocess.CompletedProcess:
             env={**os.environ, "RAY_AUTH_MODE": "disabled", "TMPDIR": tmp, **env},
             capture_output=True,
             text=True,
-            timeout=600,
+            timeout=1200,  # bench_distill's smoke runs the recipe to its teacher: 601 s beside another (cut at 600)
         )
 
 
