@@ -29,9 +29,10 @@ from pipeline.core.runtime import autoscales, placement_problem
 from pipeline.data.position import RAY_SNAPSHOT, checkpoint_folders, restorable_checkpoint
 from pipeline.data.stream import configure_data_context
 from pipeline.training.deepspeed_config import deepspeed_config
+from pipeline.training.engine import TrainTask
 from pipeline.training.failures import USER_ERROR, fed_user_error, forget_user_error, raise_user_error
 from pipeline.training.train_config import TrainConfig
-from pipeline.training.worker import STOP_REQUEST, TrainTask, train_worker
+from pipeline.training.worker import STOP_REQUEST, train_worker
 
 REPORT_POLL_S = 0.1
 

@@ -1,6 +1,7 @@
-"""The DeepSpeed engine a worker trains: the task's model (checked to fit the worker at
-its ZeRO stage), AdamW over decayed and undecayed groups, the linear schedule; what a log
-line reads of its precision; and the fp32 export of its weights (gathered first under ZeRO-3).
+"""The task a trainer hands the loop (:class:`TrainTask`) and the DeepSpeed engine a worker
+trains: the task's model (checked to fit the worker at its ZeRO stage), AdamW over decayed
+and undecayed groups, the linear schedule; what a log line reads of its precision; and the
+fp32 export of its weights (gathered first under ZeRO-3).
 """
 
 from __future__ import annotations
@@ -8,20 +9,45 @@ from __future__ import annotations
 import copy
 import os
 import tempfile
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
+import numpy as np
 import ray.train.torch
 import torch
 
 from models.compiled import compile_in_place
-from models.memory import model_state, parameter_counts, total_memory
+from models.memory import ActivationCost, model_state, parameter_counts, total_memory
 from pipeline.core import storage
 from pipeline.core.errors import ConfigError
 from pipeline.training.deepspeed_config import effective_zero_stage, import_deepspeed, skip_inference_comm_op
 from pipeline.training.train_config import TrainConfig
 
-if TYPE_CHECKING:
-    from pipeline.training.worker import TrainTask
+
+class TrainTask(Protocol):
+    """What a trainer plugs into the loop. Built on the worker, from picklable settings."""
+
+    def build_model(self) -> torch.nn.Module: ...
+    def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]: ...
+    def backward(self, engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Forward and ``engine.backward`` for one micro-batch; returns (loss to log, extras)."""
+
+    def consumed_rows(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]: ...
+    def fit_to_memory(self, engine, available_bytes: int, micro_batch_size: int) -> dict:
+        """Settings the task sizes from the memory its worker has free once the engine is
+        up (coCondenser's gradient-cache chunk); returns them, to log."""
+
+    def activation_cost(self, module: torch.nn.Module) -> ActivationCost | None:
+        """What a micro-batch keeps for its backward, per stream row at its widest (measured
+        on ``module``'s device); None where the micro-batch must not be split."""
+
+    def count_tokens(self, batch: dict[str, np.ndarray]) -> int: ...
+
+    counter_names: tuple[str, ...]  # what counters() may return
+
+    def counters(self, batch: dict[str, np.ndarray]) -> dict[str, int]:
+        """Event counts to total over all workers for the summary (e.g. skipped documents)."""
+
+    def export(self, model: torch.nn.Module, out_dir: str) -> dict[str, str]: ...
 
 
 def linear_schedule(max_steps: int, warmup_ratio: float) -> Callable[[int], float]:

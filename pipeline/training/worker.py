@@ -1,7 +1,7 @@
 """One worker's run: Ray Train's ``train_loop_per_worker``.
 
 A trainer (pre-training, fine-tuning, the re-ranker, distillation) differs only in the
-*task* it hands the loop (:class:`TrainTask`): how to build the model, turn a streamed
+*task* it hands the loop (:class:`pipeline.training.engine.TrainTask`): how to build the model, turn a streamed
 batch into tensors, compute the loss, and export the result. The worker owns the rest:
 the engine, the restored state and data position, the micro-batch sized from memory,
 logging, preemption notices and checkpoints.
@@ -27,7 +27,6 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 import ray.train
@@ -36,44 +35,17 @@ import torch
 from ray import cloudpickle
 
 from models.batches import to_device
-from models.memory import ACTIVATION_SHARE, OPTIMIZER_BYTES_PER_PARAM, ActivationCost, fitting_micro_batch, free_memory
+from models.memory import ACTIVATION_SHARE, OPTIMIZER_BYTES_PER_PARAM, fitting_micro_batch, free_memory
 from pipeline.core import sealed, storage
 from pipeline.core.config import to_dict
 from pipeline.data.position import read_position
 from pipeline.training.batches import chained, collated, shard_batches, timed
 from pipeline.training.checkpoints import Restored, TrainState, restore_checkpoint, save_checkpoint
-from pipeline.training.engine import build_engine, export_model, mixed_precision_state
+from pipeline.training.engine import TrainTask, build_engine, export_model, mixed_precision_state
 from pipeline.training.failures import USER_ERROR, raise_from_worker, recorded_user_error
 from pipeline.training.profiling import StepProfiler
 from pipeline.training.tracking import RunLog
 from pipeline.training.train_config import TrainConfig
-
-
-class TrainTask(Protocol):
-    """What a trainer plugs into the loop. Built on the worker, from picklable settings."""
-
-    def build_model(self) -> torch.nn.Module: ...
-    def make_batch(self, batch: dict[str, np.ndarray], generator: torch.Generator) -> dict[str, torch.Tensor]: ...
-    def backward(self, engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Forward and ``engine.backward`` for one micro-batch; returns (loss to log, extras)."""
-
-    def consumed_rows(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]: ...
-    def fit_to_memory(self, engine, available_bytes: int, micro_batch_size: int) -> dict:
-        """Settings the task sizes from the memory its worker has free once the engine is
-        up (coCondenser's gradient-cache chunk); returns them, to log."""
-
-    def activation_cost(self, module: torch.nn.Module) -> ActivationCost | None:
-        """What a micro-batch keeps for its backward, per stream row at its widest (measured
-        on ``module``'s device); None where the micro-batch must not be split."""
-
-    def count_tokens(self, batch: dict[str, np.ndarray]) -> int: ...
-
-    counter_names: tuple[str, ...]  # what counters() may return
-
-    def counters(self, batch: dict[str, np.ndarray]) -> dict[str, int]:
-        """Event counts to total over all workers for the summary (e.g. skipped documents)."""
-
-    def export(self, model: torch.nn.Module, out_dir: str) -> dict[str, str]: ...
 
 
 def step_seed(seed: int, rank: int, micro_step: int) -> int:
