@@ -16,7 +16,7 @@ import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Container, Iterator, Sequence
+from typing import Any, Callable, Container, Iterator, Sequence
 
 import numpy as np
 import ray
@@ -397,6 +397,18 @@ class ShardActors:
             ray.kill(actor)
 
 
+@dataclass
+class AskedBlock:
+    """A block of queries in flight: put once, asked of every server it names."""
+
+    start: int  # its first query
+    size: int
+    queries: Any  # the block's object reference
+    servers: list = field(default_factory=list)  # the servers asked (a replaced one asks anew)
+    answers: list = field(default_factory=list)  # each server's answer reference
+    pending: Any = None  # what is waited for: the answers, or the task that merges them
+
+
 class ShardFanout(ShardActors):
     """Shard actors searched together: every actor answers each block of queries."""
 
@@ -472,19 +484,26 @@ class ShardFanout(ShardActors):
         block = block or query_block(len(self.actors), k, self.dim, len(queries))
         check_k(k, self.total)
         starts = range(0, len(queries), block) if only is None else [b * block for b in only]
-        asked: deque = deque()  # [start, size, block ref, what to wait for, servers, their refs]
+        asked: deque[AskedBlock] = deque()
         began, self.waited_s = time.perf_counter(), 0.0
 
-        def ask(entry: list) -> None:
-            entry[4] = list(self.actors)
-            entry[5] = [a.search.remote(entry[2], k, **options) for a in entry[4]]
-            entry[3] = route(entry[0], entry[1], entry[5])
+        def ask(entry: AskedBlock) -> None:
+            entry.servers = list(self.actors)
+            entry.answers = [a.search.remote(entry.queries, k, **options) for a in entry.servers]
+            entry.pending = route(entry.start, entry.size, entry.answers)
 
         with progress(sum(min(block, len(queries) - s) for s in starts), self.label, "queries") as bar:
 
             def answered():
                 while True:
-                    start, size, _, pending, servers, refs = asked[0]
+                    head = asked[0]
+                    start, size, pending, servers, refs = (
+                        head.start,
+                        head.size,
+                        head.pending,
+                        head.servers,
+                        head.answers,
+                    )
                     waiting = time.perf_counter()
                     try:
                         result = ray.get(pending, timeout=self.limits.stall_timeout_s)
@@ -515,12 +534,12 @@ class ShardFanout(ShardActors):
                 bar.update(size)
 
             for start in starts:
-                self._move_off_draining([(entry[4], entry[5]) for entry in asked])
+                self._move_off_draining([(entry.servers, entry.answers) for entry in asked])
                 if isinstance(queries, StoredQueryVectors):  # read by the actors: the driver never holds them
                     part = queries.rows_between(start, start + block)
                 else:
                     part = queries[start : start + block]
-                entry = [start, len(part), ray.put(part), None, None, None]  # the block put once, shared by every actor
+                entry = AskedBlock(start, len(part), ray.put(part))  # put once, shared by every actor
                 ask(entry)
                 asked.append(entry)
                 if len(asked) >= self.in_flight:
