@@ -97,10 +97,11 @@ def test_lora_targets_are_the_layer_stacks_linear_layers_only():
 
 
 @pytest.mark.ray
+@pytest.mark.release_check  # 33 s alone, 322 s in the suite beside the other process (stop 94)
 def test_a_lora_run_through_the_trainer_changes_each_adapted_weight_by_a_low_rank_update(tmp_path, ray_session):
     """A short `run_finetuning` of a decoder (Qwen2: last-token pooling, the framing's EOS)
     with rank-2 adapters and weight decay 0.1, through the trainer's parameter groups and
-    DeepSpeed's step: the suite's run of the decoder path the long checks' decoder recipe
+    DeepSpeed's step: the decoder path through the trainer, which the decoder recipe's check
     runs at ZeRO-3. In the merged export every tensor not adapted (embeddings, norms,
     biases) is bit-equal to the initial model's, and every adapted weight moved from its
     initial value by an update of rank at most 2 (B A merged). Mutations: a base weight

@@ -121,6 +121,7 @@ def test_a_rerun_redoes_only_missing_shards(encoded, collection, capsys, monkeyp
     assert np.allclose(before[2][order_b], after[2][order_a], atol=1e-5)
 
 
+@pytest.mark.release_check
 @pytest.mark.runs_long  # four encodings over the corpus: 65-98 s in the suite under CI's load
 def test_embeddings_made_otherwise_are_never_reused(encoded, tmp_path, capsys):
     """One output folder, the same model with another pooling: every shard is encoded anew
@@ -1003,6 +1004,7 @@ def test_mining_drivers_memory_does_not_grow_with_the_query_vectors(
     assert (dropped > 0) == (margin is not None)  # the margin dropped some, so it was tested
 
 
+@pytest.mark.release_check
 @pytest.mark.runs_long  # six evaluations, two with a 4,096-wide encoder: 2-3 minutes in the suite
 def test_evaluations_driver_memory_does_not_grow_with_the_query_vectors(collection, tmp_path, monkeypatch, shared_ray):
     """The driver's resident peak (``resident_growth``) evaluating the same 1,000 queries with

@@ -16,7 +16,7 @@ from pipeline.core.entry import run_job
 from tests.faulty_s3 import FaultPlan, FaultyS3
 from tests.helpers import save_tiny_bert
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.release_check]  # whole runs; each storage call on a busy S3: tests/core
 
 
 @pytest.fixture(scope="module")

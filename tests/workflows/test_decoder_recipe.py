@@ -16,7 +16,11 @@ from pipeline.training.train_config import TrainConfig
 from pipeline.workflows.recipe import RecipeConfig, run_recipe
 from tests.helpers import ir_measures_of_run, retrieval_collection, save_tiny_decoder, use_collection
 
-pytestmark = [pytest.mark.ray, pytest.mark.runs_long]  # five stages on Ray: ~3 minutes on 2 cores
+pytestmark = [
+    pytest.mark.ray,
+    pytest.mark.runs_long,
+    pytest.mark.release_check,
+]  # five stages on Ray: ~3 minutes on 2 cores
 
 HIDDEN = 48  # not a width any default sizes for: the searchers must read it from the model
 
