@@ -21,7 +21,11 @@ from pipeline.training.train_config import TrainConfig
 from pipeline.workflows.recipe import RecipeConfig
 from tests.helpers import retrieval_collection, save_tiny_bert, use_collection
 
-pytestmark = [pytest.mark.ray, pytest.mark.runs_long]  # four recipe runs as commands: ~6 minutes on 2 cores
+pytestmark = [
+    pytest.mark.ray,
+    pytest.mark.runs_long,
+    pytest.mark.release_check,
+]  # four recipe runs as commands: 892 s in stop 94's long checks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
