@@ -410,19 +410,8 @@ def build_distillation_examples(
         judged = np.array([at[d] for d in pos], np.int64)
         candidates = np.flatnonzero(~np.isin(np.arange(len(ids)), judged))
         if teacher_margin is not None:
-            ceiling = float(scores[judged].min()) - teacher_margin
-            dropped = int(np.count_nonzero(scores[candidates] > ceiling))
-            candidates = candidates[scores[candidates] <= ceiling]
-            if dropped:
-                stats.teacher_dropped += dropped
-                stats.count("teacher_dropped_queries", f"{qid}:{dropped}")
-        if deep and len(candidates) > depth:
-            below = candidates[depth:]
-            rng = np.random.default_rng([query_seed(seed, qid) % 2**63])
-            drawn = np.sort(rng.choice(len(below), min(deep, len(below)), replace=False))
-            candidates = np.concatenate([candidates[:depth], below[drawn]])
-        else:
-            candidates = candidates[: depth or None]
+            candidates = _teacher_cleaned(qid, candidates, scores, judged, teacher_margin, stats)
+        candidates = _teacher_drawn(qid, candidates, depth, deep, seed)
         if not len(candidates):
             outcome[qid] = -1
             continue
@@ -442,6 +431,30 @@ def build_distillation_examples(
             order.append(kept)
     stats.examples = len(order)
     return builder.build(np.array(order, np.int64)), stats
+
+
+def _teacher_cleaned(
+    qid: str, candidates: np.ndarray, scores: np.ndarray, judged: np.ndarray, margin: float, stats: DistillDataStats
+) -> np.ndarray:
+    """``candidates`` (positions in the query's run) less those scored above its lowest
+    judged positive's score minus ``margin``, the dropped counted in ``stats``."""
+    kept = candidates[scores[candidates] <= float(scores[judged].min()) - margin]
+    dropped = len(candidates) - len(kept)
+    if dropped:
+        stats.teacher_dropped += dropped
+        stats.count("teacher_dropped_queries", f"{qid}:{dropped}")
+    return kept
+
+
+def _teacher_drawn(qid: str, candidates: np.ndarray, depth: int, deep: int, seed: int) -> np.ndarray:
+    """The best ``depth`` of ``candidates`` (0 = all), then ``deep`` drawn from those below
+    them (seeded by ``seed`` and the query, kept in teacher order)."""
+    if not deep or len(candidates) <= depth:
+        return candidates[: depth or None]
+    below = candidates[depth:]
+    rng = np.random.default_rng([query_seed(seed, qid) % 2**63])
+    drawn = np.sort(rng.choice(len(below), min(deep, len(below)), replace=False))
+    return np.concatenate([candidates[:depth], below[drawn]])
 
 
 def load_distillation_examples(

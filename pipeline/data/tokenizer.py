@@ -113,17 +113,23 @@ BERT_SPECIALS = ("cls_token_id", "sep_token_id", "pad_token_id", "mask_token_id"
 
 def check_special_tokens(reference: str, what: str, required: tuple[str, ...]) -> None:
     """Before any work: the tokenizer at ``reference`` (a local folder or a package; one in
-    storage or on the Hub is checked where it is loaded) has the special tokens ``required``.
-    Pre-training without [MASK] or [CLS] used to fail only once the corpus was prepared."""
+    storage or on the Hub is checked where it is loaded) has the special tokens ``required``,
+    so that pre-training without [MASK] or [CLS] fails before the corpus is prepared."""
     if model_ref.parse(reference, what).kind not in ("local", "package"):
         return
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_ref.materialize(reference, what))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{what} {reference}: its tokenizer does not load ({str(exc).splitlines()[0]})") from None
-    missing = [name.removesuffix("_id") for name in required if getattr(tokenizer, name) is None]
+    missing = missing_specials(tokenizer, required)
     if missing:
-        raise ConfigError(f"{what} {reference}: its tokenizer has no {', '.join(missing)}, which this stage needs")
+        names = ", ".join(name.removesuffix("_id") for name in missing)
+        raise ConfigError(f"{what} {reference}: its tokenizer has no {names}, which this stage needs")
+
+
+def missing_specials(tokenizer: PreTrainedTokenizerBase, required: tuple[str, ...]) -> list[str]:
+    """Which of the special-token ids ``required`` (``"mask_token_id"``, ...) ``tokenizer`` lacks."""
+    return [name for name in required if getattr(tokenizer, name) is None]
 
 
 def load_tokenizer(path: str, required: tuple[str, ...] = ()) -> PreTrainedTokenizerBase:
@@ -132,7 +138,7 @@ def load_tokenizer(path: str, required: tuple[str, ...] = ()) -> PreTrainedToken
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer {path!r}: not a local directory")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    missing = [name for name in required if getattr(tokenizer, name) is None]
+    missing = missing_specials(tokenizer, required)
     if missing:
         raise ValueError(f"tokenizer {path!r} lacks BERT special tokens: {', '.join(missing)}")
     return tokenizer
